@@ -1,0 +1,51 @@
+"""mooncake-store: a distributed, tiered KV-cache store for LLM inference.
+
+from mooncake_store import LocalCluster, connect
+with LocalCluster(num_agents=2, host_bytes=256 << 20) as cluster:
+    client = connect(cluster.redis_url)
+    client.put("k", array)
+    array = client.get("k")
+"""
+
+from mooncake_store.client.client import Client, connect
+from mooncake_store.client.cluster import LocalCluster
+from mooncake_store.client.stats import ClusterStats, NodeStats
+from mooncake_store.errors import (
+    ConfigError,
+    ConnectError,
+    InvalidKey,
+    InvalidValue,
+    KeyNotFound,
+    MooncakeError,
+    NoCapacity,
+    ObjectPinned,
+    ProtocolError,
+    ReservationExpired,
+    ServerError,
+    StaleLocation,
+    TransferError,
+)
+from mooncake_store.types import MAX_KEY_BYTES
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "Client",
+    "ClusterStats",
+    "ConfigError",
+    "ConnectError",
+    "InvalidKey",
+    "InvalidValue",
+    "KeyNotFound",
+    "LocalCluster",
+    "MooncakeError",
+    "NoCapacity",
+    "NodeStats",
+    "ObjectPinned",
+    "ProtocolError",
+    "ReservationExpired",
+    "ServerError",
+    "StaleLocation",
+    "TransferError",
+    "connect",
+]
+__version__ = "0.1.0"

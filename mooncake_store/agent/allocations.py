@@ -1,0 +1,164 @@
+"""The agent's table of allocations in its host arena, with their life cycle::
+
+    RESERVED --(commit acked)--> COMMITTED --(grave due)--> freed
+       └──(revoked / abandoned after the reservation timeout)--> freed
+
+A free of an allocation that a TCP read is still sending is deferred until the read ends, so a
+slow reader never sees its bytes reused under it (DESIGN.md §3.3).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+from mooncake_store.tiers.allocator import OffsetAllocator
+
+
+class AllocState(StrEnum):
+    RESERVED = "RESERVED"
+    COMMITTED = "COMMITTED"
+
+
+@dataclass(slots=True)
+class Allocation:
+    alloc_id: int
+    offset: int
+    length: int
+    put_id: bytes
+    state: AllocState
+    deadline: float  # monotonic seconds; meaningful while RESERVED
+    readers: int = 0
+    doomed: bool = False
+
+
+class AllocationTable:
+    def __init__(self, capacity_bytes: int, *, reserve_timeout_s: float, alignment: int = 64) -> None:
+        self._allocator = OffsetAllocator(capacity_bytes, alignment=alignment)
+        self._allocs: dict[int, Allocation] = {}
+        self._lock = threading.Lock()
+        self._reserve_timeout_s = reserve_timeout_s
+        # Start alloc ids from the clock so that a restarted agent never reissues an id that an old
+        # index entry still names; ids stay below 2**53 for JSON round trips.
+        self._ids = itertools.count(int(time.time() * 1000) << 10)
+
+    # ---- queries --------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._allocator.capacity_bytes
+
+    def usage(self) -> tuple[int, int, int, int]:
+        """(used bytes, free bytes, largest free block, committed objects)."""
+        with self._lock:
+            committed = sum(1 for a in self._allocs.values() if a.state == AllocState.COMMITTED)
+            return (
+                self._allocator.used_bytes,
+                self._allocator.free_bytes,
+                self._allocator.largest_free_bytes,
+                committed,
+            )
+
+    def reserved_deadlines(self) -> dict[int, float]:
+        with self._lock:
+            return {a.alloc_id: a.deadline for a in self._allocs.values() if a.state == AllocState.RESERVED}
+
+    def put_id_of(self, alloc_id: int) -> bytes | None:
+        with self._lock:
+            alloc = self._allocs.get(alloc_id)
+            return alloc.put_id if alloc else None
+
+    def known_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._allocs)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._allocs)
+
+    # ---- transitions ----------------------------------------------------------------------
+    def reserve(self, requests: list[tuple[int, bytes]]) -> list[Allocation] | None:
+        """All or nothing: an Allocation per (size, put_id), or None when they do not all fit."""
+        now = time.monotonic()
+        with self._lock:
+            done: list[Allocation] = []
+            for size, put_id in requests:
+                offset = self._allocator.allocate(size)
+                if offset is None:
+                    for alloc in done:
+                        self._allocator.free(alloc.offset)
+                        del self._allocs[alloc.alloc_id]
+                    return None
+                alloc = Allocation(
+                    alloc_id=next(self._ids),
+                    offset=offset,
+                    length=size,
+                    put_id=put_id,
+                    state=AllocState.RESERVED,
+                    deadline=now + self._reserve_timeout_s,
+                )
+                self._allocs[alloc.alloc_id] = alloc
+                done.append(alloc)
+            return done
+
+    def commit(self, alloc_ids: list[int] | tuple[int, ...]) -> None:
+        with self._lock:
+            for alloc_id in alloc_ids:
+                alloc = self._allocs.get(alloc_id)
+                if alloc is not None:
+                    alloc.state = AllocState.COMMITTED
+
+    def free(self, alloc_ids: list[int] | tuple[int, ...], *, only_reserved: bool = False) -> int:
+        """Release allocations; returns how many were released or doomed. ``only_reserved`` is for
+        frees that a client asks for: it may drop its own reservation, never a committed object."""
+        count = 0
+        with self._lock:
+            for alloc_id in alloc_ids:
+                alloc = self._allocs.get(alloc_id)
+                if alloc is None or (only_reserved and alloc.state != AllocState.RESERVED):
+                    continue
+                count += 1
+                if alloc.readers > 0:
+                    alloc.doomed = True
+                else:
+                    self._release(alloc)
+        return count
+
+    def _release(self, alloc: Allocation) -> None:
+        del self._allocs[alloc.alloc_id]
+        self._allocator.free(alloc.offset)
+
+    def check_write(self, alloc_id: int, offset: int, length: int) -> bool:
+        """A write must land inside a live reservation: committed bytes are never rewritten."""
+        with self._lock:
+            alloc = self._allocs.get(alloc_id)
+            return (
+                alloc is not None
+                and alloc.state == AllocState.RESERVED
+                and not alloc.doomed
+                and alloc.offset <= offset
+                and offset + length <= alloc.offset + alloc.length
+            )
+
+    def begin_read(self, alloc_id: int, offset: int, length: int) -> bool:
+        """Register a reader of [offset, offset+length) if that range belongs to the allocation.
+
+        A reservation may be read too: the index only hands out a location after its commit, and
+        the agent may not have drained that commit's ack yet."""
+        with self._lock:
+            alloc = self._allocs.get(alloc_id)
+            if alloc is None or alloc.doomed or offset < alloc.offset or offset + length > alloc.offset + alloc.length:
+                return False
+            alloc.readers += 1
+            return True
+
+    def end_read(self, alloc_id: int) -> None:
+        with self._lock:
+            alloc = self._allocs.get(alloc_id)
+            if alloc is None:
+                return
+            alloc.readers -= 1
+            if alloc.readers == 0 and alloc.doomed:
+                self._release(alloc)

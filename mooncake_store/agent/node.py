@@ -1,0 +1,149 @@
+"""The Agent: wires the host arena, the allocation table, the TCP server and the index together,
+and runs the background duties (heartbeat, sync, reaping dead peers)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.agent.server import AgentServer
+from mooncake_store.config import AgentConfig
+from mooncake_store.errors import ConnectError, MooncakeError
+from mooncake_store.index import RedisIndex
+from mooncake_store.policy.reclaim import expired_reservations, plan_sync
+from mooncake_store.tiers.host import HostArena, segment_name
+from mooncake_store.transport.shm import local_host_id
+from mooncake_store.types import NodeInfo, TierKind, TierUsage, TransportKind
+
+log = logging.getLogger("mooncake.agent")
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, *, redis_url: str, namespace: str) -> None:
+        self.config = config
+        self.node_id = config.node_id or default_node_id()
+        self.namespace = namespace
+        self.incarnation = uuid.uuid4().hex
+        self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=max(2.0, config.heartbeat_ttl_s))
+        self.arena = HostArena.create(
+            segment_name(namespace, self.node_id), config.host_bytes, prefault=config.prefault
+        )
+        self.table = AllocationTable(config.host_bytes, reserve_timeout_s=config.reserve_timeout_s)
+        self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.started_ms = int(time.time() * 1000)
+
+    # ---- node record --------------------------------------------------------------------------
+    def tiers(self) -> tuple[TierUsage, ...]:
+        used, _, _, objects = self.table.usage()
+        return (
+            TierUsage(tier=TierKind.HOST, capacity_bytes=self.table.capacity_bytes, used_bytes=used, objects=objects),
+        )
+
+    def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            node_id=self.node_id,
+            host=socket.gethostname(),
+            host_id=local_host_id(),
+            zone=self.config.zone,
+            pid=os.getpid(),
+            tcp_endpoint=self.server.endpoint,
+            shm_name=self.arena.name,
+            transports=(TransportKind.SHM, TransportKind.TCP),
+            tiers=self.tiers(),
+            started_ms=self.started_ms,
+        )
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.config.heartbeat_ttl_s * 1000)
+
+    # ---- life cycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.server.start()
+        self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
+        for name, target in (("mc-heartbeat", self._heartbeat_loop), ("mc-sync", self._sync_loop)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("agent %s serving %s, shm %s", self.node_id, self.server.endpoint, self.arena.name)
+
+    def stop(self) -> None:
+        """Leave the cluster: deregister (its replicas leave the index), stop serving, remove the arena."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        try:
+            self.index.deregister_node(self.node_id, incarnation=self.incarnation)
+        except MooncakeError as exc:
+            log.warning("could not deregister %s: %s", self.node_id, exc)
+        self.server.stop()
+        self.arena.close(unlink=True)
+        self.index.close()
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+    # ---- background duties --------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_reap = 0.0
+        while not self._stop.wait(interval):
+            try:
+                ok = self.index.heartbeat(
+                    self.node_id, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tiers=self.tiers()
+                )
+                if not ok:
+                    # Reaped while stalled: its replicas are gone from the index, so its memory
+                    # holds nothing readable. Start clean under the same incarnation rules.
+                    log.warning("node record of %s vanished; registering again", self.node_id)
+                    self._drop_everything()
+                    self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
+                now = time.monotonic()
+                if now >= next_reap:
+                    # Every agent reaps; the Lua script is atomic, so concurrent reapers are harmless.
+                    reaped = self.index.reap_dead_nodes(grace_ms=self._ttl_ms)
+                    if reaped:
+                        log.info("reaped dead nodes %s", reaped)
+                    next_reap = now + self.config.heartbeat_ttl_s
+            except ConnectError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def _drop_everything(self) -> None:
+        self.table.free(sorted(self.table.known_ids()))
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(self.config.sync_interval_s):
+            try:
+                self.sync_once()
+            except ConnectError as exc:
+                log.warning("sync failed: %s", exc)
+
+    def sync_once(self) -> None:
+        deadlines = self.table.reserved_deadlines()
+        expired = expired_reservations(deadlines, time.monotonic())
+        put_ids = [(self.table.put_id_of(a) or b"").hex() for a in expired]
+        result = self.index.agent_sync(self.node_id, expired_put_ids=put_ids)
+        plan = plan_sync(
+            reserved=deadlines.keys(),
+            expired=expired,
+            expired_status=result.expired_status,
+            acked=result.acked_alloc_ids,
+            graves=result.graves,
+            known=self.table.known_ids(),
+        )
+        self.table.commit(plan.commit)
+        if plan.free:
+            self.table.free(plan.free)

@@ -1,0 +1,182 @@
+"""The agent's TCP server: the control ops (reserve, free) and the data ops (read, write).
+
+One thread per connection: the socket calls release the GIL, and clients keep a handful of
+connections per agent. Every frame is checked before a byte of payload is read; a malformed
+frame closes that connection only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+
+from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.errors import MooncakeError, ProtocolError, TransferError
+from mooncake_store.tiers.host import HostArena
+from mooncake_store.transport import frames
+from mooncake_store.transport.frames import Op, Status
+from mooncake_store.transport.tcp import SOCKET_BUFFER_BYTES, parse_endpoint
+
+log = logging.getLogger("mooncake.agent")
+
+#: Chunk for draining the payload of a refused WRITE.
+DRAIN_BYTES = 1 << 20
+
+
+class AgentServer:
+    def __init__(self, listen: str, arena: HostArena, table: AllocationTable, *, timeout_s: float) -> None:
+        host, port = parse_endpoint(listen) if not listen.endswith(":0") else (listen.rpartition(":")[0], 0)
+        self._arena = arena
+        self._table = table
+        self._timeout_s = timeout_s
+        self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
+        self._sock.settimeout(0.5)
+        self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._threads: set[threading.Thread] = set()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="mc-accept", daemon=True)
+        self.counters = {"reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0}
+
+    def start(self) -> None:
+        self._accept_thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._accept_thread.join(timeout=2)
+        for thread in list(self._threads):
+            thread.join(timeout=2)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)  # idle pooled connections may wait long between requests
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+            thread = threading.Thread(target=self._serve, args=(conn,), name="mc-conn", daemon=True)
+            with self._lock:
+                self._conns.add(conn)
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    header = frames.recv_exact(conn, frames.HEADER_BYTES)
+                except TransferError:
+                    return  # the client closed the connection
+                # Once a request has started, the rest of it must arrive promptly.
+                conn.settimeout(self._timeout_s)
+                op, arg, a, b, c = frames.unpack(header)
+                if not self._dispatch(conn, op, arg, a, b, c):
+                    return
+                conn.settimeout(None)
+        except (ProtocolError, OSError, MooncakeError) as exc:
+            log.info("closing connection: %s", exc)
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+
+    def _reply(self, conn: socket.socket, op: Op, status: Status, a: int = 0, b: int = 0, c: int = 0) -> None:
+        conn.sendall(frames.pack(op | frames.REPLY_BIT, status, a, b, c))
+
+    def _dispatch(self, conn: socket.socket, op: int, arg: int, a: int, b: int, c: int) -> bool:
+        """Serve one request; False closes the connection (its stream can no longer be trusted)."""
+        if op == Op.READ:
+            return self._read(conn, a, b, c)
+        if op == Op.WRITE:
+            return self._write(conn, a, b, c)
+        if op == Op.RESERVE:
+            return self._reserve(conn, arg, a)
+        if op == Op.FREE:
+            return self._free(conn, arg)
+        if op == Op.PING:
+            self._reply(conn, Op.PING, Status.OK, frames.VERSION)
+            return True
+        log.warning("unknown op %d; closing the connection", op)
+        return False
+
+    def _in_arena(self, offset: int, length: int) -> bool:
+        return offset >= 0 and length >= 0 and offset + length <= self._arena.size_bytes
+
+    def _read(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
+        if not self._in_arena(offset, length) or not self._table.begin_read(alloc_id, offset, length):
+            self._reply(conn, Op.READ, Status.STALE)
+            return True
+        try:
+            view = self._arena.view(offset, length)
+            try:
+                frames.send_all(conn, frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length), view)
+            finally:
+                view.release()
+        finally:
+            self._table.end_read(alloc_id)
+        self.counters["reads"] += 1
+        self.counters["read_bytes"] += length
+        return True
+
+    def _write(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
+        if not self._in_arena(offset, length) or not self._table.check_write(alloc_id, offset, length):
+            if length > self._arena.size_bytes:
+                return False  # not worth draining: no such write can ever be valid
+            remaining = length
+            sink = bytearray(min(DRAIN_BYTES, max(1, length)))
+            while remaining:
+                n = conn.recv_into(sink, min(len(sink), remaining))
+                if n == 0:
+                    return False
+                remaining -= n
+            self._reply(conn, Op.WRITE, Status.STALE)
+            return True
+        view = self._arena.view(offset, length)
+        try:
+            frames.recv_into_exact(conn, view)
+        finally:
+            view.release()
+        self.counters["writes"] += 1
+        self.counters["write_bytes"] += length
+        self._reply(conn, Op.WRITE, Status.OK)
+        return True
+
+    def _reserve(self, conn: socket.socket, count: int, tier: int) -> bool:
+        if not 0 < count <= frames.MAX_BATCH or tier != 0:
+            self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
+            return False
+        raw = frames.recv_exact(conn, frames.RESERVE_ENTRY.size * count)
+        requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
+        allocs = self._table.reserve(requests)
+        if allocs is None:
+            _used, free, largest, _ = self._table.usage()
+            self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
+            return True
+        payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
+        frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
+        return True
+
+    def _free(self, conn: socket.socket, count: int) -> bool:
+        if not 0 < count <= frames.MAX_BATCH:
+            self._reply(conn, Op.FREE, Status.BAD_REQUEST)
+            return False
+        raw = frames.recv_exact(conn, frames.U64.size * count)
+        ids = [x for (x,) in frames.U64.iter_unpack(raw)]
+        freed = self._table.free(ids, only_reserved=True)
+        self._reply(conn, Op.FREE, Status.OK, freed)
+        return True

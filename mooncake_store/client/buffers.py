@@ -1,0 +1,121 @@
+"""Turning what callers hand us (bytes, memoryview, any buffer, numpy arrays, CPU torch tensors)
+into byte views without copying, and stored bytes back into arrays.
+
+dtypes travel as numpy's ``dtype.str`` (``<f2``, ``|u1``, ...), plus ``bfloat16`` for torch
+tensors, which numpy cannot describe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mooncake_store.errors import InvalidValue
+
+BFLOAT16 = "bfloat16"
+#: numpy kinds we store: bool, signed/unsigned ints, floats, complex. Objects, strings and
+#: structured dtypes have no stable byte layout across processes.
+ALLOWED_KINDS = frozenset("biufc")
+MAX_DIMS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    view: memoryview  # format "B", C-contiguous, len == nbytes
+    dtype: str
+    shape: tuple[int, ...]
+    keepalive: Any = None  # the object whose memory view points into
+
+
+def _is_torch(value: object) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
+
+
+def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
+    import torch  # lazy: torch is optional
+
+    if tensor.device.type != "cpu":
+        raise InvalidValue(f"torch tensor on {tensor.device}; only CPU tensors are supported here")
+    if not tensor.is_contiguous():
+        raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
+    if tensor.dtype == torch.bfloat16:
+        return tensor.detach().view(torch.int16).numpy(), BFLOAT16
+    array = tensor.detach().numpy()
+    return array, array.dtype.str
+
+
+def check_dtype(dtype: np.dtype) -> str:
+    if dtype.kind not in ALLOWED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise InvalidValue(f"dtype {dtype} is not storable; use bool, int, uint, float or complex dtypes")
+    if dtype.byteorder == ">":
+        raise InvalidValue(f"dtype {dtype.str} is big-endian; convert with .astype('{dtype.newbyteorder('=').str}')")
+    return dtype.str
+
+
+def as_source(value: object) -> Source:
+    """A read-only byte view of ``value``; raises InvalidValue for anything without a flat layout."""
+    if isinstance(value, bytes | bytearray):
+        return Source(memoryview(value).cast("B"), "|u1", (len(value),), value)
+    if _is_torch(value):
+        array, dtype = _torch_to_numpy(value)
+        return Source(_byte_view(array), dtype, tuple(array.shape), array)
+    if isinstance(value, np.ndarray):
+        array = value
+    else:
+        try:
+            array = np.asarray(memoryview(value))  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidValue(
+                f"cannot store a {type(value).__name__}: pass bytes, a memoryview or buffer, a numpy array "
+                "or a CPU torch tensor"
+            ) from None
+    if array.ndim > MAX_DIMS:
+        raise InvalidValue(f"array has {array.ndim} dimensions; the limit is {MAX_DIMS}")
+    dtype = check_dtype(array.dtype)
+    if not array.flags.c_contiguous:
+        raise InvalidValue(
+            f"array of shape {array.shape} is not C-contiguous; pass np.ascontiguousarray(value) "
+            "(the store never copies silently)"
+        )
+    return Source(_byte_view(array), dtype, tuple(array.shape), array)
+
+
+def _byte_view(array: np.ndarray) -> memoryview:
+    if array.size == 0:
+        return memoryview(b"")
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def as_destination(out: object) -> memoryview:
+    """A writable, contiguous byte view of ``out``."""
+    if _is_torch(out):
+        array, _ = _torch_to_numpy(out)
+        out = array
+    try:
+        view = memoryview(out)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidValue(
+            f"out must be a writable buffer (bytearray, numpy array, CPU torch tensor), got {type(out).__name__}"
+        ) from None
+    if view.readonly:
+        raise InvalidValue(f"out ({type(out).__name__}) is read-only")
+    if not view.c_contiguous:
+        raise InvalidValue(f"out ({type(out).__name__}, shape {view.shape}) is not C-contiguous")
+    if view.nbytes == 0:
+        return memoryview(bytearray(0))
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def to_array(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
+    """View raw bytes (a uint8 array) as the stored dtype and shape; bfloat16 comes back as torch."""
+    if dtype == BFLOAT16:
+        import torch  # lazy
+
+        return torch.from_numpy(buffer.view(np.int16).reshape(shape)).view(torch.bfloat16)
+    return buffer.view(np.dtype(dtype)).reshape(shape)
+
+
+def itemsize_of(dtype: str) -> int:
+    return 2 if dtype == BFLOAT16 else np.dtype(dtype).itemsize

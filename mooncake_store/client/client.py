@@ -1,0 +1,539 @@
+"""The Client: puts and gets by key, with the index in Redis and the bytes over shm or TCP."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import numpy as np
+import xxhash
+
+from mooncake_store.client.buffers import Source, as_destination, as_source, to_array
+from mooncake_store.client.stats import ClusterStats, build_stats
+from mooncake_store.config import ClientConfig, load_config
+from mooncake_store.errors import (
+    ConnectError,
+    InvalidValue,
+    KeyNotFound,
+    MooncakeError,
+    NoCapacity,
+    ObjectPinned,
+    ReservationExpired,
+    TransferError,
+)
+from mooncake_store.index import RedisIndex
+from mooncake_store.index.client import PendingPut
+from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
+from mooncake_store.policy.transport_choice import order_replicas
+from mooncake_store.transport.shm import ShmTransport, local_host_id
+from mooncake_store.transport.tcp import TcpTransport
+from mooncake_store.types import (
+    NodeInfo,
+    ObjectMeta,
+    Replica,
+    ReplicaState,
+    TierKind,
+    TransportKind,
+    check_key,
+)
+
+T = TypeVar("T")
+#: How long a cached copy of the node table is trusted before a put re-reads it.
+NODE_TABLE_TTL_S = 1.0
+#: Re-check an shm read against the index when it ends within this fraction of its lease.
+LEASE_SAFETY = 0.8
+
+
+def checksum_of(view: memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(view)
+
+
+@dataclass(slots=True)
+class _PlannedPut:
+    key: str
+    source: Source
+    put_id: bytes
+    checksum: int
+    replicas: list[Replica]
+
+
+class Client:
+    """A connection to one mooncake-store cluster (one Redis index, one namespace).
+
+    Thread-safe. Every method that takes keys checks them (UTF-8 text, at most
+    :data:`mooncake_store.types.MAX_KEY_BYTES` bytes, no control characters).
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        namespace: str = "default",
+        config: ClientConfig | None = None,
+        transports: Iterable[str] | None = None,
+    ) -> None:
+        self.config = config or ClientConfig()
+        if transports is not None:
+            self.config = replace(self.config, transports=tuple(transports))
+        self.transports = tuple(TransportKind(t) for t in self.config.transports)
+        self.redis_url = redis_url
+        self.namespace = namespace
+        self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=self.config.timeout_s)
+        self.host_id = local_host_id()
+        self.zone = os.environ.get("MOONCAKE_ZONE", "default")
+        self._shm = ShmTransport()
+        self._tcp = TcpTransport(
+            timeout_s=self.config.timeout_s,
+            connections_per_peer=self.config.tcp_connections,
+            stripe_bytes=self.config.stripe_bytes,
+        )
+        self._nodes: dict[str, NodeInfo] = {}
+        self._nodes_at = 0.0
+        self._clock_offset_ms = 0  # server ms - local ms, refreshed with the node table
+        self._nodes_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._closed = False
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._tcp.close()
+        self._shm.close()
+        self.index.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MooncakeError("client is closed")
+
+    # ---- node table -------------------------------------------------------------------------
+    def _node_table(self, *, refresh: bool = False) -> dict[str, NodeInfo]:
+        with self._nodes_lock:
+            if refresh or time.monotonic() - self._nodes_at > NODE_TABLE_TTL_S:
+                local_before = time.time() * 1000
+                server_now = self.index.server_time_ms()
+                self._nodes = self.index.nodes()
+                self._clock_offset_ms = int(server_now - local_before)
+                self._nodes_at = time.monotonic()
+            return self._nodes
+
+    def _server_now_ms(self) -> int:
+        return int(time.time() * 1000) + self._clock_offset_ms
+
+    # ---- puts -------------------------------------------------------------------------------
+    def put(self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None) -> None:
+        """Store ``value`` under ``key``.
+
+        ``value`` is bytes, a memoryview or any buffer, a numpy array, or a CPU torch tensor; its
+        dtype and shape come back with :meth:`get`. Putting an existing key replaces it
+        atomically: concurrent readers see the old object or the new one, never a mix, and the old
+        bytes are freed only after every read lease on them has run out. Raises NoCapacity when no
+        node has room, ObjectPinned when the key is pinned.
+        """
+        self.put_many({key: value}, replicas=replicas, preferred_node=preferred_node)
+
+    def put_many(self, items: Mapping[str, object], *, replicas: int = 1, preferred_node: str | None = None) -> None:
+        """Store several objects with one index round trip per phase (start, commit) for the batch."""
+        self._check_open()
+        if not isinstance(replicas, int) or not 1 <= replicas <= 16:
+            raise InvalidValue(f"replicas must be an int in 1..16, got {replicas!r}")
+        plans = [
+            _PlannedPut(
+                key=check_key(key),
+                source=(src := as_source(value)),
+                put_id=uuid.uuid4().bytes,
+                checksum=checksum_of(src.view),
+                replicas=[],
+            )
+            for key, value in items.items()
+        ]
+        if not plans:
+            return
+        last_error: MooncakeError | None = None
+        for _ in range(self.config.max_retries + 1):
+            try:
+                self._put_once(plans, replicas, preferred_node)
+                return
+            except ReservationExpired as exc:
+                last_error = exc
+                for plan in plans:
+                    plan.put_id = uuid.uuid4().bytes
+                    plan.replicas = []
+        assert last_error is not None
+        raise last_error
+
+    def _put_once(self, plans: list[_PlannedPut], replicas: int, preferred_node: str | None) -> None:
+        nodes = self._reserve(plans, replicas, preferred_node)
+        started = False
+        try:
+            self.index.put_start(
+                [
+                    PendingPut(
+                        put_id=p.put_id.hex(),
+                        key=p.key,
+                        size_bytes=len(p.source.view),
+                        dtype=p.source.dtype,
+                        shape=p.source.shape,
+                        checksum=p.checksum,
+                        replicas=tuple(p.replicas),
+                    )
+                    for p in plans
+                ],
+                ttl_ms=int(self.config.timeout_s * 1000 * 3),
+            )
+            started = True
+            for plan in plans:
+                for replica in plan.replicas:
+                    self._write_replica(nodes[replica.node_id], replica, plan.source.view)
+            statuses = self.index.put_commit([p.put_id.hex() for p in plans])
+        except BaseException:
+            self._abandon(plans, nodes, started=started)
+            raise
+        failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
+        if failed:
+            self._abandon([p for p, _ in failed], nodes, started=True)
+            pinned = [p.key for p, s in failed if s == "PINNED"]
+            if pinned:
+                raise ObjectPinned(f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first")
+            raise ReservationExpired(
+                f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed "
+                f"(first key {failed[0][0].key!r})"
+            )
+
+    def _reserve(self, plans: list[_PlannedPut], replicas: int, preferred_node: str | None) -> dict[str, NodeInfo]:
+        """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node."""
+        nodes = self._node_table()
+        now = self._server_now_ms()
+        # Plan against free space as it will be after this batch, so a batch spreads out.
+        projected = {
+            n.node_id: (n.tier(TierKind.HOST).free_bytes if n.tier(TierKind.HOST) else 0) for n in nodes.values()
+        }
+        by_node: dict[str, list[_PlannedPut]] = {}
+        for plan in plans:
+            size = max(1, len(plan.source.view))
+            ranked = rank_nodes(
+                nodes.values(),
+                size_bytes=size,
+                now_ms=now,
+                host_id=self.host_id,
+                zone=self.zone,
+                preferred_node=preferred_node,
+            )
+            ranked.sort(key=lambda n: 0 if projected.get(n.node_id, 0) >= size else 1)  # stable: keeps rank
+            for node in choose_replica_nodes(ranked, replicas):
+                projected[node.node_id] = projected.get(node.node_id, 0) - size
+                by_node.setdefault(node.node_id, []).append(plan)
+        try:
+            for node_id, group in by_node.items():
+                node = nodes[node_id]
+                try:
+                    got = self._tcp.peer(node.tcp_endpoint).reserve(
+                        [(len(p.source.view), p.put_id) for p in group], node_id=node_id
+                    )
+                except NoCapacity:
+                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node)
+                    continue
+                except (ConnectError, TransferError):
+                    self._tcp.drop_peer(node.tcp_endpoint)
+                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node)
+                    continue
+                for plan, res in zip(group, got, strict=True):
+                    plan.replicas.append(self._replica(node_id, res.offset, res.alloc_id, len(plan.source.view)))
+        except BaseException:
+            self._abandon(plans, nodes, started=False)
+            raise
+        return nodes
+
+    def _reserve_elsewhere(
+        self,
+        group: list[_PlannedPut],
+        nodes: dict[str, NodeInfo],
+        failed_node: str,
+        replicas: int,
+        preferred_node: str | None,
+    ) -> None:
+        """One object at a time on the remaining candidates, after a node turned a batch down."""
+        now = self._server_now_ms()
+        for plan in group:
+            size = max(1, len(plan.source.view))
+            taken = {r.node_id for r in plan.replicas} | {failed_node}
+            ranked = rank_nodes(
+                nodes.values(),
+                size_bytes=size,
+                now_ms=now,
+                host_id=self.host_id,
+                zone=self.zone,
+                preferred_node=preferred_node,
+            )
+            errors: list[str] = []
+            for node in ranked:
+                if node.node_id in taken:
+                    continue
+                try:
+                    (res,) = self._tcp.peer(node.tcp_endpoint).reserve(
+                        [(len(plan.source.view), plan.put_id)], node_id=node.node_id
+                    )
+                except (NoCapacity, ConnectError, TransferError) as exc:
+                    errors.append(str(exc))
+                    continue
+                plan.replicas.append(self._replica(node.node_id, res.offset, res.alloc_id, len(plan.source.view)))
+                break
+            else:
+                raise NoCapacity(
+                    f"no node could take {len(plan.source.view)} B for key {plan.key!r} "
+                    f"(replicas={replicas}): " + "; ".join(errors or [f"node {failed_node} is full"])
+                )
+
+    @staticmethod
+    def _replica(node_id: str, offset: int, alloc_id: int, size: int) -> Replica:
+        return Replica(
+            node_id=node_id,
+            tier=TierKind.HOST,
+            offset=offset,
+            size_bytes=size,
+            alloc_id=alloc_id,
+            state=ReplicaState.PENDING,
+        )
+
+    def _write_replica(self, node: NodeInfo, replica: Replica, src: memoryview) -> None:
+        if len(src) == 0:
+            return
+        if self._use_shm(node):
+            self._shm.write_from(node.shm_name, self._arena_bytes(node), replica.offset, src)
+        else:
+            self._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, src)
+
+    def _abandon(self, plans: list[_PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:
+        """Undo reservations of puts that will not commit. The space is freed at once only when the
+        pending records are certainly gone; otherwise the agents reclaim it after their timeout."""
+        try:
+            if started:
+                removed = self.index.put_revoke([p.put_id.hex() for p in plans])
+                if removed != len(plans):
+                    return  # some commit may have happened: leave those to the agents' reclaim
+            by_node: dict[str, list[int]] = {}
+            for plan in plans:
+                for replica in plan.replicas:
+                    by_node.setdefault(replica.node_id, []).append(replica.alloc_id)
+            for node_id, ids in by_node.items():
+                node = nodes.get(node_id)
+                if node is not None:
+                    self._tcp.peer(node.tcp_endpoint).free(ids)
+        except MooncakeError:
+            pass  # best effort: the agents reclaim by timeout
+
+    # ---- gets -------------------------------------------------------------------------------
+    def _use_shm(self, node: NodeInfo) -> bool:
+        return (
+            TransportKind.SHM in self.transports
+            and TransportKind.SHM in node.transports
+            and node.host_id == self.host_id
+            and self._shm.reachable(node.shm_name)
+        )
+
+    @staticmethod
+    def _arena_bytes(node: NodeInfo) -> int:
+        usage = node.tier(TierKind.HOST)
+        return usage.capacity_bytes if usage else 0
+
+    def get(self, key: str) -> Any:
+        """The object stored under ``key`` as a numpy array of its dtype and shape (a torch tensor
+        for bfloat16). Raises KeyNotFound (a KeyError) when there is no readable replica."""
+        (meta,), buffers = self._get_batch([check_key(key)], None, missing_ok=False)
+        assert meta is not None
+        return to_array(buffers[0], meta.dtype, meta.shape)
+
+    def get_into(self, key: str, out: object) -> int:
+        """Copy the object's bytes into ``out`` (bytearray, numpy array, CPU torch tensor...) with no
+        intermediate copy; returns the bytes written. ``out`` must hold at least the object's size."""
+        dest = as_destination(out)
+        (meta,), _ = self._get_batch([check_key(key)], [dest], missing_ok=False)
+        assert meta is not None
+        return meta.size_bytes
+
+    def get_many(self, keys: Sequence[str]) -> list[Any]:
+        """Several objects with one index round trip; None in place of a missing key."""
+        checked = [check_key(k) for k in keys]
+        metas, buffers = self._get_batch(checked, None, missing_ok=True)
+        return [
+            None if meta is None else to_array(buf, meta.dtype, meta.shape)
+            for meta, buf in zip(metas, buffers, strict=True)
+        ]
+
+    def get_many_into(self, keys: Sequence[str], outs: Sequence[object]) -> list[int]:
+        """Like get_into for a batch; returns bytes written per key (KeyNotFound if any is missing)."""
+        if len(keys) != len(outs):
+            raise InvalidValue(f"{len(keys)} keys but {len(outs)} output buffers")
+        dests = [as_destination(o) for o in outs]
+        metas, _ = self._get_batch([check_key(k) for k in keys], dests, missing_ok=False)
+        return [m.size_bytes if m else 0 for m in metas]
+
+    def _get_batch(
+        self, keys: list[str], dests: list[memoryview] | None, *, missing_ok: bool
+    ) -> tuple[list[ObjectMeta | None], list[np.ndarray]]:
+        self._check_open()
+        last_error: MooncakeError | None = None
+        pending = list(range(len(keys)))
+        metas: list[ObjectMeta | None] = [None] * len(keys)
+        buffers: list[np.ndarray] = [np.empty(0, np.uint8)] * len(keys)
+        for attempt in range(self.config.max_retries + 1):
+            started = time.monotonic()
+            result = self.index.lookup([keys[i] for i in pending], lease_ms=self.config.lease_ms)
+            retry: list[int] = []
+            for i, meta in zip(pending, result.objects, strict=True):
+                metas[i] = meta
+                if meta is None:
+                    if not missing_ok:
+                        raise KeyNotFound(f"key {keys[i]!r} not found (no complete replica on a live node)")
+                    continue
+                if dests is not None:
+                    if len(dests[i]) < meta.size_bytes:
+                        raise InvalidValue(f"out holds {len(dests[i])} B but key {keys[i]!r} is {meta.size_bytes} B")
+                    dest = dests[i][: meta.size_bytes]
+                else:
+                    buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
+                    dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
+                try:
+                    self._read_object(meta, dest, refresh_nodes=attempt > 0)
+                except (TransferError, ConnectError) as exc:
+                    last_error = exc
+                    retry.append(i)
+            if retry == [] and time.monotonic() - started > LEASE_SAFETY * self.config.lease_ms / 1000:
+                retry = self._outlived_lease(keys, metas, pending)
+            if not retry:
+                return metas, buffers
+            pending = retry
+        raise last_error or TransferError(
+            f"could not read {len(pending)} key(s) (first {keys[pending[0]]!r}) after "
+            f"{self.config.max_retries + 1} attempts: their replicas kept moving"
+        )
+
+    def _outlived_lease(self, keys: list[str], metas: list[ObjectMeta | None], pending: list[int]) -> list[int]:
+        """A read that outlived its lease may have raced a free: keep only the objects whose
+        replicas are still in the index, unchanged (their memory cannot have been freed)."""
+        check = [i for i in pending if metas[i] is not None]
+        again = self.index.lookup([keys[i] for i in check], lease_ms=0)
+        stale = []
+        for i, now in zip(check, again.objects, strict=True):
+            before = metas[i]
+            if now is None or before is None or now.version != before.version:
+                stale.append(i)
+        return stale
+
+    def _read_object(self, meta: ObjectMeta, dest: memoryview, *, refresh_nodes: bool) -> None:
+        if meta.size_bytes == 0:
+            return
+        nodes = self._node_table(refresh=refresh_nodes)
+        if any(r.node_id not in nodes for r in meta.replicas):
+            nodes = self._node_table(refresh=True)
+        reachable = {n.shm_name for n in nodes.values() if self._shm.reachable(n.shm_name)}
+        ordered = order_replicas(
+            meta.replicas, nodes, allowed=self.transports, host_id=self.host_id, shm_names_reachable=reachable
+        )
+        if not ordered:
+            raise TransferError(
+                f"no allowed transport {tuple(str(t) for t in self.transports)} reaches a replica of "
+                f"{meta.key!r} (on {', '.join(r.node_id for r in meta.replicas)})"
+            )
+        errors: list[str] = []
+        for replica, node, kind in ordered:
+            try:
+                if kind == TransportKind.SHM:
+                    self._shm.read_into(node.shm_name, self._arena_bytes(node), replica.offset, dest)
+                else:
+                    self._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
+                if self.config.verify_checksum and checksum_of(dest) != meta.checksum:
+                    raise TransferError(f"checksum mismatch reading {meta.key!r} from {node.node_id}")
+                return
+            except (TransferError, ConnectError) as exc:
+                errors.append(f"{node.node_id} via {kind}: {exc}")
+                if isinstance(exc, ConnectError):
+                    self._tcp.drop_peer(node.tcp_endpoint)
+        raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors))
+
+    # ---- other operations -------------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        """True when ``key`` has a complete replica on a live node (grants no lease)."""
+        self._check_open()
+        return self.index.lookup([check_key(key)], lease_ms=0).objects[0] is not None
+
+    def remove(self, key: str) -> bool:
+        """Remove ``key``; False when it was absent. Readers that already looked it up finish their
+        reads (its memory is freed after their leases). Raises ObjectPinned while pinned."""
+        return self.remove_many([key])[0]
+
+    def remove_many(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        statuses = self.index.remove([check_key(k) for k in keys])
+        pinned = [k for k, s in zip(keys, statuses, strict=True) if s == "PINNED"]
+        if pinned:
+            raise ObjectPinned(f"key(s) {pinned[:5]!r} are pinned; release their pins first")
+        return [s == 1 for s in statuses]
+
+    def stat(self) -> ClusterStats:
+        """Nodes with their tiers (capacity, used, objects), object count, bytes stored, hit counts."""
+        self._check_open()
+        nodes = self._node_table(refresh=True)
+        objects, per_node, counters = self.index.counts(list(nodes))
+        return build_stats(nodes, per_node, objects, counters, now_ms=self._server_now_ms())
+
+    # ---- futures ----------------------------------------------------------------------------
+    def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        self._check_open()
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="mc-io")
+            return self._pool.submit(fn, *args, **kwargs)
+
+    def get_async(self, key: str) -> Future[Any]:
+        return self._submit(self.get, key)
+
+    def get_into_async(self, key: str, out: object) -> Future[int]:
+        return self._submit(self.get_into, key, out)
+
+    def put_async(
+        self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None
+    ) -> Future[None]:
+        return self._submit(self.put, key, value, replicas=replicas, preferred_node=preferred_node)
+
+
+def connect(
+    url: str | None = None,
+    *,
+    namespace: str | None = None,
+    transports: Iterable[str] | None = None,
+    config_file: str | None = None,
+    **client_options: Any,
+) -> Client:
+    """Connect to a cluster. With no URL, ``MOONCAKE_REDIS_URL`` (or the config file) names it.
+
+    ``transports=("tcp",)`` forces a path; other keyword arguments override ClientConfig fields
+    (``timeout_s``, ``lease_ms``, ``tcp_connections``, ...).
+    """
+    overrides: dict[str, object] = {"redis_url": url, "namespace": namespace}
+    overrides.update({f"client.{k}": v for k, v in client_options.items()})
+    if transports is not None:
+        overrides["client.transports"] = ",".join(transports) if not isinstance(transports, str) else transports
+    config = load_config(file=config_file, overrides=overrides)
+    if not config.redis_url:
+        raise ConnectError(
+            "no cluster to connect to: pass a Redis URL to connect(), set MOONCAKE_REDIS_URL, or start "
+            "one with `mooncake up` or `with LocalCluster() as cluster: connect(cluster.redis_url)`"
+        )
+    return Client(config.redis_url, namespace=config.namespace, config=config.client)

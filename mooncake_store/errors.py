@@ -1,0 +1,78 @@
+"""Every error the store raises, as one tree under :class:`MooncakeError`.
+
+::
+
+    MooncakeError
+    ├── ConfigError            bad config value, file or environment variable
+    ├── InvalidKey             (also ValueError)  empty, too long, not UTF-8 text, control characters
+    ├── InvalidValue           (also ValueError)  unsupported buffer, dtype, shape, or wrong ``out`` size
+    ├── KeyNotFound            (also KeyError)    no COMPLETE replica on a live node
+    ├── NoCapacity             no node (or tier) has room; message names the sizes
+    ├── ObjectPinned           remove/replace of an object whose refcount is above zero
+    ├── ConnectError           Redis or an agent cannot be reached
+    ├── ProtocolError          a malformed or unexpected frame on the wire
+    ├── TransferError          a peer failed or died mid-transfer
+    │   └── StaleLocation      the replica's generation no longer matches (freed or moved); retry
+    ├── ReservationExpired     a put took longer than the agent's reservation timeout
+    └── ServerError            the embedded Redis-compatible server failed to start or stop
+
+Messages carry the offending value and the limit it broke, for example
+``need 33554432 B on host; node a1 has 1048576/1073741824 B free``.
+"""
+
+from __future__ import annotations
+
+
+class MooncakeError(Exception):
+    """Base of every error raised by mooncake-store."""
+
+
+class ConfigError(MooncakeError):
+    """A configuration value, file or environment variable is invalid."""
+
+
+class InvalidKey(MooncakeError, ValueError):
+    """A key is not acceptable text."""
+
+
+class InvalidValue(MooncakeError, ValueError):
+    """A buffer, dtype, shape or output buffer is not acceptable."""
+
+
+class KeyNotFound(MooncakeError, KeyError):
+    """No readable replica of the key exists."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class NoCapacity(MooncakeError):
+    """No node has room for the object."""
+
+
+class ObjectPinned(MooncakeError):
+    """The object is pinned (refcount above zero) and cannot be removed or moved."""
+
+
+class ConnectError(MooncakeError):
+    """Redis or an agent could not be reached."""
+
+
+class ProtocolError(MooncakeError):
+    """A frame on the wire is malformed or unexpected."""
+
+
+class TransferError(MooncakeError):
+    """A transfer to or from a peer failed."""
+
+
+class StaleLocation(TransferError):
+    """A replica location no longer holds the object it was looked up for."""
+
+
+class ReservationExpired(MooncakeError):
+    """The agent reclaimed a reservation before the put committed."""
+
+
+class ServerError(MooncakeError):
+    """The embedded Redis-compatible server could not be started or stopped."""

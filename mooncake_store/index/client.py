@@ -1,0 +1,258 @@
+"""RedisIndex: every index operation the agent and the client need, one round trip each."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from mooncake_store.errors import ConnectError, MooncakeError
+from mooncake_store.index.schema import (
+    decode_node,
+    decode_object,
+    encode_node,
+    encode_replica,
+    encode_shape,
+    encode_tiers,
+    key_prefix,
+)
+from mooncake_store.index.scripts import load_scripts
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierUsage
+
+#: Keys per Lua call in batch operations: bounds the time one script holds the server.
+BATCH_LIMIT = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingPut:
+    put_id: str
+    key: str
+    size_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: int
+    replicas: tuple[Replica, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LookupResult:
+    now_ms: int
+    objects: list[ObjectMeta | None]
+    lease_until_ms: list[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncResult:
+    acked_alloc_ids: list[int]
+    expired_status: list[str]
+    graves: list[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyListing:
+    key: str
+    size_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    replicas: tuple[Replica, ...]
+    created_ms: int
+    last_access_ms: int
+
+
+def connect_redis(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
+    """A redis-py client for ``url`` that has answered a PING, else :class:`ConnectError`."""
+    try:
+        client = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=min(timeout_s, 5.0),
+            health_check_interval=30,
+        )
+        client.ping()
+    except ValueError as exc:
+        raise ConnectError(f"bad Redis URL {url!r}: {exc}") from None
+    except redis.RedisError as exc:
+        raise ConnectError(
+            f"cannot reach Redis at {url}: {exc}. Start a cluster with `mooncake up` or "
+            "mooncake_store.LocalCluster, or point MOONCAKE_REDIS_URL at a running server."
+        ) from None
+    return client
+
+
+def _chunks(items: Sequence[Any], size: int = BATCH_LIMIT) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class RedisIndex:
+    """The index of one namespace. Thread-safe (redis-py pools its connections)."""
+
+    def __init__(self, url: str, *, namespace: str = "default", timeout_s: float = 10.0) -> None:
+        self.url = url
+        self.namespace = namespace
+        self.prefix = key_prefix(namespace)
+        self.redis = connect_redis(url, timeout_s=timeout_s)
+        self._scripts = load_scripts(self.redis)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def _run(self, name: str, *args: Any) -> Any:
+        try:
+            return self._scripts[name](keys=[], args=[self.prefix, *args])
+        except redis.ConnectionError as exc:
+            raise ConnectError(f"lost the connection to Redis at {self.url}: {exc}") from None
+        except redis.TimeoutError as exc:
+            raise ConnectError(f"Redis at {self.url} did not answer {name}: {exc}") from None
+        except redis.ResponseError as exc:
+            raise MooncakeError(f"index script {name} failed on {self.url}: {exc}") from None
+
+    # ---- puts -----------------------------------------------------------------------------
+    def put_start(self, puts: Sequence[PendingPut], *, ttl_ms: int) -> None:
+        for chunk in _chunks(puts):
+            entries = [
+                {
+                    "put_id": p.put_id,
+                    "key": p.key,
+                    "size": p.size_bytes,
+                    "dtype": p.dtype,
+                    "shape": encode_shape(p.shape),
+                    "checksum": str(p.checksum),
+                    "replicas": [encode_replica(r) for r in p.replicas],
+                }
+                for p in chunk
+            ]
+            self._run("put_start", ttl_ms, json.dumps(entries))
+
+    def put_commit(self, put_ids: Sequence[str]) -> list[str]:
+        out: list[str] = []
+        for chunk in _chunks(put_ids):
+            out.extend(self._run("put_commit", *chunk))
+        return out
+
+    def put_revoke(self, put_ids: Sequence[str]) -> int:
+        return sum(int(self._run("put_revoke", *chunk)) for chunk in _chunks(put_ids)) if put_ids else 0
+
+    # ---- reads ----------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[str], *, lease_ms: int) -> LookupResult:
+        objects: list[ObjectMeta | None] = []
+        leases: list[int] = []
+        now_ms = 0
+        for chunk in _chunks(keys):
+            raw = self._run("lookup", lease_ms, *chunk)
+            now_ms = int(raw[0])
+            for key, item in zip(chunk, raw[1:], strict=True):
+                if not item:
+                    objects.append(None)
+                    leases.append(0)
+                else:
+                    objects.append(decode_object(key, item))
+                    leases.append(int(item[6]))
+        return LookupResult(now_ms=now_ms, objects=objects, lease_until_ms=leases)
+
+    def remove(self, keys: Sequence[str]) -> list[int | str]:
+        out: list[int | str] = []
+        for chunk in _chunks(keys):
+            out.extend(self._run("remove", *chunk))
+        return out
+
+    def list_keys(self, pattern: str = "*", *, limit: int = 10_000) -> list[KeyListing]:
+        keys: list[str] = []
+        for key in self.redis.sscan_iter(self.prefix + "keys", match=pattern, count=1000):
+            keys.append(key)
+            if len(keys) >= limit:
+                break
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(
+                self.prefix + "o:" + key,
+                "size",
+                "dtype",
+                "shape",
+                "checksum",
+                "version",
+                "replicas",
+                "created",
+                "last_access",
+            )
+        out = []
+        for key, fields in zip(keys, pipe.execute(), strict=True):
+            if fields[0] is None:
+                continue  # removed between the scan and the read
+            meta = decode_object(key, fields)
+            out.append(
+                KeyListing(
+                    key=key,
+                    size_bytes=meta.size_bytes,
+                    dtype=meta.dtype,
+                    shape=meta.shape,
+                    replicas=meta.replicas,
+                    created_ms=int(fields[6] or 0),
+                    last_access_ms=int(fields[7] or 0),
+                )
+            )
+        return sorted(out, key=lambda k: k.key)
+
+    # ---- node table -----------------------------------------------------------------------
+    def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int) -> int:
+        status = self._run("node_register", info.node_id, encode_node(info, incarnation), ttl_ms)
+        if status[0] == "IN_USE":
+            other = json.loads(status[1])
+            raise MooncakeError(
+                f"node id {info.node_id!r} is held by a live agent (pid {other.get('pid')} on "
+                f"{other.get('host')}); pick another --node-id or stop that agent"
+            )
+        return int(status[1])
+
+    def heartbeat(self, node_id: str, *, incarnation: str, ttl_ms: int, tiers: tuple[TierUsage, ...]) -> bool:
+        """Extend the deadline; False when the record is gone (the agent must register again)."""
+        status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, json.dumps({"tiers": encode_tiers(tiers)}))
+        return bool(status[0] == "OK")
+
+    def deregister_node(self, node_id: str, *, incarnation: str) -> None:
+        for _ in range(10_000):
+            if int(self._run("node_deregister", node_id, incarnation, 5000)) <= 0:
+                return
+
+    def reap_dead_nodes(self, *, grace_ms: int, max_keys: int = 5000) -> list[str]:
+        return list(self._run("node_reap", grace_ms, max_keys))
+
+    def agent_sync(self, node_id: str, *, expired_put_ids: Sequence[str], max_graves: int = 1000) -> SyncResult:
+        acks, statuses, graves = self._run("agent_sync", node_id, max_graves, *expired_put_ids)
+        return SyncResult(
+            acked_alloc_ids=[int(a) for a in acks],
+            expired_status=list(statuses),
+            graves=[int(g) for g in graves],
+        )
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        """Every registered node (live or not) with its heartbeat deadline; one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.prefix + "nodes")
+        pipe.zrange(self.prefix + "hb", 0, -1, withscores=True)
+        try:
+            records, deadlines = pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the node table from {self.url}: {exc}") from None
+        deadline_of = {node: int(score) for node, score in deadlines}
+        return {node: decode_node(raw, deadline_of.get(node, 0)) for node, raw in records.items()}
+
+    def server_time_ms(self) -> int:
+        seconds, micros = self.redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    def counts(self, node_ids: Sequence[str]) -> tuple[int, dict[str, int], dict[str, int]]:
+        """(objects in the namespace, objects per node, stats counters) in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.scard(self.prefix + "keys")
+        for node in node_ids:
+            pipe.scard(self.prefix + "nobj:" + node)
+        pipe.hgetall(self.prefix + "stats")
+        raw = pipe.execute()
+        per_node = {node: int(n) for node, n in zip(node_ids, raw[1:-1], strict=True)}
+        stats = {k: int(v) for k, v in raw[-1].items()}
+        return int(raw[0]), per_node, stats

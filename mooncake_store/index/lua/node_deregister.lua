@@ -1,0 +1,9 @@
+-- node_deregister: an agent leaves; its memory goes with it, so its replicas leave the index too.
+-- KEYS: none
+-- ARGV: [1] prefix, [2] node id, [3] incarnation, [4] max keys per call
+-- Returns: keys still to purge (call again while > 0), or -1 if another incarnation owns the id.
+local node, inc = ARGV[2], ARGV[3]
+local raw = redis.call('HGET', P .. 'nodes', node)
+if raw and cjson.decode(raw).incarnation ~= inc then return -1 end
+redis.call('ZADD', P .. 'hb', 0, node)  -- unreadable at once, even while the purge is still running
+return purge_node(node, tonumber(ARGV[4]))

@@ -1,0 +1,23 @@
+-- node_register: add an agent to the node table, or take over the record of a dead incarnation.
+-- KEYS: none
+-- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms
+-- Returns: {"OK", deadline_ms} or {"IN_USE", other_incarnation_json} when a live agent holds the id.
+-- The replicas of an earlier, dead incarnation point into memory that no longer exists: they are
+-- purged first (bounded; whatever is left goes with the next reap).
+local node, info, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local now = now_ms()
+local old = redis.call('HGET', P .. 'nodes', node)
+if old then
+  local d = redis.call('ZSCORE', P .. 'hb', node)
+  local inc = cjson.decode(info).incarnation
+  local old_inc = cjson.decode(old).incarnation
+  if d and tonumber(d) >= now and old_inc ~= inc then
+    return {'IN_USE', old}
+  end
+  purge_node(node, 100000)
+end
+local rec = cjson.decode(info)
+rec.last_heartbeat_ms = now
+redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
+redis.call('ZADD', P .. 'hb', now + ttl, node)
+return {'OK', now + ttl}

@@ -1,0 +1,77 @@
+-- Shared prelude, prepended to every script by index/scripts.py.
+-- Every key lives under one hash-tagged prefix "mc:{ns}:" (ARGV[1] of every script), so all keys
+-- of a namespace hash to one slot and multi-key scripts stay valid on Redis Cluster. Keys derived
+-- here from node ids (nobj:, gc:, acks:) share that tag.
+-- Replica encoding (compact JSON array): [node_id, tier, offset, size, alloc_id (string), state]
+local P = ARGV[1]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function decode_list(s)
+  if not s or s == '' then return {} end
+  local v = cjson.decode(s)
+  if type(v) ~= 'table' then return {} end
+  return v
+end
+local function encode_list(t)
+  if #t == 0 then return '[]' end
+  return cjson.encode(t)
+end
+-- Node liveness: a node is live while its heartbeat deadline (zset hb) lies ahead.
+local live_cache = {}
+local function node_live(node, now)
+  local v = live_cache[node]
+  if v == nil then
+    local d = redis.call('ZSCORE', P .. 'hb', node)
+    v = (d ~= false and d ~= nil and tonumber(d) >= now)
+    live_cache[node] = v
+  end
+  return v
+end
+-- Live pins of an object; expired pins are dropped here, which is how a dead client's pin ends.
+local function live_pins(key, now)
+  local pk = P .. 'pins:' .. key
+  redis.call('ZREMRANGEBYSCORE', pk, '-inf', '(' .. now)
+  return redis.call('ZCARD', pk)
+end
+-- Hand replicas to their agents' graveyards; each agent frees them once free_at has passed,
+-- which is never before the last read lease granted on the object ran out.
+local function bury(replicas, key, free_at)
+  for _, r in ipairs(replicas) do
+    redis.call('ZADD', P .. 'gc:' .. r[1], free_at, r[5])
+    redis.call('SREM', P .. 'nobj:' .. r[1], key)
+  end
+end
+-- Remove every trace of one object record (not its pins, which outlive nothing).
+local function drop_object(key)
+  redis.call('DEL', P .. 'o:' .. key, P .. 'pins:' .. key)
+  redis.call('SREM', P .. 'keys', key)
+end
+-- Strip a node's replicas from the index; bounded per call so a huge node cannot stall Redis.
+-- Returns the number of keys still to go (0 when the node is gone from the index).
+local function purge_node(node, max_keys)
+  local nk = P .. 'nobj:' .. node
+  local keys = redis.call('SRANDMEMBER', nk, max_keys)
+  for _, key in ipairs(keys) do
+    local ok = P .. 'o:' .. key
+    local reps = decode_list(redis.call('HGET', ok, 'replicas'))
+    local keep = {}
+    for _, r in ipairs(reps) do
+      if r[1] ~= node then table.insert(keep, r) end
+    end
+    if #keep == 0 then
+      drop_object(key)
+    else
+      redis.call('HSET', ok, 'replicas', encode_list(keep))
+    end
+    redis.call('SREM', nk, key)
+  end
+  local left = redis.call('SCARD', nk)
+  if left == 0 then
+    redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node)
+    redis.call('HDEL', P .. 'nodes', node)
+    redis.call('ZREM', P .. 'hb', node)
+  end
+  return left
+end

@@ -1,0 +1,41 @@
+-- put_commit: make a batch of pending puts visible, each atomically (phase two).
+-- KEYS: none
+-- ARGV: [1] prefix, [2..n] put ids
+-- Returns: one status per put id, in order: "OK", "EXPIRED" (the pending record is gone: revoked or
+-- reclaimed, the bytes may already be freed) or "PINNED" (the key exists and holds live pins, so it
+-- cannot be replaced). On OK an older object under the key is replaced in one step: its replicas go
+-- to their agents' graveyards, to be freed once every read lease granted on it has expired.
+local now = now_ms()
+local out = {}
+for i = 2, #ARGV do
+  local pk = P .. 'pend:' .. ARGV[i]
+  local raw = redis.call('HGET', pk, 'entry')
+  if not raw then
+    table.insert(out, 'EXPIRED')
+  else
+    local e = cjson.decode(raw)
+    local ok = P .. 'o:' .. e.key
+    local old = redis.call('HMGET', ok, 'replicas', 'lease_until')
+    if old[1] and live_pins(e.key, now) > 0 then
+      table.insert(out, 'PINNED')
+    else
+      if old[1] then
+        local free_at = math.max(now, tonumber(old[2] or 0))
+        bury(decode_list(old[1]), e.key, free_at)
+      end
+      for _, r in ipairs(e.replicas) do
+        r[6] = 'COMPLETE'
+        redis.call('SADD', P .. 'nobj:' .. r[1], e.key)
+        redis.call('RPUSH', P .. 'acks:' .. r[1], r[5])
+      end
+      local version = redis.call('INCR', P .. 'version')
+      redis.call('HSET', ok, 'size', e.size, 'dtype', e.dtype, 'shape', e.shape,
+        'checksum', e.checksum, 'version', version, 'replicas', encode_list(e.replicas),
+        'lease_until', 0, 'last_access', now, 'created', now)
+      redis.call('SADD', P .. 'keys', e.key)
+      redis.call('DEL', pk)
+      table.insert(out, 'OK')
+    end
+  end
+end
+return out

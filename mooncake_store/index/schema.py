@@ -1,0 +1,149 @@
+"""Key layout and record encoding of the index.
+
+Every key of a namespace shares one hash tag, ``mc:{ns}:``, so multi-key scripts stay in one slot
+on Redis Cluster::
+
+    mc:{ns}:o:<key>        hash   object record: size, dtype, shape, checksum, version, replicas,
+                                  lease_until, last_access, created
+    mc:{ns}:keys           set    every committed key (ls, stat)
+    mc:{ns}:pend:<put_id>  hash   a put between reserve and commit (invisible to readers)
+    mc:{ns}:pins:<key>     zset   pin id -> expiry ms; refcount = live pins
+    mc:{ns}:nodes          hash   node id -> node JSON (endpoints, shm name, zone, tiers, incarnation)
+    mc:{ns}:hb             zset   node id -> heartbeat deadline ms
+    mc:{ns}:nobj:<node>    set    keys with a replica on the node (reaping, per-node counts)
+    mc:{ns}:acks:<node>    list   alloc ids committed since the agent's last sync
+    mc:{ns}:gc:<node>      zset   alloc id -> time after which the agent may free it
+    mc:{ns}:version        string object version counter
+    mc:{ns}:stats          hash   hits, misses
+
+A replica travels as a compact JSON array ``[node_id, tier, offset, size, alloc_id, state]`` with
+the alloc id as a string: Lua's cjson prints numbers with 14 significant digits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from mooncake_store.errors import ConfigError, ProtocolError
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, ReplicaState, TierKind, TierUsage, TransportKind
+
+NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def key_prefix(namespace: str) -> str:
+    if not NAMESPACE_RE.match(namespace):
+        raise ConfigError(f"namespace {namespace!r} must match [A-Za-z0-9_.-]{{1,64}}")
+    return f"mc:{{{namespace}}}:"
+
+
+def encode_replica(replica: Replica) -> list[Any]:
+    return [
+        replica.node_id,
+        str(replica.tier),
+        replica.offset,
+        replica.size_bytes,
+        str(replica.alloc_id),
+        str(replica.state),
+    ]
+
+
+def decode_replicas(raw: str | bytes) -> tuple[Replica, ...]:
+    try:
+        items = json.loads(raw)
+        if isinstance(items, dict):  # cjson encodes an empty table as {}
+            return ()
+        return tuple(
+            Replica(
+                node_id=str(node),
+                tier=TierKind(tier),
+                offset=int(offset),
+                size_bytes=int(size),
+                alloc_id=int(alloc),
+                state=ReplicaState(state),
+            )
+            for node, tier, offset, size, alloc, state in items
+        )
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"malformed replica list in the index: {raw!r:.200} ({exc})") from None
+
+
+def encode_shape(shape: tuple[int, ...]) -> str:
+    return ",".join(str(d) for d in shape)
+
+
+def decode_shape(raw: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in raw.split(",")) if raw else ()
+
+
+def decode_object(key: str, fields: list[Any]) -> ObjectMeta:
+    size, dtype, shape, checksum, version, replicas = fields[:6]
+    return ObjectMeta(
+        key=key,
+        size_bytes=int(size),
+        dtype=_text(dtype),
+        shape=decode_shape(_text(shape)),
+        checksum=int(checksum),
+        version=int(version),
+        replicas=decode_replicas(replicas),
+    )
+
+
+def encode_node(info: NodeInfo, incarnation: str) -> str:
+    return json.dumps(
+        {
+            "node_id": info.node_id,
+            "incarnation": incarnation,
+            "host": info.host,
+            "host_id": info.host_id,
+            "zone": info.zone,
+            "pid": info.pid,
+            "tcp_endpoint": info.tcp_endpoint,
+            "shm_name": info.shm_name,
+            "transports": [str(t) for t in info.transports],
+            "tiers": encode_tiers(info.tiers),
+            "started_ms": info.started_ms,
+            "labels": info.labels,
+        }
+    )
+
+
+def encode_tiers(tiers: tuple[TierUsage, ...]) -> list[dict[str, Any]]:
+    return [
+        {"tier": str(t.tier), "capacity": t.capacity_bytes, "used": t.used_bytes, "objects": t.objects} for t in tiers
+    ]
+
+
+def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
+    try:
+        d = json.loads(raw)
+        return NodeInfo(
+            node_id=d["node_id"],
+            host=d["host"],
+            host_id=d["host_id"],
+            zone=d["zone"],
+            pid=int(d["pid"]),
+            tcp_endpoint=d["tcp_endpoint"],
+            shm_name=d["shm_name"],
+            transports=tuple(TransportKind(t) for t in d["transports"]),
+            tiers=tuple(
+                TierUsage(
+                    tier=TierKind(t["tier"]),
+                    capacity_bytes=int(t["capacity"]),
+                    used_bytes=int(t["used"]),
+                    objects=int(t.get("objects", 0)),
+                )
+                for t in (d["tiers"] if isinstance(d["tiers"], list) else [])
+            ),
+            heartbeat_deadline_ms=deadline_ms,
+            started_ms=int(d.get("started_ms", 0)),
+            last_heartbeat_ms=int(d.get("last_heartbeat_ms", 0)),
+            labels=dict(d.get("labels") or {}),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ProtocolError(f"malformed node record in the index: {raw!r:.200} ({exc})") from None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

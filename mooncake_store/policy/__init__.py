@@ -1,0 +1,1 @@
+"""Pure decisions: placement, transport choice, what an agent frees. No I/O; time is passed in."""

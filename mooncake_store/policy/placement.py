@@ -1,0 +1,86 @@
+"""Where a put goes (DESIGN.md §4): the writer's own host first, then the least loaded node of
+the writer's zone, then the node with the most room anywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mooncake_store.errors import NoCapacity
+from mooncake_store.types import NodeInfo, TierKind
+
+
+def live_nodes(nodes: Iterable[NodeInfo], now_ms: int) -> list[NodeInfo]:
+    return [n for n in nodes if n.heartbeat_deadline_ms >= now_ms]
+
+
+def _free(node: NodeInfo, tier: TierKind) -> int:
+    usage = node.tier(tier)
+    return usage.free_bytes if usage else 0
+
+
+def _capacity(node: NodeInfo, tier: TierKind) -> int:
+    usage = node.tier(tier)
+    return usage.capacity_bytes if usage else 0
+
+
+def rank_nodes(
+    nodes: Iterable[NodeInfo],
+    *,
+    size_bytes: int,
+    now_ms: int,
+    host_id: str,
+    zone: str,
+    tier: TierKind = TierKind.HOST,
+    preferred_node: str | None = None,
+) -> list[NodeInfo]:
+    """Live nodes that may hold ``size_bytes`` in ``tier``, best first.
+
+    Free space in the node table is a few hundred ms old, so a node that looks full is kept at the
+    end rather than dropped: its agent has the final word when asked to reserve.
+    Raises NoCapacity when no live node's tier is large enough at all.
+    """
+    alive = [n for n in live_nodes(nodes, now_ms) if _capacity(n, tier) >= size_bytes]
+    if preferred_node is not None:
+        alive = [n for n in alive if n.node_id == preferred_node]
+    if not alive:
+        raise NoCapacity(
+            no_room_message(nodes, size_bytes=size_bytes, now_ms=now_ms, tier=tier, preferred_node=preferred_node)
+        )
+
+    def score(n: NodeInfo) -> tuple[int, int, int, float, str]:
+        free = _free(n, tier)
+        fits = 0 if free >= size_bytes else 1
+        same_host = 0 if n.host_id == host_id else 1
+        same_zone = 0 if n.zone == zone else 1
+        load = 1.0 - free / max(1, _capacity(n, tier))
+        return (fits, same_host, same_zone, load, n.node_id)
+
+    return sorted(alive, key=score)
+
+
+def choose_replica_nodes(ranked: list[NodeInfo], replicas: int) -> list[NodeInfo]:
+    """The first ``replicas`` distinct nodes of a ranking; NoCapacity if there are fewer."""
+    if replicas > len(ranked):
+        raise NoCapacity(
+            f"replicas={replicas} needs {replicas} live nodes with room; only {len(ranked)} qualify "
+            f"({', '.join(n.node_id for n in ranked) or 'none'})"
+        )
+    return ranked[:replicas]
+
+
+def no_room_message(
+    nodes: Iterable[NodeInfo],
+    *,
+    size_bytes: int,
+    now_ms: int,
+    tier: TierKind = TierKind.HOST,
+    preferred_node: str | None = None,
+) -> str:
+    alive = live_nodes(nodes, now_ms)
+    if not alive:
+        return f"need {size_bytes} B on {tier}; no live agent is registered (start one: `mooncake up`)"
+    if preferred_node is not None and preferred_node not in {n.node_id for n in alive}:
+        return f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} is not a live agent"
+    parts = ", ".join(f"node {n.node_id} has {_free(n, tier)}/{_capacity(n, tier)} B free" for n in alive[:8])
+    largest = max(_capacity(n, tier) for n in alive)
+    return f"need {size_bytes} B on {tier}; the largest {tier} arena is {largest} B; {parts}"

@@ -1,0 +1,1 @@
+"""Memory tiers: arenas and allocators. Never imports index/ or transport/."""

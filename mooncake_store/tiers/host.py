@@ -1,0 +1,231 @@
+"""The host-DRAM tier: one POSIX shared-memory segment per agent, in ``/dev/shm``.
+
+The agent creates the segment (:class:`HostArena`) and clients on the same host map it
+(:class:`SharedSegment`), so a same-host put/get is a ``memcpy`` into or out of the mapping.
+
+``multiprocessing.shared_memory`` is deliberately not used: on Python 3.11 its resource tracker
+registers every segment a process *attaches* to and unlinks it when that process exits, so one client
+exiting would delete the agent's arena. Plain ``os.open`` + ``mmap`` has no such side effects.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from mooncake_store.errors import (
+    ConnectError,
+    InvalidValue,
+    MooncakeError,
+    NoCapacity,
+    ProtocolError,
+)
+
+SHM_DIR = Path("/dev/shm")
+
+#: Longest segment name; NAME_MAX is 255 and this leaves room for tooling that adds suffixes.
+MAX_SEGMENT_NAME = 200
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_VALID_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+# MAP_POPULATE is Linux-only (and exposed by Python's mmap module since 3.10).
+_MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def segment_name(namespace: str, node_id: str) -> str:
+    """``mooncake.<namespace>.<node_id>.<pid>`` with every character outside ``[A-Za-z0-9._-]``
+    replaced by ``_``, at most :data:`MAX_SEGMENT_NAME` characters.
+
+    The pid makes a restarted agent's segment distinct from a stale one left by a crashed
+    predecessor; when the name is too long the middle is cut, never the pid suffix, so that
+    uniqueness survives truncation.
+    """
+    suffix = f".{os.getpid()}"
+    prefix = _UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}")
+    return prefix[: MAX_SEGMENT_NAME - len(suffix)] + suffix
+
+
+def _check_name(name: object) -> str:
+    # The name becomes a path component under /dev/shm: "/" or ".." would escape the directory.
+    if not isinstance(name, str) or not _VALID_NAME.fullmatch(name) or name in (".", ".."):
+        raise InvalidValue(f"segment name must match [A-Za-z0-9._-]+, got {name!r:.80}")
+    if len(name) > MAX_SEGMENT_NAME:
+        raise InvalidValue(f"segment name is {len(name)} characters; the limit is {MAX_SEGMENT_NAME}")
+    return name
+
+
+def _check_size(size_bytes: object) -> int:
+    if not isinstance(size_bytes, int) or isinstance(size_bytes, bool) or size_bytes <= 0:
+        raise InvalidValue(f"size_bytes must be an int > 0, got {size_bytes!r:.80}")
+    return size_bytes
+
+
+class _Mapping:
+    """A read-write ``MAP_SHARED`` mapping of a file in ``/dev/shm``; shared by both sides."""
+
+    __slots__ = ("_base", "_mm", "name", "path", "size_bytes")
+
+    def __init__(self, name: str, path: Path, size_bytes: int, mm: mmap.mmap) -> None:
+        self.name = name
+        self.path = path
+        self.size_bytes = size_bytes
+        self._mm: mmap.mmap | None = mm
+        # Views are sliced from one base memoryview rather than memoryview(mm) each time, so the
+        # mapping has one export to release at close.
+        self._base: memoryview | None = memoryview(mm)
+
+    @property
+    def closed(self) -> bool:
+        return self._base is None
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A writable view of ``[offset, offset + length)``. Callers must ``release()`` views (or drop
+        them) before :meth:`close`; a view kept past close keeps the pages mapped."""
+        base = self._base
+        if base is None:
+            raise MooncakeError(f"segment {self.path} is closed")
+        for what, value in (("offset", offset), ("length", length)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidValue(f"{what} must be int, got {type(value).__name__}: {value!r:.80}")
+        if offset < 0 or length < 0 or offset + length > self.size_bytes:
+            raise InvalidValue(
+                f"view offset={offset} length={length} is outside segment {self.name} of size {self.size_bytes} B"
+            )
+        return base[offset : offset + length]
+
+    def _unmap(self) -> None:
+        base, mm = self._base, self._mm
+        self._base = None
+        self._mm = None
+        if base is not None:
+            base.release()
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # A caller still holds a view. Unmapping now would leave that view pointing at freed
+                # address space (a segfault on next use), so the mmap object is dropped instead and
+                # the pages are unmapped when the last view is garbage-collected.
+                pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._unmap()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"{type(self).__name__}({self.name!r}, size_bytes={self.size_bytes}, {state})"
+
+
+def _map(fd: int, size_bytes: int, *, populate: bool) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    return mmap.mmap(fd, size_bytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+class HostArena(_Mapping):
+    """Agent side: creates and owns the segment; :meth:`close` unlinks it by default."""
+
+    __slots__ = ()
+
+    @classmethod
+    def create(cls, name: str, size_bytes: int, *, prefault: bool = True) -> HostArena:
+        """Create ``/dev/shm/<name>`` of ``size_bytes`` and map it.
+
+        ``prefault`` reserves the tmpfs pages and maps them up front, so the first put does not pay
+        page faults and a full ``/dev/shm`` fails here with :class:`NoCapacity` instead of as a
+        SIGBUS on some later write.
+        """
+        name = _check_name(name)
+        size_bytes = _check_size(size_bytes)
+        path = SHM_DIR / name
+        st = os.statvfs(SHM_DIR)
+        available = st.f_bavail * st.f_frsize
+        if size_bytes > available:
+            raise NoCapacity(f"need {size_bytes} B in {SHM_DIR} for segment {name}; {available} B available")
+        try:
+            # O_EXCL: never adopt someone else's segment (e.g. a live agent with a reused pid name).
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise MooncakeError(f"shared-memory segment {path} already exists") from None
+        try:
+            os.ftruncate(fd, size_bytes)
+            if prefault:
+                try:
+                    # Allocates the tmpfs pages now; statvfs above is only a snapshot that another
+                    # process can race with.
+                    os.posix_fallocate(fd, 0, size_bytes)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    st = os.statvfs(SHM_DIR)
+                    raise NoCapacity(
+                        f"need {size_bytes} B in {SHM_DIR} for segment {name}; {st.f_bavail * st.f_frsize} B available"
+                    ) from None
+            mm = _map(fd, size_bytes, populate=prefault)
+            if prefault and not _MAP_POPULATE:
+                # No MAP_POPULATE: write one byte per page to take the faults now. The file is
+                # fresh, so writing 0 does not change its contents.
+                for page in range(0, size_bytes, mmap.PAGESIZE):
+                    mm[page] = 0
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        # mmap keeps its own duplicate of the descriptor; ours is no longer needed.
+        os.close(fd)
+        return cls(name, path, size_bytes, mm)
+
+    def close(self, *, unlink: bool = True) -> None:
+        """Unmap and (by default) unlink the segment. Idempotent. Callers must release their views
+        first; if one is still held the mapping stays alive until it is dropped, but the file is
+        unlinked regardless so that ``/dev/shm`` does not leak."""
+        self._unmap()
+        if unlink:
+            self.path.unlink(missing_ok=True)
+
+
+class SharedSegment(_Mapping):
+    """Client side: maps a segment an agent on the same host created. Never unlinks it."""
+
+    __slots__ = ()
+
+    @classmethod
+    def attach(cls, name: str, size_bytes: int) -> SharedSegment:
+        """Map the first ``size_bytes`` of ``/dev/shm/<name>`` read-write.
+
+        Raises :class:`ConnectError` when the segment is missing (the agent is gone or on another
+        host) and :class:`ProtocolError` when it is smaller than the agent advertised.
+        """
+        name = _check_name(name)
+        size_bytes = _check_size(size_bytes)
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise ConnectError(f"shared-memory segment {path} does not exist") from None
+        except PermissionError:
+            raise ConnectError(f"shared-memory segment {path} is not readable/writable by us") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size_bytes:
+                raise ProtocolError(f"shared-memory segment {path} is {actual} B; the agent advertised {size_bytes} B")
+            mm = _map(fd, size_bytes, populate=True)
+        finally:
+            os.close(fd)
+        return cls(name, path, size_bytes, mm)

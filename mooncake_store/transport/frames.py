@@ -1,0 +1,100 @@
+"""The agent's binary wire protocol: fixed 32-byte little-endian headers, raw payloads, no pickle.
+
+Request and reply share one header layout::
+
+    magic "MC" | version u8 | op u8 | arg u32 | a u64 | b u64 | c u64
+
+A reply carries ``op | REPLY_BIT`` and a :class:`Status` in ``arg``. Payload lengths are implied by
+the op and the header fields, never free-form, and every length is checked against a limit before
+anything is received.
+
+========  ===================================  ========================================================
+op        request                              reply
+========  ===================================  ========================================================
+PING      -                                    OK, a = protocol version
+RESERVE   arg = count, a = tier, payload of    OK, payload of count x (offset u64, alloc_id u64);
+          count x (size u64, put_id 16 B)      NO_CAPACITY, a = free, b = largest free, c = capacity
+FREE      arg = count, payload count x u64     OK, a = freed
+WRITE     a = alloc_id, b = offset, c = len,   OK; STALE when the allocation is not a live reservation
+          payload of len bytes                 covering the range (payload is drained, then dropped)
+READ      a = alloc_id, b = offset, c = len    OK then len bytes; STALE when the allocation is gone
+========  ===================================  ========================================================
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from enum import IntEnum
+
+from mooncake_store.errors import ProtocolError, TransferError
+
+MAGIC = b"MC"
+VERSION = 1
+REPLY_BIT = 0x80
+HEADER = struct.Struct("<2sBBIQQQ")
+HEADER_BYTES = HEADER.size
+RESERVE_ENTRY = struct.Struct("<Q16s")
+RESERVE_REPLY = struct.Struct("<QQ")
+U64 = struct.Struct("<Q")
+#: Entries in one RESERVE or FREE frame; a larger batch is split by the client.
+MAX_BATCH = 8192
+
+
+class Op(IntEnum):
+    PING = 1
+    RESERVE = 2
+    FREE = 3
+    WRITE = 4
+    READ = 5
+
+
+class Status(IntEnum):
+    OK = 0
+    NO_CAPACITY = 1
+    STALE = 2
+    BAD_REQUEST = 3
+    INTERNAL = 4
+
+
+def pack(op: int, arg: int = 0, a: int = 0, b: int = 0, c: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, arg, a, b, c)
+
+
+def unpack(raw: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int]:
+    magic, version, op, arg, a, b, c = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r}; expected {MAGIC!r}")
+    if version != VERSION:
+        raise ProtocolError(f"frame version {version}; this build speaks {VERSION}")
+    return op, arg, a, b, c
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return buf
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket, straight into the caller's memory (no staging copy)."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise TransferError(f"peer closed the connection after {got} of {total} B")
+        got += n
+
+
+def send_all(sock: socket.socket, header: bytes, payload: memoryview | None = None) -> None:
+    """Send a header and a payload with one sendmsg where the kernel takes it all at once."""
+    if payload is None or len(payload) == 0:
+        sock.sendall(header)
+        return
+    sent = sock.sendmsg([header, payload])
+    if sent < len(header):
+        sock.sendall(memoryview(header)[sent:])
+        sent = len(header)
+    if sent - len(header) < len(payload):
+        sock.sendall(payload[sent - len(header) :])

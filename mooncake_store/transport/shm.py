@@ -1,0 +1,65 @@
+"""Same-host path: the client maps the agent's host arena and copies with one memcpy.
+
+Reads take no agent CPU at all; their safety comes from the index (a read lease keeps the
+allocation from being freed while it lasts, DESIGN.md §3.3). numpy's copy releases the GIL, so
+concurrent gets in one process copy in parallel.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from mooncake_store.tiers.host import SHM_DIR, SharedSegment
+
+
+def local_host_id() -> str:
+    """Identifies this machine (and boot): two processes with equal ids can share /dev/shm."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "unknown-boot"
+    return f"{os.uname().nodename}/{boot_id}"
+
+
+def copy_bytes(dest: memoryview, src: memoryview) -> None:
+    np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+class ShmTransport:
+    def __init__(self) -> None:
+        self._segments: dict[str, SharedSegment] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def reachable(shm_name: str) -> bool:
+        return bool(shm_name) and (SHM_DIR / shm_name).exists()
+
+    def segment(self, shm_name: str, size_bytes: int) -> SharedSegment:
+        with self._lock:
+            seg = self._segments.get(shm_name)
+            if seg is None or seg.closed:
+                seg = SharedSegment.attach(shm_name, size_bytes)
+                self._segments[shm_name] = seg
+            return seg
+
+    def read_into(self, shm_name: str, arena_bytes: int, offset: int, dest: memoryview) -> None:
+        copy_bytes(dest, self.segment(shm_name, arena_bytes).view(offset, len(dest)))
+
+    def write_from(self, shm_name: str, arena_bytes: int, offset: int, src: memoryview) -> None:
+        copy_bytes(self.segment(shm_name, arena_bytes).view(offset, len(src)), src)
+
+    def forget(self, shm_name: str) -> None:
+        with self._lock:
+            seg = self._segments.pop(shm_name, None)
+        if seg is not None:
+            seg.close()
+
+    def close(self) -> None:
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), {}
+        for seg in segments:
+            seg.close()

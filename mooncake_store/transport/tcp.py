@@ -1,0 +1,266 @@
+"""Client side of the agent protocol over TCP: a pool of connections per agent endpoint.
+
+Reads ``recv_into`` the caller's buffer and writes ``sendmsg`` from it: one kernel copy per hop, no
+intermediate ``bytes``. Objects above ``stripe_bytes`` are split across several connections, each
+served by its own agent thread, which keeps both cores busy on a loopback peer.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from mooncake_store.errors import ConnectError, NoCapacity, ProtocolError, StaleLocation, TransferError
+from mooncake_store.transport import frames
+from mooncake_store.transport.frames import Op, Status
+
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reservation:
+    offset: int
+    alloc_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadRequest:
+    alloc_id: int
+    offset: int
+    dest: memoryview
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ProtocolError(f"bad agent endpoint {endpoint!r}; expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class PeerConnections:
+    """Connections to one agent. Thread-safe: each call takes a connection of its own."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float, max_idle: int) -> None:
+        self.endpoint = endpoint
+        self._address = parse_endpoint(endpoint)
+        self._timeout_s = timeout_s
+        self._max_idle = max_idle
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _connect(self) -> socket.socket:
+        try:
+            sock = socket.create_connection(self._address, timeout=self._timeout_s)
+        except OSError as exc:
+            raise ConnectError(f"cannot connect to agent at {self.endpoint}: {exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        return sock
+
+    def _acquire(self) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def _call(self, func, *args):  # type: ignore[no-untyped-def]
+        """Run ``func(sock, *args)`` on a pooled connection; a connection that saw an error is dropped,
+        since the stream may be mid-frame."""
+        sock = self._acquire()
+        try:
+            result = func(sock, *args)
+        except (OSError, TransferError, ProtocolError) as exc:
+            sock.close()
+            if isinstance(exc, TransferError | ProtocolError):
+                raise
+            raise TransferError(f"transfer with agent at {self.endpoint} failed: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self._release(sock)
+        return result
+
+    def _reply(self, sock: socket.socket, op: Op) -> tuple[int, int, int, int]:
+        rop, status, a, b, c = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
+        if rop != op | frames.REPLY_BIT:
+            raise ProtocolError(f"agent at {self.endpoint} answered op {rop} to op {int(op)}")
+        return status, a, b, c
+
+    # ---- control ------------------------------------------------------------------------------
+    def ping(self) -> int:
+        def run(sock: socket.socket) -> int:
+            frames.send_all(sock, frames.pack(Op.PING))
+            _status, version, _, _ = self._reply(sock, Op.PING)
+            return version
+
+        return int(self._call(run))
+
+    def reserve(self, requests: Sequence[tuple[int, bytes]], *, node_id: str, tier: int = 0) -> list[Reservation]:
+        """Reserve space for each (size, put_id). All or nothing: NoCapacity names the sizes."""
+
+        def run_chunk(sock: socket.socket, chunk: Sequence[tuple[int, bytes]]) -> list[Reservation]:
+            payload = b"".join(frames.RESERVE_ENTRY.pack(size, put_id) for size, put_id in chunk)
+            frames.send_all(sock, frames.pack(Op.RESERVE, len(chunk), tier), memoryview(payload))
+            status, a, b, c = self._reply(sock, Op.RESERVE)
+            if status == Status.NO_CAPACITY:
+                need = sum(size for size, _ in chunk)
+                raise NoCapacity(
+                    f"need {need} B in {len(chunk)} object(s) on host; node {node_id} has "
+                    f"{a}/{c} B free, largest free block {b} B"
+                )
+            if status != Status.OK:
+                raise ProtocolError(f"agent {node_id} refused RESERVE with status {status}")
+            raw = frames.recv_exact(sock, frames.RESERVE_REPLY.size * len(chunk))
+            return [Reservation(offset=off, alloc_id=alloc) for off, alloc in frames.RESERVE_REPLY.iter_unpack(raw)]
+
+        out: list[Reservation] = []
+        for start in range(0, len(requests), frames.MAX_BATCH):
+            out.extend(self._call(run_chunk, requests[start : start + frames.MAX_BATCH]))
+        return out
+
+    def free(self, alloc_ids: Sequence[int]) -> int:
+        def run(sock: socket.socket, ids: Sequence[int]) -> int:
+            payload = b"".join(frames.U64.pack(a) for a in ids)
+            frames.send_all(sock, frames.pack(Op.FREE, len(ids)), memoryview(payload))
+            _status, freed, _, _ = self._reply(sock, Op.FREE)
+            return freed
+
+        total = 0
+        for start in range(0, len(alloc_ids), frames.MAX_BATCH):
+            total += int(self._call(run, alloc_ids[start : start + frames.MAX_BATCH]))
+        return total
+
+    # ---- data ---------------------------------------------------------------------------------
+    def write(self, alloc_id: int, offset: int, src: memoryview) -> None:
+        def run(sock: socket.socket) -> None:
+            frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, len(src)), src)
+            status, _, _, _ = self._reply(sock, Op.WRITE)
+            if status == Status.STALE:
+                raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
+            if status != Status.OK:
+                raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
+
+        self._call(run)
+
+    def read_many(self, requests: Sequence[ReadRequest]) -> None:
+        """Pipelined reads on one connection: all requests go out, then the replies land in order,
+        each straight into its destination."""
+
+        def run(sock: socket.socket) -> None:
+            sock.sendall(b"".join(frames.pack(Op.READ, 0, r.alloc_id, r.offset, len(r.dest)) for r in requests))
+            stale: StaleLocation | None = None
+            for r in requests:
+                status, _, _, length = self._reply(sock, Op.READ)
+                if status == Status.STALE:
+                    stale = StaleLocation(f"agent at {self.endpoint} no longer holds allocation {r.alloc_id}")
+                    continue
+                if status != Status.OK or length != len(r.dest):
+                    raise ProtocolError(f"agent at {self.endpoint} answered READ with status {status}, {length} B")
+                frames.recv_into_exact(sock, r.dest)
+            if stale is not None:
+                raise stale
+
+        self._call(run)
+
+
+class TcpTransport:
+    """Pools per endpoint, plus the threads that carry the stripes of large objects."""
+
+    def __init__(self, *, timeout_s: float, connections_per_peer: int, stripe_bytes: int) -> None:
+        self._timeout_s = timeout_s
+        self._connections = connections_per_peer
+        self._stripe_bytes = stripe_bytes
+        self._peers: dict[str, PeerConnections] = {}
+        self._lock = threading.Lock()
+        self._stripes = ThreadPoolExecutor(max_workers=max(1, connections_per_peer), thread_name_prefix="mc-stripe")
+
+    def peer(self, endpoint: str) -> PeerConnections:
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            if peer is None:
+                peer = PeerConnections(endpoint, timeout_s=self._timeout_s, max_idle=self._connections * 2)
+                self._peers[endpoint] = peer
+            return peer
+
+    def drop_peer(self, endpoint: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(endpoint, None)
+        if peer is not None:
+            peer.close()
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close()
+        self._stripes.shutdown(wait=False, cancel_futures=True)
+
+    def _stripes_of(self, length: int) -> list[tuple[int, int]]:
+        if length <= self._stripe_bytes or self._connections == 1:
+            return [(0, length)]
+        count = min(self._connections, -(-length // self._stripe_bytes))
+        step = -(-length // count)
+        step = -(-step // 4096) * 4096  # page-aligned stripes keep the copies aligned
+        return [(start, min(step, length - start)) for start in range(0, length, step)]
+
+    def read_into(self, endpoint: str, alloc_id: int, offset: int, dest: memoryview) -> None:
+        peer = self.peer(endpoint)
+        stripes = self._stripes_of(len(dest))
+        if len(stripes) == 1:
+            peer.read_many([ReadRequest(alloc_id=alloc_id, offset=offset, dest=dest)])
+            return
+        futures = [
+            self._stripes.submit(
+                peer.read_many, [ReadRequest(alloc_id=alloc_id, offset=offset + s, dest=dest[s : s + n])]
+            )
+            for s, n in stripes[1:]
+        ]
+        s, n = stripes[0]
+        first_error: BaseException | None = None
+        try:
+            peer.read_many([ReadRequest(alloc_id=alloc_id, offset=offset + s, dest=dest[s : s + n])])
+        except BaseException as exc:
+            first_error = exc
+        for fut in futures:
+            exc = fut.exception()
+            first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def write_from(self, endpoint: str, alloc_id: int, offset: int, src: memoryview) -> None:
+        peer = self.peer(endpoint)
+        stripes = self._stripes_of(len(src))
+        if len(stripes) == 1:
+            peer.write(alloc_id, offset, src)
+            return
+        futures = [self._stripes.submit(peer.write, alloc_id, offset + s, src[s : s + n]) for s, n in stripes[1:]]
+        s, n = stripes[0]
+        first_error: BaseException | None = None
+        try:
+            peer.write(alloc_id, offset + s, src[s : s + n])
+        except BaseException as exc:
+            first_error = exc
+        for fut in futures:
+            exc = fut.exception()
+            first_error = first_error or exc
+        if first_error is not None:
+            raise first_error

@@ -1,0 +1,126 @@
+"""Values shared by every layer: replica locations, object records, node records, enums.
+
+Everything here is plain data (frozen dataclasses, StrEnums) plus the checks on the values that come
+from users (keys), so that ``index/``, ``tiers/``, ``transport/`` and ``policy/`` can share them
+without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from mooncake_store.errors import InvalidKey
+
+#: Longest key accepted, in UTF-8 bytes. Redis keys may be far longer, but a key is also part of
+#: every index record and of log lines; vLLM/LMCache block hashes are well under 200 bytes.
+MAX_KEY_BYTES = 1024
+
+
+class ReplicaState(StrEnum):
+    PENDING = "PENDING"
+    COMPLETE = "COMPLETE"
+
+
+class TierKind(StrEnum):
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+
+
+class TransportKind(StrEnum):
+    """Byte paths, cheapest first (DESIGN.md §4)."""
+
+    INPROC = "inproc"
+    SHM = "shm"
+    RDMA = "rdma"
+    TCP = "tcp"
+
+
+TRANSPORT_ORDER: tuple[TransportKind, ...] = (
+    TransportKind.INPROC,
+    TransportKind.SHM,
+    TransportKind.RDMA,
+    TransportKind.TCP,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replica:
+    """Where one copy of an object lives. ``alloc_id`` is the location's generation: the agent
+    issues a fresh one for every allocation, so a location that was freed and reused never
+    matches an old lookup."""
+
+    node_id: str
+    tier: TierKind
+    offset: int
+    size_bytes: int
+    alloc_id: int
+    state: ReplicaState = ReplicaState.COMPLETE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectMeta:
+    key: str
+    size_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    checksum: int
+    replicas: tuple[Replica, ...]
+    version: int = 0
+    refcount: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierUsage:
+    tier: TierKind
+    capacity_bytes: int
+    used_bytes: int
+    objects: int = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeInfo:
+    """One row of the node table, as the agent publishes it."""
+
+    node_id: str
+    host: str
+    host_id: str
+    zone: str
+    pid: int
+    tcp_endpoint: str
+    shm_name: str
+    transports: tuple[TransportKind, ...]
+    tiers: tuple[TierUsage, ...]
+    heartbeat_deadline_ms: int = 0
+    started_ms: int = 0
+    last_heartbeat_ms: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def tier(self, kind: TierKind) -> TierUsage | None:
+        for usage in self.tiers:
+            if usage.tier == kind:
+                return usage
+        return None
+
+
+def check_key(key: object) -> str:
+    """Return ``key`` if it is acceptable, else raise :class:`InvalidKey` saying why."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"key must be str, got {type(key).__name__}: {key!r:.80}")
+    if not key:
+        raise InvalidKey("key must not be empty")
+    try:
+        encoded = key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKey(f"key {key!r:.80} is not valid UTF-8 text: {exc.reason}") from None
+    if len(encoded) > MAX_KEY_BYTES:
+        raise InvalidKey(f"key is {len(encoded)} B of UTF-8; the limit is {MAX_KEY_BYTES} B")
+    for ch in key:
+        if ord(ch) < 0x20 or ord(ch) == 0x7F:
+            raise InvalidKey(f"key {key!r:.80} contains control character {ch!r}")
+    return key

