@@ -1,0 +1,1 @@
+"""The `mooncake` command line (typer + rich)."""

@@ -1,0 +1,1 @@
+"""Adapters for inference engines and model libraries (imported lazily)."""

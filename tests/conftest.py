@@ -1,0 +1,73 @@
+"""Shared fixtures: one real Redis-compatible server per test session (each test isolates itself
+with its own namespace), and real agent subprocesses through LocalCluster."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from mooncake_store import Client, LocalCluster, connect
+from mooncake_store.embedded import EmbeddedServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def make_cluster(redis_url: str) -> Iterator[Callable[..., LocalCluster]]:
+    """Start LocalClusters on the session server, each in a namespace of its own; all stopped at the end."""
+    clusters: list[LocalCluster] = []
+
+    def make(num_agents: int = 2, **kwargs: object) -> LocalCluster:
+        kwargs.setdefault("host_bytes", 64 << 20)
+        cluster = LocalCluster(
+            num_agents, redis_url=redis_url, namespace=f"t-{uuid.uuid4().hex[:10]}", **kwargs  # type: ignore[arg-type]
+        )
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    return make_cluster(2)
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable[..., Client]]:
+    clients: list[Client] = []
+
+    def make(cluster: LocalCluster, **kwargs: object) -> Client:
+        client = connect(cluster.redis_url, namespace=cluster.namespace, **kwargs)  # type: ignore[arg-type]
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+@pytest.fixture
+def client(cluster: LocalCluster, make_client: Callable[..., Client]) -> Client:
+    return make_client(cluster)
