@@ -47,7 +47,12 @@ class KeyNotFound(MooncakeError, KeyError):
 
 
 class NoCapacity(MooncakeError):
-    """No node has room for the object."""
+    """No node has room for the object. ``permanent`` is True when waiting cannot help (the object
+    is larger than every arena, or too few nodes exist for the replicas asked for)."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class ObjectPinned(MooncakeError):

@@ -71,3 +71,15 @@ def make_client() -> Iterator[Callable[..., Client]]:
 @pytest.fixture
 def client(cluster: LocalCluster, make_client: Callable[..., Client]) -> Client:
     return make_client(cluster)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(redis_server: EmbeddedServer) -> Iterator[LocalCluster]:
+    """Two 64 MiB agents for tests that only need *a* cluster and use keys of their own."""
+    with LocalCluster(2, redis_url=redis_server.url, host_bytes=64 << 20) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def shared_client(shared_cluster: LocalCluster, make_client: Callable[..., Client]) -> Client:
+    return make_client(shared_cluster)

@@ -110,20 +110,33 @@ class AllocationTable:
                 if alloc is not None:
                     alloc.state = AllocState.COMMITTED
 
-    def free(self, alloc_ids: list[int] | tuple[int, ...], *, only_reserved: bool = False) -> int:
-        """Release allocations; returns how many were released or doomed. ``only_reserved`` is for
-        frees that a client asks for: it may drop its own reservation, never a committed object."""
+    def free(self, alloc_ids: list[int] | tuple[int, ...]) -> int:
+        """Release allocations (decided by a sync); returns how many were released or doomed."""
         count = 0
         with self._lock:
             for alloc_id in alloc_ids:
                 alloc = self._allocs.get(alloc_id)
-                if alloc is None or (only_reserved and alloc.state != AllocState.RESERVED):
+                if alloc is None:
                     continue
                 count += 1
                 if alloc.readers > 0:
                     alloc.doomed = True
                 else:
                     self._release(alloc)
+        return count
+
+    def expire_now(self, alloc_ids: list[int]) -> int:
+        """A writer gave up on these reservations. They are not freed here: the commit may have
+        reached the index even though its writer saw an error, so the next sync decides (a commit
+        acked in the index keeps the space, anything else frees it)."""
+        count = 0
+        now = time.monotonic()
+        with self._lock:
+            for alloc_id in alloc_ids:
+                alloc = self._allocs.get(alloc_id)
+                if alloc is not None and alloc.state == AllocState.RESERVED:
+                    alloc.deadline = min(alloc.deadline, now)
+                    count += 1
         return count
 
     def _release(self, alloc: Allocation) -> None:

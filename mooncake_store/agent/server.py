@@ -46,6 +46,10 @@ class AgentServer:
 
     def stop(self) -> None:
         self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._sock.close()
         with self._lock:
             conns = list(self._conns)
@@ -177,6 +181,6 @@ class AgentServer:
             return False
         raw = frames.recv_exact(conn, frames.U64.size * count)
         ids = [x for (x,) in frames.U64.iter_unpack(raw)]
-        freed = self._table.free(ids, only_reserved=True)
+        freed = self._table.expire_now(ids)
         self._reply(conn, Op.FREE, Status.OK, freed)
         return True

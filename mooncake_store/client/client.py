@@ -165,18 +165,28 @@ class Client:
         ]
         if not plans:
             return
-        last_error: MooncakeError | None = None
-        for _ in range(self.config.max_retries + 1):
+        # Space held by removed or replaced objects comes back once their read leases run out, so a
+        # full cluster is worth waiting for, up to timeout_s; an object larger than every arena is not.
+        deadline = time.monotonic() + self.config.timeout_s
+        expired_tries = 0
+        delay_s = 0.05
+        while True:
             try:
                 self._put_once(plans, replicas, preferred_node)
                 return
-            except ReservationExpired as exc:
-                last_error = exc
-                for plan in plans:
-                    plan.put_id = uuid.uuid4().bytes
-                    plan.replicas = []
-        assert last_error is not None
-        raise last_error
+            except ReservationExpired:
+                expired_tries += 1
+                if expired_tries > self.config.max_retries:
+                    raise
+            except NoCapacity as exc:
+                if exc.permanent or time.monotonic() + delay_s > deadline:
+                    raise
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+                self._node_table(refresh=True)
+            for plan in plans:
+                plan.put_id = uuid.uuid4().bytes
+                plan.replicas = []
 
     def _put_once(self, plans: list[_PlannedPut], replicas: int, preferred_node: str | None) -> None:
         nodes = self._reserve(plans, replicas, preferred_node)
@@ -320,13 +330,12 @@ class Client:
             self._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, src)
 
     def _abandon(self, plans: list[_PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:
-        """Undo reservations of puts that will not commit. The space is freed at once only when the
-        pending records are certainly gone; otherwise the agents reclaim it after their timeout."""
+        """Undo puts that will not commit: drop their pending records, then ask the agents to expire
+        the reservations now. Each agent frees them at its next sync unless a commit did reach the
+        index (the writer may have lost only the reply), so this can never free a live object."""
         try:
             if started:
-                removed = self.index.put_revoke([p.put_id.hex() for p in plans])
-                if removed != len(plans):
-                    return  # some commit may have happened: leave those to the agents' reclaim
+                self.index.put_revoke([p.put_id.hex() for p in plans])
             by_node: dict[str, list[int]] = {}
             for plan in plans:
                 for replica in plan.replicas:
@@ -336,7 +345,7 @@ class Client:
                 if node is not None:
                     self._tcp.peer(node.tcp_endpoint).free(ids)
         except MooncakeError:
-            pass  # best effort: the agents reclaim by timeout
+            pass  # best effort: the agents reclaim by timeout anyway
 
     # ---- gets -------------------------------------------------------------------------------
     def _use_shm(self, node: NodeInfo) -> bool:

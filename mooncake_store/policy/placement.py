@@ -44,7 +44,8 @@ def rank_nodes(
         alive = [n for n in alive if n.node_id == preferred_node]
     if not alive:
         raise NoCapacity(
-            no_room_message(nodes, size_bytes=size_bytes, now_ms=now_ms, tier=tier, preferred_node=preferred_node)
+            no_room_message(nodes, size_bytes=size_bytes, now_ms=now_ms, tier=tier, preferred_node=preferred_node),
+            permanent=True,
         )
 
     def score(n: NodeInfo) -> tuple[int, int, int, float, str]:
@@ -63,7 +64,8 @@ def choose_replica_nodes(ranked: list[NodeInfo], replicas: int) -> list[NodeInfo
     if replicas > len(ranked):
         raise NoCapacity(
             f"replicas={replicas} needs {replicas} live nodes with room; only {len(ranked)} qualify "
-            f"({', '.join(n.node_id for n in ranked) or 'none'})"
+            f"({', '.join(n.node_id for n in ranked) or 'none'})",
+            permanent=True,
         )
     return ranked[:replicas]
 

@@ -1,0 +1,86 @@
+"""Hostile frames on the agent's port: each is refused without harming the agent or its data."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from mooncake_store import Client, LocalCluster
+from mooncake_store.errors import ProtocolError, StaleLocation, TransferError
+from mooncake_store.transport import frames
+from mooncake_store.transport.frames import Op, Status
+from mooncake_store.transport.tcp import PeerConnections, parse_endpoint
+
+
+def _connect(cluster: LocalCluster) -> socket.socket:
+    sock = socket.create_connection(parse_endpoint(cluster.agents[0].endpoint), timeout=5)
+    return sock
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.fixture
+def one_agent(make_cluster) -> LocalCluster:  # type: ignore[no-untyped-def]
+    return make_cluster(1)
+
+
+def test_garbage_closes_only_that_connection(one_agent: LocalCluster, make_client) -> None:  # type: ignore[no-untyped-def]
+    client: Client = make_client(one_agent, transports=("tcp",))
+    client.put("safe", np.arange(1000, dtype=np.int32))
+    for junk in (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 20, b"MC\x09" + b"\x00" * 29, frames.pack(99)):
+        with _connect(one_agent) as sock:
+            sock.sendall(junk)
+            assert _closed(sock)
+    assert client.get("safe").tolist() == list(range(1000))
+
+
+def test_oversized_batches_are_refused(one_agent: LocalCluster) -> None:
+    for op in (Op.RESERVE, Op.FREE):
+        with _connect(one_agent) as sock:
+            sock.sendall(frames.pack(op, frames.MAX_BATCH + 1))
+            _, status, *_ = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
+            assert status == Status.BAD_REQUEST
+            assert _closed(sock)
+
+
+def test_reads_and_writes_outside_an_allocation_are_stale(one_agent: LocalCluster, make_client) -> None:  # type: ignore[no-untyped-def]
+    client: Client = make_client(one_agent, transports=("tcp",))
+    client.put("obj", np.full(4096, 5, np.uint8))
+    time.sleep(0.6)  # the agent learns of the commit at its next sync (0.2 s)
+    (meta,) = client.index.lookup(["obj"], lease_ms=0).objects
+    assert meta is not None
+    replica = meta.replicas[0]
+    peer = PeerConnections(one_agent.agents[0].endpoint, timeout_s=5, max_idle=2)
+    try:
+        ok = bytearray(4096)
+        peer.read_many([frames_read(replica.alloc_id, replica.offset, ok)])
+        assert ok == b"\x05" * 4096
+        with pytest.raises(StaleLocation):  # unknown generation
+            peer.read_many([frames_read(replica.alloc_id + 12345, replica.offset, bytearray(16))])
+        with pytest.raises(StaleLocation):  # past the end of the allocation
+            peer.read_many([frames_read(replica.alloc_id, replica.offset + 4000, bytearray(200))])
+        with pytest.raises(StaleLocation):  # committed bytes are never rewritten
+            peer.write(replica.alloc_id, replica.offset, memoryview(b"\x00" * 16))
+        with pytest.raises((StaleLocation, TransferError, ProtocolError)):  # beyond the arena
+            peer.write(replica.alloc_id, 1 << 40, memoryview(b"\x00" * 16))
+        assert peer.free([replica.alloc_id]) == 0  # a client may not free a committed object
+        with pytest.raises(StaleLocation):  # a fresh reservation cannot be written past its end
+            (res,) = peer.reserve([(64, b"p" * 16)], node_id="agent-0")
+            peer.write(res.alloc_id, res.offset + 32, memoryview(b"\x00" * 64))
+    finally:
+        peer.close()
+    assert client.get("obj").tolist() == [5] * 4096
+
+
+def frames_read(alloc_id: int, offset: int, dest: bytearray):  # type: ignore[no-untyped-def]
+    from mooncake_store.transport.tcp import ReadRequest
+
+    return ReadRequest(alloc_id=alloc_id, offset=offset, dest=memoryview(dest))

@@ -1,0 +1,139 @@
+"""Bad input of every kind gets a clear MooncakeError naming the value and the limit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mooncake_store import (
+    MAX_KEY_BYTES,
+    Client,
+    ConnectError,
+    InvalidKey,
+    InvalidValue,
+    KeyNotFound,
+    LocalCluster,
+    MooncakeError,
+    NoCapacity,
+    connect,
+)
+
+
+def test_object_bigger_than_any_arena_names_sizes(shared_client: Client) -> None:
+    too_big = np.zeros((64 << 20) + 1, dtype=np.uint8)
+    with pytest.raises(NoCapacity) as info:
+        shared_client.put("huge", too_big)
+    message = str(info.value)
+    assert str(too_big.nbytes) in message and str(64 << 20) in message
+    assert not shared_client.exists("huge")
+
+
+def test_more_replicas_than_nodes(shared_client: Client) -> None:
+    with pytest.raises(NoCapacity, match="replicas=3 needs 3 live nodes"):
+        shared_client.put("r3", b"x", replicas=3)
+
+
+def test_missing_key_is_key_not_found_and_key_error(shared_client: Client) -> None:
+    with pytest.raises(KeyNotFound, match="'nope' not found"):
+        shared_client.get("nope")
+    with pytest.raises(KeyError):
+        shared_client.get_into("nope", bytearray(10))
+    assert shared_client.remove("nope") is False
+    assert shared_client.exists("nope") is False
+
+
+@pytest.mark.parametrize(
+    ("key", "fragment"),
+    [
+        ("", "must not be empty"),
+        ("x" * (MAX_KEY_BYTES + 1), f"the limit is {MAX_KEY_BYTES} B"),
+        ("é" * (MAX_KEY_BYTES // 2 + 1), f"the limit is {MAX_KEY_BYTES} B"),
+        ("a\x00b", "control character"),
+        ("line\nbreak", "control character"),
+        (b"bytes-key", "key must be str"),
+        (42, "key must be str"),
+        ("\ud800", "not valid UTF-8"),
+    ],
+)
+def test_bad_keys(shared_client: Client, key: object, fragment: str) -> None:
+    for call in (
+        lambda: shared_client.put(key, b"x"),
+        lambda: shared_client.get(key),
+        lambda: shared_client.exists(key),
+    ):  # type: ignore[arg-type]
+        with pytest.raises(InvalidKey, match=fragment):
+            call()
+
+
+def test_key_at_the_limit_is_fine(shared_client: Client) -> None:
+    key = "k" * MAX_KEY_BYTES
+    shared_client.put(key, b"limit")
+    assert shared_client.get(key).tobytes() == b"limit"
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (object(), "cannot store a object"),
+        ([1, 2, 3], "cannot store a list"),
+        (np.array(["a", "b"]), "not storable"),
+        (np.array([1, None], dtype=object), "not storable"),
+        (np.arange(10)[::2], "not C-contiguous"),
+        (np.arange(4, dtype=">i4"), "big-endian"),
+        ("text", "cannot store a str"),
+    ],
+)
+def test_bad_values(shared_client: Client, value: object, fragment: str) -> None:
+    with pytest.raises(InvalidValue, match=fragment):
+        shared_client.put("bad", value)
+    assert not shared_client.exists("bad")
+
+
+def test_get_into_wrong_out(shared_client: Client) -> None:
+    shared_client.put("ten", np.arange(10, dtype=np.int64))
+    with pytest.raises(InvalidValue, match="out holds 79 B but key 'ten' is 80 B"):
+        shared_client.get_into("ten", bytearray(79))
+    with pytest.raises(InvalidValue, match="read-only"):
+        shared_client.get_into("ten", bytes(80))
+    with pytest.raises(InvalidValue, match="not C-contiguous"):
+        shared_client.get_into("ten", np.zeros(40, np.int64)[::2])
+    with pytest.raises(InvalidValue, match="writable buffer"):
+        shared_client.get_into("ten", "nope")
+    big = np.zeros(100, np.int64)
+    assert shared_client.get_into("ten", big) == 80  # larger buffers are fine: the byte count says how much
+    assert big[:10].tolist() == list(range(10))
+
+
+def test_bad_replicas_argument(shared_client: Client) -> None:
+    with pytest.raises(InvalidValue, match=r"replicas must be an int in 1\.\.16"):
+        shared_client.put("r", b"x", replicas=0)
+
+
+def test_connect_without_url_says_how_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOONCAKE_REDIS_URL", raising=False)
+    monkeypatch.setenv("MOONCAKE_CONFIG", "/nonexistent/mooncake.toml")
+    with pytest.raises(MooncakeError) as info:
+        connect()
+    assert "MOONCAKE_REDIS_URL" in str(info.value) or "mooncake.toml" in str(info.value)
+
+
+def test_connect_to_nothing_is_connect_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectError, match=f"cannot reach Redis at redis://127.0.0.1:{port}"):
+        connect(f"redis://127.0.0.1:{port}/0", timeout_s=2.0)
+
+
+def test_bad_url_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(MooncakeError, match="http://x"):
+        connect("http://x")
+
+
+def test_closed_client_refuses(shared_cluster: LocalCluster) -> None:
+    own = connect(shared_cluster.redis_url, namespace=shared_cluster.namespace)
+    own.close()
+    with pytest.raises(MooncakeError, match="closed"):
+        own.get("x")

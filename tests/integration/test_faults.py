@@ -1,0 +1,159 @@
+"""Crashes: a writer killed mid-put, an agent killed with its data, an agent stopped cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError, TransferError
+from mooncake_store.tiers.host import SHM_DIR
+
+# The writer runs the real put path up to the bytes (reserve on the agent, PENDING record in the
+# index, bytes written), says so, and waits to be killed before it commits.
+WRITER = textwrap.dedent(
+    """
+    import sys, time, uuid
+    import numpy as np
+    from mooncake_store import connect
+    from mooncake_store.client.client import _PlannedPut, checksum_of
+    from mooncake_store.client.buffers import as_source
+    from mooncake_store.index.client import PendingPut
+
+    client = connect(sys.argv[1], namespace=sys.argv[2], transports=(sys.argv[3],))
+    src = as_source(np.full(8 << 20, 7, dtype=np.uint8))
+    plan = _PlannedPut(key="doomed", source=src, put_id=uuid.uuid4().bytes, checksum=checksum_of(src.view), replicas=[])
+    nodes = client._reserve([plan], 1, None)
+    client.index.put_start([PendingPut(put_id=plan.put_id.hex(), key=plan.key, size_bytes=len(src.view),
+        dtype=src.dtype, shape=src.shape, checksum=plan.checksum, replicas=tuple(plan.replicas))], ttl_ms=60000)
+    for r in plan.replicas:
+        client._write_replica(nodes[r.node_id], r, src.view)
+    print("RESERVED", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_writer_killed_between_reserve_and_commit(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], transport: str
+) -> None:
+    cluster = make_cluster(1, reserve_timeout_s=1.0)
+    client = make_client(cluster)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, cluster.redis_url, cluster.namespace, transport],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert writer.stdout is not None
+        line = writer.stdout.readline()
+        assert line.strip() == b"RESERVED", writer.stderr.read() if writer.stderr else b""
+        # The space is taken while the writer lives (the heartbeat publishes it within a second).
+        assert _wait_until(lambda: client.stat().used_bytes >= 8 << 20, 5.0)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait(timeout=10)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        for stream in (writer.stdout, writer.stderr):
+            if stream:
+                stream.close()
+    assert not client.exists("doomed")
+    # Reclaimed after the 1 s reservation timeout (plus a sync and a heartbeat to publish it).
+    assert _wait_until(lambda: client.stat().used_bytes == 0, 6.0)
+    assert not client.exists("doomed")
+    with pytest.raises(KeyNotFound):
+        client.get("doomed")
+    # The space is usable again: a put of the whole arena fits.
+    client.put("after", np.ones(60 << 20, dtype=np.uint8))
+    assert client.get("after").sum() == 60 << 20
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_agent_killed_single_replica_fails_cleanly(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], transport: str
+) -> None:
+    cluster = make_cluster(2, heartbeat_ttl_s=1.5)
+    client = make_client(cluster, transports=(transport,), timeout_s=3.0)
+    for i in range(10):
+        client.put(f"on-a0/{i}", np.full(1 << 16, i, np.uint8), preferred_node="agent-0")
+    victim = cluster.agent("agent-0")
+    victim.kill()
+    start = time.monotonic()
+    # Within the deadline a get may still be served from the dead agent's leftover segment (shm) or
+    # fail to connect (tcp); after it, the index no longer returns the replicas at all.
+    for i in range(10):
+        try:
+            got = client.get(f"on-a0/{i}")
+            assert int(got[0]) == i  # never wrong bytes
+        except (KeyNotFound, TransferError):
+            pass
+    assert _wait_until(lambda: not client.exists("on-a0/0"), 5.0)
+    for i in range(10):
+        with pytest.raises(KeyNotFound):
+            client.get(f"on-a0/{i}")
+    assert time.monotonic() - start < 15.0  # no hang past the timeouts
+    # The reaper (run by the surviving agent) removes the dead node and its records.
+    assert _wait_until(lambda: "agent-0" not in client.index.nodes(), 8.0)
+    assert client.index.list_keys("on-a0/*") == []
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_agent_killed_two_replicas_lose_nothing(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], transport: str
+) -> None:
+    cluster = make_cluster(2, heartbeat_ttl_s=1.5)
+    writer = make_client(cluster)
+    values = {f"r2/{i}": np.random.default_rng(i).integers(0, 255, 100_000, dtype=np.uint8) for i in range(20)}
+    writer.put_many(values, replicas=2)
+    cluster.agent("agent-1").kill()
+    if transport == "shm":
+        # A killed agent's segment would still serve shm readers; remove it as a host failure would.
+        (SHM_DIR / cluster.agent("agent-1").shm_name).unlink(missing_ok=True)
+    reader = make_client(cluster, transports=(transport,), timeout_s=3.0)
+    for _ in range(2):  # before and after the heartbeat deadline
+        for key, value in values.items():
+            assert np.array_equal(reader.get(key), value)
+        time.sleep(2.0)
+    assert all(r.node_id == "agent-0" for r in reader.index.lookup(["r2/0"], lease_ms=0).objects[0].replicas)  # type: ignore[union-attr]
+
+
+def test_agent_sigterm_deregisters_and_removes_segment(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    cluster = make_cluster(2)
+    client = make_client(cluster)
+    client.put("leaving", b"bye", preferred_node="agent-1")
+    agent = cluster.agent("agent-1")
+    segment = Path(SHM_DIR / agent.shm_name)
+    assert segment.exists()
+    agent.process.send_signal(signal.SIGTERM)
+    assert agent.process.wait(timeout=10) == 0
+    assert not segment.exists()
+    assert "agent-1" not in client.index.nodes()
+    assert not client.exists("leaving")
+
+
+def test_node_id_held_by_live_agent_is_refused(make_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = make_cluster(1)
+    with pytest.raises(MooncakeError, match="is held by a live agent"):
+        cluster.add_agent(node_id="agent-0")

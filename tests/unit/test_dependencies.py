@@ -1,0 +1,76 @@
+"""Holds the dependency direction of DESIGN.md §5 by parsing every import in the package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "mooncake_store"
+
+# layer -> layers (top-level subpackages or modules of mooncake_store) it may import
+ALLOWED: dict[str, set[str]] = {
+    "types": {"errors"},
+    "errors": set(),
+    "config": {"errors", "types"},
+    "embedded": {"errors", "config"},
+    "policy": {"errors", "types"},
+    "tiers": {"errors", "types", "config"},
+    "transport": {"errors", "types", "config", "tiers"},
+    "index": {"errors", "types", "config"},
+    "agent": {"errors", "types", "config", "index", "transport", "tiers", "policy"},
+    "client": {"errors", "types", "config", "index", "transport", "tiers", "policy", "embedded"},
+    "integrations": {"errors", "types", "config", "client"},
+}
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imported_layers(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "mooncake_store" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def test_layers_import_only_downwards() -> None:
+    violations = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        layer = _layer(path)
+        if layer in ("__init__", "__main__", "demo"):
+            continue  # the public facade and entry points may use everything
+        allowed = ALLOWED.get(layer)
+        assert allowed is not None, f"{path} is in an unknown layer {layer!r}: add it to ALLOWED"
+        for imported in _imported_layers(path) - {layer}:
+            if imported not in allowed:
+                violations.append(f"{path.relative_to(ROOT)} ({layer}) imports {imported}")
+    assert not violations, "\n".join(violations)
+
+
+def test_tiers_and_transport_never_import_index() -> None:
+    for sub in ("tiers", "transport", "policy"):
+        for path in (PACKAGE / sub).rglob("*.py"):
+            assert "index" not in _imported_layers(path), path
+
+
+def test_policy_does_no_io() -> None:
+    forbidden = {"socket", "redis", "subprocess", "os", "time", "mmap", "threading"}
+    for path in (PACKAGE / "policy").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert not {a.name.split(".")[0] for a in node.names} & forbidden, path
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert node.module.split(".")[0] not in forbidden, path

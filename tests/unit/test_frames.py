@@ -1,0 +1,41 @@
+"""The wire format: header round trip and rejection of foreign or future frames."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from mooncake_store.errors import ProtocolError, TransferError
+from mooncake_store.transport import frames
+
+
+def test_header_round_trip() -> None:
+    raw = frames.pack(frames.Op.READ, 3, 2**63, 17, 4096)
+    assert len(raw) == frames.HEADER_BYTES == 32
+    assert frames.unpack(raw) == (frames.Op.READ, 3, 2**63, 17, 4096)
+
+
+def test_bad_magic_and_version() -> None:
+    raw = bytearray(frames.pack(frames.Op.PING))
+    raw[0:2] = b"XX"
+    with pytest.raises(ProtocolError, match="bad frame magic"):
+        frames.unpack(bytes(raw))
+    raw = bytearray(frames.pack(frames.Op.PING))
+    raw[2] = 9
+    with pytest.raises(ProtocolError, match="frame version 9"):
+        frames.unpack(bytes(raw))
+
+
+def test_send_and_receive_into_caller_memory() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        payload = memoryview(bytes(range(256)) * 64)
+        frames.send_all(a, frames.pack(frames.Op.WRITE, 0, 1, 2, len(payload)), payload)
+        assert frames.unpack(frames.recv_exact(b, frames.HEADER_BYTES))[4] == len(payload)
+        dest = bytearray(len(payload))
+        frames.recv_into_exact(b, memoryview(dest))
+        assert dest == payload
+        a.close()
+        with pytest.raises(TransferError, match="peer closed the connection after 0 of 10 B"):
+            frames.recv_exact(b, 10)

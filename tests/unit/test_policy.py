@@ -1,0 +1,123 @@
+"""The pure decisions, on tables of nodes and allocations."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_store.errors import NoCapacity
+from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
+from mooncake_store.policy.reclaim import expired_reservations, plan_sync
+from mooncake_store.policy.transport_choice import choose_transport, order_replicas
+from mooncake_store.types import NodeInfo, Replica, TierKind, TierUsage, TransportKind
+
+MiB = 1 << 20
+NOW = 1_000_000
+
+
+def node(
+    node_id: str, *, free: int, capacity: int = 100 * MiB, host: str = "h1", zone: str = "z1", alive: bool = True
+) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id,
+        host=host,
+        host_id=host,
+        zone=zone,
+        pid=1,
+        tcp_endpoint="127.0.0.1:1",
+        shm_name=f"seg-{node_id}",
+        transports=(TransportKind.SHM, TransportKind.TCP),
+        tiers=(TierUsage(tier=TierKind.HOST, capacity_bytes=capacity, used_bytes=capacity - free),),
+        heartbeat_deadline_ms=NOW + 5000 if alive else NOW - 1,
+    )
+
+
+def ranked_ids(nodes: list[NodeInfo], size: int, **kw: object) -> list[str]:
+    return [n.node_id for n in rank_nodes(nodes, size_bytes=size, now_ms=NOW, host_id="h1", zone="z1", **kw)]  # type: ignore[arg-type]
+
+
+def test_own_host_first_then_zone_then_most_free() -> None:
+    nodes = [
+        node("far-roomy", free=90 * MiB, host="h3", zone="z2"),
+        node("zone-busy", free=20 * MiB, host="h2"),
+        node("zone-roomy", free=80 * MiB, host="h4"),
+        node("mine", free=10 * MiB),
+    ]
+    assert ranked_ids(nodes, MiB) == ["mine", "zone-roomy", "zone-busy", "far-roomy"]
+
+
+def test_nodes_without_room_go_last_and_dead_nodes_never() -> None:
+    nodes = [
+        node("mine", free=MiB // 2),
+        node("other", free=50 * MiB, host="h2"),
+        node("dead", free=99 * MiB, alive=False),
+    ]
+    assert ranked_ids(nodes, MiB) == ["other", "mine"]
+
+
+def test_too_big_for_every_arena_is_permanent_and_names_sizes() -> None:
+    nodes = [node("a", free=10 * MiB, capacity=10 * MiB)]
+    with pytest.raises(NoCapacity) as info:
+        ranked_ids(nodes, 11 * MiB)
+    assert info.value.permanent
+    assert str(11 * MiB) in str(info.value) and str(10 * MiB) in str(info.value)
+
+
+def test_no_live_nodes_says_so() -> None:
+    with pytest.raises(NoCapacity, match="no live agent"):
+        ranked_ids([node("dead", free=MiB, alive=False)], 1)
+
+
+def test_preferred_node_pins_the_choice() -> None:
+    nodes = [node("mine", free=90 * MiB), node("b", free=1 * MiB, host="h2")]
+    assert ranked_ids(nodes, 1000, preferred_node="b") == ["b"]
+    with pytest.raises(NoCapacity, match="preferred node 'zz'"):
+        ranked_ids(nodes, 1000, preferred_node="zz")
+
+
+def test_replicas_need_distinct_nodes() -> None:
+    nodes = [node("a", free=MiB), node("b", free=MiB, host="h2")]
+    assert [n.node_id for n in choose_replica_nodes(nodes, 2)] == ["a", "b"]
+    with pytest.raises(NoCapacity, match="replicas=3"):
+        choose_replica_nodes(nodes, 3)
+
+
+def test_transport_choice() -> None:
+    same = node("same", free=MiB)
+    other = node("other", free=MiB, host="h2")
+    both = (TransportKind.SHM, TransportKind.TCP)
+    assert choose_transport(same, allowed=both, host_id="h1", shm_reachable=True) == TransportKind.SHM
+    assert choose_transport(same, allowed=both, host_id="h1", shm_reachable=False) == TransportKind.TCP
+    assert choose_transport(same, allowed=(TransportKind.TCP,), host_id="h1", shm_reachable=True) == TransportKind.TCP
+    assert choose_transport(other, allowed=both, host_id="h1", shm_reachable=True) == TransportKind.TCP
+    assert choose_transport(other, allowed=(TransportKind.SHM,), host_id="h1", shm_reachable=True) is None
+
+
+def test_replicas_ordered_cheapest_first() -> None:
+    nodes = {"same": node("same", free=MiB), "other": node("other", free=MiB, host="h2")}
+    reps = [
+        Replica(node_id=n, tier=TierKind.HOST, offset=0, size_bytes=1, alloc_id=i)
+        for i, n in enumerate(["other", "gone", "same"])
+    ]
+    ordered = order_replicas(
+        reps, nodes, allowed=(TransportKind.SHM, TransportKind.TCP), host_id="h1", shm_names_reachable={"seg-same"}
+    )
+    assert [(r.node_id, k) for r, _, k in ordered] == [("same", TransportKind.SHM), ("other", TransportKind.TCP)]
+
+
+def test_expired_reservations() -> None:
+    assert expired_reservations({1: 5.0, 2: 10.0, 3: 4.0}, now=5.0) == [1, 3]
+
+
+def test_plan_sync_rules() -> None:
+    plan = plan_sync(
+        reserved=[1, 2, 3, 4, 5],
+        expired=[2, 3, 4],
+        expired_status=["R", "G", "G"],
+        acked=[1, 4, 99],
+        graves=[7, 8],
+        known=[1, 2, 3, 4, 5, 7],
+    )
+    assert plan.commit == (1, 4)  # acked reservations become objects; 99 is unknown here
+    # 2 revoked by the sync, 3 gone and not acked (its writer revoked or died), 7 a known grave;
+    # 4 was gone because it committed (acked in the same sync); 8 was freed before.
+    assert plan.free == (2, 3, 7)
