@@ -244,8 +244,8 @@ class Client:
                 host_id=self.host_id,
                 zone=self.zone,
                 preferred_node=preferred_node,
+                free_bytes=projected,
             )
-            ranked.sort(key=lambda n: 0 if projected.get(n.node_id, 0) >= size else 1)  # stable: keeps rank
             for node in choose_replica_nodes(ranked, replicas):
                 projected[node.node_id] = projected.get(node.node_id, 0) - size
                 by_node.setdefault(node.node_id, []).append(plan)

@@ -32,8 +32,12 @@ def rank_nodes(
     zone: str,
     tier: TierKind = TierKind.HOST,
     preferred_node: str | None = None,
+    free_bytes: dict[str, int] | None = None,
 ) -> list[NodeInfo]:
     """Live nodes that may hold ``size_bytes`` in ``tier``, best first.
+
+    ``free_bytes`` overrides the table's free space per node: a batch passes what will be left
+    after its earlier objects, so one batch spreads over the zone instead of filling one node.
 
     Free space in the node table is a few hundred ms old, so a node that looks full is kept at the
     end rather than dropped: its agent has the final word when asked to reserve.
@@ -49,7 +53,7 @@ def rank_nodes(
         )
 
     def score(n: NodeInfo) -> tuple[int, int, int, float, str]:
-        free = _free(n, tier)
+        free = free_bytes[n.node_id] if free_bytes and n.node_id in free_bytes else _free(n, tier)
         fits = 0 if free >= size_bytes else 1
         same_host = 0 if n.host_id == host_id else 1
         same_zone = 0 if n.zone == zone else 1

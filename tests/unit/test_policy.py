@@ -121,3 +121,10 @@ def test_plan_sync_rules() -> None:
     # 2 revoked by the sync, 3 gone and not acked (its writer revoked or died), 7 a known grave;
     # 4 was gone because it committed (acked in the same sync); 8 was freed before.
     assert plan.free == (2, 3, 7)
+
+
+def test_projected_free_space_spreads_a_batch() -> None:
+    nodes = [node("a", free=50 * MiB, host="h2"), node("b", free=40 * MiB, host="h3")]
+    assert ranked_ids(nodes, MiB) == ["a", "b"]
+    assert ranked_ids(nodes, MiB, free_bytes={"a": 30 * MiB}) == ["b", "a"]
+    assert ranked_ids(nodes, MiB, free_bytes={"a": 0}) == ["b", "a"]
