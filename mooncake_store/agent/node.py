@@ -37,8 +37,13 @@ class Agent:
         self.arena = HostArena.create(
             segment_name(namespace, self.node_id), config.host_bytes, prefault=config.prefault
         )
-        self.table = AllocationTable(config.host_bytes, reserve_timeout_s=config.reserve_timeout_s)
-        self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0)
+        try:
+            self.table = AllocationTable(config.host_bytes, reserve_timeout_s=config.reserve_timeout_s)
+            self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0)
+        except BaseException:
+            self.arena.close(unlink=True)  # a half-built agent must not leave its segment behind
+            self.index.close()
+            raise
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.started_ms = int(time.time() * 1000)

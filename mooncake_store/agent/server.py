@@ -13,7 +13,7 @@ import socket
 import threading
 
 from mooncake_store.agent.allocations import AllocationTable
-from mooncake_store.errors import MooncakeError, ProtocolError, TransferError
+from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError
 from mooncake_store.tiers.host import HostArena
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
@@ -31,7 +31,10 @@ class AgentServer:
         self._arena = arena
         self._table = table
         self._timeout_s = timeout_s
-        self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
+        try:
+            self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
+        except OSError as exc:
+            raise ConnectError(f"agent cannot listen on {listen}: {exc}") from None
         self._sock.settimeout(0.5)
         self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()

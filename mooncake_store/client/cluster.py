@@ -165,6 +165,11 @@ class LocalCluster:
                 if not line:
                     break
         err = b""
+        if not line:  # stdout closed: the agent is exiting; give it a moment to finish its stderr
+            try:
+                agent.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         if agent.process.stderr is not None and agent.process.poll() is not None:
             err = agent.process.stderr.read()[-2000:]
         agent.stop()

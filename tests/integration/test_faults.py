@@ -157,3 +157,16 @@ def test_node_id_held_by_live_agent_is_refused(make_cluster: Callable[..., Local
     cluster = make_cluster(1)
     with pytest.raises(MooncakeError, match="is held by a live agent"):
         cluster.add_agent(node_id="agent-0")
+
+
+def test_agent_that_cannot_listen_exits_and_leaves_no_segment(make_cluster: Callable[..., LocalCluster]) -> None:
+    import socket
+
+    cluster = make_cluster(0)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(MooncakeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            cluster.add_agent(node_id="busy", extra_args=["--listen", f"127.0.0.1:{port}"])
+    assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(f"mooncake.{cluster.namespace}.busy.")]
