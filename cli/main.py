@@ -1,7 +1,125 @@
-"""Entry point of the `mooncake` console script (filled in by the CLI issue)."""
+"""Entry point of the `mooncake` console script: the typer app, global options, and the one place
+where errors become a red line and an exit code (tracebacks only with --debug)."""
 
 from __future__ import annotations
 
+import sys
+from typing import Annotated
 
-def main() -> None:
-    raise SystemExit("the mooncake CLI is not built yet")
+import redis
+import typer
+from mooncake_cli.commands import agent as agent_cmd
+from mooncake_cli.commands import cluster, data, doctor, stat
+from mooncake_cli.context import Globals, NamespaceOpt, RedisUrlOpt, err, out
+from mooncake_cli.exits import EXIT_CODE_HELP, CliError, ExitCode, code_for
+from rich.markup import escape
+
+from mooncake_store import MooncakeError, __version__
+
+try:  # typer >= 0.16 carries its own copy of click; older releases use click itself
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as click_exc  # type: ignore[no-redef]
+
+_EPILOG = (
+    "Exit codes: "
+    + "; ".join(f"{int(code)} {text}" for code, text in EXIT_CODE_HELP)
+    + ".\n\nThe cluster is found from --redis-url, else env MOONCAKE_REDIS_URL, else the config file, else the "
+    "cluster `mooncake up` recorded in $MOONCAKE_STATE_DIR (default ~/.local/state/mooncake)."
+)
+
+app = typer.Typer(
+    name="mooncake",
+    help="mooncake-store: a distributed, tiered KV-cache store. Start a local cluster with `mooncake up`, "
+    "then put, get, ls, rm objects and watch the cluster with stat and doctor.",
+    epilog=_EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,  # errors are one red line here; --debug shows the traceback
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"mooncake {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    ctx.obj = Globals(redis_url=redis_url, namespace=namespace, debug=debug)
+
+
+app.command(rich_help_panel="Cluster")(cluster.up)
+app.command(rich_help_panel="Cluster")(cluster.down)
+app.command(rich_help_panel="Cluster")(agent_cmd.agent)
+app.command(rich_help_panel="Cluster")(stat.stat)
+app.command(rich_help_panel="Cluster")(doctor.doctor)
+app.command(rich_help_panel="Objects")(data.put)
+app.command(rich_help_panel="Objects")(data.get)
+app.command(rich_help_panel="Objects")(data.rm)
+app.command(rich_help_panel="Objects")(data.ls)
+# Further groups mount here as sub-apps, e.g. the prefix-cache demo:
+#     app.add_typer(demo.app, name="demo", rich_help_panel="Demos")
+
+
+def _fail(message: str, code: int, *, debug: bool) -> int:
+    if debug:
+        err.print_exception(show_locals=False)
+    # One line, never wrapped or markup-parsed: scripts and tests read it, and messages hold "[...]".
+    err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    # Also known before parsing, so a usage error can show its traceback too.
+    debug = "--debug" in args
+    command = typer.main.get_command(app)
+    try:
+        rc = command.main(args=args, prog_name="mooncake", standalone_mode=False)
+        code = rc if isinstance(rc, int) else 0
+    except click_exc.NoArgsIsHelpError as exc:
+        out.print(exc.ctx.get_help() if exc.ctx else "")
+        code = 0
+    except click_exc.UsageError as exc:
+        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+        code = _fail(f"{exc.format_message()}{hint}", ExitCode.USAGE, debug=debug)
+    except click_exc.ClickException as exc:
+        code = _fail(exc.format_message(), exc.exit_code, debug=debug)
+    except typer.Abort:
+        code = ExitCode.INTERRUPTED
+    except CliError as exc:
+        code = _fail(str(exc), exc.code, debug=debug)
+    except MooncakeError as exc:
+        code = _fail(str(exc), code_for(exc), debug=debug)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        code = _fail(f"lost the connection to Redis: {exc}", ExitCode.CANNOT_CONNECT, debug=debug)
+    except redis.RedisError as exc:
+        code = _fail(f"Redis error: {exc}", ExitCode.ERROR, debug=debug)
+    except BrokenPipeError:
+        # `mooncake get k | head -c 10`: the reader left; that is not our error.
+        sys.stderr.close()
+        code = ExitCode.OK
+    except OSError as exc:
+        code = _fail(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", ExitCode.ERROR, debug=debug)
+    except KeyboardInterrupt:
+        code = ExitCode.INTERRUPTED
+    except Exception as exc:  # a bug: still one line, with the way to the details
+        detail = "" if debug else " (run with --debug for the traceback)"
+        code = _fail(f"internal error: {type(exc).__name__}: {exc}{detail}", ExitCode.ERROR, debug=debug)
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""`mooncake agent`: one node agent in the foreground (what each node of a real cluster runs)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from types import FrameType
+from typing import Annotated
+
+import typer
+from mooncake_cli.context import NamespaceOpt, RedisUrlOpt, err, globals_of, out
+from mooncake_cli.exits import CliError, ExitCode
+
+from mooncake_store.agent.node import Agent
+from mooncake_store.config import format_size, load_config, redact_url
+
+
+def agent(
+    ctx: typer.Context,
+    host_mem: Annotated[
+        str | None,
+        typer.Option("--host-mem", help="Host-DRAM arena size: 512MiB, 1GiB, 1073741824 (bytes). Default 1GiB."),
+    ] = None,
+    node_id: Annotated[
+        str | None, typer.Option("--node-id", help="Node id, unique in the namespace. Default HOSTNAME-PID.")
+    ] = None,
+    listen: Annotated[
+        str | None,
+        typer.Option("--listen", help="HOST:PORT of the data server; use 0.0.0.0:PORT for peers on other hosts."),
+    ] = None,
+    advertise: Annotated[
+        str | None,
+        typer.Option("--advertise", help="HOST:PORT that peers dial, when it differs from --listen (0.0.0.0:PORT)."),
+    ] = None,
+    zone: Annotated[str | None, typer.Option("--zone", help="Topology zone (rack) label. Default 'default'.")] = None,
+    disk: Annotated[str | None, typer.Option("--disk", help="Directory of the compressed disk tier.")] = None,
+    disk_mem: Annotated[
+        str | None, typer.Option("--disk-mem", help="Disk tier capacity (compressed bytes), e.g. 20GiB.")
+    ] = None,
+    high_watermark: Annotated[
+        float | None, typer.Option("--high-watermark", help="Tier use (0..1) past which objects move. Default 0.90.")
+    ] = None,
+    low_watermark: Annotated[
+        float | None, typer.Option("--low-watermark", help="Tier use (0..1) moves stop at. Default 0.75.")
+    ] = None,
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+    config_file: Annotated[str | None, typer.Option("--config", help="TOML config file ([agent] section).")] = None,
+    ready_json: Annotated[
+        bool, typer.Option("--ready-json", help="Print one line READY {json} on stdout once serving (for scripts).")
+    ] = False,
+) -> None:
+    """Run one node agent in the foreground (what docker-compose and real nodes run).
+
+    It joins the cluster at the Redis URL and serves this node's memory until SIGTERM or Ctrl-C; then it
+    deregisters and removes its shared-memory segment.
+    """
+    g = globals_of(ctx)
+    config = load_config(
+        file=config_file,
+        overrides={
+            "redis_url": redis_url or g.redis_url,
+            "namespace": namespace or g.namespace,
+            "agent.host_bytes": host_mem,
+            "agent.node_id": node_id,
+            "agent.listen": listen,
+            "agent.zone": zone,
+            "agent.advertise": advertise,
+            "agent.disk_path": disk,
+            "agent.disk_bytes": disk_mem,
+            "agent.high_watermark": high_watermark,
+            "agent.low_watermark": low_watermark,
+        },
+    )
+    if not config.redis_url:
+        # An agent never falls back to the state file: a node must say which cluster it joins.
+        raise CliError("an agent needs a cluster: pass --redis-url or set MOONCAKE_REDIS_URL", ExitCode.USAGE)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+    node = Agent(config.agent, redis_url=config.redis_url, namespace=config.namespace)
+    try:
+        node.start()
+        info = node.node_info()
+        if ready_json:
+            ready = {"node_id": node.node_id, "endpoint": info.tcp_endpoint, "shm_name": info.shm_name, "pid": info.pid}
+            print("READY " + json.dumps(ready), flush=True)
+        else:
+            out.print(
+                f"[green]✓[/green] agent {node.node_id} serving {info.tcp_endpoint}, "
+                f"{format_size(config.agent.host_bytes)} host arena /dev/shm/{info.shm_name}, "
+                f"zone {config.agent.zone}, index {redact_url(config.redis_url)} namespace {config.namespace}"
+            )
+        while not stop.wait(0.5):  # a timed wait keeps signal delivery prompt
+            pass
+    finally:
+        node.stop()
+    err.print(f"agent {node.node_id} stopped")

@@ -1,0 +1,204 @@
+"""`mooncake up` and `mooncake down`: a local cluster on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from types import FrameType
+from typing import Annotated
+
+import typer
+from mooncake_cli import launcher
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, globals_of, out
+from mooncake_cli.exits import CliError, ExitCode
+from mooncake_cli.procs import ProcRef, alive, ref_of
+from mooncake_cli.render import cluster_view
+from mooncake_cli.state import ClusterState, clear_state, load_state, save_state, state_path
+from rich.live import Live
+from rich.markup import escape
+from rich.text import Text
+
+from mooncake_store import ClusterStats, MooncakeError, connect
+from mooncake_store.config import format_size, load_config, parse_size, redact_url
+
+
+class _Stop(Exception):
+    """Raised by the SIGTERM/SIGHUP handler so the foreground view unwinds like Ctrl-C."""
+
+
+def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise _Stop()
+
+
+def _refuse_if_running() -> None:
+    state = load_state()
+    if state is None:
+        return
+    if state.running():
+        raise CliError(
+            f"a cluster is already running ({redact_url(state.redis_url)}, recorded in {state_path()}); "
+            "stop it with `mooncake down` first",
+            ExitCode.ERROR,
+        )
+    # Left by a cluster that died (reboot, SIGKILL): clean its leftovers so they cannot confuse us.
+    report = launcher.stop(state, timeout_s=1.0)
+    if report.segments:
+        err.print(f"[dim]removed {len(report.segments)} stale shared-memory segment(s)[/dim]")
+
+
+def up(
+    ctx: typer.Context,
+    agents: Annotated[int, typer.Option("--agents", "-n", min=0, max=64, help="Number of agent processes.")] = 2,
+    host_mem: Annotated[
+        str, typer.Option("--host-mem", help="Host-DRAM arena per agent: 512MiB, 1GiB, 1073741824 (bytes).")
+    ] = "1GiB",
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+    detach: Annotated[
+        bool, typer.Option("--detach", "-d", help="Start in the background and return; `mooncake down` stops it.")
+    ] = False,
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="Port of the embedded Redis server (0: a free one).")
+    ] = 0,
+    zone: Annotated[str | None, typer.Option("--zone", help="Topology zone label of the agents.")] = None,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=1.0, help="Seconds to wait for each process to start.")
+    ] = 30.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start a local cluster: an embedded Redis server (unless a URL is given) and N agents.
+
+    In the foreground it shows a live view until Ctrl-C, then stops everything it started and removes
+    the agents' shared memory. With --detach it returns at once. Either way the cluster is recorded in
+    the state file ($MOONCAKE_STATE_DIR, default ~/.local/state/mooncake), so later commands in any
+    shell find it with no flags.
+    """
+    g = globals_of(ctx)
+    host_bytes = parse_size(host_mem, what="--host-mem")
+    if host_bytes <= 0:
+        raise CliError(f"--host-mem={host_mem!r}: must be more than 0 B", ExitCode.USAGE)
+    # Validates the URL and namespace (ConfigError -> exit 2) with the same rules as the SDK.
+    config = load_config(overrides={"redis_url": redis_url or g.redis_url, "namespace": namespace or g.namespace})
+    _refuse_if_running()
+    launcher.check_shm_room(agents, host_bytes)
+    plan = launcher.LaunchPlan(
+        num_agents=agents,
+        host_bytes=host_bytes,
+        redis_url=config.redis_url,
+        namespace=config.namespace,
+        port=port,
+        zone=zone,
+        timeout_s=timeout,
+        mode="detached" if detach else "foreground",
+    )
+    owner = None if detach else ref_of(os.getpid())
+    if not as_json:
+        where = "the embedded server" if plan.redis_url is None else redact_url(plan.redis_url)
+        err.print(f"[dim]starting {agents} agent(s) x {format_size(host_bytes)} on {where}...[/dim]")
+    if detach:
+        state = launcher.launch(plan)
+        save_state(state)
+        _print_started(state, as_json=as_json)
+        return
+    _run_foreground(plan, owner, as_json=as_json)
+
+
+def _print_started(state: ClusterState, *, as_json: bool) -> None:
+    if as_json:
+        out.print_json(json.dumps({**state.to_dict(), "redis_url": redact_url(state.redis_url)}))
+        return
+    out.print(f"[green]✓[/green] mooncake cluster up ({state.mode}): {redact_url(state.redis_url)}")
+    for line in launcher.describe(state)[1:]:
+        out.print(f"  {line}")
+    out.print(f"  state {state_path()}  logs {state.log_dir}")
+    if state.mode == "detached":
+        out.print("  stop it with `mooncake down`")
+
+
+def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json: bool) -> None:
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt; the cluster must still stop on Ctrl-C, `kill -INT`, `kill` or a closed terminal.
+    previous = {s: signal.signal(s, _stop_on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    state: ClusterState | None = None
+    try:
+        state = launcher.launch(plan, owner=owner)
+        save_state(state)
+        _print_started(state, as_json=as_json)
+        _live_view(state)
+    except (KeyboardInterrupt, _Stop):
+        pass
+    finally:
+        # Ignore further Ctrl-C while stopping: a half-stopped cluster is the one outcome to avoid.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum, handler in previous.items():
+            if signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_IGN if handler is None else handler)
+        if state is not None:
+            report = launcher.stop(state, timeout_s=10.0, own=True)
+            err.print(
+                f"stopped {report.stopped} process(es)"
+                + (f" ({report.killed} killed)" if report.killed else "")
+                + f", removed {len(report.segments)} shared-memory segment(s)"
+            )
+        signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)
+
+
+def _live_view(state: ClusterState) -> None:
+    client = connect(state.redis_url, namespace=state.namespace)
+    try:
+        prev: tuple[float, ClusterStats] | None = None
+        with Live(console=out, refresh_per_second=2, transient=False, auto_refresh=False) as live:
+            while True:
+                now, stats = time.monotonic(), client.stat()
+                rate = ""
+                if prev is not None:
+                    dt = max(now - prev[0], 1e-6)
+                    gets = (stats.hits + stats.misses - prev[1].hits - prev[1].misses) / dt
+                    stored = (stats.used_bytes - prev[1].used_bytes) / dt
+                    sign = "+" if stored >= 0 else "-"
+                    rate = f"   {gets:.0f} gets/s   stored {sign}{format_size(int(abs(stored)))}/s"
+                prev = (now, stats)
+                exited = [a.node_id for a in state.agents if not alive(a.proc)]
+                header = Text.assemble(
+                    ("mooncake ", "bold"),
+                    redact_url(state.redis_url),
+                    ("  namespace ", "dim"),
+                    state.namespace,
+                    rate,
+                    ("   Ctrl-C stops the cluster", "dim"),
+                    (f"\nagent process exited: {', '.join(exited)} (see {state.log_dir})" if exited else "", "red"),
+                )
+                live.update(cluster_view(stats, header=header), refresh=True)
+                time.sleep(1.0)
+    except MooncakeError as exc:
+        err.print(f"[red]error:[/red] live view stopped: {escape(str(exc))}")
+        # Keep the cluster up until the user asks to stop; the view is only a view.
+        while True:
+            time.sleep(1.0)
+    finally:
+        client.close()
+
+
+def down(
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=0.0, help="Seconds to wait after SIGTERM before SIGKILL.")
+    ] = 10.0,
+) -> None:
+    """Stop the cluster that `mooncake up` recorded.
+
+    SIGTERM its processes by PID (detached or foreground), SIGKILL those still running after --timeout,
+    then remove leftover shared-memory segments and the state file.
+    """
+    state = load_state()
+    if state is None:
+        err.print(f"no cluster recorded in {state_path()}; nothing to stop")
+        return
+    report = launcher.stop(state, timeout_s=timeout)
+    clear_state()
+    killed = f" ({report.killed} killed after {timeout:g} s)" if report.killed else ""
+    out.print(
+        f"[green]✓[/green] stopped {report.stopped} process(es){killed}, "
+        f"removed {len(report.segments)} shared-memory segment(s) and {state_path()}"
+    )

@@ -1,0 +1,243 @@
+"""`mooncake put / get / rm / ls`: objects by key, as raw bytes."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, open_client, out, resolve_target
+from mooncake_cli.exits import CliError, ExitCode
+from mooncake_cli.render import age
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from mooncake_store import Client, InvalidValue, KeyNotFound
+from mooncake_store.config import format_size
+from mooncake_store.types import check_key
+
+#: Objects at least this big get a progress bar (when stderr is a terminal).
+PROGRESS_MIN_BYTES = 4 << 20
+#: Chunk for reading stdin and writing outputs, so the bar moves and memory stays bounded per call.
+IO_CHUNK = 4 << 20
+
+KeyArg = Annotated[str, typer.Argument(help="Object key: UTF-8 text, at most 1024 bytes, no control characters.")]
+
+
+def _progress(total: int, what: str) -> Progress:
+    return Progress(
+        TextColumn(f"[bold]{what}[/bold]"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+        transient=True,
+        disable=total < PROGRESS_MIN_BYTES or not err.is_terminal,
+    )
+
+
+@contextmanager
+def _source(path: str) -> Iterator[memoryview]:
+    """The bytes to put: a file is mapped (no copy before the transfer), stdin is read."""
+    if path == "-":
+        data = bytearray()
+        stream = sys.stdin.buffer
+        while chunk := stream.read(IO_CHUNK):
+            data += chunk
+        yield memoryview(data)
+        return
+    file = Path(path)
+    try:
+        fh = file.open("rb")
+    except FileNotFoundError:
+        raise CliError(f"{path}: no such file", ExitCode.USAGE) from None
+    except IsADirectoryError:
+        raise CliError(f"{path}: is a directory, expected a file", ExitCode.USAGE) from None
+    except PermissionError:
+        raise CliError(f"{path}: permission denied", ExitCode.USAGE) from None
+    with fh:
+        size = file.stat().st_size
+        if size == 0:
+            yield memoryview(b"")
+            return
+        mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+        view = memoryview(mm)
+        try:
+            yield view
+        finally:
+            # After a failed put the exception's frames still hold views of the mapping, and closing
+            # it then raises BufferError; the garbage collector unmaps it once they are gone.
+            with suppress(BufferError):
+                view.release()
+                mm.close()
+
+
+def put(
+    ctx: typer.Context,
+    key: KeyArg,
+    file: Annotated[str, typer.Argument(help="File to store, or - for stdin.", metavar="FILE|-")],
+    replicas: Annotated[int, typer.Option("--replicas", "-r", min=1, max=16, help="Copies on distinct nodes.")] = 1,
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Store the bytes of FILE (or stdin) under KEY, replacing any object already there."""
+    check_key(key)  # bad keys and files fail before any connection is made
+    with _source(file) as view:
+        target = resolve_target(ctx, redis_url, namespace)
+        with open_client(target) as client:
+            size, took = _put(client, key, view, replicas)
+    rate = f", {size / took / 1e9:.2f} GB/s" if size >= PROGRESS_MIN_BYTES and took > 0 else ""
+    shown = f"{escape(key)} ({format_size(size)}, {replicas} replica(s))"
+    err.print(f"[green]✓[/green] put {shown} in {took * 1000:.1f} ms{rate}")
+
+
+def _put(client: Client, key: str, view: memoryview, replicas: int) -> tuple[int, float]:
+    """(bytes, seconds). The SDK's put is one call with no progress hook, so the bar shows it
+    start and finish; it still tells a person that a large put is running."""
+    size = len(view)
+    started = time.perf_counter()
+    with _progress(size, "put") as bar:
+        task = bar.add_task("put", total=size)
+        client.put(key, view, replicas=replicas)
+        bar.update(task, completed=size)
+    return size, time.perf_counter() - started
+
+
+def _fetch(client: Client, key: str) -> np.ndarray:
+    """The object's raw bytes, whatever dtype it was put with, copied once into a fresh buffer."""
+    for _ in range(3):
+        meta = client.object_meta(key)
+        if meta is None:
+            raise KeyNotFound(f"key {key!r} not found")
+        buf = np.empty(meta.size_bytes, dtype=np.uint8)
+        try:
+            client.get_into(key, buf)
+            return buf
+        except InvalidValue:
+            continue  # replaced by a bigger object between the size lookup and the read: look again
+    raise CliError(f"key {key!r} kept changing size while being read; try again")
+
+
+def get(
+    ctx: typer.Context,
+    key: KeyArg,
+    output: Annotated[
+        str,
+        typer.Option("--output", "-o", help="Write to this file instead of stdout (- is stdout).", metavar="FILE|-"),
+    ] = "-",
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Write the bytes stored under KEY to stdout or to a file."""
+    check_key(key)
+    target = resolve_target(ctx, redis_url, namespace)
+    dest = None if output == "-" else Path(output)
+    if dest is not None and dest.is_dir():
+        raise CliError(f"{output}: is a directory, expected a file path", ExitCode.USAGE)
+    with open_client(target) as client:
+        started = time.perf_counter()
+        buf = _fetch(client, key)
+        took = time.perf_counter() - started
+    view = memoryview(buf)
+    with _progress(len(view), "write") as bar:
+        task = bar.add_task("write", total=len(view))
+        try:
+            fh = sys.stdout.buffer if dest is None else dest.open("wb")
+        except OSError as exc:
+            raise CliError(f"{output}: cannot write it ({exc.strerror or exc})", ExitCode.USAGE) from None
+        try:
+            for start in range(0, len(view), IO_CHUNK):
+                fh.write(view[start : start + IO_CHUNK])
+                bar.update(task, advance=min(IO_CHUNK, len(view) - start))
+            fh.flush()
+        finally:
+            if dest is not None:
+                fh.close()
+    if dest is not None:
+        err.print(f"[green]✓[/green] got {escape(key)} ({format_size(len(view))}) in {took * 1000:.1f} ms -> {dest}")
+
+
+def rm(
+    ctx: typer.Context,
+    keys: Annotated[list[str], typer.Argument(help="Keys to remove.")],
+    force: Annotated[bool, typer.Option("--force", "-f", help="Succeed even if some keys do not exist.")] = False,
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Remove KEYS; exits 3 if any did not exist (unless --force), the others are removed anyway."""
+    for key in keys:
+        check_key(key)
+    target = resolve_target(ctx, redis_url, namespace)
+    with open_client(target) as client:
+        removed = client.remove_many(keys)
+    missing = [k for k, ok in zip(keys, removed, strict=True) if not ok]
+    done = len(keys) - len(missing)
+    if missing and not force:
+        shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        # One line either way: what was missing, and that the rest went.
+        raise CliError(f"{len(missing)} key(s) not found: {shown} (removed {done} other(s))", ExitCode.NOT_FOUND)
+    err.print(f"[green]✓[/green] removed {done} key(s)")
+
+
+def _dtype_name(dtype: str) -> str:
+    try:
+        return np.dtype(dtype).name  # "|u1" -> "uint8"
+    except TypeError:
+        return dtype  # e.g. bfloat16, which numpy does not know
+
+
+def ls(
+    ctx: typer.Context,
+    pattern: Annotated[str, typer.Argument(help="Glob over keys (Redis MATCH syntax: * ? [abc]).")] = "*",
+    limit: Annotated[int, typer.Option("--limit", min=1, help="List at most this many keys.")] = 1000,
+    as_json: JsonOpt = False,
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """List keys with size, dtype, tier, node and age (sorted by key)."""
+    target = resolve_target(ctx, redis_url, namespace)
+    with open_client(target) as client:
+        listing = client.index.list_keys(pattern, limit=limit)
+        now_ms = client.index.server_time_ms()
+    if as_json:
+        rows = [
+            {
+                "key": k.key,
+                "size_bytes": k.size_bytes,
+                "dtype": k.dtype,
+                "shape": list(k.shape),
+                "replicas": [{"node_id": r.node_id, "tier": str(r.tier), "state": str(r.state)} for r in k.replicas],
+                "age_s": round(max(0, now_ms - k.created_ms) / 1000, 3),
+            }
+            for k in listing
+        ]
+        out.print_json(json.dumps(rows))
+        return
+    if not listing:
+        err.print(f"[dim]no keys match {escape(repr(pattern))} in namespace {target.namespace}[/dim]")
+        return
+    table = Table(header_style="bold", box=None, pad_edge=False)
+    for name, justify in (("key", "left"), ("size", "right"), ("dtype", "left"), ("tier", "left"),
+                          ("node", "left"), ("age", "right")):  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for k in listing:
+        table.add_row(
+            k.key,
+            format_size(k.size_bytes),
+            _dtype_name(k.dtype) + (str(list(k.shape)) if len(k.shape) != 1 else ""),
+            ",".join(sorted({str(r.tier) for r in k.replicas})),
+            ",".join(r.node_id for r in k.replicas),
+            age(max(0, now_ms - k.created_ms) / 1000),
+        )
+    out.print(table)
+    suffix = f" (limit {limit} reached)" if len(listing) >= limit else ""
+    err.print(f"[dim]{len(listing)} key(s){suffix}[/dim]")

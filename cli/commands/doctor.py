@@ -1,0 +1,187 @@
+"""`mooncake doctor`: checks the things that break a cluster, one explained line each."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+import redis
+import typer
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, Target, out, resolve_target
+from mooncake_cli.exits import CliError, ExitCode
+from rich.markup import escape
+
+from mooncake_store.config import format_size
+from mooncake_store.errors import MooncakeError
+from mooncake_store.index import RedisIndex
+from mooncake_store.index.client import connect_redis
+from mooncake_store.tiers.host import SHM_DIR
+
+#: Docker's default /dev/shm is 64 MiB: far too small for an arena, and the commonest setup mistake.
+SHM_WARN_BYTES = 1 << 30
+#: Leases and heartbeat deadlines are in seconds; skew above these eats into them.
+SKEW_WARN_MS = 250
+SKEW_FAIL_MS = 1000
+
+
+class Status(StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+_MARK = {Status.OK: "[green]✓[/green]", Status.WARN: "[yellow]![/yellow]", Status.FAIL: "[red]✗[/red]",
+         Status.SKIP: "[dim]-[/dim]"}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+
+
+def _redis_checks(target: Target) -> tuple[list[Check], bool]:
+    checks: list[Check] = []
+    try:
+        conn = connect_redis(target.redis_url, timeout_s=3.0)
+    except MooncakeError as exc:
+        return [Check("redis", Status.FAIL, str(exc))], False
+    try:
+        info = conn.info("server")
+        name = info.get("server_name") or ("valkey" if "valkey_version" in info else "redis")
+        version = info.get("valkey_version") or info.get("redis_version")
+        checks.append(Check("redis", Status.OK, f"{name} {version} at {target.shown_url} (from {target.source})"))
+        # Skew: the server's TIME against the midpoint of the round trip.
+        before = time.time()
+        secs, micros = conn.time()
+        after = time.time()
+        skew_ms = (secs + micros / 1e6 - (before + after) / 2) * 1000
+        rtt_ms = (after - before) * 1000
+        skew = abs(skew_ms)
+        status = Status.OK if skew < SKEW_WARN_MS else Status.WARN if skew < SKEW_FAIL_MS else Status.FAIL
+        checks.append(
+            Check(
+                "clock",
+                status,
+                f"skew against Redis {skew_ms:+.1f} ms (round trip {rtt_ms:.1f} ms); "
+                f"leases and heartbeats tolerate < {SKEW_WARN_MS} ms",
+            )
+        )
+        index = RedisIndex(target.redis_url, namespace=target.namespace, timeout_s=3.0)
+        try:
+            nodes = index.nodes()
+            now_ms = index.server_time_ms()
+        finally:
+            index.close()
+        alive = [n for n in nodes.values() if n.heartbeat_deadline_ms >= now_ms]
+        dead = sorted(n.node_id for n in nodes.values() if n.heartbeat_deadline_ms < now_ms)
+        if not nodes:
+            checks.append(
+                Check(
+                    "agents",
+                    Status.FAIL,
+                    f"no agent registered in namespace {target.namespace!r}: "
+                    "start one with `mooncake agent` or `mooncake up`",
+                )
+            )
+        else:
+            cap = sum(t.capacity_bytes for n in alive for t in n.tiers)
+            detail = f"{len(alive)} of {len(nodes)} alive in namespace {target.namespace!r}, {format_size(cap)} total"
+            if dead:
+                detail += f"; past their heartbeat deadline: {', '.join(dead[:5])}"
+            checks.append(
+                Check("agents", Status.OK if not dead and alive else Status.WARN if alive else Status.FAIL, detail)
+            )
+    except redis.RedisError as exc:
+        checks.append(Check("redis", Status.FAIL, f"{target.shown_url} answered PING but then failed: {exc}"))
+    finally:
+        conn.close()
+    return checks, True
+
+
+def _shm_check() -> Check:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError as exc:
+        return Check(
+            "shm",
+            Status.FAIL,
+            f"{SHM_DIR} is not available ({exc.strerror}): the shm transport and host arenas need it",
+        )
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    writable = os.access(SHM_DIR, os.W_OK)
+    detail = f"{SHM_DIR} {format_size(free)} free of {format_size(total)}"
+    if not writable:
+        return Check("shm", Status.FAIL, detail + "; not writable by this user")
+    if total < SHM_WARN_BYTES:
+        return Check("shm", Status.WARN, detail + "; small for arenas (in Docker raise shm_size)")
+    return Check("shm", Status.OK, detail)
+
+
+def _rdma_check() -> Check:
+    if importlib.util.find_spec("pyverbs") is None:
+        return Check("rdma", Status.SKIP, "pyverbs not installed (rdma-core's Python bindings): RDMA unavailable")
+    try:
+        import pyverbs.device as device  # type: ignore[import-not-found]
+
+        names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in device.get_device_list()]
+    except Exception as exc:  # any failure of a native binding means "no RDMA here", not a crash
+        return Check("rdma", Status.WARN, f"pyverbs is installed but listing devices failed: {exc}")
+    if not names:
+        return Check("rdma", Status.SKIP, "pyverbs installed, no RDMA devices")
+    return Check("rdma", Status.OK, f"devices: {', '.join(names)}")
+
+
+def _gpu_check() -> Check:
+    if importlib.util.find_spec("cupy") is None:
+        return Check("gpu", Status.SKIP, "cupy not installed: no GPU tier (pip install 'mooncake-store[gpu]')")
+    try:
+        import cupy  # type: ignore[import-not-found]
+
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no driver, no device: cupy raises its own runtime errors
+        return Check("gpu", Status.WARN, f"cupy is installed but found no usable CUDA device: {exc}")
+    return Check("gpu", Status.OK, f"{count} CUDA device(s) via cupy")
+
+
+def doctor(
+    ctx: typer.Context,
+    as_json: JsonOpt = False,
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Check the cluster and this machine, one explained line each.
+
+    Redis reachable and its version, agents alive, clock skew against Redis, /dev/shm size, and the
+    transports this machine has (shm, tcp, rdma via pyverbs, GPUs via cupy). Exits 4 when Redis cannot
+    be reached, 1 when another check fails, 0 otherwise (warnings included).
+    """
+    checks: list[Check] = []
+    reachable = False
+    try:
+        target = resolve_target(ctx, redis_url, namespace)
+    except CliError as exc:
+        checks.append(Check("redis", Status.FAIL, str(exc)))
+    else:
+        redis_checks, reachable = _redis_checks(target)
+        checks.extend(redis_checks)
+    checks.append(_shm_check())
+    checks.append(Check("tcp", Status.OK, "always available (loopback and network)"))
+    checks.append(_rdma_check())
+    checks.append(_gpu_check())
+    if as_json:
+        out.print_json(json.dumps([{**asdict(c), "status": str(c.status)} for c in checks]))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            out.print(f"{_MARK[c.status]} {c.name:<{width}}  {escape(c.detail)}", highlight=False)
+    if not reachable:
+        raise typer.Exit(ExitCode.CANNOT_CONNECT)
+    if any(c.status == Status.FAIL for c in checks):
+        raise typer.Exit(ExitCode.ERROR)

@@ -1,0 +1,47 @@
+"""`mooncake stat`: the node table and totals, once or continuously."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import typer
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, open_client, out, resolve_target
+from mooncake_cli.render import cluster_view, stats_json
+from rich.live import Live
+from rich.text import Text
+
+
+def stat(
+    ctx: typer.Context,
+    as_json: JsonOpt = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C (with --json: one JSON line per refresh).")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.1, help="Seconds between refreshes with --watch.")
+    ] = 1.0,
+    redis_url: RedisUrlOpt = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Show the cluster: nodes, zones, endpoints, transports, tier use, objects, heartbeats, totals."""
+    target = resolve_target(ctx, redis_url, namespace)
+    with open_client(target) as client:
+        header = Text.assemble(("index ", "dim"), target.shown_url, ("  namespace ", "dim"), target.namespace)
+        if not watch:
+            stats = client.stat()
+            if as_json:
+                out.print_json(json.dumps(stats_json(stats, redis_url=target.shown_url, namespace=target.namespace)))
+            else:
+                out.print(cluster_view(stats, header=header))
+            return
+        if as_json:
+            while True:  # JSON lines: a consumer can parse each refresh as it arrives
+                data = stats_json(client.stat(), redis_url=target.shown_url, namespace=target.namespace)
+                print(json.dumps(data), flush=True)
+                time.sleep(interval)
+        with Live(console=out, auto_refresh=False) as live:
+            while True:
+                live.update(cluster_view(client.stat(), header=header), refresh=True)
+                time.sleep(interval)

@@ -1,0 +1,105 @@
+"""What every command shares: the consoles, the connection options, and finding the cluster.
+
+The cluster is found, first match wins: ``--redis-url`` (on the command or before it), then
+``MOONCAKE_REDIS_URL``, then ``redis_url`` in the config file, then the state file that
+``mooncake up`` wrote. Options are not bound to env vars by typer: the SDK's ``load_config`` reads
+``MOONCAKE_*`` itself and rejects misspelt ones, so both layers agree on precedence.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+from mooncake_cli.exits import CliError, ExitCode
+from mooncake_cli.state import ClusterState, load_state, state_path
+from rich.console import Console
+
+from mooncake_store import Client, connect
+from mooncake_store.config import load_config, redact_url
+
+# Data goes to stdout (so `mooncake get k - > file` works); everything for people goes to stderr.
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+RedisUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--redis-url",
+        help="Redis URL of the cluster's index (redis://HOST:PORT/DB). Default: env MOONCAKE_REDIS_URL, "
+        "then the config file, then the cluster recorded by `mooncake up`.",
+        show_default=False,
+    ),
+]
+NamespaceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--namespace",
+        help="Key namespace inside Redis. Default: env MOONCAKE_NAMESPACE, the recorded cluster's, or 'default'.",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
+
+
+@dataclass(slots=True)
+class Globals:
+    """Options given before the command name (``mooncake --redis-url URL stat``)."""
+
+    redis_url: str | None = None
+    namespace: str | None = None
+    debug: bool = False
+
+
+def globals_of(ctx: typer.Context) -> Globals:
+    root = ctx.find_root()
+    obj = root.obj
+    return obj if isinstance(obj, Globals) else Globals()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    redis_url: str
+    namespace: str
+    source: str  # where the URL came from, for doctor and error messages
+    state: ClusterState | None
+
+    @property
+    def shown_url(self) -> str:
+        return redact_url(self.redis_url)
+
+
+def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: str | None = None) -> Target:
+    g = globals_of(ctx)
+    redis_url = redis_url or g.redis_url
+    namespace = namespace or g.namespace
+    config = load_config(overrides={"redis_url": redis_url, "namespace": namespace})
+    if config.redis_url:
+        if redis_url:
+            source = "--redis-url"
+        elif os.environ.get("MOONCAKE_REDIS_URL"):
+            source = "env MOONCAKE_REDIS_URL"
+        else:
+            source = "config file"
+        return Target(redis_url=config.redis_url, namespace=config.namespace, source=source, state=None)
+    state = load_state()
+    path = state_path()
+    if state is None:
+        raise CliError(
+            "no cluster to talk to: start one with `mooncake up --detach`, or pass --redis-url / set "
+            "MOONCAKE_REDIS_URL",
+            ExitCode.CANNOT_CONNECT,
+        )
+    if not state.running():
+        raise CliError(
+            f"the cluster recorded in {path} is no longer running; run `mooncake down` to clean up, then `mooncake up`",
+            ExitCode.CANNOT_CONNECT,
+        )
+    ns = namespace or os.environ.get("MOONCAKE_NAMESPACE") or state.namespace
+    return Target(redis_url=state.redis_url, namespace=ns, source=f"state file {path}", state=state)
+
+
+def open_client(target: Target) -> Client:
+    return connect(target.redis_url, namespace=target.namespace)

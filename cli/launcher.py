@@ -1,0 +1,184 @@
+"""Start and stop a local cluster (embedded server + agent processes) that outlives this process.
+
+Both `mooncake up` modes use this: every process gets a session of its own, so a Ctrl-C in the
+terminal, or the terminal closing, never kills an agent half-way; the CLI stops them in order
+(agents first, so they can still deregister from Redis, then the server) by recorded PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mooncake_cli.exits import CliError, ExitCode
+from mooncake_cli.procs import (
+    ProcRef,
+    alive,
+    log_tail,
+    ref_of,
+    remove_segments,
+    spawn_detached,
+    terminate,
+    wait_for_line,
+)
+from mooncake_cli.state import AgentRecord, ClusterState, clear_state, state_dir
+
+from mooncake_store.config import format_size, redact_url
+from mooncake_store.tiers.host import SHM_DIR, segment_name
+
+_SERVER_PID_RE = re.compile(r", pid (\d+)\s*$", re.MULTILINE)
+
+
+@dataclass(slots=True, kw_only=True)
+class LaunchPlan:
+    num_agents: int
+    host_bytes: int
+    redis_url: str | None  # None: start the embedded server
+    namespace: str
+    port: int = 0
+    zone: str | None = None
+    timeout_s: float = 30.0
+    mode: str = "detached"
+
+
+@dataclass(slots=True)
+class StopReport:
+    stopped: int = 0
+    killed: int = 0
+    segments: list[str] = field(default_factory=list)
+
+
+def _expected_segment(namespace: str, node_id: str, pid: int) -> str:
+    # The agent names its segment after its own pid; rebuild that name to clean up after an agent
+    # that died before it could report it.
+    mine = segment_name(namespace, node_id)
+    return mine[: mine.rindex(".")] + f".{pid}"
+
+
+def check_shm_room(num_agents: int, host_bytes: int) -> None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return  # no /dev/shm to measure: the agent reports the real error
+    free = st.f_bavail * st.f_frsize
+    need = num_agents * host_bytes
+    if need > free:
+        raise CliError(
+            f"{num_agents} agent(s) x {format_size(host_bytes)} = {need} B of shared memory needed, but "
+            f"{SHM_DIR} has {free} B free; use a smaller --host-mem or fewer --agents",
+            ExitCode.NO_CAPACITY,
+        )
+
+
+def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
+    out, log = logs / "server.out", logs / "server.log"
+    log.write_bytes(b"")
+    cmd = [sys.executable, "-m", "mooncake_store.embedded", "--port", str(plan.port)]
+    proc = spawn_detached(cmd, stdout=out, stderr=log)
+    state.servers.append(ref_of(proc.pid))
+    line = wait_for_line(proc, out, "redis://", plan.timeout_s)
+    if line is None:
+        tail = log_tail(log) or f"exit code {proc.poll()}"
+        raise CliError(f"the embedded Redis server did not start within {plan.timeout_s:g} s: {tail}")
+    # The wrapper prints the server's own pid right after the URL; recording it lets `down` stop
+    # the server even if the wrapper was killed outright.
+    found = wait_for_line(proc, log, "", 2.0) and _SERVER_PID_RE.search(log.read_text(errors="replace"))
+    if found:
+        state.servers.append(ref_of(int(found.group(1))))
+    return line.strip()
+
+
+def _agent_env(redis_url: str, namespace: str) -> dict[str, str]:
+    # The URL travels in the environment, not argv: a password in it would show in `ps`.
+    env = os.environ.copy()
+    env["MOONCAKE_REDIS_URL"] = redis_url
+    env["MOONCAKE_NAMESPACE"] = namespace
+    return env
+
+
+def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState) -> None:
+    env = _agent_env(state.redis_url, plan.namespace)
+    started: list[tuple[str, subprocess.Popen[bytes], Path, Path]] = []
+    # Start all, then wait for all: agents come up in parallel.
+    for i in range(plan.num_agents):
+        node_id = f"agent-{i}"
+        out, log = logs / f"{node_id}.out", logs / f"{node_id}.log"
+        log.write_bytes(b"")
+        cmd = [sys.executable, "-m", "mooncake_store.agent", "--host-bytes", str(plan.host_bytes), "--node-id", node_id]
+        if plan.zone:
+            cmd += ["--zone", plan.zone]
+        with out.open("wb") as fo, log.open("ab") as fe:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, env=env, start_new_session=True, close_fds=True
+            )
+        state.agents.append(
+            AgentRecord(
+                node_id=node_id,
+                proc=ref_of(proc.pid),
+                shm_name=_expected_segment(plan.namespace, node_id, proc.pid),
+                endpoint="",
+            )
+        )
+        started.append((node_id, proc, out, log))
+    for record, (node_id, proc, out, log) in zip(state.agents, started, strict=True):
+        line = wait_for_line(proc, out, "READY ", plan.timeout_s)
+        if line is None:
+            tail = log_tail(log) or f"exit code {proc.poll()}"
+            raise CliError(f"agent {node_id} did not become ready within {plan.timeout_s:g} s: {tail}")
+        ready = json.loads(line[len("READY ") :])
+        record.shm_name = str(ready["shm_name"])
+        record.endpoint = str(ready["endpoint"])
+
+
+def launch(plan: LaunchPlan, owner: ProcRef | None = None) -> ClusterState:
+    """Start the processes of ``plan``; on any failure stop what was started and raise."""
+    logs = state_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    state = ClusterState(
+        redis_url=plan.redis_url or "",
+        namespace=plan.namespace,
+        mode=plan.mode,
+        owner=owner,
+        log_dir=str(logs),
+    )
+    try:
+        if plan.redis_url is None:
+            state.redis_url = _start_server(plan, logs, state)
+        _start_agents(plan, logs, state)
+    except BaseException:
+        stop(state, timeout_s=5.0, own=True)
+        raise
+    return state
+
+
+def stop(state: ClusterState, *, timeout_s: float, own: bool = False) -> StopReport:
+    """Stop every recorded process (agents, then servers), remove leftover segments and the state
+    file. ``own``: this process is the cluster's owner (it must not wait for itself)."""
+    report = StopReport()
+    owner = state.owner
+    if owner is not None and not own and owner.pid != os.getpid() and alive(owner):
+        # A foreground `mooncake up` stops its own cluster on SIGTERM; give it the time it needs.
+        report.killed += len(terminate([owner], timeout_s + 10.0))
+        report.stopped += 1
+    agents = [a.proc for a in state.agents if alive(a.proc)]
+    report.killed += len(terminate(agents, timeout_s))
+    report.stopped += len(agents)
+    report.segments = remove_segments(state.shm_segments)
+    for server in state.servers:  # the wrapper first: it stops the server and removes its temp dir
+        if alive(server):
+            report.killed += len(terminate([server], timeout_s))
+            report.stopped += 1
+    clear_state()
+    return report
+
+
+def describe(state: ClusterState) -> list[str]:
+    lines = [f"redis {redact_url(state.redis_url)}  namespace {state.namespace}"]
+    for agent in state.agents:
+        lines.append(f"{agent.node_id}  pid {agent.proc.pid}  {agent.endpoint}  shm {agent.shm_name}")
+    return lines

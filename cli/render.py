@@ -1,0 +1,102 @@
+"""Tables for people: the cluster view shared by `stat`, `stat --watch` and the `up` live view."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from mooncake_store import ClusterStats
+from mooncake_store.config import format_size
+
+
+def age(seconds: float) -> str:
+    if seconds < 0:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def use_percent(used: int, capacity: int) -> Text:
+    frac = used / capacity if capacity else 0.0
+    # Yellow and red where the agent would soon start turning puts away.
+    return Text(f"{frac:.0%}", "green" if frac < 0.7 else "yellow" if frac < 0.9 else "red")
+
+
+def nodes_table(stats: ClusterStats) -> Table:
+    """One row per node and tier; compact on purpose, so that it fits an 80-column terminal."""
+    table = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    for name, justify in (
+        ("node", "left"),
+        ("zone", "left"),
+        ("endpoint", "left"),
+        ("via", "left"),
+        ("tier", "left"),
+        ("used", "right"),
+        ("capacity", "right"),
+        ("use", "right"),
+        ("objs", "right"),
+        ("hb age", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for node in stats.nodes:
+        # The heartbeat age, green while the node is inside its deadline, red once past it.
+        hb = Text(age(node.heartbeat_age_s) + ("" if node.alive else " dead"), "green" if node.alive else "red")
+        for i, tier in enumerate(node.tiers or [None]):
+            first = i == 0
+            row: list[Any] = [
+                Text(node.node_id, "bold") if first else "",
+                node.zone if first else "",
+                node.tcp_endpoint if first else "",
+                ",".join(node.transports) if first else "",
+                tier.tier if tier else "-",
+                format_size(tier.used_bytes) if tier else "-",
+                format_size(tier.capacity_bytes) if tier else "-",
+                use_percent(tier.used_bytes, tier.capacity_bytes) if tier else "",
+                str(node.objects) if first else "",
+                hb if first else "",
+            ]
+            table.add_row(*row)
+    return table
+
+
+def totals_line(stats: ClusterStats) -> Text:
+    live = len(stats.live_nodes)
+    return Text.assemble(
+        ("nodes ", "dim"),
+        f"{live}/{len(stats.nodes)} alive",
+        ("   objects ", "dim"),
+        str(stats.objects),
+        ("   used ", "dim"),
+        f"{format_size(stats.used_bytes)} / {format_size(stats.capacity_bytes)}",
+        ("   gets ", "dim"),
+        f"{stats.hits} hit / {stats.misses} miss",
+    )
+
+
+def cluster_view(stats: ClusterStats, *, header: Text | None = None) -> Group:
+    parts: list[Any] = [header] if header is not None else []
+    if stats.nodes:
+        parts.append(nodes_table(stats))
+    else:
+        parts.append(Text("no agents registered: start one with `mooncake agent` or `mooncake up`", "yellow"))
+    parts.append(totals_line(stats))
+    return Group(*parts)
+
+
+def stats_json(stats: ClusterStats, *, redis_url: str, namespace: str) -> dict[str, Any]:
+    data = stats.as_dict()
+    data["nodes"] = list(data["nodes"])
+    data["live_nodes"] = len(stats.live_nodes)
+    data["redis_url"] = redis_url
+    data["namespace"] = namespace
+    return data

@@ -1,0 +1,142 @@
+"""The per-user record of the cluster `mooncake up` started, so later commands in other shells find
+it with no flags and `mooncake down` stops exactly what was started.
+
+Lives in ``$MOONCAKE_STATE_DIR`` (default ``~/.local/state/mooncake``, the XDG state directory) as
+``cluster.json``, written atomically (temp file + rename) and readable only by its owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mooncake_cli.exits import CliError, ExitCode
+from mooncake_cli.procs import ProcRef, alive
+
+STATE_DIR_ENV = "MOONCAKE_STATE_DIR"
+STATE_FILE = "cluster.json"
+STATE_VERSION = 1
+
+
+def state_dir() -> Path:
+    configured = os.environ.get(STATE_DIR_ENV, "")
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "mooncake"
+
+
+def state_path() -> Path:
+    return state_dir() / STATE_FILE
+
+
+@dataclass(slots=True, kw_only=True)
+class AgentRecord:
+    node_id: str
+    proc: ProcRef
+    shm_name: str
+    endpoint: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, **self.proc.to_dict(), "shm_name": self.shm_name, "endpoint": self.endpoint}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AgentRecord:
+        return cls(
+            node_id=str(data["node_id"]),
+            proc=ProcRef.from_dict(data),
+            shm_name=str(data.get("shm_name", "")),
+            endpoint=str(data.get("endpoint", "")),
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class ClusterState:
+    redis_url: str
+    namespace: str
+    mode: str  # "detached" or "foreground"
+    owner: ProcRef | None = None  # the `mooncake up` process of a foreground cluster
+    servers: list[ProcRef] = field(default_factory=list)  # embedded server wrapper, then the server itself
+    agents: list[AgentRecord] = field(default_factory=list)
+    log_dir: str = ""
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def shm_segments(self) -> list[str]:
+        return [a.shm_name for a in self.agents if a.shm_name]
+
+    def all_procs(self) -> list[ProcRef]:
+        return [*([self.owner] if self.owner else []), *(a.proc for a in self.agents), *self.servers]
+
+    def running(self) -> bool:
+        """True while any recorded process still runs."""
+        return any(alive(p) for p in self.all_procs())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "redis_url": self.redis_url,
+            "namespace": self.namespace,
+            "mode": self.mode,
+            "owner": self.owner.to_dict() if self.owner else None,
+            "servers": [s.to_dict() for s in self.servers],
+            "agents": [a.to_dict() for a in self.agents],
+            "shm_segments": self.shm_segments,
+            "log_dir": self.log_dir,
+            "started_at": self.started_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterState:
+        owner = data.get("owner")
+        return cls(
+            redis_url=str(data["redis_url"]),
+            namespace=str(data.get("namespace", "default")),
+            mode=str(data.get("mode", "detached")),
+            owner=ProcRef.from_dict(owner) if owner else None,
+            servers=[ProcRef.from_dict(s) for s in data.get("servers", [])],
+            agents=[AgentRecord.from_dict(a) for a in data.get("agents", [])],
+            log_dir=str(data.get("log_dir", "")),
+            started_at=float(data.get("started_at", 0.0)),
+        )
+
+
+def load_state() -> ClusterState | None:
+    path = state_path()
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CliError(f"cannot read the state file {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(raw)
+        if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+            raise ValueError(f"version {data.get('version') if isinstance(data, dict) else '?'}")
+        return ClusterState.from_dict(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CliError(
+            f"the state file {path} is damaged ({exc}); stop its processes by hand and delete it", ExitCode.ERROR
+        ) from None
+
+
+def save_state(state: ClusterState) -> Path:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    # 0600: the file names processes to kill; another user must not be able to rewrite it.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(state.to_dict(), fh, indent=2)
+    tmp.replace(path)
+    return path
+
+
+def clear_state() -> None:
+    with contextlib.suppress(FileNotFoundError):
+        state_path().unlink()

@@ -1,0 +1,108 @@
+"""put / get / ls / rm / stat / doctor / agent against a detached cluster, all through the console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+from pathlib import Path
+
+from .conftest import Mooncake, assert_one_line_error
+
+
+def test_put_get_10mib_byte_exact_from_separate_processes(cluster_cli: Mooncake, tmp_path: Path) -> None:
+    src = tmp_path / "blob.bin"
+    src.write_bytes(os.urandom(10 << 20))
+    put = cluster_cli.ok("put", "blob", str(src))
+    assert "put blob (10.0 MiB" in put.stderr.decode()
+    out = tmp_path / "back.bin"
+    cluster_cli.ok("get", "blob", "-o", str(out))  # another process than the put
+    assert out.read_bytes() == src.read_bytes()
+
+
+def test_stdin_put_and_replace(cluster_cli: Mooncake) -> None:
+    cluster_cli.ok("put", "greeting", "-", stdin=b"hello")
+    cluster_cli.ok("put", "greeting", "-", stdin=b"hello again")  # replaces atomically
+    assert cluster_cli.ok("get", "greeting", "-o", "-").stdout == b"hello again"
+    cluster_cli.ok("put", "empty", "-", stdin=b"")
+    assert cluster_cli.ok("get", "empty").stdout == b""  # a 0-byte object round-trips too
+
+
+def test_stat_json_shows_both_agents(cluster_cli: Mooncake) -> None:
+    data = json.loads(cluster_cli.ok("stat", "--json").stdout)
+    nodes = {n["node_id"]: n for n in data["nodes"]}
+    assert {"agent-0", "agent-1"} <= set(nodes)
+    for node_id in ("agent-0", "agent-1"):
+        node = nodes[node_id]
+        assert node["alive"] is True
+        assert node["tiers"][0]["tier"] == "host"
+        assert node["tiers"][0]["capacity_bytes"] == 64 << 20
+        assert "shm" in node["transports"] and "tcp" in node["transports"]
+    assert data["namespace"] == "default"
+    assert data["redis_url"] == cluster_cli.state()["redis_url"]
+    table = cluster_cli.ok("stat").stdout.decode()
+    assert "agent-0" in table and "agent-1" in table and "2/2 alive" in table
+
+
+def test_ls_and_rm(cluster_cli: Mooncake) -> None:
+    cluster_cli.ok("put", "ls-a", "-", stdin=b"a" * 100)
+    cluster_cli.ok("put", "ls-b", "-", stdin=b"b" * 200)
+    listing = json.loads(cluster_cli.ok("ls", "ls-*", "--json").stdout)
+    assert [(k["key"], k["size_bytes"]) for k in listing] == [("ls-a", 100), ("ls-b", 200)]
+    assert listing[0]["replicas"][0]["node_id"] in ("agent-0", "agent-1")
+    table = cluster_cli.ok("ls", "ls-*").stdout.decode()
+    assert "ls-a" in table and "100 B" in table and "host" in table
+
+    cluster_cli.ok("rm", "ls-a", "ls-b")
+    assert json.loads(cluster_cli.ok("ls", "ls-*", "--json").stdout) == []
+    assert_one_line_error(cluster_cli("get", "ls-a"), 3, "'ls-a'", "not found")
+    # rm of a missing key: exit 3 naming it, unless --force.
+    assert_one_line_error(cluster_cli("rm", "ls-a"), 3, "'ls-a'")
+
+
+def test_no_capacity_is_exit_5(cluster_cli: Mooncake, tmp_path: Path) -> None:
+    big = tmp_path / "big.bin"
+    with big.open("wb") as fh:
+        fh.truncate(80 << 20)  # sparse: bigger than any 64 MiB arena
+    assert_one_line_error(cluster_cli("put", "too-big", str(big)), 5)
+
+
+def test_up_refuses_while_running(cluster_cli: Mooncake) -> None:
+    assert_one_line_error(cluster_cli("up", "--detach", "--host-mem", "64MiB"), 1, "already running")
+
+
+def test_doctor_passes_on_a_running_cluster(cluster_cli: Mooncake) -> None:
+    result = cluster_cli("doctor")
+    text = result.stdout.decode()
+    assert result.returncode == 0, text
+    names = [line.split()[1] for line in text.splitlines() if line.strip()]
+    assert names == ["redis", "clock", "agents", "shm", "tcp", "rdma", "gpu"]
+    assert "2 of 2 alive" in text
+    checks = json.loads(cluster_cli.ok("doctor", "--json").stdout)
+    assert {c["name"]: c["status"] for c in checks}["redis"] == "ok"
+
+
+def test_agent_command_joins_and_leaves(cluster_cli: Mooncake) -> None:
+    url = cluster_cli.state()["redis_url"]
+    proc = cluster_cli.popen(
+        "agent", "--redis-url", url, "--namespace", "extra", "--host-mem", "16MiB", "--node-id", "n1", "--ready-json"
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        line = proc.stdout.readline().decode() if ready else ""
+        assert line.startswith("READY "), (line, proc.poll())
+        shm = Path("/dev/shm") / json.loads(line[6:])["shm_name"]
+        assert shm.exists()
+        data = json.loads(cluster_cli.ok("stat", "--json", "--namespace", "extra").stdout)
+        assert [n["node_id"] for n in data["nodes"]] == ["n1"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert not shm.exists()
+        data = json.loads(cluster_cli.ok("stat", "--json", "--namespace", "extra").stdout)
+        assert data["nodes"] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

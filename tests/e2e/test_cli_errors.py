@@ -1,0 +1,98 @@
+"""Bad input: a documented exit code and one red line, no traceback (unless --debug); and help text."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+
+from .conftest import Mooncake, assert_one_line_error
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["up", "--host-mem", "12x"], 2, "not a size"),
+        (["up", "--agents", "abc"], 2, "--agents"),
+        (["--redis-url", "http://example.com", "stat"], 2, "scheme"),
+        (["stat", "--redis-url", "redis://127.0.0.1:notaport/0"], 2, "redis_url"),
+        (["put", "k", "/nonexistent/file"], 2, "no such file"),
+        (["put", "bad\x01key", "-"], 2, "control character"),
+        (["get", "x" * 1100], 2, "1024"),
+        (["put"], 2, "Missing argument"),
+        (["stat", "--bogus"], 2, "--bogus"),
+        (["stat"], 4, "mooncake up"),  # nothing recorded in this test's state dir
+        (["get", "k"], 4, "mooncake up"),
+        (["doctor"], 4, None),
+    ],
+)
+def test_bad_input_exit_code_and_one_line(mooncake: Mooncake, args: list[str], code: int, needle: str | None) -> None:
+    result = mooncake(*args, stdin=b"data")
+    if args == ["doctor"]:  # doctor reports every check, then exits 4 for the unreachable index
+        assert result.returncode == 4
+        assert "✗ redis" in result.stdout.decode()
+        return
+    assert_one_line_error(result, code, *([needle] if needle else []))
+    assert b"Traceback" not in result.stderr
+
+
+def test_unreachable_redis_is_exit_4(mooncake: Mooncake) -> None:
+    url = f"redis://127.0.0.1:{_closed_port()}/0"
+    for args in (["--redis-url", url, "stat"], ["put", "k", "-", "--redis-url", url]):
+        assert_one_line_error(mooncake(*args, stdin=b"x"), 4, "cannot reach Redis")
+    result = mooncake("stat", env={"MOONCAKE_REDIS_URL": url})
+    assert_one_line_error(result, 4, url)
+
+
+def test_debug_shows_the_traceback(mooncake: Mooncake) -> None:
+    result = mooncake("--debug", "--redis-url", f"redis://127.0.0.1:{_closed_port()}/0", "stat")
+    assert result.returncode == 4
+    text = result.stderr.decode()
+    assert "Traceback" in text and text.strip().splitlines()[-1].startswith("error: cannot reach Redis")
+
+
+def test_misspelt_env_var_is_a_usage_error(mooncake: Mooncake) -> None:
+    result = mooncake("stat", env={"MOONCAKE_REDIS_ULR": "redis://127.0.0.1:6379/0"})
+    assert_one_line_error(result, 2, "MOONCAKE_REDIS_ULR")
+
+
+def test_down_with_nothing_recorded_is_ok(mooncake: Mooncake) -> None:
+    result = mooncake("down")
+    assert result.returncode == 0
+    assert "nothing to stop" in result.stderr.decode()
+
+
+def test_help_describes_every_option_and_exit_code(mooncake: Mooncake) -> None:
+    from mooncake_cli.main import app
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    top = mooncake.ok("--help").stdout.decode()  # the installed script, once
+    assert "Exit codes" in top
+    for code in ("0 success", "2 usage", "3 key not found", "4 cannot connect", "5 no node has room"):
+        assert code in top, code
+    root = get_command(app)
+    commands = root.commands  # type: ignore[attr-defined]
+    assert {"up", "down", "agent", "put", "get", "rm", "ls", "stat", "doctor"} <= set(commands)
+    runner = CliRunner()
+    for name, command in [("", root), *commands.items()]:
+        # Each command's own --help, rendered in-process: ten interpreter starts would cost seconds.
+        args = [name, "--help"] if name else ["--help"]
+        result = runner.invoke(app, args, env={"COLUMNS": "200"}, terminal_width=200)
+        assert result.exit_code == 0, (name, result.output)
+        text = result.output
+        assert command.help, name
+        for param in command.params:
+            if param.hidden:
+                continue
+            assert param.help, (name, param.name)  # type: ignore[attr-defined]
+            if param.param_type_name == "option":
+                long = max(param.opts, key=len)
+                assert re.search(re.escape(long) + r"\b", text), (name, long)

@@ -1,0 +1,66 @@
+"""`up` and `down`: every process stopped by PID and every shared-memory segment removed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .conftest import HOST_MEM, Mooncake
+
+SHM = Path("/dev/shm")
+
+
+def _recorded(state: dict[str, object]) -> tuple[list[int], list[str]]:
+    pids = [int(a["pid"]) for a in state["agents"]] + [int(s["pid"]) for s in state["servers"]]  # type: ignore[attr-defined]
+    return pids, list(state["shm_segments"])  # type: ignore[call-overload]
+
+
+def test_detached_up_then_down_leaves_nothing(mooncake: Mooncake, pid_alive: Callable[[int], bool]) -> None:
+    try:
+        up = mooncake.ok("up", "--detach", "--agents", "2", "--host-mem", HOST_MEM, "--json")
+        state = json.loads(up.stdout)
+        pids, segments = _recorded(state)
+        assert len(state["agents"]) == 2 and len(state["servers"]) == 2  # wrapper and the server itself
+        assert all(pid_alive(p) for p in pids)
+        assert all((SHM / s).exists() for s in segments)
+        # An agent that crashed cannot remove its own segment: down must.
+        os.kill(state["agents"][1]["pid"], signal.SIGKILL)
+        mooncake.ok("put", "k", "-", stdin=b"v")
+    finally:
+        down = mooncake("down", "--timeout", "5")
+    assert down.returncode == 0, down.stderr
+    assert not any(pid_alive(p) for p in pids)
+    assert not any((SHM / s).exists() for s in segments)
+    assert not (mooncake.state_dir / "cluster.json").exists()
+    assert mooncake("stat").returncode == 4  # nothing recorded any more
+
+
+def test_foreground_up_stops_everything_on_ctrl_c(mooncake: Mooncake, pid_alive: Callable[[int], bool]) -> None:
+    proc = mooncake.popen("up", "--agents", "1", "--host-mem", HOST_MEM)
+    state_file = mooncake.state_dir / "cluster.json"
+    pids: list[int] = []
+    segments: list[str] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not state_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = mooncake.state()
+        assert state["mode"] == "foreground" and state["owner"]["pid"] == proc.pid
+        pids, segments = _recorded(state)
+        # Another shell finds the foreground cluster through the state file.
+        mooncake.ok("put", "fg", "-", stdin=b"foreground")
+        assert mooncake.ok("get", "fg").stdout == b"foreground"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            mooncake("down", "--timeout", "5")
+            proc.wait(timeout=30)
+    assert not any(pid_alive(p) for p in pids)
+    assert not any((SHM / s).exists() for s in segments)
+    assert not state_file.exists()
+    assert proc.stdout is not None and b"agent-0" in proc.stdout.read()
