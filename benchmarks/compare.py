@@ -1,0 +1,497 @@
+"""Side by side (issue 6): mooncake-store, the real Mooncake Store, Redis, and the machine's limits.
+
+    python benchmarks/compare.py [--quick] [--repeat N] [--out benchmarks/results]
+
+Same workload for every system, each client in its own process: put and get_into of 4 KiB .. 32 MiB,
+batches of 128 x 64 KiB, 4 KiB get latency. Mooncake (PyPI ``mooncake-transfer-engine-non-cuda``) runs
+when it imports: this script starts ``mooncake_master`` and a segment server (``mooncake_client``) on
+loopback with protocol tcp and P2PHANDSHAKE metadata; the benchmark client contributes no memory, so
+its reads cross Mooncake's TCP transport. Redis SET/GET runs on a private EmbeddedServer. Writes a
+markdown table, the raw JSON, and (with matplotlib) a PNG chart into the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (
+    BATCH_KEYS,
+    BATCH_OBJECT_BYTES,
+    Budget,
+    KiB,
+    MiB,
+    as_jsonable,
+    budget_for,
+    footprint_slots,
+    gbps,
+    machine_info,
+    markdown_table,
+    measure_limits,
+    percentile_us,
+    run_in_process,
+    size_label,
+    store_worker,
+    timed_loop,
+)
+
+SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 8 * MiB, 32 * MiB)
+EXIST_KEYS = 512
+
+
+# ---- Mooncake ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mooncake_binaries() -> tuple[Path, Path] | str:
+    """(mooncake_master, mooncake_client) or the reason Mooncake cannot run here."""
+    try:
+        import mooncake
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except Exception as exc:
+        return (
+            f"mooncake is not importable ({exc!r}); install it with "
+            "`pip install mooncake-transfer-engine-non-cuda` (needs Debian's libibverbs1)"
+        )
+    base = Path(mooncake.__file__).parent
+    found = []
+    for name in ("mooncake_master", "mooncake_client"):
+        path = base / name if (base / name).exists() else Path(shutil.which(name) or "")
+        if not path.name or not path.exists():
+            return f"{name} binary not found next to the mooncake package or on PATH"
+        found.append(path)
+    return found[0], found[1]
+
+
+class MooncakeCluster:
+    """mooncake_master and one segment server, both on loopback, stopped by PID."""
+
+    def __init__(self, master: Path, segment_server: Path, *, segment_bytes: int, log_dir: Path) -> None:
+        self.master_bin, self.client_bin = master, segment_server
+        self.segment_bytes = segment_bytes
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.master_addr = ""
+
+    def _spawn(self, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
+        out = open(self.log_dir / log, "wb")  # noqa: SIM115 - owned by the process
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_log(self, proc: subprocess.Popen[bytes], log: str, needle: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{log} exited with {proc.returncode}: {self.tail(log)}")
+            if needle in (self.log_dir / log).read_text(errors="replace"):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"{log} not ready within {timeout_s} s: {self.tail(log)}")
+
+    def tail(self, log: str) -> str:
+        with contextlib.suppress(OSError):
+            return (self.log_dir / log).read_text(errors="replace")[-800:]
+        return ""
+
+    def start(self) -> MooncakeCluster:
+        rpc, metrics = free_port(), free_port()
+        self.master_addr = f"127.0.0.1:{rpc}"
+        master = self._spawn(
+            [
+                str(self.master_bin),
+                f"--rpc_port={rpc}",
+                "--rpc_address=127.0.0.1",
+                f"--metrics_port={metrics}",
+                "--metrics_host=127.0.0.1",
+                "--enable_metric_reporting=false",
+            ],
+            "mooncake_master.log",
+        )
+        self._wait_log(master, "mooncake_master.log", "Master service started", 20)
+        seg = self._spawn(
+            [
+                str(self.client_bin),
+                f"--master_server_address={self.master_addr}",
+                "--metadata_server=P2PHANDSHAKE",
+                "--protocol=tcp",
+                "--host=127.0.0.1",
+                f"--port={free_port()}",
+                f"--global_segment_size={self.segment_bytes}",
+            ],
+            "mooncake_segment.log",
+        )
+        self._wait_log(seg, "mooncake_segment.log", "Starting real client service", 30)
+        return self
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=5)
+
+
+def mooncake_worker(master_addr: str, sizes: tuple[int, ...], quick: bool, queue: Any) -> None:
+    try:
+        queue.put(("ok", _mooncake_measure(master_addr, sizes, quick)))
+    except BaseException as exc:
+        import traceback
+
+        queue.put(("error", f"{exc!r}\n{traceback.format_exc()}"))
+
+
+def _check(rc: Any, what: str) -> None:
+    codes = rc if isinstance(rc, list) else [rc]
+    bad = [c for c in codes if c < 0]
+    if bad:
+        raise RuntimeError(f"mooncake {what} failed with code {bad[0]}")
+
+
+def _mooncake_measure(master_addr: str, sizes: tuple[int, ...], quick: bool) -> dict[str, Any]:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    # global_segment_size=0: this client holds no data, so every read crosses the TCP transport.
+    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 * MiB, "tcp", "", master_addr)
+    if rc != 0:
+        raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
+    out: dict[str, Any] = {"put": {}, "get": {}, "lat": {}, "batch": {}}
+    cap = max(max(sizes), BATCH_KEYS * BATCH_OBJECT_BYTES)
+    src = np.random.default_rng(1).integers(0, 255, cap, dtype=np.uint8)
+    dst = np.empty(cap, dtype=np.uint8)
+    _check(store.register_buffer(src.ctypes.data, src.nbytes), "register_buffer")
+    _check(store.register_buffer(dst.ctypes.data, dst.nbytes), "register_buffer")
+    sp, dp = src.ctypes.data, dst.ctypes.data
+    try:
+        for size in sizes:
+            keys = [f"mc-{size}-{i}" for i in range(footprint_slots(size))]
+            b = budget_for(size, quick=quick)
+            n, secs, _ = timed_loop(lambda i, k=keys, s=size: _check(store.upsert_from(k[i % len(k)], sp, s), "put"), b)
+            out["put"][size] = gbps(n * size, secs)
+
+            def get(i: int, k: list[str] = keys, s: int = size) -> None:
+                got = store.get_into(k[i % len(k)], dp, s)
+                if got != s:
+                    raise RuntimeError(f"mooncake get_into returned {got} for {s} B")
+
+            n, secs, times = timed_loop(get, b)
+            out["get"][size] = gbps(n * size, secs)
+            if not np.array_equal(src[:size], dst[:size]):
+                raise RuntimeError(f"mooncake get_into of {size} B returned wrong bytes")
+            if size == 4 * KiB:
+                _n, _s, times = timed_loop(get, Budget(count=2000 if quick else 10000, seconds=3.0), warmup=50)
+                out["lat"] = {"p50_us": percentile_us(times, 50), "p99_us": percentile_us(times, 99)}
+            store.batch_remove(keys, True)
+        # Batches: 128 x 64 KiB from/into one registered region.
+        keys = [f"mc-b{i}" for i in range(BATCH_KEYS)]
+        ptrs_s = [sp + i * BATCH_OBJECT_BYTES for i in range(BATCH_KEYS)]
+        ptrs_d = [dp + i * BATCH_OBJECT_BYTES for i in range(BATCH_KEYS)]
+        lens = [BATCH_OBJECT_BYTES] * BATCH_KEYS
+        total = BATCH_OBJECT_BYTES * BATCH_KEYS
+        b = Budget(count=200 if quick else 1000, seconds=0.8 if quick else 2.0)
+        n, secs, ptimes = timed_loop(lambda _i: _check(store.batch_upsert_from(keys, ptrs_s, lens), "batch put"), b)
+        out["batch"]["put_many_gbps"] = gbps(n * total, secs)
+        out["batch"]["put_many_p50_ms"] = percentile_us(ptimes, 50) / 1e3
+
+        def batch_get(_i: int) -> None:
+            got = store.batch_get_into(keys, ptrs_d, lens)
+            if any(g != BATCH_OBJECT_BYTES for g in got):
+                raise RuntimeError(f"mooncake batch_get_into returned {got[:4]}...")
+
+        n, secs, gtimes = timed_loop(batch_get, b)
+        out["batch"]["get_many_gbps"] = gbps(n * total, secs)
+        out["batch"]["get_many_p50_ms"] = percentile_us(gtimes, 50) / 1e3
+        if not np.array_equal(src[:total], dst[:total]):
+            raise RuntimeError("mooncake batch_get_into returned wrong bytes")
+        store.batch_remove(keys, True)
+        # batch_is_exist over EXIST_KEYS small keys.
+        ekeys = [f"mc-e{i}" for i in range(EXIST_KEYS)]
+        _check(store.batch_upsert_from(ekeys, [sp] * EXIST_KEYS, [64] * EXIST_KEYS), "batch put")
+        _n, _s, times = timed_loop(
+            lambda _i: store.batch_is_exist(ekeys), Budget(count=500 if quick else 2000, seconds=2.0), warmup=5
+        )
+        out["exist512_p50_us"] = percentile_us(times, 50)
+        store.batch_remove(ekeys, True)
+    finally:
+        store.close()
+    return out
+
+
+# ---- Redis SET/GET ----------------------------------------------------------------------------------
+def redis_worker(url: str, sizes: tuple[int, ...], quick: bool, queue: Any) -> None:
+    try:
+        queue.put(("ok", _redis_measure(url, sizes, quick)))
+    except BaseException as exc:
+        queue.put(("error", repr(exc)))
+
+
+def _redis_measure(url: str, sizes: tuple[int, ...], quick: bool) -> dict[str, Any]:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    out: dict[str, Any] = {"put": {}, "get": {}, "lat": {}, "batch": {}}
+    for size in sizes:
+        value = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
+        keys = [f"r-{size}-{i}" for i in range(footprint_slots(size))]
+        b = budget_for(size, quick=quick)
+        n, secs, _ = timed_loop(lambda i, k=keys, v=value: r.set(k[i % len(k)], v), b)
+        out["put"][size] = gbps(n * size, secs)
+        n, secs, _ = timed_loop(lambda i, k=keys: r.get(k[i % len(k)]), b)
+        out["get"][size] = gbps(n * size, secs)
+        if r.get(keys[0]) != value:
+            raise RuntimeError("redis GET returned wrong bytes")
+        if size == 4 * KiB:
+            _n, _s, times = timed_loop(
+                lambda _i, k=keys[0]: r.get(k), Budget(count=2000 if quick else 10000, seconds=3.0), warmup=50
+            )
+            out["lat"] = {"p50_us": percentile_us(times, 50), "p99_us": percentile_us(times, 99)}
+        r.delete(*keys)
+    rng = np.random.default_rng(9)
+    batch = {f"r-b{i}": rng.integers(0, 255, BATCH_OBJECT_BYTES, dtype=np.uint8).tobytes() for i in range(BATCH_KEYS)}
+    total = BATCH_OBJECT_BYTES * BATCH_KEYS
+    b = Budget(count=200 if quick else 1000, seconds=0.8 if quick else 2.0)
+    n, secs, ptimes = timed_loop(lambda _i: r.mset(batch), b)
+    out["batch"]["put_many_gbps"] = gbps(n * total, secs)
+    out["batch"]["put_many_p50_ms"] = percentile_us(ptimes, 50) / 1e3
+    keys = list(batch)
+    n, secs, gtimes = timed_loop(lambda _i: r.mget(keys), b)
+    out["batch"]["get_many_gbps"] = gbps(n * total, secs)
+    out["batch"]["get_many_p50_ms"] = percentile_us(gtimes, 50) / 1e3
+    r.delete(*keys)
+    r.close()
+    return out
+
+
+# ---- orchestration ----------------------------------------------------------------------------------
+def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, log_dir: Path) -> dict[str, Any]:
+    from mooncake_store import LocalCluster
+    from mooncake_store.embedded import EmbeddedServer
+
+    result: dict[str, Any] = {"limits": measure_limits(sizes, quick=quick, connections=(1,)), "systems": {}}
+    systems = result["systems"]
+    with LocalCluster(num_agents=1, host_bytes=host_bytes) as cluster:
+        for transport, conns in (("shm", 4), ("tcp", 4), ("tcp", 1)):
+            name = "store shm" if transport == "shm" else f"store tcp x{conns}"
+            print(f"  {name} ...", file=sys.stderr, flush=True)
+            systems[name] = run_in_process(
+                store_worker, cluster.redis_url, cluster.namespace, transport, conns, sizes, quick, True
+            )
+    bins = mooncake_binaries()
+    if isinstance(bins, str):
+        print(f"  Mooncake skipped: {bins}", file=sys.stderr, flush=True)
+        result["mooncake_skipped"] = bins
+    else:
+        print("  mooncake tcp ...", file=sys.stderr, flush=True)
+        mc = MooncakeCluster(*bins, segment_bytes=host_bytes, log_dir=log_dir)
+        try:
+            mc.start()
+            systems["mooncake tcp"] = run_in_process(mooncake_worker, mc.master_addr, sizes, quick)
+        except Exception as exc:
+            print(f"  Mooncake failed: {exc}", file=sys.stderr, flush=True)
+            result["mooncake_skipped"] = str(exc)
+        finally:
+            mc.stop()
+    print("  redis ...", file=sys.stderr, flush=True)
+    with EmbeddedServer() as server:
+        systems["redis"] = run_in_process(redis_worker, server.url, sizes, quick)
+    return result
+
+
+def med(runs: list[dict[str, Any]], *path: Any) -> tuple[float, float, float] | None:
+    vals = []
+    for run in runs:
+        v: Any = run
+        for p in path:
+            if not isinstance(v, dict) or p not in v:
+                return None
+            v = v[p]
+        vals.append(float(v))
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def cell(x: tuple[float, float, float] | None, n: int, digits: int = 2) -> str:
+    if x is None:
+        return "–"
+    if n == 1:
+        return f"{x[0]:.{digits}f}"
+    return f"{x[0]:.{digits}f} ({x[1]:.{digits}f}–{x[2]:.{digits}f})"
+
+
+def ratio(a: tuple[float, float, float] | None, b: tuple[float, float, float] | None) -> str:
+    if a is None or b is None or not b[0]:
+        return "–"
+    return f"{a[0] / b[0]:.2f}"
+
+
+def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> str:
+    n = len(runs)
+    systems = list(runs[0]["systems"])
+    has_mc = "mooncake tcp" in systems
+    lines = []
+    for op, title in (("get", "get_into / GET"), ("put", "put / SET")):
+        rows = []
+        for size in sizes:
+            mem = med(runs, "limits", "memcpy", "cold", size)
+            raw = med(runs, "limits", "tcp", 1, op, size)
+            mc = med(runs, "systems", "mooncake tcp", op, size)
+            for name in systems:
+                x = med(runs, "systems", name, op, size)
+                limit = mem if name == "store shm" else raw
+                rows.append(
+                    [
+                        size_label(size),
+                        name,
+                        cell(x, n),
+                        ratio(x, limit),
+                        ratio(x, mc) if has_mc and name != "mooncake tcp" else "–",
+                    ]
+                )
+            rows.append([size_label(size), "_limit: memcpy / raw TCP x1_", cell(mem, n) + " / " + cell(raw, n), "", ""])
+        lines.append(f"### {title} throughput, GB/s" + (f" (median, min–max of {n} runs)" if n > 1 else "") + "\n")
+        lines.append(
+            markdown_table(["size", "system", "GB/s", "x limit (memcpy shm, raw TCP otherwise)", "x Mooncake"], rows)
+        )
+        lines.append("")
+    rows = []
+    for name in systems:
+        gm = med(runs, "systems", name, "batch", "get_many_gbps")
+        pm = med(runs, "systems", name, "batch", "put_many_gbps")
+        rows.append(
+            [
+                name,
+                cell(pm, n),
+                cell(gm, n),
+                cell(med(runs, "systems", name, "batch", "get_many_p50_ms"), n),
+                ratio(gm, med(runs, "systems", "mooncake tcp", "batch", "get_many_gbps")) if has_mc else "–",
+            ]
+        )
+    lines.append(f"### Batches of {BATCH_KEYS} x 64 KiB (put_many / get_many_into, MSET/MGET, batch_*_into)\n")
+    lines.append(markdown_table(["system", "put GB/s", "get GB/s", "get p50 ms", "get x Mooncake"], rows))
+    lines.append("")
+    rows = []
+    for name in systems:
+        p50 = med(runs, "systems", name, "lat", "p50_us")
+        rows.append(
+            [
+                name,
+                cell(p50, n, 0),
+                cell(med(runs, "systems", name, "lat", "p99_us"), n, 0),
+                ratio(p50, med(runs, "systems", "mooncake tcp", "lat", "p50_us")) if has_mc else "–",
+            ]
+        )
+    lines.append("### 4 KiB get latency, µs\n")
+    lines.append(markdown_table(["system", "p50", "p99", "p50 x Mooncake (lower is better)"], rows))
+    ex = med(runs, "systems", "mooncake tcp", "exist512_p50_us")
+    if ex:
+        lines.append(
+            f"\nMooncake batch_is_exist of {EXIST_KEYS} keys: p50 {cell(ex, n, 0)} µs "
+            "(prefix `match` is not in this store yet)."
+        )
+    stalls = {
+        name: sum(run["systems"][name].get("stalls", {}).get("no_capacity", 0) for run in runs) for name in systems
+    }
+    if any(stalls.values()):
+        lines.append(
+            "\nthis store's puts that hit NoCapacity and waited for the agent to free replaced objects "
+            "(inside the timing): " + ", ".join(f"{k} {v}" for k, v in stalls.items() if v)
+        )
+    if "mooncake_skipped" in runs[0]:
+        lines.append(f"\nMooncake was not measured: {runs[0]['mooncake_skipped']}")
+    return "\n".join(lines)
+
+
+def chart(runs: list[dict[str, Any]], sizes: tuple[int, ...], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "chart skipped: matplotlib is not installed (pip install 'mooncake-store[bench]')"
+    systems = list(runs[0]["systems"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / (len(systems) + 2)
+    xs = np.arange(len(sizes))
+    for ax, op in zip(axes, ("get", "put"), strict=True):
+        series = [("memcpy", ("limits", "memcpy", "cold")), ("raw TCP", ("limits", "tcp", 1, op))]
+        series += [(name, ("systems", name, op)) for name in systems]
+        for k, (label, path_) in enumerate(series):
+            vals = [(med(runs, *path_, s) or (0.0, 0.0, 0.0)) for s in sizes]
+            ax.bar(
+                xs + k * width,
+                [v[0] for v in vals],
+                width,
+                yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
+                label=label,
+                hatch="//" if k < 2 else None,
+            )
+        ax.set_xticks(xs + width * (len(series) - 1) / 2, [size_label(s) for s in sizes])
+        ax.set_yscale("log")
+        ax.set_ylabel("GB/s (log)")
+        ax.set_title("get_into / GET" if op == "get" else "put / SET")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"chart written to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter loops")
+    parser.add_argument("--repeat", type=int, default=1, help="whole runs; tables show median (min–max)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--host-bytes", type=int, default=1 << 30, help="arena / Mooncake segment size")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="mc-bench-") as logs:
+        for i in range(args.repeat):
+            print(f"run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
+            runs.append(run_once(SIZES, quick=args.quick, host_bytes=args.host_bytes, log_dir=Path(logs)))
+    info = machine_info()
+    head = (
+        f"## mooncake-store vs Mooncake vs Redis\n\nmachine: {info.get('cpu', '?')}, {info['cpus']} CPUs, "
+        f"Python {info['python']}; {args.repeat} run(s), {'quick' if args.quick else 'full'} loops, "
+        f"{time.monotonic() - started:.0f} s\n"
+    )
+    text = head + "\n" + report(runs, SIZES) + "\n"
+    print(text)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"compare-{stamp}.md").write_text(text)
+    (args.out / f"compare-{stamp}.json").write_text(
+        json.dumps(as_jsonable({"machine": info, "quick": args.quick, "runs": runs}), indent=1)
+    )
+    print(chart(runs, SIZES, args.out / f"compare-{stamp}.png"), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Transfer throughput of mooncake-store against this machine's limits (issue 2, "Performance").
+
+    python benchmarks/transfer.py [--quick] [--repeat N] [--json OUT]
+
+In one run: single-thread memcpy (numpy.copyto), raw loopback TCP between two processes (1 connection
+and the store's connection count, both directions), then a LocalCluster with one agent and a client in
+a separate process measuring put and get_into for 64 KiB .. 32 MiB over shm and over tcp (tcp with 1
+and with 4 connections per peer), plus 4 KiB get latency. Every figure is GB/s and a ratio to its
+limit: memcpy of the same size for shm, single-connection raw TCP of the same size for tcp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (
+    SIZES,
+    MiB,
+    as_jsonable,
+    machine_info,
+    markdown_table,
+    measure_limits,
+    run_in_process,
+    size_label,
+    store_worker,
+)
+
+#: (transport, tcp_connections) cases measured against the store.
+CASES = (("shm", 4), ("tcp", 1), ("tcp", 4))
+TARGETS = {  # (transport, op) -> (sizes, minimum ratio to the limit)
+    ("shm", "get"): ((8 * MiB, 32 * MiB), 0.8),
+    ("tcp", "get"): ((8 * MiB, 32 * MiB), 0.85),
+    ("tcp", "put"): ((32 * MiB,), 0.8),
+}
+
+
+def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, batch: bool = False) -> dict[str, Any]:
+    from mooncake_store import LocalCluster
+
+    limits = measure_limits(sizes, quick=quick, connections=(1, 4))
+    store: dict[str, Any] = {}
+    with LocalCluster(num_agents=1, host_bytes=host_bytes) as cluster:
+        for transport, conns in CASES:
+            name = f"{transport}" if transport == "shm" else f"tcp x{conns}"
+            store[name] = run_in_process(
+                store_worker, cluster.redis_url, cluster.namespace, transport, conns, sizes, quick, batch
+            )
+    return {"limits": limits, "store": store}
+
+
+def median_of(runs: list[dict[str, Any]], path: tuple[Any, ...]) -> tuple[float, float, float]:
+    vals = []
+    for run in runs:
+        v: Any = run
+        for p in path:
+            v = v[p]
+        vals.append(float(v))
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def fmt(med: float, lo: float, hi: float, nruns: int, digits: int = 2) -> str:
+    if nruns == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
+
+
+def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, list[str]]:
+    n = len(runs)
+    lines: list[str] = []
+    rows = []
+    for size in sizes:
+        rows.append(
+            [
+                size_label(size),
+                fmt(*median_of(runs, ("limits", "memcpy", "hot", size)), n),
+                fmt(*median_of(runs, ("limits", "memcpy", "cold", size)), n),
+                fmt(*median_of(runs, ("limits", "tcp", 1, "get", size)), n),
+                fmt(*median_of(runs, ("limits", "tcp", 1, "put", size)), n),
+                fmt(*median_of(runs, ("limits", "tcp", 4, "get", size)), n),
+                fmt(*median_of(runs, ("limits", "tcp", 4, "put", size)), n),
+            ]
+        )
+    lines.append("### Machine limits (GB/s" + (f", median (min–max) of {n} runs" if n > 1 else "") + ")\n")
+    lines.append(
+        "memcpy hot: same source each time; memcpy (limit): sources rotating over 64 MiB, as the store's keys "
+        "do. Raw TCP: request/response between two processes, sendall from / recv_into preallocated "
+        "buffers; x4 stripes objects over 4 connections above 4 MiB exactly as the store does.\n"
+    )
+    lines.append(
+        markdown_table(
+            [
+                "size",
+                "memcpy hot",
+                "memcpy (limit)",
+                "raw TCP get x1",
+                "raw TCP put x1",
+                "raw TCP get x4",
+                "raw TCP put x4",
+            ],
+            rows,
+        )
+    )
+    lines.append("")
+    rows = []
+    verdicts: list[str] = []
+    for case in runs[0]["store"]:
+        transport = "shm" if case == "shm" else "tcp"
+        for op in ("put", "get"):
+            for size in sizes:
+                med, lo, hi = median_of(runs, ("store", case, op, size))
+                if transport == "shm":
+                    limit, limit_name = median_of(runs, ("limits", "memcpy", "cold", size))[0], "memcpy"
+                else:
+                    limit, limit_name = median_of(runs, ("limits", "tcp", 1, op, size))[0], f"raw TCP {op} x1"
+                ratio = med / limit if limit else float("nan")
+                target = TARGETS.get((transport, op))
+                mark = ""
+                if target and size in target[0]:
+                    ok = ratio >= target[1]
+                    mark = f"{'met' if ok else 'MISSED'} (≥{target[1]})"
+                    verdicts.append(
+                        f"{case} {'get_into' if op == 'get' else 'put'} {size_label(size)}: {ratio:.2f}x "
+                        f"{limit_name} -> {mark}"
+                    )
+                rows.append(
+                    [
+                        case,
+                        "get_into" if op == "get" else "put",
+                        size_label(size),
+                        fmt(med, lo, hi, n),
+                        limit_name,
+                        f"{ratio:.2f}",
+                        mark,
+                    ]
+                )
+    lines.append("### Store throughput (client in its own process, 1 agent)\n")
+    lines.append(markdown_table(["path", "op", "size", "GB/s", "limit", "ratio", "target"], rows))
+    lines.append("")
+    rows = []
+    for case in runs[0]["store"]:
+        rows.append(
+            [
+                case,
+                fmt(*median_of(runs, ("store", case, "lat", "p50_us")), n, 0),
+                fmt(*median_of(runs, ("store", case, "lat", "p99_us")), n, 0),
+                fmt(*median_of(runs, ("store", case, "lat", "put_p50_us")), n, 0),
+                fmt(*median_of(runs, ("store", case, "lat", "put_p99_us")), n, 0),
+            ]
+        )
+    lines.append("### 4 KiB latency (µs)\n")
+    lines.append(markdown_table(["path", "get_into p50", "get_into p99", "put p50", "put p99"], rows))
+    lines.append("")
+    # Which connection count serves tcp better on this machine.
+    if "tcp x1" in runs[0]["store"] and "tcp x4" in runs[0]["store"]:
+        parts = []
+        for op in ("get", "put"):
+            for size in sizes:
+                if size < 8 * MiB:
+                    continue
+                one = median_of(runs, ("store", "tcp x1", op, size))[0]
+                four = median_of(runs, ("store", "tcp x4", op, size))[0]
+                parts.append(f"{op} {size_label(size)}: x1 {one:.2f} vs x4 {four:.2f} GB/s")
+        lines.append("tcp_connections 1 vs 4 (objects above stripe_bytes=4 MiB are striped): " + "; ".join(parts))
+    stalls = {
+        case: sum(run["store"][case].get("stalls", {}).get("no_capacity", 0) for run in runs)
+        for case in runs[0]["store"]
+    }
+    if any(stalls.values()):
+        lines.append(
+            "\nputs that hit NoCapacity and waited for the agent to free replaced objects (inside the timing): "
+            + ", ".join(f"{case} {count}" for case, count in stalls.items())
+        )
+    return "\n".join(lines), verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter loops (about a third of the time)")
+    parser.add_argument("--repeat", type=int, default=1, help="whole runs; tables show median (min–max)")
+    parser.add_argument("--json", type=Path, help="write every raw figure to this file")
+    parser.add_argument("--host-bytes", type=int, default=1 << 30, help="agent arena size (default 1 GiB)")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    sizes = SIZES
+    started = time.monotonic()
+    runs = []
+    for i in range(args.repeat):
+        print(f"run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
+        runs.append(run_once(sizes, quick=args.quick, host_bytes=args.host_bytes))
+    info = machine_info()
+    print(
+        f"## mooncake-store transfer benchmark\n\nmachine: {info.get('cpu', '?')}, {info['cpus']} CPUs, "
+        f"Python {info['python']}, kernel {info['kernel']}; {args.repeat} run(s), "
+        f"{'quick' if args.quick else 'full'} loops, {time.monotonic() - started:.0f} s\n"
+    )
+    table, verdicts = report(runs, sizes)
+    print(table)
+    print("\n### Targets\n")
+    for v in verdicts:
+        print(f"- {v}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(as_jsonable({"machine": info, "quick": args.quick, "runs": runs}), indent=1))
+        print(f"\nraw figures written to {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
