@@ -167,12 +167,24 @@ class AgentConfig:
     node_id: str = ""  # "" -> derived at start
     host_bytes: int = 1 << 30
     listen: str = "127.0.0.1:0"  # HOST:PORT of the TCP transport
+    advertise: str = ""  # HOST:PORT peers should dial ("" -> the bound address of listen)
     zone: str = "default"
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0  # must exceed heartbeat_interval_s
     reserve_timeout_s: float = 30.0  # reservations never committed are reclaimed after this
     sync_interval_s: float = 0.2
     prefault: bool = True
+    # Memory pressure: past high_watermark of a tier's capacity the agent moves its coldest
+    # objects (demote to its next tier, else spill to a peer, else evict) until under low_watermark.
+    high_watermark: float = 0.90
+    low_watermark: float = 0.75
+    pressure_interval_s: float = 0.2
+    spill_to_peers: bool = True
+    disk_path: str = ""  # "" -> no disk tier
+    disk_bytes: int = 0  # capacity of the disk tier (compressed bytes on disk)
+    promote_on_read: bool = True  # a read of a disk replica brings the object back to host memory
+    gpu_bytes: int = 0  # 0 -> no GPU tier
+    gpu_id: int = 0
 
     def __post_init__(self) -> None:
         _validate_instance(self, "agent")
@@ -356,11 +368,18 @@ _CHECKS: dict[str, _Check] = {
     "agent.node_id": _check_name("node_id", allow_empty=True),
     "agent.host_bytes": _size_range(1),
     "agent.listen": _check_listen,
+    "agent.advertise": lambda v: None if v == "" else _check_listen(v),
     "agent.zone": _check_name("zone"),
     "agent.heartbeat_interval_s": _number_range(0, 3600, lo_open=True, unit=" s"),
     "agent.heartbeat_ttl_s": _number_range(0, _DAY_S, lo_open=True, unit=" s"),
     "agent.reserve_timeout_s": _number_range(0, _DAY_S, lo_open=True, unit=" s"),
     "agent.sync_interval_s": _number_range(0, 3600, lo_open=True, unit=" s"),
+    "agent.high_watermark": _number_range(0, 1, lo_open=True),
+    "agent.low_watermark": _number_range(0, 1),
+    "agent.pressure_interval_s": _number_range(0, 3600, lo_open=True, unit=" s"),
+    "agent.disk_bytes": _size_range(0),
+    "agent.gpu_bytes": _size_range(0),
+    "agent.gpu_id": _number_range(0, 1023),
 }
 
 
@@ -479,6 +498,19 @@ def _validate_instance(obj: object, section: str | None) -> None:
     if section == "agent":
         assert isinstance(obj, AgentConfig)
         _check_heartbeat(obj.heartbeat_interval_s, obj.heartbeat_ttl_s, _CODE, _CODE)
+        _check_watermarks(obj.low_watermark, obj.high_watermark, _CODE)
+        if obj.disk_bytes and not obj.disk_path:
+            raise ConfigError(
+                f"agent.disk_bytes={obj.disk_bytes} needs agent.disk_path (the directory of the disk tier)"
+            )
+
+
+def _check_watermarks(low: float, high: float, source: _Source) -> None:
+    # With low >= high the agent would start moving objects and never reach its stopping point.
+    if low >= high:
+        raise _fail(
+            _FIELDS["agent.low_watermark"], low, source, f"must be below agent.high_watermark={high!r}"
+        )
 
 
 def _check_heartbeat(
@@ -625,6 +657,12 @@ def load_config(
         sources["agent.heartbeat_interval_s"],
         sources["agent.heartbeat_ttl_s"],
         ttl_as_given=layered.get("agent.heartbeat_ttl_s", (None, _DEFAULT))[0],
+    )
+
+    _check_watermarks(
+        float(values["agent.low_watermark"]),  # type: ignore[arg-type]
+        float(values["agent.high_watermark"]),  # type: ignore[arg-type]
+        sources["agent.low_watermark"],
     )
 
     def section(name: str | None) -> dict[str, Any]:

@@ -77,6 +77,9 @@ class TierUsage:
     capacity_bytes: int
     used_bytes: int
     objects: int = 0
+    #: hits, misses, demotions, promotions, spills_out, spills_in, evictions; raw_bytes for the
+    #: disk tier (its used_bytes are compressed bytes)
+    counters: dict[str, int] = field(default_factory=dict)
 
     @property
     def free_bytes(self) -> int:
@@ -106,6 +109,20 @@ class NodeInfo:
             if usage.tier == kind:
                 return usage
         return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvictionCandidate:
+    """An object with a replica on a node's tier, with what the eviction policy weighs."""
+
+    key: str
+    size_bytes: int
+    last_access_ms: int
+    lease_until_ms: int
+    pins: int
+    alloc_id: int
+    chain_pos: int  # -1 when the object is not part of a prefix chain
+    dtype: str
 
 
 def check_key(key: object) -> str:

@@ -26,10 +26,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-bytes", help="host-DRAM arena size, e.g. 1GiB (default 1GiB)")
     p.add_argument("--node-id", help="node id (default HOSTNAME-PID)")
     p.add_argument("--listen", help="HOST:PORT for the data/control server (default 127.0.0.1:0)")
+    p.add_argument("--advertise", help="HOST:PORT that peers dial, when it differs from --listen (0.0.0.0:7000)")
     p.add_argument("--zone", help="topology zone label (default 'default')")
     p.add_argument("--heartbeat-ttl-s", help="seconds after the last heartbeat that the node counts as dead")
     p.add_argument("--reserve-timeout-s", help="seconds after which an uncommitted reservation is reclaimed")
     p.add_argument("--no-prefault", action="store_true", help="do not touch the arena's pages at start")
+    p.add_argument("--disk", help="directory of the compressed disk tier (needs --disk-mem)")
+    p.add_argument("--disk-mem", help="capacity of the disk tier, e.g. 20GiB (compressed bytes on disk)")
+    p.add_argument("--gpu-mem", help="GPU tier size on --gpu-id (needs cupy and a CUDA device)")
+    p.add_argument("--gpu-id", help="CUDA device of the GPU tier (default 0)")
+    p.add_argument("--high-watermark", help="fraction of a tier past which the agent moves objects (0.90)")
+    p.add_argument("--low-watermark", help="fraction it moves objects down to (0.75)")
+    p.add_argument("--no-spill", action="store_true", help="never push objects to peers under pressure")
     p.add_argument("--config", help="TOML config file")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -52,9 +60,17 @@ def main(argv: list[str] | None = None) -> int:
                 "agent.node_id": args.node_id,
                 "agent.listen": args.listen,
                 "agent.zone": args.zone,
+                "agent.advertise": args.advertise,
                 "agent.heartbeat_ttl_s": args.heartbeat_ttl_s,
                 "agent.reserve_timeout_s": args.reserve_timeout_s,
                 "agent.prefault": False if args.no_prefault else None,
+                "agent.disk_path": args.disk,
+                "agent.disk_bytes": args.disk_mem,
+                "agent.gpu_bytes": args.gpu_mem,
+                "agent.gpu_id": args.gpu_id,
+                "agent.high_watermark": args.high_watermark,
+                "agent.low_watermark": args.low_watermark,
+                "agent.spill_to_peers": False if args.no_spill else None,
             },
         )
         if not config.redis_url:

@@ -45,6 +45,17 @@ class AllocationTable:
         # index entry still names; ids stay below 2**53 for JSON round trips.
         self._ids = itertools.count(int(time.time() * 1000) << 10)
 
+    def new_id(self) -> int:
+        """A fresh alloc id, for locations outside this table (disk files) that share the id space."""
+        with self._lock:
+            return next(self._ids)
+
+    def offset_of(self, alloc_id: int) -> tuple[int, int] | None:
+        """(offset, length) of a live allocation."""
+        with self._lock:
+            alloc = self._allocs.get(alloc_id)
+            return (alloc.offset, alloc.length) if alloc else None
+
     # ---- queries --------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:

@@ -9,13 +9,18 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
+
+import numpy as np
 
 from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
+from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.host import HostArena, segment_name
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import NodeInfo, TierKind, TierUsage, TransportKind
@@ -39,7 +44,14 @@ class Agent:
         )
         try:
             self.table = AllocationTable(config.host_bytes, reserve_timeout_s=config.reserve_timeout_s)
-            self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0)
+            # Each agent gets a directory of its own under disk_path: the disk tier clears what it
+            # finds there at start (files of an earlier incarnation that the index no longer lists).
+            self.disk = (
+                DiskTier(Path(config.disk_path) / self.node_id, config.disk_bytes) if config.disk_bytes else None
+            )
+            self.disk_keys: dict[int, str] = {}  # disk alloc id -> key, for promotion
+            self.pressure = PressureManager(self)
+            self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0, hooks=self)
         except BaseException:
             self.arena.close(unlink=True)  # a half-built agent must not leave its segment behind
             self.index.close()
@@ -48,13 +60,75 @@ class Agent:
         self._threads: list[threading.Thread] = []
         self.started_ms = int(time.time() * 1000)
 
-    # ---- node record --------------------------------------------------------------------------
+    # ---- tiers ------------------------------------------------------------------------------
+    def tier_kinds(self) -> tuple[TierKind, ...]:
+        return (TierKind.HOST, TierKind.DISK) if self.disk is not None else (TierKind.HOST,)
+
+    @staticmethod
+    def itemsize_of(dtype: str) -> int:
+        try:
+            return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+        except TypeError:
+            return 1
+
     def tiers(self) -> tuple[TierUsage, ...]:
         used, _, _, objects = self.table.usage()
-        return (
-            TierUsage(tier=TierKind.HOST, capacity_bytes=self.table.capacity_bytes, used_bytes=used, objects=objects),
+        host = TierUsage(
+            tier=TierKind.HOST,
+            capacity_bytes=self.table.capacity_bytes,
+            used_bytes=used,
+            objects=objects,
+            counters=dict(self.pressure.counters[TierKind.HOST]),
         )
+        if self.disk is None:
+            return (host,)
+        disk = TierUsage(
+            tier=TierKind.DISK,
+            capacity_bytes=self.disk.capacity_bytes,
+            used_bytes=self.disk.used_bytes,
+            objects=self.disk.objects,
+            counters={**self.pressure.counters[TierKind.DISK], "raw_bytes": self.disk.raw_bytes},
+        )
+        return (host, disk)
 
+    # ---- hooks of the server (AgentHooks) -----------------------------------------------------
+    def read_other_tier(self, alloc_id: int) -> bytearray | None:
+        if self.disk is None:
+            return None
+        entry = self.disk.entry(alloc_id)
+        if entry is None:
+            return None
+        data = bytearray(entry.raw_bytes)
+        self.disk.read_into(alloc_id, memoryview(data))
+        self.pressure.count(TierKind.DISK, "reads")
+        return data
+
+    def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
+        if self.config.promote_on_read:
+            try:
+                self.pressure.promote(alloc_id, data)
+            except MooncakeError as exc:
+                log.info("promotion of allocation %d failed: %s", alloc_id, exc)
+
+    def no_room(self, size_bytes: int) -> None:
+        self.pressure.want_room(size_bytes)
+
+    def spilled_in(self, count: int) -> None:
+        self.pressure.count(TierKind.HOST, "spills_in", count)
+
+    def free_allocations(self, alloc_ids: list[int] | tuple[int, ...]) -> None:
+        """Free ids of any tier: disk files by id, the rest in the host table."""
+        host_ids = []
+        for alloc_id in alloc_ids:
+            if self.disk is not None and alloc_id in self.disk:
+                self.disk.remove(alloc_id)
+                self.disk_keys.pop(alloc_id, None)
+            else:
+                host_ids.append(alloc_id)
+        if host_ids:
+            self.table.free(host_ids)
+
+    # ---- node record --------------------------------------------------------------------------
     def node_info(self) -> NodeInfo:
         return NodeInfo(
             node_id=self.node_id,
@@ -62,7 +136,7 @@ class Agent:
             host_id=local_host_id(),
             zone=self.config.zone,
             pid=os.getpid(),
-            tcp_endpoint=self.server.endpoint,
+            tcp_endpoint=self.config.advertise or self.server.endpoint,
             shm_name=self.arena.name,
             transports=(TransportKind.SHM, TransportKind.TCP),
             tiers=self.tiers(),
@@ -77,7 +151,12 @@ class Agent:
     def start(self) -> None:
         self.server.start()
         self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
-        for name, target in (("mc-heartbeat", self._heartbeat_loop), ("mc-sync", self._sync_loop)):
+        duties = (
+            ("mc-heartbeat", self._heartbeat_loop),
+            ("mc-sync", self._sync_loop),
+            ("mc-pressure", lambda: self.pressure.run(self._stop)),
+        )
+        for name, target in duties:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -95,7 +174,10 @@ class Agent:
         except MooncakeError as exc:
             log.warning("could not deregister %s: %s", self.node_id, exc)
         self.server.stop()
+        self.pressure.close()
         self.arena.close(unlink=True)
+        if self.disk is not None:
+            self.disk.close(remove_files=True)
         self.index.close()
 
     def wait(self) -> None:
@@ -127,7 +209,13 @@ class Agent:
                 log.warning("heartbeat failed: %s", exc)
 
     def _drop_everything(self) -> None:
-        self.table.free(sorted(self.table.known_ids()))
+        self.free_allocations(sorted(self._known_ids()))
+
+    def _known_ids(self) -> set[int]:
+        ids = self.table.known_ids()
+        if self.disk is not None:
+            ids |= set(self.disk_keys)
+        return ids
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.config.sync_interval_s):
@@ -147,8 +235,8 @@ class Agent:
             expired_status=result.expired_status,
             acked=result.acked_alloc_ids,
             graves=result.graves,
-            known=self.table.known_ids(),
+            known=self._known_ids(),
         )
         self.table.commit(plan.commit)
         if plan.free:
-            self.table.free(plan.free)
+            self.free_allocations(plan.free)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import socket
 import threading
+from typing import Protocol
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError
@@ -21,16 +22,37 @@ from mooncake_store.transport.tcp import SOCKET_BUFFER_BYTES, parse_endpoint
 
 log = logging.getLogger("mooncake.agent")
 
+#: RESERVE flag: the reservation is a spill from a peer agent.
+SPILL_FLAG = 1
 #: Chunk for draining the payload of a refused WRITE.
 DRAIN_BYTES = 1 << 20
 
 
+class AgentHooks(Protocol):
+    """What the server asks of the agent beyond the host arena."""
+
+    def read_other_tier(self, alloc_id: int) -> bytearray | None:
+        """The whole object of an alloc id that lives in another tier (disk), or None."""
+
+    def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
+        """Called once the reply is sent (promotion happens here)."""
+
+    def no_room(self, size_bytes: int) -> None:
+        """A reservation did not fit."""
+
+    def spilled_in(self, count: int) -> None:
+        """Reservations flagged as spills from a peer were granted."""
+
+
 class AgentServer:
-    def __init__(self, listen: str, arena: HostArena, table: AllocationTable, *, timeout_s: float) -> None:
+    def __init__(
+        self, listen: str, arena: HostArena, table: AllocationTable, *, timeout_s: float, hooks: AgentHooks
+    ) -> None:
         host, port = parse_endpoint(listen) if not listen.endswith(":0") else (listen.rpartition(":")[0], 0)
         self._arena = arena
         self._table = table
         self._timeout_s = timeout_s
+        self._hooks = hooks
         try:
             self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
         except OSError as exc:
@@ -112,7 +134,7 @@ class AgentServer:
         if op == Op.WRITE:
             return self._write(conn, a, b, c)
         if op == Op.RESERVE:
-            return self._reserve(conn, arg, a)
+            return self._reserve(conn, arg, a, b)
         if op == Op.FREE:
             return self._free(conn, arg)
         if op == Op.PING:
@@ -126,8 +148,7 @@ class AgentServer:
 
     def _read(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
         if not self._in_arena(offset, length) or not self._table.begin_read(alloc_id, offset, length):
-            self._reply(conn, Op.READ, Status.STALE)
-            return True
+            return self._read_other_tier(conn, alloc_id, offset, length)
         try:
             view = self._arena.view(offset, length)
             try:
@@ -138,6 +159,23 @@ class AgentServer:
             self._table.end_read(alloc_id)
         self.counters["reads"] += 1
         self.counters["read_bytes"] += length
+        return True
+
+    def _read_other_tier(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
+        try:
+            data = self._hooks.read_other_tier(alloc_id)
+        except MooncakeError as exc:
+            log.warning("read of allocation %d failed: %s", alloc_id, exc)
+            data = None
+        if data is None or offset < 0 or length < 0 or offset + length > len(data):
+            self._reply(conn, Op.READ, Status.STALE)
+            return True
+        view = memoryview(data)[offset : offset + length]
+        frames.send_all(conn, frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length), view)
+        view.release()
+        self.counters["reads"] += 1
+        self.counters["read_bytes"] += length
+        self._hooks.after_other_tier_read(alloc_id, data)
         return True
 
     def _write(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
@@ -163,7 +201,7 @@ class AgentServer:
         self._reply(conn, Op.WRITE, Status.OK)
         return True
 
-    def _reserve(self, conn: socket.socket, count: int, tier: int) -> bool:
+    def _reserve(self, conn: socket.socket, count: int, tier: int, flags: int) -> bool:
         if not 0 < count <= frames.MAX_BATCH or tier != 0:
             self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
             return False

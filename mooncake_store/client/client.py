@@ -32,7 +32,7 @@ from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
 from mooncake_store.policy.transport_choice import order_replicas
 from mooncake_store.transport.shm import ShmTransport, local_host_id
-from mooncake_store.transport.tcp import TcpTransport
+from mooncake_store.transport.tcp import ReadRequest, TcpTransport
 from mooncake_store.types import (
     NodeInfo,
     ObjectMeta,
@@ -61,6 +61,7 @@ class _PlannedPut:
     put_id: bytes
     checksum: int
     replicas: list[Replica]
+    chain_pos: int | None = None
 
 
 class Client:
@@ -148,8 +149,19 @@ class Client:
         """
         self.put_many({key: value}, replicas=replicas, preferred_node=preferred_node)
 
-    def put_many(self, items: Mapping[str, object], *, replicas: int = 1, preferred_node: str | None = None) -> None:
-        """Store several objects with one index round trip per phase (start, commit) for the batch."""
+    def put_many(
+        self,
+        items: Mapping[str, object],
+        *,
+        replicas: int = 1,
+        preferred_node: str | None = None,
+        chain_pos: Mapping[str, int] | None = None,
+    ) -> None:
+        """Store several objects with one index round trip per phase (start, commit) for the batch.
+
+        ``chain_pos`` gives keys that are chunks of a prefix chain their position in it; under memory
+        pressure, among equally cold chunks the later ones leave first, so chains stay prefix-closed.
+        """
         self._check_open()
         if not isinstance(replicas, int) or not 1 <= replicas <= 16:
             raise InvalidValue(f"replicas must be an int in 1..16, got {replicas!r}")
@@ -160,6 +172,7 @@ class Client:
                 put_id=uuid.uuid4().bytes,
                 checksum=checksum_of(src.view),
                 replicas=[],
+                chain_pos=(chain_pos or {}).get(key),
             )
             for key, value in items.items()
         ]
@@ -202,6 +215,7 @@ class Client:
                         shape=p.source.shape,
                         checksum=p.checksum,
                         replicas=tuple(p.replicas),
+                        chain_pos=p.chain_pos,
                     )
                     for p in plans
                 ],
@@ -400,6 +414,7 @@ class Client:
         last_error: MooncakeError | None = None
         pending = list(range(len(keys)))
         metas: list[ObjectMeta | None] = [None] * len(keys)
+        used: dict[int, Replica | None] = {}
         buffers: list[np.ndarray] = [np.empty(0, np.uint8)] * len(keys)
         for attempt in range(self.config.max_retries + 1):
             started = time.monotonic()
@@ -419,12 +434,12 @@ class Client:
                     buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
                     dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
                 try:
-                    self._read_object(meta, dest, refresh_nodes=attempt > 0)
+                    used[i] = self._read_object(meta, dest, refresh_nodes=attempt > 0)
                 except (TransferError, ConnectError) as exc:
                     last_error = exc
                     retry.append(i)
             if retry == [] and time.monotonic() - started > LEASE_SAFETY * self.config.lease_ms / 1000:
-                retry = self._outlived_lease(keys, metas, pending)
+                retry = self._outlived_lease(keys, metas, used, pending)
             if not retry:
                 return metas, buffers
             pending = retry
@@ -433,21 +448,30 @@ class Client:
             f"{self.config.max_retries + 1} attempts: their replicas kept moving"
         )
 
-    def _outlived_lease(self, keys: list[str], metas: list[ObjectMeta | None], pending: list[int]) -> list[int]:
-        """A read that outlived its lease may have raced a free: keep only the objects whose
-        replicas are still in the index, unchanged (their memory cannot have been freed)."""
-        check = [i for i in pending if metas[i] is not None]
+    def _outlived_lease(
+        self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
+    ) -> list[int]:
+        """A read that outlived its lease may have raced a free: keep only the objects that still
+        list, unchanged, the replica the bytes came from (its memory cannot have been freed)."""
+        check = [i for i in pending if metas[i] is not None and used.get(i) is not None]
         again = self.index.lookup([keys[i] for i in check], lease_ms=0)
         stale = []
         for i, now in zip(check, again.objects, strict=True):
-            before = metas[i]
-            if now is None or before is None or now.version != before.version:
+            before, source = metas[i], used[i]
+            if (
+                now is None
+                or before is None
+                or source is None
+                or now.version != before.version
+                or not any(r.node_id == source.node_id and r.alloc_id == source.alloc_id for r in now.replicas)
+            ):
                 stale.append(i)
         return stale
 
-    def _read_object(self, meta: ObjectMeta, dest: memoryview, *, refresh_nodes: bool) -> None:
+    def _read_object(self, meta: ObjectMeta, dest: memoryview, *, refresh_nodes: bool) -> Replica | None:
+        """Copy the object into ``dest`` from the cheapest replica that answers; returns that replica."""
         if meta.size_bytes == 0:
-            return
+            return None
         nodes = self._node_table(refresh=refresh_nodes)
         if any(r.node_id not in nodes for r in meta.replicas):
             nodes = self._node_table(refresh=True)
@@ -465,11 +489,16 @@ class Client:
             try:
                 if kind == TransportKind.SHM:
                     self._shm.read_into(node.shm_name, self._arena_bytes(node), replica.offset, dest)
-                else:
+                elif replica.tier == TierKind.HOST:
                     self._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
+                else:
+                    # The agent decodes other tiers whole: one request, no stripes.
+                    self._tcp.peer(node.tcp_endpoint).read_many(
+                        [ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)]
+                    )
                 if self.config.verify_checksum and checksum_of(dest) != meta.checksum:
                     raise TransferError(f"checksum mismatch reading {meta.key!r} from {node.node_id}")
-                return
+                return replica
             except (TransferError, ConnectError) as exc:
                 errors.append(f"{node.node_id} via {kind}: {exc}")
                 if isinstance(exc, ConnectError):
@@ -477,6 +506,11 @@ class Client:
         raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors))
 
     # ---- other operations -------------------------------------------------------------------
+    def object_meta(self, key: str) -> ObjectMeta | None:
+        """Size, dtype, shape, checksum and readable replicas of ``key`` (None if absent); no lease."""
+        self._check_open()
+        return self.index.lookup([check_key(key)], lease_ms=0).objects[0]
+
     def exists(self, key: str) -> bool:
         """True when ``key`` has a complete replica on a live node (grants no lease)."""
         self._check_open()

@@ -5,15 +5,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mooncake_store.types import NodeInfo
+from mooncake_store.types import NodeInfo, TierUsage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierStats:
     tier: str
     capacity_bytes: int
-    used_bytes: int
+    used_bytes: int  # for the disk tier: compressed bytes on disk
     objects: int
+    hits: int = 0  # lookups answered with a replica in this tier of this node
+    reads: int = 0  # reads the agent served itself (TCP, disk); same-host shm reads never reach it
+    demotions: int = 0
+    promotions: int = 0
+    spills_out: int = 0
+    spills_in: int = 0
+    evictions: int = 0
+    compression_ratio: float = 1.0  # raw bytes over stored bytes (disk tier)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +48,7 @@ class ClusterStats:
     used_bytes: int
     hits: int
     misses: int
+    evictions: int = 0  # objects the cluster dropped under memory pressure (this is a cache)
 
     @property
     def live_nodes(self) -> tuple[NodeStats, ...]:
@@ -49,9 +58,34 @@ class ClusterStats:
         return asdict(self)
 
 
+def _tier_stats(usage: TierUsage, hits: int) -> TierStats:
+    c = usage.counters
+    raw = c.get("raw_bytes", 0)
+    return TierStats(
+        tier=str(usage.tier),
+        capacity_bytes=usage.capacity_bytes,
+        used_bytes=usage.used_bytes,
+        objects=usage.objects,
+        hits=hits,
+        reads=c.get("reads", 0),
+        demotions=c.get("demotions", 0),
+        promotions=c.get("promotions", 0),
+        spills_out=c.get("spills_out", 0),
+        spills_in=c.get("spills_in", 0),
+        evictions=c.get("evictions", 0),
+        compression_ratio=round(raw / usage.used_bytes, 3) if raw and usage.used_bytes else 1.0,
+    )
+
+
 def build_stats(
     nodes: dict[str, NodeInfo], per_node: dict[str, int], objects: int, counters: dict[str, int], *, now_ms: int
 ) -> ClusterStats:
+    # Per node and tier hits come from the index as "hits:<node>:<tier>" counters.
+    hits: dict[tuple[str, str], int] = {}
+    for name, value in counters.items():
+        parts = name.split(":")
+        if len(parts) == 3 and parts[0] == "hits":
+            hits[(parts[1], parts[2])] = value
     rows = []
     for node in sorted(nodes.values(), key=lambda n: n.node_id):
         in_s = (node.heartbeat_deadline_ms - now_ms) / 1000
@@ -68,12 +102,7 @@ def build_stats(
                 shm_name=node.shm_name,
                 transports=tuple(str(t) for t in node.transports),
                 objects=per_node.get(node.node_id, 0),
-                tiers=tuple(
-                    TierStats(
-                        tier=str(t.tier), capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes, objects=t.objects
-                    )
-                    for t in node.tiers
-                ),
+                tiers=tuple(_tier_stats(t, hits.get((node.node_id, str(t.tier)), 0)) for t in node.tiers),
             )
         )
     live = [r for r in rows if r.alive]
@@ -84,4 +113,5 @@ def build_stats(
         used_bytes=sum(t.used_bytes for r in live for t in r.tiers),
         hits=counters.get("hits", 0),
         misses=counters.get("misses", 0),
+        evictions=counters.get("evictions", 0),
     )

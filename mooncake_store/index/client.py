@@ -20,7 +20,7 @@ from mooncake_store.index.schema import (
     key_prefix,
 )
 from mooncake_store.index.scripts import load_scripts
-from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierUsage
+from mooncake_store.types import EvictionCandidate, NodeInfo, ObjectMeta, Replica, TierUsage
 
 #: Keys per Lua call in batch operations: bounds the time one script holds the server.
 BATCH_LIMIT = 4096
@@ -35,6 +35,7 @@ class PendingPut:
     shape: tuple[int, ...]
     checksum: int
     replicas: tuple[Replica, ...]
+    chain_pos: int | None = None  # position in a prefix chain: eviction takes later chunks first
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +124,7 @@ class RedisIndex:
                     "shape": encode_shape(p.shape),
                     "checksum": str(p.checksum),
                     "replicas": [encode_replica(r) for r in p.replicas],
+                    **({"chain_pos": p.chain_pos} if p.chain_pos is not None else {}),
                 }
                 for p in chunk
             ]
@@ -196,6 +198,31 @@ class RedisIndex:
                 )
             )
         return sorted(out, key=lambda k: k.key)
+
+    # ---- memory pressure -------------------------------------------------------------------
+    def victim_candidates(self, node_id: str, tier: str, *, sample: int = 256) -> list[EvictionCandidate]:
+        flat = self._run("victims", node_id, tier, sample)
+        return [
+            EvictionCandidate(
+                key=flat[i],
+                size_bytes=int(flat[i + 1]),
+                last_access_ms=int(flat[i + 2]),
+                lease_until_ms=int(flat[i + 3]),
+                pins=int(flat[i + 4]),
+                alloc_id=int(flat[i + 5]),
+                chain_pos=int(flat[i + 6]),
+                dtype=flat[i + 7],
+            )
+            for i in range(0, len(flat), 8)
+        ]
+
+    def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:
+        """Compare-and-swap a replica's location; "OK", "GONE" or "PINNED"."""
+        return str(self._run("move_replica", key, old_node, str(old_alloc_id), json.dumps(encode_replica(new))))
+
+    def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
+        """Drop one replica (the object too if it was the last); "OK", "GONE" or "PINNED"."""
+        return str(self._run("evict", key, node_id, str(alloc_id)))
 
     # ---- node table -----------------------------------------------------------------------
     def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int) -> int:

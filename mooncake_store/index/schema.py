@@ -133,6 +133,9 @@ def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
                     capacity_bytes=int(t["capacity"]),
                     used_bytes=int(t["used"]),
                     objects=int(t.get("objects", 0)),
+                    counters={k: int(v) for k, v in (t.get("counters") or {}).items()}
+                    if isinstance(t.get("counters"), dict)
+                    else {},
                 )
                 for t in (d["tiers"] if isinstance(d["tiers"], list) else [])
             ),

@@ -18,6 +18,9 @@ SCRIPT_NAMES = (
     "node_deregister",
     "node_reap",
     "agent_sync",
+    "victims",
+    "move_replica",
+    "evict",
 )
 
 
@@ -28,3 +31,7 @@ def _read(name: str) -> str:
 def load_scripts(client: redis.Redis) -> dict[str, redis.commands.core.Script]:
     prelude = _read("prelude")
     return {name: client.register_script(prelude + "\n" + _read(name)) for name in SCRIPT_NAMES}
+
+
+#: Public name for the script reader, for modules that load their own scripts (index/prefix.py).
+read_script = _read

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from mooncake_store.types import TRANSPORT_ORDER, NodeInfo, Replica, TransportKind
+from mooncake_store.types import TRANSPORT_ORDER, NodeInfo, Replica, TierKind, TransportKind
+
+# GPU replicas are read through their agent (device to host), so host memory is the cheapest source.
+TIER_RANK = {TierKind.HOST: 0, TierKind.GPU: 1, TierKind.DISK: 2}
 
 
 def choose_transport(
-    node: NodeInfo, *, allowed: Iterable[TransportKind], host_id: str, shm_reachable: bool
+    node: NodeInfo,
+    *,
+    allowed: Iterable[TransportKind],
+    host_id: str,
+    shm_reachable: bool,
+    tier: TierKind = TierKind.HOST,
 ) -> TransportKind | None:
+    """Only the host tier is mapped by same-host clients; other tiers are served by their agent."""
     allowed_set = set(allowed)
     for kind in TRANSPORT_ORDER:
         if kind not in allowed_set or kind not in node.transports:
             continue
-        if kind == TransportKind.SHM and not (node.host_id == host_id and shm_reachable):
+        if kind == TransportKind.SHM and not (node.host_id == host_id and shm_reachable and tier == TierKind.HOST):
             continue
         if kind == TransportKind.INPROC:
             continue  # agents run in their own processes
@@ -30,7 +39,8 @@ def order_replicas(
     host_id: str,
     shm_names_reachable: set[str],
 ) -> list[tuple[Replica, NodeInfo, TransportKind]]:
-    """Replicas with the path to each, cheapest first; replicas no allowed path reaches are left out."""
+    """Replicas with the path to each, cheapest first (faster tier first, then cheaper path);
+    replicas no allowed path reaches are left out."""
     allowed_t = tuple(allowed)
     out: list[tuple[int, Replica, NodeInfo, TransportKind]] = []
     for replica in replicas:
@@ -38,9 +48,13 @@ def order_replicas(
         if node is None:
             continue
         kind = choose_transport(
-            node, allowed=allowed_t, host_id=host_id, shm_reachable=node.shm_name in shm_names_reachable
+            node,
+            allowed=allowed_t,
+            host_id=host_id,
+            shm_reachable=node.shm_name in shm_names_reachable,
+            tier=replica.tier,
         )
         if kind is not None:
-            out.append((TRANSPORT_ORDER.index(kind), replica, node, kind))
+            out.append((TIER_RANK[replica.tier] * 10 + TRANSPORT_ORDER.index(kind), replica, node, kind))
     out.sort(key=lambda item: item[0])
     return [(r, n, k) for _, r, n, k in out]

@@ -12,15 +12,18 @@ anything is received.
 op        request                              reply
 ========  ===================================  ========================================================
 PING      -                                    OK, a = protocol version
-RESERVE   arg = count, a = tier, payload of    OK, payload of count x (offset u64, alloc_id u64);
-          count x (size u64, put_id 16 B)      NO_CAPACITY, a = free, b = largest free, c = capacity
+RESERVE   arg = count, a = tier, b = flags     OK, payload of count x (offset u64, alloc_id u64);
+          (1: a spill from a peer), payload    NO_CAPACITY, a = free, b = largest free, c = capacity
+          of count x (size u64, put_id 16 B)
 FREE      arg = count, payload count x u64     OK, a = reservations expired now (freed by the next
           (writer abandons its reservations)   sync unless their commit reached the index)
 WRITE     a = alloc_id, b = offset, c = len,   OK; STALE when the allocation is not a live reservation
           payload of len bytes                 covering the range (payload is drained, then dropped).
                                                Until the agent's next sync learns of a commit, the
                                                writer could still write: clients are trusted.
-READ      a = alloc_id, b = offset, c = len    OK then len bytes; STALE when the allocation is gone
+READ      a = alloc_id, b = offset, c = len    OK then len bytes; STALE when the allocation is gone.
+                                               A disk-tier alloc id is read (and checked) from its
+                                               file; offset is then relative to the object
 ========  ===================================  ========================================================
 """
 

@@ -114,12 +114,14 @@ class PeerConnections:
 
         return int(self._call(run))
 
-    def reserve(self, requests: Sequence[tuple[int, bytes]], *, node_id: str, tier: int = 0) -> list[Reservation]:
+    def reserve(
+        self, requests: Sequence[tuple[int, bytes]], *, node_id: str, tier: int = 0, flags: int = 0
+    ) -> list[Reservation]:
         """Reserve space for each (size, put_id). All or nothing: NoCapacity names the sizes."""
 
         def run_chunk(sock: socket.socket, chunk: Sequence[tuple[int, bytes]]) -> list[Reservation]:
             payload = b"".join(frames.RESERVE_ENTRY.pack(size, put_id) for size, put_id in chunk)
-            frames.send_all(sock, frames.pack(Op.RESERVE, len(chunk), tier), memoryview(payload))
+            frames.send_all(sock, frames.pack(Op.RESERVE, len(chunk), tier, flags), memoryview(payload))
             status, a, b, c = self._reply(sock, Op.RESERVE)
             if status == Status.NO_CAPACITY:
                 need = sum(size for size, _ in chunk)

@@ -10,6 +10,7 @@ local lease = tonumber(ARGV[2])
 local now = now_ms()
 local out = {now}
 local hits, misses = 0, 0
+local tier_hits = {}
 for i = 3, #ARGV do
   local ok = P .. 'o:' .. ARGV[i]
   local f = redis.call('HMGET', ok, 'size', 'dtype', 'shape', 'checksum', 'version', 'replicas', 'lease_until')
@@ -26,6 +27,8 @@ for i = 3, #ARGV do
         redis.call('HSET', ok, 'lease_until', lease_until, 'last_access', now)
       end
       found = {f[1], f[2], f[3], f[4], f[5], encode_list(live), lease_until}
+      local first = 'hits:' .. live[1][1] .. ':' .. live[1][2]
+      tier_hits[first] = (tier_hits[first] or 0) + 1
     end
   end
   if found then hits = hits + 1 else misses = misses + 1 end
@@ -34,5 +37,7 @@ end
 if lease > 0 then
   redis.call('HINCRBY', P .. 'stats', 'hits', hits)
   redis.call('HINCRBY', P .. 'stats', 'misses', misses)
+  -- Credited to the first live replica's node and tier: the one a reader on another host takes.
+  for name, n in pairs(tier_hits) do redis.call('HINCRBY', P .. 'stats', name, n) end
 end
 return out

@@ -32,6 +32,11 @@ for i = 2, #ARGV do
       redis.call('HSET', ok, 'size', e.size, 'dtype', e.dtype, 'shape', e.shape,
         'checksum', e.checksum, 'version', version, 'replicas', encode_list(e.replicas),
         'lease_until', 0, 'last_access', now, 'created', now)
+      if e.chain_pos then
+        redis.call('HSET', ok, 'chain_pos', e.chain_pos)
+      else
+        redis.call('HDEL', ok, 'chain_pos')
+      end
       redis.call('SADD', P .. 'keys', e.key)
       redis.call('DEL', pk)
       table.insert(out, 'OK')

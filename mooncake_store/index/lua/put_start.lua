@@ -1,7 +1,8 @@
 -- put_start: record PENDING replicas for a batch of puts (phase one of the two-phase put).
 -- KEYS: none (all keys derive from the prefix)
 -- ARGV: [1] prefix, [2] reservation ttl in ms, [3] JSON array of entries
---       {put_id, key, size, dtype, shape, checksum, replicas=[[node,tier,offset,size,alloc,"PENDING"],...]}
+--       {put_id, key, size, dtype, shape, checksum, replicas=[[node,tier,offset,size,alloc,"PENDING"],...],
+--        chain_pos (optional: position in a prefix chain, for eviction order)}
 -- Returns: number of pending records written. A pending record is invisible to readers; it either
 -- becomes the object in put_commit, or is dropped by put_revoke or by its agent's reclaim.
 local ttl = tonumber(ARGV[2])

@@ -1,0 +1,31 @@
+-- victims: a sample of the objects with a replica on one node's tier, with what eviction weighs.
+-- KEYS: none
+-- ARGV: [1] prefix, [2] node id, [3] tier, [4] sample size
+-- Returns: a flat list, 8 fields per candidate:
+--   key, size, last_access ms, lease_until ms, live pins, alloc id, chain position (-1: none), dtype
+-- Sampling (SRANDMEMBER) bounds the work per call like Redis's own approximate LRU; the pure policy
+-- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
+-- count) so the policy, not this script, owns the rule.
+local node, tier = ARGV[2], ARGV[3]
+local now = now_ms()
+local keys = redis.call('SRANDMEMBER', P .. 'nobj:' .. node, tonumber(ARGV[4]))
+local out = {}
+for _, key in ipairs(keys) do
+  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype')
+  if f[1] then
+    for _, r in ipairs(decode_list(f[4])) do
+      if r[1] == node and r[2] == tier and r[6] == 'COMPLETE' then
+        local pins = live_pins(key, now)
+        table.insert(out, key)
+        table.insert(out, f[1])
+        table.insert(out, f[2] or 0)
+        table.insert(out, f[3] or 0)
+        table.insert(out, pins)
+        table.insert(out, r[5])
+        table.insert(out, f[5] or -1)
+        table.insert(out, f[6] or '|u1')
+      end
+    end
+  end
+end
+return out

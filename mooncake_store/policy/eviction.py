@@ -1,0 +1,105 @@
+"""What an agent under memory pressure moves, and where (issue: tiers and memory pressure).
+
+Victims: objects with no live pin and no live read lease (a lease means someone read it within the
+last lease period: hot), coldest first; among equally cold objects the later chunk of a prefix
+chain goes first, so that chains stay prefix-closed (a chain that lost its tail still matches its
+head; one that lost its head matches nothing). A batch lookup stamps all chunks of a chain with the
+same access time, so the chain position decides within a chain.
+
+Destinations, in order: the node's own next tier if it has room (demote), else the peer with the
+most room in the same tier, same zone first (spill), else nothing (evict: this is a cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
+
+#: Tier order, fastest first; an object demotes to the next one the node has.
+TIER_ORDER: tuple[TierKind, ...] = (TierKind.GPU, TierKind.HOST, TierKind.DISK)
+
+
+class MoveKind(StrEnum):
+    DEMOTE = "demote"
+    SPILL = "spill"
+    EVICT = "evict"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Move:
+    kind: MoveKind
+    tier: TierKind | None = None  # destination tier (demote, spill)
+    node_id: str | None = None  # destination node (spill)
+
+
+def bytes_to_free(used_bytes: int, capacity_bytes: int, *, high: float, low: float, wanted_bytes: int = 0) -> int:
+    """How much to move now: nothing below the high watermark unless a reservation is waiting for
+    ``wanted_bytes``; otherwise enough to get down to the low watermark (and to fit the wait)."""
+    over_high = used_bytes > high * capacity_bytes
+    if not over_high and wanted_bytes <= 0:
+        return 0
+    target = used_bytes - int(low * capacity_bytes) if over_high else 0
+    room_needed = wanted_bytes - (capacity_bytes - used_bytes)
+    return max(0, target, room_needed)
+
+
+def choose_victims(candidates: Iterable[EvictionCandidate], *, need_bytes: int, now_ms: int) -> list[EvictionCandidate]:
+    """The coldest movable candidates whose sizes add up to ``need_bytes`` (or all of them)."""
+    if need_bytes <= 0:
+        return []
+    movable = [c for c in candidates if c.pins == 0 and c.lease_until_ms <= now_ms]
+    movable.sort(key=lambda c: (c.last_access_ms, -c.chain_pos, c.key))
+    chosen: list[EvictionCandidate] = []
+    total = 0
+    for cand in movable:
+        if total >= need_bytes:
+            break
+        chosen.append(cand)
+        total += cand.size_bytes
+    return chosen
+
+
+def next_tier(tier: TierKind, available: Sequence[TierKind]) -> TierKind | None:
+    index = TIER_ORDER.index(tier)
+    for lower in TIER_ORDER[index + 1 :]:
+        if lower in available:
+            return lower
+    return None
+
+
+def choose_move(
+    size_bytes: int,
+    *,
+    tier: TierKind,
+    node_id: str,
+    zone: str,
+    lower_tier: TierKind | None,
+    lower_free_bytes: int,
+    peers: Iterable[NodeInfo],
+    now_ms: int,
+    high_watermark: float,
+    spill: bool = True,
+) -> Move:
+    """Where one victim of ``size_bytes`` goes. A peer qualifies only if taking the object keeps it
+    under the high watermark, so that spilling never pushes a peer into pressure of its own."""
+    if lower_tier is not None and lower_free_bytes >= size_bytes:
+        return Move(kind=MoveKind.DEMOTE, tier=lower_tier)
+    if spill:
+        best: tuple[int, int, str] | None = None
+        for peer in peers:
+            if peer.node_id == node_id or peer.heartbeat_deadline_ms < now_ms:
+                continue
+            usage = peer.tier(tier)
+            if usage is None:
+                continue
+            if usage.used_bytes + size_bytes > high_watermark * usage.capacity_bytes:
+                continue
+            key = (0 if peer.zone == zone else 1, -usage.free_bytes, peer.node_id)
+            if best is None or key < best:
+                best = key
+        if best is not None:
+            return Move(kind=MoveKind.SPILL, tier=tier, node_id=best[2])
+    return Move(kind=MoveKind.EVICT)

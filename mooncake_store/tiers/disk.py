@@ -1,0 +1,228 @@
+"""The disk tier: one zstandard-compressed file per allocation, written atomically, checksummed.
+
+File names come from the allocation id (a number the agent issues), never from user keys, so no
+key can escape the directory or collide with another. A file is::
+
+    header (32 B): magic "MCZ1" | flags u8 | itemsize u8 | reserved u16 | raw size u64
+                   | xxh3-64 of the raw bytes u64 | compressed size u64
+    body: one zstd frame
+
+``flags & 1`` marks byte-plane shuffling: for 2-byte dtypes (float16/bfloat16 KV caches) the low and
+high bytes of every element are stored as two planes, which puts the slowly varying exponent bytes
+next to each other and lets zstd find far more redundancy than in the interleaved layout. Reads
+verify the checksum, so a corrupted file is an error, never wrong data.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+import zstandard
+
+from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
+
+HEADER = struct.Struct("<4sBBHQQQ")
+MAGIC = b"MCZ1"
+FLAG_SHUFFLED = 1
+SUFFIX = ".mcz"
+
+
+class CorruptChunk(MooncakeError):
+    """A disk-tier file failed its checksum or is not a file of this tier."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DiskEntry:
+    alloc_id: int
+    raw_bytes: int
+    stored_bytes: int
+    checksum: int
+
+
+def shuffle_planes(data: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte planes of ``data`` (uint8): all first bytes of each element, then all second bytes..."""
+    whole = len(data) - len(data) % itemsize
+    planes = data[:whole].reshape(-1, itemsize).T.reshape(-1)
+    return np.concatenate([planes, data[whole:]]) if whole < len(data) else np.ascontiguousarray(planes)
+
+
+def unshuffle_planes(planes: np.ndarray, itemsize: int, out: np.ndarray) -> None:
+    whole = len(out) - len(out) % itemsize
+    out[:whole].reshape(-1, itemsize)[:] = planes[:whole].reshape(itemsize, -1).T
+    out[whole:] = planes[whole:]
+
+
+class DiskTier:
+    """Compressed chunk files under ``root``, at most ``capacity_bytes`` of them on disk.
+
+    Thread-safe. Capacity counts stored (compressed) bytes, which is what the disk holds."""
+
+    def __init__(self, root: str | Path, capacity_bytes: int, *, level: int = 3, shuffle: str = "auto") -> None:
+        if capacity_bytes <= 0:
+            raise InvalidValue(f"disk tier capacity must be positive, got {capacity_bytes}")
+        if shuffle not in ("auto", "always", "never"):
+            raise InvalidValue(f"shuffle must be auto, always or never, got {shuffle!r}")
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise MooncakeError(f"cannot create the disk tier directory {self.root}: {exc}") from None
+        self.capacity_bytes = capacity_bytes
+        self.level = level
+        self.shuffle = shuffle
+        self._entries: dict[int, DiskEntry] = {}
+        self._used = 0
+        self._raw = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()  # zstd contexts are not thread-safe; one per thread
+        self._clear_leftovers()
+
+    def _clear_leftovers(self) -> None:
+        # Files from an earlier incarnation belong to replicas that the index no longer lists (a
+        # restarted agent starts empty), and temp files are writes that never finished.
+        for path in self.root.glob("*/*"):
+            if path.suffix in (SUFFIX, ".tmp"):
+                path.unlink(missing_ok=True)
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def raw_bytes(self) -> int:
+        return self._raw
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self._used
+
+    @property
+    def objects(self) -> int:
+        return len(self._entries)
+
+    def compression_ratio(self) -> float:
+        """Raw bytes over stored bytes (1.0 when empty)."""
+        return self._raw / self._used if self._used else 1.0
+
+    def path_of(self, alloc_id: int) -> Path:
+        name = f"{alloc_id:016x}"
+        return self.root / name[-2:] / (name + SUFFIX)
+
+    def __contains__(self, alloc_id: int) -> bool:
+        with self._lock:
+            return alloc_id in self._entries
+
+    def entry(self, alloc_id: int) -> DiskEntry | None:
+        with self._lock:
+            return self._entries.get(alloc_id)
+
+    # ---- codec ------------------------------------------------------------------------------
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        comp = getattr(self._local, "comp", None)
+        if comp is None:
+            comp = self._local.comp = zstandard.ZstdCompressor(level=self.level)
+        return comp
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        dec = getattr(self._local, "dec", None)
+        if dec is None:
+            dec = self._local.dec = zstandard.ZstdDecompressor()
+        return dec
+
+    def encode(self, view: memoryview, *, itemsize: int) -> tuple[bytes, int]:
+        """(file bytes, checksum) for ``view``; shuffles 2-byte dtypes unless told not to."""
+        checksum = xxhash.xxh3_64_intdigest(view)
+        data = np.frombuffer(view, dtype=np.uint8)
+        shuffled = (self.shuffle == "always" and itemsize > 1) or (self.shuffle == "auto" and itemsize == 2)
+        payload = shuffle_planes(data, itemsize) if shuffled and len(data) else data
+        body = self._compressor().compress(memoryview(payload))
+        header = HEADER.pack(MAGIC, FLAG_SHUFFLED if shuffled else 0, itemsize, 0, len(view), checksum, len(body))
+        return header + body, checksum
+
+    def decode_into(self, blob: bytes | memoryview, dest: memoryview, *, where: str) -> int:
+        if len(blob) < HEADER.size:
+            raise CorruptChunk(f"{where}: {len(blob)} B is shorter than the {HEADER.size} B header")
+        magic, flags, itemsize, _, raw, checksum, clen = HEADER.unpack_from(blob)
+        if magic != MAGIC or clen != len(blob) - HEADER.size or itemsize == 0:
+            raise CorruptChunk(f"{where}: not a disk-tier chunk (magic {magic!r}, {len(blob)} B)")
+        if raw > len(dest):
+            raise InvalidValue(f"{where}: holds {raw} B but the destination has {len(dest)} B")
+        try:
+            plain = self._decompressor().decompress(memoryview(blob)[HEADER.size :], max_output_size=raw)
+        except zstandard.ZstdError as exc:
+            raise CorruptChunk(f"{where}: zstd frame is damaged: {exc}") from None
+        if len(plain) != raw:
+            raise CorruptChunk(f"{where}: decompressed to {len(plain)} B, header says {raw} B")
+        out = np.frombuffer(dest, dtype=np.uint8, count=raw)
+        if flags & FLAG_SHUFFLED:
+            unshuffle_planes(np.frombuffer(plain, dtype=np.uint8), itemsize, out)
+        else:
+            out[:] = np.frombuffer(plain, dtype=np.uint8)
+        if xxhash.xxh3_64_intdigest(dest[:raw]) != checksum:
+            raise CorruptChunk(f"{where}: checksum mismatch; the file is corrupted")
+        return int(raw)
+
+    # ---- operations -------------------------------------------------------------------------
+    def write(self, alloc_id: int, view: memoryview, *, itemsize: int = 1) -> DiskEntry:
+        """Compress ``view`` into the chunk file of ``alloc_id``: temp file, fsync, rename."""
+        blob, checksum = self.encode(view, itemsize=itemsize)
+        with self._lock:
+            if alloc_id in self._entries:
+                raise InvalidValue(f"disk allocation {alloc_id} already exists")
+            if len(blob) > self.free_bytes:
+                raise NoCapacity(
+                    f"need {len(blob)} B on disk; {self.free_bytes}/{self.capacity_bytes} B free in {self.root}"
+                )
+            self._used += len(blob)  # claimed before the write so concurrent writers cannot overshoot
+        path = self.path_of(alloc_id)
+        tmp = path.with_suffix(".tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._used -= len(blob)
+            raise MooncakeError(f"cannot write {path}: {exc}") from None
+        entry = DiskEntry(alloc_id=alloc_id, raw_bytes=len(view), stored_bytes=len(blob), checksum=checksum)
+        with self._lock:
+            self._entries[alloc_id] = entry
+            self._raw += len(view)
+        return entry
+
+    def read_into(self, alloc_id: int, dest: memoryview) -> int:
+        entry = self.entry(alloc_id)
+        if entry is None:
+            raise InvalidValue(f"no disk allocation {alloc_id}")
+        path = self.path_of(alloc_id)
+        try:
+            blob = path.read_bytes()
+        except OSError as exc:
+            raise CorruptChunk(f"{path}: cannot read: {exc}") from None
+        return self.decode_into(blob, dest, where=str(path))
+
+    def remove(self, alloc_id: int) -> bool:
+        with self._lock:
+            entry = self._entries.pop(alloc_id, None)
+            if entry is None:
+                return False
+            self._used -= entry.stored_bytes
+            self._raw -= entry.raw_bytes
+        self.path_of(alloc_id).unlink(missing_ok=True)
+        return True
+
+    def close(self, *, remove_files: bool = True) -> None:
+        if remove_files:
+            for alloc_id in list(self._entries):
+                self.remove(alloc_id)

@@ -1,0 +1,109 @@
+"""The disk tier on a real directory: round trips, shuffling, atomic files, corruption, capacity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_store.errors import InvalidValue, NoCapacity
+from mooncake_store.tiers.disk import HEADER, CorruptChunk, DiskTier, shuffle_planes, unshuffle_planes
+
+
+def kv_like(n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n).astype(np.float32) * 0.05).astype(np.float16)
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 4096, 1 << 20])
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+def test_round_trip(tmp_path: Path, size: int, itemsize: int) -> None:
+    tier = DiskTier(tmp_path, 64 << 20)
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    tier.write(7, memoryview(data), itemsize=itemsize)
+    out = bytearray(size)
+    assert tier.read_into(7, memoryview(out)) == size
+    assert bytes(out) == data.tobytes()
+
+
+def test_shuffle_planes_inverse() -> None:
+    data = np.arange(11, dtype=np.uint8)
+    planes = shuffle_planes(data, 2)
+    assert planes[:5].tolist() == [0, 2, 4, 6, 8] and planes[5:10].tolist() == [1, 3, 5, 7, 9]
+    out = np.empty_like(data)
+    unshuffle_planes(planes, 2, out)
+    assert np.array_equal(out, data)
+
+
+def test_shuffling_pays_on_float16_kv(tmp_path: Path) -> None:
+    value = kv_like(1 << 20)
+    plain = DiskTier(tmp_path / "plain", 64 << 20, shuffle="never")
+    shuffled = DiskTier(tmp_path / "shuffled", 64 << 20, shuffle="auto")
+    a = plain.write(1, memoryview(value.view(np.uint8)), itemsize=2)
+    b = shuffled.write(1, memoryview(value.view(np.uint8)), itemsize=2)
+    assert b.stored_bytes < a.stored_bytes
+    out = np.empty_like(value)
+    shuffled.read_into(1, memoryview(out.view(np.uint8)))
+    assert np.array_equal(out, value)
+
+
+def test_files_are_named_by_allocation_and_removed(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write(0xABCDEF, memoryview(b"x" * 1000))
+    path = tier.path_of(0xABCDEF)
+    assert path.exists() and path.name == "0000000000abcdef.mcz"
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert tier.objects == 1 and tier.used_bytes == path.stat().st_size
+    assert tier.remove(0xABCDEF)
+    assert not path.exists() and tier.used_bytes == 0 and tier.objects == 0
+    assert not tier.remove(0xABCDEF)
+
+
+@pytest.mark.parametrize("damage", ["flip-body", "truncate", "garbage-header", "flip-checksum"])
+def test_corruption_is_detected(tmp_path: Path, damage: str) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    data = np.random.default_rng(1).integers(0, 256, 50_000, dtype=np.uint8)
+    tier.write(5, memoryview(data))
+    path = tier.path_of(5)
+    blob = bytearray(path.read_bytes())
+    if damage == "flip-body":
+        blob[HEADER.size + len(blob) // 2 - HEADER.size // 2] ^= 0xFF
+    elif damage == "truncate":
+        del blob[-10:]
+    elif damage == "garbage-header":
+        blob[0:4] = b"NOPE"
+    else:
+        blob[16] ^= 0x01  # the stored checksum
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CorruptChunk, match=str(path)):
+        tier.read_into(5, memoryview(bytearray(50_000)))
+
+
+def test_capacity_counts_stored_bytes(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 10_000)
+    noise = np.random.default_rng(2).integers(0, 256, 20_000, dtype=np.uint8)
+    with pytest.raises(NoCapacity, match="need .* B on disk; 10000/10000 B free"):
+        tier.write(1, memoryview(noise))
+    tier.write(2, memoryview(bytes(20_000)))  # zeros compress to almost nothing
+    assert tier.used_bytes < 200 and tier.compression_ratio() > 100
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(InvalidValue, match="capacity must be positive"):
+        DiskTier(tmp_path, 0)
+    tier = DiskTier(tmp_path, 1 << 20)
+    with pytest.raises(InvalidValue, match="no disk allocation 9"):
+        tier.read_into(9, memoryview(bytearray(1)))
+    tier.write(3, memoryview(b"abc"))
+    with pytest.raises(InvalidValue, match="already exists"):
+        tier.write(3, memoryview(b"abc"))
+    with pytest.raises(InvalidValue, match="destination has 2 B"):
+        tier.read_into(3, memoryview(bytearray(2)))
+
+
+def test_leftovers_of_an_earlier_incarnation_are_cleared(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write(1, memoryview(b"old"))
+    (tier.path_of(1).parent / "junk.tmp").write_bytes(b"half")
+    DiskTier(tmp_path, 1 << 20)
+    assert not list(tmp_path.rglob("*.mcz")) and not list(tmp_path.rglob("*.tmp"))
