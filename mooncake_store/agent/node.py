@@ -110,6 +110,12 @@ class Agent:
             except MooncakeError as exc:
                 log.info("promotion of allocation %d failed: %s", alloc_id, exc)
 
+    def reclaim_now(self) -> None:
+        try:
+            self.sync_once()
+        except MooncakeError as exc:
+            log.info("reclaim before refusing a reservation failed: %s", exc)
+
     def no_room(self, size_bytes: int) -> None:
         self.pressure.want_room(size_bytes)
 

@@ -37,8 +37,11 @@ class AgentHooks(Protocol):
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         """Called once the reply is sent (promotion happens here)."""
 
+    def reclaim_now(self) -> None:
+        """Free what is already due (graveyard entries past their lease, abandoned reservations)."""
+
     def no_room(self, size_bytes: int) -> None:
-        """A reservation did not fit."""
+        """A reservation did not fit even after reclaim_now."""
 
     def spilled_in(self, count: int) -> None:
         """Reservations flagged as spills from a peer were granted."""
@@ -208,6 +211,11 @@ class AgentServer:
         raw = frames.recv_exact(conn, frames.RESERVE_ENTRY.size * count)
         requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
         allocs = self._table.reserve(requests)
+        if allocs is None:
+            # Space whose leases ran out since the last sync is free for the asking: a writer that
+            # replaces objects quickly should not wait for the next sync tick.
+            self._hooks.reclaim_now()
+            allocs = self._table.reserve(requests)
         if allocs is None:
             _used, free, largest, _ = self._table.usage()
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)

@@ -419,7 +419,7 @@ class Client:
         for attempt in range(self.config.max_retries + 1):
             started = time.monotonic()
             result = self.index.lookup([keys[i] for i in pending], lease_ms=self.config.lease_ms)
-            retry: list[int] = []
+            targets: list[tuple[int, ObjectMeta, memoryview]] = []
             for i, meta in zip(pending, result.objects, strict=True):
                 metas[i] = meta
                 if meta is None:
@@ -433,20 +433,84 @@ class Client:
                 else:
                     buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
                     dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
-                try:
-                    used[i] = self._read_object(meta, dest, refresh_nodes=attempt > 0)
-                except (TransferError, ConnectError) as exc:
-                    last_error = exc
-                    retry.append(i)
-            if retry == [] and time.monotonic() - started > LEASE_SAFETY * self.config.lease_ms / 1000:
-                retry = self._outlived_lease(keys, metas, used, pending)
+                targets.append((i, meta, dest))
+            retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0)
+            last_error = error or last_error
+            done = [i for i, _, _ in targets if i not in retry]
+            if done and time.monotonic() - started > LEASE_SAFETY * self.config.lease_ms / 1000:
+                retry += self._outlived_lease(keys, metas, used, done)
             if not retry:
                 return metas, buffers
-            pending = retry
+            pending = sorted(retry)
         raise last_error or TransferError(
             f"could not read {len(pending)} key(s) (first {keys[pending[0]]!r}) after "
             f"{self.config.max_retries + 1} attempts: their replicas kept moving"
         )
+
+    def _read_targets(
+        self, targets: list[tuple[int, ObjectMeta, memoryview]], used: dict[int, Replica | None], *, refresh_nodes: bool
+    ) -> tuple[list[int], MooncakeError | None]:
+        """Read every target; returns the indexes to retry and the last error.
+
+        Small objects whose cheapest path is TCP go out pipelined, one request train per agent, so a
+        batch of N costs about one round trip instead of N. Everything else (shm copies, large
+        objects that stripe, other tiers) is read one object at a time."""
+        retry: list[int] = []
+        error: MooncakeError | None = None
+        nodes = self._node_table(refresh=refresh_nodes)
+        trains: dict[str, list[tuple[int, Replica, ReadRequest]]] = {}
+        singles: list[tuple[int, ObjectMeta, memoryview]] = []
+        for i, meta, dest in targets:
+            if meta.size_bytes == 0:
+                used[i] = None
+                continue
+            best = self._best_replica(meta, nodes)
+            if (
+                len(targets) > 1
+                and best is not None
+                and best[2] == TransportKind.TCP
+                and best[0].tier == TierKind.HOST
+                and meta.size_bytes <= self.config.stripe_bytes
+            ):
+                replica, node, _ = best
+                request = ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)
+                trains.setdefault(node.tcp_endpoint, []).append((i, replica, request))
+            else:
+                singles.append((i, meta, dest))
+        by_index = {i: (meta, dest) for i, meta, dest in targets}
+        for endpoint, train in trains.items():
+            try:
+                self._tcp.peer(endpoint).read_many([request for _, _, request in train])
+                for i, replica, _ in train:
+                    used[i] = replica
+            except (TransferError, ConnectError):
+                # Some object of the train moved or its agent failed: read those one by one, which
+                # tries every replica of each.
+                singles.extend((i, *by_index[i]) for i, _, _ in train)
+        for i, meta, dest in singles:
+            try:
+                used[i] = self._read_object(meta, dest, refresh_nodes=refresh_nodes)
+            except (TransferError, ConnectError) as exc:
+                error = exc
+                retry.append(i)
+        return retry, error
+
+    def _best_replica(
+        self, meta: ObjectMeta, nodes: dict[str, NodeInfo]
+    ) -> tuple[Replica, NodeInfo, TransportKind] | None:
+        ordered = order_replicas(
+            meta.replicas,
+            nodes,
+            allowed=self.transports,
+            host_id=self.host_id,
+            shm_names_reachable=self._reachable_segments(nodes),
+        )
+        return ordered[0] if ordered else None
+
+    def _reachable_segments(self, nodes: dict[str, NodeInfo]) -> set[str]:
+        return {
+            n.shm_name for n in nodes.values() if n.host_id == self.host_id and self._shm.reachable(n.shm_name)
+        }
 
     def _outlived_lease(
         self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
@@ -475,9 +539,12 @@ class Client:
         nodes = self._node_table(refresh=refresh_nodes)
         if any(r.node_id not in nodes for r in meta.replicas):
             nodes = self._node_table(refresh=True)
-        reachable = {n.shm_name for n in nodes.values() if self._shm.reachable(n.shm_name)}
         ordered = order_replicas(
-            meta.replicas, nodes, allowed=self.transports, host_id=self.host_id, shm_names_reachable=reachable
+            meta.replicas,
+            nodes,
+            allowed=self.transports,
+            host_id=self.host_id,
+            shm_names_reachable=self._reachable_segments(nodes),
         )
         if not ordered:
             raise TransferError(

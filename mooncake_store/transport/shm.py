@@ -34,9 +34,14 @@ class ShmTransport:
         self._segments: dict[str, SharedSegment] = {}
         self._lock = threading.Lock()
 
-    @staticmethod
-    def reachable(shm_name: str) -> bool:
-        return bool(shm_name) and (SHM_DIR / shm_name).exists()
+    def reachable(self, shm_name: str) -> bool:
+        """A mapped segment stays readable while mapped; only unmapped ones cost a stat()."""
+        if not shm_name:
+            return False
+        seg = self._segments.get(shm_name)
+        if seg is not None and not seg.closed:
+            return True
+        return (SHM_DIR / shm_name).exists()
 
     def segment(self, shm_name: str, size_bytes: int) -> SharedSegment:
         with self._lock:

@@ -1,0 +1,338 @@
+"""PrefixCache: KV-cache chunks of prompt prefixes, matched in one index round trip and shared.
+
+::
+
+    cache = PrefixCache(client, namespace="llama-3-8b/bf16/tp0", chunk_tokens=256)
+    n = cache.match(token_ids)                 # tokens covered by stored chunks; one round trip
+    cache.store(token_ids, chunks)             # one array per full chunk; existing chunks are skipped
+    with cache.load(token_ids) as hit:         # pins the matched chunks while the block runs
+        hit.num_tokens, hit.chunks
+    fut = cache.load_async(token_ids)          # Future of the same hit
+
+Each chunk is one object, keyed by a chained digest of the prefix up to its end (see
+:mod:`mooncake_store.client.prefix_hash`). Requests that share a prefix share its objects: a chunk is
+written once (concurrent writers claim missing chunks in the index, one round trip, and leave
+chunks claimed by another writer to it) and read by all.
+
+A hit pins its chunks: the index refuses to remove or replace a pinned object, and every policy
+that frees or moves memory must skip it. Pins carry a lease (``pin_lease_s``) that a background
+thread renews while the hit is held, so a client that dies stops pinning within one lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from mooncake_store.client.client import Client
+from mooncake_store.client.prefix_hash import (
+    BlockHash,
+    block_hash_chain,
+    chain_keys,
+    check_namespace,
+    token_chain,
+)
+from mooncake_store.errors import InvalidValue, MooncakeError
+from mooncake_store.index.prefix import PrefixIndex
+
+#: A sequence of chunk arrays, or a function from chunk index to the array (called only for the
+#: chunks that have to be written, so callers need not materialize chunks that are stored already).
+Chunks = Sequence[object] | Callable[[int], object]
+#: Destination buffers for load(): a sequence (one per chunk, at least as many as match), or a
+#: function called with the number of matched chunks that returns that many buffers.
+Outs = Sequence[object] | Callable[[int], Sequence[object]]
+
+
+class PrefixHit:
+    """The matched prefix of one load(): pinned until :meth:`release` (or the end of a ``with``)."""
+
+    def __init__(self, cache: PrefixCache, keys: list[str], chunks: list[Any], pin_id: str, chunk_tokens: int) -> None:
+        self._cache = cache
+        self.keys = keys
+        self.chunks = chunks
+        self.pin_id = pin_id
+        self.num_chunks = len(keys)
+        self.num_tokens = len(keys) * chunk_tokens
+        self._released = not keys
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Unpin the chunks (idempotent). ``chunks`` stay valid: they are the caller's memory."""
+        if self._released:
+            return
+        self._released = True
+        self._cache._release(self)
+
+    def __enter__(self) -> PrefixHit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"PrefixHit(num_tokens={self.num_tokens}, num_chunks={self.num_chunks}, released={self._released})"
+
+
+class PrefixCache:
+    """Prefix-keyed KV chunks on a :class:`~mooncake_store.Client`. Thread-safe.
+
+    ``namespace`` names the model and the KV layout (model id, dtype, layers, KV heads, head dim,
+    TP rank): chunks are shared only within one namespace. ``chunk_tokens`` tokens make a chunk.
+    ``pin_lease_s`` bounds how long a dead client's pins last; live hits are renewed every third
+    of it. ``claim_ttl_s`` bounds how long a dead writer keeps others from writing its chunks.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        namespace: str,
+        chunk_tokens: int = 256,
+        *,
+        replicas: int = 1,
+        pin_lease_s: float = 30.0,
+        claim_ttl_s: float = 30.0,
+        io_threads: int = 4,
+    ) -> None:
+        if not isinstance(chunk_tokens, int) or not 1 <= chunk_tokens <= 1 << 20:
+            raise InvalidValue(f"chunk_tokens must be an int in 1..{1 << 20}, got {chunk_tokens!r}")
+        if pin_lease_s <= 0 or claim_ttl_s <= 0:
+            raise InvalidValue(f"pin_lease_s and claim_ttl_s must be > 0, got {pin_lease_s} and {claim_ttl_s}")
+        self.client = client
+        self.namespace = check_namespace(namespace)
+        self.chunk_tokens = chunk_tokens
+        self.replicas = replicas
+        self.pin_lease_ms = max(1, int(pin_lease_s * 1000))
+        self.claim_ttl_ms = max(1, int(claim_ttl_s * 1000))
+        self.index = PrefixIndex(client.index)
+        self._io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._held: weakref.WeakValueDictionary[str, PrefixHit] = weakref.WeakValueDictionary()
+        self._renewer: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+
+    # ---- keys -------------------------------------------------------------------------------
+    def keys(
+        self,
+        token_ids: Any = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+        include_tail: bool = False,
+    ) -> list[str]:
+        """Object keys of the chunks of ``token_ids`` (full chunks, plus the partial last one with
+        ``include_tail``), or of engine-supplied ``block_hashes`` (one full chunk each)."""
+        if (token_ids is None) == (block_hashes is None):
+            raise InvalidValue("pass token_ids or block_hashes (exactly one)")
+        if block_hashes is not None:
+            digests = block_hash_chain(self.namespace, block_hashes)
+        else:
+            digests = token_chain(self.namespace, token_ids, self.chunk_tokens, include_tail=include_tail)
+        return chain_keys(self.namespace, digests)
+
+    def _tokens_of(self, token_ids: Any, block_hashes: Any, num_chunks: int, total_chunks: int) -> int:
+        if block_hashes is not None or num_chunks < total_chunks:
+            return num_chunks * self.chunk_tokens
+        # Every key matched; the last one may be a partial tail.
+        return min(num_chunks * self.chunk_tokens, len(token_ids))
+
+    # ---- match ------------------------------------------------------------------------------
+    def match(
+        self,
+        token_ids: Any = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+        include_tail: bool = True,
+        max_tokens: int | None = None,
+    ) -> int:
+        """Tokens covered by the longest chain of stored chunks: one index round trip.
+
+        A partial last chunk counts only if exactly that tail was stored (``store(...,
+        include_tail=True)``). ``max_tokens`` caps the answer at a chunk boundary below it.
+        """
+        self._check_open()
+        keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
+        found = self.index.match(keys).num_chunks
+        return self._tokens_of(token_ids, block_hashes, found, len(keys))
+
+    def _limit(self, keys: list[str], max_tokens: int | None) -> list[str]:
+        if max_tokens is None:
+            return keys
+        if max_tokens < 0:
+            raise InvalidValue(f"max_tokens must be >= 0, got {max_tokens}")
+        return keys[: max_tokens // self.chunk_tokens]
+
+    # ---- store ------------------------------------------------------------------------------
+    def store(
+        self,
+        token_ids: Any = None,
+        chunks: Chunks = (),
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+        include_tail: bool = False,
+        replicas: int | None = None,
+        preferred_node: str | None = None,
+    ) -> int:
+        """Store the chunks of a prompt; returns how many chunks this call wrote.
+
+        ``chunks[i]`` is chunk i's KV data (any buffer :meth:`Client.put` takes), for every full
+        chunk (and the tail with ``include_tail``); a callable is asked only for chunks it must
+        write. A chunk that is already stored, or that another writer is storing right now, is
+        not written. One round trip decides which chunks to write, one put_many writes them.
+        """
+        self._check_open()
+        keys = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
+        if not callable(chunks) and len(chunks) < len(keys):
+            raise InvalidValue(
+                f"{len(keys)} chunk(s) of {self.chunk_tokens} tokens to store but {len(chunks)} chunk array(s) given"
+            )
+        if not keys:
+            return 0
+        writer = uuid.uuid4().hex
+        statuses = self.index.claim(keys, writer_id=writer, ttl_ms=self.claim_ttl_ms)
+        mine = [i for i, s in enumerate(statuses) if s == "MINE"]
+        if not mine:
+            return 0
+        try:
+            get = chunks if callable(chunks) else chunks.__getitem__
+            self.client.put_many(
+                {keys[i]: get(i) for i in mine},
+                replicas=self.replicas if replicas is None else replicas,
+                preferred_node=preferred_node,
+                chain_pos={keys[i]: i for i in mine},  # eviction takes a chain's tail first
+            )
+        finally:
+            self.index.release([keys[i] for i in mine], writer_id=writer)
+        return len(mine)
+
+    # ---- load -------------------------------------------------------------------------------
+    def load(
+        self,
+        token_ids: Any = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+        outs: Outs | None = None,
+        include_tail: bool = True,
+        max_tokens: int | None = None,
+    ) -> PrefixHit:
+        """Match, pin and read the longest stored prefix. Use as ``with cache.load(ids) as hit:``.
+
+        One round trip matches and pins; one get_many reads the chunks (into ``outs`` when given,
+        with no intermediate copy; ``hit.chunks`` is then ``outs``' first ``num_chunks`` buffers).
+        A chunk that cannot be read after all (its node died in between) ends the hit there.
+        """
+        self._check_open()
+        keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
+        pin_id = uuid.uuid4().hex
+        found = self.index.match(keys, pin_id=pin_id, lease_ms=self.pin_lease_ms).num_chunks
+        matched = keys[:found]
+        hit = PrefixHit(self, matched, [], pin_id, self.chunk_tokens)
+        if not matched:
+            return hit
+        self._hold(hit)
+        try:
+            if outs is not None:
+                dests = list(outs(found) if callable(outs) else outs[:found])
+                if len(dests) < found:
+                    raise InvalidValue(f"{found} chunk(s) matched but {len(dests)} output buffer(s) given")
+                chunks: list[Any] = self._read_into(matched, dests[:found])
+            else:
+                chunks = self.client.get_many(matched)
+            usable = next((i for i, c in enumerate(chunks) if c is None), len(chunks))
+            if usable < found:
+                self.index.unpin(matched[usable:], pin_id=pin_id)
+            hit.keys, hit.chunks, hit.num_chunks = matched[:usable], chunks[:usable], usable
+            hit.num_tokens = self._tokens_of(token_ids, block_hashes, usable, len(keys))
+            if usable == 0:
+                hit.release()
+        except BaseException:
+            hit.release()
+            raise
+        return hit
+
+    def _read_into(self, keys: list[str], dests: list[object]) -> list[Any]:
+        try:
+            self.client.get_many_into(keys, dests)
+            return dests
+        except MooncakeError:
+            # Some chunk went away between match and read (a node died): keep the readable run.
+            out: list[Any] = []
+            for key, dest in zip(keys, dests, strict=True):
+                try:
+                    self.client.get_into(key, dest)
+                except MooncakeError:
+                    break
+                out.append(dest)
+            return out + [None] * (len(keys) - len(out))
+
+    def load_async(self, token_ids: Any = None, **kwargs: Any) -> Future[PrefixHit]:
+        """:meth:`load` on a worker thread."""
+        self._check_open()
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self._io_threads, thread_name_prefix="mc-prefix")
+            return self._pool.submit(self.load, token_ids, **kwargs)
+
+    # ---- pins -------------------------------------------------------------------------------
+    def refcounts(self, token_ids: Any = None, *, block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
+        """Live pins on each chunk of the prompt (0 where missing)."""
+        return self.index.refcounts(self.keys(token_ids, block_hashes=block_hashes))
+
+    def _hold(self, hit: PrefixHit) -> None:
+        with self._lock:
+            self._held[hit.pin_id] = hit
+            if self._renewer is None:
+                self._renewer = threading.Thread(target=self._renew_loop, name="mc-prefix-pins", daemon=True)
+                self._renewer.start()
+
+    def _release(self, hit: PrefixHit) -> None:
+        with self._lock:
+            self._held.pop(hit.pin_id, None)
+        if hit.keys and not self._closed:
+            try:
+                self.index.unpin(hit.keys, pin_id=hit.pin_id)
+            except MooncakeError:
+                pass  # the index is unreachable: the pins run out by their lease
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.pin_lease_ms / 3000):
+            with self._lock:
+                hits = [h for h in self._held.values() if not h.released]
+            for hit in hits:
+                try:
+                    self.index.pin(hit.keys, pin_id=hit.pin_id, lease_ms=self.pin_lease_ms)
+                except MooncakeError:
+                    pass  # Redis unreachable: the pins run out by their lease, as for a dead client
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MooncakeError("PrefixCache is closed")
+
+    def close(self) -> None:
+        """Release every hit still held and stop the worker threads (the client stays open)."""
+        if self._closed:
+            return
+        with self._lock:
+            hits = list(self._held.values())
+        for hit in hits:
+            hit.release()
+        self._closed = True
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

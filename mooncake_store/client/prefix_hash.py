@@ -1,0 +1,146 @@
+"""Chunk keys of the prefix cache: a chained, seed-free digest over token ids or engine block hashes.
+
+Chunk ``i`` of a prompt (tokens ``[i*C, (i+1)*C)`` for ``chunk_tokens = C``) is named by
+
+    d_i = BLAKE2b(digest_size=16, person=b"mooncake-pfx-v1")(
+              d_{i-1}                         16 bytes; 16 zero bytes for i = 0
+           || u16le(len(ns)) || ns            the namespace, UTF-8
+           || kind                            1 byte: 0x01 token ids, 0x02 an engine block hash
+           || u32le(n) || payload)            n token ids as int64 little-endian (8n bytes), or the
+                                              n bytes of the block hash
+
+and stored under the key ``pfx:<namespace>:<hex(d_i)>``. Because every link folds in the one
+before it, a chunk's key names the whole prefix up to and including the chunk: two prompts share
+chunk ``i`` only if they agree on every token before its end. The namespace (model, dtype, layer
+count, KV heads, head dim, TP rank: whatever fixes the KV layout) is folded into every link, so
+two models never share a chunk. BLAKE2b is in every Python's hashlib and takes no seed, so keys
+are the same across processes, machines and Python versions (never ``hash()``). The fixed vectors
+in ``tests/unit/test_prefix_hash.py`` break when any of this changes; change ``PERSON`` too then.
+
+An engine block hash (vLLM, SGLang, LMCache compute their own) may be ``bytes`` (taken as is),
+``str`` (its UTF-8 bytes) or ``int`` (its decimal text); it stands for one full chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mooncake_store.errors import InvalidValue
+from mooncake_store.types import MAX_KEY_BYTES
+
+PERSON = b"mooncake-pfx-v1"
+DIGEST_BYTES = 16
+ROOT = bytes(DIGEST_BYTES)
+KIND_TOKENS = 0x01
+KIND_BLOCK_HASH = 0x02
+KEY_PREFIX = "pfx:"
+#: Room left in a key for the namespace: "pfx:" + ns + ":" + 32 hex digits <= MAX_KEY_BYTES.
+MAX_NAMESPACE_BYTES = 256
+MAX_BLOCK_HASH_BYTES = 1024
+
+BlockHash = bytes | str | int
+
+
+def check_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidValue(f"prefix namespace must be non-empty text, got {namespace!r:.80}")
+    raw = namespace.encode("utf-8", errors="strict")
+    if len(raw) > MAX_NAMESPACE_BYTES:
+        raise InvalidValue(f"prefix namespace is {len(raw)} B of UTF-8; the limit is {MAX_NAMESPACE_BYTES} B")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in namespace):
+        raise InvalidValue(f"prefix namespace {namespace!r:.80} contains a control character")
+    assert len(KEY_PREFIX) + len(raw) + 1 + 2 * DIGEST_BYTES <= MAX_KEY_BYTES
+    return namespace
+
+
+def as_token_array(token_ids: Any) -> np.ndarray:
+    """``token_ids`` (list, tuple, 1-D numpy array or CPU torch tensor of ints) as int64 little-endian."""
+    if hasattr(token_ids, "detach") and hasattr(token_ids, "cpu"):  # torch tensor, without importing torch
+        token_ids = token_ids.detach().cpu().numpy()
+    array = np.asarray(token_ids)
+    if array.ndim != 1:
+        raise InvalidValue(f"token ids must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.empty(0, dtype="<i8")
+    if array.dtype.kind not in "iu":
+        raise InvalidValue(f"token ids must be integers, got dtype {array.dtype}")
+    if array.dtype.kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > np.iinfo(np.int64).max:
+        raise InvalidValue(f"token id {int(array.max())} does not fit in int64")
+    return np.ascontiguousarray(array, dtype="<i8")
+
+
+def _header(namespace: str) -> bytes:
+    raw = namespace.encode("utf-8")
+    return struct.pack("<H", len(raw)) + raw
+
+
+def _link(prev: bytes, header: bytes, kind: int, count: int, payload: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=PERSON)
+    h.update(prev)
+    h.update(header)
+    h.update(struct.pack("<BI", kind, count))
+    h.update(payload)
+    return h.digest()
+
+
+def token_chain(namespace: str, token_ids: Any, chunk_tokens: int, *, include_tail: bool = False) -> list[bytes]:
+    """Digests of the full chunks of ``token_ids`` (and of the partial last one with ``include_tail``)."""
+    check_namespace(namespace)
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise InvalidValue(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    tokens = as_token_array(token_ids)
+    view = memoryview(tokens).cast("B")
+    header = _header(namespace)
+    full, tail = divmod(len(tokens), chunk_tokens)
+    out: list[bytes] = []
+    prev = ROOT
+    step = chunk_tokens * 8
+    for i in range(full):
+        prev = _link(prev, header, KIND_TOKENS, chunk_tokens, view[i * step : (i + 1) * step])
+        out.append(prev)
+    if include_tail and tail:
+        out.append(_link(prev, header, KIND_TOKENS, tail, view[full * step :]))
+    return out
+
+
+def block_hash_bytes(block_hash: BlockHash) -> bytes:
+    if isinstance(block_hash, bytes | bytearray | memoryview):
+        raw = bytes(block_hash)
+    elif isinstance(block_hash, bool):
+        raise InvalidValue("a block hash must be bytes, str or int, not bool")
+    elif isinstance(block_hash, int):
+        raw = str(block_hash).encode()
+    elif isinstance(block_hash, str):
+        raw = block_hash.encode("utf-8")
+    else:
+        raise InvalidValue(f"a block hash must be bytes, str or int, got {type(block_hash).__name__}")
+    if not raw or len(raw) > MAX_BLOCK_HASH_BYTES:
+        raise InvalidValue(f"a block hash must be 1..{MAX_BLOCK_HASH_BYTES} B, got {len(raw)} B")
+    return raw
+
+
+def block_hash_chain(namespace: str, block_hashes: Sequence[BlockHash]) -> list[bytes]:
+    """Digests for engine-supplied block hashes, one full chunk each."""
+    check_namespace(namespace)
+    header = _header(namespace)
+    out: list[bytes] = []
+    prev = ROOT
+    for block_hash in block_hashes:
+        raw = block_hash_bytes(block_hash)
+        prev = _link(prev, header, KIND_BLOCK_HASH, len(raw), raw)
+        out.append(prev)
+    return out
+
+
+def chunk_key(namespace: str, digest: bytes) -> str:
+    return f"{KEY_PREFIX}{namespace}:{digest.hex()}"
+
+
+def chain_keys(namespace: str, digests: Sequence[bytes]) -> list[str]:
+    head = f"{KEY_PREFIX}{namespace}:"
+    return [head + d.hex() for d in digests]

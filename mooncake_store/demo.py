@@ -1,0 +1,230 @@
+"""Scenario A, long-document Q&A, in one command: ``python -m mooncake_store.demo``.
+
+Starts an embedded cluster (a private Valkey and two agents), builds a small Llama-style causal LM
+from a config with random weights (no download), makes a document of several thousand tokens and
+asks three questions about it. The first question computes the document's KV cache and stores it
+in chunks; the second restores it in this process; the third restores it in another process.
+Each answer is checked against a full recompute. Needs the ``hf`` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+HF_MISSING = (
+    "The demo runs a small transformers model and needs the 'hf' extra (torch + transformers).\n"
+    "Install it with:\n"
+    "    pip install 'mooncake-store[hf]'\n"
+    "(a CPU build of torch is enough: install one first if you do not want a CUDA build pulled in).\n"
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoModel:
+    """The demo's model: a Llama-style decoder, random weights from ``seed``."""
+
+    vocab_size: int = 8000
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.2
+    seed: int = 0
+
+    def build(self) -> Any:
+        import torch
+        import transformers
+
+        torch.manual_seed(self.seed)
+        config = {k: v for k, v in asdict(self).items() if k != "seed"}
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+
+
+def document_and_questions(vocab: int, doc_tokens: int, seed: int = 1) -> tuple[Any, list[Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.randint(0, vocab, (doc_tokens,), generator=g)
+    questions = [torch.randint(0, vocab, (20 + 4 * i,), generator=g) for i in range(3)]
+    return doc, questions
+
+
+def answer(model: Any, cache: Any, prompt: Any, new_tokens: int, *, use_store: bool) -> dict[str, Any]:
+    """Answer one prompt: restore what the store has (if ``use_store``), prefill the rest, store
+    the new full chunks, generate ``new_tokens`` greedily. Returns timings and tokens."""
+    import torch
+
+    from mooncake_store.integrations.transformers import cache_kwargs, load_prefix, output_cache, save_prefix
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        matched, past = load_prefix(cache, prompt, model) if use_store else (0, None)
+        t1 = time.perf_counter()
+        kw = cache_kwargs(model, past) if past is not None else {}
+        out = model(prompt[matched:][None], use_cache=True, **kw)
+        t2 = time.perf_counter()
+        kv = output_cache(out)
+        written = save_prefix(cache, prompt, kv) if use_store else 0
+        t3 = time.perf_counter()
+        tokens = []
+        nxt = out.logits[0, -1].argmax()
+        for _ in range(new_tokens):
+            tokens.append(int(nxt))
+            out = model(nxt.view(1, 1), use_cache=True, **cache_kwargs(model, kv))
+            kv = output_cache(out)
+            nxt = out.logits[0, -1].argmax()
+    return {
+        "prompt_tokens": len(prompt),
+        "matched_tokens": matched,
+        "restore_s": t1 - t0,
+        "prefill_s": t2 - t1,
+        "store_s": t3 - t2,
+        "chunks_written": written,
+        "ttft_s": t2 - t0,
+        "answer": tokens,
+    }
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """The third question, asked from another process (same seed, same weights)."""
+    from mooncake_store import PrefixCache, connect
+    from mooncake_store.integrations.transformers import kv_namespace
+
+    spec = DemoModel(**json.loads(args.model))
+    model = spec.build()
+    doc, questions = document_and_questions(spec.vocab_size, args.doc_tokens)
+    import torch
+
+    with connect(args.redis_url, namespace=args.namespace) as client:
+        cache = PrefixCache(client, kv_namespace(model, model_id="demo-llama"), chunk_tokens=args.chunk_tokens)
+        result = answer(model, cache, torch.cat([doc, questions[2]]), args.new_tokens, use_store=True)
+        cache.close()
+    result["pid"] = os.getpid()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mooncake_store.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--doc-tokens", type=int, default=6000, help="document length in tokens (default 6000)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per answer (default 8)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers of the demo model (default 8)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-check", action="store_true", help="skip the full recompute that checks each answer")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--redis-url", help=argparse.SUPPRESS)
+    p.add_argument("--namespace", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        sys.stderr.write(f"mooncake demo: {exc}.\n{HF_MISSING}")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        return _worker(args)
+
+    from mooncake_store import LocalCluster, PrefixCache, connect
+    from mooncake_store.integrations.transformers import kv_layout, kv_namespace
+
+    spec = DemoModel(num_hidden_layers=args.layers, max_position_embeddings=max(32768, args.doc_tokens + 256))
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    print(f"mooncake-store demo: long-document Q&A ({versions})")
+    t = time.perf_counter()
+    model = spec.build()
+    layers, kv_heads, head_dim = kv_layout(model)
+    kv_per_token = layers * 2 * kv_heads * head_dim * 4
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model     Llama-style, {params / 1e6:.1f}M parameters, random weights (seed {spec.seed}), float32 on CPU; "
+        f"KV cache {kv_per_token // 1024} KiB/token  [{time.perf_counter() - t:.1f} s]"
+    )
+    doc, questions = document_and_questions(spec.vocab_size, args.doc_tokens)
+    doc_bytes = args.doc_tokens * kv_per_token
+    host_bytes = max(256 << 20, 2 * doc_bytes + (64 << 20))
+    t = time.perf_counter()
+    with (
+        LocalCluster(num_agents=2, host_bytes=host_bytes) as cluster,
+        connect(cluster.redis_url, namespace=cluster.namespace) as client,
+    ):
+        print(
+            f"cluster   embedded Valkey at {cluster.redis_url} + 2 agents x {host_bytes >> 20} MiB host arena  "
+            f"[{time.perf_counter() - t:.1f} s]"
+        )
+        cache = PrefixCache(client, kv_namespace(model, model_id="demo-llama"), chunk_tokens=args.chunk_tokens)
+        print(
+            f"document  {args.doc_tokens} tokens = {args.doc_tokens // args.chunk_tokens} chunks of "
+            f"{args.chunk_tokens} tokens, {doc_bytes / 2**20:.0f} MiB of KV; namespace {cache.namespace!r}"
+        )
+        print()
+        header = f"{'':4}{'where':<16}{'prompt':>7}{'matched':>9}{'restore':>10}{'prefill':>10}{'TTFT':>9}  answer"
+        print(header)
+        rows = []
+        for i, where in enumerate(("this process", "this process", "another process")):
+            prompt = torch.cat([doc, questions[i]])
+            if where == "another process":
+                out = subprocess.run(
+                    [sys.executable, "-m", "mooncake_store.demo", "--worker", "--redis-url", cluster.redis_url,
+                     "--namespace", cluster.namespace, "--model", json.dumps(asdict(spec)),
+                     "--doc-tokens", str(args.doc_tokens), "--chunk-tokens", str(args.chunk_tokens),
+                     "--new-tokens", str(args.new_tokens)] + (["--threads", str(args.threads)] if args.threads else []),
+                    capture_output=True, text=True, timeout=600,
+                )  # fmt: skip
+                if out.returncode != 0:
+                    sys.stderr.write(out.stderr[-3000:])
+                    return 1
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                where = f"pid {r['pid']}"
+            else:
+                r = answer(model, cache, prompt, args.new_tokens, use_store=True)
+            if not args.no_check and r["matched_tokens"] == 0:
+                r["recompute_s"], r["same_as_recompute"] = r["prefill_s"], True  # it was the recompute
+            elif not args.no_check:
+                full = answer(model, cache, prompt, args.new_tokens, use_store=False)
+                r["recompute_s"] = full["prefill_s"]
+                r["same_as_recompute"] = full["answer"] == r["answer"]
+            rows.append(r)
+            restore = f"{r['restore_s'] * 1000:.0f} ms" if r["matched_tokens"] else "-"
+            print(
+                f"Q{i + 1}  {where:<16}{r['prompt_tokens']:>7}{r['matched_tokens']:>9}{restore:>10}"
+                f"{r['prefill_s'] * 1000:>8.0f} ms{r['ttft_s']:>7.2f} s  {r['answer']}"
+                + ("" if args.no_check else ("  = recompute" if r["same_as_recompute"] else "  != RECOMPUTE"))
+            )
+        print()
+        first, later = rows[0], rows[1:]
+        for i, r in enumerate(later, start=2):
+            if r["matched_tokens"]:
+                print(
+                    f"Q{i}: restored {r['matched_tokens']} tokens in {r['restore_s'] * 1000:.0f} ms instead of "
+                    f"prefilling them ({first['prefill_s'] * 1000:.0f} ms for Q1's {first['prompt_tokens']} tokens): "
+                    f"time to first token {first['ttft_s'] / r['ttft_s']:.1f}x shorter"
+                )
+        stats = client.stat()
+        print(
+            f"store: {stats.objects} objects, {stats.used_bytes / 2**20:.0f} MiB used on {len(stats.live_nodes)} "
+            f"agents; chunks written by Q1: {first['chunks_written']}, by Q2/Q3: "
+            f"{sum(r['chunks_written'] for r in later)} (the document's chunks are shared)"
+        )
+        cache.close()
+        ok = args.no_check or all(r["same_as_recompute"] for r in rows)
+        if not ok:
+            print("an answer differs from the full recompute", file=sys.stderr)
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Index operations of the prefix cache: chain match, pins and write claims, one round trip each.
+
+Adds two kinds of keys to the layout of :mod:`mooncake_store.index.schema`::
+
+    mc:{ns}:pins:<key>     zset   pin id -> expiry ms (the one remove.lua and put_commit.lua honour)
+    mc:{ns}:claim:<key>    string writer id, with a TTL: one writer stores a missing chunk
+
+and keeps the ``refcount`` field of an object record equal to its live pins as of the last pin or
+unpin. The scripts run with ``prelude.lua`` and ``prefix_prelude.lua`` in front, so they judge a
+replica readable by exactly the rule of ``lookup.lua`` (COMPLETE, on a node within its heartbeat
+deadline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError
+from mooncake_store.index.client import RedisIndex
+from mooncake_store.index.scripts import read_script
+
+SCRIPT_NAMES = (
+    "prefix_match",
+    "prefix_pin",
+    "prefix_unpin",
+    "prefix_refcount",
+    "prefix_claim",
+    "prefix_release",
+)
+#: Longest chain one match call takes: 65,536 chunks of 256 tokens are 16M tokens. A call over
+#: that many keys would hold the server for tens of milliseconds.
+MAX_CHAIN_CHUNKS = 65_536
+#: Keys per call for the batch operations that are not a chain walk.
+BATCH_LIMIT = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MatchResult:
+    now_ms: int
+    num_chunks: int
+
+
+class PrefixIndex:
+    """Prefix operations on the namespace of ``index``; shares its Redis connection pool."""
+
+    def __init__(self, index: RedisIndex) -> None:
+        self.index = index
+        self.prefix = index.prefix
+        prelude = read_script("prelude") + "\n" + read_script("prefix_prelude")
+        self._scripts = {n: index.redis.register_script(prelude + "\n" + read_script(n)) for n in SCRIPT_NAMES}
+
+    def _run(self, name: str, *args: Any) -> Any:
+        try:
+            return self._scripts[name](keys=[], args=[self.prefix, *args])
+        except redis.ConnectionError as exc:
+            raise ConnectError(f"lost the connection to Redis at {self.index.url}: {exc}") from None
+        except redis.TimeoutError as exc:
+            raise ConnectError(f"Redis at {self.index.url} did not answer {name}: {exc}") from None
+        except redis.ResponseError as exc:
+            raise MooncakeError(f"index script {name} failed on {self.index.url}: {exc}") from None
+
+    def match(self, keys: Sequence[str], *, pin_id: str = "", lease_ms: int = 0) -> MatchResult:
+        """How many leading ``keys`` are readable; with ``lease_ms > 0`` they are pinned as ``pin_id``.
+        One round trip whatever the length of the chain. Keys hold no control characters
+        (:func:`mooncake_store.types.check_key`), so they travel joined by newlines."""
+        if len(keys) > MAX_CHAIN_CHUNKS:
+            raise InvalidValue(f"a chain of {len(keys)} chunks is longer than the limit of {MAX_CHAIN_CHUNKS}")
+        if any("\n" in k for k in keys):
+            raise InvalidValue("chain keys must not contain newlines")
+        if lease_ms > 0 and not pin_id:
+            raise InvalidValue("pinning needs a pin id")
+        if not keys:
+            return MatchResult(now_ms=self.index.server_time_ms(), num_chunks=0)
+        now, count = self._run("prefix_match", int(lease_ms), pin_id, "\n".join(keys))
+        return MatchResult(now_ms=int(now), num_chunks=int(count))
+
+    def pin(self, keys: Sequence[str], *, pin_id: str, lease_ms: int) -> list[bool]:
+        """Pin (or renew) ``keys`` until now + ``lease_ms``; False where the object is gone."""
+        if lease_ms <= 0:
+            raise InvalidValue(f"pin lease must be > 0 ms, got {lease_ms}")
+        out: list[bool] = []
+        for start in range(0, len(keys), BATCH_LIMIT):
+            out.extend(
+                bool(x) for x in self._run("prefix_pin", pin_id, int(lease_ms), *keys[start : start + BATCH_LIMIT])
+            )
+        return out
+
+    def unpin(self, keys: Sequence[str], *, pin_id: str) -> int:
+        return sum(
+            int(self._run("prefix_unpin", pin_id, *keys[start : start + BATCH_LIMIT]))
+            for start in range(0, len(keys), BATCH_LIMIT)
+        )
+
+    def refcounts(self, keys: Sequence[str]) -> list[int]:
+        out: list[int] = []
+        for start in range(0, len(keys), BATCH_LIMIT):
+            out.extend(int(x) for x in self._run("prefix_refcount", *keys[start : start + BATCH_LIMIT]))
+        return out
+
+    def claim(self, keys: Sequence[str], *, writer_id: str, ttl_ms: int) -> list[str]:
+        """'HAVE', 'MINE' or 'BUSY' per key (see prefix_claim.lua)."""
+        out: list[str] = []
+        for start in range(0, len(keys), BATCH_LIMIT):
+            out.extend(self._run("prefix_claim", writer_id, int(ttl_ms), *keys[start : start + BATCH_LIMIT]))
+        return out
+
+    def release(self, keys: Sequence[str], *, writer_id: str) -> int:
+        return sum(
+            int(self._run("prefix_release", writer_id, *keys[start : start + BATCH_LIMIT]))
+            for start in range(0, len(keys), BATCH_LIMIT)
+        )

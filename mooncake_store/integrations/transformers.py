@@ -1,0 +1,184 @@
+"""Hugging Face transformers integration: save a prompt's KV cache into a PrefixCache and restore
+the longest stored prefix of a new prompt as a ``DynamicCache``, so only the suffix is prefilled.
+
+::
+
+    from mooncake_store.integrations.transformers import save_prefix, load_prefix, cache_kwargs
+    save_prefix(cache, input_ids, past_key_values)          # every full chunk of input_ids (1-D ids)
+    num_tokens, past = load_prefix(cache, input_ids, model) # (0, None) when nothing matches
+    out = model(input_ids[num_tokens:][None], **cache_kwargs(model, past), use_cache=True)
+
+Needs the ``hf`` extra (``pip install 'mooncake-store[hf]'``: torch and transformers). Works with
+transformers 4.56+ and 5.x: their caches are read through ``cache.layers[i].keys/values`` (4.56+),
+``cache.key_cache/value_cache`` (older 4.x) or the legacy tuple of (key, value) per layer, and
+built with ``DynamicCache(config=...)`` (or ``DynamicCache()``) plus ``update(k, v, layer)``,
+which every one of those versions has. transformers 5.x renamed the forward argument
+``past_key_values`` to ``cache``; :func:`cache_kwargs` picks the name the model takes.
+
+**Chunk layout.** One object per chunk holds every layer's K and V for the chunk's tokens, as
+one C-contiguous tensor of shape ``(num_layers, 2, num_kv_heads, chunk_tokens, head_dim)`` in the
+model's dtype (batch 1). One object per chunk rather than one per layer: a restore of N chunks is
+N objects instead of 2·L·N, so the index records, the match chain, the pins and the per-object
+costs of a read (lookup entry, allocation, checksum, a transfer) are divided by 2·L, and for the
+chunk sizes that matter (256 tokens × all layers = MiBs) each transfer is large enough to run at
+copy bandwidth. ``benchmarks/prefix.py`` measures both layouts. Per-layer objects would pay off
+only for an engine that overlaps loading layer l+1 with computing layer l; transformers needs
+the whole cache before the forward pass.
+
+The namespace must name the layout (model, dtype, layers, KV heads, head dim, TP rank):
+:func:`kv_namespace` builds one from a model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised by the demo's message
+    raise ImportError(
+        "mooncake_store.integrations.transformers needs torch and transformers: "
+        "pip install 'mooncake-store[hf]' (CPU torch is enough)"
+    ) from exc
+
+from mooncake_store.client.prefix import PrefixCache
+from mooncake_store.errors import InvalidValue
+
+__all__ = ["cache_kwargs", "kv_layout", "kv_namespace", "load_prefix", "output_cache", "save_prefix"]
+
+
+def _text_config(model_or_config: Any) -> Any:
+    config = getattr(model_or_config, "config", model_or_config)
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def kv_layout(model_or_config: Any) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a causal LM or its config."""
+    cfg = _text_config(model_or_config)
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return layers, kv_heads, head_dim
+
+
+def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -> str:
+    """A PrefixCache namespace naming the model and its KV layout, e.g.
+    ``meta-llama/Llama-3-8B/bfloat16/L32/kv8/d128/tp0``."""
+    cfg = _text_config(model)
+    name = model_id or getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model_type
+    dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
+    layers, kv_heads, head_dim = kv_layout(model)
+    return f"{name}/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
+
+
+def cache_kwargs(model: Any, past: Any) -> dict[str, Any]:
+    """``{"cache": past}`` for models whose forward takes ``cache`` (transformers 5.x), else
+    ``{"past_key_values": past}``."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache": past} if "cache" in params else {"past_key_values": past}
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a forward pass returned (``output.cache`` on 5.x, ``past_key_values`` before)."""
+    if isinstance(output, dict) and "cache" in output:
+        return output["cache"]
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def _layers(past: Any) -> list[tuple[Any, Any]]:
+    """(key, value) tensors per layer, each (batch, kv_heads, seq, head_dim), for any cache form."""
+    if hasattr(past, "layers"):  # transformers 4.56+ and 5.x
+        return [(layer.keys, layer.values) for layer in past.layers]
+    if hasattr(past, "key_cache"):  # earlier 4.x DynamicCache
+        return list(zip(past.key_cache, past.value_cache, strict=True))
+    if isinstance(past, tuple | list):  # legacy tuple of (key, value) per layer
+        return [(kv[0], kv[1]) for kv in past]
+    raise InvalidValue(f"cannot read a KV cache of type {type(past).__name__}")
+
+
+def _token_ids(input_ids: Any) -> Any:
+    ids = input_ids
+    if hasattr(ids, "dim") and ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise InvalidValue(f"input_ids has batch {ids.shape[0]}; pass one sequence (1-D ids)")
+        ids = ids[0]
+    return ids.detach().cpu() if hasattr(ids, "detach") else ids
+
+
+def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int:
+    """Store every full chunk of ``input_ids`` from the KV cache a forward pass over them returned.
+    Chunks already stored are neither copied out nor written. Returns the chunks written."""
+    ids = _token_ids(input_ids)
+    layers = _layers(past_key_values)
+    if not layers:
+        raise InvalidValue("the KV cache has no layers")
+    seq = int(layers[0][0].shape[-2])
+    if layers[0][0].shape[0] != 1:
+        raise InvalidValue(f"the KV cache has batch {layers[0][0].shape[0]}; save one sequence at a time")
+    if seq < len(ids):
+        raise InvalidValue(f"the KV cache holds {seq} tokens but input_ids has {len(ids)}")
+    size = cache.chunk_tokens
+
+    def chunk(i: int) -> Any:
+        s = slice(i * size, (i + 1) * size)
+        with torch.no_grad():
+            out = torch.stack([torch.stack((k[0, :, s, :], v[0, :, s, :])) for k, v in layers])
+        return out.detach().to("cpu").contiguous()
+
+    return cache.store(ids, chunk)
+
+
+def load_prefix(
+    cache: PrefixCache,
+    input_ids: Any,
+    model: Any = None,
+    *,
+    config: Any = None,
+    dtype: Any = None,
+    device: Any = None,
+    max_tokens: int | None = None,
+) -> tuple[int, Any]:
+    """Restore the longest stored prefix of ``input_ids`` as a ``DynamicCache``.
+
+    Returns ``(num_tokens, cache)``, or ``(0, None)`` when nothing matches. At most
+    ``len(input_ids) - 1`` tokens are restored (or ``max_tokens``), so the model always has a
+    suffix to compute the next token's logits from. The chunks are read straight into one staging
+    tensor (no intermediate copies), then laid out per layer.
+    """
+    from transformers import DynamicCache
+
+    if model is None and config is None:
+        raise InvalidValue("load_prefix needs the model (or its config) to know the KV layout")
+    ids = _token_ids(input_ids)
+    limit = len(ids) - 1 if max_tokens is None else min(max_tokens, len(ids) - 1)
+    if limit < cache.chunk_tokens:
+        return 0, None
+    layers, kv_heads, head_dim = kv_layout(model if model is not None else config)
+    dtype = dtype or (model.dtype if model is not None else torch.float32)
+    device = device or (model.device if model is not None else "cpu")
+    size = cache.chunk_tokens
+    staging: list[Any] = []
+
+    def outs(n: int) -> list[Any]:
+        staging.append(torch.empty((n, layers, 2, kv_heads, size, head_dim), dtype=dtype))
+        return list(staging[0].unbind(0))
+
+    with cache.load(ids, outs=outs, include_tail=False, max_tokens=limit) as hit:
+        n = hit.num_chunks
+    if n == 0:
+        return 0, None
+    data = staging[0][:n]
+    cfg = model.config if model is not None else config
+    try:
+        past = DynamicCache(config=cfg)
+    except TypeError:  # before 4.56
+        past = DynamicCache()
+    for layer in range(layers):
+        k = data[:, layer, 0].transpose(0, 1).reshape(1, kv_heads, n * size, head_dim)
+        v = data[:, layer, 1].transpose(0, 1).reshape(1, kv_heads, n * size, head_dim)
+        past.update(k.to(device), v.to(device), layer)
+    return n * size, past
