@@ -71,7 +71,7 @@ def main() -> int:
                 queue = ctx.Queue()
                 proc = ctx.Process(target=reader, args=(cluster.redis_url, cluster.namespace, count, transport, queue))
                 proc.start()
-                name, seconds = queue.get(timeout=300)
+                _, seconds = queue.get(timeout=300)
                 proc.join(timeout=30)
                 if seconds < 0:
                     print(f"{transport}: MISMATCH in the bytes read back", file=sys.stderr)

@@ -9,6 +9,7 @@ with LocalCluster(num_agents=2, host_bytes=256 << 20) as cluster:
 
 from mooncake_store.client.client import Client, connect
 from mooncake_store.client.cluster import LocalCluster
+from mooncake_store.client.prefix import PrefixCache, PrefixHit
 from mooncake_store.client.stats import ClusterStats, NodeStats
 from mooncake_store.errors import (
     ConfigError,
@@ -41,6 +42,8 @@ __all__ = [
     "NoCapacity",
     "NodeStats",
     "ObjectPinned",
+    "PrefixCache",
+    "PrefixHit",
     "ProtocolError",
     "ReservationExpired",
     "ServerError",

@@ -123,6 +123,7 @@ class EvictionCandidate:
     alloc_id: int
     chain_pos: int  # -1 when the object is not part of a prefix chain
     dtype: str
+    children: int = 0  # stored chunks whose chain parent this object is: evicting it would cut them off
 
 
 def check_key(key: object) -> str:

@@ -27,6 +27,8 @@ log = logging.getLogger("mooncake.agent")
 
 #: Objects sampled from the index per pass.
 SAMPLE = 256
+#: Passes in a row while each one still moves something.
+MAX_PASSES = 32
 
 
 class PressureManager:
@@ -60,7 +62,11 @@ class PressureManager:
             if stop.is_set():
                 return
             try:
-                self.relieve_host()
+                # Evicting a chain's last chunk makes its parent a leaf only then, so one sample can
+                # free little; sample again while passes make progress.
+                for _ in range(MAX_PASSES):
+                    if self.relieve_host() == 0:
+                        break
                 self.relieve_disk()
             except MooncakeError as exc:
                 log.warning("pressure pass failed: %s", exc)
@@ -77,12 +83,18 @@ class PressureManager:
         need = bytes_to_free(
             used, agent.table.capacity_bytes, high=cfg.high_watermark, low=cfg.low_watermark, wanted_bytes=wanted
         )
+        if wanted > largest_free:  # free space may be in pieces too small for the waiting reservation
+            need = max(need, wanted - largest_free)
         if need <= 0:
             return 0
         now_ms = agent.index.server_time_ms()
         candidates = agent.index.victim_candidates(agent.node_id, str(TierKind.HOST), sample=SAMPLE)
         moved = 0
-        for victim in choose_victims(candidates, need_bytes=need, now_ms=now_ms):
+        # Walk the whole cold-first order: a victim that may not leave (a chain chunk that others
+        # hang off, when eviction is the only way out) is skipped, not the end of the pass.
+        for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
+            if moved >= need:
+                break
             if self._move_host_victim(victim, now_ms):
                 moved += victim.size_bytes
         return moved
@@ -111,6 +123,8 @@ class PressureManager:
             return self._demote(victim, offset)
         if move.kind == MoveKind.SPILL and move.node_id is not None and self._spill(victim, offset, move.node_id):
             return True
+        if victim.children > 0:
+            return False  # evicting it would cut its chain's later chunks off from every match
         return self._evict(victim, TierKind.HOST)
 
     def _demote(self, victim: EvictionCandidate, offset: int) -> bool:
@@ -205,9 +219,11 @@ class PressureManager:
         # Sizes in the index are raw bytes; the disk holds compressed ones. Evict by stored size.
         stored = {c.alloc_id: (disk.entry(c.alloc_id) or None) for c in candidates}
         moved = 0
-        for victim in choose_victims(candidates, need_bytes=need * 4, now_ms=now_ms):
+        for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
             if moved >= need:
                 break
+            if victim.children > 0:
+                continue
             entry = stored.get(victim.alloc_id)
             if entry is not None and self._evict(victim, TierKind.DISK):
                 moved += entry.stored_bytes

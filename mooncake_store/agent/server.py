@@ -219,7 +219,10 @@ class AgentServer:
         if allocs is None:
             _used, free, largest, _ = self._table.usage()
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
+            self._hooks.no_room(sum(size for size, _ in requests))
             return True
+        if flags & SPILL_FLAG:
+            self._hooks.spilled_in(len(allocs))
         payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
         frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
         return True

@@ -62,6 +62,7 @@ class _PlannedPut:
     checksum: int
     replicas: list[Replica]
     chain_pos: int | None = None
+    chain_parent: str | None = None
 
 
 class Client:
@@ -156,11 +157,13 @@ class Client:
         replicas: int = 1,
         preferred_node: str | None = None,
         chain_pos: Mapping[str, int] | None = None,
+        chain_parent: Mapping[str, str] | None = None,
     ) -> None:
         """Store several objects with one index round trip per phase (start, commit) for the batch.
 
-        ``chain_pos`` gives keys that are chunks of a prefix chain their position in it; under memory
-        pressure, among equally cold chunks the later ones leave first, so chains stay prefix-closed.
+        For chunks of a prefix chain, ``chain_pos`` gives each key its position and ``chain_parent``
+        the key of the chunk before it. Under memory pressure the cluster then evicts only chunks
+        that no stored chunk hangs off, later and colder ones first, so chains stay prefix-closed.
         """
         self._check_open()
         if not isinstance(replicas, int) or not 1 <= replicas <= 16:
@@ -173,6 +176,7 @@ class Client:
                 checksum=checksum_of(src.view),
                 replicas=[],
                 chain_pos=(chain_pos or {}).get(key),
+                chain_parent=(chain_parent or {}).get(key),
             )
             for key, value in items.items()
         ]
@@ -216,6 +220,7 @@ class Client:
                         checksum=p.checksum,
                         replicas=tuple(p.replicas),
                         chain_pos=p.chain_pos,
+                        chain_parent=p.chain_parent,
                     )
                     for p in plans
                 ],

@@ -206,7 +206,9 @@ class PrefixCache:
                 {keys[i]: get(i) for i in mine},
                 replicas=self.replicas if replicas is None else replicas,
                 preferred_node=preferred_node,
-                chain_pos={keys[i]: i for i in mine},  # eviction takes a chain's tail first
+                # Eviction takes only chunks with no stored children, so chains stay prefix-closed.
+                chain_pos={keys[i]: i for i in mine},
+                chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
             )
         finally:
             self.index.release([keys[i] for i in mine], writer_id=writer)

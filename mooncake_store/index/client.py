@@ -36,6 +36,7 @@ class PendingPut:
     checksum: int
     replicas: tuple[Replica, ...]
     chain_pos: int | None = None  # position in a prefix chain: eviction takes later chunks first
+    chain_parent: str | None = None  # key of the chunk before this one in its prefix chain
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +126,7 @@ class RedisIndex:
                     "checksum": str(p.checksum),
                     "replicas": [encode_replica(r) for r in p.replicas],
                     **({"chain_pos": p.chain_pos} if p.chain_pos is not None else {}),
+                    **({"chain_parent": p.chain_parent} if p.chain_parent else {}),
                 }
                 for p in chunk
             ]
@@ -212,8 +214,9 @@ class RedisIndex:
                 alloc_id=int(flat[i + 5]),
                 chain_pos=int(flat[i + 6]),
                 dtype=flat[i + 7],
+                children=int(flat[i + 8]),
             )
-            for i in range(0, len(flat), 8)
+            for i in range(0, len(flat), 9)
         ]
 
     def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:

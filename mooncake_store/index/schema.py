@@ -4,17 +4,19 @@ Every key of a namespace shares one hash tag, ``mc:{ns}:``, so multi-key scripts
 on Redis Cluster::
 
     mc:{ns}:o:<key>        hash   object record: size, dtype, shape, checksum, version, replicas,
-                                  lease_until, last_access, created
+                                  lease_until, last_access, created, refcount (mirror of live pins),
+                                  chain_pos, chain_parent, children (prefix chains, for eviction)
     mc:{ns}:keys           set    every committed key (ls, stat)
     mc:{ns}:pend:<put_id>  hash   a put between reserve and commit (invisible to readers)
     mc:{ns}:pins:<key>     zset   pin id -> expiry ms; refcount = live pins
+    mc:{ns}:claim:<key>    string writer id (PX ttl) while one writer stores a missing prefix chunk
     mc:{ns}:nodes          hash   node id -> node JSON (endpoints, shm name, zone, tiers, incarnation)
     mc:{ns}:hb             zset   node id -> heartbeat deadline ms
     mc:{ns}:nobj:<node>    set    keys with a replica on the node (reaping, per-node counts)
     mc:{ns}:acks:<node>    list   alloc ids committed since the agent's last sync
     mc:{ns}:gc:<node>      zset   alloc id -> time after which the agent may free it
     mc:{ns}:version        string object version counter
-    mc:{ns}:stats          hash   hits, misses
+    mc:{ns}:stats          hash   hits, misses, evictions, hits:<node>:<tier>
 
 A replica travels as a compact JSON array ``[node_id, tier, offset, size, alloc_id, state]`` with
 the alloc id as a string: Lua's cjson prints numbers with 14 significant digits.
@@ -111,7 +113,14 @@ def encode_node(info: NodeInfo, incarnation: str) -> str:
 
 def encode_tiers(tiers: tuple[TierUsage, ...]) -> list[dict[str, Any]]:
     return [
-        {"tier": str(t.tier), "capacity": t.capacity_bytes, "used": t.used_bytes, "objects": t.objects} for t in tiers
+        {
+            "tier": str(t.tier),
+            "capacity": t.capacity_bytes,
+            "used": t.used_bytes,
+            "objects": t.objects,
+            **({"counters": t.counters} if t.counters else {}),
+        }
+        for t in tiers
     ]
 
 

@@ -373,7 +373,7 @@ def test_missing_files(tmp_path: Path) -> None:
     missing = tmp_path / "nope.toml"
     with pytest.raises(ConfigError, match=f"file {missing}: does not exist"):
         load_config(file=missing, env={})
-    with pytest.raises(ConfigError, match="env MOONCAKE_CONFIG=.*nope.toml.*does not exist"):
+    with pytest.raises(ConfigError, match=r"env MOONCAKE_CONFIG=.*nope\.toml.*does not exist"):
         load_config(env={"MOONCAKE_CONFIG": str(missing)})
 
 

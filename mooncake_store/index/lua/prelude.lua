@@ -43,8 +43,16 @@ local function bury(replicas, key, free_at)
     redis.call('SREM', P .. 'nobj:' .. r[1], key)
   end
 end
--- Remove every trace of one object record (not its pins, which outlive nothing).
+-- Prefix chains: a chunk names its parent (chain_parent), and each record counts its stored
+-- children, so eviction can take only leaves and chains stay prefix-closed across all agents.
+local function adjust_children(parent, delta)
+  if parent and parent ~= '' and redis.call('EXISTS', P .. 'o:' .. parent) == 1 then
+    redis.call('HINCRBY', P .. 'o:' .. parent, 'children', delta)
+  end
+end
+-- Remove every trace of one object record, and its place in its parent's child count.
 local function drop_object(key)
+  adjust_children(redis.call('HGET', P .. 'o:' .. key, 'chain_parent'), -1)
   redis.call('DEL', P .. 'o:' .. key, P .. 'pins:' .. key)
   redis.call('SREM', P .. 'keys', key)
 end

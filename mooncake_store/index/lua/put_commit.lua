@@ -15,7 +15,7 @@ for i = 2, #ARGV do
   else
     local e = cjson.decode(raw)
     local ok = P .. 'o:' .. e.key
-    local old = redis.call('HMGET', ok, 'replicas', 'lease_until')
+    local old = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent', 'children')
     if old[1] and live_pins(e.key, now) > 0 then
       table.insert(out, 'PINNED')
     else
@@ -37,6 +37,19 @@ for i = 2, #ARGV do
       else
         redis.call('HDEL', ok, 'chain_pos')
       end
+      -- A replaced object keeps its children (they still hang off this key); its parent link is
+      -- the new object's.
+      local new_parent = e.chain_parent or ''
+      if (old[3] or '') ~= new_parent then
+        adjust_children(old[3], -1)
+        adjust_children(new_parent, 1)
+      end
+      if new_parent ~= '' then
+        redis.call('HSET', ok, 'chain_parent', new_parent)
+      else
+        redis.call('HDEL', ok, 'chain_parent')
+      end
+      redis.call('HSET', ok, 'children', tonumber(old[4] or 0))
       redis.call('SADD', P .. 'keys', e.key)
       redis.call('DEL', pk)
       table.insert(out, 'OK')

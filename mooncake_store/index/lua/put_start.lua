@@ -2,7 +2,8 @@
 -- KEYS: none (all keys derive from the prefix)
 -- ARGV: [1] prefix, [2] reservation ttl in ms, [3] JSON array of entries
 --       {put_id, key, size, dtype, shape, checksum, replicas=[[node,tier,offset,size,alloc,"PENDING"],...],
---        chain_pos (optional: position in a prefix chain, for eviction order)}
+--        chain_pos, chain_parent (optional: position in a prefix chain and the key of the chunk
+--        before it; eviction takes only chunks with no stored children, coldest and latest first)}
 -- Returns: number of pending records written. A pending record is invisible to readers; it either
 -- becomes the object in put_commit, or is dropped by put_revoke or by its agent's reclaim.
 local ttl = tonumber(ARGV[2])

@@ -1,8 +1,9 @@
 -- victims: a sample of the objects with a replica on one node's tier, with what eviction weighs.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] tier, [4] sample size
--- Returns: a flat list, 8 fields per candidate:
---   key, size, last_access ms, lease_until ms, live pins, alloc id, chain position (-1: none), dtype
+-- Returns: a flat list, 9 fields per candidate:
+--   key, size, last_access ms, lease_until ms, live pins, alloc id, chain position (-1: none), dtype,
+--   stored children in its prefix chain
 -- Sampling (SRANDMEMBER) bounds the work per call like Redis's own approximate LRU; the pure policy
 -- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
 -- count) so the policy, not this script, owns the rule.
@@ -11,7 +12,7 @@ local now = now_ms()
 local keys = redis.call('SRANDMEMBER', P .. 'nobj:' .. node, tonumber(ARGV[4]))
 local out = {}
 for _, key in ipairs(keys) do
-  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype')
+  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype', 'children')
   if f[1] then
     for _, r in ipairs(decode_list(f[4])) do
       if r[1] == node and r[2] == tier and r[6] == 'COMPLETE' then
@@ -24,6 +25,7 @@ for _, key in ipairs(keys) do
         table.insert(out, r[5])
         table.insert(out, f[5] or -1)
         table.insert(out, f[6] or '|u1')
+        table.insert(out, f[7] or 0)
       end
     end
   end

@@ -1,0 +1,265 @@
+"""PrefixCache against a real server and real agents: match, store, load, pins, sharing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from mooncake_store import Client, LocalCluster, ObjectPinned, PrefixCache
+
+pytestmark = pytest.mark.timeout(120)
+
+C = 16  # tokens per chunk
+NS = "test-model/f32/L2/kv2/d16/tp0"
+
+
+def chunk_arrays(n: int, *, tokens: int = C, width: int = 64, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((2, tokens, width)).astype(np.float32) for _ in range(n)]
+
+
+def ids(n: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int64)
+
+
+def test_store_match_load_roundtrip(client: Client) -> None:
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    tokens = ids(8 * C + 5)  # 8 full chunks and a tail
+    chunks = chunk_arrays(8)
+    assert cache.match(tokens) == 0
+    assert cache.store(tokens, chunks) == 8
+    assert cache.store(tokens, chunks) == 0  # existing chunks are not rewritten
+    assert cache.match(tokens) == 8 * C
+    assert cache.match(tokens[: 3 * C + 7]) == 3 * C
+    assert cache.match(np.r_[tokens[: 5 * C], [7] * 40]) == 5 * C  # diverges in chunk 5
+    assert cache.match(tokens, max_tokens=4 * C + 3) == 4 * C
+    with cache.load(tokens) as hit:
+        assert hit.num_tokens == 8 * C and hit.num_chunks == 8
+        for got, want in zip(hit.chunks, chunks, strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert cache.refcounts(tokens) == [1] * 8
+    assert hit.released
+    assert cache.refcounts(tokens) == [0] * 8
+    cache.close()
+
+
+def test_tail_only_when_asked(client: Client) -> None:
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    tokens = ids(2 * C + 5)
+    cache.store(tokens, chunk_arrays(2))
+    assert cache.match(tokens) == 2 * C
+    tail = np.zeros((2, 5, 64), np.float32)
+    assert cache.store(tokens, [*chunk_arrays(2), tail], include_tail=True) == 1
+    assert cache.match(tokens) == 2 * C + 5
+    with cache.load(tokens) as hit:
+        assert hit.num_tokens == 2 * C + 5 and hit.chunks[-1].shape == (2, 5, 64)
+    cache.close()
+
+
+def test_load_into_buffers_and_async(client: Client) -> None:
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    tokens = ids(4 * C)
+    chunks = chunk_arrays(4)
+    cache.store(tokens, lambda i: chunks[i])
+    staging = np.empty((6, *chunks[0].shape), np.float32)
+    with cache.load(tokens, outs=lambda n: list(staging[:n])) as hit:
+        assert hit.num_chunks == 4
+    np.testing.assert_array_equal(staging[:4], np.stack(chunks))
+    with cache.load_async(tokens).result(timeout=30) as hit:
+        assert hit.num_tokens == 4 * C
+    with cache.load(ids(4 * C, start=10_000)) as miss:
+        assert miss.num_tokens == 0 and miss.chunks == []
+    cache.close()
+
+
+def test_block_hashes_instead_of_tokens(client: Client) -> None:
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    hashes = [b"h0" * 16, b"h1" * 16, b"h2" * 16]
+    assert cache.store(block_hashes=hashes, chunks=chunk_arrays(3)) == 3
+    assert cache.match(block_hashes=hashes) == 3 * C
+    assert cache.match(block_hashes=[*hashes[:2], b"other"]) == 2 * C
+    assert cache.match(block_hashes=[b"other", *hashes[1:]]) == 0  # a chain, not a set
+    cache.close()
+
+
+def test_match_stops_at_a_removed_middle_chunk(client: Client) -> None:
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    tokens = ids(10 * C)
+    cache.store(tokens, chunk_arrays(10))
+    assert client.remove(cache.keys(tokens)[6])
+    assert cache.match(tokens) == 6 * C
+    with cache.load(tokens) as hit:
+        assert hit.num_chunks == 6
+    assert cache.store(tokens, chunk_arrays(10)) == 1  # only the gap is written again
+    assert cache.match(tokens) == 10 * C
+    cache.close()
+
+
+def test_match_skips_chunks_on_a_killed_agent(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    cluster = make_cluster(2, heartbeat_ttl_s=1.5)
+    client = make_client(cluster)
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    tokens = ids(8 * C)
+    chunks = chunk_arrays(8)
+    assert cache.store(tokens[: 4 * C], chunks, preferred_node="agent-0") == 4
+    assert cache.store(tokens, chunks, preferred_node="agent-1") == 4
+    assert cache.match(tokens) == 8 * C
+    cluster.agent("agent-1").kill()
+    deadline = time.monotonic() + 10
+    while cache.match(tokens) != 4 * C and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cache.match(tokens) == 4 * C
+    with cache.load(tokens) as hit:
+        assert hit.num_chunks == 4
+    cluster.agent("agent-0").kill()
+    deadline = time.monotonic() + 10
+    while cache.match(tokens) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cache.match(tokens) == 0
+    cache.close()
+
+
+def test_pinned_chunks_survive_remove_replace_and_eviction(client: Client) -> None:
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    tokens = ids(3 * C)
+    chunks = chunk_arrays(3)
+    cache.store(tokens, chunks)
+    keys = cache.keys(tokens)
+    hit = cache.load(tokens)
+    with pytest.raises(ObjectPinned):
+        client.remove(keys[1])
+    with pytest.raises(ObjectPinned):
+        client.put(keys[1], np.zeros(4, np.float32))
+    (meta,) = client.index.lookup([keys[1]], lease_ms=0).objects
+    assert meta is not None
+    replica = meta.replicas[0]
+    # What the agent's pressure handling does to a victim: refused while the chunk is pinned.
+    assert client.index.evict(keys[1], node_id=replica.node_id, alloc_id=replica.alloc_id) == "PINNED"
+    second = cache.load(tokens)  # two requests share one chunk: refcount 2
+    assert cache.refcounts(tokens) == [2, 2, 2]
+    hit.release()
+    assert cache.refcounts(tokens) == [1, 1, 1]
+    with pytest.raises(ObjectPinned):
+        client.remove(keys[1])
+    second.release()
+    np.testing.assert_array_equal(client.get(keys[1]), chunks[1])
+    assert client.index.evict(keys[1], node_id=replica.node_id, alloc_id=replica.alloc_id) == "OK"
+    assert cache.match(tokens) == C
+    cache.close()
+
+
+def test_pins_are_renewed_while_held(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    client = make_client(make_cluster(1))
+    cache = PrefixCache(client, NS, chunk_tokens=C, pin_lease_s=0.6)
+    tokens = ids(2 * C)
+    cache.store(tokens, chunk_arrays(2))
+    with cache.load(tokens) as hit:
+        time.sleep(1.5)  # more than two leases
+        assert cache.refcounts(tokens) == [1, 1]
+        with pytest.raises(ObjectPinned):
+            client.remove(hit.keys[0])
+    assert client.remove(cache.keys(tokens)[0])
+    cache.close()
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    from mooncake_store import connect, PrefixCache
+    url, ns, model_ns = sys.argv[1:4]
+    client = connect(url, namespace=ns)
+    cache = PrefixCache(client, model_ns, chunk_tokens=16, pin_lease_s=1.0)
+    hit = cache.load(np.arange(48))
+    print("PINNED", hit.num_chunks, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_pin_of_a_killed_client_expires(client: Client, cluster: LocalCluster) -> None:
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    tokens = ids(3 * C)
+    cache.store(tokens, chunk_arrays(3))
+    key = cache.keys(tokens)[0]
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, cluster.redis_url, cluster.namespace, NS],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().split() == ["PINNED", "3"]
+        time.sleep(1.5)  # past the 1 s lease: the live child keeps renewing
+        with pytest.raises(ObjectPinned):
+            client.remove(key)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 10:
+            try:
+                assert client.remove(key)
+                break
+            except ObjectPinned:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the pin of a killed client never expired")
+        assert cache.refcounts(tokens)[1:] == [0, 0]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    cache.close()
+
+
+def test_concurrent_requests_store_a_shared_prefix_once(
+    cluster: LocalCluster, make_client: Callable[..., Client]
+) -> None:
+    num_chunks, requests = 12, 8
+    tokens = ids(num_chunks * C)
+    chunks = chunk_arrays(num_chunks, width=1024)  # 128 KiB each
+    one_copy = sum(c.nbytes for c in chunks)
+    observer = make_client(cluster)
+    used_before = observer.stat().used_bytes
+    barrier = threading.Barrier(requests)
+    written: list[int] = []
+    matched: list[int] = []
+
+    def request(k: int) -> None:
+        client = make_client(cluster)
+        cache = PrefixCache(client, NS, chunk_tokens=C)
+        question = np.r_[tokens, [50_000 + k] * 5]
+        barrier.wait()
+        if cache.match(question) < num_chunks * C:
+            written.append(cache.store(question, chunks))
+        with cache.load(question) as hit:
+            matched.append(hit.num_tokens)
+        cache.close()
+
+    threads = [threading.Thread(target=request, args=(k,)) for k in range(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sum(written) == num_chunks  # every chunk written by exactly one request
+    assert len(matched) == requests
+    prefix = observer.index.prefix
+    assert int(observer.index.redis.get(prefix + "version")) == num_chunks  # commits ever made
+    assert len(observer.index.list_keys("pfx:*")) == num_chunks
+    time.sleep(2.5)  # the agents publish their arena use with each heartbeat (1 s)
+    grown = observer.stat().used_bytes - used_before
+    assert one_copy <= grown < one_copy * 1.1, (grown, one_copy)

@@ -1,0 +1,156 @@
+"""The transformers integration: a prefix stored by one process, restored by another, continues
+exactly as a full recompute would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: pip install 'mooncake-store[hf]'")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: pip install 'mooncake-store[hf]'"
+)
+
+from mooncake_store import Client, LocalCluster, PrefixCache  # noqa: E402
+from mooncake_store.integrations.transformers import (  # noqa: E402
+    cache_kwargs,
+    kv_namespace,
+    load_prefix,
+    output_cache,
+    save_prefix,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+CONFIG = {
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "initializer_range": 0.2,  # larger than default: clearer argmax margins in a random model
+}
+CHUNK = 32
+SEED = 1234
+
+
+def build_model(config: dict) -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+
+
+def document(n: int) -> torch.Tensor:
+    return torch.randint(0, CONFIG["vocab_size"], (n,), generator=torch.Generator().manual_seed(7))
+
+
+def greedy(model: torch.nn.Module, ids: torch.Tensor, past: object, steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Next-token logits after ``ids`` (on top of ``past``), and a greedy continuation."""
+    with torch.no_grad():
+        kw = cache_kwargs(model, past) if past is not None else {}
+        out = model(ids[None], use_cache=True, **kw)
+        logits = out.logits[0, -1].clone()
+        cache = output_cache(out)
+        tokens = []
+        nxt = logits.argmax()
+        for _ in range(steps):
+            tokens.append(int(nxt))
+            out = model(nxt.view(1, 1), use_cache=True, **cache_kwargs(model, cache))
+            cache = output_cache(out)
+            nxt = out.logits[0, -1].argmax()
+    return logits, tokens
+
+
+STORER = textwrap.dedent(
+    """
+    import json, sys, torch, transformers
+    from mooncake_store import connect, PrefixCache
+    from mooncake_store.integrations.transformers import save_prefix, output_cache, kv_namespace
+    url, ns, config, seed, chunk, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), *map(int, sys.argv[4:])
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    ids = torch.randint(0, config["vocab_size"], (n,), generator=torch.Generator().manual_seed(7))
+    client = connect(url, namespace=ns)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=chunk)
+    with torch.no_grad():
+        out = model(ids[None], use_cache=True)
+    print(json.dumps({"written": save_prefix(cache, ids, output_cache(out)), "namespace": cache.namespace}))
+    cache.close(); client.close()
+    """
+)
+
+
+def test_restored_in_another_process_matches_recompute(client: Client, cluster: LocalCluster) -> None:
+    doc_tokens = 10 * CHUNK + 11  # 10 full chunks and a tail that is not stored
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            STORER,
+            cluster.redis_url,
+            cluster.namespace,
+            json.dumps(CONFIG),
+            str(SEED),
+            str(CHUNK),
+            str(doc_tokens),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stored = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stored["written"] == 10
+
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    assert cache.namespace == stored["namespace"]
+    question = torch.tensor([5, 17, 256, 3, 99, 42, 7, 8, 600, 12])
+    prompt = torch.cat([document(doc_tokens), question])
+
+    num_tokens, past = load_prefix(cache, prompt, model)
+    assert num_tokens == 10 * CHUNK
+    restored_logits, restored_tokens = greedy(model, prompt[num_tokens:], past, 16)
+    full_logits, full_tokens = greedy(model, prompt, None, 16)
+
+    torch.testing.assert_close(restored_logits, full_logits, rtol=1e-5, atol=1e-5)
+    assert restored_tokens == full_tokens
+    assert cache.refcounts(prompt)[:10] == [0] * 10  # load_prefix leaves nothing pinned
+    cache.close()
+
+
+def test_nothing_matches_and_nothing_rewritten(client: Client) -> None:
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    ids = document(3 * CHUNK)
+    assert load_prefix(cache, ids, model) == (0, None)
+    with torch.no_grad():
+        out = model(ids[None], use_cache=True)
+    assert save_prefix(cache, ids, output_cache(out)) == 3
+    assert save_prefix(cache, ids, output_cache(out)) == 0
+    # A prompt that is exactly the stored prefix restores all but its last chunk: the model needs
+    # at least one token to compute.
+    assert load_prefix(cache, ids, model)[0] == 2 * CHUNK
+    assert load_prefix(cache, torch.cat([ids, ids[:1]])[None], model)[0] == 3 * CHUNK
+    assert load_prefix(cache, ids[: CHUNK - 1], model) == (0, None)
+    cache.close()
+
+
+def test_another_model_shares_nothing(client: Client) -> None:
+    model = build_model(CONFIG)
+    other = build_model({**CONFIG, "num_key_value_heads": 4})
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    ids = document(2 * CHUNK + 1)
+    with torch.no_grad():
+        save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
+    assert kv_namespace(other) != kv_namespace(model)
+    other_cache = PrefixCache(client, kv_namespace(other), chunk_tokens=CHUNK)
+    assert load_prefix(other_cache, ids, other) == (0, None)
+    assert load_prefix(cache, ids, model)[0] == 2 * CHUNK
+    other_cache.close()
+    cache.close()

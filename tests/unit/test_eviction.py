@@ -1,0 +1,135 @@
+"""Victim choice and move destinations, on tables of objects and nodes."""
+
+from __future__ import annotations
+
+from mooncake_store.policy.eviction import MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
+from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind, TierUsage, TransportKind
+
+MiB = 1 << 20
+NOW = 10_000
+
+
+def cand(key: str, *, age: int, size: int = MiB, lease: int = 0, pins: int = 0, pos: int = -1) -> EvictionCandidate:
+    return EvictionCandidate(
+        key=key,
+        size_bytes=size,
+        last_access_ms=NOW - age,
+        lease_until_ms=lease,
+        pins=pins,
+        alloc_id=hash(key) & 0xFFFF,
+        chain_pos=pos,
+        dtype="<f2",
+    )
+
+
+def peer(node_id: str, *, used: int, capacity: int = 100 * MiB, zone: str = "z1", alive: bool = True) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id,
+        host="h",
+        host_id="h",
+        zone=zone,
+        pid=1,
+        tcp_endpoint="127.0.0.1:1",
+        shm_name="s",
+        transports=(TransportKind.TCP,),
+        tiers=(TierUsage(tier=TierKind.HOST, capacity_bytes=capacity, used_bytes=used),),
+        heartbeat_deadline_ms=NOW + 1000 if alive else NOW - 1,
+    )
+
+
+def test_bytes_to_free() -> None:
+    assert bytes_to_free(80, 100, high=0.9, low=0.75) == 0
+    assert bytes_to_free(95, 100, high=0.9, low=0.75) == 20
+    assert bytes_to_free(50, 100, high=0.9, low=0.75, wanted_bytes=60) == 10  # a waiting reservation
+    assert bytes_to_free(50, 100, high=0.9, low=0.75, wanted_bytes=40) == 0
+
+
+def test_coldest_first_pinned_and_leased_never() -> None:
+    cands = [
+        cand("warm", age=10),
+        cand("cold", age=1000),
+        cand("pinned", age=5000, pins=1),
+        cand("leased", age=4000, lease=NOW + 100),
+        cand("colder", age=2000),
+    ]
+    assert [c.key for c in choose_victims(cands, need_bytes=2 * MiB, now_ms=NOW)] == ["colder", "cold"]
+    assert [c.key for c in choose_victims(cands, need_bytes=100 * MiB, now_ms=NOW)] == ["colder", "cold", "warm"]
+    assert choose_victims(cands, need_bytes=0, now_ms=NOW) == []
+
+
+def test_chain_tails_first_among_equally_cold() -> None:
+    # One batch lookup stamps a whole chain with the same access time.
+    chain = [cand(f"c/{i}", age=500, pos=i) for i in range(5)]
+    assert [c.key for c in choose_victims(chain, need_bytes=2 * MiB, now_ms=NOW)] == ["c/4", "c/3"]
+
+
+def test_demote_when_the_lower_tier_has_room() -> None:
+    move = choose_move(
+        MiB,
+        tier=TierKind.HOST,
+        node_id="me",
+        zone="z1",
+        lower_tier=TierKind.DISK,
+        lower_free_bytes=2 * MiB,
+        peers=[peer("p", used=0)],
+        now_ms=NOW,
+        high_watermark=0.9,
+    )
+    assert move.kind == MoveKind.DEMOTE and move.tier == TierKind.DISK
+
+
+def test_spill_to_the_roomiest_peer_same_zone_first() -> None:
+    peers = [
+        peer("me", used=0),
+        peer("far-empty", used=0, zone="z2"),
+        peer("near-busy", used=60 * MiB),
+        peer("near-roomy", used=10 * MiB),
+        peer("dead", used=0, alive=False),
+    ]
+    move = choose_move(
+        MiB,
+        tier=TierKind.HOST,
+        node_id="me",
+        zone="z1",
+        lower_tier=None,
+        lower_free_bytes=0,
+        peers=peers,
+        now_ms=NOW,
+        high_watermark=0.9,
+    )
+    assert move.kind == MoveKind.SPILL and move.node_id == "near-roomy"
+
+
+def test_never_push_a_peer_past_its_high_watermark_then_evict() -> None:
+    peers = [peer("p", used=89 * MiB + MiB // 2)]
+    move = choose_move(
+        MiB,
+        tier=TierKind.HOST,
+        node_id="me",
+        zone="z1",
+        lower_tier=None,
+        lower_free_bytes=0,
+        peers=peers,
+        now_ms=NOW,
+        high_watermark=0.9,
+    )
+    assert move.kind == MoveKind.EVICT
+    no_spill = choose_move(
+        MiB,
+        tier=TierKind.HOST,
+        node_id="me",
+        zone="z1",
+        lower_tier=None,
+        lower_free_bytes=0,
+        peers=[peer("p", used=0)],
+        now_ms=NOW,
+        high_watermark=0.9,
+        spill=False,
+    )
+    assert no_spill.kind == MoveKind.EVICT
+
+
+def test_next_tier() -> None:
+    assert next_tier(TierKind.HOST, (TierKind.HOST, TierKind.DISK)) == TierKind.DISK
+    assert next_tier(TierKind.HOST, (TierKind.HOST,)) is None
+    assert next_tier(TierKind.GPU, (TierKind.GPU, TierKind.DISK)) == TierKind.DISK
