@@ -9,7 +9,7 @@ from typing import Annotated
 import redis
 import typer
 from mooncake_cli.commands import agent as agent_cmd
-from mooncake_cli.commands import cluster, data, doctor, stat
+from mooncake_cli.commands import bench, cluster, data, demo, doctor, stat
 from mooncake_cli.context import Globals, NamespaceOpt, RedisUrlOpt, err, out
 from mooncake_cli.exits import EXIT_CODE_HELP, CliError, ExitCode, code_for
 from rich.markup import escape
@@ -69,8 +69,9 @@ app.command(rich_help_panel="Objects")(data.put)
 app.command(rich_help_panel="Objects")(data.get)
 app.command(rich_help_panel="Objects")(data.rm)
 app.command(rich_help_panel="Objects")(data.ls)
-# Further groups mount here as sub-apps, e.g. the prefix-cache demo:
-#     app.add_typer(demo.app, name="demo", rich_help_panel="Demos")
+app.command(rich_help_panel="Cluster")(bench.bench)
+# The demo parses its own options (argparse in mooncake_store.demo): typer passes them through.
+app.command(rich_help_panel="Demos", context_settings=demo.CONTEXT_SETTINGS, add_help_option=False)(demo.demo)
 
 
 def _fail(message: str, code: int, *, debug: bool) -> int:

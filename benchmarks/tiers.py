@@ -1,0 +1,923 @@
+"""Tiers under pressure (issue 5, "Performance"): spill throughput between two agents against raw
+loopback TCP, and the disk tier's codec against plain file I/O, in one run.
+
+    python benchmarks/tiers.py [--quick] [--repeat N] [--json OUT] [--profile DIR] [--disk-dir DIR]
+
+**Spill.** A LocalCluster with agent A (64 MiB host arena, watermarks 0.5/0.2, so it spills) and
+agent B (room for everything). A client process writes distinct objects of 1 MiB and 8 MiB to A
+(``preferred_node="A"``), several times A's size in all; A's pressure loop moves its coldest objects
+to B. The parent polls the index (objects on B) every few ms and reports the steady-state rate at
+which bytes arrive on B, as a ratio to raw loopback TCP puts of the same size over one connection
+(the spill path uses one connection per peer, no striping) measured in the same run. Target >= 0.7x.
+
+What the spill figure includes, per victim, all on A's single pressure thread (one victim at a
+time, nothing overlapped): the victim sample (one Lua call, ``victims.lua``, SRANDMEMBER 256 of A's
+objects, once per pass), the placement choice (``index.nodes()``: a read of the whole node table,
+twice per victim: once in ``choose_move`` and once in ``_spill``), a RESERVE round trip to B, the
+TCP WRITE of the bytes and its ack, and the compare-and-swap in the index (``move_replica.lua``);
+A's freeing of the old copy happens later (graveyard, sync loop) and is not on that path. It also
+includes whatever the writer, B and the index server take from the same CPUs at the same time: on
+a small machine that is part of the cost, and the per-process CPU seconds are reported.
+
+**Disk tier.** ``DiskTier`` directly (no agent): every chunk written (encode = optional byte-plane
+shuffle + zstd level 3 + xxh3; then temp file, fsync, rename) and read back (read_bytes, zstd,
+unshuffle, checksum), with shuffling off and on, against plain files of the same bytes (write,
+fsync, rename; read_bytes) in the same run and the same directory. Data: (a) the KV cache of the
+demo's tiny random-weight Llama (``mooncake_store.demo.DemoModel``) after a forward over a few
+thousand random tokens, cut into the integration's 256-token chunks, as float16, bfloat16 and
+float32; (b) random bytes (treated as a 2-byte dtype, so the shuffle runs on them too). Without
+torch the KV data are synthetic (float16 normals with per-channel scales) and the table says so.
+Reads come from the page cache for both the tier and the plain files (the files were just
+written); the tier reads ``1/ratio`` as many bytes from a cold device. Then, end to end, one agent
+with ``--disk`` demotes float16 KV chunks under pressure; the demotion rate and the read-back
+(disk read, promotion) are reported.
+
+Every loop is bounded by a count and by seconds; every process is stopped by its PID (py-spy by
+SIGINT to its PID); temporary directories are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (
+    GB,
+    MiB,
+    as_jsonable,
+    machine_info,
+    markdown_table,
+    raw_tcp_server,
+    raw_tcp_worker,
+    run_in_process,
+    size_label,
+    stop_process,
+)
+
+SPILL_SIZES = (1 * MiB, 8 * MiB)
+SPILL_TARGET = 0.7
+A_HOST_BYTES = 64 * MiB
+WATERMARKS = ("0.5", "0.2")
+CHUNK_TOKENS = 256  # the integration's chunk: (layers, 2, kv_heads, 256, head_dim)
+POLL_S = 0.01
+SPY_RATE = 200
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (and its reaped children are not counted), in seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop_popen(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """Stop a child we started, by its PID: ``sig``, then SIGKILL."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def steady_rate(points: list[tuple[float, int]], size: int, lo: float = 0.1, hi: float = 0.9) -> float:
+    """Bytes/s from (time, objects) samples: least-squares slope over the samples between ``lo`` and
+    ``hi`` of the final count (the ramp-up and the tail are left out)."""
+    if not points:
+        return 0.0
+    final = points[-1][1]
+    sel = [(t, n) for t, n in points if lo * final <= n <= hi * final]
+    if len(sel) < 3 or sel[-1][0] - sel[0][0] <= 0:
+        return 0.0
+    t = np.array([p[0] for p in sel])
+    n = np.array([p[1] for p in sel], dtype=float)
+    slope = float(np.polyfit(t - t[0], n, 1)[0])
+    return slope * size
+
+
+# ---- spill --------------------------------------------------------------------------------------
+def spill_writer(redis_url: str, namespace: str, size: int, count: int, go: Any, queue: Any) -> None:
+    """Client process: put ``count`` distinct objects of ``size`` on A, then (after ``go``) read a
+    sample back and check every byte."""
+    try:
+        from mooncake_store import KeyNotFound, NoCapacity, connect
+
+        base = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        stalls = 0
+        times = []
+        with connect(redis_url, namespace=namespace) as client:
+            t_start = time.monotonic()
+            for i in range(count):
+                base[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+                t0 = time.monotonic()
+                deadline = t0 + 60
+                while True:
+                    try:
+                        client.put(f"spill-{size}-{i}", base, preferred_node="A")
+                        break
+                    except NoCapacity:
+                        stalls += 1
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.01)
+                times.append(time.monotonic() - t0)
+            t_end = time.monotonic()
+            queue.put(("written", {"t_start": t_start, "t_end": t_end, "put_times": times, "stalls": stalls}))
+            if not go.wait(120):
+                raise RuntimeError("the parent never said go")
+            # Byte-exact check of a sample spread over the run (most of them now live on B).
+            out = np.empty(size, dtype=np.uint8)
+            wrong = missing = 0
+            sample = sorted({int(x) for x in np.linspace(0, count - 1, min(count, 16))})
+            for i in sample:
+                try:
+                    client.get_into(f"spill-{size}-{i}", out)
+                except KeyNotFound:  # evicted (a cache may); reported, not an error of the benchmark
+                    missing += 1
+                    continue
+                base[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+                wrong += int(not np.array_equal(out, base))
+            queue.put(("ok", {"checked": len(sample), "wrong": wrong, "missing": missing}))
+    except BaseException as exc:
+        import traceback
+
+        queue.put(("error", f"{exc!r}\n{traceback.format_exc()}"))
+
+
+def start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
+    exe = Path(sys.executable).parent / "py-spy"
+    if not exe.exists():
+        exe_s = shutil.which("py-spy")
+        if exe_s is None:
+            return None
+        exe = Path(exe_s)
+    cmd = [str(exe), "record", "--pid", str(pid), "--format", "raw", "--output", str(out)]
+    cmd += ["--rate", str(SPY_RATE), "--idle", "--threads", "--nonblocking"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(0.5)  # attach before the writer starts
+    return proc
+
+
+def summarize_profile(path: Path, top: int = 12) -> dict[str, Any]:
+    """Collapsed stacks of the pressure thread: share of samples per stage of a spill and per leaf."""
+    stages = {
+        "victims.lua (sample)": "victim_candidates",
+        "index.nodes() (table read)": "nodes (",
+        "choose_move/choose_victims": "choose_",
+        "RESERVE round trip": "reserve (",
+        "TCP WRITE + ack": "write (",
+        "move_replica.lua (CAS)": "move_replica (",
+        "server_time_ms": "server_time_ms",
+    }
+    by_stage: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    total = 0
+    all_samples = 0
+    thread_samples = 0
+    if not path.exists():
+        return {"error": f"py-spy wrote no {path}"}
+    for line in path.read_text().splitlines():
+        stack, _, n_s = line.rpartition(" ")
+        if not n_s.isdigit():
+            continue
+        n = int(n_s)
+        all_samples += n
+        if "mc-pressure" in stack:
+            thread_samples += n
+        if "relieve_host" not in stack:
+            continue
+        total += n
+        frames = stack.split(";")
+        for name, needle in stages.items():
+            # the outermost matching stage wins (a reserve() inside write() is not double counted)
+            if any(needle in f for f in frames):
+                by_stage[name] += n
+                break
+        else:
+            by_stage["other"] += n
+        leaves[frames[-1].strip()] += n
+    pct = {k: round(100 * v / total, 1) for k, v in by_stage.most_common()} if total else {}
+    return {
+        "pressure_samples": total,
+        "all_samples": all_samples,
+        # Of the pressure thread's samples (idle included), the share inside a pass; the rest is the
+        # thread waiting for its next wake-up (interval or a refused reservation).
+        "busy_pct": round(100 * total / thread_samples, 1) if thread_samples else float("nan"),
+        "stage_pct": pct,
+        "top_leaves_pct": {k: round(100 * v / total, 1) for k, v in leaves.most_common(top)} if total else {},
+    }
+
+
+def spill_case(size: int, total_bytes: int, *, profile_dir: Path | None) -> dict[str, Any]:
+    from mooncake_store import LocalCluster
+    from mooncake_store.index.client import RedisIndex
+
+    count = total_bytes // size
+    # B stays under its own high watermark (0.9 by default) with everything A sends it, so it never
+    # starts moving objects itself.
+    b_bytes = int(total_bytes / 0.8) + 64 * MiB
+    hw, lw = WATERMARKS
+    ctx = mp.get_context("spawn")
+    res: dict[str, Any] = {"size": size, "objects": count, "written_bytes": count * size}
+    with LocalCluster(num_agents=0, host_bytes=A_HOST_BYTES) as cluster:
+        a = cluster.add_agent(
+            node_id="A",
+            extra_args=["--host-bytes", str(A_HOST_BYTES), "--high-watermark", hw, "--low-watermark", lw],
+        )
+        b = cluster.add_agent(node_id="B", extra_args=["--host-bytes", str(b_bytes)])
+        index = RedisIndex(cluster.redis_url, namespace=cluster.namespace)
+        spy = None
+        queue = ctx.Queue()
+        go = ctx.Event()
+        proc = ctx.Process(
+            target=spill_writer, args=(cluster.redis_url, cluster.namespace, size, count, go, queue), daemon=True
+        )
+        try:
+            if profile_dir is not None:
+                spy = start_py_spy(a.pid, profile_dir / f"spill-A-{size_label(size).replace(' ', '')}.txt")
+            pids = {"A": a.pid, "B": b.pid, "index": cluster.server.pid if cluster.server else 0}
+            cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+            proc.start()
+            points: list[tuple[float, int]] = []
+            written: dict[str, Any] | None = None
+            deadline = time.monotonic() + 300
+            last_change = time.monotonic()
+            last_n = -1
+            while time.monotonic() < deadline:
+                _, per_node, _ = index.counts(["A", "B"])
+                now = time.monotonic()
+                n_b = per_node["B"]
+                points.append((now, n_b))
+                if n_b != last_n:
+                    last_n, last_change = n_b, now
+                if written is None:
+                    with contextlib.suppress(Exception):
+                        status, value = queue.get_nowait()
+                        if status == "error":
+                            raise RuntimeError(f"spill writer failed: {value}")
+                        written = value
+                    if written is None and not proc.is_alive():
+                        raise RuntimeError(f"spill writer (pid {proc.pid}) died, exit code {proc.exitcode}")
+                # Settled: everything written and B unchanged for a second.
+                elif now - last_change > 1.0:
+                    break
+                time.sleep(POLL_S)
+            else:
+                raise RuntimeError("spill did not settle within 300 s")
+            cpu_writer = cpu_seconds(proc.pid)
+            cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+            if spy is not None:
+                stop_popen(spy, signal.SIGINT, timeout_s=20)
+            go.set()
+            status, check = queue.get(timeout=120)
+            if status != "ok":
+                raise RuntimeError(f"spill check failed: {check}")
+            objects, per_node, counters = index.counts(["A", "B"])
+        finally:
+            if spy is not None:
+                stop_popen(spy, signal.SIGINT, timeout_s=20)
+            proc.join(5)
+            stop_process(proc)
+            index.close()
+    assert written is not None
+    t_first = next((t for t, n in points if n > 0), points[-1][0])
+    t_last = next(t for t, n in points if n == points[-1][1])
+    moved = points[-1][1] * size
+    window = max(1e-9, t_last - t_first)
+    changes = [(t, n) for k, (t, n) in enumerate(points) if k == 0 or n != points[k - 1][1]]
+    arrivals = [t for t, n in changes if n > 0]
+    gaps = np.diff(arrivals) if len(arrivals) > 1 else np.zeros(0)
+    res.update(
+        moved_bytes=moved,
+        moved_objects=points[-1][1],
+        steady_gbps=steady_rate(points, size) / GB,
+        overall_gbps=moved / window / GB,
+        window_s=window,
+        writer_gbps=count * size / (written["t_end"] - written["t_start"]) / GB,
+        put_p50_ms=float(np.percentile(written["put_times"], 50) * 1e3),
+        put_p99_ms=float(np.percentile(written["put_times"], 99) * 1e3),
+        stalls=written["stalls"],
+        objects_after=objects,
+        on_a=per_node["A"],
+        on_b=per_node["B"],
+        evictions=counters.get("evictions", 0),
+        checked=check["checked"],
+        wrong=check["wrong"],
+        missing=check["missing"],
+        polls=len(points),
+        # CPU seconds per process over the whole write + settle (the writer: its whole life so far).
+        cpu_s={**{k: cpu1[k] - cpu0[k] for k in pids}, "writer": cpu_writer},
+        elapsed_s=points[-1][0] - written["t_start"],
+        # Time between arrivals on B spent in gaps longer than 50 ms (the pressure loop waiting).
+        gap_s=float(gaps[gaps > 0.05].sum()),
+        timeline=[(round(t - written["t_start"], 4), n) for t, n in changes],
+    )
+    if profile_dir is not None:
+        prof = summarize_profile(profile_dir / f"spill-A-{size_label(size).replace(' ', '')}.txt")
+        # Samples inside a pass over the samples the spill window holds at SPY_RATE: the share of the
+        # window in which A's pressure thread is working (the rest it waits for a wake-up).
+        prof["busy_in_window_pct"] = round(min(100.0, 100 * prof.get("pressure_samples", 0) / SPY_RATE / window), 1)
+        res["profile"] = prof
+    return res
+
+
+def measure_spill(*, quick: bool, profile_dir: Path | None) -> dict[str, Any]:
+    total = (4 if quick else 12) * A_HOST_BYTES
+    with raw_tcp_server(max(SPILL_SIZES)) as port:
+        raw = run_in_process(raw_tcp_worker, port, SPILL_SIZES, 1, quick)
+    cases = {size: spill_case(size, total, profile_dir=None) for size in SPILL_SIZES}
+    out: dict[str, Any] = {"raw_tcp": raw, "cases": cases}
+    if profile_dir is not None:
+        # Separate runs under py-spy, so that the sampler (a process of its own on the same CPUs)
+        # does not slow the figures in the table.
+        out["profiled"] = {size: spill_case(size, total, profile_dir=profile_dir) for size in SPILL_SIZES}
+    return out
+
+
+# ---- disk tier ----------------------------------------------------------------------------------
+def kv_chunks(tokens: int) -> tuple[dict[str, list[np.ndarray]], dict[str, Any]]:
+    """KV chunks of the demo model as uint8 arrays per dtype, plus what they are."""
+    try:
+        import torch
+
+        from mooncake_store.demo import DemoModel
+        from mooncake_store.integrations.transformers import _layers, output_cache
+    except ImportError as exc:
+        return synthetic_kv(tokens), {"source": f"synthetic float16 normals (torch not importable: {exc})"}
+    spec = DemoModel()
+    t0 = time.perf_counter()
+    model = spec.build()
+    ids = torch.randint(0, spec.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(ids[None], use_cache=True)
+    layers = _layers(output_cache(out))
+    forward_s = time.perf_counter() - t0
+    chunks: dict[str, list[np.ndarray]] = {"kv float16": [], "kv bfloat16": [], "kv float32": []}
+    for i in range(tokens // CHUNK_TOKENS):
+        s = slice(i * CHUNK_TOKENS, (i + 1) * CHUNK_TOKENS)
+        with torch.no_grad():
+            c = torch.stack([torch.stack((k[0, :, s, :], v[0, :, s, :])) for k, v in layers]).contiguous()
+        chunks["kv float32"].append(c.numpy().view(np.uint8).reshape(-1).copy())
+        chunks["kv float16"].append(c.to(torch.float16).numpy().view(np.uint8).reshape(-1).copy())
+        chunks["kv bfloat16"].append(c.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).reshape(-1).copy())
+    shape = tuple(layers[0][0].shape)
+    info = {
+        "source": f"demo Llama (random weights, seed {spec.seed}), forward over {tokens} random tokens",
+        "torch": torch.__version__,
+        "per_layer_kv_shape": shape,
+        "layers": len(layers),
+        "forward_s": round(forward_s, 2),
+    }
+    return chunks, info
+
+
+def synthetic_kv(tokens: int) -> dict[str, list[np.ndarray]]:
+    rng = np.random.default_rng(1)
+    layers, kv_heads, head_dim = 8, 4, 32
+    scale = rng.lognormal(0, 1, (layers, 2, kv_heads, 1, head_dim)).astype(np.float32)
+    out: list[np.ndarray] = []
+    for _ in range(tokens // CHUNK_TOKENS):
+        c = (rng.standard_normal((layers, 2, kv_heads, CHUNK_TOKENS, head_dim), dtype=np.float32) * scale).astype(
+            np.float16
+        )
+        out.append(c.view(np.uint8).reshape(-1))
+    return {"kv float16 (synthetic)": out}
+
+
+ITEMSIZE = {"kv float16": 2, "kv bfloat16": 2, "kv float32": 4, "kv float16 (synthetic)": 2, "random": 2}
+
+
+def plain_io(chunks: list[np.ndarray], root: Path) -> tuple[float, float]:
+    """Plain files of the same bytes: write + fsync + rename, then read_bytes; seconds each."""
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for i, c in enumerate(chunks):
+        tmp, path = root / f"{i}.tmp", root / f"{i}.bin"
+        with open(tmp, "wb") as f:
+            f.write(memoryview(c))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    t1 = time.perf_counter()
+    total = 0
+    for i in range(len(chunks)):
+        total += len((root / f"{i}.bin").read_bytes())
+    t2 = time.perf_counter()
+    shutil.rmtree(root)
+    return t1 - t0, t2 - t1
+
+
+def tier_io(chunks: list[np.ndarray], root: Path, itemsize: int, shuffle: str) -> dict[str, float]:
+    """DiskTier: in-memory encode/decode (the codec alone), then write + read through files."""
+    from mooncake_store.tiers.disk import DiskTier
+
+    tier = DiskTier(root, 1 << 40, shuffle=shuffle)
+    try:
+        warm = tier.encode(memoryview(chunks[0]), itemsize=itemsize)[0]  # contexts and first-touch out of the timing
+        tier.decode_into(warm, memoryview(np.empty_like(chunks[0])), where="warm-up")
+        t0 = time.perf_counter()
+        blobs = [tier.encode(memoryview(c), itemsize=itemsize)[0] for c in chunks]
+        t1 = time.perf_counter()
+        dest = [np.empty_like(c) for c in chunks]
+        for blob, d in zip(blobs, dest, strict=True):
+            tier.decode_into(blob, memoryview(d), where="memory")
+        t2 = time.perf_counter()
+        stored = sum(len(b) for b in blobs)
+        del blobs
+        for i, c in enumerate(chunks):
+            tier.write(i, memoryview(c), itemsize=itemsize)
+        t3 = time.perf_counter()
+        for i, d in enumerate(dest):
+            tier.read_into(i, memoryview(d))
+        t4 = time.perf_counter()
+        if not all(np.array_equal(c, d) for c, d in zip(chunks, dest, strict=True)):
+            raise RuntimeError(f"DiskTier round trip (shuffle={shuffle}) returned wrong bytes")
+        return {"stored": stored, "encode_s": t1 - t0, "decode_s": t2 - t1, "write_s": t3 - t2, "read_s": t4 - t3}
+    finally:
+        tier.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def shuffle_u16(data: np.ndarray) -> np.ndarray:
+    """The byte planes of 2-byte elements by integer arithmetic on a uint16 view (what disk.py could
+    do instead of a strided uint8 transpose); same output as ``shuffle_planes(data, 2)`` for even sizes."""
+    v = data.view(np.uint16)
+    out = np.empty(len(data), dtype=np.uint8)
+    np.bitwise_and(v, 0xFF, out=out[: len(v)], casting="unsafe")
+    np.right_shift(v, 8, out=out[len(v) :], casting="unsafe")
+    return out
+
+
+def unshuffle_u16(planes: np.ndarray, out: np.ndarray) -> None:
+    half = len(planes) // 2
+    o = out.view(np.uint16)
+    np.left_shift(planes[half:], 8, out=o, dtype=np.uint16)
+    np.bitwise_or(o, planes[:half], out=o)
+
+
+def measure_shuffle_kernels(chunks: list[np.ndarray], *, quick: bool) -> dict[str, float]:
+    """GB/s of disk.py's shuffle_planes/unshuffle_planes against the uint16-arithmetic kernels."""
+    from mooncake_store.tiers.disk import shuffle_planes, unshuffle_planes
+
+    raw = sum(len(c) for c in chunks)
+    outs = [np.empty_like(c) for c in chunks]
+    res: dict[str, float] = {}
+    planes_cur = [shuffle_planes(c, 2) for c in chunks]
+    planes_u16 = [shuffle_u16(c) for c in chunks]
+    if not all(np.array_equal(a, b) for a, b in zip(planes_cur, planes_u16, strict=True)):
+        raise RuntimeError("shuffle_u16 disagrees with shuffle_planes")
+    kernels = {
+        "shuffle_planes": lambda: [shuffle_planes(c, 2) for c in chunks],
+        "unshuffle_planes": lambda: [unshuffle_planes(p, 2, o) for p, o in zip(planes_cur, outs, strict=True)],
+        "shuffle_u16": lambda: [shuffle_u16(c) for c in chunks],
+        "unshuffle_u16": lambda: [unshuffle_u16(p, o) for p, o in zip(planes_u16, outs, strict=True)],
+    }
+    reps = 3 if quick else 10
+    for name, fn in kernels.items():
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        res[name] = raw * reps / (time.perf_counter() - t0) / GB
+    if not all(np.array_equal(c, o) for c, o in zip(chunks, outs, strict=True)):
+        raise RuntimeError("unshuffle_u16 returned wrong bytes")
+    return res
+
+
+def measure_disk(datasets: dict[str, list[np.ndarray]], base: Path, *, quick: bool) -> dict[str, Any]:
+    passes = 3 if quick else 5
+    out: dict[str, Any] = {}
+    for name, chunks in datasets.items():
+        raw = sum(len(c) for c in chunks)
+        itemsize = ITEMSIZE[name]
+        modes = ["never", "always"]
+        row: dict[str, Any] = {
+            "raw_bytes": raw,
+            "chunks": len(chunks),
+            "chunk_bytes": len(chunks[0]),
+            "itemsize": itemsize,
+        }
+        plain_w, plain_r = [], []
+        per_mode: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+        deadline = time.monotonic() + (20 if quick else 60)
+        for p in range(passes):
+            w, r = plain_io(chunks, base / f"plain-{p}")
+            plain_w.append(w)
+            plain_r.append(r)
+            for m in modes:
+                per_mode[m].append(tier_io(chunks, base / f"tier-{m}-{p}", itemsize, m))
+            if time.monotonic() > deadline:
+                break
+        row["plain_write_gbps"] = raw / statistics.median(plain_w) / GB
+        row["plain_read_gbps"] = raw / statistics.median(plain_r) / GB
+        for m in modes:
+            runs = per_mode[m]
+            label = "off" if m == "never" else "on"
+            row[label] = {
+                "ratio": raw / runs[0]["stored"],
+                **{
+                    f"{k}_gbps": raw / statistics.median(r[f"{k}_s"] for r in runs) / GB
+                    for k in ("encode", "decode", "write", "read")
+                },
+            }
+        out[name] = row
+    return out
+
+
+def demotion_writer(redis_url: str, namespace: str, chunks: list[np.ndarray], copies: int, queue: Any) -> None:
+    """Client process: put ``copies`` rounds of float16 KV chunks on D, then read them all back."""
+    try:
+        from mooncake_store import connect
+
+        arrays = [c.view(np.float16) for c in chunks]
+        keys = [f"kv-{r}-{i}" for r in range(copies) for i in range(len(arrays))]
+        with connect(redis_url, namespace=namespace) as client:
+            t0 = time.monotonic()
+            for k, key in enumerate(keys):
+                client.put(key, arrays[k % len(arrays)], preferred_node="D")
+            t1 = time.monotonic()
+            queue.put(("written", {"t_start": t0, "t_end": t1}))
+            time.sleep(1.5)  # let the agent finish demoting before the reads
+            meta = [client.object_meta(key) for key in keys]
+            on_disk = [key for key, m in zip(keys, meta, strict=True) if m and m.replicas[0].tier == "disk"]
+            out = np.empty_like(arrays[0])
+            t2 = time.monotonic()
+            wrong = 0
+            for key in on_disk:
+                k = keys.index(key)
+                client.get_into(key, out)
+                wrong += int(not np.array_equal(out, arrays[k % len(arrays)]))
+            t3 = time.monotonic()
+            queue.put(("ok", {"read_objects": len(on_disk), "read_s": t3 - t2, "wrong": wrong}))
+    except BaseException as exc:
+        import traceback
+
+        queue.put(("error", f"{exc!r}\n{traceback.format_exc()}"))
+
+
+def measure_demotion(chunks: list[np.ndarray], base: Path, *, quick: bool) -> dict[str, Any]:
+    """One agent with a disk tier, 64 MiB host arena at 0.5/0.2: puts of float16 KV chunks force
+    demotions; rate = bytes whose replica moved to disk per second (index polled), then read back."""
+    from mooncake_store import LocalCluster
+    from mooncake_store.index.client import RedisIndex
+
+    chunk = len(chunks[0])
+    copies = max(1, ((2 if quick else 4) * A_HOST_BYTES) // (chunk * len(chunks)))
+    total = copies * len(chunks) * chunk
+    disk_dir = base / "agent-disk"
+    hw, lw = WATERMARKS
+    ctx = mp.get_context("spawn")
+    with LocalCluster(num_agents=0, host_bytes=A_HOST_BYTES) as cluster:
+        cluster.add_agent(
+            node_id="D",
+            extra_args=["--disk", str(disk_dir), "--disk-mem", str(4 * total), "--high-watermark", hw,
+                        "--low-watermark", lw],
+        )  # fmt: skip
+        index = RedisIndex(cluster.redis_url, namespace=cluster.namespace)
+        queue = ctx.Queue()
+        proc = ctx.Process(
+            target=demotion_writer, args=(cluster.redis_url, cluster.namespace, chunks, copies, queue), daemon=True
+        )
+        try:
+            proc.start()
+            points: list[tuple[float, int]] = []
+            written = result = None
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and result is None:
+                if written is None:
+                    time.sleep(0.08)  # poll gently: list_keys costs the index server CPU
+                    listing = index.list_keys("kv-*")
+                    points.append((time.monotonic(), sum(1 for k in listing if k.replicas[0].tier == "disk")))
+                with contextlib.suppress(Exception):
+                    status, value = queue.get(timeout=0.02)
+                    if status == "error":
+                        raise RuntimeError(f"demotion writer failed: {value}")
+                    if status == "written":
+                        written = value
+                    else:
+                        result = value
+                if result is None and not proc.is_alive():
+                    with contextlib.suppress(Exception):  # its last message may still be in the pipe
+                        status, value = queue.get(timeout=2)
+                        if status == "ok":
+                            result = value
+                            break
+                    raise RuntimeError(f"demotion writer (pid {proc.pid}) died, exit code {proc.exitcode}")
+            if result is None or written is None:
+                raise RuntimeError("demotion case did not finish within 300 s")
+            time.sleep(1.2)  # one heartbeat: the tier counters reach the index
+            from mooncake_store import connect
+
+            with connect(cluster.redis_url, namespace=cluster.namespace) as client:
+                tiers = {t.tier: t for n in client.stat().nodes for t in n.tiers}
+        finally:
+            proc.join(5)
+            stop_process(proc)
+            index.close()
+    disk = tiers.get("disk")
+    return {
+        "written_bytes": total,
+        "chunk_bytes": chunk,
+        "writer_gbps": total / (written["t_end"] - written["t_start"]) / GB,
+        "demote_gbps": steady_rate(points, chunk) / GB,
+        "demoted_objects": points[-1][1] if points else 0,
+        "read_gbps": result["read_objects"] * chunk / result["read_s"] / GB if result["read_s"] else 0.0,
+        "read_objects": result["read_objects"],
+        "wrong": result["wrong"],
+        "demotions": tiers["host"].demotions if "host" in tiers else 0,
+        "promotions": disk.promotions if disk else 0,
+        "agent_ratio": disk.compression_ratio if disk else 1.0,
+    }
+
+
+# ---- one run ------------------------------------------------------------------------------------
+def run_once(
+    datasets: dict[str, list[np.ndarray]], base: Path, *, quick: bool, profile_dir: Path | None, e2e: bool
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    print("  spill ...", file=sys.stderr, flush=True)
+    out["spill"] = measure_spill(quick=quick, profile_dir=profile_dir)
+    print("  disk tier codec ...", file=sys.stderr, flush=True)
+    out["disk"] = measure_disk(datasets, base, quick=quick)
+    kv16 = next(v for k, v in datasets.items() if k.startswith("kv float16"))
+    out["kernels"] = measure_shuffle_kernels(kv16, quick=quick)
+    if e2e:
+        print("  disk tier end to end ...", file=sys.stderr, flush=True)
+        out["demotion"] = measure_demotion(kv16, base, quick=quick)
+    return out
+
+
+def med(runs: list[dict[str, Any]], *path: Any) -> float:
+    vals = []
+    for run in runs:
+        v: Any = run
+        for p in path:
+            v = v[p]
+        vals.append(float(v))
+    return statistics.median(vals)
+
+
+def fmt(runs: list[dict[str, Any]], *path: Any, digits: int = 2) -> str:
+    vals = []
+    for run in runs:
+        v: Any = run
+        for p in path:
+            v = v[p]
+        vals.append(float(v))
+    m = statistics.median(vals)
+    if len(vals) == 1:
+        return f"{m:.{digits}f}"
+    return f"{m:.{digits}f} ({min(vals):.{digits}f}–{max(vals):.{digits}f})"
+
+
+def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, list[str]]:
+    lines: list[str] = []
+    verdicts: list[str] = []
+    n = len(runs)
+    # Spill.
+    first = runs[0]["spill"]["cases"]
+    lines.append(
+        f"### Spill A -> B (A: {A_HOST_BYTES >> 20} MiB host, watermarks {WATERMARKS[0]}/{WATERMARKS[1]}; "
+        f"writes to A of {first[SPILL_SIZES[0]]['written_bytes'] >> 20} MiB per size; GB/s"
+        + (f", median (min–max) of {n} runs" if n > 1 else "")
+        + ")\n"
+    )
+    lines.append(
+        "spill steady: slope of bytes arriving on B between 10% and 90% of the final count (index polled "
+        f"every {POLL_S * 1000:.0f} ms); overall: all moved bytes over first-to-last arrival; writer: the "
+        "client's put rate to A (bounded by the spill once A is full). Raw TCP put x1: request/ack of the "
+        "same size on one loopback connection, same run.\n"
+    )
+    rows = []
+    for size in SPILL_SIZES:
+        ratio = med(runs, "spill", "cases", size, "steady_gbps") / med(runs, "spill", "raw_tcp", "put", size)
+        ok = ratio >= SPILL_TARGET
+        verdicts.append(
+            f"spill {size_label(size)}: {ratio:.2f}x raw TCP put x1 -> {'met' if ok else 'MISSED'} (≥{SPILL_TARGET})"
+        )
+        c = runs[-1]["spill"]["cases"][size]
+        rows.append(
+            [
+                size_label(size),
+                fmt(runs, "spill", "raw_tcp", "put", size),
+                fmt(runs, "spill", "cases", size, "steady_gbps"),
+                fmt(runs, "spill", "cases", size, "overall_gbps"),
+                f"{ratio:.2f} {'met' if ok else 'MISSED'}",
+                fmt(runs, "spill", "cases", size, "writer_gbps"),
+                f"{c['put_p50_ms']:.1f} / {c['put_p99_ms']:.1f}",
+                f"{c['moved_objects']}/{c['objects']}",
+                f"{c['evictions']}",
+                f"{c['checked'] - c['wrong'] - c['missing']}/{c['checked']}"
+                + (f" ({c['missing']} missing)" if c["missing"] else ""),
+                f"{c['gap_s']:.2f} of {c['window_s']:.2f}",
+                " ".join(f"{k} {v:.1f}" for k, v in c["cpu_s"].items()) + f" in {c['elapsed_s']:.1f} s",
+            ]
+        )
+    lines.append(
+        markdown_table(
+            [
+                "size",
+                "raw TCP put x1",
+                "spill steady",
+                "spill overall",
+                f"ratio (≥{SPILL_TARGET})",
+                "writer put",
+                "put p50/p99 ms",
+                "moved to B",
+                "evicted",
+                "byte-exact",
+                "gaps >50 ms, s",
+                "CPU s (last run)",
+            ],
+            rows,
+        )
+    )
+    lines.append("")
+    for size in SPILL_SIZES:
+        prof = runs[-1]["spill"].get("profiled", {}).get(size, {}).get("profile")
+        if prof and prof.get("stage_pct"):
+            stages = ", ".join(f"{k} {v}%" for k, v in prof["stage_pct"].items())
+            leaves = ", ".join(f"`{k}` {v}%" for k, v in list(prof["top_leaves_pct"].items())[:8])
+            lines.append(
+                f"py-spy on A, {size_label(size)} (a separate profiled run, last repeat): the pressure thread "
+                f"works {prof['busy_in_window_pct']}% of the spill window (the rest it waits for a wake-up); "
+                f"of its {prof['pressure_samples']} samples in passes, by stage: {stages}. Leaves: {leaves}.\n"
+            )
+    # Disk codec.
+    lines.append(
+        f"### Disk tier (DiskTier, zstd level 3, xxh3; {kv_info.get('source', '')}; "
+        f"chunks of {CHUNK_TOKENS} tokens; GB/s of raw bytes"
+        + (f", median (min–max) of {n} runs" if n > 1 else "")
+        + ")\n"
+    )
+    lines.append(
+        "encode/decode: in memory (shuffle + zstd + checksum), no files. write: encode + temp file + fsync + "
+        "rename. read: read_bytes + decode + checksum (page cache). plain: the same raw bytes written with "
+        "write + fsync + rename and read with read_bytes, same run, same directory. Shuffle on for float32 "
+        "is 4 planes (shuffle='always'); the tier's default ('auto') shuffles only 2-byte dtypes.\n"
+    )
+    rows = []
+    disk0 = runs[0]["disk"]
+    for name in disk0:
+        for label in ("off", "on"):
+            rows.append(
+                [
+                    name,
+                    size_label(disk0[name]["raw_bytes"]),
+                    label,
+                    fmt(runs, "disk", name, label, "ratio", digits=3),
+                    fmt(runs, "disk", name, label, "encode_gbps"),
+                    fmt(runs, "disk", name, label, "decode_gbps"),
+                    fmt(runs, "disk", name, label, "write_gbps"),
+                    fmt(runs, "disk", name, label, "read_gbps"),
+                    fmt(runs, "disk", name, "plain_write_gbps"),
+                    fmt(runs, "disk", name, "plain_read_gbps"),
+                ]
+            )
+    lines.append(
+        markdown_table(
+            ["data", "bytes", "shuffle", "ratio", "encode", "decode", "write", "read", "plain write", "plain read"],
+            rows,
+        )
+    )
+    lines.append("")
+    k = {name: med(runs, "kernels", name) for name in runs[0]["kernels"]}
+    lines.append(
+        "Shuffle kernels alone on the float16 KV chunks (GB/s): disk.py's strided uint8 transpose "
+        f"shuffle_planes {k['shuffle_planes']:.2f}, unshuffle_planes {k['unshuffle_planes']:.2f}; the same "
+        f"planes by uint16 arithmetic (mask/shift into the two halves) {k['shuffle_u16']:.2f} and "
+        f"{k['unshuffle_u16']:.2f}.\n"
+    )
+    # Shuffle verdict on 2-byte data: keep when it saves >= 5% of the disk bytes and costs at most 20%
+    # of write and read throughput; "projected" swaps the measured unshuffle for the uint16 kernel.
+    for name in disk0:
+        if disk0[name]["itemsize"] != 2:
+            continue
+        r_off, r_on = med(runs, "disk", name, "off", "ratio"), med(runs, "disk", name, "on", "ratio")
+        w_off, w_on = med(runs, "disk", name, "off", "write_gbps"), med(runs, "disk", name, "on", "write_gbps")
+        rd_off, rd_on = med(runs, "disk", name, "off", "read_gbps"), med(runs, "disk", name, "on", "read_gbps")
+        saved = 1 - r_off / r_on
+        cheap = w_on >= 0.8 * w_off and rd_on >= 0.8 * rd_off
+        # The unshuffle kernel's share of a shuffled decode: how much a faster kernel could win back.
+        dec_on = med(runs, "disk", name, "on", "decode_gbps")
+        unshuffle_share = min(1.0, dec_on / k["unshuffle_planes"])
+        if saved < 0.05:
+            kind = "DROP (saves too little)" if name != "random" else "no gain (as expected)"
+        elif cheap:
+            kind = "KEEP"
+        elif unshuffle_share >= 0.5 and k["unshuffle_u16"] >= 4 * k["unshuffle_planes"]:
+            kind = "DROP as implemented (re-measure with the uint16 kernels)"
+        else:
+            kind = "DROP"
+        verdicts.append(
+            f"shuffle on {name}: ratio {r_off:.3f} -> {r_on:.3f} ({saved * 100:.0f}% fewer disk bytes), "
+            f"write {w_off:.2f} -> {w_on:.2f} GB/s, read {rd_off:.2f} -> {rd_on:.2f} GB/s; unshuffle_planes is "
+            f"{unshuffle_share * 100:.0f}% of a shuffled decode -> {kind}"
+        )
+    if "demotion" in runs[-1]:
+        d = runs[-1]["demotion"]
+        lines.append("### Disk tier end to end (one agent, 64 MiB host at 0.5/0.2, --disk; float16 KV chunks)\n")
+        lines.append(
+            markdown_table(
+                [
+                    "written",
+                    "writer put",
+                    "demotion steady",
+                    "demotions",
+                    "get of demoted (disk + promote)",
+                    "byte-exact",
+                    "agent's ratio",
+                ],
+                [
+                    [
+                        f"{d['written_bytes'] >> 20} MiB",
+                        fmt(runs, "demotion", "writer_gbps"),
+                        fmt(runs, "demotion", "demote_gbps"),
+                        f"{d['demotions']}",
+                        fmt(runs, "demotion", "read_gbps"),
+                        f"{d['read_objects'] - d['wrong']}/{d['read_objects']}",
+                        f"{d['agent_ratio']:.3f}",
+                    ]
+                ],
+            )
+        )
+        lines.append("")
+    return "\n".join(lines), verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer bytes and passes")
+    parser.add_argument("--repeat", type=int, default=1, help="whole runs; tables show median (min–max)")
+    parser.add_argument("--json", type=Path, help="write every raw figure to this file")
+    parser.add_argument("--profile", type=Path, help="run py-spy on agent A during the spills; stacks go here")
+    parser.add_argument("--disk-dir", type=Path, help="parent of the temporary disk-tier directory (default: TMPDIR)")
+    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end demotion case")
+    parser.add_argument("--tokens", type=int, help="tokens of the KV forward (default 4096, quick 2048)")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    started = time.monotonic()
+    tokens = args.tokens or (2048 if args.quick else 4096)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    print(f"building KV data ({tokens} tokens) ...", file=sys.stderr, flush=True)
+    datasets, kv_info = kv_chunks(tokens)
+    kv_total = sum(len(c) for c in next(iter(datasets.values())))
+    chunk = len(next(iter(datasets.values()))[0])
+    rng = np.random.default_rng(3)
+    datasets["random"] = [rng.integers(0, 256, chunk, dtype=np.uint8) for _ in range(max(1, kv_total // chunk))]
+    base = Path(tempfile.mkdtemp(prefix="mc-tiers-", dir=args.disk_dir))
+    runs = []
+    try:
+        for i in range(args.repeat):
+            print(f"run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
+            runs.append(run_once(datasets, base, quick=args.quick, profile_dir=args.profile, e2e=not args.no_e2e))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    fs = "?"
+    with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
+        df = subprocess.run(["df", "-T", str(base.parent)], capture_output=True, text=True, timeout=10).stdout
+        fs = df.splitlines()[1].split()[1]
+    info = machine_info()
+    print(
+        f"## mooncake-store tiers benchmark\n\nmachine: {info.get('cpu', '?')}, {info['cpus']} CPUs, "
+        f"Python {info['python']}, kernel {info['kernel']}; disk-tier files on {fs} ({base.parent}); "
+        f"{args.repeat} run(s), {'quick' if args.quick else 'full'}, {time.monotonic() - started:.0f} s\n"
+    )
+    table, verdicts = report(runs, kv_info)
+    print(table)
+    print("\n### Targets and decisions\n")
+    for v in verdicts:
+        print(f"- {v}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": info, "quick": args.quick, "kv": kv_info, "filesystem": fs, "runs": runs}
+        args.json.write_text(json.dumps(as_jsonable(payload), indent=1))
+        print(f"\nraw figures written to {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
