@@ -53,6 +53,48 @@ from benchlib import (
 
 SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 8 * MiB, 32 * MiB)
 EXIST_KEYS = 512
+MATCH_CHUNKS = (64, 512, 4096)
+MATCH_CHUNK_TOKENS = 256
+
+
+# ---- prefix match -----------------------------------------------------------------------------------
+def prefix_worker(redis_url: str, namespace: str, quick: bool, queue: Any) -> None:
+    try:
+        queue.put(("ok", _prefix_measure(redis_url, namespace, quick)))
+    except BaseException as exc:
+        import traceback
+
+        queue.put(("error", f"{exc!r}\n{traceback.format_exc()}"))
+
+
+def _prefix_measure(redis_url: str, namespace: str, quick: bool) -> dict[str, Any]:
+    """PrefixCache.match over chains of stored chunks: the whole call from token ids (hashing
+    included) and the index call alone on precomputed keys, which is what Mooncake's
+    batch_is_exist is handed (engines bring their own block hashes)."""
+    from mooncake_store import PrefixCache, connect
+
+    out: dict[str, Any] = {}
+    with connect(redis_url, namespace=namespace) as client, PrefixCache(client, "bench/match") as cache:
+        tiny = np.zeros(16, np.uint8)
+        for n in MATCH_CHUNKS:
+            tokens = np.arange(n * MATCH_CHUNK_TOKENS, dtype=np.int64) + 7 * n
+            cache.store(tokens, lambda _i: tiny)
+            keys = cache.keys(tokens)
+            if cache.match(tokens) != n * MATCH_CHUNK_TOKENS:
+                raise RuntimeError(f"match of a stored {n}-chunk chain came back short")
+            count = (300 if quick else 2000) if n < 4096 else (20 if quick else 100)
+            b = Budget(count=count, seconds=1.0 if quick else 3.0)
+            _n, _s, whole = timed_loop(lambda _i, t=tokens: cache.match(t), b, warmup=3)
+            _n, _s, index = timed_loop(lambda _i, k=keys: cache.index.match(k), b, warmup=3)
+            _n, _s, hashing = timed_loop(lambda _i, t=tokens: cache.keys(t), b, warmup=3)
+            out[n] = {
+                "match_p50_us": percentile_us(whole, 50),
+                "match_p99_us": percentile_us(whole, 99),
+                "index_p50_us": percentile_us(index, 50),
+                "index_p99_us": percentile_us(index, 99),
+                "hash_p50_us": percentile_us(hashing, 50),
+            }
+    return out
 
 
 # ---- Mooncake ---------------------------------------------------------------------------------------
@@ -299,6 +341,8 @@ def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, log_dir: P
             systems[name] = run_in_process(
                 store_worker, cluster.redis_url, cluster.namespace, transport, conns, sizes, quick, True
             )
+        print("  store prefix match ...", file=sys.stderr, flush=True)
+        result["prefix"] = run_in_process(prefix_worker, cluster.redis_url, cluster.namespace, quick)
     bins = mooncake_binaries()
     if isinstance(bins, str):
         print(f"  Mooncake skipped: {bins}", file=sys.stderr, flush=True)
@@ -405,11 +449,41 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> str:
     lines.append("### 4 KiB get latency, µs\n")
     lines.append(markdown_table(["system", "p50", "p99", "p50 x Mooncake (lower is better)"], rows))
     ex = med(runs, "systems", "mooncake tcp", "exist512_p50_us")
-    if ex:
+    if "prefix" in runs[0]:
+        rows = []
+        for chunks in MATCH_CHUNKS:
+            idx = med(runs, "prefix", chunks, "index_p50_us")
+            rows.append(
+                [
+                    str(chunks),
+                    cell(med(runs, "prefix", chunks, "match_p50_us"), n, 0),
+                    cell(med(runs, "prefix", chunks, "match_p99_us"), n, 0),
+                    cell(med(runs, "prefix", chunks, "hash_p50_us"), n, 0),
+                    cell(idx, n, 0),
+                    cell(med(runs, "prefix", chunks, "index_p99_us"), n, 0),
+                    ratio(idx, ex) if ex and chunks == EXIST_KEYS else "–",
+                ]
+            )
         lines.append(
-            f"\nMooncake batch_is_exist of {EXIST_KEYS} keys: p50 {cell(ex, n, 0)} µs "
-            "(prefix `match` is not in this store yet)."
+            f"\n### Prefix match, µs (chains of {MATCH_CHUNK_TOKENS}-token chunks, all stored; "
+            f"Mooncake: batch_is_exist of {EXIST_KEYS} keys)\n"
         )
+        lines.append(
+            markdown_table(
+                [
+                    "chunks",
+                    "match(token ids) p50",
+                    "p99",
+                    "of which hashing p50",
+                    "index call (keys given) p50",
+                    "p99",
+                    "index call x Mooncake",
+                ],
+                rows,
+            )
+        )
+    if ex:
+        lines.append(f"\nMooncake batch_is_exist of {EXIST_KEYS} keys: p50 {cell(ex, n, 0)} µs.")
     stalls = {
         name: sum(run["systems"][name].get("stalls", {}).get("no_capacity", 0) for run in runs) for name in systems
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -36,19 +37,40 @@ class Allocation:
 
 
 class AllocationTable:
-    def __init__(self, capacity_bytes: int, *, reserve_timeout_s: float, alignment: int = 64) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        reserve_timeout_s: float,
+        alignment: int = 64,
+        ids: Iterator[int] | None = None,
+    ) -> None:
         self._allocator = OffsetAllocator(capacity_bytes, alignment=alignment)
         self._allocs: dict[int, Allocation] = {}
         self._lock = threading.Lock()
         self._reserve_timeout_s = reserve_timeout_s
         # Start alloc ids from the clock so that a restarted agent never reissues an id that an old
         # index entry still names; ids stay below 2**53 for JSON round trips.
-        self._ids = itertools.count(int(time.time() * 1000) << 10)
+        # Tables of one agent (host, GPU) share one id iterator, so an id names one location.
+        self._ids = ids if ids is not None else itertools.count(int(time.time() * 1000) << 10)
+
+    @property
+    def ids(self) -> Iterator[int]:
+        return self._ids
+
+    def __contains__(self, alloc_id: int) -> bool:
+        with self._lock:
+            return alloc_id in self._allocs
 
     def new_id(self) -> int:
         """A fresh alloc id, for locations outside this table (disk files) that share the id space."""
         with self._lock:
             return next(self._ids)
+
+    def bytes_of(self, alloc_ids: list[int]) -> int:
+        """Reserved bytes of those of ``alloc_ids`` that are live here."""
+        with self._lock:
+            return sum(self._allocs[a].length for a in alloc_ids if a in self._allocs)
 
     def offset_of(self, alloc_id: int) -> tuple[int, int] | None:
         """(offset, length) of a live allocation."""

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
+from mooncake_store.tiers.gpu import GpuArena
 from mooncake_store.tiers.host import HostArena, segment_name
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import NodeInfo, TierKind, TierUsage, TransportKind
@@ -50,6 +52,13 @@ class Agent:
                 DiskTier(Path(config.disk_path) / self.node_id, config.disk_bytes) if config.disk_bytes else None
             )
             self.disk_keys: dict[int, str] = {}  # disk alloc id -> key, for promotion
+            self.gpu: GpuArena | None = None
+            self.gpu_table: AllocationTable | None = None
+            if config.gpu_bytes:
+                self.gpu = GpuArena(config.gpu_id, config.gpu_bytes)
+                self.gpu_table = AllocationTable(
+                    config.gpu_bytes, reserve_timeout_s=config.reserve_timeout_s, ids=self.table.ids
+                )
             self.pressure = PressureManager(self)
             self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0, hooks=self)
         except BaseException:
@@ -62,7 +71,11 @@ class Agent:
 
     # ---- tiers ------------------------------------------------------------------------------
     def tier_kinds(self) -> tuple[TierKind, ...]:
-        return (TierKind.HOST, TierKind.DISK) if self.disk is not None else (TierKind.HOST,)
+        kinds = [TierKind.GPU] if self.gpu is not None else []
+        kinds.append(TierKind.HOST)
+        if self.disk is not None:
+            kinds.append(TierKind.DISK)
+        return tuple(kinds)
 
     @staticmethod
     def itemsize_of(dtype: str) -> int:
@@ -80,8 +93,21 @@ class Agent:
             objects=objects,
             counters=dict(self.pressure.counters[TierKind.HOST]),
         )
+        tiers = [host]
+        if self.gpu_table is not None:
+            gpu_used, _, _, gpu_objects = self.gpu_table.usage()
+            tiers.insert(
+                0,
+                TierUsage(
+                    tier=TierKind.GPU,
+                    capacity_bytes=self.gpu_table.capacity_bytes,
+                    used_bytes=gpu_used,
+                    objects=gpu_objects,
+                    counters=dict(self.pressure.counters[TierKind.GPU]),
+                ),
+            )
         if self.disk is None:
-            return (host,)
+            return tuple(tiers)
         disk = TierUsage(
             tier=TierKind.DISK,
             capacity_bytes=self.disk.capacity_bytes,
@@ -89,10 +115,12 @@ class Agent:
             objects=self.disk.objects,
             counters={**self.pressure.counters[TierKind.DISK], "raw_bytes": self.disk.raw_bytes},
         )
-        return (host, disk)
+        return (*tiers, disk)
 
     # ---- hooks of the server (AgentHooks) -----------------------------------------------------
     def read_other_tier(self, alloc_id: int) -> bytearray | None:
+        if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
+            return self._read_gpu(alloc_id)
         if self.disk is None:
             return None
         entry = self.disk.entry(alloc_id)
@@ -103,12 +131,50 @@ class Agent:
         self.pressure.count(TierKind.DISK, "reads")
         return data
 
+    def _read_gpu(self, alloc_id: int) -> bytearray | None:
+        assert self.gpu is not None and self.gpu_table is not None
+        location = self.gpu_table.offset_of(alloc_id)
+        if location is None:
+            return None
+        offset, length = location
+        if not self.gpu_table.begin_read(alloc_id, offset, length):
+            return None
+        try:
+            data = bytearray(length)
+            self.gpu.read_to_host(offset, memoryview(data))
+        finally:
+            self.gpu_table.end_read(alloc_id)
+        self.pressure.count(TierKind.GPU, "reads")
+        return data
+
+    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]]) -> list[Any] | None:
+        if self.gpu_table is None:
+            return None
+        allocs = self.gpu_table.reserve(requests)
+        if allocs is None:
+            self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
+        return allocs
+
+    def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
+        if self.gpu_table is None or not self.gpu_table.check_write(alloc_id, offset, length):
+            return None
+        return bytearray(length)
+
+    def other_tier_written(self, alloc_id: int, offset: int, data: bytearray) -> None:
+        assert self.gpu is not None
+        self.gpu.write_from_host(offset, memoryview(data))
+
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         if self.config.promote_on_read:
             try:
                 self.pressure.promote(alloc_id, data)
             except MooncakeError as exc:
                 log.info("promotion of allocation %d failed: %s", alloc_id, exc)
+
+    def reserved(self) -> None:
+        used, _, _, _ = self.table.usage()
+        if used > self.config.high_watermark * self.table.capacity_bytes:
+            self.pressure.wake()  # move objects alongside the writer, not in bursts after refusals
 
     def reclaim_now(self) -> None:
         try:
@@ -124,15 +190,19 @@ class Agent:
 
     def free_allocations(self, alloc_ids: list[int] | tuple[int, ...]) -> None:
         """Free ids of any tier: disk files by id, the rest in the host table."""
-        host_ids = []
+        host_ids, gpu_ids = [], []
         for alloc_id in alloc_ids:
             if self.disk is not None and alloc_id in self.disk:
                 self.disk.remove(alloc_id)
                 self.disk_keys.pop(alloc_id, None)
+            elif self.gpu_table is not None and alloc_id in self.gpu_table:
+                gpu_ids.append(alloc_id)
             else:
                 host_ids.append(alloc_id)
         if host_ids:
             self.table.free(host_ids)
+        if gpu_ids and self.gpu_table is not None:
+            self.gpu_table.free(gpu_ids)
 
     # ---- node record --------------------------------------------------------------------------
     def node_info(self) -> NodeInfo:
@@ -147,6 +217,8 @@ class Agent:
             transports=(TransportKind.SHM, TransportKind.TCP),
             tiers=self.tiers(),
             started_ms=self.started_ms,
+            # Same-host clients open the GPU arena through this CUDA IPC handle.
+            labels={"gpu_id": str(self.gpu.device_id), "gpu_ipc": self.gpu.ipc_handle.hex()} if self.gpu else {},
         )
 
     @property
@@ -184,6 +256,8 @@ class Agent:
         self.arena.close(unlink=True)
         if self.disk is not None:
             self.disk.close(remove_files=True)
+        if self.gpu is not None:
+            self.gpu.close()
         self.index.close()
 
     def wait(self) -> None:
@@ -219,6 +293,8 @@ class Agent:
 
     def _known_ids(self) -> set[int]:
         ids = self.table.known_ids()
+        if self.gpu_table is not None:
+            ids |= self.gpu_table.known_ids()
         if self.disk is not None:
             ids |= set(self.disk_keys)
         return ids
@@ -231,10 +307,14 @@ class Agent:
                 log.warning("sync failed: %s", exc)
 
     def sync_once(self) -> None:
-        deadlines = self.table.reserved_deadlines()
+        tables = [self.table] if self.gpu_table is None else [self.table, self.gpu_table]
+        deadlines: dict[int, float] = {}
+        for table in tables:
+            deadlines.update(table.reserved_deadlines())
         expired = expired_reservations(deadlines, time.monotonic())
-        put_ids = [(self.table.put_id_of(a) or b"").hex() for a in expired]
-        result = self.index.agent_sync(self.node_id, expired_put_ids=put_ids)
+        put_ids = [next((t.put_id_of(a) for t in tables if a in t), None) or b"" for a in expired]
+        put_ids_hex = [p.hex() for p in put_ids]
+        result = self.index.agent_sync(self.node_id, expired_put_ids=put_ids_hex)
         plan = plan_sync(
             reserved=deadlines.keys(),
             expired=expired,
@@ -243,6 +323,7 @@ class Agent:
             graves=result.graves,
             known=self._known_ids(),
         )
-        self.table.commit(plan.commit)
+        for table in tables:
+            table.commit(plan.commit)
         if plan.free:
             self.free_allocations(plan.free)

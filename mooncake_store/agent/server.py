@@ -11,7 +11,7 @@ import contextlib
 import logging
 import socket
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError
@@ -22,6 +22,9 @@ from mooncake_store.transport.tcp import SOCKET_BUFFER_BYTES, parse_endpoint
 
 log = logging.getLogger("mooncake.agent")
 
+#: RESERVE tiers (header field a).
+TIER_HOST = 0
+TIER_GPU = 1
 #: RESERVE flag: the reservation is a spill from a peer agent.
 SPILL_FLAG = 1
 #: Chunk for draining the payload of a refused WRITE.
@@ -36,6 +39,18 @@ class AgentHooks(Protocol):
 
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         """Called once the reply is sent (promotion happens here)."""
+
+    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]]) -> list[Any] | None:
+        """Reservations in tier ``tier`` (1: GPU); None when the agent has no room or no such tier."""
+
+    def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
+        """A host buffer to receive a WRITE into an allocation of another tier, or None."""
+
+    def other_tier_written(self, alloc_id: int, offset: int, data: bytearray) -> None:
+        """Move a received WRITE from its staging buffer into the other tier."""
+
+    def reserved(self) -> None:
+        """A reservation was granted (the agent checks its watermark: relief starts early)."""
 
     def reclaim_now(self) -> None:
         """Free what is already due (graveyard entries past their lease, abandoned reservations)."""
@@ -182,6 +197,14 @@ class AgentServer:
         return True
 
     def _write(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
+        staging = None
+        if not self._in_arena(offset, length) or not self._table.check_write(alloc_id, offset, length):
+            staging = self._hooks.other_tier_staging(alloc_id, offset, length)
+        if staging is not None:
+            frames.recv_into_exact(conn, memoryview(staging))
+            self._hooks.other_tier_written(alloc_id, offset, staging)
+            self._reply(conn, Op.WRITE, Status.OK)
+            return True
         if not self._in_arena(offset, length) or not self._table.check_write(alloc_id, offset, length):
             if length > self._arena.size_bytes:
                 return False  # not worth draining: no such write can ever be valid
@@ -205,11 +228,19 @@ class AgentServer:
         return True
 
     def _reserve(self, conn: socket.socket, count: int, tier: int, flags: int) -> bool:
-        if not 0 < count <= frames.MAX_BATCH or tier != 0:
+        if not 0 < count <= frames.MAX_BATCH or tier not in (TIER_HOST, TIER_GPU):
             self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
             return False
         raw = frames.recv_exact(conn, frames.RESERVE_ENTRY.size * count)
         requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
+        if tier == TIER_GPU:
+            allocs = self._hooks.reserve_other_tier(tier, requests)
+            if allocs is None:
+                self._reply(conn, Op.RESERVE, Status.NO_CAPACITY)
+                return True
+            payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
+            frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
+            return True
         allocs = self._table.reserve(requests)
         if allocs is None:
             # Space whose leases ran out since the last sync is free for the asking: a writer that
@@ -223,6 +254,7 @@ class AgentServer:
             return True
         if flags & SPILL_FLAG:
             self._hooks.spilled_in(len(allocs))
+        self._hooks.reserved()
         payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
         frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
         return True

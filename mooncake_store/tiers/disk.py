@@ -48,12 +48,25 @@ class DiskEntry:
 def shuffle_planes(data: np.ndarray, itemsize: int) -> np.ndarray:
     """Byte planes of ``data`` (uint8): all first bytes of each element, then all second bytes..."""
     whole = len(data) - len(data) % itemsize
+    if itemsize == 2 and whole == len(data) and data.ctypes.data % 2 == 0:
+        # Mask and shift on a uint16 view: several times faster than a strided byte transpose.
+        halves = data.view(np.uint16)
+        out = np.empty(len(data), dtype=np.uint8)
+        np.bitwise_and(halves, 0xFF, out=out[: len(halves)], casting="unsafe")
+        np.right_shift(halves, 8, out=out[len(halves) :], casting="unsafe")
+        return out
     planes = data[:whole].reshape(-1, itemsize).T.reshape(-1)
     return np.concatenate([planes, data[whole:]]) if whole < len(data) else np.ascontiguousarray(planes)
 
 
 def unshuffle_planes(planes: np.ndarray, itemsize: int, out: np.ndarray) -> None:
     whole = len(out) - len(out) % itemsize
+    if itemsize == 2 and whole == len(out) and out.ctypes.data % 2 == 0:
+        half = len(out) // 2
+        joined = out.view(np.uint16)
+        np.left_shift(planes[half:], 8, out=joined, dtype=np.uint16)
+        np.bitwise_or(joined, planes[:half], out=joined)
+        return
     out[:whole].reshape(-1, itemsize)[:] = planes[:whole].reshape(itemsize, -1).T
     out[whole:] = planes[whole:]
 

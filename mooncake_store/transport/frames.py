@@ -12,7 +12,8 @@ anything is received.
 op        request                              reply
 ========  ===================================  ========================================================
 PING      -                                    OK, a = protocol version
-RESERVE   arg = count, a = tier, b = flags     OK, payload of count x (offset u64, alloc_id u64);
+RESERVE   arg = count, a = tier (0 host,       OK, payload of count x (offset u64, alloc_id u64);
+          1 gpu), b = flags
           (1: a spill from a peer), payload    NO_CAPACITY, a = free, b = largest free, c = capacity
           of count x (size u64, put_id 16 B)
 FREE      arg = count, payload count x u64     OK, a = reservations expired now (freed by the next

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -226,39 +226,23 @@ class TcpTransport:
 
     def read_into(self, endpoint: str, alloc_id: int, offset: int, dest: memoryview) -> None:
         peer = self.peer(endpoint)
-        stripes = self._stripes_of(len(dest))
-        if len(stripes) == 1:
-            peer.read_many([ReadRequest(alloc_id=alloc_id, offset=offset, dest=dest)])
-            return
-        futures = [
-            self._stripes.submit(
-                peer.read_many, [ReadRequest(alloc_id=alloc_id, offset=offset + s, dest=dest[s : s + n])]
-            )
-            for s, n in stripes[1:]
-        ]
-        s, n = stripes[0]
-        first_error: BaseException | None = None
-        try:
-            peer.read_many([ReadRequest(alloc_id=alloc_id, offset=offset + s, dest=dest[s : s + n])])
-        except BaseException as exc:
-            first_error = exc
-        for fut in futures:
-            exc = fut.exception()
-            first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
+        self._fan_out(
+            len(dest),
+            lambda s, n: peer.read_many([ReadRequest(alloc_id=alloc_id, offset=offset + s, dest=dest[s : s + n])]),
+        )
 
     def write_from(self, endpoint: str, alloc_id: int, offset: int, src: memoryview) -> None:
         peer = self.peer(endpoint)
-        stripes = self._stripes_of(len(src))
-        if len(stripes) == 1:
-            peer.write(alloc_id, offset, src)
-            return
-        futures = [self._stripes.submit(peer.write, alloc_id, offset + s, src[s : s + n]) for s, n in stripes[1:]]
-        s, n = stripes[0]
+        self._fan_out(len(src), lambda s, n: peer.write(alloc_id, offset + s, src[s : s + n]))
+
+    def _fan_out(self, length: int, transfer: Callable[[int, int], None]) -> None:
+        """Run ``transfer(start, length)`` per stripe: the first on this thread, the rest on the
+        stripe pool (each on a connection of its own); the first error is raised once all settle."""
+        stripes = self._stripes_of(length)
+        futures = [self._stripes.submit(transfer, s, n) for s, n in stripes[1:]]
         first_error: BaseException | None = None
         try:
-            peer.write(alloc_id, offset + s, src[s : s + n])
+            transfer(*stripes[0])
         except BaseException as exc:
             first_error = exc
         for fut in futures:

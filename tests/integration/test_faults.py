@@ -21,21 +21,18 @@ from mooncake_store.tiers.host import SHM_DIR
 # index, bytes written), says so, and waits to be killed before it commits.
 WRITER = textwrap.dedent(
     """
-    import sys, time, uuid
+    import sys, time
     import numpy as np
     from mooncake_store import connect
-    from mooncake_store.client.client import _PlannedPut, checksum_of
-    from mooncake_store.client.buffers import as_source
     from mooncake_store.index.client import PendingPut
 
     client = connect(sys.argv[1], namespace=sys.argv[2], transports=(sys.argv[3],))
-    src = as_source(np.full(8 << 20, 7, dtype=np.uint8))
-    plan = _PlannedPut(key="doomed", source=src, put_id=uuid.uuid4().bytes, checksum=checksum_of(src.view), replicas=[])
-    nodes = client._reserve([plan], 1, None)
-    client.index.put_start([PendingPut(put_id=plan.put_id.hex(), key=plan.key, size_bytes=len(src.view),
-        dtype=src.dtype, shape=src.shape, checksum=plan.checksum, replicas=tuple(plan.replicas))], ttl_ms=60000)
+    (plan,) = client._puts.plan({"doomed": np.full(8 << 20, 7, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
+    nodes = client._puts._reserve([plan], 1, None)
+    client.index.put_start([PendingPut(put_id=plan.put_id.hex(), key=plan.key, size_bytes=plan.size_bytes,
+        dtype=plan.dtype, shape=plan.shape, checksum=plan.checksum, replicas=tuple(plan.replicas))], ttl_ms=60000)
     for r in plan.replicas:
-        client._write_replica(nodes[r.node_id], r, src.view)
+        client._puts._write_replica(nodes[r.node_id], r, plan)
     print("RESERVED", flush=True)
     time.sleep(600)
     """

@@ -107,3 +107,15 @@ def test_leftovers_of_an_earlier_incarnation_are_cleared(tmp_path: Path) -> None
     (tier.path_of(1).parent / "junk.tmp").write_bytes(b"half")
     DiskTier(tmp_path, 1 << 20)
     assert not list(tmp_path.rglob("*.mcz")) and not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize("size", [2, 4096, 1 << 20, 1001])
+def test_fast_and_general_shuffles_agree(size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    general = data[: size - size % 2].reshape(-1, 2).T.reshape(-1)
+    expected = np.concatenate([general, data[size - size % 2 :]])
+    planes = shuffle_planes(data, 2)
+    assert np.array_equal(planes, expected)
+    out = np.empty_like(data)
+    unshuffle_planes(planes, 2, out)
+    assert np.array_equal(out, data)

@@ -22,18 +22,21 @@ NS = "llama-3-8b/bf16/tp0"
 
 # Fixed vectors: token ids 0..63 in chunks of 16 under NS, and the engine block hashes below.
 # Regenerating them is a format change: every stored prefix cache becomes unreachable.
+# (v2: token ids hashed as int32 where a chunk's ids fit, see prefix_hash.py.)
 TOKEN_VECTORS = [
-    "609a1bd33c49b67b7441913b181c04e6",
-    "02d316d358165ff71bbb68a453bb9d7a",
-    "bf4d7993613b829534eb33f7d0e50059",
-    "e0800d62c2c88ab23b10e4f1225d18f9",
+    "fb2464a5e3625e2ba6257ee31e6f16a0",
+    "18e104adccb6d89971554d2314e875c3",
+    "3a96ec7fd919b54aebf054cdf239e0d3",
+    "548d68f969539976d8758ecda9d1fae4",
 ]
-TAIL_VECTOR = "9ecf5cca113a51e6703f42e803b4d8d3"  # ids 0..19: the 4-token tail after one full chunk
+TAIL_VECTOR = "61788b4c2989bc59d0780105021fa3c0"  # ids 0..19: the 4-token tail after one full chunk
 BLOCK_VECTORS = [
-    "39aea3d0dd549f8169bb299dd816de7c",
-    "a60a3ea3ecd250055c37e59b48d5056c",
-    "298648bf043289b7e3aac28260b9a309",
+    "0100051fccb98524f5ec6e901fb0a085",
+    "41a4de3002531842e21c195bba248a8b",
+    "c4887a2dc57c540b24d0054345f3cddd",
 ]
+# ids 0..14, 2**40, 0..15: the first chunk holds an id past int32 and is hashed as int64.
+WIDE_VECTORS = ["0bf0c7f338c83659d2e0e7ac464bacf6", "050b7af2dbe2bb416fd80b7a851c8626"]
 
 
 def test_fixed_token_vectors() -> None:
@@ -49,12 +52,35 @@ def test_documented_encoding() -> None:
     """The digest is exactly the encoding the module docstring writes down."""
     tokens = np.arange(16, dtype="<i8")
     ns = NS.encode()
-    body = ROOT + struct.pack("<H", len(ns)) + ns + struct.pack("<BI", 1, 16) + tokens.tobytes()
+    body = ROOT + struct.pack("<H", len(ns)) + ns + struct.pack("<BI", 3, 16) + tokens.astype("<i4").tobytes()
     first = hashlib.blake2b(body, digest_size=16, person=PERSON).digest()
     assert token_chain(NS, tokens, 16)[0] == first
     tokens2 = np.arange(16, 32, dtype="<i8")
-    body2 = first + struct.pack("<H", len(ns)) + ns + struct.pack("<BI", 1, 16) + tokens2.tobytes()
+    body2 = first + struct.pack("<H", len(ns)) + ns + struct.pack("<BI", 3, 16) + tokens2.astype("<i4").tobytes()
     assert token_chain(NS, np.arange(32), 16)[1] == hashlib.blake2b(body2, digest_size=16, person=PERSON).digest()
+    # A chunk with an id outside int32 is hashed as int64 (kind 0x01); the next one is int32 again.
+    wide = np.array([*range(15), 2**40], dtype="<i8")
+    body3 = ROOT + struct.pack("<H", len(ns)) + ns + struct.pack("<BI", 1, 16) + wide.tobytes()
+    w0 = hashlib.blake2b(body3, digest_size=16, person=PERSON).digest()
+    body4 = w0 + struct.pack("<H", len(ns)) + ns + struct.pack("<BI", 3, 16) + tokens.astype("<i4").tobytes()
+    w1 = hashlib.blake2b(body4, digest_size=16, person=PERSON).digest()
+    assert token_chain(NS, [*wide.tolist(), *range(16)], 16) == [w0, w1]
+    assert [d.hex() for d in [w0, w1]] == WIDE_VECTORS
+
+
+def test_int32_boundaries() -> None:
+    """Ids at the int32 limits stay int32; one past them switches that chunk alone to int64."""
+    lo, hi = -(2**31), 2**31 - 1
+    ns = NS.encode()
+    edge = np.array([lo, hi], dtype="<i8")
+    body = ROOT + struct.pack("<H", len(ns)) + ns + struct.pack("<BI", 3, 2) + edge.astype("<i4").tobytes()
+    assert token_chain(NS, edge, 2)[0] == hashlib.blake2b(body, digest_size=16, person=PERSON).digest()
+    past = np.array([0, hi + 1], dtype="<i8")
+    body = ROOT + struct.pack("<H", len(ns)) + ns + struct.pack("<BI", 1, 2) + past.tobytes()
+    assert token_chain(NS, past, 2)[0] == hashlib.blake2b(body, digest_size=16, person=PERSON).digest()
+    # Prefix property across a wide chunk: a prompt's keys are a prefix of a longer prompt's keys.
+    ids = [1, hi + 1, 3, 4, 5, 6]
+    assert token_chain(NS, ids[:4], 2) == token_chain(NS, ids, 2)[:2]
 
 
 def test_input_types_agree() -> None:

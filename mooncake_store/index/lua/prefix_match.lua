@@ -7,19 +7,33 @@
 -- replica on a live node; the walk stops at the first that has none (missing, pending only, or
 -- only on nodes past their heartbeat deadline). With a lease, each of those count objects gets
 -- the pin id with expiry now + lease in pins:<key>, and its refcount field is updated.
+-- The walk is the hot loop of a match (one HGET per chunk), so it holds its functions in locals
+-- and judges the common record, one COMPLETE replica as cjson wrote it, without decoding it;
+-- anything else goes through readable() of the prefix prelude (the rule of lookup.lua).
 local lease = tonumber(ARGV[2])
 local now = now_ms()
 local chain, pos = ARGV[4], 1
 local last = #chain
+local call, find, sub, match = redis.call, string.find, string.sub, string.match
+local count = 0
 local matched = {}
 while pos <= last do
-  local stop = string.find(chain, '\n', pos, true) or (last + 1)
-  local key = string.sub(chain, pos, stop - 1)
-  if not readable(key, now) then break end
-  matched[#matched + 1] = key
+  local stop = find(chain, '\n', pos, true) or (last + 1)
+  local key = sub(chain, pos, stop - 1)
+  local reps = call('HGET', OBJ .. key, 'replicas')
+  if not reps then break end
+  local node
+  if sub(reps, -13) == ',"COMPLETE"]]' and not find(reps, '],[', 1, true) then
+    node = match(reps, '^%[%["([^"\\]*)"')
+  end
+  local ok
+  if node then ok = node_live(node, now) else ok = readable(key, now) end
+  if not ok then break end
+  count = count + 1
+  if lease > 0 then matched[count] = key end
   pos = stop + 1
 end
 if lease > 0 then
-  for _, key in ipairs(matched) do pin_key(key, ARGV[3], now + lease, now) end
+  for i = 1, count do pin_key(matched[i], ARGV[3], now + lease, now) end
 end
-return {now, #matched}
+return {now, count}

@@ -18,6 +18,13 @@ local function encode_list(t)
   if #t == 0 then return '[]' end
   return cjson.encode(t)
 end
+-- The common record, a single COMPLETE replica as cjson wrote it, read without decoding the JSON:
+-- returns its node id and tier, or nil for anything else (several replicas, another state, a
+-- node id with escaped characters), which callers then decode in full.
+local function sole_complete(reps)
+  if string.sub(reps, -13) ~= ',"COMPLETE"]]' or string.find(reps, '],[', 1, true) then return nil end
+  return string.match(reps, '^%[%["([^"\\]*)","([^"\\]*)"')
+end
 -- Node liveness: a node is live while its heartbeat deadline (zset hb) lies ahead.
 local live_cache = {}
 local function node_live(node, now)

@@ -1,0 +1,311 @@
+"""The write path of the client: the two-phase put (DESIGN.md §3.2) for a batch of objects.
+
+reserve on the chosen agents (one RESERVE frame per agent) → PENDING records (one index round
+trip) → bytes (a memcpy into a same-host arena, a device-to-device copy into a same-host GPU tier,
+or TCP) → commit (one index round trip). Anything that fails after the reservation is undone by
+:meth:`PutPath.abandon`, which can never free a live object.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from mooncake_store.client.buffers import Source, as_source
+from mooncake_store.errors import (
+    ConnectError,
+    InvalidValue,
+    MooncakeError,
+    NoCapacity,
+    ObjectPinned,
+    ReservationExpired,
+    TransferError,
+)
+from mooncake_store.index.client import PendingPut
+from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
+from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, check_key
+
+if TYPE_CHECKING:
+    from mooncake_store.client.client import Client
+    from mooncake_store.client.device import DeviceSource
+
+#: RESERVE tier numbers on the wire (transport/frames.py).
+WIRE_TIER = {TierKind.HOST: 0, TierKind.GPU: 1}
+
+
+def checksum_of(view: memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(view)
+
+
+@dataclass(slots=True)
+class PlannedPut:
+    key: str
+    source: Source | DeviceSource
+    put_id: bytes
+    checksum: int  # 0 for device sources: hashing would cost a device-to-host copy
+    replicas: list[Replica] = field(default_factory=list)
+    chain_pos: int | None = None
+    chain_parent: str | None = None
+    tier: TierKind = TierKind.HOST
+
+    @property
+    def size_bytes(self) -> int:
+        src = self.source
+        return len(src.view) if isinstance(src, Source) else src.size_bytes
+
+    @property
+    def dtype(self) -> str:
+        return self.source.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+
+class PutPath:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    # ---- planning ---------------------------------------------------------------------------
+    def plan(
+        self,
+        items: Mapping[str, object],
+        *,
+        chain_pos: Mapping[str, int] | None,
+        chain_parent: Mapping[str, str] | None,
+    ) -> list[PlannedPut]:
+        plans = []
+        gpu_here: bool | None = None
+        for key, value in items.items():
+            check_key(key)
+            tier = TierKind.HOST
+            if hasattr(value, "__cuda_array_interface__"):
+                from mooncake_store.client import device  # lazy: only device arrays need it
+
+                if gpu_here is None:
+                    nodes = self.client._node_table().values()
+                    gpu_here = any(device.gpu_node(n, self.client.host_id) for n in nodes)
+                dev = device.as_device_source(value)
+                if gpu_here:
+                    source: Source | DeviceSource = dev
+                    tier = TierKind.GPU
+                else:
+                    source = as_source(device.to_host(dev))  # no GPU tier here: stage once to host
+            else:
+                source = as_source(value)
+            plans.append(
+                PlannedPut(
+                    key=key,
+                    source=source,
+                    put_id=uuid.uuid4().bytes,
+                    checksum=checksum_of(source.view) if isinstance(source, Source) else 0,
+                    chain_pos=(chain_pos or {}).get(key),
+                    chain_parent=(chain_parent or {}).get(key),
+                    tier=tier,
+                )
+            )
+        return plans
+
+    def run(self, plans: list[PlannedPut], *, replicas: int, preferred_node: str | None) -> None:
+        if not isinstance(replicas, int) or not 1 <= replicas <= 16:
+            raise InvalidValue(f"replicas must be an int in 1..16, got {replicas!r}")
+        # Space held by removed or replaced objects comes back once their read leases run out, so a
+        # full cluster is worth waiting for, up to timeout_s; an object larger than every arena is not.
+        config = self.client.config
+        deadline = time.monotonic() + config.timeout_s
+        expired_tries = 0
+        delay_s = 0.05
+        while True:
+            try:
+                self._put_once(plans, replicas, preferred_node)
+                return
+            except ReservationExpired:
+                expired_tries += 1
+                if expired_tries > config.max_retries:
+                    raise
+            except NoCapacity as exc:
+                if exc.permanent or time.monotonic() + delay_s > deadline:
+                    raise
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+                self.client._node_table(refresh=True)
+            for plan in plans:
+                plan.put_id = uuid.uuid4().bytes
+                plan.replicas = []
+
+    # ---- one attempt ------------------------------------------------------------------------
+    def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:
+        client = self.client
+        nodes = self._reserve(plans, replicas, preferred_node)
+        started = False
+        try:
+            client.index.put_start(
+                [
+                    PendingPut(
+                        put_id=p.put_id.hex(),
+                        key=p.key,
+                        size_bytes=p.size_bytes,
+                        dtype=p.dtype,
+                        shape=p.shape,
+                        checksum=p.checksum,
+                        replicas=tuple(p.replicas),
+                        chain_pos=p.chain_pos,
+                        chain_parent=p.chain_parent,
+                    )
+                    for p in plans
+                ],
+                ttl_ms=int(client.config.timeout_s * 1000 * 3),
+            )
+            started = True
+            for plan in plans:
+                for replica in plan.replicas:
+                    self._write_replica(nodes[replica.node_id], replica, plan)
+            statuses = client.index.put_commit([p.put_id.hex() for p in plans])
+        except BaseException:
+            self.abandon(plans, nodes, started=started)
+            raise
+        failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
+        if failed:
+            self.abandon([p for p, _ in failed], nodes, started=True)
+            pinned = [p.key for p, s in failed if s == "PINNED"]
+            if pinned:
+                raise ObjectPinned(f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first")
+            raise ReservationExpired(
+                f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed "
+                f"(first key {failed[0][0].key!r})"
+            )
+
+    def _candidates(
+        self,
+        plan: PlannedPut,
+        nodes: dict[str, NodeInfo],
+        *,
+        now: int,
+        preferred_node: str | None,
+        free_bytes: dict[str, int] | None = None,
+    ) -> list[NodeInfo]:
+        pool = list(nodes.values())
+        if plan.tier == TierKind.GPU:
+            from mooncake_store.client.device import gpu_node
+
+            pool = [n for n in pool if gpu_node(n, self.client.host_id)]
+        return rank_nodes(
+            pool,
+            size_bytes=max(1, plan.size_bytes),
+            now_ms=now,
+            host_id=self.client.host_id,
+            zone=self.client.zone,
+            tier=plan.tier,
+            preferred_node=preferred_node,
+            free_bytes=free_bytes,
+        )
+
+    def _reserve(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> dict[str, NodeInfo]:
+        """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier."""
+        client = self.client
+        nodes = client._node_table()
+        now = client._server_now_ms()
+        # Plan against free space as it will be after this batch, so a batch spreads out.
+        projected: dict[TierKind, dict[str, int]] = {
+            tier: {n.node_id: (n.tier(tier).free_bytes if n.tier(tier) else 0) for n in nodes.values()}
+            for tier in (TierKind.HOST, TierKind.GPU)
+        }
+        groups: dict[tuple[str, TierKind], list[PlannedPut]] = {}
+        for plan in plans:
+            free = projected[plan.tier]
+            ranked = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, free_bytes=free)
+            for node in choose_replica_nodes(ranked, replicas):
+                free[node.node_id] = free.get(node.node_id, 0) - max(1, plan.size_bytes)
+                groups.setdefault((node.node_id, plan.tier), []).append(plan)
+        try:
+            for (node_id, tier), group in groups.items():
+                node = nodes[node_id]
+                try:
+                    got = client._tcp.peer(node.tcp_endpoint).reserve(
+                        [(p.size_bytes, p.put_id) for p in group], node_id=node_id, tier=WIRE_TIER[tier]
+                    )
+                except (NoCapacity, ConnectError, TransferError) as exc:
+                    if not isinstance(exc, NoCapacity):
+                        client._tcp.drop_peer(node.tcp_endpoint)
+                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node)
+                    continue
+                for plan, res in zip(group, got, strict=True):
+                    plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
+        except BaseException:
+            self.abandon(plans, nodes, started=False)
+            raise
+        return nodes
+
+    def _reserve_elsewhere(
+        self,
+        group: list[PlannedPut],
+        nodes: dict[str, NodeInfo],
+        failed_node: str,
+        replicas: int,
+        preferred_node: str | None,
+    ) -> None:
+        """One object at a time on the remaining candidates, after a node turned a batch down."""
+        client = self.client
+        now = client._server_now_ms()
+        for plan in group:
+            taken = {r.node_id for r in plan.replicas} | {failed_node}
+            errors: list[str] = []
+            for node in self._candidates(plan, nodes, now=now, preferred_node=preferred_node):
+                if node.node_id in taken:
+                    continue
+                try:
+                    (res,) = client._tcp.peer(node.tcp_endpoint).reserve(
+                        [(plan.size_bytes, plan.put_id)], node_id=node.node_id, tier=WIRE_TIER[plan.tier]
+                    )
+                except (NoCapacity, ConnectError, TransferError) as exc:
+                    errors.append(str(exc))
+                    continue
+                plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
+                break
+            else:
+                raise NoCapacity(
+                    f"no node could take {plan.size_bytes} B for key {plan.key!r} "
+                    f"(replicas={replicas}): " + "; ".join(errors or [f"node {failed_node} is full"])
+                )
+
+    @staticmethod
+    def _replica(node_id: str, tier: TierKind, offset: int, alloc_id: int, size: int) -> Replica:
+        return Replica(
+            node_id=node_id, tier=tier, offset=offset, size_bytes=size, alloc_id=alloc_id, state=ReplicaState.PENDING
+        )
+
+    def _write_replica(self, node: NodeInfo, replica: Replica, plan: PlannedPut) -> None:
+        client = self.client
+        if plan.size_bytes == 0:
+            return
+        src = plan.source
+        if not isinstance(src, Source):
+            client._gpu_segments().write(node, replica, src.pointer, src.size_bytes)
+        elif client._use_shm(node):
+            client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, src.view)
+        else:
+            client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, src.view)
+
+    def abandon(self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:
+        """Undo puts that will not commit: drop their pending records, then ask the agents to expire
+        the reservations now. Each agent frees them at its next sync unless a commit did reach the
+        index (the writer may have lost only the reply), so this can never free a live object."""
+        client = self.client
+        try:
+            if started:
+                client.index.put_revoke([p.put_id.hex() for p in plans])
+            by_node: dict[str, list[int]] = {}
+            for plan in plans:
+                for replica in plan.replicas:
+                    by_node.setdefault(replica.node_id, []).append(replica.alloc_id)
+            for node_id, ids in by_node.items():
+                node = nodes.get(node_id)
+                if node is not None:
+                    client._tcp.peer(node.tcp_endpoint).free(ids)
+        except MooncakeError:
+            pass  # best effort: the agents reclaim by timeout anyway
