@@ -10,28 +10,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
-
 from mooncake_store.client.buffers import as_destination, to_array
-from mooncake_store.client.puts import PutPath, checksum_of
+from mooncake_store.client.gets import GetPath
+from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
 from mooncake_store.config import ClientConfig, load_config
 from mooncake_store.errors import (
     ConnectError,
     InvalidValue,
-    KeyNotFound,
     MooncakeError,
     ObjectPinned,
-    TransferError,
 )
 from mooncake_store.index import RedisIndex
-from mooncake_store.policy.transport_choice import order_replicas
 from mooncake_store.transport.shm import ShmTransport, local_host_id
-from mooncake_store.transport.tcp import ReadRequest, TcpTransport
+from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import (
     NodeInfo,
     ObjectMeta,
-    Replica,
     TierKind,
     TransportKind,
     check_key,
@@ -43,8 +38,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 #: How long a cached copy of the node table is trusted before a put re-reads it.
 NODE_TABLE_TTL_S = 1.0
-#: Re-check an shm read against the index when it ends within this fraction of its lease.
-LEASE_SAFETY = 0.8
 
 
 class Client:
@@ -82,6 +75,7 @@ class Client:
         self._clock_offset_ms = 0  # server ms - local ms, refreshed with the node table
         self._nodes_lock = threading.Lock()
         self._puts = PutPath(self)
+        self._gets = GetPath(self)
         self._gpu: GpuSegments | None = None  # opened on the first device transfer
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -192,7 +186,7 @@ class Client:
 
             meta, buffer = gpu.read_to_device(self, check_key(key), device=device)
             return gpu.as_device_array(buffer, meta.dtype, meta.shape)
-        (meta,), buffers = self._get_batch([check_key(key)], None, missing_ok=False)
+        (meta,), buffers = self._gets.get_batch([check_key(key)], None, missing_ok=False)
         assert meta is not None
         return to_array(buffers[0], meta.dtype, meta.shape)
 
@@ -207,14 +201,14 @@ class Client:
             meta, _ = gpu.read_to_device(self, check_key(key), out=out)
             return meta.size_bytes
         dest = as_destination(out)
-        (meta,), _ = self._get_batch([check_key(key)], [dest], missing_ok=False)
+        (meta,), _ = self._gets.get_batch([check_key(key)], [dest], missing_ok=False)
         assert meta is not None
         return meta.size_bytes
 
     def get_many(self, keys: Sequence[str]) -> list[Any]:
         """Several objects with one index round trip; None in place of a missing key."""
         checked = [check_key(k) for k in keys]
-        metas, buffers = self._get_batch(checked, None, missing_ok=True)
+        metas, buffers = self._gets.get_batch(checked, None, missing_ok=True)
         return [
             None if meta is None else to_array(buf, meta.dtype, meta.shape)
             for meta, buf in zip(metas, buffers, strict=True)
@@ -225,219 +219,8 @@ class Client:
         if len(keys) != len(outs):
             raise InvalidValue(f"{len(keys)} keys but {len(outs)} output buffers")
         dests = [as_destination(o) for o in outs]
-        metas, _ = self._get_batch([check_key(k) for k in keys], dests, missing_ok=False)
+        metas, _ = self._gets.get_batch([check_key(k) for k in keys], dests, missing_ok=False)
         return [m.size_bytes if m else 0 for m in metas]
-
-    def _get_batch(
-        self, keys: list[str], dests: list[memoryview] | None, *, missing_ok: bool
-    ) -> tuple[list[ObjectMeta | None], list[np.ndarray]]:
-        self._check_open()
-        last_error: MooncakeError | None = None
-        pending = list(range(len(keys)))
-        metas: list[ObjectMeta | None] = [None] * len(keys)
-        used: dict[int, Replica | None] = {}
-        buffers: list[np.ndarray] = [np.empty(0, np.uint8)] * len(keys)
-        for attempt in range(self.config.max_retries + 1):
-            started = time.monotonic()
-            result = self.index.lookup([keys[i] for i in pending], lease_ms=self.config.lease_ms)
-            # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
-            # ones); the reads are budgeted against the shortest one this batch got.
-            lease_left_ms = min(
-                (u - result.now_ms for u, m in zip(result.lease_until_ms, result.objects, strict=True) if m),
-                default=self.config.lease_ms,
-            )
-            targets: list[tuple[int, ObjectMeta, memoryview]] = []
-            for i, meta in zip(pending, result.objects, strict=True):
-                metas[i] = meta
-                if meta is None:
-                    if not missing_ok:
-                        raise KeyNotFound(f"key {keys[i]!r} not found (no complete replica on a live node)")
-                    continue
-                if dests is not None:
-                    if len(dests[i]) < meta.size_bytes:
-                        raise InvalidValue(f"out holds {len(dests[i])} B but key {keys[i]!r} is {meta.size_bytes} B")
-                    dest = dests[i][: meta.size_bytes]
-                else:
-                    buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
-                    dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
-                targets.append((i, meta, dest))
-            retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0)
-            last_error = error or last_error
-            done = [i for i, _, _ in targets if i not in retry]
-            if done and time.monotonic() - started > LEASE_SAFETY * lease_left_ms / 1000:
-                retry += self._outlived_lease(keys, metas, used, done)
-            if not retry:
-                return metas, buffers
-            pending = sorted(retry)
-        raise last_error or TransferError(
-            f"could not read {len(pending)} key(s) (first {keys[pending[0]]!r}) after "
-            f"{self.config.max_retries + 1} attempts: their replicas kept moving"
-        )
-
-    def _read_targets(
-        self, targets: list[tuple[int, ObjectMeta, memoryview]], used: dict[int, Replica | None], *, refresh_nodes: bool
-    ) -> tuple[list[int], MooncakeError | None]:
-        """Read every target; returns the indexes to retry and the last error.
-
-        Small objects whose cheapest path is TCP go out pipelined, one request train per agent, so a
-        batch of N costs about one round trip instead of N. Everything else (shm copies, large
-        objects that stripe, other tiers) is read one object at a time."""
-        retry: list[int] = []
-        error: MooncakeError | None = None
-        nodes = self._node_table(refresh=refresh_nodes)
-        trains: dict[str, list[tuple[int, Replica, ReadRequest]]] = {}
-        singles: list[tuple[int, ObjectMeta, memoryview, tuple[Replica, NodeInfo, TransportKind] | None]] = []
-        pipelined = len(targets) > 1
-        stripe_bytes = self.config.stripe_bytes
-        for i, meta, dest in targets:
-            if meta.size_bytes == 0:
-                used[i] = None
-                continue
-            best = self._best_replica(meta, nodes)
-            if (
-                pipelined
-                and best is not None
-                and best[2] == TransportKind.TCP
-                and best[0].tier == TierKind.HOST
-                and meta.size_bytes <= stripe_bytes
-            ):
-                replica, node, _ = best
-                request = ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)
-                trains.setdefault(node.tcp_endpoint, []).append((i, replica, request))
-            else:
-                singles.append((i, meta, dest, best))
-        if trains:
-            by_index = {i: (meta, dest) for i, meta, dest in targets}
-            for endpoint, train in trains.items():
-                try:
-                    self._tcp.peer(endpoint).read_many([request for _, _, request in train])
-                    for i, replica, _ in train:
-                        used[i] = replica
-                except (TransferError, ConnectError):
-                    # Some object of the train moved or its agent failed: read those one by one,
-                    # which tries every replica of each.
-                    singles.extend((i, *by_index[i], None) for i, _, _ in train)
-        for i, meta, dest, best in singles:
-            try:
-                used[i] = self._read_object(meta, dest, refresh_nodes=refresh_nodes, best=best)
-            except (TransferError, ConnectError) as exc:
-                error = exc
-                retry.append(i)
-        return retry, error
-
-    def _best_replica(
-        self, meta: ObjectMeta, nodes: dict[str, NodeInfo]
-    ) -> tuple[Replica, NodeInfo, TransportKind] | None:
-        """The cheapest replica and the path to it. For the common single-replica object the path
-        to (node, tier) is remembered for as long as this copy of the node table is in use."""
-        shm_reachable = self._reachable_segments(nodes)
-        if len(meta.replicas) == 1:
-            memo = getattr(self, "_route_memo", None)
-            if memo is not None and memo[0] is nodes:
-                replica = meta.replicas[0]
-                route = memo[2].get((replica.node_id, replica.tier), False)
-                if route is False:
-                    first = order_replicas(
-                        (replica,),
-                        nodes,
-                        allowed=self.transports,
-                        host_id=self.host_id,
-                        shm_names_reachable=shm_reachable,
-                    )
-                    route = (first[0][1], first[0][2]) if first else None
-                    memo[2][(replica.node_id, replica.tier)] = route
-                return None if route is None else (replica, route[0], route[1])
-        ordered = order_replicas(
-            meta.replicas, nodes, allowed=self.transports, host_id=self.host_id, shm_names_reachable=shm_reachable
-        )
-        return ordered[0] if ordered else None
-
-    def _reachable_segments(self, nodes: dict[str, NodeInfo]) -> set[str]:
-        """Same-host segments this client can map, worked out once per copy of the node table
-        (kept with it, with the routes _best_replica remembers, in ``_route_memo``)."""
-        memo = getattr(self, "_route_memo", None)
-        if memo is not None and memo[0] is nodes:
-            return memo[1]
-        reachable = {
-            n.shm_name for n in nodes.values() if n.host_id == self.host_id and self._shm.reachable(n.shm_name)
-        }
-        self._route_memo: tuple[dict[str, NodeInfo], set[str], dict[tuple[str, TierKind], Any]] = (
-            nodes,
-            reachable,
-            {},
-        )
-        return reachable
-
-    def _outlived_lease(
-        self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
-    ) -> list[int]:
-        """A read that outlived its lease may have raced a free: keep only the objects that still
-        list, unchanged, the replica the bytes came from (its memory cannot have been freed)."""
-        check = [i for i in pending if metas[i] is not None and used.get(i) is not None]
-        again = self.index.lookup([keys[i] for i in check], lease_ms=0)
-        stale = []
-        for i, now in zip(check, again.objects, strict=True):
-            before, source = metas[i], used[i]
-            if (
-                now is None
-                or before is None
-                or source is None
-                or now.version != before.version
-                or not any(r.node_id == source.node_id and r.alloc_id == source.alloc_id for r in now.replicas)
-            ):
-                stale.append(i)
-        return stale
-
-    def _read_object(
-        self,
-        meta: ObjectMeta,
-        dest: memoryview,
-        *,
-        refresh_nodes: bool,
-        best: tuple[Replica, NodeInfo, TransportKind] | None = None,
-    ) -> Replica | None:
-        """Copy the object into ``dest`` from the cheapest replica that answers; returns that replica.
-        ``best``, from _best_replica, spares ranking a single replica a second time."""
-        if meta.size_bytes == 0:
-            return None
-        if best is not None and len(meta.replicas) == 1:
-            ordered = [best]
-        else:
-            nodes = self._node_table(refresh=refresh_nodes)
-            if any(r.node_id not in nodes for r in meta.replicas):
-                nodes = self._node_table(refresh=True)
-            ordered = order_replicas(
-                meta.replicas,
-                nodes,
-                allowed=self.transports,
-                host_id=self.host_id,
-                shm_names_reachable=self._reachable_segments(nodes),
-            )
-        if not ordered:
-            raise TransferError(
-                f"no allowed transport {tuple(str(t) for t in self.transports)} reaches a replica of "
-                f"{meta.key!r} (on {', '.join(r.node_id for r in meta.replicas)})"
-            )
-        errors: list[str] = []
-        for replica, node, kind in ordered:
-            try:
-                if kind == TransportKind.SHM:
-                    self._shm.read_into(node.shm_name, self._arena_bytes(node), replica.offset, dest)
-                elif replica.tier == TierKind.HOST:
-                    self._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
-                else:
-                    # The agent decodes other tiers whole: one request, no stripes.
-                    self._tcp.peer(node.tcp_endpoint).read_many(
-                        [ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)]
-                    )
-                if self.config.verify_checksum and checksum_of(dest) != meta.checksum:
-                    raise TransferError(f"checksum mismatch reading {meta.key!r} from {node.node_id}")
-                return replica
-            except (TransferError, ConnectError) as exc:
-                errors.append(f"{node.node_id} via {kind}: {exc}")
-                if isinstance(exc, ConnectError):
-                    self._tcp.drop_peer(node.tcp_endpoint)
-        raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors))
 
     # ---- other operations -------------------------------------------------------------------
     def object_meta(self, key: str) -> ObjectMeta | None:

@@ -1,0 +1,246 @@
+"""The read path of the client: one lookup with a lease per batch, then the bytes from the
+cheapest replica of each object (a memcpy from a same-host arena, pipelined TCP request trains per
+agent for small objects, striped TCP for large ones, the agent for other tiers), and a check
+against the index for any read that outlived its lease (DESIGN.md §3.3)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mooncake_store.client.puts import checksum_of
+from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
+from mooncake_store.policy.transport_choice import order_replicas
+from mooncake_store.transport.tcp import ReadRequest
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
+
+if TYPE_CHECKING:
+    from mooncake_store.client.client import Client
+
+#: Re-check a read against the index when it ends within this fraction of its lease.
+LEASE_SAFETY = 0.8
+
+
+class GetPath:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._route_memo: Any = None  # (node table, reachable segments, routes) of the last table seen
+
+    def get_batch(
+        self, keys: list[str], dests: list[memoryview] | None, *, missing_ok: bool
+    ) -> tuple[list[ObjectMeta | None], list[np.ndarray]]:
+        self.client._check_open()
+        last_error: MooncakeError | None = None
+        pending = list(range(len(keys)))
+        metas: list[ObjectMeta | None] = [None] * len(keys)
+        used: dict[int, Replica | None] = {}
+        buffers: list[np.ndarray] = [np.empty(0, np.uint8)] * len(keys)
+        for attempt in range(self.client.config.max_retries + 1):
+            started = time.monotonic()
+            result = self.client.index.lookup([keys[i] for i in pending], lease_ms=self.client.config.lease_ms)
+            # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
+            # ones); the reads are budgeted against the shortest one this batch got.
+            lease_left_ms = min(
+                (u - result.now_ms for u, m in zip(result.lease_until_ms, result.objects, strict=True) if m),
+                default=self.client.config.lease_ms,
+            )
+            targets: list[tuple[int, ObjectMeta, memoryview]] = []
+            for i, meta in zip(pending, result.objects, strict=True):
+                metas[i] = meta
+                if meta is None:
+                    if not missing_ok:
+                        raise KeyNotFound(f"key {keys[i]!r} not found (no complete replica on a live node)")
+                    continue
+                if dests is not None:
+                    if len(dests[i]) < meta.size_bytes:
+                        raise InvalidValue(f"out holds {len(dests[i])} B but key {keys[i]!r} is {meta.size_bytes} B")
+                    dest = dests[i][: meta.size_bytes]
+                else:
+                    buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
+                    dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
+                targets.append((i, meta, dest))
+            retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0)
+            last_error = error or last_error
+            done = [i for i, _, _ in targets if i not in retry]
+            if done and time.monotonic() - started > LEASE_SAFETY * lease_left_ms / 1000:
+                retry += self._outlived_lease(keys, metas, used, done)
+            if not retry:
+                return metas, buffers
+            pending = sorted(retry)
+        raise last_error or TransferError(
+            f"could not read {len(pending)} key(s) (first {keys[pending[0]]!r}) after "
+            f"{self.client.config.max_retries + 1} attempts: their replicas kept moving"
+        )
+
+    def _read_targets(
+        self, targets: list[tuple[int, ObjectMeta, memoryview]], used: dict[int, Replica | None], *, refresh_nodes: bool
+    ) -> tuple[list[int], MooncakeError | None]:
+        """Read every target; returns the indexes to retry and the last error.
+
+        Small objects whose cheapest path is TCP go out pipelined, one request train per agent, so a
+        batch of N costs about one round trip instead of N. Everything else (shm copies, large
+        objects that stripe, other tiers) is read one object at a time."""
+        retry: list[int] = []
+        error: MooncakeError | None = None
+        nodes = self.client._node_table(refresh=refresh_nodes)
+        trains: dict[str, list[tuple[int, Replica, ReadRequest]]] = {}
+        singles: list[tuple[int, ObjectMeta, memoryview, tuple[Replica, NodeInfo, TransportKind] | None]] = []
+        pipelined = len(targets) > 1
+        stripe_bytes = self.client.config.stripe_bytes
+        for i, meta, dest in targets:
+            if meta.size_bytes == 0:
+                used[i] = None
+                continue
+            best = self._best_replica(meta, nodes)
+            if (
+                pipelined
+                and best is not None
+                and best[2] == TransportKind.TCP
+                and best[0].tier == TierKind.HOST
+                and meta.size_bytes <= stripe_bytes
+            ):
+                replica, node, _ = best
+                request = ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)
+                trains.setdefault(node.tcp_endpoint, []).append((i, replica, request))
+            else:
+                singles.append((i, meta, dest, best))
+        if trains:
+            by_index = {i: (meta, dest) for i, meta, dest in targets}
+            for endpoint, train in trains.items():
+                try:
+                    self.client._tcp.peer(endpoint).read_many([request for _, _, request in train])
+                    for i, replica, _ in train:
+                        used[i] = replica
+                except (TransferError, ConnectError):
+                    # Some object of the train moved or its agent failed: read those one by one,
+                    # which tries every replica of each.
+                    singles.extend((i, *by_index[i], None) for i, _, _ in train)
+        for i, meta, dest, best in singles:
+            try:
+                used[i] = self._read_object(meta, dest, refresh_nodes=refresh_nodes, best=best)
+            except (TransferError, ConnectError) as exc:
+                error = exc
+                retry.append(i)
+        return retry, error
+
+    def _best_replica(
+        self, meta: ObjectMeta, nodes: dict[str, NodeInfo]
+    ) -> tuple[Replica, NodeInfo, TransportKind] | None:
+        """The cheapest replica and the path to it. For the common single-replica object the path
+        to (node, tier) is remembered for as long as this copy of the node table is in use."""
+        shm_reachable = self._reachable_segments(nodes)
+        if len(meta.replicas) == 1:
+            memo = self._route_memo
+            if memo is not None and memo[0] is nodes:
+                replica = meta.replicas[0]
+                route = memo[2].get((replica.node_id, replica.tier), False)
+                if route is False:
+                    first = order_replicas(
+                        (replica,),
+                        nodes,
+                        allowed=self.client.transports,
+                        host_id=self.client.host_id,
+                        shm_names_reachable=shm_reachable,
+                    )
+                    route = (first[0][1], first[0][2]) if first else None
+                    memo[2][(replica.node_id, replica.tier)] = route
+                return None if route is None else (replica, route[0], route[1])
+        ordered = order_replicas(
+            meta.replicas,
+            nodes,
+            allowed=self.client.transports,
+            host_id=self.client.host_id,
+            shm_names_reachable=shm_reachable,
+        )
+        return ordered[0] if ordered else None
+
+    def _reachable_segments(self, nodes: dict[str, NodeInfo]) -> set[str]:
+        """Same-host segments this client can map, worked out once per copy of the node table
+        (kept with it, with the routes _best_replica remembers, in ``_route_memo``)."""
+        memo = self._route_memo
+        if memo is not None and memo[0] is nodes:
+            return memo[1]
+        reachable = {
+            n.shm_name
+            for n in nodes.values()
+            if n.host_id == self.client.host_id and self.client._shm.reachable(n.shm_name)
+        }
+        self._route_memo = (
+            nodes,
+            reachable,
+            {},
+        )
+        return reachable
+
+    def _outlived_lease(
+        self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
+    ) -> list[int]:
+        """A read that outlived its lease may have raced a free: keep only the objects that still
+        list, unchanged, the replica the bytes came from (its memory cannot have been freed)."""
+        check = [i for i in pending if metas[i] is not None and used.get(i) is not None]
+        again = self.client.index.lookup([keys[i] for i in check], lease_ms=0)
+        stale = []
+        for i, now in zip(check, again.objects, strict=True):
+            before, source = metas[i], used[i]
+            if (
+                now is None
+                or before is None
+                or source is None
+                or now.version != before.version
+                or not any(r.node_id == source.node_id and r.alloc_id == source.alloc_id for r in now.replicas)
+            ):
+                stale.append(i)
+        return stale
+
+    def _read_object(
+        self,
+        meta: ObjectMeta,
+        dest: memoryview,
+        *,
+        refresh_nodes: bool,
+        best: tuple[Replica, NodeInfo, TransportKind] | None = None,
+    ) -> Replica | None:
+        """Copy the object into ``dest`` from the cheapest replica that answers; returns that replica.
+        ``best``, from _best_replica, spares ranking a single replica a second time."""
+        if meta.size_bytes == 0:
+            return None
+        if best is not None and len(meta.replicas) == 1:
+            ordered = [best]
+        else:
+            nodes = self.client._node_table(refresh=refresh_nodes)
+            if any(r.node_id not in nodes for r in meta.replicas):
+                nodes = self.client._node_table(refresh=True)
+            ordered = order_replicas(
+                meta.replicas,
+                nodes,
+                allowed=self.client.transports,
+                host_id=self.client.host_id,
+                shm_names_reachable=self._reachable_segments(nodes),
+            )
+        if not ordered:
+            raise TransferError(
+                f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches a replica of "
+                f"{meta.key!r} (on {', '.join(r.node_id for r in meta.replicas)})"
+            )
+        errors: list[str] = []
+        for replica, node, kind in ordered:
+            try:
+                if kind == TransportKind.SHM:
+                    self.client._shm.read_into(node.shm_name, self.client._arena_bytes(node), replica.offset, dest)
+                elif replica.tier == TierKind.HOST:
+                    self.client._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
+                else:
+                    # The agent decodes other tiers whole: one request, no stripes.
+                    self.client._tcp.peer(node.tcp_endpoint).read_many(
+                        [ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)]
+                    )
+                if self.client.config.verify_checksum and checksum_of(dest) != meta.checksum:
+                    raise TransferError(f"checksum mismatch reading {meta.key!r} from {node.node_id}")
+                return replica
+            except (TransferError, ConnectError) as exc:
+                errors.append(f"{node.node_id} via {kind}: {exc}")
+                if isinstance(exc, ConnectError):
+                    self.client._tcp.drop_peer(node.tcp_endpoint)
+        raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors))
