@@ -3,21 +3,27 @@ loopback TCP, and the disk tier's codec against plain file I/O, in one run.
 
     python benchmarks/tiers.py [--quick] [--repeat N] [--json OUT] [--profile DIR] [--disk-dir DIR]
 
-**Spill.** A LocalCluster with agent A (64 MiB host arena, watermarks 0.5/0.2, so it spills) and
-agent B (room for everything). A client process writes distinct objects of 1 MiB and 8 MiB to A
-(``preferred_node="A"``), several times A's size in all; A's pressure loop moves its coldest objects
-to B. The parent polls the index (objects on B) every few ms and reports the steady-state rate at
-which bytes arrive on B, as a ratio to raw loopback TCP puts of the same size over one connection
-(the spill path uses one connection per peer, no striping) measured in the same run. Target >= 0.7x.
+**Spill.** The spill path alone, with no writer competing: a LocalCluster with agent A (256 MiB host
+arena, 1 GiB without --quick; watermarks 0.8/0.1) and agent B (room for everything under A's high
+watermark, which is what A's policy checks a peer against). Every object's key is pinned first (a
+pin may name a key before it exists), then A is filled to 90% with distinct objects of 1 MiB or 8
+MiB (``preferred_node="A"``): past its high watermark, but its pressure passes find nothing movable.
+Then all pins are dropped in one Redis round trip and a 1-byte put to A wakes its pressure thread
+(a reservation on a node past its high watermark does), and A spills down to its low watermark,
+~80% of its arena, in one burst. The parent polls B's object count (one SCARD every 2 ms) and
+reports the moved bytes over the time from the release to the last swap ("spill"), and between
+the first and last swap ("after first"), as a ratio to raw loopback TCP puts of the same size
+(request/ack, 1 and ``spill.STREAMS`` connections, the better of them) measured in the same run.
+Target >= 0.7x.
 
-What the spill figure includes, per victim, all on A's single pressure thread (one victim at a
-time, nothing overlapped): the victim sample (one Lua call, ``victims.lua``, SRANDMEMBER 256 of A's
-objects, once per pass), the placement choice (``index.nodes()``: a read of the whole node table,
-twice per victim: once in ``choose_move`` and once in ``_spill``), a RESERVE round trip to B, the
-TCP WRITE of the bytes and its ack, and the compare-and-swap in the index (``move_replica.lua``);
-A's freeing of the old copy happens later (graveyard, sync loop) and is not on that path. It also
-includes whatever the writer, B and the index server take from the same CPUs at the same time: on
-a small machine that is part of the cost, and the per-process CPU seconds are reported.
+What the spill figure includes, all inside A's pressure pass: reclaim of due graves, the victim
+sample (``victims.lua``), the node table read, the placement choice, and per batch of up to
+``spill.BATCH_BYTES`` one RESERVE round trip to B, the WRITEs and their acks (``spill.STREAMS``
+connections), one compare-and-swap of the batch in the index (``move_replicas.lua``, overlapped with
+the next batch's writes) and a FREE of reservations whose swap failed; plus the 1-byte trigger put
+(~1 ms) and the poll's resolution. A's freeing of the old copies (graveyard) is not on that path.
+B and the index server share the same CPUs; their CPU seconds during the spill are reported. The
+moved objects are read back (a sample of 16) and checked byte for byte.
 
 **Disk tier.** ``DiskTier`` directly (no agent): every chunk written (encode = optional byte-plane
 shuffle + zstd level 3 + xxh3; then temp file, fsync, rename) and read back (read_bytes, zstd,
@@ -73,10 +79,15 @@ from benchlib import (
 
 SPILL_SIZES = (1 * MiB, 8 * MiB)
 SPILL_TARGET = 0.7
-A_HOST_BYTES = 64 * MiB
-WATERMARKS = ("0.5", "0.2")
+A_SPILL_BYTES = 1024 * MiB  # agent A's host arena in the spill cases (quick: 256 MiB)
+A_SPILL_BYTES_QUICK = 256 * MiB
+FILL = 0.9  # A is filled to this fraction of its arena before the release
+SETTLE_S = 0.5  # the spill is over once B's object count has not changed for this long
+A_HOST_BYTES = 64 * MiB  # the end-to-end demotion case's host arena
+WATERMARKS = ("0.5", "0.2")  # the demotion case's
+SPILL_WATERMARKS = ("0.8", "0.1")  # A in the spill cases: high, low
 CHUNK_TOKENS = 256  # the integration's chunk: (layers, 2, kv_heads, 256, head_dim)
-POLL_S = 0.01
+POLL_S = 0.002
 SPY_RATE = 200
 
 
@@ -117,52 +128,11 @@ def steady_rate(points: list[tuple[float, int]], size: int, lo: float = 0.1, hi:
 
 
 # ---- spill --------------------------------------------------------------------------------------
-def spill_writer(redis_url: str, namespace: str, size: int, count: int, go: Any, queue: Any) -> None:
-    """Client process: put ``count`` distinct objects of ``size`` on A, then (after ``go``) read a
-    sample back and check every byte."""
-    try:
-        from mooncake_store import KeyNotFound, NoCapacity, connect
-
-        base = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-        stalls = 0
-        times = []
-        with connect(redis_url, namespace=namespace) as client:
-            t_start = time.monotonic()
-            for i in range(count):
-                base[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
-                t0 = time.monotonic()
-                deadline = t0 + 60
-                while True:
-                    try:
-                        client.put(f"spill-{size}-{i}", base, preferred_node="A")
-                        break
-                    except NoCapacity:
-                        stalls += 1
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.01)
-                times.append(time.monotonic() - t0)
-            t_end = time.monotonic()
-            queue.put(("written", {"t_start": t_start, "t_end": t_end, "put_times": times, "stalls": stalls}))
-            if not go.wait(120):
-                raise RuntimeError("the parent never said go")
-            # Byte-exact check of a sample spread over the run (most of them now live on B).
-            out = np.empty(size, dtype=np.uint8)
-            wrong = missing = 0
-            sample = sorted({int(x) for x in np.linspace(0, count - 1, min(count, 16))})
-            for i in sample:
-                try:
-                    client.get_into(f"spill-{size}-{i}", out)
-                except KeyNotFound:  # evicted (a cache may); reported, not an error of the benchmark
-                    missing += 1
-                    continue
-                base[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
-                wrong += int(not np.array_equal(out, base))
-            queue.put(("ok", {"checked": len(sample), "wrong": wrong, "missing": missing}))
-    except BaseException as exc:
-        import traceback
-
-        queue.put(("error", f"{exc!r}\n{traceback.format_exc()}"))
+def fill_value(size: int, i: int) -> np.ndarray:
+    """Object ``i`` of a case: random bytes (seeded by the size) with ``i`` in the first 8 bytes."""
+    value = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    value[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+    return value
 
 
 def start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
@@ -175,26 +145,27 @@ def start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
     cmd = [str(exe), "record", "--pid", str(pid), "--format", "raw", "--output", str(out)]
     cmd += ["--rate", str(SPY_RATE), "--idle", "--threads", "--nonblocking"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(0.5)  # attach before the writer starts
+    time.sleep(0.5)  # attach before the release
     return proc
 
 
 def summarize_profile(path: Path, top: int = 12) -> dict[str, Any]:
-    """Collapsed stacks of the pressure thread: share of samples per stage of a spill and per leaf."""
+    """Collapsed stacks of A's pressure thread and its write streams: share of samples per stage."""
     stages = {
         "victims.lua (sample)": "victim_candidates",
         "index.nodes() (table read)": "nodes (",
         "choose_move/choose_victims": "choose_",
         "RESERVE round trip": "reserve (",
         "TCP WRITE + ack": "write (",
+        "move_replicas.lua (batched CAS)": "move_replicas (",
         "move_replica.lua (CAS)": "move_replica (",
+        "FREE of leftovers": "free (",
+        "reclaim_now / graveyard": "reclaim_now",
         "server_time_ms": "server_time_ms",
     }
     by_stage: Counter[str] = Counter()
     leaves: Counter[str] = Counter()
     total = 0
-    all_samples = 0
-    thread_samples = 0
     if not path.exists():
         return {"error": f"py-spy wrote no {path}"}
     for line in path.read_text().splitlines():
@@ -202,156 +173,148 @@ def summarize_profile(path: Path, top: int = 12) -> dict[str, Any]:
         if not n_s.isdigit():
             continue
         n = int(n_s)
-        all_samples += n
-        if "mc-pressure" in stack:
-            thread_samples += n
-        if "relieve_host" not in stack:
+        # The pressure pass, or a spill stream thread writing for it (idle pool threads wait in
+        # the executor's queue and are left out).
+        if "relieve_host" not in stack and not ("mc-spill" in stack and "write (" in stack):
             continue
         total += n
         frames = stack.split(";")
         for name, needle in stages.items():
-            # the outermost matching stage wins (a reserve() inside write() is not double counted)
-            if any(needle in f for f in frames):
+            if any(needle in f for f in frames):  # the first matching stage wins: no double counting
                 by_stage[name] += n
                 break
         else:
             by_stage["other"] += n
         leaves[frames[-1].strip()] += n
-    pct = {k: round(100 * v / total, 1) for k, v in by_stage.most_common()} if total else {}
     return {
-        "pressure_samples": total,
-        "all_samples": all_samples,
-        # Of the pressure thread's samples (idle included), the share inside a pass; the rest is the
-        # thread waiting for its next wake-up (interval or a refused reservation).
-        "busy_pct": round(100 * total / thread_samples, 1) if thread_samples else float("nan"),
-        "stage_pct": pct,
+        "samples": total,
+        "stage_pct": {k: round(100 * v / total, 1) for k, v in by_stage.most_common()} if total else {},
         "top_leaves_pct": {k: round(100 * v / total, 1) for k, v in leaves.most_common(top)} if total else {},
     }
 
 
-def spill_case(size: int, total_bytes: int, *, profile_dir: Path | None) -> dict[str, Any]:
-    from mooncake_store import LocalCluster
+def spill_case(size: int, a_bytes: int, *, profile_dir: Path | None) -> dict[str, Any]:
+    """Fill A (pinned), release, time the one burst of spilling that follows; see the module doc."""
+    from mooncake_store import LocalCluster, connect
     from mooncake_store.index.client import RedisIndex
 
-    count = total_bytes // size
-    # B stays under its own high watermark (0.9 by default) with everything A sends it, so it never
-    # starts moving objects itself.
-    b_bytes = int(total_bytes / 0.8) + 64 * MiB
-    hw, lw = WATERMARKS
-    ctx = mp.get_context("spawn")
-    res: dict[str, Any] = {"size": size, "objects": count, "written_bytes": count * size}
-    with LocalCluster(num_agents=0, host_bytes=A_HOST_BYTES) as cluster:
+    count = int(FILL * a_bytes) // size
+    hw, lw = SPILL_WATERMARKS
+    expected = count * size - int(float(lw) * a_bytes)  # what must leave A to get under its low mark
+    # A takes a peer only while the peer stays under A's own high watermark (policy/eviction.py):
+    # B has room for everything below that mark.
+    b_bytes = int(count * size / float(hw)) + 64 * MiB
+    res: dict[str, Any] = {"size": size, "objects": count, "filled_bytes": count * size, "a_bytes": a_bytes}
+    keys = [f"spill-{size}-{i}" for i in range(count)]
+    with LocalCluster(num_agents=0, host_bytes=a_bytes) as cluster:
         a = cluster.add_agent(
-            node_id="A",
-            extra_args=["--host-bytes", str(A_HOST_BYTES), "--high-watermark", hw, "--low-watermark", lw],
+            node_id="A", extra_args=["--host-bytes", str(a_bytes), "--high-watermark", hw, "--low-watermark", lw]
         )
         b = cluster.add_agent(node_id="B", extra_args=["--host-bytes", str(b_bytes)])
         index = RedisIndex(cluster.redis_url, namespace=cluster.namespace)
         spy = None
-        queue = ctx.Queue()
-        go = ctx.Event()
-        proc = ctx.Process(
-            target=spill_writer, args=(cluster.redis_url, cluster.namespace, size, count, go, queue), daemon=True
-        )
         try:
-            if profile_dir is not None:
-                spy = start_py_spy(a.pid, profile_dir / f"spill-A-{size_label(size).replace(' ', '')}.txt")
-            pids = {"A": a.pid, "B": b.pid, "index": cluster.server.pid if cluster.server else 0}
-            cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
-            proc.start()
-            points: list[tuple[float, int]] = []
-            written: dict[str, Any] | None = None
-            deadline = time.monotonic() + 300
-            last_change = time.monotonic()
-            last_n = -1
-            while time.monotonic() < deadline:
+            with connect(cluster.redis_url, namespace=cluster.namespace, timeout_s=60) as client:
+                # Pins first (a pin may name a key before it exists), so that no object can move
+                # while A fills past its high watermark: its pressure passes find nothing movable.
+                far = index.server_time_ms() + 3_600_000
+                pipe = index.redis.pipeline(transaction=False)
+                for key in keys:
+                    pipe.zadd(index.prefix + "pins:" + key, {"bench": far})
+                pipe.execute()
+                for i, key in enumerate(keys):
+                    client.put(key, fill_value(size, i), preferred_node="A")
                 _, per_node, _ = index.counts(["A", "B"])
-                now = time.monotonic()
-                n_b = per_node["B"]
-                points.append((now, n_b))
-                if n_b != last_n:
-                    last_n, last_change = n_b, now
-                if written is None:
-                    with contextlib.suppress(Exception):
-                        status, value = queue.get_nowait()
-                        if status == "error":
-                            raise RuntimeError(f"spill writer failed: {value}")
-                        written = value
-                    if written is None and not proc.is_alive():
-                        raise RuntimeError(f"spill writer (pid {proc.pid}) died, exit code {proc.exitcode}")
-                # Settled: everything written and B unchanged for a second.
-                elif now - last_change > 1.0:
-                    break
-                time.sleep(POLL_S)
-            else:
-                raise RuntimeError("spill did not settle within 300 s")
-            cpu_writer = cpu_seconds(proc.pid)
-            cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
-            if spy is not None:
-                stop_popen(spy, signal.SIGINT, timeout_s=20)
-            go.set()
-            status, check = queue.get(timeout=120)
-            if status != "ok":
-                raise RuntimeError(f"spill check failed: {check}")
+                if per_node["A"] != count or per_node["B"] != 0:
+                    raise RuntimeError(f"fill did not stay on A: {per_node}")
+                time.sleep(0.5)  # A's pressure thread idle again, the fill's pages settled
+                if profile_dir is not None:
+                    spy = start_py_spy(a.pid, profile_dir / f"spill-A-{size_label(size).replace(' ', '')}.txt")
+                pids = {"A": a.pid, "B": b.pid, "index": cluster.server.pid if cluster.server else 0}
+                cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+                on_b = index.prefix + "nobj:B"
+                # Release every pin in one round trip, then wake A's pressure thread at once with a
+                # tiny put (a reservation on a node past its high watermark does) rather than
+                # waiting up to one pressure interval.
+                pipe = index.redis.pipeline(transaction=False)
+                for key in keys:
+                    pipe.delete(index.prefix + "pins:" + key)
+                t0 = time.perf_counter()
+                pipe.execute()
+                client.put("spill-trigger", b"x", preferred_node="A")
+                points: list[tuple[float, int]] = [(0.0, 0)]
+                last_n, last_change = 0, time.perf_counter()
+                deadline = last_change + 120
+                while True:
+                    n_b = int(index.redis.scard(on_b))
+                    now = time.perf_counter()
+                    if n_b != last_n:
+                        points.append((now - t0, n_b))
+                        last_n, last_change = n_b, now
+                    if n_b and now - last_change > SETTLE_S:
+                        break
+                    if now > deadline:
+                        raise RuntimeError(f"spill of {size} B objects did not settle within 120 s ({n_b} on B)")
+                    time.sleep(POLL_S)
+                cpu1 = {k: cpu_seconds(p) for k, p in pids.items()}
+                if spy is not None:
+                    stop_popen(spy, signal.SIGINT, timeout_s=20)
+                # Byte-exact check of objects now on B, spread over the moved ones.
+                moved_keys = sorted(index.redis.smembers(on_b), key=lambda k: int(k.rsplit("-", 1)[1]))
+                sample = [moved_keys[int(j)] for j in np.linspace(0, len(moved_keys) - 1, min(len(moved_keys), 16))]
+                out = np.empty(size, dtype=np.uint8)
+                wrong = 0
+                for key in sample:
+                    client.get_into(key, out)
+                    wrong += int(not np.array_equal(out, fill_value(size, int(key.rsplit("-", 1)[1]))))
             objects, per_node, counters = index.counts(["A", "B"])
         finally:
             if spy is not None:
                 stop_popen(spy, signal.SIGINT, timeout_s=20)
-            proc.join(5)
-            stop_process(proc)
             index.close()
-    assert written is not None
-    t_first = next((t for t, n in points if n > 0), points[-1][0])
-    t_last = next(t for t, n in points if n == points[-1][1])
+    t_first, t_last = points[1][0], points[-1][0]
     moved = points[-1][1] * size
-    window = max(1e-9, t_last - t_first)
-    changes = [(t, n) for k, (t, n) in enumerate(points) if k == 0 or n != points[k - 1][1]]
-    arrivals = [t for t, n in changes if n > 0]
-    gaps = np.diff(arrivals) if len(arrivals) > 1 else np.zeros(0)
+    first_step = points[1][1] * size
     res.update(
         moved_bytes=moved,
         moved_objects=points[-1][1],
-        steady_gbps=steady_rate(points, size) / GB,
-        overall_gbps=moved / window / GB,
-        window_s=window,
-        writer_gbps=count * size / (written["t_end"] - written["t_start"]) / GB,
-        put_p50_ms=float(np.percentile(written["put_times"], 50) * 1e3),
-        put_p99_ms=float(np.percentile(written["put_times"], 99) * 1e3),
-        stalls=written["stalls"],
+        expected_bytes=expected,
+        # The figure: every moved byte over the time from the release to the last swap.
+        spill_gbps=moved / t_last / GB,
+        # After the first swap: the rate of the pass once started (the sample, reclaim and first
+        # batch's latency left out); needs two or more steps.
+        after_first_gbps=(moved - first_step) / (t_last - t_first) / GB if t_last > t_first else float("nan"),
+        t_first_ms=t_first * 1e3,
+        t_last_ms=t_last * 1e3,
+        steps=len(points) - 1,
         objects_after=objects,
         on_a=per_node["A"],
         on_b=per_node["B"],
         evictions=counters.get("evictions", 0),
-        checked=check["checked"],
-        wrong=check["wrong"],
-        missing=check["missing"],
-        polls=len(points),
-        # CPU seconds per process over the whole write + settle (the writer: its whole life so far).
-        cpu_s={**{k: cpu1[k] - cpu0[k] for k in pids}, "writer": cpu_writer},
-        elapsed_s=points[-1][0] - written["t_start"],
-        # Time between arrivals on B spent in gaps longer than 50 ms (the pressure loop waiting).
-        gap_s=float(gaps[gaps > 0.05].sum()),
-        timeline=[(round(t - written["t_start"], 4), n) for t, n in changes],
+        checked=len(sample),
+        wrong=wrong,
+        cpu_s={k: cpu1[k] - cpu0[k] for k in pids},
+        timeline=[(round(t * 1e3, 2), n) for t, n in points],
     )
     if profile_dir is not None:
-        prof = summarize_profile(profile_dir / f"spill-A-{size_label(size).replace(' ', '')}.txt")
-        # Samples inside a pass over the samples the spill window holds at SPY_RATE: the share of the
-        # window in which A's pressure thread is working (the rest it waits for a wake-up).
-        prof["busy_in_window_pct"] = round(min(100.0, 100 * prof.get("pressure_samples", 0) / SPY_RATE / window), 1)
-        res["profile"] = prof
+        res["profile"] = summarize_profile(profile_dir / f"spill-A-{size_label(size).replace(' ', '')}.txt")
     return res
 
 
 def measure_spill(*, quick: bool, profile_dir: Path | None) -> dict[str, Any]:
-    total = (4 if quick else 12) * A_HOST_BYTES
+    from mooncake_store.agent.spill import STREAMS
+
+    a_bytes = A_SPILL_BYTES_QUICK if quick else A_SPILL_BYTES
+    raw: dict[int, Any] = {}
     with raw_tcp_server(max(SPILL_SIZES)) as port:
-        raw = run_in_process(raw_tcp_worker, port, SPILL_SIZES, 1, quick)
-    cases = {size: spill_case(size, total, profile_dir=None) for size in SPILL_SIZES}
-    out: dict[str, Any] = {"raw_tcp": raw, "cases": cases}
+        for conns in sorted({1, STREAMS}):
+            raw[conns] = run_in_process(raw_tcp_worker, port, SPILL_SIZES, conns, quick)
+    cases = {size: spill_case(size, a_bytes, profile_dir=None) for size in SPILL_SIZES}
+    out: dict[str, Any] = {"raw_tcp": raw, "streams": STREAMS, "a_bytes": a_bytes, "cases": cases}
     if profile_dir is not None:
         # Separate runs under py-spy, so that the sampler (a process of its own on the same CPUs)
         # does not slow the figures in the table.
-        out["profiled"] = {size: spill_case(size, total, profile_dir=profile_dir) for size in SPILL_SIZES}
+        out["profiled"] = {size: spill_case(size, a_bytes, profile_dir=profile_dir) for size in SPILL_SIZES}
     return out
 
 
@@ -696,59 +659,57 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
     verdicts: list[str] = []
     n = len(runs)
     # Spill.
-    first = runs[0]["spill"]["cases"]
+    sp = runs[0]["spill"]
+    streams = sp["streams"]
+    conns = sorted(sp["raw_tcp"])
+    hw, lw = SPILL_WATERMARKS
     lines.append(
-        f"### Spill A -> B (A: {A_HOST_BYTES >> 20} MiB host, watermarks {WATERMARKS[0]}/{WATERMARKS[1]}; "
-        f"writes to A of {first[SPILL_SIZES[0]]['written_bytes'] >> 20} MiB per size; GB/s"
-        + (f", median (min–max) of {n} runs" if n > 1 else "")
-        + ")\n"
+        f"### Spill A -> B, the spill path alone (A: {sp['a_bytes'] >> 20} MiB host filled to {FILL:.0%}, pinned, "
+        f"watermarks {hw}/{lw}; released at once; GB/s" + (f", median (min–max) of {n} runs" if n > 1 else "") + ")\n"
     )
     lines.append(
-        "spill steady: slope of bytes arriving on B between 10% and 90% of the final count (index polled "
-        f"every {POLL_S * 1000:.0f} ms); overall: all moved bytes over first-to-last arrival; writer: the "
-        "client's put rate to A (bounded by the spill once A is full). Raw TCP put x1: request/ack of the "
-        "same size on one loopback connection, same run.\n"
+        "spill: bytes that arrived on B over the time from the release to the last swap (B's object count "
+        f"polled every {POLL_S * 1000:.0f} ms); after first: the rate between the first and the last swap. "
+        f"A sends over {streams} connection(s) to B. Raw TCP put xN: request/ack of the same size over N "
+        "loopback connections, same run; the ratio is to the better of them.\n"
     )
     rows = []
     for size in SPILL_SIZES:
-        ratio = med(runs, "spill", "cases", size, "steady_gbps") / med(runs, "spill", "raw_tcp", "put", size)
+        best_raw = max(med(runs, "spill", "raw_tcp", c, "put", size) for c in conns)
+        ratio = med(runs, "spill", "cases", size, "spill_gbps") / best_raw
         ok = ratio >= SPILL_TARGET
         verdicts.append(
-            f"spill {size_label(size)}: {ratio:.2f}x raw TCP put x1 -> {'met' if ok else 'MISSED'} (≥{SPILL_TARGET})"
+            f"spill {size_label(size)}: {ratio:.2f}x raw loopback TCP put ({best_raw:.2f} GB/s) -> "
+            f"{'met' if ok else 'MISSED'} (≥{SPILL_TARGET})"
         )
         c = runs[-1]["spill"]["cases"][size]
         rows.append(
             [
                 size_label(size),
-                fmt(runs, "spill", "raw_tcp", "put", size),
-                fmt(runs, "spill", "cases", size, "steady_gbps"),
-                fmt(runs, "spill", "cases", size, "overall_gbps"),
+                *(fmt(runs, "spill", "raw_tcp", k, "put", size) for k in conns),
+                fmt(runs, "spill", "cases", size, "spill_gbps"),
+                fmt(runs, "spill", "cases", size, "after_first_gbps"),
                 f"{ratio:.2f} {'met' if ok else 'MISSED'}",
-                fmt(runs, "spill", "cases", size, "writer_gbps"),
-                f"{c['put_p50_ms']:.1f} / {c['put_p99_ms']:.1f}",
-                f"{c['moved_objects']}/{c['objects']}",
+                f"{c['moved_bytes'] >> 20} MiB ({c['moved_objects']}/{c['objects']} obj.)",
+                f"{c['t_first_ms']:.0f} / {c['t_last_ms']:.0f} ({c['steps']} steps)",
                 f"{c['evictions']}",
-                f"{c['checked'] - c['wrong'] - c['missing']}/{c['checked']}"
-                + (f" ({c['missing']} missing)" if c["missing"] else ""),
-                f"{c['gap_s']:.2f} of {c['window_s']:.2f}",
-                " ".join(f"{k} {v:.1f}" for k, v in c["cpu_s"].items()) + f" in {c['elapsed_s']:.1f} s",
+                f"{c['checked'] - c['wrong']}/{c['checked']}",
+                " ".join(f"{k} {v:.2f}" for k, v in c["cpu_s"].items()),
             ]
         )
     lines.append(
         markdown_table(
             [
                 "size",
-                "raw TCP put x1",
-                "spill steady",
-                "spill overall",
+                *(f"raw TCP put x{k}" for k in conns),
+                "spill",
+                "after first",
                 f"ratio (≥{SPILL_TARGET})",
-                "writer put",
-                "put p50/p99 ms",
                 "moved to B",
+                "first / last swap, ms",
                 "evicted",
                 "byte-exact",
-                "gaps >50 ms, s",
-                "CPU s (last run)",
+                "CPU s in the spill (last run)",
             ],
             rows,
         )
@@ -760,9 +721,9 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
             stages = ", ".join(f"{k} {v}%" for k, v in prof["stage_pct"].items())
             leaves = ", ".join(f"`{k}` {v}%" for k, v in list(prof["top_leaves_pct"].items())[:8])
             lines.append(
-                f"py-spy on A, {size_label(size)} (a separate profiled run, last repeat): the pressure thread "
-                f"works {prof['busy_in_window_pct']}% of the spill window (the rest it waits for a wake-up); "
-                f"of its {prof['pressure_samples']} samples in passes, by stage: {stages}. Leaves: {leaves}.\n"
+                f"py-spy on A, {size_label(size)} (a separate profiled run, last repeat): of the "
+                f"{prof['samples']} samples of the pressure pass and its write streams, by stage: {stages}. "
+                f"Leaves: {leaves}.\n"
             )
     # Disk codec.
     lines.append(

@@ -32,7 +32,7 @@ class Allocation:
     put_id: bytes
     state: AllocState
     deadline: float  # monotonic seconds; meaningful while RESERVED
-    readers: int = 0
+    readers: int = 0  # TCP reads and writes in progress: a free waits for them
     doomed: bool = False
 
 
@@ -175,6 +175,35 @@ class AllocationTable:
     def _release(self, alloc: Allocation) -> None:
         del self._allocs[alloc.alloc_id]
         self._allocator.free(alloc.offset)
+
+    def begin_write(self, alloc_id: int, offset: int, length: int) -> bool:
+        """Like check_write, and fences the allocation: a free while the bytes arrive only marks it
+        doomed, so a slow writer never lands in a block that was handed to another object."""
+        with self._lock:
+            alloc = self._allocs.get(alloc_id)
+            ok = (
+                alloc is not None
+                and alloc.state == AllocState.RESERVED
+                and not alloc.doomed
+                and alloc.offset <= offset
+                and offset + length <= alloc.offset + alloc.length
+            )
+            if ok:
+                assert alloc is not None
+                alloc.readers += 1
+            return ok
+
+    def end_write(self, alloc_id: int) -> bool:
+        """Ends a fenced write; False when the reservation was freed meanwhile (the write is void)."""
+        with self._lock:
+            alloc = self._allocs.get(alloc_id)
+            if alloc is None:
+                return False
+            alloc.readers -= 1
+            if alloc.readers == 0 and alloc.doomed:
+                self._release(alloc)
+                return False
+            return not alloc.doomed
 
     def check_write(self, alloc_id: int, offset: int, length: int) -> bool:
         """A write must land inside a live reservation: committed bytes are never rewritten."""

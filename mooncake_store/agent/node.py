@@ -66,6 +66,7 @@ class Agent:
             self.index.close()
             raise
         self._stop = threading.Event()
+        self._sync_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.started_ms = int(time.time() * 1000)
 
@@ -156,13 +157,18 @@ class Agent:
         return allocs
 
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
-        if self.gpu_table is None or not self.gpu_table.check_write(alloc_id, offset, length):
+        if self.gpu_table is None or not self.gpu_table.begin_write(alloc_id, offset, length):
             return None
         return bytearray(length)
 
-    def other_tier_written(self, alloc_id: int, offset: int, data: bytearray) -> None:
-        assert self.gpu is not None
-        self.gpu.write_from_host(offset, memoryview(data))
+    def other_tier_written(self, alloc_id: int, offset: int, data: bytearray | None) -> bool:
+        assert self.gpu is not None and self.gpu_table is not None
+        try:
+            if data is not None:
+                self.gpu.write_from_host(offset, memoryview(data))
+        finally:
+            still_reserved = self.gpu_table.end_write(alloc_id)
+        return data is not None and still_reserved
 
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         if self.config.promote_on_read:
@@ -289,7 +295,16 @@ class Agent:
                 log.warning("heartbeat failed: %s", exc)
 
     def _drop_everything(self) -> None:
-        self.free_allocations(sorted(self._known_ids()))
+        """After being reaped: committed objects are gone from the index, so their memory is free.
+        Reservations of puts in flight are only expired: the next sync revokes their pending records
+        (a late commit then fails) before freeing them, so no commit can land on reused memory."""
+        tables = [self.table] if self.gpu_table is None else [self.table, self.gpu_table]
+        for table in tables:
+            reserved = set(table.reserved_deadlines())
+            table.expire_now(sorted(reserved))
+            table.free(sorted(table.known_ids() - reserved))
+        if self.disk is not None:
+            self.free_allocations(sorted(self.disk_keys))
 
     def _known_ids(self) -> set[int]:
         ids = self.table.known_ids()
@@ -307,6 +322,12 @@ class Agent:
                 log.warning("sync failed: %s", exc)
 
     def sync_once(self) -> None:
+        # One sync at a time: two could both see a reservation as expired, and the one that does not
+        # get its (already drained) ack would free an object the other one just committed.
+        with self._sync_lock:
+            self._sync_once()
+
+    def _sync_once(self) -> None:
         tables = [self.table] if self.gpu_table is None else [self.table, self.gpu_table]
         deadlines: dict[int, float] = {}
         for table in tables:

@@ -3,22 +3,21 @@
 Each pass asks the pure policy (policy/eviction.py) what to move and where, then carries the moves
 out, each one as DESIGN.md §3.4 wants: copy the bytes, compare-and-swap the location in the index,
 and only then let the old copy go (through the graveyard, so a reader that still holds a lease on
-the object keeps reading whole bytes).
+the object keeps reading whole bytes). Spills are planned during a pass and then carried out per
+peer in batches (agent/spill.py): one reservation, the writes, and one compare-and-swap per batch.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mooncake_store.agent.server import SPILL_FLAG
+from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import MooncakeError
-from mooncake_store.policy.eviction import MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
-from mooncake_store.transport.tcp import TcpTransport
+from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
 from mooncake_store.types import EvictionCandidate, NodeInfo, Replica, ReplicaState, TierKind
 
 if TYPE_CHECKING:
@@ -30,6 +29,8 @@ log = logging.getLogger("mooncake.agent")
 SAMPLE = 256
 #: Passes in a row while each one still moves something.
 MAX_PASSES = 32
+#: Peers asked per victim in a pass: a peer that refuses is left out and the next one asked.
+PEER_TRIES = 3
 
 
 @dataclass(slots=True)
@@ -47,10 +48,10 @@ class PressureManager:
         self._wanted_gpu_bytes = 0
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._peers = TcpTransport(timeout_s=30.0, connections_per_peer=1, stripe_bytes=1 << 62)
+        self._spiller = Spiller(agent)
 
     def close(self) -> None:
-        self._peers.close()
+        self._spiller.close()
 
     # ---- signals from the server ------------------------------------------------------------
     def want_room(self, size_bytes: int, *, tier: TierKind = TierKind.HOST) -> None:
@@ -124,54 +125,93 @@ class PressureManager:
         # One read of the node table per pass; what this pass sends each peer is counted here.
         pass_state = _PassState(peers=list(agent.index.nodes().values()) if cfg.spill_to_peers else [])
         moved = 0
+        # Spills are planned during the walk and carried out afterwards, batched per peer
+        # (agent/spill.py); demotions and evictions happen as the walk meets them.
+        spills: dict[str, list[SpillJob]] = {}
+        planned = 0
         # Walk the whole cold-first order: a victim that may not leave (a chain chunk that others
         # hang off, when eviction is the only way out) is skipped, not the end of the pass.
         for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
-            if moved >= need:
+            if moved + planned >= need:
                 break
-            if self._move_host_victim(victim, now_ms, pass_state):
+            location = agent.table.offset_of(victim.alloc_id)
+            if location is None:
+                continue  # freed since the sample was taken
+            job = SpillJob(victim=victim, offset=location[0])
+            move = self._place(victim, now_ms, pass_state)
+            if move.kind == MoveKind.SPILL and move.node_id is not None:
+                spills.setdefault(move.node_id, []).append(job)
+                pass_state.planned[move.node_id] = pass_state.planned.get(move.node_id, 0) + victim.size_bytes
+                planned += victim.size_bytes
+            elif self._demote_or_evict(job, move):
                 moved += victim.size_bytes
+        moved += self._carry_out_spills(spills, now_ms, pass_state)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
             agent.reclaim_now()
         return moved
 
-    def _move_host_victim(self, victim: EvictionCandidate, now_ms: int, state: _PassState) -> bool:
+    def _place(self, victim: EvictionCandidate, now_ms: int, state: _PassState) -> Move:
         agent = self.agent
-        location = agent.table.offset_of(victim.alloc_id)
-        if location is None:
-            return False  # freed since the sample was taken
-        offset, _ = location
         lower = next_tier(TierKind.HOST, agent.tier_kinds())
         lower_free = agent.disk.free_bytes if (lower == TierKind.DISK and agent.disk is not None) else 0
-        for _ in range(3):  # a peer that refuses is left out and the next one asked
-            move = choose_move(
-                victim.size_bytes,
-                tier=TierKind.HOST,
-                node_id=agent.node_id,
-                zone=agent.config.zone,
-                lower_tier=lower,
-                lower_free_bytes=lower_free,
-                peers=state.peers,
-                now_ms=now_ms,
-                high_watermark=agent.config.high_watermark,
-                spill=agent.config.spill_to_peers,
-                planned_bytes=state.planned,
-                refused=state.refused,
-            )
-            if move.kind == MoveKind.DEMOTE:
-                return self._demote(victim, offset)
-            if move.kind != MoveKind.SPILL or move.node_id is None:
-                break
-            peer = next(p for p in state.peers if p.node_id == move.node_id)
-            if self._spill(victim, offset, peer):
-                state.planned[peer.node_id] = state.planned.get(peer.node_id, 0) + victim.size_bytes
-                return True
-            state.refused.add(peer.node_id)
-        if victim.children > 0:
+        return choose_move(
+            victim.size_bytes,
+            tier=TierKind.HOST,
+            node_id=agent.node_id,
+            zone=agent.config.zone,
+            lower_tier=lower,
+            lower_free_bytes=lower_free,
+            peers=state.peers,
+            now_ms=now_ms,
+            high_watermark=agent.config.high_watermark,
+            spill=agent.config.spill_to_peers,
+            planned_bytes=state.planned,
+            refused=state.refused,
+        )
+
+    def _demote_or_evict(self, job: SpillJob, move: Move) -> bool:
+        if move.kind == MoveKind.DEMOTE:
+            return self._demote(job.victim, job.offset)
+        if job.victim.children > 0:
             return False  # evicting it would cut its chain's later chunks off from every match
-        return self._evict(victim, TierKind.HOST)
+        return self._evict(job.victim, TierKind.HOST)
+
+    def _carry_out_spills(self, spills: dict[str, list[SpillJob]], now_ms: int, state: _PassState) -> int:
+        """Send each peer its victims in batches. A peer that refuses (or breaks) is skipped for the
+        rest of the pass and what it did not take is placed again: another peer, else demote or evict."""
+        moved = 0
+        for attempt in range(PEER_TRIES):
+            retry: list[SpillJob] = []
+            for node_id, jobs in spills.items():
+                peer = next(p for p in state.peers if p.node_id == node_id)
+                result = self._spiller.spill(peer, jobs)
+                moved += sum(job.victim.size_bytes for job in result.moved)
+                if result.moved:
+                    self.count(TierKind.HOST, "spills_out", len(result.moved))
+                if result.error is not None:
+                    raise result.error  # the index failed: end the pass (run() logs it)
+                if result.refused:
+                    state.refused.add(node_id)
+                    state.planned[node_id] -= sum(job.victim.size_bytes for job in result.unsent)
+                    retry.extend(result.unsent)
+            spills = {}
+            for job in retry:
+                if self.agent.table.offset_of(job.victim.alloc_id) is None:
+                    continue  # freed meanwhile
+                move = self._place(job.victim, now_ms, state)
+                if move.kind == MoveKind.SPILL and move.node_id is not None:
+                    if attempt + 1 < PEER_TRIES:
+                        spills.setdefault(move.node_id, []).append(job)
+                        state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.victim.size_bytes
+                        continue
+                    move = Move(kind=MoveKind.EVICT)  # out of peers to ask: as when no peer has room
+                if self._demote_or_evict(job, move):
+                    moved += job.victim.size_bytes
+            if not spills:
+                break
+        return moved
 
     def _demote(self, victim: EvictionCandidate, offset: int) -> bool:
         agent = self.agent
@@ -200,40 +240,6 @@ class PressureManager:
         self.count(TierKind.HOST, "demotions")
         return True
 
-    def _spill(self, victim: EvictionCandidate, offset: int, peer_node: NodeInfo) -> bool:
-        agent = self.agent
-        peer_id = peer_node.node_id
-        peer = self._peers.peer(peer_node.tcp_endpoint)
-        try:
-            (res,) = peer.reserve([(victim.size_bytes, uuid.uuid4().bytes)], node_id=peer_id, flags=SPILL_FLAG)
-        except MooncakeError as exc:
-            log.info("spill of %s to %s refused: %s", victim.key, peer_id, exc)
-            return False
-        view = agent.arena.view(offset, victim.size_bytes)
-        try:
-            if victim.size_bytes:
-                peer.write(res.alloc_id, res.offset, view)
-        except MooncakeError as exc:
-            log.info("spill of %s to %s failed mid-transfer: %s", victim.key, peer_id, exc)
-            self._peers.drop_peer(peer_node.tcp_endpoint)
-            self._expire_remote(peer_node.tcp_endpoint, res.alloc_id)
-            return False
-        finally:
-            view.release()
-        if not self._swap(
-            victim.key,
-            old_alloc_id=victim.alloc_id,
-            node_id=peer_id,
-            tier=TierKind.HOST,
-            offset=res.offset,
-            size_bytes=victim.size_bytes,
-            alloc_id=res.alloc_id,
-        ):
-            self._expire_remote(peer_node.tcp_endpoint, res.alloc_id)
-            return False
-        self.count(TierKind.HOST, "spills_out")
-        return True
-
     def _swap(
         self, key: str, *, old_alloc_id: int, node_id: str, tier: TierKind, offset: int, size_bytes: int, alloc_id: int
     ) -> bool:
@@ -249,12 +255,6 @@ class PressureManager:
         )
         status = self.agent.index.move_replica(key, old_node=self.agent.node_id, old_alloc_id=old_alloc_id, new=new)
         return status == "OK"
-
-    def _expire_remote(self, endpoint: str, alloc_id: int) -> None:
-        try:
-            self._peers.peer(endpoint).free([alloc_id])
-        except MooncakeError:
-            pass  # the peer reclaims the reservation after its timeout anyway
 
     def _evict(self, victim: EvictionCandidate, tier: TierKind) -> bool:
         status = self.agent.index.evict(victim.key, node_id=self.agent.node_id, alloc_id=victim.alloc_id)
@@ -296,6 +296,9 @@ class PressureManager:
                     moved += victim.size_bytes
                 continue
             alloc = allocs[0]
+            # The agent's own move target: committed at once, so no reservation timeout can free it
+            # between the copy and the swap; it is freed below if the swap does not happen.
+            agent.table.commit([alloc.alloc_id])
             view = agent.arena.view(alloc.offset, victim.size_bytes)
             try:
                 gpu.read_to_host(location[0], view)
@@ -355,6 +358,7 @@ class PressureManager:
         if allocs is None:
             return False
         alloc = allocs[0]
+        agent.table.commit([alloc.alloc_id])  # see relieve_gpu: no timeout may free a move's target
         view = agent.arena.view(alloc.offset, len(data))
         try:
             view[:] = data

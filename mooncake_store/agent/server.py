@@ -44,10 +44,12 @@ class AgentHooks(Protocol):
         """Reservations in tier ``tier`` (1: GPU); None when the agent has no room or no such tier."""
 
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
-        """A host buffer to receive a WRITE into an allocation of another tier, or None."""
+        """A host buffer to receive a WRITE into an allocation of another tier (which is fenced
+        against frees until other_tier_written), or None."""
 
-    def other_tier_written(self, alloc_id: int, offset: int, data: bytearray) -> None:
-        """Move a received WRITE from its staging buffer into the other tier."""
+    def other_tier_written(self, alloc_id: int, offset: int, data: bytearray | None) -> bool:
+        """Move a received WRITE (None: it broke off) into the other tier and lift the fence;
+        False when the reservation was freed meanwhile (the write is void)."""
 
     def reserved(self) -> None:
         """A reservation was granted (the agent checks its watermark: relief starts early)."""
@@ -197,34 +199,38 @@ class AgentServer:
         return True
 
     def _write(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
-        staging = None
-        if not self._in_arena(offset, length) or not self._table.check_write(alloc_id, offset, length):
-            staging = self._hooks.other_tier_staging(alloc_id, offset, length)
+        if self._in_arena(offset, length) and self._table.begin_write(alloc_id, offset, length):
+            # Fenced: a free while the payload arrives waits, and voids the write (STALE).
+            view = self._arena.view(offset, length)
+            try:
+                frames.recv_into_exact(conn, view)
+            finally:
+                view.release()
+                still_reserved = self._table.end_write(alloc_id)
+            self.counters["writes"] += 1
+            self.counters["write_bytes"] += length
+            self._reply(conn, Op.WRITE, Status.OK if still_reserved else Status.STALE)
+            return True
+        staging = self._hooks.other_tier_staging(alloc_id, offset, length)
         if staging is not None:
-            frames.recv_into_exact(conn, memoryview(staging))
-            self._hooks.other_tier_written(alloc_id, offset, staging)
-            self._reply(conn, Op.WRITE, Status.OK)
+            received = False
+            try:
+                frames.recv_into_exact(conn, memoryview(staging))
+                received = True
+            finally:
+                ok = self._hooks.other_tier_written(alloc_id, offset, staging if received else None)
+            self._reply(conn, Op.WRITE, Status.OK if ok else Status.STALE)
             return True
-        if not self._in_arena(offset, length) or not self._table.check_write(alloc_id, offset, length):
-            if length > self._arena.size_bytes:
-                return False  # not worth draining: no such write can ever be valid
-            remaining = length
-            sink = bytearray(min(DRAIN_BYTES, max(1, length)))
-            while remaining:
-                n = conn.recv_into(sink, min(len(sink), remaining))
-                if n == 0:
-                    return False
-                remaining -= n
-            self._reply(conn, Op.WRITE, Status.STALE)
-            return True
-        view = self._arena.view(offset, length)
-        try:
-            frames.recv_into_exact(conn, view)
-        finally:
-            view.release()
-        self.counters["writes"] += 1
-        self.counters["write_bytes"] += length
-        self._reply(conn, Op.WRITE, Status.OK)
+        if length > self._arena.size_bytes:
+            return False  # not worth draining: no such write can ever be valid
+        remaining = length
+        sink = bytearray(min(DRAIN_BYTES, max(1, length)))
+        while remaining:
+            n = conn.recv_into(sink, min(len(sink), remaining))
+            if n == 0:
+                return False
+            remaining -= n
+        self._reply(conn, Op.WRITE, Status.STALE)
         return True
 
     def _reserve(self, conn: socket.socket, count: int, tier: int, flags: int) -> bool:

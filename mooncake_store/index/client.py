@@ -289,13 +289,39 @@ class RedisIndex:
         """Compare-and-swap a replica's location; "OK", "GONE" or "PINNED"."""
         return str(self._run("move_replica", key, old_node, str(old_alloc_id), json.dumps(encode_replica(new))))
 
+    def guard_reservations(self, put_ids: Sequence[str], *, ttl_ms: int) -> None:
+        """Guard records for reservations made on another agent: that agent's sync deletes one when
+        its reservation times out, and move_replicas swaps only while it is still there."""
+        pipe = self.redis.pipeline(transaction=False)
+        for put_id in put_ids:
+            pipe.set(self.prefix + "pend:" + put_id, "guard", px=ttl_ms)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot write reservation guards to {self.url}: {exc}") from None
+
+    def move_replicas(self, moves: Sequence[tuple[str, int, Replica, str]], *, old_node: str) -> list[str]:
+        """Compare-and-swap many of ``old_node``'s replicas, each (key, old alloc id, new location,
+        guard put id or "") on its own with move_replica's rules; a status per move ("OK", "GONE",
+        "PINNED", "EXPIRED"), in order. One round trip per BATCH_LIMIT moves."""
+        out: list[str] = []
+        for chunk in _chunks(moves):
+            args: list[str] = []
+            for key, old_alloc_id, new, guard in chunk:
+                args += (key, str(old_alloc_id), json.dumps(encode_replica(new)), guard)
+            out.extend(str(s) for s in self._run("move_replicas", old_node, *args))
+        return out
+
     def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
         """Drop one replica (the object too if it was the last); "OK", "GONE" or "PINNED"."""
         return str(self._run("evict", key, node_id, str(alloc_id)))
 
     # ---- node table -----------------------------------------------------------------------
     def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int) -> int:
-        status = self._run("node_register", info.node_id, encode_node(info, incarnation), ttl_ms)
+        for _ in range(100_000):  # each call purges a bounded slice of a dead incarnation's keys
+            status = self._run("node_register", info.node_id, encode_node(info, incarnation), ttl_ms)
+            if status[0] != "PURGING":
+                break
         if status[0] == "IN_USE":
             other = json.loads(status[1])
             raise MooncakeError(

@@ -20,6 +20,7 @@ SCRIPT_NAMES = (
     "agent_sync",
     "victims",
     "move_replica",
+    "move_replicas",
     "evict",
 )
 

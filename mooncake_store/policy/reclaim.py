@@ -35,9 +35,11 @@ def plan_sync(
       by its writer (or never recorded, the writer died first): freed.
     - A grave is freed if the agent still knows it (a grave for an unknown id was freed earlier).
     """
-    reserved_set = set(reserved)
+    # Every ack of an allocation the agent holds commits it, even one reserved after the sync took
+    # its snapshot: the ack is drained by this sync and will not come again.
+    del reserved
     acked_set = set(acked) & set(known)
-    commit = tuple(sorted(acked_set & reserved_set))
+    commit = tuple(sorted(acked_set))
     free: list[int] = []
     for alloc, status in zip(expired, expired_status, strict=True):
         if status == "R" or (status == "G" and alloc not in acked_set):

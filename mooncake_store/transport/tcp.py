@@ -24,6 +24,7 @@ SOCKET_BUFFER_BYTES = 4 << 20
 class Reservation:
     offset: int
     alloc_id: int
+    put_id: bytes = b""  # filled in by callers that keep it (spills guard their reservations by it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -153,6 +153,12 @@ def test_pinned_chunks_survive_remove_replace_and_eviction(client: Client) -> No
         client.remove(keys[1])
     second.release()
     np.testing.assert_array_equal(client.get(keys[1]), chunks[1])
+    # Unpinned, it may go, but only as a leaf: chunk 2 hangs off it, so it goes first.
+    assert client.index.evict(keys[1], node_id=replica.node_id, alloc_id=replica.alloc_id) == "PARENT"
+    (leaf,) = client.index.lookup([keys[2]], lease_ms=0).objects
+    assert leaf is not None
+    leaf_replica = leaf.replicas[0]
+    assert client.index.evict(keys[2], node_id=leaf_replica.node_id, alloc_id=leaf_replica.alloc_id) == "OK"
     assert client.index.evict(keys[1], node_id=replica.node_id, alloc_id=replica.alloc_id) == "OK"
     assert cache.match(tokens) == C
     cache.close()

@@ -3,6 +3,7 @@ of a full cluster, with real agents and readers running during the moves."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -222,3 +223,104 @@ def test_full_cluster_evicts_cold_chain_tails_never_pins(
         for k, ok in zip(keys, present[c], strict=True):
             if ok:
                 assert np.array_equal(client.get(k), value_for(k))
+
+
+def redis_exists(client: Client, suffix: str) -> bool:
+    return bool(client.index.redis.exists(client.index.prefix + suffix))
+
+
+def test_move_replicas_swaps_each_entry_on_its_own(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    from mooncake_store.types import Replica, ReplicaState, TierKind
+
+    cluster = make_cluster(1, host_bytes=16 * MiB)
+    client = make_client(cluster)
+    node = cluster.agents[0].node_id
+    for key in ("m/ok", "m/pinned", "m/gone"):
+        client.put(key, value_for(key))
+    old = {key: client.object_meta(key) for key in ("m/ok", "m/pinned", "m/gone")}
+    pin(client, "m/pinned")
+    client.remove("m/gone")
+
+    def new_at(alloc_id: int) -> Replica:
+        return Replica(
+            node_id="elsewhere",
+            tier=TierKind.HOST,
+            offset=4096,
+            size_bytes=MiB,
+            alloc_id=alloc_id,
+            state=ReplicaState.COMPLETE,
+        )
+
+    moves = [
+        (key, meta.replicas[0].alloc_id, new_at(7 + i), "") for i, (key, meta) in enumerate(old.items()) if meta
+    ]
+    moves.append(("m/ok", 12345, new_at(99), ""))  # a stale old location: the object no longer holds it
+    statuses = client.index.move_replicas(moves, old_node=node)
+    assert statuses == ["OK", "PINNED", "GONE", "GONE"]
+    redis, prefix = client.index.redis, client.index.prefix
+    # The moved object names only the new location (a node that does not exist: read the record).
+    assert json.loads(redis.hget(prefix + "o:m/ok", "replicas")) == [["elsewhere", "host", 4096, MiB, "7", "COMPLETE"]]
+    assert replica_nodes(client, "m/pinned") == [(node, "host")]
+    assert redis.lrange(prefix + "acks:elsewhere", 0, -1) == ["7"]
+    assert redis.sismember(prefix + "nobj:elsewhere", "m/ok")
+    assert not redis.sismember(prefix + f"nobj:{node}", "m/ok")
+    # A retry of a call whose reply was lost answers as the first call did.
+    assert client.index.move_replicas(moves[:1], old_node=node) == ["OK"]
+    assert redis.lrange(prefix + "acks:elsewhere", 0, -1) == ["7"]
+    # A guarded move whose guard is gone (the target reclaimed its reservation) is refused.
+    client.put("m/late", value_for("m/late"))
+    late = client.object_meta("m/late")
+    assert late is not None
+    guarded = [("m/late", late.replicas[0].alloc_id, new_at(55), "no-such-guard")]
+    assert client.index.move_replicas(guarded, old_node=node) == ["EXPIRED"]
+    client.index.guard_reservations(["live-guard"], ttl_ms=60_000)
+    guarded = [("m/late", late.replicas[0].alloc_id, new_at(56), "live-guard")]
+    assert client.index.move_replicas(guarded, old_node=node) == ["OK"]
+    assert not redis_exists(client, "pend:live-guard")  # the swap took the guard
+
+
+def test_batched_spill_moves_a_burst_keeps_pinned_and_leased(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A full agent released at once spills most of itself to its peer in a few batches: everything
+    byte-exact, nothing evicted, pinned and leased (hot) objects stay, counters agree."""
+    cluster = make_cluster(0)
+    cluster.add_agent(
+        node_id="agent-0",
+        extra_args=["--host-bytes", str(48 * MiB), "--high-watermark", "0.5", "--low-watermark", "0.1"],
+    )
+    cluster.add_agent(node_id="agent-1", extra_args=["--host-bytes", str(160 * MiB)])
+    client = make_client(cluster, lease_ms=300, timeout_s=20)
+    hot_reader = make_client(cluster, lease_ms=120_000)
+    keys = [f"burst/{i:02d}" for i in range(40)]  # 40 MiB of 48: far past the high watermark
+    for key in keys:
+        pin(client, key)  # before the put: nothing can move while the agent fills
+    for key in keys:
+        client.put(key, value_for(key), preferred_node="agent-0")
+    assert all(replica_nodes(client, k) == [("agent-0", "host")] for k in keys)
+    hot_reader.get(keys[-1])  # a live read lease: not a victim
+    prefix = client.index.prefix
+    client.index.redis.delete(*(prefix + "pins:" + k for k in keys[1:]))  # keys[0] stays pinned
+    client.put("burst/trigger", b"x", preferred_node="agent-0")  # a reservation wakes the pressure loop
+
+    def on_agent_1() -> int:
+        return sum(replica_nodes(client, k)[0][0] == "agent-1" for k in keys)
+
+    assert wait_until(lambda: on_agent_1() >= 30, 15), on_agent_1()
+    time.sleep(0.5)
+    assert replica_nodes(client, keys[0]) == [("agent-0", "host")]
+    assert replica_nodes(client, keys[-1]) == [("agent-0", "host")]
+    for key in keys:
+        assert np.array_equal(client.get(key), value_for(key)), key
+    moved = on_agent_1()
+    stats = {n.node_id: n.tiers[0] for n in client.stat().nodes}
+    assert wait_until(
+        lambda: (
+            (s := {n.node_id: n.tiers[0] for n in client.stat().nodes})["agent-0"].spills_out == moved
+            and s["agent-1"].spills_in == moved
+        ),
+        5,
+    ), stats
+    assert client.stat().evictions == 0

@@ -128,3 +128,10 @@ def test_projected_free_space_spreads_a_batch() -> None:
     assert ranked_ids(nodes, MiB) == ["a", "b"]
     assert ranked_ids(nodes, MiB, free_bytes={"a": 30 * MiB}) == ["b", "a"]
     assert ranked_ids(nodes, MiB, free_bytes={"a": 0}) == ["b", "a"]
+
+
+def test_an_ack_commits_even_a_reservation_newer_than_the_snapshot() -> None:
+    # The whole put (reserve, write, commit) landed between the sync's snapshot and its round trip:
+    # the ack is drained now and never comes again, so it must commit.
+    plan = plan_sync(reserved=[], expired=[], expired_status=[], acked=[42], graves=[], known=[42])
+    assert plan.commit == (42,) and plan.free == ()

@@ -13,13 +13,16 @@ local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
 if not f[1] then return 'GONE' end
 local now = now_ms()
 local reps = decode_list(f[1])
+local new = cjson.decode(ARGV[5])
 local found = nil
 for i, r in ipairs(reps) do
   if r[1] == old_node and r[5] == old_alloc and r[6] == 'COMPLETE' then found = i end
+  -- Already swapped: this is a retry of a call whose reply was lost. Answer as the first call did,
+  -- or the caller would free a copy the index names.
+  if r[1] == new[1] and r[5] == new[5] then return 'OK' end
 end
 if not found then return 'GONE' end
 if live_pins(key, now) > 0 then return 'PINNED' end
-local new = cjson.decode(ARGV[5])
 new[6] = 'COMPLETE'
 local old = reps[found]
 reps[found] = new

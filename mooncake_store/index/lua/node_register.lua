@@ -1,9 +1,10 @@
 -- node_register: add an agent to the node table, or take over the record of a dead incarnation.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms
--- Returns: {"OK", deadline_ms} or {"IN_USE", other_incarnation_json} when a live agent holds the id.
--- The replicas of an earlier, dead incarnation point into memory that no longer exists: they are
--- purged first (bounded; whatever is left goes with the next reap).
+-- Returns: {"OK", deadline_ms}, {"IN_USE", other_incarnation_json} when a live agent holds the id,
+-- or {"PURGING", keys_left}: call again. The replicas of an earlier, dead incarnation point into
+-- memory that no longer exists, so they are purged first, in bounded steps; until the last step the
+-- node stays past its deadline, so no reader takes an old replica for one in the new arena.
 local node, info, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
 local old = redis.call('HGET', P .. 'nodes', node)
@@ -14,7 +15,11 @@ if old then
   if d and tonumber(d) >= now and old_inc ~= inc then
     return {'IN_USE', old}
   end
-  purge_node(node, 100000)
+  local left = purge_node(node, 20000)
+  if left > 0 then
+    redis.call('ZADD', P .. 'hb', 0, node)
+    return {'PURGING', left}
+  end
 end
 local rec = cjson.decode(info)
 rec.last_heartbeat_ms = now

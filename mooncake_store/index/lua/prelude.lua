@@ -50,12 +50,19 @@ local function bury(replicas, key, free_at)
     redis.call('SREM', P .. 'nobj:' .. r[1], key)
   end
 end
--- Prefix chains: a chunk names its parent (chain_parent), and each record counts its stored
--- children, so eviction can take only leaves and chains stay prefix-closed across all agents.
+-- Prefix chains: a chunk names its parent (chain_parent), and the hash "children" counts, per
+-- parent key, the stored chunks that name it, so eviction takes only leaves and chains stay
+-- prefix-closed across all agents. The count lives apart from the object record, so it survives
+-- the parent being removed and stored again while its children stay.
 local function adjust_children(parent, delta)
-  if parent and parent ~= '' and redis.call('EXISTS', P .. 'o:' .. parent) == 1 then
-    redis.call('HINCRBY', P .. 'o:' .. parent, 'children', delta)
+  if parent and parent ~= '' then
+    if redis.call('HINCRBY', P .. 'children', parent, delta) <= 0 then
+      redis.call('HDEL', P .. 'children', parent)
+    end
   end
+end
+local function children_of(key)
+  return tonumber(redis.call('HGET', P .. 'children', key) or 0)
 end
 -- Remove every trace of one object record, and its place in its parent's child count.
 local function drop_object(key)

@@ -15,7 +15,7 @@ for i = 2, #ARGV do
   else
     local e = cjson.decode(raw)
     local ok = P .. 'o:' .. e.key
-    local old = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent', 'children')
+    local old = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent')
     if old[1] and live_pins(e.key, now) > 0 then
       table.insert(out, 'PINNED')
     else
@@ -37,7 +37,7 @@ for i = 2, #ARGV do
       else
         redis.call('HDEL', ok, 'chain_pos')
       end
-      -- A replaced object keeps its children (they still hang off this key); its parent link is
+      -- Children hang off the key, not the object: a replaced object keeps them. The parent link is
       -- the new object's.
       local new_parent = e.chain_parent or ''
       if (old[3] or '') ~= new_parent then
@@ -49,7 +49,6 @@ for i = 2, #ARGV do
       else
         redis.call('HDEL', ok, 'chain_parent')
       end
-      redis.call('HSET', ok, 'children', tonumber(old[4] or 0))
       redis.call('SADD', P .. 'keys', e.key)
       redis.call('DEL', pk)
       table.insert(out, 'OK')

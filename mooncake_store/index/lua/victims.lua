@@ -12,7 +12,7 @@ local now = now_ms()
 local keys = redis.call('SRANDMEMBER', P .. 'nobj:' .. node, tonumber(ARGV[4]))
 local out = {}
 for _, key in ipairs(keys) do
-  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype', 'children')
+  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype')
   if f[1] then
     for _, r in ipairs(decode_list(f[4])) do
       if r[1] == node and r[2] == tier and r[6] == 'COMPLETE' then
@@ -25,7 +25,7 @@ for _, key in ipairs(keys) do
         table.insert(out, r[5])
         table.insert(out, f[5] or -1)
         table.insert(out, f[6] or '|u1')
-        table.insert(out, f[7] or 0)
+        table.insert(out, children_of(key))
       end
     end
   end

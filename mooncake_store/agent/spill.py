@@ -1,0 +1,239 @@
+"""Spilling to a peer in batches: what one pressure pass sends a peer moves in a few round trips.
+
+A victim moved on its own costs a RESERVE round trip to the peer, a WRITE and its ack, and a
+compare-and-swap in the index: three waits per object, the pressure thread idle in each. Here the
+victims of a pass that go to one peer move batch by batch (at most ``BATCH_BYTES``), each batch as
+DESIGN.md §3.4 wants a single move:
+
+1. copy: one RESERVE frame for the whole batch (flag ``SPILL_FLAG``; all or nothing), then the
+   WRITEs, spread over ``STREAMS`` connections to the peer so that one object's ack overlaps the
+   next one's bytes;
+2. compare-and-swap: one call of ``move_replicas.lua`` for the batch, a status per object, with
+   ``move_replica.lua``'s rules (an object that is gone, replaced, moved or pinned meanwhile keeps
+   its old location);
+3. free: the old copies are in this agent's graveyard (the swap put them there); every reservation
+   whose write or swap did not succeed is expired on the peer in one FREE frame.
+
+A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
+batches not sent are handed back, to be placed elsewhere (pressure.py decides where).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mooncake_store.agent.server import SPILL_FLAG
+from mooncake_store.errors import MooncakeError, StaleLocation
+from mooncake_store.transport import frames
+from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
+from mooncake_store.types import EvictionCandidate, NodeInfo, Replica, ReplicaState, TierKind
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.node import Agent
+
+log = logging.getLogger("mooncake.agent")
+
+#: Connections per peer that carry a batch's writes at the same time.
+STREAMS = 2
+#: Lifetime of a spill's reservation guards: longer than any copy needs; the peer's sync deletes
+#: a guard as soon as its reservation times out.
+GUARD_TTL_MS = 300_000
+#: Bytes per batch: bounds what a peer holds reserved for a batch not yet swapped, and how long
+#: the first object of a pass waits for its swap.
+BATCH_BYTES = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SpillJob:
+    victim: EvictionCandidate
+    offset: int  # of the victim in this agent's host arena
+
+
+@dataclass(slots=True)
+class SpillResult:
+    moved: list[SpillJob] = field(default_factory=list)
+    #: Not sent: the peer refused or broke first. These may go to another peer.
+    unsent: list[SpillJob] = field(default_factory=list)
+    #: The peer refused a reservation or its connection broke: skip it for the rest of the pass.
+    refused: bool = False
+    #: A swap failed in the index (whether it happened is unknown; its reservations were expired).
+    error: MooncakeError | None = None
+
+
+def batches_of(jobs: list[SpillJob], *, max_bytes: int = BATCH_BYTES) -> list[list[SpillJob]]:
+    """Consecutive runs of ``jobs`` of at most ``max_bytes`` (one object at least) and at most one
+    RESERVE frame's worth of entries."""
+    out: list[list[SpillJob]] = []
+    cur: list[SpillJob] = []
+    size = 0
+    for job in jobs:
+        if cur and (size + job.victim.size_bytes > max_bytes or len(cur) >= frames.MAX_BATCH):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(job)
+        size += job.victim.size_bytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+class Spiller:
+    def __init__(self, agent: Agent, *, streams: int = STREAMS, batch_bytes: int = BATCH_BYTES) -> None:
+        self.agent = agent
+        self._streams = max(1, streams)
+        self._batch_bytes = batch_bytes
+        self._transport = TcpTransport(timeout_s=30.0, connections_per_peer=self._streams, stripe_bytes=1 << 62)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
+        self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
+
+    def close(self) -> None:
+        self._transport.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._swapper.shutdown(wait=False, cancel_futures=True)
+
+    def spill(self, peer_node: NodeInfo, jobs: list[SpillJob]) -> SpillResult:
+        """Move ``jobs`` to ``peer_node``'s host tier, batch by batch. A batch's swap runs on the swap
+        thread while the next batch is reserved and written; all swaps are done when this returns."""
+        result = SpillResult()
+        batches = batches_of(jobs, max_bytes=self._batch_bytes)
+        swaps: list[Future[list[SpillJob]]] = []
+        try:
+            for i, batch in enumerate(batches):
+                rest = [job for later in batches[i + 1 :] for job in later]
+                copied = self._copy(peer_node, batch)
+                if copied is None:
+                    result.refused, result.unsent = True, batch + rest
+                    break
+                reservations, written, broken = copied
+                swaps.append(self._swapper.submit(self._swap, peer_node, batch, reservations, written))
+                if broken:
+                    unwritten = [job for job, ok in zip(batch, written, strict=True) if not ok]
+                    result.refused, result.unsent = True, unwritten + rest
+                    break
+        finally:
+            for fut in swaps:
+                try:
+                    result.moved.extend(fut.result())
+                except MooncakeError as exc:
+                    result.error = result.error or exc
+        return result
+
+    def _copy(self, peer_node: NodeInfo, batch: list[SpillJob]) -> tuple[list[Reservation], list[bool], bool] | None:
+        """Reserve room for the batch on the peer and write it there: (reservations, written per job,
+        connection broke), or None when the peer refused the reservation (nothing was sent)."""
+        peer = self._transport.peer(peer_node.tcp_endpoint)
+        put_ids = [uuid.uuid4().bytes for _ in batch]
+        try:
+            # Guards first: should the copy outlive the peer's reservation timeout, the peer's sync
+            # deletes the guard and the swap is refused rather than naming freed memory.
+            self.agent.index.guard_reservations([p.hex() for p in put_ids], ttl_ms=GUARD_TTL_MS)
+            reservations = peer.reserve(
+                [(job.victim.size_bytes, put_id) for job, put_id in zip(batch, put_ids, strict=True)],
+                node_id=peer_node.node_id,
+                flags=SPILL_FLAG,
+            )
+        except MooncakeError as exc:
+            log.info("spill of %d object(s) to %s refused: %s", len(batch), peer_node.node_id, exc)
+            return None
+        reservations = [
+            Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=p)
+            for r, p in zip(reservations, put_ids, strict=True)
+        ]
+        written, broken = self._write_all(peer, batch, reservations)
+        if broken:
+            self._transport.drop_peer(peer_node.tcp_endpoint)
+        return reservations, written, broken
+
+    def _swap(
+        self, peer_node: NodeInfo, batch: list[SpillJob], reservations: list[Reservation], written: list[bool]
+    ) -> list[SpillJob]:
+        """One compare-and-swap of the written jobs; every reservation not swapped is expired on the
+        peer. Returns the jobs that moved (a job written but not swapped is dropped: its object
+        changed meanwhile)."""
+        moves = [
+            (
+                job.victim.key,
+                job.victim.alloc_id,
+                Replica(
+                    node_id=peer_node.node_id,
+                    tier=TierKind.HOST,
+                    offset=res.offset,
+                    size_bytes=job.victim.size_bytes,
+                    alloc_id=res.alloc_id,
+                    state=ReplicaState.COMPLETE,
+                ),
+                res.put_id.hex(),
+            )
+            for job, res, ok in zip(batch, reservations, written, strict=True)
+            if ok
+        ]
+        try:
+            statuses = self.agent.index.move_replicas(moves, old_node=self.agent.node_id) if moves else []
+        except MooncakeError:
+            # Whether the swap happened is unknown: expiring is still safe, since the peer keeps a
+            # reservation whose swap reached the index (its ack list says so) and frees the rest.
+            self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reservations])
+            raise
+        swapped = iter(statuses)
+        moved: list[SpillJob] = []
+        leftover: list[int] = []
+        for job, res, ok in zip(batch, reservations, written, strict=True):
+            if ok and next(swapped) == "OK":
+                moved.append(job)
+            else:
+                leftover.append(res.alloc_id)
+        if leftover:
+            self._expire(peer_node.tcp_endpoint, leftover)
+        return moved
+
+    def _write_all(
+        self, peer: PeerConnections, batch: list[SpillJob], reservations: list[Reservation]
+    ) -> tuple[list[bool], bool]:
+        """Every job's bytes into its reservation, the jobs dealt round-robin to the streams (one
+        connection each, one request at a time). Returns (written per job, connection broke)."""
+        written = [False] * len(batch)
+        broken = [False]
+        arena = self.agent.arena
+
+        def stream(indices: range) -> None:
+            for i in indices:
+                if broken[0]:
+                    return
+                job, res = batch[i], reservations[i]
+                if job.victim.size_bytes == 0:
+                    written[i] = True
+                    continue
+                view = arena.view(job.offset, job.victim.size_bytes)
+                try:
+                    peer.write(res.alloc_id, res.offset, view)
+                    written[i] = True
+                except StaleLocation as exc:  # that reservation went (timed out); the stream is fine
+                    log.info("spill of %s to %s: %s", job.victim.key, peer.endpoint, exc)
+                except MooncakeError as exc:
+                    log.info("spill to %s failed mid-transfer: %s", peer.endpoint, exc)
+                    broken[0] = True
+                    return
+                finally:
+                    view.release()
+
+        streams = min(self._streams, len(batch))
+        futures = [self._pool.submit(stream, range(k, len(batch), streams)) for k in range(1, streams)]
+        try:
+            stream(range(0, len(batch), streams))
+        finally:
+            for fut in futures:
+                exc = fut.exception()
+                if exc is not None:
+                    log.warning("spill stream failed: %r", exc)
+                    broken[0] = True
+        return written, broken[0]
+
+    def _expire(self, endpoint: str, alloc_ids: list[int]) -> None:
+        try:
+            self._transport.peer(endpoint).free(alloc_ids)
+        except MooncakeError:
+            pass  # the peer reclaims the reservations after its timeout anyway
