@@ -225,20 +225,38 @@ class PressureManager:
             return False
         finally:
             view.release()
-        if not self._swap(
-            victim.key,
-            old_alloc_id=victim.alloc_id,
-            node_id=agent.node_id,
-            tier=TierKind.DISK,
-            offset=0,
-            size_bytes=victim.size_bytes,
-            alloc_id=disk_id,
-        ):
+        # Known before the swap: a sync that frees the file (as a grave) must find it.
+        agent.disk_keys[disk_id] = victim.key
+        try:
+            swapped = self._swap(
+                victim.key,
+                old_alloc_id=victim.alloc_id,
+                node_id=agent.node_id,
+                tier=TierKind.DISK,
+                offset=0,
+                size_bytes=victim.size_bytes,
+                alloc_id=disk_id,
+            )
+        except MooncakeError:
+            # Unknown whether the swap landed: keep the file if the index names it, else drop it.
+            swapped = self._index_names(victim.key, disk_id)
+        if not swapped:
+            agent.disk_keys.pop(disk_id, None)
             agent.disk.remove(disk_id)
             return False
-        agent.disk_keys[disk_id] = victim.key
         self.count(TierKind.HOST, "demotions")
         return True
+
+    def _index_names(self, key: str, alloc_id: int) -> bool:
+        """Whether ``key`` lists this agent's ``alloc_id``; True when the index cannot say (a file
+        kept for nothing is a bounded leak, a file dropped under a live replica is lost data)."""
+        try:
+            meta = self.agent.index.lookup([key], lease_ms=0).objects[0]
+        except MooncakeError:
+            return True
+        return meta is not None and any(
+            r.node_id == self.agent.node_id and r.alloc_id == alloc_id for r in meta.replicas
+        )
 
     def _swap(
         self, key: str, *, old_alloc_id: int, node_id: str, tier: TierKind, offset: int, size_bytes: int, alloc_id: int

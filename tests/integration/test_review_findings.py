@@ -259,3 +259,33 @@ def test_spill_swap_after_peer_reclaimed_its_reservation_is_refused(
     # Accepting this swap would make "obj" name memory b has freed (and will hand to the next put).
     assert status == "EXPIRED"
     assert client.object_meta("obj").replicas[0].node_id == a.node_id  # type: ignore[union-attr]
+
+
+def test_commit_to_a_node_that_left_the_table_fails(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    cluster = make_cluster(1, heartbeat_ttl_s=1.5)
+    client = make_client(cluster)
+    agent = cluster.agents[0]
+    puts = client._puts
+    (plan,) = puts.plan({"late": np.full(SIZE, 0x5A, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
+    puts._reserve([plan], 1, None)
+    client.index.put_start(
+        [
+            PendingPut(
+                put_id=plan.put_id.hex(),
+                key=plan.key,
+                size_bytes=plan.size_bytes,
+                dtype=plan.dtype,
+                shape=plan.shape,
+                checksum=plan.checksum,
+                replicas=tuple(plan.replicas),
+            )
+        ],
+        ttl_ms=60_000,
+    )
+    agent.kill()  # dies for good: nobody revokes the pending record
+    assert _wait_until(lambda: agent.node_id in client.index.reap_dead_nodes(grace_ms=0), 5.0)
+    assert client.index.put_commit([plan.put_id.hex()]) == ["EXPIRED"]
+    assert not client.exists("late")
+    assert not client.index.redis.exists(client.index.prefix + "nobj:" + agent.node_id)

@@ -2,7 +2,7 @@
 -- KEYS: none
 -- ARGV: [1] prefix, [2..n] put ids
 -- Returns: one status per put id, in order: "OK", "EXPIRED" (the pending record is gone: revoked or
--- reclaimed, the bytes may already be freed) or "PINNED" (the key exists and holds live pins, so it
+-- reclaimed, the bytes may already be freed; or a replica's node has left the node table) or "PINNED" (the key exists and holds live pins, so it
 -- cannot be replaced). On OK an older object under the key is replaced in one step: its replicas go
 -- to their agents' graveyards, to be freed once every read lease granted on it has expired.
 local now = now_ms()
@@ -16,7 +16,16 @@ for i = 2, #ARGV do
     local e = cjson.decode(raw)
     local ok = P .. 'o:' .. e.key
     local old = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent')
-    if old[1] and live_pins(e.key, now) > 0 then
+    -- A replica on a node that left the node table (reaped, deregistered) names memory that is
+    -- gone; no reaper would ever find it again, so the put fails like an expired reservation.
+    local orphan = false
+    for _, r in ipairs(e.replicas) do
+      if redis.call('HEXISTS', P .. 'nodes', r[1]) == 0 then orphan = true end
+    end
+    if orphan then
+      redis.call('DEL', pk)
+      table.insert(out, 'EXPIRED')
+    elseif old[1] and live_pins(e.key, now) > 0 then
       table.insert(out, 'PINNED')
     else
       if old[1] then
