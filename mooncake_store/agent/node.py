@@ -30,6 +30,10 @@ from mooncake_store.types import NodeInfo, TierKind, TierUsage, TransportKind
 log = logging.getLogger("mooncake.agent")
 
 
+#: Reclaims on demand (before refusing a reservation) at most this often.
+RECLAIM_MIN_INTERVAL_S = 0.02
+
+
 def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -67,6 +71,7 @@ class Agent:
             raise
         self._stop = threading.Event()
         self._sync_lock = threading.Lock()
+        self._last_reclaim = 0.0
         self._threads: list[threading.Thread] = []
         self.started_ms = int(time.time() * 1000)
 
@@ -183,6 +188,11 @@ class Agent:
             self.pressure.wake()  # move objects alongside the writer, not in bursts after refusals
 
     def reclaim_now(self) -> None:
+        # A client hammering a full agent must not turn every refused RESERVE into a Redis call.
+        now = time.monotonic()
+        if now - self._last_reclaim < RECLAIM_MIN_INTERVAL_S:
+            return
+        self._last_reclaim = now
         try:
             self.sync_once()
         except MooncakeError as exc:
@@ -224,7 +234,11 @@ class Agent:
             tiers=self.tiers(),
             started_ms=self.started_ms,
             # Same-host clients open the GPU arena through this CUDA IPC handle.
-            labels={"gpu_id": str(self.gpu.device_id), "gpu_ipc": self.gpu.ipc_handle.hex()} if self.gpu else {},
+            labels={
+                # Peers judge whether they may spill here against this agent's own watermark.
+                "high_watermark": str(self.config.high_watermark),
+                **({"gpu_id": str(self.gpu.device_id), "gpu_ipc": self.gpu.ipc_handle.hex()} if self.gpu else {}),
+            },
         )
 
     @property

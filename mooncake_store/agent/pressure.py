@@ -67,7 +67,8 @@ class PressureManager:
         self._wake.set()
 
     def count(self, tier: TierKind, name: str, n: int = 1) -> None:
-        self.counters[tier][name] += n
+        with self._lock:  # server threads, the pressure thread and the sync all count
+            self.counters[tier][name] += n
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:

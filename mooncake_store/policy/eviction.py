@@ -100,7 +100,9 @@ def choose_move(
             if usage is None:
                 continue
             used = usage.used_bytes + (planned_bytes or {}).get(peer.node_id, 0)
-            if used + size_bytes > high_watermark * usage.capacity_bytes:
+            # The peer's own watermark when it publishes one, else the caller's.
+            peer_high = float(peer.labels.get("high_watermark", high_watermark))
+            if used + size_bytes > peer_high * usage.capacity_bytes:
                 continue
             key = (0 if peer.zone == zone else 1, used - usage.capacity_bytes, peer.node_id)
             if best is None or key < best:

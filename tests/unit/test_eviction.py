@@ -133,3 +133,20 @@ def test_next_tier() -> None:
     assert next_tier(TierKind.HOST, (TierKind.HOST, TierKind.DISK)) == TierKind.DISK
     assert next_tier(TierKind.HOST, (TierKind.HOST,)) is None
     assert next_tier(TierKind.GPU, (TierKind.GPU, TierKind.DISK)) == TierKind.DISK
+
+
+def test_a_peer_is_judged_by_its_own_published_watermark() -> None:
+    roomy_rule = peer("p", used=60 * MiB)
+    roomy_rule.labels["high_watermark"] = "0.95"
+    move = choose_move(
+        MiB,
+        tier=TierKind.HOST,
+        node_id="me",
+        zone="z1",
+        lower_tier=None,
+        lower_free_bytes=0,
+        peers=[roomy_rule],
+        now_ms=NOW,
+        high_watermark=0.5,
+    )
+    assert move.kind == MoveKind.SPILL  # 61 MiB is under the peer's 95 %, though over our 50 %
