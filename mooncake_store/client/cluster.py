@@ -81,7 +81,9 @@ class LocalCluster:
             raise MooncakeError(f"num_agents must be >= 0, got {num_agents}")
         self.num_agents = num_agents
         self.host_bytes = host_bytes
-        self.namespace = namespace or f"lc-{uuid.uuid4().hex[:8]}"
+        # On its own private server the cluster uses the default namespace, so a plain
+        # connect(cluster.redis_url) finds it; on a shared server it takes a namespace of its own.
+        self.namespace = namespace or ("default" if redis_url is None else f"lc-{uuid.uuid4().hex[:8]}")
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.reserve_timeout_s = reserve_timeout_s
         self.zones = zones

@@ -125,3 +125,18 @@ def test_stat_reports_nodes_and_objects(client: Client) -> None:
     assert stats.capacity_bytes == 2 * (64 << 20)
     assert all(n.tiers[0].tier == "host" for n in stats.nodes)
     assert stats.as_dict()["nodes"][0]["node_id"] == "agent-0"
+
+
+def test_local_cluster_as_the_readme_shows_it() -> None:
+    """The issue's surface word for word: a private cluster, then connect(cluster.redis_url)."""
+    from mooncake_store import connect
+
+    with LocalCluster(num_agents=2, host_bytes=32 << 20) as cluster:
+        client = connect(cluster.redis_url)
+        try:
+            client.put("k", np.arange(10, dtype=np.int64).reshape(2, 5), replicas=1)
+            arr = client.get("k")
+            assert arr.shape == (2, 5) and arr.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+            assert [n.node_id for n in client.stat().live_nodes] == ["agent-0", "agent-1"]
+        finally:
+            client.close()
