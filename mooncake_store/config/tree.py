@@ -1,148 +1,27 @@
-"""One configuration tree for the client and the agent, loaded once per process.
-
-Layers, lowest to highest precedence::
-
-    defaults  <  TOML file  <  MOONCAKE_* environment  <  explicit overrides (CLI flags)
-
-The file is ``file=`` if given, else ``$MOONCAKE_CONFIG``, else ``$XDG_CONFIG_HOME/mooncake/config.toml``
-(``~/.config/mooncake/config.toml``) when it exists. Its layout::
-
-    redis_url = "redis://127.0.0.1:6379/0"
-    namespace = "default"
-    [client]
-    timeout_s = 10.0
-    [agent]
-    host_bytes = "4GiB"
-
-Environment variables are ``MOONCAKE_REDIS_URL``, ``MOONCAKE_NAMESPACE``, ``MOONCAKE_CLIENT_<FIELD>`` and
-``MOONCAKE_AGENT_<FIELD>``. Overrides use dotted keys (``{"agent.host_bytes": "1GiB"}``).
-
-Every mistake raises :class:`ConfigError` naming the key, the bad value and the layer it came from, e.g.
-``env MOONCAKE_AGENT_HOST_BYTES='12x': not a size (examples: 512MiB, 1GiB, 1073741824)``. A typo must
-never be silently ignored: a misspelt ``host_bytes`` would otherwise leave an agent with the 1 GiB default.
-"""
+"""The config tree (frozen dataclasses), the table of its fields and the checks on every value."""
 
 from __future__ import annotations
 
-import difflib
 import math
-import os
-import re
-import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from decimal import Decimal, InvalidOperation
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from mooncake_store.config.values import (
+    _FALSE,
+    _MAX_SIZE,
+    _NAME_RE,
+    _SIZE_EXAMPLES,
+    _TRUE,
+    CONFIG_TRANSPORTS,
+    ENV_PREFIX,
+    _parse_host_port,
+    format_size,
+    parse_size,
+    redact_url,
+)
 from mooncake_store.errors import ConfigError
-
-ENV_PREFIX = "MOONCAKE_"
-
-#: ``MOONCAKE_*`` variables that are read elsewhere and are not config keys. Any other ``MOONCAKE_*``
-#: variable that matches no key is an error, because it is almost always a misspelt key.
-NON_CONFIG_ENV_VARS: frozenset[str] = frozenset({"MOONCAKE_CONFIG", "MOONCAKE_REDIS_SERVER", "MOONCAKE_STATE_DIR"})
-
-#: Transports a client may be configured with (``inproc`` is implicit: it is always tried first).
-CONFIG_TRANSPORTS: tuple[str, ...] = ("shm", "tcp", "rdma")
-
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_SIZE_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)", re.IGNORECASE)
-_SIZE_EXAMPLES = "examples: 512MiB, 1GiB, 1073741824"
-# "i" means binary, everything else decimal, as in IEC and Kubernetes; so "10MB" is 10**7 bytes.
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    **{f"{p}": 1000**e for e, p in enumerate("kmgtpe", start=1)},
-    **{f"{p}b": 1000**e for e, p in enumerate("kmgtpe", start=1)},
-    **{f"{p}i": 1024**e for e, p in enumerate("kmgtpe", start=1)},
-    **{f"{p}ib": 1024**e for e, p in enumerate("kmgtpe", start=1)},
-}
-# Sizes travel as signed 64-bit integers (Redis integers, struct "q" in frames).
-_MAX_SIZE = (1 << 63) - 1
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-def parse_size(text: str | int, *, what: str = "size") -> int:
-    """Bytes in ``text``: ``"512MiB"``, ``"1.5GiB"``, ``"10MB"`` (decimal), ``"1073741824"`` or an int.
-
-    Units are case-insensitive; a fractional result is rounded down to whole bytes. ``what`` prefixes
-    the error message, so callers pass the key and layer the value came from.
-    """
-    if isinstance(text, bool) or not isinstance(text, int | str):
-        raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
-    if isinstance(text, int):
-        number = Decimal(text)
-    else:
-        stripped = text.strip()
-        if stripped.startswith("-"):
-            raise ConfigError(f"{what}={text!r}: a size cannot be negative")
-        match = _SIZE_RE.fullmatch(stripped)
-        unit = _SIZE_UNITS.get(match.group("unit").lower()) if match else None
-        if match is None or unit is None:
-            raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
-        try:
-            number = Decimal(match.group("num")) * unit
-        except InvalidOperation:  # pragma: no cover - the regex admits only plain decimals
-            raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})") from None
-    if number < 0:
-        raise ConfigError(f"{what}={text!r}: a size cannot be negative")
-    if number > _MAX_SIZE:
-        raise ConfigError(f"{what}={text!r}: larger than the limit of {_MAX_SIZE} B")
-    return int(number)
-
-
-def format_size(size_bytes: int) -> str:
-    """``"0 B"``, ``"1023 B"``, ``"512.0 MiB"``: binary units with one decimal, for messages and CLIs."""
-    if abs(size_bytes) < 1024:
-        return f"{size_bytes} B"
-    value = float(size_bytes)
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        value /= 1024
-        # Compare the rounded value so 1048575 B reads "1.0 MiB", not "1024.0 KiB".
-        if abs(round(value, 1)) < 1024 or unit == "EiB":
-            return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def split_host_port(text: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` or ``"[V6]:PORT"`` as ``(host, port)``; :class:`ConfigError` if malformed."""
-    result = _parse_host_port(text)
-    if isinstance(result, str):
-        raise ConfigError(f"{text!r}: {result}")
-    return result
-
-
-def _parse_host_port(text: object) -> tuple[str, int] | str:
-    """``(host, port)``, or the problem with ``text``."""
-    if not isinstance(text, str):
-        return "expected HOST:PORT text, e.g. 127.0.0.1:0"
-    host, sep, port_text = text.rpartition(":")
-    bracketed = host.startswith("[") and host.endswith("]")
-    if bracketed:
-        host = host[1:-1]
-    # An unbracketed IPv6 address is ambiguous: is the last group the port or part of the address?
-    if not sep or not host or (":" in host and not bracketed):
-        return "expected HOST:PORT, e.g. 127.0.0.1:0 or [::1]:0"
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        return f"port {port_text!r} is not in 0..65535"
-    return host, int(port_text)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, so it can go into messages and logs."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        netloc = parts.netloc.rpartition("@")
-        user = parts.username or ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
-    except ValueError:
-        return url
-
 
 # --- the tree ---------------------------------------------------------------------------------------
 
@@ -508,9 +387,7 @@ def _validate_instance(obj: object, section: str | None) -> None:
 def _check_watermarks(low: float, high: float, source: _Source) -> None:
     # With low >= high the agent would start moving objects and never reach its stopping point.
     if low >= high:
-        raise _fail(
-            _FIELDS["agent.low_watermark"], low, source, f"must be below agent.high_watermark={high!r}"
-        )
+        raise _fail(_FIELDS["agent.low_watermark"], low, source, f"must be below agent.high_watermark={high!r}")
 
 
 def _check_heartbeat(
@@ -530,146 +407,3 @@ def _check_heartbeat(
 
 _FIELDS: dict[str, _Field] = _build_fields()
 _FIELDS_BY_ENV: dict[str, _Field] = {spec.env_var: spec for spec in _FIELDS.values()}
-
-
-# --- layers -----------------------------------------------------------------------------------------
-
-
-def _unknown(where: str, name: str, candidates: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(name, candidates, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return ConfigError(f"{where}: unknown key {name}{hint}")
-
-
-def _resolve_file(file: str | Path | None, env: Mapping[str, str]) -> tuple[Path | None, str]:
-    """The config file to read, and how to name it in an error if it cannot be read."""
-    if file is not None:
-        path = Path(file).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"file {path}: does not exist or is not a file")
-        return path, f"file {path}"
-    from_env = env.get("MOONCAKE_CONFIG", "")
-    if from_env:
-        path = Path(from_env).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"env MOONCAKE_CONFIG={from_env!r}: file does not exist or is not a file")
-        return path, f"file {path}"
-    # The default location follows the given env mapping, not the process's, so that callers passing
-    # an explicit env (tests) get a hermetic load.
-    base = env.get("XDG_CONFIG_HOME") or (f"{env['HOME']}/.config" if env.get("HOME") else "")
-    if base:
-        path = Path(base) / "mooncake" / "config.toml"
-        if path.is_file():
-            return path, f"file {path}"
-    return None, ""
-
-
-def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
-    source = _Source(kind="file", detail=str(path))
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"file {path}: cannot read it ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"file {path}: not valid TOML ({exc})") from None
-    found: dict[str, tuple[object, _Source]] = {}
-    where = f"file {path}"
-    for name, value in data.items():
-        if name in ("client", "agent"):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: {name}={value!r}: expected a table [{name}]")
-            for sub, sub_value in value.items():
-                key = f"{name}.{sub}"
-                if key not in _FIELDS:
-                    raise _unknown(where, key, list(_FIELDS))
-                found[key] = (sub_value, source)
-        elif name in _FIELDS:
-            found[name] = (value, source)
-        else:
-            raise _unknown(where, name, [*_FIELDS, "client", "agent"])
-    return found
-
-
-def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
-    found: dict[str, tuple[object, _Source]] = {}
-    for var in sorted(env):  # sorted: the same first error on every run
-        if not var.startswith(ENV_PREFIX) or var in NON_CONFIG_ENV_VARS:
-            continue
-        spec = _FIELDS_BY_ENV.get(var)
-        if spec is None:
-            close = difflib.get_close_matches(var, list(_FIELDS_BY_ENV), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(
-                f"env {var}: unknown variable{hint}; MOONCAKE_* variables must be config keys "
-                f"or one of {', '.join(sorted(NON_CONFIG_ENV_VARS))}"
-            )
-        found[spec.key] = (env[var], _Source(kind="env", detail=var))
-    return found
-
-
-def _read_overrides(overrides: Mapping[str, object]) -> dict[str, tuple[object, _Source]]:
-    found: dict[str, tuple[object, _Source]] = {}
-    for raw_key, value in overrides.items():
-        if value is None:
-            continue  # an argparse flag that was not given
-        key = raw_key.replace("-", "_")  # accept CLI spelling, agent.host-bytes
-        if key not in _FIELDS:
-            raise _unknown("override", raw_key, list(_FIELDS))
-        found[key] = (value, _Source(kind="override"))
-    return found
-
-
-def load_config(
-    *,
-    file: str | Path | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, object] | None = None,
-) -> Config:
-    """Merge defaults < file < env < overrides into one validated :class:`Config`.
-
-    ``env=None`` reads ``os.environ``; an override whose value is None counts as not given.
-    """
-    environ: Mapping[str, str] = os.environ if env is None else env
-    layered: dict[str, tuple[object, _Source]] = {}
-    path, _ = _resolve_file(file, environ)
-    if path is not None:
-        layered.update(_read_file(path))
-    layered.update(_read_env(environ))
-    layered.update(_read_overrides(overrides or {}))
-
-    defaults = Config()
-    values: dict[str, object] = {}
-    sources: dict[str, _Source] = {}
-    for key, spec in _FIELDS.items():
-        if key in layered:
-            raw, source = layered[key]
-            values[key] = _check(spec, raw, source)
-            sources[key] = source
-        else:
-            holder = defaults if spec.section is None else getattr(defaults, spec.section)
-            values[key] = getattr(holder, spec.name)
-            sources[key] = _DEFAULT
-    # Checked here as well as in AgentConfig so the message can say where each of the two came from.
-    _check_heartbeat(
-        float(values["agent.heartbeat_interval_s"]),  # type: ignore[arg-type]
-        float(values["agent.heartbeat_ttl_s"]),  # type: ignore[arg-type]
-        sources["agent.heartbeat_interval_s"],
-        sources["agent.heartbeat_ttl_s"],
-        ttl_as_given=layered.get("agent.heartbeat_ttl_s", (None, _DEFAULT))[0],
-    )
-
-    _check_watermarks(
-        float(values["agent.low_watermark"]),  # type: ignore[arg-type]
-        float(values["agent.high_watermark"]),  # type: ignore[arg-type]
-        sources["agent.low_watermark"],
-    )
-
-    def section(name: str | None) -> dict[str, Any]:
-        return {spec.name: values[key] for key, spec in _FIELDS.items() if spec.section == name}
-
-    return Config(
-        **section(None),
-        client=ClientConfig(**section("client")),
-        agent=AgentConfig(**section("agent")),
-    )

@@ -1,0 +1,170 @@
+"""Loading the config tree from its layers: defaults < TOML file < MOONCAKE_* env < overrides."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mooncake_store.config.tree import (
+    _DEFAULT,
+    _FIELDS,
+    _FIELDS_BY_ENV,
+    AgentConfig,
+    ClientConfig,
+    Config,
+    _check,
+    _check_heartbeat,
+    _check_watermarks,
+    _Source,
+)
+from mooncake_store.config.values import (
+    ENV_PREFIX,
+    NON_CONFIG_ENV_VARS,
+)
+from mooncake_store.errors import ConfigError
+
+# --- layers -----------------------------------------------------------------------------------------
+
+
+def _unknown(where: str, name: str, candidates: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"{where}: unknown key {name}{hint}")
+
+
+def _resolve_file(file: str | Path | None, env: Mapping[str, str]) -> tuple[Path | None, str]:
+    """The config file to read, and how to name it in an error if it cannot be read."""
+    if file is not None:
+        path = Path(file).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"file {path}: does not exist or is not a file")
+        return path, f"file {path}"
+    from_env = env.get("MOONCAKE_CONFIG", "")
+    if from_env:
+        path = Path(from_env).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"env MOONCAKE_CONFIG={from_env!r}: file does not exist or is not a file")
+        return path, f"file {path}"
+    # The default location follows the given env mapping, not the process's, so that callers passing
+    # an explicit env (tests) get a hermetic load.
+    base = env.get("XDG_CONFIG_HOME") or (f"{env['HOME']}/.config" if env.get("HOME") else "")
+    if base:
+        path = Path(base) / "mooncake" / "config.toml"
+        if path.is_file():
+            return path, f"file {path}"
+    return None, ""
+
+
+def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
+    source = _Source(kind="file", detail=str(path))
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"file {path}: cannot read it ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"file {path}: not valid TOML ({exc})") from None
+    found: dict[str, tuple[object, _Source]] = {}
+    where = f"file {path}"
+    for name, value in data.items():
+        if name in ("client", "agent"):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: {name}={value!r}: expected a table [{name}]")
+            for sub, sub_value in value.items():
+                key = f"{name}.{sub}"
+                if key not in _FIELDS:
+                    raise _unknown(where, key, list(_FIELDS))
+                found[key] = (sub_value, source)
+        elif name in _FIELDS:
+            found[name] = (value, source)
+        else:
+            raise _unknown(where, name, [*_FIELDS, "client", "agent"])
+    return found
+
+
+def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
+    found: dict[str, tuple[object, _Source]] = {}
+    for var in sorted(env):  # sorted: the same first error on every run
+        if not var.startswith(ENV_PREFIX) or var in NON_CONFIG_ENV_VARS:
+            continue
+        spec = _FIELDS_BY_ENV.get(var)
+        if spec is None:
+            close = difflib.get_close_matches(var, list(_FIELDS_BY_ENV), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(
+                f"env {var}: unknown variable{hint}; MOONCAKE_* variables must be config keys "
+                f"or one of {', '.join(sorted(NON_CONFIG_ENV_VARS))}"
+            )
+        found[spec.key] = (env[var], _Source(kind="env", detail=var))
+    return found
+
+
+def _read_overrides(overrides: Mapping[str, object]) -> dict[str, tuple[object, _Source]]:
+    found: dict[str, tuple[object, _Source]] = {}
+    for raw_key, value in overrides.items():
+        if value is None:
+            continue  # an argparse flag that was not given
+        key = raw_key.replace("-", "_")  # accept CLI spelling, agent.host-bytes
+        if key not in _FIELDS:
+            raise _unknown("override", raw_key, list(_FIELDS))
+        found[key] = (value, _Source(kind="override"))
+    return found
+
+
+def load_config(
+    *,
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Merge defaults < file < env < overrides into one validated :class:`Config`.
+
+    ``env=None`` reads ``os.environ``; an override whose value is None counts as not given.
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    layered: dict[str, tuple[object, _Source]] = {}
+    path, _ = _resolve_file(file, environ)
+    if path is not None:
+        layered.update(_read_file(path))
+    layered.update(_read_env(environ))
+    layered.update(_read_overrides(overrides or {}))
+
+    defaults = Config()
+    values: dict[str, object] = {}
+    sources: dict[str, _Source] = {}
+    for key, spec in _FIELDS.items():
+        if key in layered:
+            raw, source = layered[key]
+            values[key] = _check(spec, raw, source)
+            sources[key] = source
+        else:
+            holder = defaults if spec.section is None else getattr(defaults, spec.section)
+            values[key] = getattr(holder, spec.name)
+            sources[key] = _DEFAULT
+    # Checked here as well as in AgentConfig so the message can say where each of the two came from.
+    _check_heartbeat(
+        float(values["agent.heartbeat_interval_s"]),  # type: ignore[arg-type]
+        float(values["agent.heartbeat_ttl_s"]),  # type: ignore[arg-type]
+        sources["agent.heartbeat_interval_s"],
+        sources["agent.heartbeat_ttl_s"],
+        ttl_as_given=layered.get("agent.heartbeat_ttl_s", (None, _DEFAULT))[0],
+    )
+
+    _check_watermarks(
+        float(values["agent.low_watermark"]),  # type: ignore[arg-type]
+        float(values["agent.high_watermark"]),  # type: ignore[arg-type]
+        sources["agent.low_watermark"],
+    )
+
+    def section(name: str | None) -> dict[str, Any]:
+        return {spec.name: values[key] for key, spec in _FIELDS.items() if spec.section == name}
+
+    return Config(
+        **section(None),
+        client=ClientConfig(**section("client")),
+        agent=AgentConfig(**section("agent")),
+    )

@@ -1,0 +1,114 @@
+"""Parsing and printing of config values: sizes, HOST:PORT, URLs with their passwords hidden."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from urllib.parse import urlsplit, urlunsplit
+
+from mooncake_store.errors import ConfigError
+
+ENV_PREFIX = "MOONCAKE_"
+
+#: ``MOONCAKE_*`` variables that are read elsewhere and are not config keys. Any other ``MOONCAKE_*``
+#: variable that matches no key is an error, because it is almost always a misspelt key.
+NON_CONFIG_ENV_VARS: frozenset[str] = frozenset({"MOONCAKE_CONFIG", "MOONCAKE_REDIS_SERVER", "MOONCAKE_STATE_DIR"})
+
+#: Transports a client may be configured with (``inproc`` is implicit: it is always tried first).
+CONFIG_TRANSPORTS: tuple[str, ...] = ("shm", "tcp", "rdma")
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_SIZE_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)", re.IGNORECASE)
+_SIZE_EXAMPLES = "examples: 512MiB, 1GiB, 1073741824"
+# "i" means binary, everything else decimal, as in IEC and Kubernetes; so "10MB" is 10**7 bytes.
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    **{f"{p}": 1000**e for e, p in enumerate("kmgtpe", start=1)},
+    **{f"{p}b": 1000**e for e, p in enumerate("kmgtpe", start=1)},
+    **{f"{p}i": 1024**e for e, p in enumerate("kmgtpe", start=1)},
+    **{f"{p}ib": 1024**e for e, p in enumerate("kmgtpe", start=1)},
+}
+# Sizes travel as signed 64-bit integers (Redis integers, struct "q" in frames).
+_MAX_SIZE = (1 << 63) - 1
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_size(text: str | int, *, what: str = "size") -> int:
+    """Bytes in ``text``: ``"512MiB"``, ``"1.5GiB"``, ``"10MB"`` (decimal), ``"1073741824"`` or an int.
+
+    Units are case-insensitive; a fractional result is rounded down to whole bytes. ``what`` prefixes
+    the error message, so callers pass the key and layer the value came from.
+    """
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
+    if isinstance(text, int):
+        number = Decimal(text)
+    else:
+        stripped = text.strip()
+        if stripped.startswith("-"):
+            raise ConfigError(f"{what}={text!r}: a size cannot be negative")
+        match = _SIZE_RE.fullmatch(stripped)
+        unit = _SIZE_UNITS.get(match.group("unit").lower()) if match else None
+        if match is None or unit is None:
+            raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
+        try:
+            number = Decimal(match.group("num")) * unit
+        except InvalidOperation:  # pragma: no cover - the regex admits only plain decimals
+            raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})") from None
+    if number < 0:
+        raise ConfigError(f"{what}={text!r}: a size cannot be negative")
+    if number > _MAX_SIZE:
+        raise ConfigError(f"{what}={text!r}: larger than the limit of {_MAX_SIZE} B")
+    return int(number)
+
+
+def format_size(size_bytes: int) -> str:
+    """``"0 B"``, ``"1023 B"``, ``"512.0 MiB"``: binary units with one decimal, for messages and CLIs."""
+    if abs(size_bytes) < 1024:
+        return f"{size_bytes} B"
+    value = float(size_bytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        value /= 1024
+        # Compare the rounded value so 1048575 B reads "1.0 MiB", not "1024.0 KiB".
+        if abs(round(value, 1)) < 1024 or unit == "EiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` or ``"[V6]:PORT"`` as ``(host, port)``; :class:`ConfigError` if malformed."""
+    result = _parse_host_port(text)
+    if isinstance(result, str):
+        raise ConfigError(f"{text!r}: {result}")
+    return result
+
+
+def _parse_host_port(text: object) -> tuple[str, int] | str:
+    """``(host, port)``, or the problem with ``text``."""
+    if not isinstance(text, str):
+        return "expected HOST:PORT text, e.g. 127.0.0.1:0"
+    host, sep, port_text = text.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    # An unbracketed IPv6 address is ambiguous: is the last group the port or part of the address?
+    if not sep or not host or (":" in host and not bracketed):
+        return "expected HOST:PORT, e.g. 127.0.0.1:0 or [::1]:0"
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        return f"port {port_text!r} is not in 0..65535"
+    return host, int(port_text)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, so it can go into messages and logs."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        netloc = parts.netloc.rpartition("@")
+        user = parts.username or ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
+    except ValueError:
+        return url
