@@ -18,6 +18,7 @@ import pytest
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
+from mooncake_store.client.puts import PlannedPut
 from mooncake_store.config import AgentConfig
 from mooncake_store.index.client import PendingPut
 from mooncake_store.transport import frames
@@ -25,6 +26,24 @@ from mooncake_store.transport.frames import Op
 from mooncake_store.transport.tcp import TcpTransport, parse_endpoint
 
 SIZE = 64 << 10
+
+
+def _start_pending(client: Client, plan: PlannedPut) -> None:
+    """Phase one of a put (the PENDING record), as the client's write path does it."""
+    client.index.put_start(
+        [
+            PendingPut(
+                put_id=plan.put_id.hex(),
+                key=plan.key,
+                size_bytes=plan.size_bytes,
+                dtype=plan.dtype,
+                shape=plan.shape,
+                checksum=plan.checksum,
+                replicas=tuple(plan.replicas),
+            )
+        ],
+        ttl_ms=60_000,
+    )
 
 
 def _wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
@@ -172,20 +191,7 @@ def test_reaped_agent_does_not_free_reservations_of_puts_in_flight(
     puts = client._puts
     (plan,) = puts.plan({"a": np.full(SIZE, 0xAA, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
     nodes = puts._reserve([plan], 1, None)
-    client.index.put_start(
-        [
-            PendingPut(
-                put_id=plan.put_id.hex(),
-                key=plan.key,
-                size_bytes=plan.size_bytes,
-                dtype=plan.dtype,
-                shape=plan.shape,
-                checksum=plan.checksum,
-                replicas=tuple(plan.replicas),
-            )
-        ],
-        ttl_ms=60_000,
-    )
+    _start_pending(client, plan)
     # The agent stalls past its deadline and a peer reaps it (forced here: deadline 0, grace 0).
     r = client.index.redis
     r.zadd(client.index.prefix + "hb", {node_id: 0})
@@ -270,20 +276,7 @@ def test_commit_to_a_node_that_left_the_table_fails(
     puts = client._puts
     (plan,) = puts.plan({"late": np.full(SIZE, 0x5A, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
     puts._reserve([plan], 1, None)
-    client.index.put_start(
-        [
-            PendingPut(
-                put_id=plan.put_id.hex(),
-                key=plan.key,
-                size_bytes=plan.size_bytes,
-                dtype=plan.dtype,
-                shape=plan.shape,
-                checksum=plan.checksum,
-                replicas=tuple(plan.replicas),
-            )
-        ],
-        ttl_ms=60_000,
-    )
+    _start_pending(client, plan)
     agent.kill()  # dies for good: nobody revokes the pending record
     assert _wait_until(lambda: agent.node_id in client.index.reap_dead_nodes(grace_ms=0), 5.0)
     assert client.index.put_commit([plan.put_id.hex()]) == ["EXPIRED"]

@@ -17,41 +17,6 @@ local old_node = ARGV[2]
 local now = now_ms()
 local out = {}
 for i = 3, #ARGV - 3, 4 do
-  local key, old_alloc, guard = ARGV[i], ARGV[i + 1], ARGV[i + 3]
-  local ok = P .. 'o:' .. key
-  local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
-  local status = 'GONE'
-  if f[1] then
-    local reps = decode_list(f[1])
-    local new = cjson.decode(ARGV[i + 2])
-    local found, done = nil, false
-    for j, r in ipairs(reps) do
-      if r[1] == old_node and r[5] == old_alloc and r[6] == 'COMPLETE' then found = j end
-      -- Already swapped: this is a retry of a call whose reply was lost. Answer as the first call
-      -- did, or the caller would free a copy the index names.
-      if r[1] == new[1] and r[5] == new[5] then done = true end
-    end
-    if done then
-      status = 'OK'
-    elseif guard ~= '' and redis.call('DEL', P .. 'pend:' .. guard) == 0 then
-      status = 'EXPIRED'
-    elseif found then
-      if live_pins(key, now) > 0 then
-        status = 'PINNED'
-      else
-        new[6] = 'COMPLETE'
-        reps[found] = new
-        redis.call('HSET', ok, 'replicas', encode_list(reps))
-        redis.call('ZADD', P .. 'gc:' .. old_node, math.max(now, tonumber(f[2] or 0)), old_alloc)
-        local still_there = false
-        for _, r in ipairs(reps) do if r[1] == old_node then still_there = true end end
-        if not still_there then redis.call('SREM', P .. 'nobj:' .. old_node, key) end
-        redis.call('SADD', P .. 'nobj:' .. new[1], key)
-        redis.call('RPUSH', P .. 'acks:' .. new[1], new[5])
-        status = 'OK'
-      end
-    end
-  end
-  table.insert(out, status)
+  table.insert(out, swap_replica(ARGV[i], old_node, ARGV[i + 1], cjson.decode(ARGV[i + 2]), ARGV[i + 3], now))
 end
 return out

@@ -97,3 +97,32 @@ local function purge_node(node, max_keys)
   end
   return left
 end
+-- Compare-and-swap one replica of key from (old_node, old_alloc) to new (a decoded replica array)
+-- (DESIGN.md §3.4). guard: "" or the put id of the new location's reservation on another agent,
+-- whose record pend:<guard> that agent's sync deletes when the reservation times out. Returns "OK"
+-- (also for a retry whose first call swapped: the caller must not free a copy the index names),
+-- "GONE", "PINNED" or "EXPIRED" (the guard is gone: the new location may already be freed).
+local function swap_replica(key, old_node, old_alloc, new, guard, now)
+  local ok = P .. 'o:' .. key
+  local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
+  if not f[1] then return 'GONE' end
+  local reps = decode_list(f[1])
+  local found = nil
+  for i, r in ipairs(reps) do
+    if r[1] == new[1] and r[5] == new[5] then return 'OK' end
+    if r[1] == old_node and r[5] == old_alloc and r[6] == 'COMPLETE' then found = i end
+  end
+  if guard ~= '' and redis.call('DEL', P .. 'pend:' .. guard) == 0 then return 'EXPIRED' end
+  if not found then return 'GONE' end
+  if live_pins(key, now) > 0 then return 'PINNED' end
+  new[6] = 'COMPLETE'
+  reps[found] = new
+  redis.call('HSET', ok, 'replicas', encode_list(reps))
+  redis.call('ZADD', P .. 'gc:' .. old_node, math.max(now, tonumber(f[2] or 0)), old_alloc)
+  local still_there = false
+  for _, r in ipairs(reps) do if r[1] == old_node then still_there = true end end
+  if not still_there then redis.call('SREM', P .. 'nobj:' .. old_node, key) end
+  redis.call('SADD', P .. 'nobj:' .. new[1], key)
+  redis.call('RPUSH', P .. 'acks:' .. new[1], new[5])
+  return 'OK'
+end
