@@ -124,6 +124,7 @@ class EvictionCandidate:
     chain_pos: int  # -1 when the object is not part of a prefix chain
     dtype: str
     children: int = 0  # stored chunks whose chain parent this object is: evicting it would cut them off
+    other_nodes: tuple[str, ...] = ()  # nodes holding its other replicas: never a spill target
 
 
 def check_key(key: object) -> str:

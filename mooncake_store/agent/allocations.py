@@ -172,6 +172,20 @@ class AllocationTable:
                     count += 1
         return count
 
+    def drop_after_reap(self) -> None:
+        """After the node was reaped, in one step: committed objects are gone from the index, so
+        their memory is freed (or doomed while read); reservations of puts in flight only expire,
+        so the next sync revokes their pending records before freeing them."""
+        now = time.monotonic()
+        with self._lock:
+            for alloc in list(self._allocs.values()):
+                if alloc.state == AllocState.RESERVED:
+                    alloc.deadline = min(alloc.deadline, now)
+                elif alloc.readers > 0:
+                    alloc.doomed = True
+                else:
+                    self._release(alloc)
+
     def _release(self, alloc: Allocation) -> None:
         del self._allocs[alloc.alloc_id]
         self._allocator.free(alloc.offset)

@@ -314,9 +314,7 @@ class Agent:
         (a late commit then fails) before freeing them, so no commit can land on reused memory."""
         tables = [self.table] if self.gpu_table is None else [self.table, self.gpu_table]
         for table in tables:
-            reserved = set(table.reserved_deadlines())
-            table.expire_now(sorted(reserved))
-            table.free(sorted(table.known_ids() - reserved))
+            table.drop_after_reap()
         if self.disk is not None:
             self.free_allocations(sorted(self.disk_keys))
 

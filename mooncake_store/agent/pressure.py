@@ -169,7 +169,8 @@ class PressureManager:
             high_watermark=agent.config.high_watermark,
             spill=agent.config.spill_to_peers,
             planned_bytes=state.planned,
-            refused=state.refused,
+            # A node that holds another replica is no destination: two copies on one node are one.
+            refused=state.refused | set(victim.other_nodes),
         )
 
     def _demote_or_evict(self, job: SpillJob, move: Move) -> bool:
@@ -248,6 +249,26 @@ class PressureManager:
         self.count(TierKind.HOST, "demotions")
         return True
 
+    def _swap_to_host_block(self, key: str, old_alloc_id: int, offset: int, alloc_id: int, size_bytes: int) -> bool:
+        """Swap an object of this agent into a host block it already filled (and committed); the
+        block is freed unless the index names it afterwards, whatever the swap raised."""
+        agent = self.agent
+        try:
+            swapped = self._swap(
+                key,
+                old_alloc_id=old_alloc_id,
+                node_id=agent.node_id,
+                tier=TierKind.HOST,
+                offset=offset,
+                size_bytes=size_bytes,
+                alloc_id=alloc_id,
+            )
+        except MooncakeError:
+            swapped = self._index_names(key, alloc_id)
+        if not swapped:
+            agent.table.free([alloc_id])
+        return swapped
+
     def _index_names(self, key: str, alloc_id: int) -> bool:
         """Whether ``key`` lists this agent's ``alloc_id``; True when the index cannot say (a file
         kept for nothing is a bounded leak, a file dropped under a live replica is lost data)."""
@@ -321,18 +342,14 @@ class PressureManager:
             view = agent.arena.view(alloc.offset, victim.size_bytes)
             try:
                 gpu.read_to_host(location[0], view)
+            except Exception:
+                agent.table.free([alloc.alloc_id])
+                raise
             finally:
                 view.release()
-            if not self._swap(
-                victim.key,
-                old_alloc_id=victim.alloc_id,
-                node_id=agent.node_id,
-                tier=TierKind.HOST,
-                offset=alloc.offset,
-                size_bytes=victim.size_bytes,
-                alloc_id=alloc.alloc_id,
+            if not self._swap_to_host_block(
+                victim.key, victim.alloc_id, alloc.offset, alloc.alloc_id, victim.size_bytes
             ):
-                agent.table.free([alloc.alloc_id])
                 continue
             self.count(TierKind.GPU, "demotions")
             moved += victim.size_bytes
@@ -383,16 +400,7 @@ class PressureManager:
             view[:] = data
         finally:
             view.release()
-        if not self._swap(
-            key,
-            old_alloc_id=disk_id,
-            node_id=agent.node_id,
-            tier=TierKind.HOST,
-            offset=alloc.offset,
-            size_bytes=len(data),
-            alloc_id=alloc.alloc_id,
-        ):
-            agent.table.free([alloc.alloc_id])
+        if not self._swap_to_host_block(key, disk_id, alloc.offset, alloc.alloc_id, len(data)):
             return False
         self.count(TierKind.DISK, "promotions")
         return True

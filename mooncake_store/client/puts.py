@@ -52,6 +52,7 @@ class PlannedPut:
     chain_pos: int | None = None
     chain_parent: str | None = None
     tier: TierKind = TierKind.HOST
+    assigned: set[str] = field(default_factory=set)  # nodes this attempt placed a replica on
 
     @property
     def size_bytes(self) -> int:
@@ -137,6 +138,7 @@ class PutPath:
             for plan in plans:
                 plan.put_id = uuid.uuid4().bytes
                 plan.replicas = []
+                plan.assigned = set()
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:
@@ -222,6 +224,7 @@ class PutPath:
             for node in choose_replica_nodes(ranked, replicas):
                 free[node.node_id] = free.get(node.node_id, 0) - max(1, plan.size_bytes)
                 groups.setdefault((node.node_id, plan.tier), []).append(plan)
+                plan.assigned.add(node.node_id)
         try:
             for (node_id, tier), group in groups.items():
                 node = nodes[node_id]
@@ -253,7 +256,8 @@ class PutPath:
         client = self.client
         now = client._server_now_ms()
         for plan in group:
-            taken = {r.node_id for r in plan.replicas} | {failed_node}
+            # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
+            taken = {r.node_id for r in plan.replicas} | plan.assigned | {failed_node}
             errors: list[str] = []
             for node in self._candidates(plan, nodes, now=now, preferred_node=preferred_node):
                 if node.node_id in taken:
@@ -266,6 +270,7 @@ class PutPath:
                     errors.append(str(exc))
                     continue
                 plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
+                plan.assigned.add(node.node_id)
                 break
             else:
                 raise NoCapacity(

@@ -274,8 +274,9 @@ class RedisIndex:
                 chain_pos=int(flat[i + 6]),
                 dtype=flat[i + 7],
                 children=int(flat[i + 8]),
+                other_nodes=tuple(n for n in str(flat[i + 9]).split(",") if n),
             )
-            for i in range(0, len(flat), 9)
+            for i in range(0, len(flat), 10)
         ]
 
     def pending_graves(self, node_id: str, *, limit: int = 4096) -> list[int]:

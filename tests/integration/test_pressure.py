@@ -243,6 +243,23 @@ def test_move_replicas_swaps_each_entry_on_its_own(
     pin(client, "m/pinned")
     client.remove("m/gone")
 
+    # A registered node that no agent serves: the swap needs its target in the node table.
+    from mooncake_store.index.schema import encode_node
+    from mooncake_store.types import NodeInfo, TransportKind
+
+    ghost = NodeInfo(
+        node_id="elsewhere",
+        host="h",
+        host_id="h",
+        zone="z",
+        pid=1,
+        tcp_endpoint="127.0.0.1:9",
+        shm_name="",
+        transports=(TransportKind.TCP,),
+        tiers=(),
+    )
+    client.index.redis.hset(client.index.prefix + "nodes", "elsewhere", encode_node(ghost, "ghost"))
+
     def new_at(alloc_id: int) -> Replica:
         return Replica(
             node_id="elsewhere",
@@ -253,9 +270,7 @@ def test_move_replicas_swaps_each_entry_on_its_own(
             state=ReplicaState.COMPLETE,
         )
 
-    moves = [
-        (key, meta.replicas[0].alloc_id, new_at(7 + i), "") for i, (key, meta) in enumerate(old.items()) if meta
-    ]
+    moves = [(key, meta.replicas[0].alloc_id, new_at(7 + i), "") for i, (key, meta) in enumerate(old.items()) if meta]
     moves.append(("m/ok", 12345, new_at(99), ""))  # a stale old location: the object no longer holds it
     statuses = client.index.move_replicas(moves, old_node=node)
     assert statuses == ["OK", "PINNED", "GONE", "GONE"]

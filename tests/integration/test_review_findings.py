@@ -1,4 +1,5 @@
-"""Review findings: each test shows a breach of a DESIGN.md §3 invariant and is xfail(strict) until fixed.
+"""Review findings: each test showed a breach of a DESIGN.md §3 invariant before its fix, and now
+guards against its return.
 
 Some tests run the real Agent class in this process (its real server, allocation table, sync and
 index scripts against the session's real Redis) so that an interleaving can be placed exactly,

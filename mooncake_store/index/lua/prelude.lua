@@ -101,19 +101,24 @@ end
 -- (DESIGN.md §3.4). guard: "" or the put id of the new location's reservation on another agent,
 -- whose record pend:<guard> that agent's sync deletes when the reservation times out. Returns "OK"
 -- (also for a retry whose first call swapped: the caller must not free a copy the index names),
--- "GONE", "PINNED" or "EXPIRED" (the guard is gone: the new location may already be freed).
+-- "GONE", "PINNED", "EXPIRED" (the guard is gone: the new location may already be freed; or the
+-- new node left the node table) or "DUP" (the new node already holds another replica: two copies
+-- on one node would be one).
 local function swap_replica(key, old_node, old_alloc, new, guard, now)
   local ok = P .. 'o:' .. key
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
   if not f[1] then return 'GONE' end
   local reps = decode_list(f[1])
-  local found = nil
+  local found, dup = nil, false
   for i, r in ipairs(reps) do
     if r[1] == new[1] and r[5] == new[5] then return 'OK' end
-    if r[1] == old_node and r[5] == old_alloc and r[6] == 'COMPLETE' then found = i end
+    if r[1] == old_node and r[5] == old_alloc and r[6] == 'COMPLETE' then found = i
+    elseif r[1] == new[1] then dup = true end
   end
   if guard ~= '' and redis.call('DEL', P .. 'pend:' .. guard) == 0 then return 'EXPIRED' end
+  if redis.call('HEXISTS', P .. 'nodes', new[1]) == 0 then return 'EXPIRED' end
   if not found then return 'GONE' end
+  if dup then return 'DUP' end
   if live_pins(key, now) > 0 then return 'PINNED' end
   new[6] = 'COMPLETE'
   reps[found] = new

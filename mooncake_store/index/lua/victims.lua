@@ -1,9 +1,9 @@
 -- victims: a sample of the objects with a replica on one node's tier, with what eviction weighs.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] tier, [4] sample size
--- Returns: a flat list, 9 fields per candidate:
+-- Returns: a flat list, 10 fields per candidate:
 --   key, size, last_access ms, lease_until ms, live pins, alloc id, chain position (-1: none), dtype,
---   stored children in its prefix chain
+--   stored children in its prefix chain, the other nodes holding a replica (comma-separated)
 -- Sampling (SRANDMEMBER) bounds the work per call like Redis's own approximate LRU; the pure policy
 -- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
 -- count) so the policy, not this script, owns the rule.
@@ -14,7 +14,12 @@ local out = {}
 for _, key in ipairs(keys) do
   local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype')
   if f[1] then
-    for _, r in ipairs(decode_list(f[4])) do
+    local reps = decode_list(f[4])
+    local others = {}
+    for _, r in ipairs(reps) do
+      if r[1] ~= node then table.insert(others, r[1]) end
+    end
+    for _, r in ipairs(reps) do
       if r[1] == node and r[2] == tier and r[6] == 'COMPLETE' then
         local pins = live_pins(key, now)
         table.insert(out, key)
@@ -26,6 +31,7 @@ for _, key in ipairs(keys) do
         table.insert(out, f[5] or -1)
         table.insert(out, f[6] or '|u1')
         table.insert(out, children_of(key))
+        table.insert(out, table.concat(others, ','))
       end
     end
   end
