@@ -8,15 +8,18 @@ stopped by its PID; every socket is on loopback. Worker functions run in process
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import platform
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -482,6 +485,34 @@ def as_jsonable(obj: Any) -> Any:
     if isinstance(obj, float | np.floating):
         return round(float(obj), 4)
     return obj
+
+
+def emit_report(
+    title: str,
+    setting: str,
+    table: str,
+    verdicts_heading: str,
+    verdicts: list[str],
+    *,
+    json_path: Path | None,
+    payload: dict[str, Any],
+) -> dict[str, Any]:
+    """Print a benchmark's markdown report (machine line, table, verdicts) and write its raw JSON;
+    returns the machine description it printed."""
+    info = machine_info()
+    print(
+        f"## mooncake-store {title}\n\nmachine: {info.get('cpu', '?')}, {info['cpus']} CPUs, "
+        f"Python {info['python']}, kernel {info['kernel']}; {setting}\n"
+    )
+    print(table)
+    print(f"\n### {verdicts_heading}\n")
+    for verdict in verdicts:
+        print(f"- {verdict}")
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(as_jsonable({"machine": info, **payload}), indent=1))
+        print(f"\nraw figures written to {json_path}", file=sys.stderr)
+    return info
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -67,8 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     GB,
     MiB,
-    as_jsonable,
-    machine_info,
+    emit_report,
     markdown_table,
     raw_tcp_server,
     raw_tcp_worker,
@@ -861,22 +859,17 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):
         df = subprocess.run(["df", "-T", str(base.parent)], capture_output=True, text=True, timeout=10).stdout
         fs = df.splitlines()[1].split()[1]
-    info = machine_info()
-    print(
-        f"## mooncake-store tiers benchmark\n\nmachine: {info.get('cpu', '?')}, {info['cpus']} CPUs, "
-        f"Python {info['python']}, kernel {info['kernel']}; disk-tier files on {fs} ({base.parent}); "
-        f"{args.repeat} run(s), {'quick' if args.quick else 'full'}, {time.monotonic() - started:.0f} s\n"
-    )
     table, verdicts = report(runs, kv_info)
-    print(table)
-    print("\n### Targets and decisions\n")
-    for v in verdicts:
-        print(f"- {v}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": info, "quick": args.quick, "kv": kv_info, "filesystem": fs, "runs": runs}
-        args.json.write_text(json.dumps(as_jsonable(payload), indent=1))
-        print(f"\nraw figures written to {args.json}", file=sys.stderr)
+    emit_report(
+        "tiers benchmark",
+        f"disk-tier files on {fs} ({base.parent}); {args.repeat} run(s), "
+        f"{'quick' if args.quick else 'full'}, {time.monotonic() - started:.0f} s",
+        table,
+        "Targets and decisions",
+        verdicts,
+        json_path=args.json,
+        payload={"quick": args.quick, "kv": kv_info, "filesystem": fs, "runs": runs},
+    )
     return 0
 
 

@@ -12,7 +12,6 @@ limit: memcpy of the same size for shm, single-connection raw TCP of the same si
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     SIZES,
     MiB,
-    as_jsonable,
-    machine_info,
+    emit_report,
     markdown_table,
     measure_limits,
     run_in_process,
@@ -196,21 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeat):
         print(f"run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
         runs.append(run_once(sizes, quick=args.quick, host_bytes=args.host_bytes))
-    info = machine_info()
-    print(
-        f"## mooncake-store transfer benchmark\n\nmachine: {info.get('cpu', '?')}, {info['cpus']} CPUs, "
-        f"Python {info['python']}, kernel {info['kernel']}; {args.repeat} run(s), "
-        f"{'quick' if args.quick else 'full'} loops, {time.monotonic() - started:.0f} s\n"
-    )
     table, verdicts = report(runs, sizes)
-    print(table)
-    print("\n### Targets\n")
-    for v in verdicts:
-        print(f"- {v}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(as_jsonable({"machine": info, "quick": args.quick, "runs": runs}), indent=1))
-        print(f"\nraw figures written to {args.json}", file=sys.stderr)
+    emit_report(
+        "transfer benchmark",
+        f"{args.repeat} run(s), {'quick' if args.quick else 'full'} loops, {time.monotonic() - started:.0f} s",
+        table,
+        "Targets",
+        verdicts,
+        json_path=args.json,
+        payload={"quick": args.quick, "runs": runs},
+    )
     return 0
 
 

@@ -68,7 +68,6 @@ class ObjectMeta:
     checksum: int
     replicas: tuple[Replica, ...]
     version: int = 0
-    refcount: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from mooncake_store import Client, LocalCluster, connect
+from mooncake_store.agent.node import Agent
+from mooncake_store.config import AgentConfig
 from mooncake_store.embedded import EmbeddedServer
 
 
@@ -39,7 +42,10 @@ def make_cluster(redis_url: str) -> Iterator[Callable[..., LocalCluster]]:
     def make(num_agents: int = 2, **kwargs: object) -> LocalCluster:
         kwargs.setdefault("host_bytes", 64 << 20)
         cluster = LocalCluster(
-            num_agents, redis_url=redis_url, namespace=f"t-{uuid.uuid4().hex[:10]}", **kwargs  # type: ignore[arg-type]
+            num_agents,
+            redis_url=redis_url,
+            namespace=f"t-{uuid.uuid4().hex[:10]}",
+            **kwargs,  # type: ignore[arg-type]
         )
         clusters.append(cluster)
         return cluster.start()
@@ -83,3 +89,29 @@ def shared_cluster(redis_server: EmbeddedServer) -> Iterator[LocalCluster]:
 @pytest.fixture
 def shared_client(shared_cluster: LocalCluster, make_client: Callable[..., Client]) -> Client:
     return make_client(shared_cluster)
+
+
+@pytest.fixture
+def make_inproc_agent(redis_url: str) -> Iterator[Callable[..., Agent]]:
+    """Real Agents in the test process, each in a namespace of its own, whose sync runs only when a
+    test (or a server thread) calls it: for placing an interleaving exactly. All stopped at the end."""
+    agents: list[Agent] = []
+
+    def make(**overrides: Any) -> Agent:
+        settings: dict[str, Any] = {
+            "node_id": f"rv-{uuid.uuid4().hex[:6]}",
+            "host_bytes": 4 << 20,
+            "sync_interval_s": 3600.0,  # the sync loop never fires on its own
+            "reserve_timeout_s": 0.5,
+            "prefault": False,
+            "spill_to_peers": False,
+        }
+        settings.update(overrides)
+        agent = Agent(AgentConfig(**settings), redis_url=redis_url, namespace=f"t-{uuid.uuid4().hex[:10]}")
+        agents.append(agent)
+        agent.start()
+        return agent
+
+    yield make
+    for agent in agents:
+        agent.stop()

@@ -191,7 +191,8 @@ class AllocationTable:
         self._allocator.free(alloc.offset)
 
     def begin_write(self, alloc_id: int, offset: int, length: int) -> bool:
-        """Like check_write, and fences the allocation: a free while the bytes arrive only marks it
+        """A write must land inside a live reservation (committed bytes are never rewritten); it
+        also fences the allocation: a free while the bytes arrive only marks it
         doomed, so a slow writer never lands in a block that was handed to another object."""
         with self._lock:
             alloc = self._allocs.get(alloc_id)
@@ -218,18 +219,6 @@ class AllocationTable:
                 self._release(alloc)
                 return False
             return not alloc.doomed
-
-    def check_write(self, alloc_id: int, offset: int, length: int) -> bool:
-        """A write must land inside a live reservation: committed bytes are never rewritten."""
-        with self._lock:
-            alloc = self._allocs.get(alloc_id)
-            return (
-                alloc is not None
-                and alloc.state == AllocState.RESERVED
-                and not alloc.doomed
-                and alloc.offset <= offset
-                and offset + length <= alloc.offset + alloc.length
-            )
 
     def begin_read(self, alloc_id: int, offset: int, length: int) -> bool:
         """Register a reader of [offset, offset+length) if that range belongs to the allocation.

@@ -349,7 +349,6 @@ class Agent:
         put_ids_hex = [p.hex() for p in put_ids]
         result = self.index.agent_sync(self.node_id, expired_put_ids=put_ids_hex)
         plan = plan_sync(
-            reserved=deadlines.keys(),
             expired=expired,
             expired_status=result.expired_status,
             acked=result.acked_alloc_ids,

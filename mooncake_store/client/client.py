@@ -22,6 +22,7 @@ from mooncake_store.errors import (
     ObjectPinned,
 )
 from mooncake_store.index import RedisIndex
+from mooncake_store.tiers.gpu import is_device_array
 from mooncake_store.transport.shm import ShmTransport, local_host_id
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import (
@@ -195,7 +196,7 @@ class Client:
         intermediate copy; returns the bytes written. ``out`` must hold at least the object's size.
         A device array (cupy, CUDA torch tensor) is filled device-to-device where the object is in a
         same-host GPU tier, and host-to-device straight from a same-host arena otherwise."""
-        if hasattr(out, "__cuda_array_interface__"):
+        if is_device_array(out):
             from mooncake_store.client import device as gpu  # lazy: needs cupy
 
             meta, _ = gpu.read_to_device(self, check_key(key), out=out)

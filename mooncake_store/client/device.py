@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mooncake_store.client.gets import LEASE_SAFETY
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
 from mooncake_store.tiers.gpu import GpuSegment, device_pointer, empty_device_array, host_pointer, memcpy
 from mooncake_store.transport.tcp import ReadRequest
@@ -90,10 +91,6 @@ class GpuSegments:
             seg.close()
 
 
-def new_device_buffer(nbytes: int, device: str | int) -> Any:
-    return empty_device_array(nbytes, device)
-
-
 def read_to_device(
     client: Client, key: str, *, out: Any = None, device: str | int | None = None
 ) -> tuple[ObjectMeta, Any]:
@@ -105,10 +102,11 @@ def read_to_device(
     last_error: MooncakeError | None = None
     for attempt in range(config.max_retries + 1):
         started = time.monotonic()
-        meta = client.index.lookup([key], lease_ms=config.lease_ms).objects[0]
+        result = client.index.lookup([key], lease_ms=config.lease_ms)
+        meta = result.objects[0]
         if meta is None:
             raise KeyNotFound(f"key {key!r} not found (no complete replica on a live node)")
-        target = out if out is not None else new_device_buffer(meta.size_bytes, device if device is not None else 0)
+        target = out if out is not None else empty_device_array(meta.size_bytes, device if device is not None else 0)
         pointer, capacity = device_pointer(target)
         if capacity < meta.size_bytes:
             raise InvalidValue(f"out holds {capacity} B but key {key!r} is {meta.size_bytes} B")
@@ -118,14 +116,9 @@ def read_to_device(
         except (TransferError, ConnectError) as exc:
             last_error = exc
             continue
-        if time.monotonic() - started > 0.8 * config.lease_ms / 1000 and source is not None:
-            again = client.index.lookup([key], lease_ms=0).objects[0]
-            if (
-                again is None
-                or again.version != meta.version
-                or not any(r.node_id == source.node_id and r.alloc_id == source.alloc_id for r in again.replicas)
-            ):
-                continue
+        budget_s = LEASE_SAFETY * result.lease_left_ms(config.lease_ms) / 1000
+        if time.monotonic() - started > budget_s and client._gets.outlived_lease([key], [meta], {0: source}, [0]):
+            continue  # the replica read may have been freed meanwhile: read again
         return meta, target
     raise last_error or TransferError(f"could not read {key!r} into device memory: its replicas kept moving")
 

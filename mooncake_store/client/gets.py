@@ -42,10 +42,7 @@ class GetPath:
             result = self.client.index.lookup([keys[i] for i in pending], lease_ms=self.client.config.lease_ms)
             # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
             # ones); the reads are budgeted against the shortest one this batch got.
-            lease_left_ms = min(
-                (u - result.now_ms for u, m in zip(result.lease_until_ms, result.objects, strict=True) if m),
-                default=self.client.config.lease_ms,
-            )
+            lease_left_ms = result.lease_left_ms(self.client.config.lease_ms)
             targets: list[tuple[int, ObjectMeta, memoryview]] = []
             for i, meta in zip(pending, result.objects, strict=True):
                 metas[i] = meta
@@ -65,7 +62,7 @@ class GetPath:
             last_error = error or last_error
             done = [i for i, _, _ in targets if i not in retry]
             if done and time.monotonic() - started > LEASE_SAFETY * lease_left_ms / 1000:
-                retry += self._outlived_lease(keys, metas, used, done)
+                retry += self.outlived_lease(keys, metas, used, done)
             if not retry:
                 return metas, buffers
             pending = sorted(retry)
@@ -174,7 +171,7 @@ class GetPath:
         )
         return reachable
 
-    def _outlived_lease(
+    def outlived_lease(
         self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
     ) -> list[int]:
         """A read that outlived its lease may have raced a free: keep only the objects that still

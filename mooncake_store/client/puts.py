@@ -28,6 +28,7 @@ from mooncake_store.errors import (
 )
 from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
+from mooncake_store.tiers.gpu import is_device_array
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, check_key
 
 if TYPE_CHECKING:
@@ -67,6 +68,20 @@ class PlannedPut:
     def shape(self) -> tuple[int, ...]:
         return self.source.shape
 
+    def pending(self) -> PendingPut:
+        """The index record of this put between reserve and commit."""
+        return PendingPut(
+            put_id=self.put_id.hex(),
+            key=self.key,
+            size_bytes=self.size_bytes,
+            dtype=self.dtype,
+            shape=self.shape,
+            checksum=self.checksum,
+            replicas=tuple(self.replicas),
+            chain_pos=self.chain_pos,
+            chain_parent=self.chain_parent,
+        )
+
 
 class PutPath:
     def __init__(self, client: Client) -> None:
@@ -85,7 +100,7 @@ class PutPath:
         for key, value in items.items():
             check_key(key)
             tier = TierKind.HOST
-            if hasattr(value, "__cuda_array_interface__"):
+            if is_device_array(value):
                 from mooncake_store.client import device  # lazy: only device arrays need it
 
                 if gpu_here is None:
@@ -146,23 +161,7 @@ class PutPath:
         nodes = self._reserve(plans, replicas, preferred_node)
         started = False
         try:
-            client.index.put_start(
-                [
-                    PendingPut(
-                        put_id=p.put_id.hex(),
-                        key=p.key,
-                        size_bytes=p.size_bytes,
-                        dtype=p.dtype,
-                        shape=p.shape,
-                        checksum=p.checksum,
-                        replicas=tuple(p.replicas),
-                        chain_pos=p.chain_pos,
-                        chain_parent=p.chain_parent,
-                    )
-                    for p in plans
-                ],
-                ttl_ms=int(client.config.timeout_s * 1000 * 3),
-            )
+            client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))
             started = True
             for plan in plans:
                 for replica in plan.replicas:

@@ -48,6 +48,14 @@ class LookupResult:
     objects: list[ObjectMeta | None]
     lease_until_ms: list[int]
 
+    def lease_left_ms(self, default_ms: int) -> int:
+        """The shortest lease this lookup granted among the objects found (``default_ms`` if none):
+        the time its reads may take before they must be checked against the index again."""
+        return min(
+            (u - self.now_ms for u, m in zip(self.lease_until_ms, self.objects, strict=True) if m),
+            default=default_ms,
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncResult:

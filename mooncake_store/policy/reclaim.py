@@ -20,7 +20,6 @@ def expired_reservations(reserved_deadlines: Mapping[int, float], now: float) ->
 
 def plan_sync(
     *,
-    reserved: Iterable[int],
     expired: Sequence[int],
     expired_status: Sequence[str],
     acked: Iterable[int],
@@ -37,7 +36,6 @@ def plan_sync(
     """
     # Every ack of an allocation the agent holds commits it, even one reserved after the sync took
     # its snapshot: the ack is drained by this sync and will not come again.
-    del reserved
     acked_set = set(acked) & set(known)
     commit = tuple(sorted(acked_set))
     free: list[int] = []

@@ -57,12 +57,6 @@ class ShmTransport:
     def write_from(self, shm_name: str, arena_bytes: int, offset: int, src: memoryview) -> None:
         copy_bytes(self.segment(shm_name, arena_bytes).view(offset, len(src)), src)
 
-    def forget(self, shm_name: str) -> None:
-        with self._lock:
-            seg = self._segments.pop(shm_name, None)
-        if seg is not None:
-            seg.close()
-
     def close(self) -> None:
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}

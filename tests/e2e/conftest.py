@@ -23,7 +23,7 @@ def mooncake_bin() -> str:
     beside = Path(sys.executable).parent / "mooncake"
     found = str(beside) if beside.exists() else shutil.which("mooncake")
     if not found:
-        pytest.skip("the mooncake console script is not installed (pip install -e .)")
+        pytest.fail("the mooncake console script is not installed: the package did not install it")
     return found
 
 

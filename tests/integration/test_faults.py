@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError, TransferError
 from mooncake_store.tiers.host import SHM_DIR
@@ -24,28 +25,17 @@ WRITER = textwrap.dedent(
     import sys, time
     import numpy as np
     from mooncake_store import connect
-    from mooncake_store.index.client import PendingPut
 
     client = connect(sys.argv[1], namespace=sys.argv[2], transports=(sys.argv[3],))
     (plan,) = client._puts.plan({"doomed": np.full(8 << 20, 7, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
     nodes = client._puts._reserve([plan], 1, None)
-    client.index.put_start([PendingPut(put_id=plan.put_id.hex(), key=plan.key, size_bytes=plan.size_bytes,
-        dtype=plan.dtype, shape=plan.shape, checksum=plan.checksum, replicas=tuple(plan.replicas))], ttl_ms=60000)
+    client.index.put_start([plan.pending()], ttl_ms=60000)
     for r in plan.replicas:
         client._puts._write_replica(nodes[r.node_id], r, plan)
     print("RESERVED", flush=True)
     time.sleep(600)
     """
 )
-
-
-def _wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -64,7 +54,7 @@ def test_writer_killed_between_reserve_and_commit(
         line = writer.stdout.readline()
         assert line.strip() == b"RESERVED", writer.stderr.read() if writer.stderr else b""
         # The space is taken while the writer lives (the heartbeat publishes it within a second).
-        assert _wait_until(lambda: client.stat().used_bytes >= 8 << 20, 5.0)
+        assert wait_until(lambda: client.stat().used_bytes >= 8 << 20, 5.0)
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait(timeout=10)
     finally:
@@ -76,7 +66,7 @@ def test_writer_killed_between_reserve_and_commit(
                 stream.close()
     assert not client.exists("doomed")
     # Reclaimed after the 1 s reservation timeout (plus a sync and a heartbeat to publish it).
-    assert _wait_until(lambda: client.stat().used_bytes == 0, 6.0)
+    assert wait_until(lambda: client.stat().used_bytes == 0, 6.0)
     assert not client.exists("doomed")
     with pytest.raises(KeyNotFound):
         client.get("doomed")
@@ -104,13 +94,13 @@ def test_agent_killed_single_replica_fails_cleanly(
             assert int(got[0]) == i  # never wrong bytes
         except (KeyNotFound, TransferError):
             pass
-    assert _wait_until(lambda: not client.exists("on-a0/0"), 5.0)
+    assert wait_until(lambda: not client.exists("on-a0/0"), 5.0)
     for i in range(10):
         with pytest.raises(KeyNotFound):
             client.get(f"on-a0/{i}")
     assert time.monotonic() - start < 15.0  # no hang past the timeouts
     # The reaper (run by the surviving agent) removes the dead node and its records.
-    assert _wait_until(lambda: "agent-0" not in client.index.nodes(), 8.0)
+    assert wait_until(lambda: "agent-0" not in client.index.nodes(), 8.0)
     assert client.index.list_keys("on-a0/*") == []
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError, TransferError
 
@@ -32,15 +33,6 @@ def replica_nodes(client: Client, key: str) -> list[tuple[str, str]]:
     meta = client.object_meta(key)
     assert meta is not None, key
     return [(r.node_id, str(r.tier)) for r in meta.replicas]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_spill_to_peer_keeps_everything_readable(

@@ -70,7 +70,8 @@ def test_buffer_kinds_round_trip(client: Client) -> None:
 
 
 def test_torch_tensor_round_trip(client: Client) -> None:
-    torch = pytest.importorskip("torch", reason="torch is not installed (extra 'hf'): CPU tensor path untested")
+    import torch
+
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         tensor = torch.arange(64, dtype=torch.float32).reshape(8, 8).to(dtype)
         client.put(f"torch/{dtype}", tensor)

@@ -9,14 +9,11 @@ import sys
 import textwrap
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch", reason="torch is not installed: pip install 'mooncake-store[hf]'")
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed: pip install 'mooncake-store[hf]'"
-)
-
-from mooncake_store import Client, LocalCluster, PrefixCache  # noqa: E402
-from mooncake_store.integrations.transformers import (  # noqa: E402
+from mooncake_store import Client, LocalCluster, PrefixCache
+from mooncake_store.integrations.transformers import (
     cache_kwargs,
     kv_namespace,
     load_prefix,

@@ -281,9 +281,7 @@ def test_bad_env_value_names_var_value_and_problem(var: str, value: str, fragmen
 def test_env_error_matches_documented_example() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env={"MOONCAKE_AGENT_HOST_BYTES": "12x"})
-    assert str(info.value) == (
-        "env MOONCAKE_AGENT_HOST_BYTES='12x': not a size (examples: 512MiB, 1GiB, 1073741824)"
-    )
+    assert str(info.value) == ("env MOONCAKE_AGENT_HOST_BYTES='12x': not a size (examples: 512MiB, 1GiB, 1073741824)")
 
 
 def test_redis_url_password_is_redacted_in_errors() -> None:

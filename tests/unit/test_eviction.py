@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from mooncake_store.policy.eviction import MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
+from typing import Any
+
+from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
 from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind, TierUsage, TransportKind
 
 MiB = 1 << 20
@@ -37,6 +39,22 @@ def peer(node_id: str, *, used: int, capacity: int = 100 * MiB, zone: str = "z1"
     )
 
 
+def move_of(peers: list[NodeInfo], **overrides: Any) -> Move:
+    """choose_move for a 1 MiB host-tier victim on node "me" in zone z1 at the 0.9 watermark."""
+    args: dict[str, Any] = {
+        "tier": TierKind.HOST,
+        "node_id": "me",
+        "zone": "z1",
+        "lower_tier": None,
+        "lower_free_bytes": 0,
+        "peers": peers,
+        "now_ms": NOW,
+        "high_watermark": 0.9,
+    }
+    args.update(overrides)
+    return choose_move(MiB, **args)
+
+
 def test_bytes_to_free() -> None:
     assert bytes_to_free(80, 100, high=0.9, low=0.75) == 0
     assert bytes_to_free(95, 100, high=0.9, low=0.75) == 20
@@ -64,17 +82,7 @@ def test_chain_tails_first_among_equally_cold() -> None:
 
 
 def test_demote_when_the_lower_tier_has_room() -> None:
-    move = choose_move(
-        MiB,
-        tier=TierKind.HOST,
-        node_id="me",
-        zone="z1",
-        lower_tier=TierKind.DISK,
-        lower_free_bytes=2 * MiB,
-        peers=[peer("p", used=0)],
-        now_ms=NOW,
-        high_watermark=0.9,
-    )
+    move = move_of([peer("p", used=0)], lower_tier=TierKind.DISK, lower_free_bytes=2 * MiB)
     assert move.kind == MoveKind.DEMOTE and move.tier == TierKind.DISK
 
 
@@ -86,46 +94,15 @@ def test_spill_to_the_roomiest_peer_same_zone_first() -> None:
         peer("near-roomy", used=10 * MiB),
         peer("dead", used=0, alive=False),
     ]
-    move = choose_move(
-        MiB,
-        tier=TierKind.HOST,
-        node_id="me",
-        zone="z1",
-        lower_tier=None,
-        lower_free_bytes=0,
-        peers=peers,
-        now_ms=NOW,
-        high_watermark=0.9,
-    )
+    move = move_of(peers)
     assert move.kind == MoveKind.SPILL and move.node_id == "near-roomy"
 
 
 def test_never_push_a_peer_past_its_high_watermark_then_evict() -> None:
     peers = [peer("p", used=89 * MiB + MiB // 2)]
-    move = choose_move(
-        MiB,
-        tier=TierKind.HOST,
-        node_id="me",
-        zone="z1",
-        lower_tier=None,
-        lower_free_bytes=0,
-        peers=peers,
-        now_ms=NOW,
-        high_watermark=0.9,
-    )
+    move = move_of(peers)
     assert move.kind == MoveKind.EVICT
-    no_spill = choose_move(
-        MiB,
-        tier=TierKind.HOST,
-        node_id="me",
-        zone="z1",
-        lower_tier=None,
-        lower_free_bytes=0,
-        peers=[peer("p", used=0)],
-        now_ms=NOW,
-        high_watermark=0.9,
-        spill=False,
-    )
+    no_spill = move_of([peer("p", used=0)], spill=False)
     assert no_spill.kind == MoveKind.EVICT
 
 
@@ -138,15 +115,5 @@ def test_next_tier() -> None:
 def test_a_peer_is_judged_by_its_own_published_watermark() -> None:
     roomy_rule = peer("p", used=60 * MiB)
     roomy_rule.labels["high_watermark"] = "0.95"
-    move = choose_move(
-        MiB,
-        tier=TierKind.HOST,
-        node_id="me",
-        zone="z1",
-        lower_tier=None,
-        lower_free_bytes=0,
-        peers=[roomy_rule],
-        now_ms=NOW,
-        high_watermark=0.5,
-    )
+    move = move_of([roomy_rule], high_watermark=0.5)
     assert move.kind == MoveKind.SPILL  # 61 MiB is under the peer's 95 %, though over our 50 %

@@ -23,8 +23,6 @@ from mooncake_store.tiers.host import SHM_DIR, HostArena, SharedSegment, segment
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
-
 
 @pytest.fixture
 def shm_name() -> Iterator[str]:

@@ -110,7 +110,6 @@ def test_expired_reservations() -> None:
 
 def test_plan_sync_rules() -> None:
     plan = plan_sync(
-        reserved=[1, 2, 3, 4, 5],
         expired=[2, 3, 4],
         expired_status=["R", "G", "G"],
         acked=[1, 4, 99],
@@ -133,5 +132,5 @@ def test_projected_free_space_spreads_a_batch() -> None:
 def test_an_ack_commits_even_a_reservation_newer_than_the_snapshot() -> None:
     # The whole put (reserve, write, commit) landed between the sync's snapshot and its round trip:
     # the ack is drained now and never comes again, so it must commit.
-    plan = plan_sync(reserved=[], expired=[], expired_status=[], acked=[42], graves=[], known=[42])
+    plan = plan_sync(expired=[], expired_status=[], acked=[42], graves=[], known=[42])
     assert plan.commit == (42,) and plan.free == ()
