@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.pressure import PressureManager
-from mooncake_store.agent.server import AgentServer
+from mooncake_store.agent.server import TIER_DISK, TIER_GPU, AgentServer
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
@@ -56,6 +57,12 @@ class Agent:
                 DiskTier(Path(config.disk_path) / self.node_id, config.disk_bytes) if config.disk_bytes else None
             )
             self.disk_keys: dict[int, str] = {}  # disk alloc id -> key, for promotion
+            # Chunk files that peers spill onto this disk tier, until their swaps are acked.
+            self.inbox = (
+                DiskInbox(self.disk, reserve_timeout_s=config.reserve_timeout_s, ids=self.table.ids)
+                if self.disk is not None
+                else None
+            )
             self.gpu: GpuArena | None = None
             self.gpu_table: AllocationTable | None = None
             if config.gpu_bytes:
@@ -153,7 +160,9 @@ class Agent:
         self.pressure.count(TierKind.GPU, "reads")
         return data
 
-    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]]) -> list[Any] | None:
+    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
+        if tier == TIER_DISK:
+            return self.inbox.reserve(requests) if self.inbox is not None and spill else None
         if self.gpu_table is None:
             return None
         allocs = self.gpu_table.reserve(requests)
@@ -162,11 +171,15 @@ class Agent:
         return allocs
 
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
+        if self.inbox is not None and alloc_id in self.inbox:
+            return self.inbox.staging(alloc_id, offset, length)
         if self.gpu_table is None or not self.gpu_table.begin_write(alloc_id, offset, length):
             return None
         return bytearray(length)
 
     def other_tier_written(self, alloc_id: int, offset: int, data: bytearray | None) -> bool:
+        if self.inbox is not None and alloc_id in self.inbox:
+            return self.inbox.written(alloc_id, data)
         assert self.gpu is not None and self.gpu_table is not None
         try:
             if data is not None:
@@ -201,14 +214,23 @@ class Agent:
     def no_room(self, size_bytes: int) -> None:
         self.pressure.want_room(size_bytes)
 
-    def spilled_in(self, count: int) -> None:
-        self.pressure.count(TierKind.HOST, "spills_in", count)
+    def spilled_in(self, count: int, tier: int) -> None:
+        kind = TierKind.DISK if tier == TIER_DISK else TierKind.GPU if tier == TIER_GPU else TierKind.HOST
+        self.pressure.count(kind, "spills_in", count)
+
+    def expire_other_tiers(self, alloc_ids: list[int]) -> int:
+        expired = 0
+        for table in self._tables()[1:]:
+            expired += table.expire_now(alloc_ids)
+        return expired
 
     def free_allocations(self, alloc_ids: list[int] | tuple[int, ...]) -> None:
         """Free ids of any tier: disk files by id, the rest in the host table."""
         host_ids, gpu_ids = [], []
         for alloc_id in alloc_ids:
-            if self.disk is not None and alloc_id in self.disk:
+            if self.inbox is not None and alloc_id in self.inbox:
+                self.inbox.free([alloc_id])
+            elif self.disk is not None and alloc_id in self.disk:
                 self.disk.remove(alloc_id)
                 self.disk_keys.pop(alloc_id, None)
             elif self.gpu_table is not None and alloc_id in self.gpu_table:
@@ -312,18 +334,24 @@ class Agent:
         """After being reaped: committed objects are gone from the index, so their memory is free.
         Reservations of puts in flight are only expired: the next sync revokes their pending records
         (a late commit then fails) before freeing them, so no commit can land on reused memory."""
-        tables = [self.table] if self.gpu_table is None else [self.table, self.gpu_table]
-        for table in tables:
+        for table in self._tables():
             table.drop_after_reap()
         if self.disk is not None:
             self.free_allocations(sorted(self.disk_keys))
 
-    def _known_ids(self) -> set[int]:
-        ids = self.table.known_ids()
+    def _tables(self) -> list[AllocationTable]:
+        """Every table of reservations, the host tier's first."""
+        tables = [self.table]
         if self.gpu_table is not None:
-            ids |= self.gpu_table.known_ids()
-        if self.disk is not None:
-            ids |= set(self.disk_keys)
+            tables.append(self.gpu_table)
+        if self.inbox is not None:
+            tables.append(self.inbox.table)
+        return tables
+
+    def _known_ids(self) -> set[int]:
+        ids: set[int] = set(self.disk_keys)
+        for table in self._tables():
+            ids |= table.known_ids()
         return ids
 
     def _sync_loop(self) -> None:
@@ -340,7 +368,7 @@ class Agent:
             self._sync_once()
 
     def _sync_once(self) -> None:
-        tables = [self.table] if self.gpu_table is None else [self.table, self.gpu_table]
+        tables = self._tables()
         deadlines: dict[int, float] = {}
         for table in tables:
             deadlines.update(table.reserved_deadlines())
@@ -357,5 +385,10 @@ class Agent:
         )
         for table in tables:
             table.commit(plan.commit)
+        if self.inbox is not None:
+            # Spilled chunk files whose swaps landed: disk allocations now, known by their keys.
+            for alloc_id in self.inbox.settle(plan.commit):
+                if alloc_id in result.acked_keys:
+                    self.disk_keys[alloc_id] = result.acked_keys[alloc_id]
         if plan.free:
             self.free_allocations(plan.free)

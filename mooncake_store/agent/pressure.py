@@ -85,7 +85,9 @@ class PressureManager:
                 for _ in range(MAX_PASSES):
                     if self.relieve_host() == 0:
                         break
-                self.relieve_disk()
+                for _ in range(MAX_PASSES):
+                    if self.relieve_disk() == 0:
+                        break
             except MooncakeError as exc:
                 log.warning("pressure pass failed: %s", exc)
 
@@ -139,27 +141,29 @@ class PressureManager:
             if location is None:
                 continue  # freed since the sample was taken
             job = SpillJob(victim=victim, offset=location[0])
-            move = self._place(victim, now_ms, pass_state)
+            move = self._place(job, now_ms, pass_state, TierKind.HOST)
             if move.kind == MoveKind.SPILL and move.node_id is not None:
                 spills.setdefault(move.node_id, []).append(job)
                 pass_state.planned[move.node_id] = pass_state.planned.get(move.node_id, 0) + victim.size_bytes
                 planned += victim.size_bytes
-            elif self._demote_or_evict(job, move):
+            elif self._demote_or_evict(job, move, TierKind.HOST):
                 moved += victim.size_bytes
-        moved += self._carry_out_spills(spills, now_ms, pass_state)
+        moved += self._carry_out_spills(spills, now_ms, pass_state, TierKind.HOST)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
             agent.reclaim_now()
         return moved
 
-    def _place(self, victim: EvictionCandidate, now_ms: int, state: _PassState) -> Move:
+    def _place(self, job: SpillJob, now_ms: int, state: _PassState, tier: TierKind) -> Move:
+        """Where a victim of ``tier`` goes: sized by what it occupies there (a chunk file on disk)."""
         agent = self.agent
-        lower = next_tier(TierKind.HOST, agent.tier_kinds())
+        victim = job.victim
+        lower = next_tier(tier, agent.tier_kinds())
         lower_free = agent.disk.free_bytes if (lower == TierKind.DISK and agent.disk is not None) else 0
         return choose_move(
-            victim.size_bytes,
-            tier=TierKind.HOST,
+            job.wire_bytes,
+            tier=tier,
             node_id=agent.node_id,
             zone=agent.config.zone,
             lower_tier=lower,
@@ -173,14 +177,16 @@ class PressureManager:
             refused=state.refused | set(victim.other_nodes),
         )
 
-    def _demote_or_evict(self, job: SpillJob, move: Move) -> bool:
-        if move.kind == MoveKind.DEMOTE:
+    def _demote_or_evict(self, job: SpillJob, move: Move, tier: TierKind) -> bool:
+        if move.kind == MoveKind.DEMOTE and tier == TierKind.HOST:
             return self._demote(job.victim, job.offset)
         if job.victim.children > 0:
             return False  # evicting it would cut its chain's later chunks off from every match
-        return self._evict(job.victim, TierKind.HOST)
+        return self._evict(job.victim, tier)
 
-    def _carry_out_spills(self, spills: dict[str, list[SpillJob]], now_ms: int, state: _PassState) -> int:
+    def _carry_out_spills(
+        self, spills: dict[str, list[SpillJob]], now_ms: int, state: _PassState, tier: TierKind
+    ) -> int:
         """Send each peer its victims in batches. A peer that refuses (or breaks) is skipped for the
         rest of the pass and what it did not take is placed again: another peer, else demote or evict."""
         moved = 0
@@ -188,32 +194,37 @@ class PressureManager:
             retry: list[SpillJob] = []
             for node_id, jobs in spills.items():
                 peer = next(p for p in state.peers if p.node_id == node_id)
-                result = self._spiller.spill(peer, jobs)
-                moved += sum(job.victim.size_bytes for job in result.moved)
+                result = self._spiller.spill(peer, jobs, tier=tier)
+                moved += sum(job.wire_bytes for job in result.moved)
                 if result.moved:
-                    self.count(TierKind.HOST, "spills_out", len(result.moved))
+                    self.count(tier, "spills_out", len(result.moved))
                 if result.error is not None:
                     raise result.error  # the index failed: end the pass (run() logs it)
                 if result.refused:
                     state.refused.add(node_id)
-                    state.planned[node_id] -= sum(job.victim.size_bytes for job in result.unsent)
+                    state.planned[node_id] -= sum(job.wire_bytes for job in result.unsent)
                     retry.extend(result.unsent)
             spills = {}
             for job in retry:
-                if self.agent.table.offset_of(job.victim.alloc_id) is None:
+                if not self._still_here(job.victim.alloc_id, tier):
                     continue  # freed meanwhile
-                move = self._place(job.victim, now_ms, state)
+                move = self._place(job, now_ms, state, tier)
                 if move.kind == MoveKind.SPILL and move.node_id is not None:
                     if attempt + 1 < PEER_TRIES:
                         spills.setdefault(move.node_id, []).append(job)
-                        state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.victim.size_bytes
+                        state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
                         continue
                     move = Move(kind=MoveKind.EVICT)  # out of peers to ask: as when no peer has room
-                if self._demote_or_evict(job, move):
-                    moved += job.victim.size_bytes
+                if self._demote_or_evict(job, move, tier):
+                    moved += job.wire_bytes
             if not spills:
                 break
         return moved
+
+    def _still_here(self, alloc_id: int, tier: TierKind) -> bool:
+        if tier == TierKind.DISK:
+            return self.agent.disk is not None and alloc_id in self.agent.disk
+        return self.agent.table.offset_of(alloc_id) is not None
 
     def _demote(self, victim: EvictionCandidate, offset: int) -> bool:
         agent = self.agent
@@ -356,6 +367,8 @@ class PressureManager:
         return moved
 
     def relieve_disk(self) -> int:
+        """One pass over the disk tier: the coldest chunk files go to the peer with the most room on
+        its disk tier (same zone first), else they are evicted. Sizes here are stored bytes."""
         agent = self.agent
         disk = agent.disk
         if disk is None:
@@ -366,17 +379,26 @@ class PressureManager:
             return 0
         now_ms = agent.index.server_time_ms()
         candidates = agent.index.victim_candidates(agent.node_id, str(TierKind.DISK), sample=SAMPLE)
-        # Sizes in the index are raw bytes; the disk holds compressed ones. Evict by stored size.
-        stored = {c.alloc_id: (disk.entry(c.alloc_id) or None) for c in candidates}
-        moved = 0
+        pass_state = _PassState(peers=list(agent.index.nodes().values()) if cfg.spill_to_peers else [])
+        spills: dict[str, list[SpillJob]] = {}
+        moved = planned = 0
         for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
-            if moved >= need:
+            if moved + planned >= need:
                 break
-            if victim.children > 0:
-                continue
-            entry = stored.get(victim.alloc_id)
-            if entry is not None and self._evict(victim, TierKind.DISK):
-                moved += entry.stored_bytes
+            entry = disk.entry(victim.alloc_id)
+            if entry is None:
+                continue  # freed since the sample was taken
+            job = SpillJob(victim=victim, offset=0, stored_bytes=entry.stored_bytes)
+            move = self._place(job, now_ms, pass_state, TierKind.DISK)
+            if move.kind == MoveKind.SPILL and move.node_id is not None:
+                spills.setdefault(move.node_id, []).append(job)
+                pass_state.planned[move.node_id] = pass_state.planned.get(move.node_id, 0) + job.wire_bytes
+                planned += job.wire_bytes
+            elif self._demote_or_evict(job, move, TierKind.DISK):
+                moved += job.wire_bytes
+        moved += self._carry_out_spills(spills, now_ms, pass_state, TierKind.DISK)
+        if moved:
+            agent.reclaim_now()  # the spilled files are graves due now: remove them at once
         return moved
 
     # ---- promotion --------------------------------------------------------------------------

@@ -25,6 +25,8 @@ log = logging.getLogger("mooncake.agent")
 #: RESERVE tiers (header field a).
 TIER_HOST = 0
 TIER_GPU = 1
+#: Spills from a peer's disk tier only: each reservation receives one whole chunk file.
+TIER_DISK = 2
 #: RESERVE flag: the reservation is a spill from a peer agent.
 SPILL_FLAG = 1
 #: Chunk for draining the payload of a refused WRITE.
@@ -40,8 +42,9 @@ class AgentHooks(Protocol):
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         """Called once the reply is sent (promotion happens here)."""
 
-    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]]) -> list[Any] | None:
-        """Reservations in tier ``tier`` (1: GPU); None when the agent has no room or no such tier."""
+    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
+        """Reservations in tier ``tier`` (1: GPU, 2: disk, for spills only); None when the agent has
+        no room or no such tier."""
 
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         """A host buffer to receive a WRITE into an allocation of another tier (which is fenced
@@ -60,8 +63,11 @@ class AgentHooks(Protocol):
     def no_room(self, size_bytes: int) -> None:
         """A reservation did not fit even after reclaim_now."""
 
-    def spilled_in(self, count: int) -> None:
-        """Reservations flagged as spills from a peer were granted."""
+    def spilled_in(self, count: int, tier: int) -> None:
+        """Reservations flagged as spills from a peer were granted in ``tier``."""
+
+    def expire_other_tiers(self, alloc_ids: list[int]) -> int:
+        """A FREE's share outside the host arena: reservations in other tiers that expire now."""
 
 
 class AgentServer:
@@ -234,16 +240,18 @@ class AgentServer:
         return True
 
     def _reserve(self, conn: socket.socket, count: int, tier: int, flags: int) -> bool:
-        if not 0 < count <= frames.MAX_BATCH or tier not in (TIER_HOST, TIER_GPU):
+        if not 0 < count <= frames.MAX_BATCH or tier not in (TIER_HOST, TIER_GPU, TIER_DISK):
             self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
             return False
         raw = frames.recv_exact(conn, frames.RESERVE_ENTRY.size * count)
         requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
-        if tier == TIER_GPU:
-            allocs = self._hooks.reserve_other_tier(tier, requests)
+        if tier != TIER_HOST:
+            allocs = self._hooks.reserve_other_tier(tier, requests, spill=bool(flags & SPILL_FLAG))
             if allocs is None:
                 self._reply(conn, Op.RESERVE, Status.NO_CAPACITY)
                 return True
+            if flags & SPILL_FLAG:
+                self._hooks.spilled_in(len(allocs), tier)
             payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
             frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
             return True
@@ -259,7 +267,7 @@ class AgentServer:
             self._hooks.no_room(sum(size for size, _ in requests))
             return True
         if flags & SPILL_FLAG:
-            self._hooks.spilled_in(len(allocs))
+            self._hooks.spilled_in(len(allocs), tier)
         self._hooks.reserved()
         payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
         frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
@@ -271,6 +279,6 @@ class AgentServer:
             return False
         raw = frames.recv_exact(conn, frames.U64.size * count)
         ids = [x for (x,) in frames.U64.iter_unpack(raw)]
-        freed = self._table.expire_now(ids)
+        freed = self._table.expire_now(ids) + self._hooks.expire_other_tiers(ids)
         self._reply(conn, Op.FREE, Status.OK, freed)
         return True

@@ -16,6 +16,10 @@ DESIGN.md §3.4 wants a single move:
 
 A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
 batches not sent are handed back, to be placed elsewhere (pressure.py decides where).
+
+The disk tier spills the same way into the peer's disk tier (RESERVE on tier 2): what travels is
+the chunk file as stored, compressed and checksummed, which the peer verifies before it answers
+the WRITE (agent/inbox.py), so the bytes are neither recompressed nor trusted blindly.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mooncake_store.agent.server import SPILL_FLAG
+from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_HOST
 from mooncake_store.errors import MooncakeError, StaleLocation
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
@@ -50,7 +54,13 @@ BATCH_BYTES = 32 << 20
 @dataclass(frozen=True, slots=True)
 class SpillJob:
     victim: EvictionCandidate
-    offset: int  # of the victim in this agent's host arena
+    offset: int  # of the victim in this agent's host arena (0 for a chunk file on disk)
+    #: A disk-tier victim: the size of its chunk file, which is what travels and what the peer stores.
+    stored_bytes: int | None = None
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.victim.size_bytes if self.stored_bytes is None else self.stored_bytes
 
 
 @dataclass(slots=True)
@@ -71,11 +81,11 @@ def batches_of(jobs: list[SpillJob], *, max_bytes: int = BATCH_BYTES) -> list[li
     cur: list[SpillJob] = []
     size = 0
     for job in jobs:
-        if cur and (size + job.victim.size_bytes > max_bytes or len(cur) >= frames.MAX_BATCH):
+        if cur and (size + job.wire_bytes > max_bytes or len(cur) >= frames.MAX_BATCH):
             out.append(cur)
             cur, size = [], 0
         cur.append(job)
-        size += job.victim.size_bytes
+        size += job.wire_bytes
     if cur:
         out.append(cur)
     return out
@@ -89,27 +99,34 @@ class Spiller:
         self._transport = TcpTransport(timeout_s=30.0, connections_per_peer=self._streams, stripe_bytes=1 << 62)
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
+        #: Chunk files of the disk batch being sent, by alloc id (read just before the batch goes).
+        self._files: dict[int, bytes] = {}
 
     def close(self) -> None:
         self._transport.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
 
-    def spill(self, peer_node: NodeInfo, jobs: list[SpillJob]) -> SpillResult:
-        """Move ``jobs`` to ``peer_node``'s host tier, batch by batch. A batch's swap runs on the swap
-        thread while the next batch is reserved and written; all swaps are done when this returns."""
+    def spill(self, peer_node: NodeInfo, jobs: list[SpillJob], *, tier: TierKind = TierKind.HOST) -> SpillResult:
+        """Move ``jobs`` to ``peer_node``'s ``tier`` (host or disk), batch by batch. A batch's swap
+        runs on the swap thread while the next batch is reserved and written; all swaps are done
+        when this returns."""
         result = SpillResult()
         batches = batches_of(jobs, max_bytes=self._batch_bytes)
         swaps: list[Future[list[SpillJob]]] = []
         try:
             for i, batch in enumerate(batches):
                 rest = [job for later in batches[i + 1 :] for job in later]
-                copied = self._copy(peer_node, batch)
+                if tier == TierKind.DISK:
+                    batch = self._with_files(batch)  # a file that cannot be read stays where it is
+                    if not batch:
+                        continue
+                copied = self._copy(peer_node, batch, tier)
                 if copied is None:
                     result.refused, result.unsent = True, batch + rest
                     break
                 reservations, written, broken = copied
-                swaps.append(self._swapper.submit(self._swap, peer_node, batch, reservations, written))
+                swaps.append(self._swapper.submit(self._swap, peer_node, batch, reservations, written, tier))
                 if broken:
                     unwritten = [job for job, ok in zip(batch, written, strict=True) if not ok]
                     result.refused, result.unsent = True, unwritten + rest
@@ -122,7 +139,24 @@ class Spiller:
                     result.error = result.error or exc
         return result
 
-    def _copy(self, peer_node: NodeInfo, batch: list[SpillJob]) -> tuple[list[Reservation], list[bool], bool] | None:
+    def _with_files(self, batch: list[SpillJob]) -> list[SpillJob]:
+        """The disk jobs of a batch with their chunk files read (the sizes as the files now are)."""
+        disk = self.agent.disk
+        assert disk is not None
+        out: list[SpillJob] = []
+        for job in batch:
+            try:
+                blob = disk.read_blob(job.victim.alloc_id)
+            except MooncakeError as exc:  # freed meanwhile, or unreadable: nothing to send
+                log.info("spill of %s: %s", job.victim.key, exc)
+                continue
+            self._files[job.victim.alloc_id] = blob
+            out.append(SpillJob(victim=job.victim, offset=0, stored_bytes=len(blob)))
+        return out
+
+    def _copy(
+        self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind
+    ) -> tuple[list[Reservation], list[bool], bool] | None:
         """Reserve room for the batch on the peer and write it there: (reservations, written per job,
         connection broke), or None when the peer refused the reservation (nothing was sent)."""
         peer = self._transport.peer(peer_node.tcp_endpoint)
@@ -132,24 +166,38 @@ class Spiller:
             # deletes the guard and the swap is refused rather than naming freed memory.
             self.agent.index.guard_reservations([p.hex() for p in put_ids], ttl_ms=GUARD_TTL_MS)
             reservations = peer.reserve(
-                [(job.victim.size_bytes, put_id) for job, put_id in zip(batch, put_ids, strict=True)],
+                [(job.wire_bytes, put_id) for job, put_id in zip(batch, put_ids, strict=True)],
                 node_id=peer_node.node_id,
                 flags=SPILL_FLAG,
+                tier=TIER_DISK if tier == TierKind.DISK else TIER_HOST,
             )
         except MooncakeError as exc:
             log.info("spill of %d object(s) to %s refused: %s", len(batch), peer_node.node_id, exc)
+            self._drop_files(batch)
             return None
         reservations = [
             Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=p)
             for r, p in zip(reservations, put_ids, strict=True)
         ]
-        written, broken = self._write_all(peer, batch, reservations)
+        try:
+            written, broken = self._write_all(peer, batch, reservations)
+        finally:
+            self._drop_files(batch)
         if broken:
             self._transport.drop_peer(peer_node.tcp_endpoint)
         return reservations, written, broken
 
+    def _drop_files(self, batch: list[SpillJob]) -> None:
+        for job in batch:
+            self._files.pop(job.victim.alloc_id, None)
+
     def _swap(
-        self, peer_node: NodeInfo, batch: list[SpillJob], reservations: list[Reservation], written: list[bool]
+        self,
+        peer_node: NodeInfo,
+        batch: list[SpillJob],
+        reservations: list[Reservation],
+        written: list[bool],
+        tier: TierKind,
     ) -> list[SpillJob]:
         """One compare-and-swap of the written jobs; every reservation not swapped is expired on the
         peer. Returns the jobs that moved (a job written but not swapped is dropped: its object
@@ -160,8 +208,9 @@ class Spiller:
                 job.victim.alloc_id,
                 Replica(
                     node_id=peer_node.node_id,
-                    tier=TierKind.HOST,
-                    offset=res.offset,
+                    tier=tier,
+                    # A disk allocation is read whole, from its file: offsets count from its start.
+                    offset=0 if tier == TierKind.DISK else res.offset,
                     size_bytes=job.victim.size_bytes,
                     alloc_id=res.alloc_id,
                     state=ReplicaState.COMPLETE,
@@ -204,10 +253,11 @@ class Spiller:
                 if broken[0]:
                     return
                 job, res = batch[i], reservations[i]
-                if job.victim.size_bytes == 0:
+                if job.wire_bytes == 0:
                     written[i] = True
                     continue
-                view = arena.view(job.offset, job.victim.size_bytes)
+                blob = self._files.get(job.victim.alloc_id) if job.stored_bytes is not None else None
+                view = memoryview(blob) if blob is not None else arena.view(job.offset, job.wire_bytes)
                 try:
                     peer.write(res.alloc_id, res.offset, view)
                     written[i] = True

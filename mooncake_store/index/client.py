@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -62,6 +62,8 @@ class SyncResult:
     acked_alloc_ids: list[int]
     expired_status: list[str]
     graves: list[int]
+    #: Keys of the acked allocations that a peer moved onto this agent's disk tier.
+    acked_keys: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -354,10 +356,15 @@ class RedisIndex:
 
     def agent_sync(self, node_id: str, *, expired_put_ids: Sequence[str], max_graves: int = 1000) -> SyncResult:
         acks, statuses, graves = self._run("agent_sync", node_id, max_graves, *expired_put_ids)
+        acked: list[int] = []
+        keys: dict[int, str] = {}
+        for ack in acks:
+            alloc_id, tab, key = str(ack).partition("\t")
+            acked.append(int(alloc_id))
+            if tab:
+                keys[int(alloc_id)] = key
         return SyncResult(
-            acked_alloc_ids=[int(a) for a in acks],
-            expired_status=list(statuses),
-            graves=[int(g) for g in graves],
+            acked_alloc_ids=acked, expired_status=list(statuses), graves=[int(g) for g in graves], acked_keys=keys
         )
 
     def nodes(self) -> dict[str, NodeInfo]:

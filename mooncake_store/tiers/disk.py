@@ -159,33 +159,78 @@ class DiskTier:
         header = HEADER.pack(MAGIC, FLAG_SHUFFLED if shuffled else 0, itemsize, 0, len(view), checksum, len(body))
         return header + body, checksum
 
-    def decode_into(self, blob: bytes | memoryview, dest: memoryview, *, where: str) -> int:
+    @staticmethod
+    def parse_header(blob: bytes | bytearray | memoryview, *, where: str) -> tuple[int, int, int, int]:
+        """(flags, itemsize, raw size, checksum) of a chunk file, after checking that it is one."""
         if len(blob) < HEADER.size:
             raise CorruptChunk(f"{where}: {len(blob)} B is shorter than the {HEADER.size} B header")
         magic, flags, itemsize, _, raw, checksum, clen = HEADER.unpack_from(blob)
         if magic != MAGIC or clen != len(blob) - HEADER.size or itemsize == 0:
             raise CorruptChunk(f"{where}: not a disk-tier chunk (magic {magic!r}, {len(blob)} B)")
+        return flags, itemsize, raw, checksum
+
+    def decode_into(self, blob: bytes | bytearray | memoryview, dest: memoryview, *, where: str) -> int:
+        flags, itemsize, raw, checksum = self.parse_header(blob, where=where)
         if raw > len(dest):
             raise InvalidValue(f"{where}: holds {raw} B but the destination has {len(dest)} B")
-        try:
-            plain = self._decompressor().decompress(memoryview(blob)[HEADER.size :], max_output_size=raw)
-        except zstandard.ZstdError as exc:
-            raise CorruptChunk(f"{where}: zstd frame is damaged: {exc}") from None
-        if len(plain) != raw:
-            raise CorruptChunk(f"{where}: decompressed to {len(plain)} B, header says {raw} B")
+        body = memoryview(blob)[HEADER.size :]
         out = np.frombuffer(dest, dtype=np.uint8, count=raw)
         if flags & FLAG_SHUFFLED:
-            unshuffle_planes(np.frombuffer(plain, dtype=np.uint8), itemsize, out)
+            planes = np.empty(raw, dtype=np.uint8)
+            self._decompress_into(body, memoryview(planes), where=where)
+            unshuffle_planes(planes, itemsize, out)
         else:
-            out[:] = np.frombuffer(plain, dtype=np.uint8)
+            # Straight into the destination: no intermediate copy of the plain bytes.
+            self._decompress_into(body, dest[:raw], where=where)
         if xxhash.xxh3_64_intdigest(dest[:raw]) != checksum:
             raise CorruptChunk(f"{where}: checksum mismatch; the file is corrupted")
         return int(raw)
+
+    def _decompress_into(self, body: memoryview, dest: memoryview, *, where: str) -> None:
+        """Decompress the one zstd frame of ``body`` into exactly ``len(dest)`` bytes of ``dest``."""
+        filled = 0
+        try:
+            with self._decompressor().stream_reader(body, read_across_frames=False) as reader:
+                while filled < len(dest):
+                    n = reader.readinto(dest[filled:])
+                    if n == 0:
+                        break
+                    filled += n
+                extra = reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise CorruptChunk(f"{where}: zstd frame is damaged: {exc}") from None
+        if filled != len(dest) or extra:
+            size = f"{filled} B" if filled != len(dest) else f"more than {filled} B"
+            raise CorruptChunk(f"{where}: decompressed to {size}, header says {len(dest)} B")
 
     # ---- operations -------------------------------------------------------------------------
     def write(self, alloc_id: int, view: memoryview, *, itemsize: int = 1) -> DiskEntry:
         """Compress ``view`` into the chunk file of ``alloc_id``: temp file, fsync, rename."""
         blob, checksum = self.encode(view, itemsize=itemsize)
+        return self._store(alloc_id, blob, raw_bytes=len(view), checksum=checksum)
+
+    def write_blob(self, alloc_id: int, blob: bytes | bytearray | memoryview) -> DiskEntry:
+        """Store a whole chunk file made by another agent's tier (a spill from a peer) as the file of
+        ``alloc_id``. The file is decoded and its checksum verified first: a damaged transfer must
+        fail here, while the sender still holds the good copy."""
+        where = f"chunk file for disk allocation {alloc_id}"
+        _, _, raw, checksum = self.parse_header(blob, where=where)
+        self.decode_into(blob, memoryview(bytearray(raw)), where=where)
+        return self._store(alloc_id, blob, raw_bytes=raw, checksum=checksum)
+
+    def read_blob(self, alloc_id: int) -> bytes:
+        """The chunk file of ``alloc_id`` as stored (compressed, header included), for a spill."""
+        if self.entry(alloc_id) is None:
+            raise InvalidValue(f"no disk allocation {alloc_id}")
+        path = self.path_of(alloc_id)
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise CorruptChunk(f"{path}: cannot read: {exc}") from None
+
+    def _store(
+        self, alloc_id: int, blob: bytes | bytearray | memoryview, *, raw_bytes: int, checksum: int
+    ) -> DiskEntry:
         with self._lock:
             if alloc_id in self._entries:
                 raise InvalidValue(f"disk allocation {alloc_id} already exists")
@@ -208,22 +253,15 @@ class DiskTier:
             with self._lock:
                 self._used -= len(blob)
             raise MooncakeError(f"cannot write {path}: {exc}") from None
-        entry = DiskEntry(alloc_id=alloc_id, raw_bytes=len(view), stored_bytes=len(blob), checksum=checksum)
+        entry = DiskEntry(alloc_id=alloc_id, raw_bytes=raw_bytes, stored_bytes=len(blob), checksum=checksum)
         with self._lock:
             self._entries[alloc_id] = entry
-            self._raw += len(view)
+            self._raw += raw_bytes
         return entry
 
     def read_into(self, alloc_id: int, dest: memoryview) -> int:
-        entry = self.entry(alloc_id)
-        if entry is None:
-            raise InvalidValue(f"no disk allocation {alloc_id}")
-        path = self.path_of(alloc_id)
-        try:
-            blob = path.read_bytes()
-        except OSError as exc:
-            raise CorruptChunk(f"{path}: cannot read: {exc}") from None
-        return self.decode_into(blob, dest, where=str(path))
+        blob = self.read_blob(alloc_id)
+        return self.decode_into(blob, dest, where=str(self.path_of(alloc_id)))
 
     def remove(self, alloc_id: int) -> bool:
         with self._lock:

@@ -13,13 +13,16 @@ op        request                              reply
 ========  ===================================  ========================================================
 PING      -                                    OK, a = protocol version
 RESERVE   arg = count, a = tier (0 host,       OK, payload of count x (offset u64, alloc_id u64);
-          1 gpu), b = flags
+          1 gpu, 2 disk: spills only, size =
+          a whole chunk file), b = flags
           (1: a spill from a peer), payload    NO_CAPACITY, a = free, b = largest free, c = capacity
-          of count x (size u64, put_id 16 B)
+          of count x (size u64, put_id 16 B)   (host tier; other tiers leave a, b, c zero)
 FREE      arg = count, payload count x u64     OK, a = reservations expired now (freed by the next
           (writer abandons its reservations)   sync unless their commit reached the index)
 WRITE     a = alloc_id, b = offset, c = len,   OK; STALE when the allocation is not a live reservation
-          payload of len bytes                 covering the range (payload is drained, then dropped).
+          payload of len bytes (a disk         covering the range (payload is drained, then dropped),
+          reservation takes its whole chunk    or a chunk file fails its checksum.
+          file in one WRITE)
                                                Until the agent's next sync learns of a commit, the
                                                writer could still write: clients are trusted.
 READ      a = alloc_id, b = offset, c = len    OK then len bytes; STALE when the allocation is gone.

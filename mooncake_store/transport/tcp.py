@@ -41,6 +41,10 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+#: RESERVE's tier field, for messages.
+TIER_NAMES = {0: "host", 1: "gpu", 2: "disk"}
+
+
 class PeerConnections:
     """Connections to one agent. Thread-safe: each call takes a connection of its own."""
 
@@ -126,6 +130,11 @@ class PeerConnections:
             status, a, b, c = self._reply(sock, Op.RESERVE)
             if status == Status.NO_CAPACITY:
                 need = sum(size for size, _ in chunk)
+                if tier != 0:  # other tiers do not report their free room in the reply
+                    raise NoCapacity(
+                        f"need {need} B in {len(chunk)} object(s) on {TIER_NAMES.get(tier, tier)}; "
+                        f"node {node_id} has no room for them there"
+                    )
                 raise NoCapacity(
                     f"need {need} B in {len(chunk)} object(s) on host; node {node_id} has "
                     f"{a}/{c} B free, largest free block {b} B"

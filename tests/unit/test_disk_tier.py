@@ -119,3 +119,56 @@ def test_fast_and_general_shuffles_agree(size: int) -> None:
     out = np.empty_like(data)
     unshuffle_planes(planes, 2, out)
     assert np.array_equal(out, data)
+
+
+def test_a_chunk_file_moves_whole_between_tiers(tmp_path: Path) -> None:
+    """A spill sends the file as stored; the receiving tier verifies it and serves it byte-exact."""
+    sender, receiver = DiskTier(tmp_path / "a", 8 << 20), DiskTier(tmp_path / "b", 8 << 20)
+    value = kv_like(300_000)
+    stored = sender.write(3, memoryview(value.view(np.uint8)), itemsize=2)
+    blob = sender.read_blob(3)
+    assert len(blob) == stored.stored_bytes
+    entry = receiver.write_blob(99, blob)
+    assert (entry.raw_bytes, entry.stored_bytes, entry.checksum) == (value.nbytes, len(blob), stored.checksum)
+    assert receiver.used_bytes == len(blob) and receiver.raw_bytes == value.nbytes
+    out = np.empty_like(value)
+    receiver.read_into(99, memoryview(out.view(np.uint8)))
+    assert np.array_equal(out, value)
+    with pytest.raises(InvalidValue, match="no disk allocation 4"):
+        sender.read_blob(4)
+
+
+@pytest.mark.parametrize("damage", ["flip-body", "truncate", "garbage-header", "flip-checksum"])
+def test_a_damaged_chunk_file_is_refused_and_nothing_is_stored(tmp_path: Path, damage: str) -> None:
+    sender, receiver = DiskTier(tmp_path / "a", 8 << 20), DiskTier(tmp_path / "b", 8 << 20)
+    sender.write(3, memoryview(np.random.default_rng(2).integers(0, 256, 70_000, dtype=np.uint8)))
+    blob = bytearray(sender.read_blob(3))
+    if damage == "flip-body":
+        blob[len(blob) // 2] ^= 0x55
+    elif damage == "truncate":
+        del blob[-7:]
+    elif damage == "garbage-header":
+        blob[0:4] = b"JUNK"
+    else:
+        blob[16] ^= 0x01
+    with pytest.raises(CorruptChunk, match="disk allocation 9"):
+        receiver.write_blob(9, blob)
+    assert receiver.objects == 0 and receiver.used_bytes == 0
+    assert not list((tmp_path / "b").rglob("*.mcz"))
+
+
+def test_a_frame_longer_than_its_header_says_is_corruption(tmp_path: Path) -> None:
+    """The body decompresses straight into the destination: bytes beyond the declared size are an
+    error, not silently dropped."""
+    import xxhash
+    import zstandard
+
+    tier = DiskTier(tmp_path, 1 << 20)
+    data = bytes(range(100))
+    body = zstandard.ZstdCompressor().compress(data)
+    forged = HEADER.pack(b"MCZ1", 0, 1, 0, 50, xxhash.xxh3_64_intdigest(data[:50]), len(body)) + body
+    with pytest.raises(CorruptChunk, match="more than 50 B"):
+        tier.decode_into(forged, memoryview(bytearray(100)), where="forged")
+    short = HEADER.pack(b"MCZ1", 0, 1, 0, 120, 0, len(body)) + body
+    with pytest.raises(CorruptChunk, match="decompressed to 100 B, header says 120 B"):
+        tier.decode_into(short, memoryview(bytearray(120)), where="forged")

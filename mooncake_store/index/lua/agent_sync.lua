@@ -3,7 +3,8 @@
 -- ARGV: [1] prefix, [2] node id, [3] max graveyard entries, [4..n] put ids of reservations past
 --       their deadline
 -- Returns: {acks, statuses, graves}
---   acks:     alloc ids committed since the last sync (drained)
+--   acks:     alloc ids committed since the last sync (drained); a move onto this agent's disk
+--             tier lists "<alloc id>\t<key>"
 --   statuses: one per expired put id: "R" the pending record was still there and is now revoked
 --             (free the space: a later commit fails with EXPIRED), "G" it was already gone
 --             (committed, and then listed in acks, or revoked by its writer)

@@ -128,6 +128,12 @@ local function swap_replica(key, old_node, old_alloc, new, guard, now)
   for _, r in ipairs(reps) do if r[1] == old_node then still_there = true end end
   if not still_there then redis.call('SREM', P .. 'nobj:' .. old_node, key) end
   redis.call('SADD', P .. 'nobj:' .. new[1], key)
-  redis.call('RPUSH', P .. 'acks:' .. new[1], new[5])
+  if new[2] == 'disk' then
+    -- A chunk file that arrived from a peer: its agent learns the key with the ack (keys hold no
+    -- control characters), so that a read can promote it to host memory.
+    redis.call('RPUSH', P .. 'acks:' .. new[1], new[5] .. '\t' .. key)
+  else
+    redis.call('RPUSH', P .. 'acks:' .. new[1], new[5])
+  end
   return 'OK'
 end

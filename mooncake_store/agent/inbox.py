@@ -1,0 +1,82 @@
+"""Chunk files that peers spill onto this agent's disk tier, while they are in flight.
+
+A peer under disk pressure moves a cold chunk here as DESIGN.md §3.4 wants: it reserves room
+(RESERVE on tier 2, sized by the chunk file, which travels compressed as it is stored), sends the
+whole file in one WRITE, and swaps the location in the index. Until this agent's sync sees the
+swap's ack, the reservation lives in a table of its own, with the host tier's rules: a timeout
+frees it unless the swap reached the index, a free while the bytes arrive voids the write, and a
+committed file is never rewritten. Once acked, the file is an ordinary disk-tier allocation and
+the table forgets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+
+from mooncake_store.agent.allocations import Allocation, AllocationTable
+from mooncake_store.errors import MooncakeError
+from mooncake_store.tiers.disk import DiskTier
+
+log = logging.getLogger("mooncake.agent")
+
+
+class DiskInbox:
+    def __init__(self, disk: DiskTier, *, reserve_timeout_s: float, ids: Iterator[int]) -> None:
+        self.disk = disk
+        # Offsets in this table mean nothing on disk; it keeps the reservations' life cycle and
+        # their bytes, which count against the disk tier's free room until the files land.
+        self.table = AllocationTable(disk.capacity_bytes, reserve_timeout_s=reserve_timeout_s, alignment=1, ids=ids)
+        self._lock = threading.Lock()
+
+    def __contains__(self, alloc_id: int) -> bool:
+        return alloc_id in self.table
+
+    def reserve(self, requests: list[tuple[int, bytes]]) -> list[Allocation] | None:
+        """All or nothing, like the host tier; None when the files would not fit on the disk."""
+        with self._lock:  # two concurrent spills must not both count the same free room
+            in_flight, _, _, _ = self.table.usage()
+            if sum(size for size, _ in requests) > self.disk.free_bytes - in_flight:
+                return None
+            return self.table.reserve(requests)
+
+    def staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
+        """A buffer for the whole chunk file of a reservation (fenced until written()), or None:
+        a chunk file comes in one WRITE, never in pieces."""
+        if self.table.offset_of(alloc_id) != (offset, length):
+            return None
+        if not self.table.begin_write(alloc_id, offset, length):
+            return None
+        return bytearray(length)
+
+    def written(self, alloc_id: int, data: bytearray | None) -> bool:
+        """Store a received chunk file (None: the transfer broke off) and lift the fence; False
+        when the file was damaged or the reservation was freed meanwhile."""
+        stored = False
+        try:
+            if data is not None:
+                try:
+                    self.disk.write_blob(alloc_id, data)
+                    stored = True
+                except MooncakeError as exc:
+                    log.warning("chunk file spilled to disk allocation %d refused: %s", alloc_id, exc)
+        finally:
+            still_reserved = self.table.end_write(alloc_id)
+        if stored and not still_reserved:
+            self.disk.remove(alloc_id)  # freed while it arrived: nobody will name it
+        return stored and still_reserved
+
+    def settle(self, acked: Iterable[int]) -> list[int]:
+        """Forget the reservations whose swaps were acked (their files stay, as disk allocations);
+        returns their ids."""
+        done = [alloc_id for alloc_id in acked if alloc_id in self.table]
+        self.table.free(done)
+        return done
+
+    def free(self, alloc_ids: Iterable[int]) -> None:
+        """Free reservations that timed out or were abandoned, with any file already written."""
+        ids = [alloc_id for alloc_id in alloc_ids if alloc_id in self.table]
+        self.table.free(ids)
+        for alloc_id in ids:
+            self.disk.remove(alloc_id)

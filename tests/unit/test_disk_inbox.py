@@ -1,0 +1,86 @@
+"""The disk inbox: reservations for chunk files that peers spill onto this agent's disk tier, on a
+real directory."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_store.agent.inbox import DiskInbox
+from mooncake_store.tiers.disk import DiskTier
+
+
+@pytest.fixture
+def blob(tmp_path: Path) -> bytes:
+    """A real chunk file of about 200 KB (random bytes do not compress)."""
+    source = DiskTier(tmp_path / "peer", 8 << 20)
+    source.write(1, memoryview(np.random.default_rng(5).integers(0, 256, 200_000, dtype=np.uint8)))
+    return source.read_blob(1)
+
+
+def make_inbox(tmp_path: Path, capacity: int = 1 << 20) -> DiskInbox:
+    return DiskInbox(DiskTier(tmp_path / "mine", capacity), reserve_timeout_s=5.0, ids=itertools.count(100))
+
+
+def test_reservations_count_against_the_disks_free_room(tmp_path: Path, blob: bytes) -> None:
+    inbox = make_inbox(tmp_path, capacity=3 * len(blob))
+    first = inbox.reserve([(len(blob), b"a" * 16), (len(blob), b"b" * 16)])
+    assert first is not None and len(first) == 2
+    assert inbox.reserve([(len(blob) + 1, b"c" * 16)]) is None  # all or nothing
+    (third,) = inbox.reserve([(len(blob), b"c" * 16)]) or []
+    staging = inbox.staging(third.alloc_id, third.offset, third.length)
+    assert staging is not None
+    staging[:] = blob
+    assert inbox.written(third.alloc_id, staging)
+    # The file now counts on the disk and its reservation still in the inbox: no room for more.
+    assert inbox.reserve([(1, b"d" * 16)]) is None
+
+
+def test_a_chunk_file_comes_whole_once_and_is_verified(tmp_path: Path, blob: bytes) -> None:
+    inbox = make_inbox(tmp_path)
+    (res,) = inbox.reserve([(len(blob), b"p" * 16)]) or []
+    assert inbox.staging(res.alloc_id, res.offset, res.length - 1) is None  # never in pieces
+    assert inbox.staging(res.alloc_id + 1, res.offset, res.length) is None  # not a reservation
+    damaged = bytearray(blob)
+    damaged[len(damaged) // 2] ^= 0xFF
+    staging = inbox.staging(res.alloc_id, res.offset, res.length)
+    assert staging is not None
+    staging[:] = damaged
+    assert not inbox.written(res.alloc_id, staging)  # refused: the sender keeps its copy
+    assert res.alloc_id not in inbox.disk
+    staging = inbox.staging(res.alloc_id, res.offset, res.length)
+    assert staging is not None
+    staging[:] = blob
+    assert inbox.written(res.alloc_id, staging)
+    again = inbox.staging(res.alloc_id, res.offset, res.length)
+    assert again is not None
+    again[:] = bytes(len(blob))
+    assert not inbox.written(res.alloc_id, again)  # a stored file is never rewritten
+    assert inbox.disk.read_blob(res.alloc_id) == blob
+    assert inbox.settle([res.alloc_id, 12345]) == [res.alloc_id]
+    assert res.alloc_id not in inbox and res.alloc_id in inbox.disk  # an ordinary disk file now
+
+
+def test_a_free_while_the_file_arrives_voids_it(tmp_path: Path, blob: bytes) -> None:
+    inbox = make_inbox(tmp_path)
+    (res,) = inbox.reserve([(len(blob), b"p" * 16)]) or []
+    staging = inbox.staging(res.alloc_id, res.offset, res.length)
+    assert staging is not None
+    inbox.free([res.alloc_id])  # the reservation timed out while the bytes were on the wire
+    staging[:] = blob
+    assert not inbox.written(res.alloc_id, staging)
+    assert res.alloc_id not in inbox and res.alloc_id not in inbox.disk
+    assert inbox.disk.used_bytes == 0 and not list((tmp_path / "mine").rglob("*.mcz"))
+
+
+def test_a_broken_transfer_stores_nothing(tmp_path: Path, blob: bytes) -> None:
+    inbox = make_inbox(tmp_path)
+    (res,) = inbox.reserve([(len(blob), b"p" * 16)]) or []
+    assert inbox.staging(res.alloc_id, res.offset, res.length) is not None
+    assert not inbox.written(res.alloc_id, None)
+    assert res.alloc_id in inbox and res.alloc_id not in inbox.disk
+    inbox.free([res.alloc_id])
+    assert len(inbox.table) == 0
