@@ -191,7 +191,7 @@ class Agent:
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         if self.config.promote_on_read:
             try:
-                self.pressure.promote(alloc_id, data)
+                self.pressure.moves.promote(alloc_id, data)
             except MooncakeError as exc:
                 log.info("promotion of allocation %d failed: %s", alloc_id, exc)
 

@@ -316,7 +316,7 @@ def test_promotion_whose_swap_fails_does_not_leak_its_host_block(disk_agent: Age
         (victim,) = agent.index.victim_candidates(agent.node_id, str(TierKind.HOST))
         location = agent.table.offset_of(victim.alloc_id)
         assert location is not None
-        assert agent.pressure._demote(victim, location[0])  # now on disk only
+        assert agent.pressure.moves.demote_to_disk(victim, location[0])  # now on disk only
         time.sleep(0.2)
         agent.sync_once()  # the old host block was buried: freed now
         assert len(agent.table) == 0

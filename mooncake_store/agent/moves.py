@@ -1,0 +1,168 @@
+"""Moves of one object inside this agent, each as DESIGN.md §3.4 wants (copy the bytes,
+compare-and-swap the location in the index, then let the old copy go through the graveyard):
+demotion from host memory to disk and from the GPU to host memory, promotion from disk back to
+host memory, and eviction. The pressure loop (pressure.py) decides which objects move; this
+module moves them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from mooncake_store.errors import MooncakeError
+from mooncake_store.types import EvictionCandidate, Replica, ReplicaState, TierKind
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.node import Agent
+
+log = logging.getLogger("mooncake.agent")
+
+
+class LocalMoves:
+    def __init__(self, agent: Agent, count: Callable[[TierKind, str], None]) -> None:
+        self.agent = agent
+        self.count = count
+
+    def demote_to_disk(self, victim: EvictionCandidate, offset: int) -> bool:
+        """Compress a host-tier object (at ``offset`` in the arena) into a chunk file of this agent's
+        disk tier and swap it there; the file is dropped unless the index names it afterwards."""
+        agent = self.agent
+        assert agent.disk is not None
+        disk_id = agent.table.new_id()
+        view = agent.arena.view(offset, victim.size_bytes)
+        try:
+            agent.disk.write(disk_id, view, itemsize=agent.itemsize_of(victim.dtype))
+        except MooncakeError as exc:
+            log.info("demotion of %s failed: %s", victim.key, exc)
+            return False
+        finally:
+            view.release()
+        # Known before the swap: a sync that frees the file (as a grave) must find it.
+        agent.disk_keys[disk_id] = victim.key
+        try:
+            swapped = self._swap(
+                victim.key,
+                old_alloc_id=victim.alloc_id,
+                node_id=agent.node_id,
+                tier=TierKind.DISK,
+                offset=0,
+                size_bytes=victim.size_bytes,
+                alloc_id=disk_id,
+            )
+        except MooncakeError:
+            # Unknown whether the swap landed: keep the file if the index names it, else drop it.
+            swapped = self._index_names(victim.key, disk_id)
+        if not swapped:
+            agent.disk_keys.pop(disk_id, None)
+            agent.disk.remove(disk_id)
+            return False
+        self.count(TierKind.HOST, "demotions")
+        return True
+
+    def _swap_to_host_block(self, key: str, old_alloc_id: int, offset: int, alloc_id: int, size_bytes: int) -> bool:
+        """Swap an object of this agent into a host block it already filled (and committed); the
+        block is freed unless the index names it afterwards, whatever the swap raised."""
+        agent = self.agent
+        try:
+            swapped = self._swap(
+                key,
+                old_alloc_id=old_alloc_id,
+                node_id=agent.node_id,
+                tier=TierKind.HOST,
+                offset=offset,
+                size_bytes=size_bytes,
+                alloc_id=alloc_id,
+            )
+        except MooncakeError:
+            swapped = self._index_names(key, alloc_id)
+        if not swapped:
+            agent.table.free([alloc_id])
+        return swapped
+
+    def _index_names(self, key: str, alloc_id: int) -> bool:
+        """Whether ``key`` lists this agent's ``alloc_id``; True when the index cannot say (a file
+        kept for nothing is a bounded leak, a file dropped under a live replica is lost data)."""
+        try:
+            meta = self.agent.index.lookup([key], lease_ms=0).objects[0]
+        except MooncakeError:
+            return True
+        return meta is not None and any(
+            r.node_id == self.agent.node_id and r.alloc_id == alloc_id for r in meta.replicas
+        )
+
+    def _swap(
+        self, key: str, *, old_alloc_id: int, node_id: str, tier: TierKind, offset: int, size_bytes: int, alloc_id: int
+    ) -> bool:
+        """Compare-and-swap one of this agent's replicas of ``key`` to the new location (which its
+        agent learns of through its ack list); False when the object moved, went or is pinned."""
+        new = Replica(
+            node_id=node_id,
+            tier=tier,
+            offset=offset,
+            size_bytes=size_bytes,
+            alloc_id=alloc_id,
+            state=ReplicaState.COMPLETE,
+        )
+        status = self.agent.index.move_replica(key, old_node=self.agent.node_id, old_alloc_id=old_alloc_id, new=new)
+        return status == "OK"
+
+    def evict(self, victim: EvictionCandidate, tier: TierKind) -> bool:
+        status = self.agent.index.evict(victim.key, node_id=self.agent.node_id, alloc_id=victim.alloc_id)
+        if status == "OK":
+            self.count(tier, "evictions")
+            return True
+        return False
+
+    def demote_gpu(self, victim: EvictionCandidate, gpu_offset: int) -> bool:
+        """Copy a GPU-tier object to a host block (one device-to-host copy) and swap it there, or
+        evict it when the host tier has no room below its high watermark; True when it left the GPU."""
+        agent = self.agent
+        assert agent.gpu is not None
+        host_used, _, _, _ = agent.table.usage()
+        fits = host_used + victim.size_bytes <= agent.config.high_watermark * agent.table.capacity_bytes
+        allocs = agent.table.reserve([(victim.size_bytes, b"demote-gpu" + bytes(6))]) if fits else None
+        if allocs is None:
+            return victim.children == 0 and self.evict(victim, TierKind.GPU)
+        alloc = allocs[0]
+        # The agent's own move target: committed at once, so no reservation timeout can free it
+        # between the copy and the swap; it is freed below if the swap does not happen.
+        agent.table.commit([alloc.alloc_id])
+        view = agent.arena.view(alloc.offset, victim.size_bytes)
+        try:
+            agent.gpu.read_to_host(gpu_offset, view)
+        except Exception:
+            agent.table.free([alloc.alloc_id])
+            raise
+        finally:
+            view.release()
+        if not self._swap_to_host_block(victim.key, victim.alloc_id, alloc.offset, alloc.alloc_id, victim.size_bytes):
+            return False
+        self.count(TierKind.GPU, "demotions")
+        return True
+
+    # ---- promotion --------------------------------------------------------------------------
+    def promote(self, disk_id: int, data: bytearray) -> bool:
+        """Bring an object read from disk back to host memory, if that leaves the host tier under
+        its high watermark (so promotion and demotion do not chase each other)."""
+        agent = self.agent
+        key = agent.disk_keys.get(disk_id)
+        if key is None:
+            return False
+        used, _, _, _ = agent.table.usage()
+        if used + len(data) > agent.config.high_watermark * agent.table.capacity_bytes:
+            return False
+        allocs = agent.table.reserve([(len(data), b"promote-" + disk_id.to_bytes(8, "little"))])
+        if allocs is None:
+            return False
+        alloc = allocs[0]
+        agent.table.commit([alloc.alloc_id])  # see demote_gpu: no timeout may free a move's target
+        view = agent.arena.view(alloc.offset, len(data))
+        try:
+            view[:] = data
+        finally:
+            view.release()
+        if not self._swap_to_host_block(key, disk_id, alloc.offset, alloc.alloc_id, len(data)):
+            return False
+        self.count(TierKind.DISK, "promotions")
+        return True
