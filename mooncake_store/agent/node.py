@@ -131,7 +131,7 @@ class Agent:
         return (*tiers, disk)
 
     # ---- hooks of the server (AgentHooks) -----------------------------------------------------
-    def read_other_tier(self, alloc_id: int) -> bytearray | None:
+    def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
         if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
             return self._read_gpu(alloc_id)
         if self.disk is None:
@@ -142,9 +142,9 @@ class Agent:
         data = bytearray(entry.raw_bytes)
         self.disk.read_into(alloc_id, memoryview(data))
         self.pressure.count(TierKind.DISK, "reads")
-        return data
+        return data, 0  # offsets into a disk allocation count from the object's start
 
-    def _read_gpu(self, alloc_id: int) -> bytearray | None:
+    def _read_gpu(self, alloc_id: int) -> tuple[bytearray, int] | None:
         assert self.gpu is not None and self.gpu_table is not None
         location = self.gpu_table.offset_of(alloc_id)
         if location is None:
@@ -158,7 +158,7 @@ class Agent:
         finally:
             self.gpu_table.end_read(alloc_id)
         self.pressure.count(TierKind.GPU, "reads")
-        return data
+        return data, offset  # a GPU replica's offset is its place in the arena
 
     def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
         if tier == TIER_DISK:
@@ -259,7 +259,16 @@ class Agent:
             labels={
                 # Peers judge whether they may spill here against this agent's own watermark.
                 "high_watermark": str(self.config.high_watermark),
-                **({"gpu_id": str(self.gpu.device_id), "gpu_ipc": self.gpu.ipc_handle.hex()} if self.gpu else {}),
+                # The PCI bus id names the device whatever CUDA_VISIBLE_DEVICES a client runs with.
+                **(
+                    {
+                        "gpu_id": str(self.gpu.device_id),
+                        "gpu_ipc": self.gpu.ipc_handle.hex(),
+                        "gpu_pci": self.gpu.pci_bus_id,
+                    }
+                    if self.gpu
+                    else {}
+                ),
             },
         )
 

@@ -36,8 +36,9 @@ DRAIN_BYTES = 1 << 20
 class AgentHooks(Protocol):
     """What the server asks of the agent beyond the host arena."""
 
-    def read_other_tier(self, alloc_id: int) -> bytearray | None:
-        """The whole object of an alloc id that lives in another tier (disk), or None."""
+    def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
+        """The whole object of an alloc id that lives in another tier (GPU, disk) and the offset
+        its first byte has in READ's terms (its place in the GPU arena; 0 on disk), or None."""
 
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         """Called once the reply is sent (promotion happens here)."""
@@ -189,14 +190,16 @@ class AgentServer:
 
     def _read_other_tier(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
         try:
-            data = self._hooks.read_other_tier(alloc_id)
+            got = self._hooks.read_other_tier(alloc_id)
         except MooncakeError as exc:
             log.warning("read of allocation %d failed: %s", alloc_id, exc)
-            data = None
-        if data is None or offset < 0 or length < 0 or offset + length > len(data):
+            got = None
+        data, base = got if got is not None else (bytearray(), 0)
+        start = offset - base
+        if got is None or start < 0 or length < 0 or start + length > len(data):
             self._reply(conn, Op.READ, Status.STALE)
             return True
-        view = memoryview(data)[offset : offset + length]
+        view = memoryview(data)[start : start + length]
         frames.send_all(conn, frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length), view)
         view.release()
         self.counters["reads"] += 1

@@ -20,11 +20,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mooncake_store.client.buffers import BFLOAT16, check_dtype
 from mooncake_store.client.gets import LEASE_SAFETY
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
-from mooncake_store.tiers.gpu import GpuSegment, device_pointer, empty_device_array, host_pointer, memcpy
+from mooncake_store.tiers.gpu import (
+    GpuSegment,
+    describe_device_array,
+    empty_device_array,
+    host_pointer,
+    local_device,
+    memcpy,
+)
 from mooncake_store.transport.tcp import ReadRequest
-from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -37,21 +45,29 @@ class DeviceSource:
     dtype: str
     shape: tuple[int, ...]
     keepalive: Any
+    device_id: int = 0
 
 
 def as_device_source(value: Any) -> DeviceSource:
-    pointer, nbytes = device_pointer(value)
-    iface = value.__cuda_array_interface__
-    dtype = np.dtype(iface["typestr"])
-    if dtype.kind not in "biufc":
-        raise InvalidValue(f"device dtype {dtype} is not storable; use bool, int, uint, float or complex")
-    return DeviceSource(pointer, nbytes, dtype.str, tuple(iface["shape"]), value)
+    buf = describe_device_array(value)
+    dtype = buf.dtype if buf.dtype == BFLOAT16 else check_dtype(np.dtype(buf.dtype))
+    return DeviceSource(buf.pointer, buf.nbytes, dtype, buf.shape, value, buf.device_id)
 
 
-def to_host(source: DeviceSource) -> np.ndarray:
-    """One device-to-host copy, for paths that need host bytes (TCP, nodes without a GPU tier)."""
+def to_host_bytes(source: DeviceSource) -> np.ndarray:
+    """The source's bytes in host memory (uint8), in one device-to-host copy."""
     out = np.empty(source.size_bytes, dtype=np.uint8)
-    memcpy(host_pointer(memoryview(out)), source.pointer, source.size_bytes)
+    memcpy(host_pointer(memoryview(out)), source.pointer, source.size_bytes, source.device_id)
+    return out
+
+
+def to_host(source: DeviceSource) -> Any:
+    """One device-to-host copy, for paths that need host bytes (TCP, nodes without a GPU tier)."""
+    out = to_host_bytes(source)
+    if source.dtype == BFLOAT16:
+        import torch  # a bfloat16 device source is a CUDA torch tensor, so torch is there
+
+        return torch.from_numpy(out.view(np.int16).reshape(source.shape)).view(torch.bfloat16)
     return out.view(np.dtype(source.dtype)).reshape(source.shape)
 
 
@@ -61,32 +77,98 @@ def gpu_node(node: NodeInfo, host_id: str) -> bool:
 
 
 class GpuSegments:
-    """IPC-opened GPU arenas of same-host agents, one per agent incarnation (handle)."""
+    """IPC-opened GPU arenas of same-host agents, one per agent (the handle names its incarnation).
+
+    When an agent comes back with a new arena, the old mapping is closed as soon as no copy is
+    using it, so a long-lived client does not keep dead arenas mapped."""
 
     def __init__(self) -> None:
-        self._segments: dict[str, GpuSegment] = {}
+        self._segments: dict[str, tuple[str, GpuSegment]] = {}  # node id -> (handle hex, segment)
+        self._busy: dict[int, int] = {}  # id(segment) -> copies in flight
+        self._retired: list[GpuSegment] = []
+        self._unopenable: dict[str, str] = {}  # handle hex -> why it would not open (not retried)
         self._lock = threading.Lock()
 
-    def segment(self, node: NodeInfo) -> GpuSegment:
+    def _acquire(self, node: NodeInfo) -> GpuSegment:
         handle_hex = node.labels["gpu_ipc"]
         with self._lock:
-            seg = self._segments.get(handle_hex)
-            if seg is None:
-                usage = node.tier(TierKind.GPU)
-                assert usage is not None
-                seg = GpuSegment(int(node.labels.get("gpu_id", "0")), bytes.fromhex(handle_hex), usage.capacity_bytes)
-                self._segments[handle_hex] = seg
-            return seg
+            known = self._segments.get(node.node_id)
+            if known is not None and known[0] == handle_hex:
+                seg = known[1]
+                self._busy[id(seg)] = self._busy.get(id(seg), 0) + 1
+                return seg
+            why = self._unopenable.get(handle_hex)
+        if why is not None:
+            raise TransferError(why)
+        usage = node.tier(TierKind.GPU)
+        if usage is None:
+            raise TransferError(f"node {node.node_id} publishes no GPU tier")
+        try:
+            handle = bytes.fromhex(handle_hex)
+            gpu_id = int(node.labels.get("gpu_id", "0"))
+        except ValueError:
+            raise TransferError(f"node {node.node_id} publishes a malformed CUDA IPC handle or GPU id") from None
+        device_id = local_device(gpu_id, node.labels.get("gpu_pci"))
+        try:
+            seg = GpuSegment(device_id, handle, usage.capacity_bytes)
+        except (InvalidValue, TransferError) as exc:
+            why = f"node {node.node_id}: {exc}"
+            with self._lock:
+                self._unopenable[handle_hex] = why
+            raise TransferError(why) from None
+        with self._lock:
+            known = self._segments.get(node.node_id)
+            if known is not None and known[0] == handle_hex:  # another thread opened it meanwhile
+                duplicate, seg = seg, known[1]
+            else:
+                duplicate = None
+                if known is not None:
+                    self._retire(known[1])
+                self._segments[node.node_id] = (handle_hex, seg)
+            self._busy[id(seg)] = self._busy.get(id(seg), 0) + 1
+        if duplicate is not None:
+            duplicate.close()  # CUDA counts opens of one handle per context: this undoes ours only
+        return seg
+
+    def _retire(self, seg: GpuSegment) -> None:
+        """Under the lock: close ``seg`` now if idle, else when its last copy ends."""
+        if self._busy.get(id(seg), 0):
+            self._retired.append(seg)
+        else:
+            self._busy.pop(id(seg), None)
+            seg.close()
+
+    def _release(self, seg: GpuSegment) -> None:
+        with self._lock:
+            left = self._busy.get(id(seg), 1) - 1
+            self._busy[id(seg)] = left
+            if left <= 0 and seg in self._retired:
+                self._retired.remove(seg)
+                self._busy.pop(id(seg), None)
+                seg.close()
 
     def write(self, node: NodeInfo, replica: Replica, src_pointer: int, nbytes: int) -> None:
-        memcpy(self.segment(node).pointer(replica.offset, nbytes), src_pointer, nbytes)
+        seg = self._acquire(node)
+        try:
+            memcpy(seg.pointer(replica.offset, nbytes), src_pointer, nbytes, seg.device_id)
+        finally:
+            self._release(seg)
 
     def read(self, node: NodeInfo, replica: Replica, dest_pointer: int, nbytes: int) -> None:
-        memcpy(dest_pointer, self.segment(node).pointer(replica.offset, nbytes), nbytes)
+        seg = self._acquire(node)
+        try:
+            memcpy(dest_pointer, seg.pointer(replica.offset, nbytes), nbytes, seg.device_id)
+        finally:
+            self._release(seg)
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._segments)
 
     def close(self) -> None:
         with self._lock:
-            segments, self._segments = list(self._segments.values()), {}
+            segments = [seg for _, seg in self._segments.values()] + self._retired
+            self._segments, self._retired, self._busy = {}, [], {}
         for seg in segments:
             seg.close()
 
@@ -98,21 +180,30 @@ def read_to_device(
 
     Same rules as host reads: one lookup with a lease, the cheapest replica first, and a read that
     outlived its lease is re-checked against the index before it counts."""
+    client._check_open()
     config = client.config
     last_error: MooncakeError | None = None
+    target: Any = None
     for attempt in range(config.max_retries + 1):
         started = time.monotonic()
         result = client.index.lookup([key], lease_ms=config.lease_ms)
         meta = result.objects[0]
         if meta is None:
             raise KeyNotFound(f"key {key!r} not found (no complete replica on a live node)")
-        target = out if out is not None else empty_device_array(meta.size_bytes, device if device is not None else 0)
-        pointer, capacity = device_pointer(target)
-        if capacity < meta.size_bytes:
-            raise InvalidValue(f"out holds {capacity} B but key {key!r} is {meta.size_bytes} B")
+        if out is not None:
+            target = out
+        elif meta.dtype == BFLOAT16:
+            raise InvalidValue(
+                f"key {key!r} holds bfloat16, which cupy lacks: get_into a CUDA torch tensor of dtype bfloat16"
+            )
+        elif target is None or target.nbytes != meta.size_bytes:  # the key may be replaced between attempts
+            target = empty_device_array(meta.size_bytes, device if device is not None else 0)
+        dest = describe_device_array(target)
+        if dest.nbytes < meta.size_bytes:
+            raise InvalidValue(f"out holds {dest.nbytes} B but key {key!r} is {meta.size_bytes} B")
         nodes = client._node_table(refresh=attempt > 0)
         try:
-            source = _read_replica_to_device(client, meta, nodes, pointer)
+            source = _read_replica_to_device(client, meta, nodes, dest.pointer, dest.device_id)
         except (TransferError, ConnectError) as exc:
             last_error = exc
             continue
@@ -123,20 +214,30 @@ def read_to_device(
     raise last_error or TransferError(f"could not read {key!r} into device memory: its replicas kept moving")
 
 
-def _read_replica_to_device(client: Client, meta: ObjectMeta, nodes: dict[str, NodeInfo], dest: int) -> Replica | None:
+def _read_replica_to_device(
+    client: Client, meta: ObjectMeta, nodes: dict[str, NodeInfo], dest: int, dest_device: int
+) -> Replica | None:
     if meta.size_bytes == 0:
         return None
     n = meta.size_bytes
+    ipc_allowed = TransportKind.SHM in client.transports  # CUDA IPC is the GPU tier's same-host path
 
     def rank(replica: Replica) -> int:
         node = nodes.get(replica.node_id)
         if node is None:
             return 9
-        if replica.tier == TierKind.GPU and gpu_node(node, client.host_id):
+        if replica.tier == TierKind.GPU and ipc_allowed and gpu_node(node, client.host_id):
             return 0  # device to device through the agent's IPC handle
         if replica.tier == TierKind.HOST and client._use_shm(node):
             return 1  # host to device straight from the agent's shared arena
         return 2 + (replica.tier == TierKind.DISK)  # through the agent over TCP, then to the device
+
+    def through_agent(node: NodeInfo, replica: Replica) -> None:
+        staging = np.empty(n, dtype=np.uint8)
+        client._tcp.peer(node.tcp_endpoint).read_many(
+            [ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=memoryview(staging))]
+        )
+        memcpy(dest, host_pointer(memoryview(staging)), n, dest_device)
 
     errors = []
     for replica in sorted(meta.replicas, key=rank):
@@ -146,27 +247,31 @@ def _read_replica_to_device(client: Client, meta: ObjectMeta, nodes: dict[str, N
         try:
             how = rank(replica)
             if how == 0:
-                client._gpu_segments().read(node, replica, dest, n)
+                try:
+                    client._gpu_segments().read(node, replica, dest, n)
+                except TransferError as exc:
+                    # The handle would not open here (no peer access, another container...): the
+                    # agent can still serve the replica device to host.
+                    errors.append(f"{replica.node_id} via CUDA IPC: {exc}")
+                    through_agent(node, replica)
             elif how == 1:
                 seg = client._shm.segment(node.shm_name, client._arena_bytes(node))
                 view = seg.view(replica.offset, n)
                 try:
-                    memcpy(dest, host_pointer(view), n)
+                    memcpy(dest, host_pointer(view), n, dest_device)
                 finally:
                     view.release()
             else:
-                staging = np.empty(n, dtype=np.uint8)
-                client._tcp.peer(node.tcp_endpoint).read_many(
-                    [ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=memoryview(staging))]
-                )
-                memcpy(dest, host_pointer(memoryview(staging)), n)
+                through_agent(node, replica)
             return replica
         except (TransferError, ConnectError) as exc:
             errors.append(f"{replica.node_id}: {exc}")
+            if isinstance(exc, ConnectError):
+                client._tcp.drop_peer(node.tcp_endpoint)
     raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors or ["none reachable"]))
 
 
 def as_device_array(buffer: Any, dtype: str, shape: tuple[int, ...]) -> Any:
-    if dtype == "bfloat16":
+    if dtype == BFLOAT16:
         raise InvalidValue("cupy has no bfloat16: get_into a CUDA torch tensor of dtype bfloat16 instead")
     return buffer.view(np.dtype(dtype)).reshape(shape)

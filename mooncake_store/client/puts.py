@@ -8,6 +8,7 @@ or TCP) → commit (one index round trip). Anything that fails after the reserva
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Mapping
@@ -29,11 +30,13 @@ from mooncake_store.errors import (
 from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
 from mooncake_store.tiers.gpu import is_device_array
-from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, check_key
+from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
     from mooncake_store.client.device import DeviceSource
+
+log = logging.getLogger("mooncake.client")
 
 #: RESERVE tier numbers on the wire (transport/frames.py).
 WIRE_TIER = {TierKind.HOST: 0, TierKind.GPU: 1}
@@ -104,8 +107,12 @@ class PutPath:
                 from mooncake_store.client import device  # lazy: only device arrays need it
 
                 if gpu_here is None:
+                    # The GPU tier is reached through CUDA IPC, a same-host path like shm: a client
+                    # told not to use shm stages device arrays to host memory instead.
                     nodes = self.client._node_table().values()
-                    gpu_here = any(device.gpu_node(n, self.client.host_id) for n in nodes)
+                    gpu_here = TransportKind.SHM in self.client.transports and any(
+                        device.gpu_node(n, self.client.host_id) for n in nodes
+                    )
                 dev = device.as_device_source(value)
                 if gpu_here:
                     source: Source | DeviceSource = dev
@@ -289,7 +296,17 @@ class PutPath:
             return
         src = plan.source
         if not isinstance(src, Source):
-            client._gpu_segments().write(node, replica, src.pointer, src.size_bytes)
+            try:
+                client._gpu_segments().write(node, replica, src.pointer, src.size_bytes)
+                return
+            except TransferError as exc:
+                # The IPC mapping failed (GpuSegments remembers it): the agent takes the bytes over
+                # TCP into its GPU reservation instead, staged through host memory once.
+                from mooncake_store.client.device import to_host_bytes
+
+                log.info("device put of %s through CUDA IPC failed (%s); sending it over TCP", plan.key, exc)
+                staged = memoryview(to_host_bytes(src))
+                client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, staged)
         elif client._use_shm(node):
             client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, src.view)
         else:

@@ -1,19 +1,23 @@
-"""The GPU tier on a real CUDA device: arena round trips, CUDA IPC from another process, puts of
-device arrays into the tier, device-to-device and host-to-device gets, demotion to host memory."""
+"""The GPU tier on a real CUDA device: arena round trips, CUDA IPC from another process (both
+directions), puts of device arrays into the tier, device-to-device, host-to-device and TCP-to-device
+gets, CUDA torch tensors (bfloat16 included), demotion to host memory.
+
+Only copies are used on the device side (cupy.asarray / cupy.empty / cupy.asnumpy): no test needs
+cupy to compile a kernel, so they run on a machine with a driver but no CUDA toolkit (NVRTC)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
-from mooncake_store import Client, LocalCluster
-from mooncake_store.tiers.gpu import GpuArena, host_pointer
+from mooncake_store import Client, LocalCluster, MooncakeError, connect
+from mooncake_store.tiers.gpu import GpuArena, GpuSegment, memcpy
 
 MiB = 1 << 20
 
@@ -25,43 +29,84 @@ def cupy():  # type: ignore[no-untyped-def]
     return cupy
 
 
+def _random(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
 def test_arena_round_trip_host_and_device(cupy) -> None:  # type: ignore[no-untyped-def]
     arena = GpuArena(0, 16 * MiB)
     try:
-        data = np.random.default_rng(0).integers(0, 255, 3 * MiB, dtype=np.uint8)
+        assert len(arena.ipc_handle) == 64  # sizeof(cudaIpcMemHandle_t)
+        data = _random(3 * MiB, 0)
         arena.write_from_host(4096, memoryview(data))
         back = np.empty_like(data)
         arena.read_to_host(4096, memoryview(back))
         assert np.array_equal(back, data)
-        dev = cupy.arange(MiB, dtype=cupy.uint8)
+        # A multi-byte memoryview counts bytes, not items.
+        floats = np.arange(1024, dtype=np.float32)
+        arena.write_from_host(0, memoryview(floats))
+        floats_back = np.empty_like(floats)
+        arena.read_to_host(0, memoryview(floats_back))
+        assert np.array_equal(floats_back, floats)
+        dev = cupy.asarray(_random(MiB, 1))  # device to device into the arena
         arena.copy_within(8 * MiB, int(dev.data.ptr), MiB)
         out = np.empty(MiB, np.uint8)
         arena.read_to_host(8 * MiB, memoryview(out))
         assert np.array_equal(out, cupy.asnumpy(dev))
-        assert host_pointer(memoryview(out)) != 0
+        dev_out = cupy.empty(MiB, dtype=cupy.uint8)  # and back, device to device
+        memcpy(int(dev_out.data.ptr), arena.base_ptr + 8 * MiB, MiB, 0)
+        assert np.array_equal(cupy.asnumpy(dev_out), cupy.asnumpy(dev))
+        with pytest.raises(MooncakeError, match="outside"):
+            arena.read_to_host(16 * MiB - 10, memoryview(out))
     finally:
         arena.close()
 
 
-def test_ipc_read_from_another_process() -> None:
+def test_segment_in_the_exporting_process_uses_the_pointer() -> None:
+    """CUDA refuses to open an IPC handle in the process that made it; a client that shares its
+    process with an agent must get the arena's own pointer instead."""
+    arena = GpuArena(0, 4 * MiB)
+    try:
+        seg = GpuSegment(0, arena.ipc_handle, arena.size_bytes)
+        assert seg.pointer(0, 1) == arena.base_ptr
+        seg.close()
+    finally:
+        arena.close()
+
+
+def test_ipc_from_another_process_both_ways() -> None:
     arena = GpuArena(0, 8 * MiB)
     try:
-        data = np.arange(MiB, dtype=np.uint32).view(np.uint8)[: 2 * MiB]
-        arena.write_from_host(0, memoryview(np.ascontiguousarray(data)))
+        data = np.ascontiguousarray(np.arange(MiB, dtype=np.uint32).view(np.uint8)[: 2 * MiB])
+        arena.write_from_host(0, memoryview(data))
+        # The child opens the handle, reads the parent's bytes device-to-host and device-to-device,
+        # then writes 1 MiB of its own into the arena (the direction of a client's put).
         child = textwrap.dedent(
             f"""
-            import numpy as np, sys
+            import sys
+            import numpy as np
+            import cupy
             from mooncake_store.tiers.gpu import GpuSegment, memcpy, host_pointer
             seg = GpuSegment(0, bytes.fromhex("{arena.ipc_handle.hex()}"), {8 * MiB})
             out = np.empty({2 * MiB}, np.uint8)
-            memcpy(host_pointer(memoryview(out)), seg.pointer(0, out.nbytes), out.nbytes)
+            memcpy(host_pointer(memoryview(out)), seg.pointer(0, out.nbytes), out.nbytes, 0)
+            dev = cupy.empty({2 * MiB}, dtype=cupy.uint8)
+            memcpy(int(dev.data.ptr), seg.pointer(0, out.nbytes), out.nbytes, 0)
+            same = bool(np.array_equal(cupy.asnumpy(dev), out))
+            mine = cupy.asarray(np.full({MiB}, 7, np.uint8))
+            memcpy(seg.pointer({4 * MiB}, {MiB}), int(mine.data.ptr), {MiB}, 0)
             seg.close()
-            sys.stdout.write(str(int(out.view(np.uint32).sum(dtype=np.uint64))))
+            sys.stdout.write(f"{{int(out.view(np.uint32).sum(dtype=np.uint64))}} {{same}}")
             """
         )
         got = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
         assert got.returncode == 0, got.stderr
-        assert int(got.stdout) == int(data.view(np.uint32).sum(dtype=np.uint64))
+        total, same = got.stdout.split()
+        assert int(total) == int(data.view(np.uint32).sum(dtype=np.uint64))
+        assert same == "True"
+        written = np.empty(MiB, np.uint8)
+        arena.read_to_host(4 * MiB, memoryview(written))
+        assert np.array_equal(written, np.full(MiB, 7, np.uint8))
     finally:
         arena.close()
 
@@ -75,19 +120,42 @@ def gpu_cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
 
 def test_device_put_lands_in_gpu_tier_and_reads_back(cupy, gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
     client: Client = make_client(gpu_cluster)
-    x = cupy.random.standard_normal((64, 1024), dtype=cupy.float32)
+    host_x = np.random.default_rng(2).standard_normal((64, 1024)).astype(np.float32)
+    x = cupy.asarray(host_x)
     client.put("dev", x)
     meta = client.object_meta("dev")
     assert meta is not None and str(meta.replicas[0].tier) == "gpu"
     got = client.get("dev", device="cuda:0")  # device to device through CUDA IPC
     assert isinstance(got, cupy.ndarray) and got.dtype == cupy.float32 and got.shape == (64, 1024)
-    assert bool(cupy.all(got == x))
+    assert np.array_equal(cupy.asnumpy(got), host_x)
+    assert client._gpu is not None and client._gpu.open_count() == 1  # the IPC path, not TCP
     host = client.get("dev")  # through the agent: device to host, then TCP
-    assert np.array_equal(host, cupy.asnumpy(x))
+    assert np.array_equal(host, host_x)
     out = cupy.empty_like(x)
-    assert client.get_into("dev", out) == x.nbytes and bool(cupy.all(out == x))
+    assert client.get_into("dev", out) == x.nbytes
+    assert np.array_equal(cupy.asnumpy(out), host_x)
     tcp_only = make_client(gpu_cluster, transports=("tcp",))
-    assert np.array_equal(tcp_only.get("dev"), cupy.asnumpy(x))
+    assert np.array_equal(tcp_only.get("dev"), host_x)
+    via_tcp = tcp_only.get("dev", device=0)  # the agent reads device to host, TCP, then host to device
+    assert np.array_equal(cupy.asnumpy(via_tcp), host_x)
+    assert tcp_only._gpu is None  # a TCP-only client never opens the IPC handle
+    with pytest.raises(MooncakeError, match="out holds"):
+        client.get_into("dev", cupy.empty(16, dtype=cupy.uint8))
+
+
+def test_tcp_reads_of_gpu_replicas_at_any_offset(cupy, gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
+    """The agent serves GPU replicas over TCP (host gets, TCP-only clients, other hosts): the read
+    names the replica's offset in the GPU arena, which is not 0 for any object but the first."""
+    client: Client = make_client(gpu_cluster)
+    values = {f"at/{i}": _random(4096 + i, 10 + i) for i in range(3)}
+    for key, value in values.items():
+        client.put(key, cupy.asarray(value))
+    offsets = [client.object_meta(key).replicas[0].offset for key in values]  # type: ignore[union-attr]
+    assert offsets[1] > 0 and offsets[2] > 0, offsets
+    tcp_only = make_client(gpu_cluster, transports=("tcp",))
+    for key, value in values.items():
+        assert np.array_equal(client.get(key), value), key
+        assert np.array_equal(cupy.asnumpy(tcp_only.get(key, device=0)), value), key
 
 
 def test_host_object_to_device_in_one_copy(cupy, gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
@@ -99,15 +167,55 @@ def test_host_object_to_device_in_one_copy(cupy, gpu_cluster, make_client) -> No
     assert np.array_equal(cupy.asnumpy(got), value)
 
 
+def test_device_put_without_gpu_tier_is_staged_to_host(cupy, make_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(1)
+    client: Client = make_client(cluster)
+    host_x = _random(MiB + 3, 3)
+    client.put("staged", cupy.asarray(host_x))
+    assert str(client.object_meta("staged").replicas[0].tier) == "host"  # type: ignore[union-attr]
+    assert np.array_equal(client.get("staged"), host_x)
+    assert np.array_equal(cupy.asnumpy(client.get("staged", device="cuda")), host_x)
+
+
+def test_agent_in_the_client_process(cupy, make_inproc_agent, redis_url) -> None:  # type: ignore[no-untyped-def]
+    agent = make_inproc_agent(host_bytes=16 * MiB, gpu_bytes=8 * MiB, reserve_timeout_s=10.0)
+    with connect(redis_url, namespace=agent.namespace) as client:
+        host_x = _random(MiB, 4)
+        client.put("here", cupy.asarray(host_x))
+        assert str(client.object_meta("here").replicas[0].tier) == "gpu"  # type: ignore[union-attr]
+        assert np.array_equal(cupy.asnumpy(client.get("here", device=0)), host_x)
+
+
+def test_cuda_torch_tensors_bfloat16_included(gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip(f"torch {torch.__version__} is a CPU build: no CUDA torch tensors to test")
+    client: Client = make_client(gpu_cluster)
+    x = torch.randn(32, 256, device="cuda:0", dtype=torch.bfloat16)
+    client.put("bf16", x)
+    assert str(client.object_meta("bf16").replicas[0].tier) == "gpu"  # type: ignore[union-attr]
+    out = torch.empty_like(x)
+    assert client.get_into("bf16", out) == x.numel() * 2
+    assert torch.equal(out, x)
+    assert torch.equal(client.get("bf16"), x.cpu())  # host read: a CPU bfloat16 tensor
+    with pytest.raises(MooncakeError, match="bfloat16"):
+        client.get("bf16", device="cuda:0")  # cupy has no bfloat16
+    y = torch.arange(1000, device="cuda:0", dtype=torch.int32)
+    client.put("i32", y)
+    assert np.array_equal(client.get("i32"), np.arange(1000, dtype=np.int32))
+
+
 def test_gpu_pressure_demotes_to_host(cupy, make_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(0)
     cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(128 * MiB), "--gpu-mem", str(16 * MiB)])
     client: Client = make_client(cluster, lease_ms=200, timeout_s=20)
-    arrays = {f"g/{i}": cupy.full(MiB, i, dtype=cupy.uint8) for i in range(40)}
-    for key, arr in arrays.items():
-        client.put(key, arr)
-    time.sleep(2.0)
-    tiers = {key: str(client.object_meta(key).replicas[0].tier) for key in arrays}  # type: ignore[union-attr]
-    assert "host" in tiers.values() and "gpu" in tiers.values()
-    for key, arr in arrays.items():
-        assert bool(cupy.all(client.get(key, device="cuda:0") == arr)), key
+    values = {f"g/{i}": np.full(MiB, i, dtype=np.uint8) for i in range(40)}
+    for key, value in values.items():
+        client.put(key, cupy.asarray(value))
+
+    def tiers() -> set[str]:
+        return {str(client.object_meta(key).replicas[0].tier) for key in values}  # type: ignore[union-attr]
+
+    assert wait_until(lambda: {"host", "gpu"} <= tiers(), timeout_s=10), tiers()
+    for key, value in values.items():
+        assert np.array_equal(cupy.asnumpy(client.get(key, device="cuda:0")), value), key
