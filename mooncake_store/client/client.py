@@ -22,7 +22,7 @@ from mooncake_store.errors import (
     ObjectPinned,
 )
 from mooncake_store.index import RedisIndex
-from mooncake_store.tiers.gpu import is_device_array
+from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.transport.shm import ShmTransport, local_host_id
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import (

@@ -23,14 +23,8 @@ import numpy as np
 from mooncake_store.client.buffers import BFLOAT16, check_dtype
 from mooncake_store.client.gets import LEASE_SAFETY
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
-from mooncake_store.tiers.gpu import (
-    GpuSegment,
-    describe_device_array,
-    empty_device_array,
-    host_pointer,
-    local_device,
-    memcpy,
-)
+from mooncake_store.tiers.gpu import GpuSegment, local_device
+from mooncake_store.tiers.gpu_arrays import describe_device_array, empty_device_array, host_pointer, memcpy
 from mooncake_store.transport.tcp import ReadRequest
 from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
 

@@ -29,7 +29,7 @@ from mooncake_store.errors import (
 )
 from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
-from mooncake_store.tiers.gpu import is_device_array
+from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_store.tiers.gpu import cuda_status
+from mooncake_store.tiers.gpu_arrays import cuda_status
 
 USABLE, WHY = cuda_status(0)
 

@@ -17,7 +17,8 @@ import pytest
 from helpers import wait_until
 
 from mooncake_store import Client, LocalCluster, MooncakeError, connect
-from mooncake_store.tiers.gpu import GpuArena, GpuSegment, memcpy
+from mooncake_store.tiers.gpu import GpuArena, GpuSegment
+from mooncake_store.tiers.gpu_arrays import memcpy
 
 MiB = 1 << 20
 
@@ -86,7 +87,8 @@ def test_ipc_from_another_process_both_ways() -> None:
             import sys
             import numpy as np
             import cupy
-            from mooncake_store.tiers.gpu import GpuSegment, memcpy, host_pointer
+            from mooncake_store.tiers.gpu import GpuSegment
+            from mooncake_store.tiers.gpu_arrays import memcpy, host_pointer
             seg = GpuSegment(0, bytes.fromhex("{arena.ipc_handle.hex()}"), {8 * MiB})
             out = np.empty({2 * MiB}, np.uint8)
             memcpy(host_pointer(memoryview(out)), seg.pointer(0, out.nbytes), out.nbytes, 0)

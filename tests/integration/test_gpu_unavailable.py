@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from mooncake_store import Client, LocalCluster, MooncakeError
-from mooncake_store.tiers.gpu import cuda_status
+from mooncake_store.tiers.gpu_arrays import cuda_status
 
 USABLE, WHY = cuda_status(0)
 pytestmark = pytest.mark.skipif(USABLE, reason=f"this machine has a usable GPU ({WHY}); see tests/gpu/")

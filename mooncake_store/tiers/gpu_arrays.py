@@ -1,0 +1,247 @@
+"""CUDA device arrays and copies through cupy: the capability check, the description of a caller's
+device array, and the one copy primitive shared by the GPU tier (:mod:`mooncake_store.tiers.gpu`)
+and the client's device gets and puts.
+
+cupy is imported lazily (optional extra ``gpu``) and everything here sits behind
+:func:`cuda_status`, the capability check: without cupy or without a CUDA device the agent simply
+has no GPU tier and the rest of the store runs unchanged.
+
+Copies use ``cudaMemcpyAsync`` with ``cudaMemcpyDefault`` (unified addressing tells host and device
+pointers apart), so one call serves host-to-device, device-to-host and device-to-device. A host
+source or destination may be any buffer, the agent's shared-memory arena included: a same-host
+``get(key, device="cuda:0")`` of a host-tier object is one copy from the arena into device memory.
+
+Every copy is issued on the legacy default stream of the device that owns the device side and the
+host waits for it before :func:`memcpy` returns. That wait is what makes the bytes safe to publish:
+a device-to-device copy returns before it has run, and a host-to-device copy from pageable memory
+returns once the source is staged, not written (CUDA runtime API, "API synchronization behavior").
+Another process reading the arena through its IPC handle has no stream order with ours, so a put
+must not commit, and a demotion must not swap, until the copy has landed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity, TransferError
+
+#: cudaMemcpyDefault
+MEMCPY_DEFAULT = 4
+#: cudaStreamLegacy: the legacy default stream, whatever the caller's per-thread-stream setting.
+STREAM_LEGACY = 1
+BFLOAT16 = "bfloat16"
+
+
+class GpuUnavailable(MooncakeError):
+    """No usable CUDA device (cupy missing, no driver, or no such device)."""
+
+
+@functools.cache
+def _cupy() -> Any:
+    try:
+        import cupy  # optional dependency, imported on first use only
+    except ImportError as exc:
+        raise GpuUnavailable(f"cupy is not installed ({exc}); pip install 'mooncake-store[gpu]'") from None
+    return cupy
+
+
+def _cuda_error() -> type[BaseException]:
+    """cupy's CUDARuntimeError (a RuntimeError)."""
+    return getattr(_cupy().cuda.runtime, "CUDARuntimeError", RuntimeError)
+
+
+def cuda_status(device_id: int = 0) -> tuple[bool, str]:
+    """(usable, why): whether ``device_id`` can hold a GPU tier, in words either way."""
+    try:
+        cupy = _cupy()
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except GpuUnavailable as exc:
+        return False, str(exc)
+    except Exception as exc:  # cupy raises CUDARuntimeError when the driver is missing
+        return False, f"CUDA runtime unavailable: {exc}"
+    if count == 0:
+        return False, "no CUDA device"
+    if not 0 <= device_id < count:
+        return False, f"CUDA device {device_id} does not exist; this host has {count}"
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    except Exception as exc:
+        return False, f"CUDA device {device_id} is not usable: {exc}"
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return True, f"CUDA device {device_id}: {name}, {props['totalGlobalMem']} B"
+
+
+_usable: set[int] = set()
+
+
+def require_device(device_id: int) -> Any:
+    """cupy, once ``device_id`` is known to be usable; GpuUnavailable (saying why) otherwise."""
+    if device_id not in _usable:
+        ok, why = cuda_status(device_id)
+        if not ok:
+            raise GpuUnavailable(f"CUDA device {device_id} is not usable: {why}")
+        _usable.add(device_id)
+    return _cupy()
+
+
+@contextlib.contextmanager
+def _on_device(device_id: int | None) -> Iterator[Any]:
+    """Make ``device_id`` current in this thread (CUDA's current device is per thread)."""
+    cupy = _cupy()
+    if device_id is None:
+        yield cupy
+        return
+    with cupy.cuda.Device(device_id):
+        yield cupy
+
+
+# ---- device arrays (cupy, CUDA torch tensors, anything with __cuda_array_interface__) --------------
+
+
+def _is_torch(value: object) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
+
+
+def is_device_array(value: object) -> bool:
+    """A cupy array, a CUDA torch tensor, or anything else exposing __cuda_array_interface__."""
+    if _is_torch(value):
+        # torch's __cuda_array_interface__ raises for tensors that require grad, describes bfloat16
+        # as "<V2" and names no stream (version 2): ask the tensor itself instead.
+        return bool(getattr(value, "is_cuda", False))
+    try:
+        getattr(value, "__cuda_array_interface__")  # noqa: B009 (a property that may raise)
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBuffer:
+    """Where a device array's bytes are, after its producer's stream has been waited for."""
+
+    pointer: int
+    nbytes: int
+    device_id: int
+    dtype: str  # numpy's dtype.str, or "bfloat16"
+    shape: tuple[int, ...]
+
+
+def describe_device_array(value: Any) -> DeviceBuffer:
+    """Pointer, size, device, dtype and shape of a C-contiguous device array.
+
+    Waits for the stream the array's producer names (CUDA Array Interface v3: the consumer must
+    synchronize it before touching the data), so pending kernels on a non-blocking stream have
+    finished writing a source, or reading a destination, before we copy."""
+    if _is_torch(value):
+        return _describe_torch(value)
+    try:
+        iface = value.__cuda_array_interface__
+    except Exception as exc:
+        raise InvalidValue(f"{type(value).__name__} is not a device array: {exc}") from None
+    if iface.get("mask") is not None:
+        raise InvalidValue("masked device arrays are not storable")
+    shape = tuple(int(d) for d in iface["shape"])
+    try:
+        dtype = np.dtype(iface["typestr"])
+    except TypeError:
+        raise InvalidValue(f"device array of typestr {iface['typestr']!r} is not storable") from None
+    itemsize = dtype.itemsize
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    strides = iface.get("strides")
+    if strides is not None and nbytes:
+        step = itemsize
+        for dim, stride in zip(reversed(shape), reversed(tuple(strides)), strict=True):
+            if dim != 1 and stride != step:  # the stride of a length-1 axis is never used
+                raise InvalidValue(f"device array of shape {shape} is not C-contiguous; pass a contiguous copy")
+            step *= dim
+    pointer = int(iface["data"][0]) if nbytes else 0
+    cupy = _cupy()
+    runtime = cupy.cuda.runtime
+    try:
+        device_id = int(runtime.pointerGetAttributes(pointer).device) if pointer else int(runtime.getDevice())
+        if device_id < 0:  # managed or host memory seen through the interface: copy from here
+            device_id = int(runtime.getDevice())
+        stream = iface.get("stream")
+        if stream:  # None: no stream order wanted; 0 is disallowed by the interface
+            with cupy.cuda.Device(device_id):
+                runtime.streamSynchronize(int(stream))
+    except _cuda_error() as exc:
+        raise TransferError(f"cannot use the device array at 0x{pointer:x}: {exc}") from None
+    return DeviceBuffer(pointer, nbytes, device_id, dtype.str, shape)
+
+
+def _describe_torch(tensor: Any) -> DeviceBuffer:
+    import torch  # the caller handed us a tensor, so torch is there
+
+    if not tensor.is_cuda:
+        raise InvalidValue(f"torch tensor on {tensor.device} is not a device array")
+    if not tensor.is_contiguous():
+        raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
+    if tensor.dtype == torch.bfloat16:
+        dtype = BFLOAT16
+    else:
+        try:
+            dtype = torch.empty(0, dtype=tensor.dtype).numpy().dtype.str
+        except TypeError:
+            raise InvalidValue(f"torch dtype {tensor.dtype} is not storable") from None
+    device_id = int(tensor.get_device())
+    torch.cuda.current_stream(device_id).synchronize()
+    nbytes = int(tensor.numel()) * int(tensor.element_size())
+    return DeviceBuffer(int(tensor.data_ptr()) if nbytes else 0, nbytes, device_id, dtype, tuple(tensor.shape))
+
+
+def device_pointer(value: Any) -> tuple[int, int]:
+    """(device pointer, nbytes) of a C-contiguous device array (see :func:`describe_device_array`)."""
+    buf = describe_device_array(value)
+    return buf.pointer, buf.nbytes
+
+
+# ---- copies -----------------------------------------------------------------------------------------
+
+
+def host_pointer(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def memcpy(dst_ptr: int, src_ptr: int, nbytes: int, device_id: int | None = None) -> None:
+    """Copy ``nbytes`` between any two pointers (host or device) and wait until they have landed.
+
+    ``device_id`` is the device that owns the device side of the copy; it is made current for the
+    copy so that the stream waited for is the one the copy ran on."""
+    if nbytes <= 0:
+        return
+    cuda_error = _cuda_error()
+    try:
+        with _on_device(device_id) as cupy:
+            runtime = cupy.cuda.runtime
+            runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, MEMCPY_DEFAULT, STREAM_LEGACY)
+            runtime.streamSynchronize(STREAM_LEGACY)
+    except cuda_error as exc:
+        raise TransferError(f"CUDA copy of {nbytes} B (0x{src_ptr:x} -> 0x{dst_ptr:x}) failed: {exc}") from None
+
+
+def empty_device_array(nbytes: int, device: str | int) -> Any:
+    """A uint8 cupy array of ``nbytes`` on ``device`` ("cuda:N" or N)."""
+    device_id = parse_device(device)
+    cupy = require_device(device_id)
+    with cupy.cuda.Device(device_id):
+        try:
+            return cupy.empty(nbytes, dtype=cupy.uint8)
+        except MemoryError as exc:  # cupy.cuda.memory.OutOfMemoryError
+            raise NoCapacity(f"need {nbytes} B on GPU {device_id} for the result: {exc}") from None
+
+
+def parse_device(device: str | int) -> int:
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device
+    if device == "cuda":
+        return 0
+    if isinstance(device, str) and device.startswith("cuda:") and device[5:].isascii() and device[5:].isdigit():
+        return int(device[5:])
+    raise InvalidValue(f"device must be 'cuda', 'cuda:N' or a device index, got {device!r}")
