@@ -115,15 +115,13 @@ class LocalMoves:
         return False
 
     def demote_gpu(self, victim: EvictionCandidate, gpu_offset: int) -> bool:
-        """Copy a GPU-tier object to a host block (one device-to-host copy) and swap it there, or
-        evict it when the host tier has no room below its high watermark; True when it left the GPU."""
+        """Copy a GPU-tier object to a host block (one device-to-host copy) and swap it there;
+        False when no host block fits it or the object changed meanwhile."""
         agent = self.agent
         assert agent.gpu is not None
-        host_used, _, _, _ = agent.table.usage()
-        fits = host_used + victim.size_bytes <= agent.config.high_watermark * agent.table.capacity_bytes
-        allocs = agent.table.reserve([(victim.size_bytes, b"demote-gpu" + bytes(6))]) if fits else None
+        allocs = agent.table.reserve([(victim.size_bytes, b"demote-gpu" + bytes(6))])
         if allocs is None:
-            return victim.children == 0 and self.evict(victim, TierKind.GPU)
+            return False
         alloc = allocs[0]
         # The agent's own move target: committed at once, so no reservation timeout can free it
         # between the copy and the swap; it is freed below if the swap does not happen.

@@ -133,7 +133,10 @@ class Agent:
     # ---- hooks of the server (AgentHooks) -----------------------------------------------------
     def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
         if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
-            return self._read_gpu(alloc_id)
+            got = self.read_gpu(alloc_id)
+            if got is not None:
+                self.pressure.count(TierKind.GPU, "reads")
+            return got
         if self.disk is None:
             return None
         entry = self.disk.entry(alloc_id)
@@ -144,7 +147,8 @@ class Agent:
         self.pressure.count(TierKind.DISK, "reads")
         return data, 0  # offsets into a disk allocation count from the object's start
 
-    def _read_gpu(self, alloc_id: int) -> tuple[bytearray, int] | None:
+    def read_gpu(self, alloc_id: int) -> tuple[bytearray, int] | None:
+        """A GPU-tier object copied to host memory (fenced against frees), with its arena offset."""
         assert self.gpu is not None and self.gpu_table is not None
         location = self.gpu_table.offset_of(alloc_id)
         if location is None:
@@ -157,7 +161,6 @@ class Agent:
             self.gpu.read_to_host(offset, memoryview(data))
         finally:
             self.gpu_table.end_read(alloc_id)
-        self.pressure.count(TierKind.GPU, "reads")
         return data, offset  # a GPU replica's offset is its place in the arena
 
     def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:

@@ -162,7 +162,7 @@ class PressureManager:
         agent = self.agent
         victim = job.victim
         lower = next_tier(tier, agent.tier_kinds())
-        lower_free = agent.disk.free_bytes if (lower == TierKind.DISK and agent.disk is not None) else 0
+        lower_free = self._room_below(lower)
         return choose_move(
             job.wire_bytes,
             tier=tier,
@@ -179,9 +179,22 @@ class PressureManager:
             refused=state.refused | set(victim.other_nodes),
         )
 
+    def _room_below(self, lower: TierKind | None) -> int:
+        """Room in this agent's next tier down: the disk's free bytes, or the host tier's room under
+        its high watermark (a demotion from the GPU must not put the host tier under pressure)."""
+        agent = self.agent
+        if lower == TierKind.DISK and agent.disk is not None:
+            return agent.disk.free_bytes
+        if lower == TierKind.HOST:
+            used, _, _, _ = agent.table.usage()
+            return max(0, int(agent.config.high_watermark * agent.table.capacity_bytes) - used)
+        return 0
+
     def _demote_or_evict(self, job: SpillJob, move: Move, tier: TierKind) -> bool:
         if move.kind == MoveKind.DEMOTE and tier == TierKind.HOST:
             return self.moves.demote_to_disk(job.victim, job.offset)
+        if move.kind == MoveKind.DEMOTE and tier == TierKind.GPU:
+            return self.moves.demote_gpu(job.victim, job.offset)
         if job.victim.children > 0:
             return False  # evicting it would cut its chain's later chunks off from every match
         return self.moves.evict(job.victim, tier)
@@ -226,14 +239,17 @@ class PressureManager:
     def _still_here(self, alloc_id: int, tier: TierKind) -> bool:
         if tier == TierKind.DISK:
             return self.agent.disk is not None and alloc_id in self.agent.disk
+        if tier == TierKind.GPU:
+            return self.agent.gpu_table is not None and self.agent.gpu_table.offset_of(alloc_id) is not None
         return self.agent.table.offset_of(alloc_id) is not None
 
     def relieve_gpu(self) -> int:
-        """GPU tier: demote the coldest objects to host memory (one device-to-host copy each), or
-        evict them when the host tier has no room below its high watermark."""
+        """One pass over the GPU tier: the coldest objects go to host memory (one device-to-host
+        copy each) while the host tier stays under its high watermark, else to the GPU tier of the
+        peer with the most room there (same zone first), else they are evicted."""
         agent = self.agent
-        table, gpu = agent.gpu_table, agent.gpu
-        if table is None or gpu is None:
+        table = agent.gpu_table
+        if table is None or agent.gpu is None:
             return 0
         cfg = agent.config
         used, _, _, _ = table.usage()
@@ -246,15 +262,26 @@ class PressureManager:
             return 0
         now_ms = agent.index.server_time_ms()
         candidates = agent.index.victim_candidates(agent.node_id, str(TierKind.GPU), sample=SAMPLE)
-        moved = 0
+        pass_state = _PassState(peers=list(agent.index.nodes().values()) if cfg.spill_to_peers else [])
+        spills: dict[str, list[SpillJob]] = {}
+        moved = planned = 0
         for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
-            if moved >= need:
+            if moved + planned >= need:
                 break
             location = table.offset_of(victim.alloc_id)
             if location is None:
-                continue
-            if self.moves.demote_gpu(victim, location[0]):
-                moved += victim.size_bytes
+                continue  # freed since the sample was taken
+            job = SpillJob(victim=victim, offset=location[0])
+            move = self._place(job, now_ms, pass_state, TierKind.GPU)
+            if move.kind == MoveKind.SPILL and move.node_id is not None:
+                spills.setdefault(move.node_id, []).append(job)
+                pass_state.planned[move.node_id] = pass_state.planned.get(move.node_id, 0) + job.wire_bytes
+                planned += job.wire_bytes
+            elif self._demote_or_evict(job, move, TierKind.GPU):
+                moved += job.wire_bytes
+        moved += self._carry_out_spills(spills, now_ms, pass_state, TierKind.GPU)
+        if moved:
+            agent.reclaim_now()
         return moved
 
     def relieve_disk(self) -> int:

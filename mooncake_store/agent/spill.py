@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_HOST
+from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.errors import MooncakeError, StaleLocation
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
@@ -49,12 +49,14 @@ GUARD_TTL_MS = 300_000
 #: Bytes per batch: bounds what a peer holds reserved for a batch not yet swapped, and how long
 #: the first object of a pass waits for its swap.
 BATCH_BYTES = 32 << 20
+#: RESERVE's tier field per tier.
+WIRE_TIER = {TierKind.HOST: TIER_HOST, TierKind.GPU: TIER_GPU, TierKind.DISK: TIER_DISK}
 
 
 @dataclass(frozen=True, slots=True)
 class SpillJob:
     victim: EvictionCandidate
-    offset: int  # of the victim in this agent's host arena (0 for a chunk file on disk)
+    offset: int  # of the victim in its tier's arena here (host or GPU; 0 on disk)
     #: A disk-tier victim: the size of its chunk file, which is what travels and what the peer stores.
     stored_bytes: int | None = None
 
@@ -99,8 +101,9 @@ class Spiller:
         self._transport = TcpTransport(timeout_s=30.0, connections_per_peer=self._streams, stripe_bytes=1 << 62)
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
-        #: Chunk files of the disk batch being sent, by alloc id (read just before the batch goes).
-        self._files: dict[int, bytes] = {}
+        #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
+        #: chunk files read, just before the batch goes); host batches are sent from the arena.
+        self._payloads: dict[int, bytes | bytearray] = {}
 
     def close(self) -> None:
         self._transport.close()
@@ -108,17 +111,17 @@ class Spiller:
         self._swapper.shutdown(wait=False, cancel_futures=True)
 
     def spill(self, peer_node: NodeInfo, jobs: list[SpillJob], *, tier: TierKind = TierKind.HOST) -> SpillResult:
-        """Move ``jobs`` to ``peer_node``'s ``tier`` (host or disk), batch by batch. A batch's swap
-        runs on the swap thread while the next batch is reserved and written; all swaps are done
-        when this returns."""
+        """Move ``jobs`` to ``peer_node``'s ``tier`` (the tier they are in here), batch by batch. A
+        batch's swap runs on the swap thread while the next batch is reserved and written; all
+        swaps are done when this returns."""
         result = SpillResult()
         batches = batches_of(jobs, max_bytes=self._batch_bytes)
         swaps: list[Future[list[SpillJob]]] = []
         try:
             for i, batch in enumerate(batches):
                 rest = [job for later in batches[i + 1 :] for job in later]
-                if tier == TierKind.DISK:
-                    batch = self._with_files(batch)  # a file that cannot be read stays where it is
+                if tier != TierKind.HOST:
+                    batch = self._with_payloads(batch, tier)  # what cannot be read stays where it is
                     if not batch:
                         continue
                 copied = self._copy(peer_node, batch, tier)
@@ -139,19 +142,27 @@ class Spiller:
                     result.error = result.error or exc
         return result
 
-    def _with_files(self, batch: list[SpillJob]) -> list[SpillJob]:
-        """The disk jobs of a batch with their chunk files read (the sizes as the files now are)."""
-        disk = self.agent.disk
-        assert disk is not None
+    def _with_payloads(self, batch: list[SpillJob], tier: TierKind) -> list[SpillJob]:
+        """The GPU or disk jobs of a batch with their bytes read: one device-to-host copy each
+        (fenced against frees), or the chunk file as stored (the sizes as the files now are)."""
+        agent = self.agent
         out: list[SpillJob] = []
         for job in batch:
             try:
-                blob = disk.read_blob(job.victim.alloc_id)
+                if tier == TierKind.DISK:
+                    assert agent.disk is not None
+                    payload: bytes | bytearray = agent.disk.read_blob(job.victim.alloc_id)
+                else:
+                    got = agent.read_gpu(job.victim.alloc_id)
+                    if got is None:
+                        continue  # freed meanwhile
+                    payload = got[0]
             except MooncakeError as exc:  # freed meanwhile, or unreadable: nothing to send
                 log.info("spill of %s: %s", job.victim.key, exc)
                 continue
-            self._files[job.victim.alloc_id] = blob
-            out.append(SpillJob(victim=job.victim, offset=0, stored_bytes=len(blob)))
+            self._payloads[job.victim.alloc_id] = payload
+            stored = len(payload) if tier == TierKind.DISK else None
+            out.append(SpillJob(victim=job.victim, offset=0, stored_bytes=stored))
         return out
 
     def _copy(
@@ -169,11 +180,11 @@ class Spiller:
                 [(job.wire_bytes, put_id) for job, put_id in zip(batch, put_ids, strict=True)],
                 node_id=peer_node.node_id,
                 flags=SPILL_FLAG,
-                tier=TIER_DISK if tier == TierKind.DISK else TIER_HOST,
+                tier=WIRE_TIER[tier],
             )
         except MooncakeError as exc:
             log.info("spill of %d object(s) to %s refused: %s", len(batch), peer_node.node_id, exc)
-            self._drop_files(batch)
+            self._drop_payloads(batch)
             return None
         reservations = [
             Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=p)
@@ -182,14 +193,14 @@ class Spiller:
         try:
             written, broken = self._write_all(peer, batch, reservations)
         finally:
-            self._drop_files(batch)
+            self._drop_payloads(batch)
         if broken:
             self._transport.drop_peer(peer_node.tcp_endpoint)
         return reservations, written, broken
 
-    def _drop_files(self, batch: list[SpillJob]) -> None:
+    def _drop_payloads(self, batch: list[SpillJob]) -> None:
         for job in batch:
-            self._files.pop(job.victim.alloc_id, None)
+            self._payloads.pop(job.victim.alloc_id, None)
 
     def _swap(
         self,
@@ -209,7 +220,8 @@ class Spiller:
                 Replica(
                     node_id=peer_node.node_id,
                     tier=tier,
-                    # A disk allocation is read whole, from its file: offsets count from its start.
+                    # A disk allocation is read whole, from its file: offsets count from its start;
+                    # host and GPU offsets are places in the peer's arena.
                     offset=0 if tier == TierKind.DISK else res.offset,
                     size_bytes=job.victim.size_bytes,
                     alloc_id=res.alloc_id,
@@ -256,8 +268,8 @@ class Spiller:
                 if job.wire_bytes == 0:
                     written[i] = True
                     continue
-                blob = self._files.get(job.victim.alloc_id) if job.stored_bytes is not None else None
-                view = memoryview(blob) if blob is not None else arena.view(job.offset, job.wire_bytes)
+                payload = self._payloads.get(job.victim.alloc_id)
+                view = memoryview(payload) if payload is not None else arena.view(job.offset, job.wire_bytes)
                 try:
                     peer.write(res.alloc_id, res.offset, view)
                     written[i] = True

@@ -1,6 +1,6 @@
 """The GPU tier on a real CUDA device: arena round trips, CUDA IPC from another process (both
 directions), puts of device arrays into the tier, device-to-device, host-to-device and TCP-to-device
-gets, CUDA torch tensors (bfloat16 included), demotion to host memory.
+gets, CUDA torch tensors (bfloat16 included), demotion to host memory, spills to a peer's GPU tier.
 
 Only copies are used on the device side (cupy.asarray / cupy.empty / cupy.asnumpy): no test needs
 cupy to compile a kernel, so they run on a machine with a driver but no CUDA toolkit (NVRTC)."""
@@ -221,3 +221,32 @@ def test_gpu_pressure_demotes_to_host(cupy, make_cluster, make_client) -> None: 
     assert wait_until(lambda: {"host", "gpu"} <= tiers(), timeout_s=10), tiers()
     for key, value in values.items():
         assert np.array_equal(cupy.asnumpy(client.get(key, device="cuda:0")), value), key
+
+
+def test_gpu_pressure_spills_to_the_peers_gpu_tier(cupy, make_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
+    """With no room in its own host tier, a GPU tier under pressure sends its coldest objects to the
+    GPU tier of the peer with the most room there (a device-to-host copy, TCP, host-to-device)."""
+    cluster = make_cluster(0)
+    cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(4 * MiB), "--gpu-mem", str(16 * MiB)])
+    cluster.add_agent(node_id="gpu-1", extra_args=["--host-bytes", str(4 * MiB), "--gpu-mem", str(128 * MiB)])
+    client: Client = make_client(cluster, lease_ms=200, timeout_s=30)
+    values = {f"g/{i}": _random(MiB, i) for i in range(40)}
+    for key, value in values.items():
+        client.put(key, cupy.asarray(value), preferred_node="gpu-0")
+
+    def places() -> dict[str, tuple[str, str]]:
+        return {k: (m.replicas[0].node_id, str(m.replicas[0].tier)) for k in values if (m := client.object_meta(k))}
+
+    assert wait_until(lambda: sum(p == ("gpu-1", "gpu") for p in places().values()) >= 10, timeout_s=15), places()
+    for key, value in values.items():
+        assert np.array_equal(cupy.asnumpy(client.get(key, device="cuda:0")), value), key
+        assert np.array_equal(client.get(key), value), key
+
+    def gpu_counters() -> dict[str, object]:
+        return {n.node_id: n.tiers[0] for n in client.stat().nodes}
+
+    moved = sum(p == ("gpu-1", "gpu") for p in places().values())
+    assert wait_until(
+        lambda: gpu_counters()["gpu-0"].spills_out >= moved and gpu_counters()["gpu-1"].spills_in >= moved,  # type: ignore[attr-defined]
+        timeout_s=5,
+    ), gpu_counters()

@@ -74,8 +74,11 @@ def test_cold_chunk_files_spill_to_the_peers_disk_tier(
             key = f"kv/{i:03d}"
             writer.put(key, kv_value(key), preferred_node="agent-0")
             keys.append(key)
-        # Relief goes on until agent-0's disk tier is back under its low watermark (0.75 x 12 MiB).
-        assert wait_until(lambda: disk_counters(writer)["agent-0"].used_bytes <= 0.75 * 12 * MiB, 20)  # type: ignore[attr-defined]
+        # Past its high watermark (0.9 x 12 MiB) agent-0 moves files away down to the low one; host
+        # demotions may then fill it again up to the high one, which is where it must stay.
+        assert wait_until(lambda: disk_counters(writer)["agent-0"].used_bytes <= 0.9 * 12 * MiB, 20), disk_counters(
+            writer
+        )
     finally:
         stop.set()
         thread.join(timeout=30)
