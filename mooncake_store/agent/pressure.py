@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from mooncake_store.agent.moves import LocalMoves
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import MooncakeError
 from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
-from mooncake_store.types import NodeInfo, TierKind
+from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
 
 if TYPE_CHECKING:
     from mooncake_store.agent.node import Agent
@@ -125,32 +126,42 @@ class PressureManager:
             need = max(need, wanted - largest_free - returning)
         if need <= 0:
             return 0
+        return self._walk(TierKind.HOST, need, self._host_job)
+
+    def _host_job(self, victim: EvictionCandidate) -> SpillJob | None:
+        location = self.agent.table.offset_of(victim.alloc_id)
+        return SpillJob(victim=victim, offset=location[0]) if location is not None else None
+
+    def _walk(self, tier: TierKind, need: int, job_of: Callable[[EvictionCandidate], SpillJob | None]) -> int:
+        """Move the coldest movable objects of ``tier`` until ``need`` bytes are on their way out;
+        returns the bytes moved. ``job_of`` locates a victim in the tier (None: freed since the
+        sample was taken)."""
+        agent = self.agent
         now_ms = agent.index.server_time_ms()
-        candidates = agent.index.victim_candidates(agent.node_id, str(TierKind.HOST), sample=SAMPLE)
+        candidates = agent.index.victim_candidates(agent.node_id, str(tier), sample=SAMPLE)
         # One read of the node table per pass; what this pass sends each peer is counted here.
-        pass_state = _PassState(peers=list(agent.index.nodes().values()) if cfg.spill_to_peers else [])
-        moved = 0
+        peers = list(agent.index.nodes().values()) if agent.config.spill_to_peers else []
+        state = _PassState(peers=peers)
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions and evictions happen as the walk meets them.
         spills: dict[str, list[SpillJob]] = {}
-        planned = 0
+        moved = planned = 0
         # Walk the whole cold-first order: a victim that may not leave (a chain chunk that others
         # hang off, when eviction is the only way out) is skipped, not the end of the pass.
         for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
             if moved + planned >= need:
                 break
-            location = agent.table.offset_of(victim.alloc_id)
-            if location is None:
-                continue  # freed since the sample was taken
-            job = SpillJob(victim=victim, offset=location[0])
-            move = self._place(job, now_ms, pass_state, TierKind.HOST)
+            job = job_of(victim)
+            if job is None:
+                continue
+            move = self._place(job, now_ms, state, tier)
             if move.kind == MoveKind.SPILL and move.node_id is not None:
                 spills.setdefault(move.node_id, []).append(job)
-                pass_state.planned[move.node_id] = pass_state.planned.get(move.node_id, 0) + victim.size_bytes
-                planned += victim.size_bytes
-            elif self._demote_or_evict(job, move, TierKind.HOST):
-                moved += victim.size_bytes
-        moved += self._carry_out_spills(spills, now_ms, pass_state, TierKind.HOST)
+                state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
+                planned += job.wire_bytes
+            elif self._demote_or_evict(job, move, tier):
+                moved += job.wire_bytes
+        moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
@@ -200,7 +211,12 @@ class PressureManager:
         return self.moves.evict(job.victim, tier)
 
     def _carry_out_spills(
-        self, spills: dict[str, list[SpillJob]], now_ms: int, state: _PassState, tier: TierKind
+        self,
+        spills: dict[str, list[SpillJob]],
+        now_ms: int,
+        state: _PassState,
+        tier: TierKind,
+        job_of: Callable[[EvictionCandidate], SpillJob | None],
     ) -> int:
         """Send each peer its victims in batches. A peer that refuses (or breaks) is skipped for the
         rest of the pass and what it did not take is placed again: another peer, else demote or evict."""
@@ -221,7 +237,7 @@ class PressureManager:
                     retry.extend(result.unsent)
             spills = {}
             for job in retry:
-                if not self._still_here(job.victim.alloc_id, tier):
+                if job_of(job.victim) is None:
                     continue  # freed meanwhile
                 move = self._place(job, now_ms, state, tier)
                 if move.kind == MoveKind.SPILL and move.node_id is not None:
@@ -235,13 +251,6 @@ class PressureManager:
             if not spills:
                 break
         return moved
-
-    def _still_here(self, alloc_id: int, tier: TierKind) -> bool:
-        if tier == TierKind.DISK:
-            return self.agent.disk is not None and alloc_id in self.agent.disk
-        if tier == TierKind.GPU:
-            return self.agent.gpu_table is not None and self.agent.gpu_table.offset_of(alloc_id) is not None
-        return self.agent.table.offset_of(alloc_id) is not None
 
     def relieve_gpu(self) -> int:
         """One pass over the GPU tier: the coldest objects go to host memory (one device-to-host
@@ -260,29 +269,12 @@ class PressureManager:
         )
         if need <= 0:
             return 0
-        now_ms = agent.index.server_time_ms()
-        candidates = agent.index.victim_candidates(agent.node_id, str(TierKind.GPU), sample=SAMPLE)
-        pass_state = _PassState(peers=list(agent.index.nodes().values()) if cfg.spill_to_peers else [])
-        spills: dict[str, list[SpillJob]] = {}
-        moved = planned = 0
-        for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
-            if moved + planned >= need:
-                break
-            location = table.offset_of(victim.alloc_id)
-            if location is None:
-                continue  # freed since the sample was taken
-            job = SpillJob(victim=victim, offset=location[0])
-            move = self._place(job, now_ms, pass_state, TierKind.GPU)
-            if move.kind == MoveKind.SPILL and move.node_id is not None:
-                spills.setdefault(move.node_id, []).append(job)
-                pass_state.planned[move.node_id] = pass_state.planned.get(move.node_id, 0) + job.wire_bytes
-                planned += job.wire_bytes
-            elif self._demote_or_evict(job, move, TierKind.GPU):
-                moved += job.wire_bytes
-        moved += self._carry_out_spills(spills, now_ms, pass_state, TierKind.GPU)
-        if moved:
-            agent.reclaim_now()
-        return moved
+        return self._walk(TierKind.GPU, need, self._gpu_job)
+
+    def _gpu_job(self, victim: EvictionCandidate) -> SpillJob | None:
+        table = self.agent.gpu_table
+        location = table.offset_of(victim.alloc_id) if table is not None else None
+        return SpillJob(victim=victim, offset=location[0]) if location is not None else None
 
     def relieve_disk(self) -> int:
         """One pass over the disk tier: the coldest chunk files go to the peer with the most room on
@@ -295,26 +287,10 @@ class PressureManager:
         need = bytes_to_free(disk.used_bytes, disk.capacity_bytes, high=cfg.high_watermark, low=cfg.low_watermark)
         if need <= 0:
             return 0
-        now_ms = agent.index.server_time_ms()
-        candidates = agent.index.victim_candidates(agent.node_id, str(TierKind.DISK), sample=SAMPLE)
-        pass_state = _PassState(peers=list(agent.index.nodes().values()) if cfg.spill_to_peers else [])
-        spills: dict[str, list[SpillJob]] = {}
-        moved = planned = 0
-        for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
-            if moved + planned >= need:
-                break
-            entry = disk.entry(victim.alloc_id)
-            if entry is None:
-                continue  # freed since the sample was taken
-            job = SpillJob(victim=victim, offset=0, stored_bytes=entry.stored_bytes)
-            move = self._place(job, now_ms, pass_state, TierKind.DISK)
-            if move.kind == MoveKind.SPILL and move.node_id is not None:
-                spills.setdefault(move.node_id, []).append(job)
-                pass_state.planned[move.node_id] = pass_state.planned.get(move.node_id, 0) + job.wire_bytes
-                planned += job.wire_bytes
-            elif self._demote_or_evict(job, move, TierKind.DISK):
-                moved += job.wire_bytes
-        moved += self._carry_out_spills(spills, now_ms, pass_state, TierKind.DISK)
-        if moved:
-            agent.reclaim_now()  # the spilled files are graves due now: remove them at once
-        return moved
+        return self._walk(TierKind.DISK, need, self._disk_job)
+
+    def _disk_job(self, victim: EvictionCandidate) -> SpillJob | None:
+        disk = self.agent.disk
+        entry = disk.entry(victim.alloc_id) if disk is not None else None
+        # Sizes on disk are stored (compressed) bytes: what the file takes, and what a spill sends.
+        return SpillJob(victim=victim, offset=0, stored_bytes=entry.stored_bytes) if entry is not None else None
