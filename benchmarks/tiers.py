@@ -2,6 +2,7 @@
 loopback TCP, and the disk tier's codec against plain file I/O, in one run.
 
     python benchmarks/tiers.py [--quick] [--repeat N] [--json OUT] [--profile DIR] [--disk-dir DIR]
+                               [--spill-only]
 
 **Spill.** The spill path alone, with no writer competing: a LocalCluster with agent A (256 MiB host
 arena, 1 GiB without --quick; watermarks 0.8/0.1) and agent B (room for everything under A's high
@@ -13,8 +14,11 @@ Then all pins are dropped in one Redis round trip and a 1-byte put to A wakes it
 ~80% of its arena, in one burst. The parent polls B's object count (one SCARD every 2 ms) and
 reports the moved bytes over the time from the release to the last swap ("spill"), and between
 the first and last swap ("after first"), as a ratio to raw loopback TCP puts of the same size
-(request/ack, 1 and ``spill.STREAMS`` connections, the better of them) measured in the same run.
-Target >= 0.7x.
+measured in the same run, before and after the cases (``benchlib.measure_raw_tcp`` with whole
+objects from rotating sources on every connection at once, as A's spill streams send them out of
+its arena: the best of a few short trials of a request/ack loop and a streaming loop, over 1 and
+``spill.STREAMS`` connections, the better of them; the trials' medians are shown too). Target >=
+0.7x.
 
 What the spill figure includes, all inside A's pressure pass: reclaim of due graves, the victim
 sample (``victims.lua``), the node table read, the placement choice, and per batch of up to
@@ -68,8 +72,10 @@ from benchlib import (
     MiB,
     emit_report,
     markdown_table,
+    merge_raw_tcp,
+    raw_tcp_objects_worker,
     raw_tcp_server,
-    raw_tcp_worker,
+    raw_tcp_spread,
     run_in_process,
     size_label,
     stop_process,
@@ -86,6 +92,7 @@ WATERMARKS = ("0.5", "0.2")  # the demotion case's
 SPILL_WATERMARKS = ("0.8", "0.1")  # A in the spill cases: high, low
 CHUNK_TOKENS = 256  # the integration's chunk: (layers, 2, kv_heads, 256, head_dim)
 POLL_S = 0.002
+TRIGGER_KEY = "spill-trigger"  # the 1-byte put that wakes A's pressure thread (pinned: never moves)
 SPY_RATE = 200
 
 
@@ -217,7 +224,8 @@ def spill_case(size: int, a_bytes: int, *, profile_dir: Path | None) -> dict[str
                 # while A fills past its high watermark: its pressure passes find nothing movable.
                 far = index.server_time_ms() + 3_600_000
                 pipe = index.redis.pipeline(transaction=False)
-                for key in keys:
+                # The trigger put below stays pinned: it must not be counted (or spilled) with the case's objects.
+                for key in [*keys, TRIGGER_KEY]:
                     pipe.zadd(index.prefix + "pins:" + key, {"bench": far})
                 pipe.execute()
                 for i, key in enumerate(keys):
@@ -239,7 +247,7 @@ def spill_case(size: int, a_bytes: int, *, profile_dir: Path | None) -> dict[str
                     pipe.delete(index.prefix + "pins:" + key)
                 t0 = time.perf_counter()
                 pipe.execute()
-                client.put("spill-trigger", b"x", preferred_node="A")
+                client.put(TRIGGER_KEY, b"x", preferred_node="A")
                 points: list[tuple[float, int]] = [(0.0, 0)]
                 last_n, last_change = 0, time.perf_counter()
                 deadline = last_change + 120
@@ -258,7 +266,8 @@ def spill_case(size: int, a_bytes: int, *, profile_dir: Path | None) -> dict[str
                 if spy is not None:
                     stop_popen(spy, signal.SIGINT, timeout_s=20)
                 # Byte-exact check of objects now on B, spread over the moved ones.
-                moved_keys = sorted(index.redis.smembers(on_b), key=lambda k: int(k.rsplit("-", 1)[1]))
+                ours = (k for k in index.redis.smembers(on_b) if k.startswith(f"spill-{size}-"))
+                moved_keys = sorted(ours, key=lambda k: int(k.rsplit("-", 1)[1]))
                 sample = [moved_keys[int(j)] for j in np.linspace(0, len(moved_keys) - 1, min(len(moved_keys), 16))]
                 out = np.empty(size, dtype=np.uint8)
                 wrong = 0
@@ -306,8 +315,13 @@ def measure_spill(*, quick: bool, profile_dir: Path | None) -> dict[str, Any]:
     raw: dict[int, Any] = {}
     with raw_tcp_server(max(SPILL_SIZES)) as port:
         for conns in sorted({1, STREAMS}):
-            raw[conns] = run_in_process(raw_tcp_worker, port, SPILL_SIZES, conns, quick)
+            raw[conns] = run_in_process(raw_tcp_objects_worker, port, SPILL_SIZES, conns, quick)
     cases = {size: spill_case(size, a_bytes, profile_dir=None) for size in SPILL_SIZES}
+    # Raw trials again after the cases (the machine is shared): the limit is the best of both rounds.
+    with raw_tcp_server(max(SPILL_SIZES)) as port:
+        for conns in sorted(raw):
+            later = run_in_process(raw_tcp_objects_worker, port, SPILL_SIZES, conns, quick)
+            raw[conns] = merge_raw_tcp(raw[conns], later)
     out: dict[str, Any] = {"raw_tcp": raw, "streams": STREAMS, "a_bytes": a_bytes, "cases": cases}
     if profile_dir is not None:
         # Separate runs under py-spy, so that the sampler (a process of its own on the same CPUs)
@@ -619,6 +633,8 @@ def run_once(
     out: dict[str, Any] = {}
     print("  spill ...", file=sys.stderr, flush=True)
     out["spill"] = measure_spill(quick=quick, profile_dir=profile_dir)
+    if not datasets:  # --spill-only
+        return out
     print("  disk tier codec ...", file=sys.stderr, flush=True)
     out["disk"] = measure_disk(datasets, base, quick=quick)
     kv16 = next(v for k, v in datasets.items() if k.startswith("kv float16"))
@@ -668,19 +684,39 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
     lines.append(
         "spill: bytes that arrived on B over the time from the release to the last swap (B's object count "
         f"polled every {POLL_S * 1000:.0f} ms); after first: the rate between the first and the last swap. "
-        f"A sends over {streams} connection(s) to B. Raw TCP put xN: request/ack of the same size over N "
-        "loopback connections, same run; the ratio is to the better of them.\n"
+        f"A sends over {streams} connection(s) to B. Raw TCP put xN: whole objects of the same size on N loopback "
+        "connections at once between two Python processes, same run, the best of a few short trials of a "
+        "request/ack loop and a streaming loop; the ratio is to the better of x1 and xN.\n"
     )
     rows = []
     for size in SPILL_SIZES:
         best_raw = max(med(runs, "spill", "raw_tcp", c, "put", size) for c in conns)
-        ratio = med(runs, "spill", "cases", size, "spill_gbps") / best_raw
+        spill = med(runs, "spill", "cases", size, "spill_gbps")
+        ratio = spill / best_raw
         ok = ratio >= SPILL_TARGET
-        verdicts.append(
-            f"spill {size_label(size)}: {ratio:.2f}x raw loopback TCP put ({best_raw:.2f} GB/s) -> "
-            f"{'met' if ok else 'MISSED'} (≥{SPILL_TARGET})"
+        # The typical raw figure behind the best trial: the better loop's median trial.
+        typical = statistics.median(
+            max(
+                v
+                for k in conns
+                for name, v in raw_tcp_spread(run["spill"]["raw_tcp"][k], "put", size).items()
+                if name.endswith("_median")
+            )
+            for run in runs
         )
         c = runs[-1]["spill"]["cases"][size]
+        short = ""
+        if c["moved_bytes"] < 0.9 * c["expected_bytes"]:
+            left = c["on_a"] * size / c["a_bytes"]
+            short = (
+                f"; the burst stopped early: {c['moved_bytes'] >> 20} of the {c['expected_bytes'] >> 20} MiB that "
+                f"take A to its low watermark ({lw}) moved, A still {left:.0%} full (last run)"
+            )
+        verdicts.append(
+            f"spill {size_label(size)}: {spill:.2f} GB/s = {ratio:.2f}x raw loopback TCP put (best trial "
+            f"{best_raw:.2f} GB/s; {spill / typical:.2f}x its median trial {typical:.2f}) -> "
+            f"{'met' if ok else 'MISSED'} (≥{SPILL_TARGET}){short}"
+        )
         rows.append(
             [
                 size_label(size),
@@ -712,6 +748,17 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
             rows,
         )
     )
+    spread = []
+    for size in SPILL_SIZES:
+        for k in conns:
+            sp_k = raw_tcp_spread(runs[-1]["spill"]["raw_tcp"][k], "put", size)
+            loops = ", ".join(
+                f"{loop} {sp_k[f'{loop}_median']:.2f} (min {sp_k[f'{loop}_min']:.2f})"
+                for loop in ("rr", "stream")
+                if f"{loop}_median" in sp_k
+            )
+            spread.append(f"{size_label(size)} x{k}: best {sp_k['best']:.2f}, median trial {loops}")
+    lines.append("\nRaw TCP put trials (last run; rr = request/ack, stream = back to back): " + "; ".join(spread))
     lines.append("")
     for size in SPILL_SIZES:
         prof = runs[-1]["spill"].get("profiled", {}).get(size, {}).get("profile")
@@ -723,6 +770,8 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
                 f"{prof['samples']} samples of the pressure pass and its write streams, by stage: {stages}. "
                 f"Leaves: {leaves}.\n"
             )
+    if "disk" not in runs[0]:  # --spill-only
+        return "\n".join(lines), verdicts
     # Disk codec.
     lines.append(
         f"### Disk tier (DiskTier, zstd level 3, xxh3; {kv_info.get('source', '')}; "
@@ -834,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-dir", type=Path, help="parent of the temporary disk-tier directory (default: TMPDIR)")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end demotion case")
     parser.add_argument("--tokens", type=int, help="tokens of the KV forward (default 4096, quick 2048)")
+    parser.add_argument("--spill-only", action="store_true", help="only the spill cases (no disk tier)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
@@ -841,12 +891,15 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (2048 if args.quick else 4096)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-    print(f"building KV data ({tokens} tokens) ...", file=sys.stderr, flush=True)
-    datasets, kv_info = kv_chunks(tokens)
-    kv_total = sum(len(c) for c in next(iter(datasets.values())))
-    chunk = len(next(iter(datasets.values()))[0])
-    rng = np.random.default_rng(3)
-    datasets["random"] = [rng.integers(0, 256, chunk, dtype=np.uint8) for _ in range(max(1, kv_total // chunk))]
+    datasets: dict[str, list[np.ndarray]] = {}
+    kv_info: dict[str, Any] = {}
+    if not args.spill_only:
+        print(f"building KV data ({tokens} tokens) ...", file=sys.stderr, flush=True)
+        datasets, kv_info = kv_chunks(tokens)
+        kv_total = sum(len(c) for c in next(iter(datasets.values())))
+        chunk = len(next(iter(datasets.values()))[0])
+        rng = np.random.default_rng(3)
+        datasets["random"] = [rng.integers(0, 256, chunk, dtype=np.uint8) for _ in range(max(1, kv_total // chunk))]
     base = Path(tempfile.mkdtemp(prefix="mc-tiers-", dir=args.disk_dir))
     runs = []
     try:
@@ -862,7 +915,8 @@ def main(argv: list[str] | None = None) -> int:
     table, verdicts = report(runs, kv_info)
     emit_report(
         "tiers benchmark",
-        f"disk-tier files on {fs} ({base.parent}); {args.repeat} run(s), "
+        ("spill only; " if args.spill_only else f"disk-tier files on {fs} ({base.parent}); ")
+        + f"{args.repeat} run(s), "
         f"{'quick' if args.quick else 'full'}, {time.monotonic() - started:.0f} s",
         table,
         "Targets and decisions",
