@@ -48,6 +48,8 @@ class PressureManager:
         self.counters: dict[TierKind, Counter[str]] = {t: Counter() for t in TierKind}
         self._wanted_bytes = 0
         self._wanted_gpu_bytes = 0
+        #: Tiers that passed their high watermark and are not yet under their low one.
+        self._draining: set[TierKind] = set()
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._spiller = Spiller(agent)
@@ -97,15 +99,12 @@ class PressureManager:
     def relieve_host(self) -> int:
         """One pass over the host tier; returns the bytes moved away."""
         agent = self.agent
-        cfg = agent.config
         used, _, largest_free, _ = agent.table.usage()
         with self._lock:
             wanted, self._wanted_bytes = self._wanted_bytes, 0
         if wanted and largest_free >= wanted:
             wanted = 0  # freed meanwhile
-        need = bytes_to_free(
-            used, agent.table.capacity_bytes, high=cfg.high_watermark, low=cfg.low_watermark, wanted_bytes=wanted
-        )
+        need = self._need(TierKind.HOST, used, agent.table.capacity_bytes, wanted)
         if wanted > largest_free:  # free space may be in pieces too small for the waiting reservation
             need = max(need, wanted - largest_free)
         if need <= 0:
@@ -115,18 +114,27 @@ class PressureManager:
         agent.reclaim_now()
         used, _, largest_free, _ = agent.table.usage()
         returning = agent.table.bytes_of(agent.index.pending_graves(agent.node_id))
-        need = bytes_to_free(
-            used - returning,
-            agent.table.capacity_bytes,
-            high=cfg.high_watermark,
-            low=cfg.low_watermark,
-            wanted_bytes=wanted,
-        )
+        need = self._need(TierKind.HOST, used - returning, agent.table.capacity_bytes, wanted)
         if wanted > largest_free + returning:  # the free space may be in pieces too small for it
             need = max(need, wanted - largest_free - returning)
         if need <= 0:
             return 0
         return self._walk(TierKind.HOST, need, self._host_job)
+
+    def _need(self, tier: TierKind, used: int, capacity: int, wanted: int = 0) -> int:
+        """Bytes to move out of ``tier`` now. Past the high watermark a drain starts and goes on,
+        pass after pass, until the tier is under its low watermark or a pass finds nothing to move
+        (see _walk): one pass samples SAMPLE objects, which may leave it between the two."""
+        cfg = self.agent.config
+        with self._lock:
+            if used > cfg.high_watermark * capacity:
+                self._draining.add(tier)
+            elif used <= cfg.low_watermark * capacity:
+                self._draining.discard(tier)
+            draining = tier in self._draining
+        return bytes_to_free(
+            used, capacity, high=cfg.high_watermark, low=cfg.low_watermark, wanted_bytes=wanted, draining=draining
+        )
 
     def _host_job(self, victim: EvictionCandidate) -> SpillJob | None:
         location = self.agent.table.offset_of(victim.alloc_id)
@@ -166,6 +174,9 @@ class PressureManager:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
             agent.reclaim_now()
+        else:
+            with self._lock:  # nothing movable (all hot or pinned): no polling under the high mark
+                self._draining.discard(tier)
         return moved
 
     def _place(self, job: SpillJob, now_ms: int, state: _PassState, tier: TierKind) -> Move:
@@ -260,13 +271,10 @@ class PressureManager:
         table = agent.gpu_table
         if table is None or agent.gpu is None:
             return 0
-        cfg = agent.config
         used, _, _, _ = table.usage()
         with self._lock:
             wanted, self._wanted_gpu_bytes = self._wanted_gpu_bytes, 0
-        need = bytes_to_free(
-            used, table.capacity_bytes, high=cfg.high_watermark, low=cfg.low_watermark, wanted_bytes=wanted
-        )
+        need = self._need(TierKind.GPU, used, table.capacity_bytes, wanted)
         if need <= 0:
             return 0
         return self._walk(TierKind.GPU, need, self._gpu_job)
@@ -283,8 +291,7 @@ class PressureManager:
         disk = agent.disk
         if disk is None:
             return 0
-        cfg = agent.config
-        need = bytes_to_free(disk.used_bytes, disk.capacity_bytes, high=cfg.high_watermark, low=cfg.low_watermark)
+        need = self._need(TierKind.DISK, disk.used_bytes, disk.capacity_bytes)
         if need <= 0:
             return 0
         return self._walk(TierKind.DISK, need, self._disk_job)

@@ -35,10 +35,21 @@ class Move:
     node_id: str | None = None  # destination node (spill)
 
 
-def bytes_to_free(used_bytes: int, capacity_bytes: int, *, high: float, low: float, wanted_bytes: int = 0) -> int:
+def bytes_to_free(
+    used_bytes: int,
+    capacity_bytes: int,
+    *,
+    high: float,
+    low: float,
+    wanted_bytes: int = 0,
+    draining: bool = False,
+) -> int:
     """How much to move now: nothing below the high watermark unless a reservation is waiting for
-    ``wanted_bytes``; otherwise enough to get down to the low watermark (and to fit the wait)."""
-    over_high = used_bytes > high * capacity_bytes
+    ``wanted_bytes`` or a drain is under way; otherwise enough to get down to the low watermark
+    (and to fit the wait). ``draining``: the tier passed its high watermark and has not yet been
+    brought under its low one (one pass samples a bounded number of objects, so getting there may
+    take several passes, most of them below the high watermark)."""
+    over_high = used_bytes > high * capacity_bytes or (draining and used_bytes > low * capacity_bytes)
     if not over_high and wanted_bytes <= 0:
         return 0
     target = used_bytes - int(low * capacity_bytes) if over_high else 0

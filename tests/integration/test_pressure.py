@@ -331,3 +331,42 @@ def test_batched_spill_moves_a_burst_keeps_pinned_and_leased(
         5,
     ), stats
     assert client.stat().evictions == 0
+
+
+def test_a_drain_goes_on_down_to_the_low_watermark_across_passes(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """One pass samples a bounded number of objects (256); with small objects that is far less than
+    a drain from the high watermark to the low one. The drain must go on, pass after pass, below
+    the high watermark, until the tier is under its low one."""
+    cluster = make_cluster(0)
+    arena = 48 * MiB
+    cluster.add_agent(
+        node_id="agent-0",
+        extra_args=["--host-bytes", str(arena), "--high-watermark", "0.8", "--low-watermark", "0.1"],
+    )
+    cluster.add_agent(node_id="agent-1", extra_args=["--host-bytes", str(160 * MiB)])
+    client = make_client(cluster, lease_ms=200, timeout_s=20)
+    size = 32 << 10
+    keys = [f"small/{i:04d}" for i in range(int(0.9 * arena) // size)]  # ~1380 objects, 3x one sample
+    values = {k: np.full(size, i % 251, dtype=np.uint8) for i, k in enumerate(keys)}
+    now_ms = client.index.server_time_ms()
+    pipe = client.index.redis.pipeline(transaction=False)
+    for key in keys:  # pinned before the puts: nothing moves while agent-0 fills
+        pipe.zadd(client.index.prefix + "pins:" + key, {"test-pin": now_ms + 120_000})
+    pipe.execute()
+    for start in range(0, len(keys), 128):
+        batch = keys[start : start + 128]
+        client.put_many({k: values[k] for k in batch}, preferred_node="agent-0")
+    client.index.redis.delete(*(client.index.prefix + "pins:" + k for k in keys))
+
+    def objects_on(node_id: str) -> int:  # the index's set of a node's objects: one SCARD
+        return int(client.index.redis.scard(client.index.prefix + "nobj:" + node_id))
+
+    # The released agent is past its high watermark; its drain ends under the low one (10 %).
+    at_most_left = int(0.1 * arena) // size
+    assert wait_until(lambda: objects_on("agent-0") <= at_most_left, 20), objects_on("agent-0")
+    placed = [replica_nodes(client, k)[0][0] for k in keys]
+    assert placed.count("agent-0") <= at_most_left and placed.count("agent-1") == len(keys) - placed.count("agent-0")
+    for key in keys[:: max(1, len(keys) // 64)]:
+        assert np.array_equal(client.get(key), values[key]), key

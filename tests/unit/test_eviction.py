@@ -60,6 +60,9 @@ def test_bytes_to_free() -> None:
     assert bytes_to_free(95, 100, high=0.9, low=0.75) == 20
     assert bytes_to_free(50, 100, high=0.9, low=0.75, wanted_bytes=60) == 10  # a waiting reservation
     assert bytes_to_free(50, 100, high=0.9, low=0.75, wanted_bytes=40) == 0
+    # A drain that started above the high watermark goes on down to the low one.
+    assert bytes_to_free(80, 100, high=0.9, low=0.75, draining=True) == 5
+    assert bytes_to_free(75, 100, high=0.9, low=0.75, draining=True) == 0
 
 
 def test_coldest_first_pinned_and_leased_never() -> None:
