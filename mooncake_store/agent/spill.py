@@ -5,9 +5,10 @@ compare-and-swap in the index: three waits per object, the pressure thread idle 
 victims of a pass that go to one peer move batch by batch (at most ``BATCH_BYTES``), each batch as
 DESIGN.md §3.4 wants a single move:
 
-1. copy: one RESERVE frame for the whole batch (flag ``SPILL_FLAG``; all or nothing), then the
-   WRITEs, spread over ``STREAMS`` connections to the peer so that one object's ack overlaps the
-   next one's bytes;
+1. copy: one RESERVE frame for the whole batch (flag ``SPILL_FLAG``; all or nothing), sent while
+   the batch before it is still being written, then the WRITEs, spread over ``STREAMS``
+   connections to the peer with ``WRITE_WINDOW`` of them in flight on each, so that acks overlap
+   bytes;
 2. compare-and-swap: one call of ``move_replicas.lua`` for the batch, a status per object, with
    ``move_replica.lua``'s rules (an object that is gone, replaced, moved or pinned meanwhile keeps
    its old location);
@@ -19,7 +20,9 @@ batches not sent are handed back, to be placed elsewhere (pressure.py decides wh
 
 The disk tier spills the same way into the peer's disk tier (RESERVE on tier 2): what travels is
 the chunk file as stored, compressed and checksummed, which the peer verifies before it answers
-the WRITE (agent/inbox.py), so the bytes are neither recompressed nor trusted blindly.
+the WRITE (agent/inbox.py), so the bytes are neither recompressed nor trusted blindly. The GPU
+tier spills into the peer's GPU tier (tier 1): one device-to-host copy here, the peer's
+host-to-device copy there.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
-from mooncake_store.errors import MooncakeError, StaleLocation
+from mooncake_store.errors import MooncakeError
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
 from mooncake_store.types import EvictionCandidate, NodeInfo, Replica, ReplicaState, TierKind
@@ -49,6 +52,8 @@ GUARD_TTL_MS = 300_000
 #: Bytes per batch: bounds what a peer holds reserved for a batch not yet swapped, and how long
 #: the first object of a pass waits for its swap.
 BATCH_BYTES = 32 << 20
+#: WRITE frames in flight per stream before their acks are read.
+WRITE_WINDOW = 4
 #: RESERVE's tier field per tier.
 WIRE_TIER = {TierKind.HOST: TIER_HOST, TierKind.GPU: TIER_GPU, TierKind.DISK: TIER_DISK}
 
@@ -63,6 +68,14 @@ class SpillJob:
     @property
     def wire_bytes(self) -> int:
         return self.victim.size_bytes if self.stored_bytes is None else self.stored_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Reserved:
+    """A batch with its room on the peer (and, from the GPU or disk, its bytes read)."""
+
+    batch: list[SpillJob]
+    reservations: list[Reservation]
 
 
 @dataclass(slots=True)
@@ -101,6 +114,7 @@ class Spiller:
         self._transport = TcpTransport(timeout_s=30.0, connections_per_peer=self._streams, stripe_bytes=1 << 62)
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
+        self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, bytes | bytearray] = {}
@@ -109,38 +123,59 @@ class Spiller:
         self._transport.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
+        self._reserver.shutdown(wait=False, cancel_futures=True)
 
     def spill(self, peer_node: NodeInfo, jobs: list[SpillJob], *, tier: TierKind = TierKind.HOST) -> SpillResult:
-        """Move ``jobs`` to ``peer_node``'s ``tier`` (the tier they are in here), batch by batch. A
-        batch's swap runs on the swap thread while the next batch is reserved and written; all
-        swaps are done when this returns."""
+        """Move ``jobs`` to ``peer_node``'s ``tier`` (the tier they are in here), batch by batch. While
+        a batch's bytes go out, the next batch is reserved (reservation thread) and the one before
+        is swapped in the index (swap thread); all swaps are done when this returns."""
         result = SpillResult()
         batches = batches_of(jobs, max_bytes=self._batch_bytes)
         swaps: list[Future[list[SpillJob]]] = []
+        ahead: Future[_Reserved | None] | None = None
         try:
+            if batches:
+                ahead = self._reserver.submit(self._reserve, peer_node, batches[0], tier)
             for i, batch in enumerate(batches):
+                assert ahead is not None
+                reserved = ahead.result()
+                ahead = None
+                if reserved is not None and i + 1 < len(batches):
+                    ahead = self._reserver.submit(self._reserve, peer_node, batches[i + 1], tier)
                 rest = [job for later in batches[i + 1 :] for job in later]
-                if tier != TierKind.HOST:
-                    batch = self._with_payloads(batch, tier)  # what cannot be read stays where it is
-                    if not batch:
-                        continue
-                copied = self._copy(peer_node, batch, tier)
-                if copied is None:
+                if reserved is None:
                     result.refused, result.unsent = True, batch + rest
                     break
-                reservations, written, broken = copied
-                swaps.append(self._swapper.submit(self._swap, peer_node, batch, reservations, written, tier))
+                if not reserved.batch:
+                    continue  # nothing in it could be read: it stays where it is
+                written, broken = self._send(peer_node, reserved)
+                swaps.append(
+                    self._swapper.submit(self._swap, peer_node, reserved.batch, reserved.reservations, written, tier)
+                )
                 if broken:
-                    unwritten = [job for job, ok in zip(batch, written, strict=True) if not ok]
+                    unwritten = [job for job, ok in zip(reserved.batch, written, strict=True) if not ok]
                     result.refused, result.unsent = True, unwritten + rest
                     break
         finally:
+            if ahead is not None:
+                self._give_back(peer_node, ahead)
             for fut in swaps:
                 try:
                     result.moved.extend(fut.result())
                 except MooncakeError as exc:
                     result.error = result.error or exc
         return result
+
+    def _give_back(self, peer_node: NodeInfo, ahead: Future[_Reserved | None]) -> None:
+        """A batch reserved ahead that will not be sent (the pass ended early): its room goes back."""
+        try:
+            extra = ahead.result()
+        except Exception:  # the reservation thread failed: nothing was reserved that we know of
+            return
+        if extra is not None:
+            self._drop_payloads(extra.batch)
+            if extra.reservations:
+                self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in extra.reservations])
 
     def _with_payloads(self, batch: list[SpillJob], tier: TierKind) -> list[SpillJob]:
         """The GPU or disk jobs of a batch with their bytes read: one device-to-host copy each
@@ -165,11 +200,13 @@ class Spiller:
             out.append(SpillJob(victim=job.victim, offset=0, stored_bytes=stored))
         return out
 
-    def _copy(
-        self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind
-    ) -> tuple[list[Reservation], list[bool], bool] | None:
-        """Reserve room for the batch on the peer and write it there: (reservations, written per job,
-        connection broke), or None when the peer refused the reservation (nothing was sent)."""
+    def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind) -> _Reserved | None:
+        """Read what a GPU or disk batch sends, then reserve room for the batch on the peer; None
+        when the peer refused (nothing was reserved)."""
+        if tier != TierKind.HOST:
+            batch = self._with_payloads(batch, tier)  # what cannot be read stays where it is
+            if not batch:
+                return _Reserved(batch=[], reservations=[])
         peer = self._transport.peer(peer_node.tcp_endpoint)
         put_ids = [uuid.uuid4().bytes for _ in batch]
         try:
@@ -186,17 +223,24 @@ class Spiller:
             log.info("spill of %d object(s) to %s refused: %s", len(batch), peer_node.node_id, exc)
             self._drop_payloads(batch)
             return None
-        reservations = [
-            Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=p)
-            for r, p in zip(reservations, put_ids, strict=True)
-        ]
+        return _Reserved(
+            batch=batch,
+            reservations=[
+                Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=p)
+                for r, p in zip(reservations, put_ids, strict=True)
+            ],
+        )
+
+    def _send(self, peer_node: NodeInfo, reserved: _Reserved) -> tuple[list[bool], bool]:
+        """Write a reserved batch to the peer: (written per job, a connection broke)."""
+        peer = self._transport.peer(peer_node.tcp_endpoint)
         try:
-            written, broken = self._write_all(peer, batch, reservations)
+            written, broken = self._write_all(peer, reserved.batch, reserved.reservations)
         finally:
-            self._drop_payloads(batch)
+            self._drop_payloads(reserved.batch)
         if broken:
             self._transport.drop_peer(peer_node.tcp_endpoint)
-        return reservations, written, broken
+        return written, broken
 
     def _drop_payloads(self, batch: list[SpillJob]) -> None:
         for job in batch:
@@ -255,32 +299,37 @@ class Spiller:
         self, peer: PeerConnections, batch: list[SpillJob], reservations: list[Reservation]
     ) -> tuple[list[bool], bool]:
         """Every job's bytes into its reservation, the jobs dealt round-robin to the streams (one
-        connection each, one request at a time). Returns (written per job, connection broke)."""
+        connection each, its writes pipelined: PeerConnections.write_many). Returns (written per
+        job, a connection broke)."""
         written = [False] * len(batch)
         broken = [False]
         arena = self.agent.arena
 
         def stream(indices: range) -> None:
+            todo = [i for i in indices if batch[i].wire_bytes > 0]
             for i in indices:
-                if broken[0]:
-                    return
-                job, res = batch[i], reservations[i]
-                if job.wire_bytes == 0:
-                    written[i] = True
-                    continue
-                payload = self._payloads.get(job.victim.alloc_id)
-                view = memoryview(payload) if payload is not None else arena.view(job.offset, job.wire_bytes)
-                try:
-                    peer.write(res.alloc_id, res.offset, view)
-                    written[i] = True
-                except StaleLocation as exc:  # that reservation went (timed out); the stream is fine
-                    log.info("spill of %s to %s: %s", job.victim.key, peer.endpoint, exc)
-                except MooncakeError as exc:
-                    log.info("spill to %s failed mid-transfer: %s", peer.endpoint, exc)
-                    broken[0] = True
-                    return
-                finally:
+                written[i] = batch[i].wire_bytes == 0
+            views: list[memoryview] = []
+            try:
+                for i in todo:
+                    job = batch[i]
+                    payload = self._payloads.get(job.victim.alloc_id)
+                    views.append(memoryview(payload) if payload is not None else arena.view(job.offset, job.wire_bytes))
+                requests = [
+                    (reservations[i].alloc_id, reservations[i].offset, v) for i, v in zip(todo, views, strict=True)
+                ]
+                landed = peer.write_many(requests, window=WRITE_WINDOW) if requests else []
+            except MooncakeError as exc:
+                log.info("spill to %s failed mid-transfer: %s", peer.endpoint, exc)
+                broken[0] = True
+                return
+            finally:
+                for view in views:
                     view.release()
+            for i, ok in zip(todo, landed, strict=True):
+                written[i] = ok
+                if not ok:  # that reservation went (timed out); the stream is fine
+                    log.info("spill of %s to %s: reservation gone", batch[i].victim.key, peer.endpoint)
 
         streams = min(self._streams, len(batch))
         futures = [self._pool.submit(stream, range(k, len(batch), streams)) for k in range(1, streams)]

@@ -173,6 +173,28 @@ class PeerConnections:
 
         self._call(run)
 
+    def write_many(self, requests: Sequence[tuple[int, int, memoryview]], *, window: int = 4) -> list[bool]:
+        """Pipelined writes on one connection, each (alloc_id, offset, bytes): up to ``window``
+        WRITE frames go out before their acks are read, so one write's ack overlaps the next one's
+        bytes. The agent serves a connection in order and drains a refused write before it answers,
+        so the acks come back in order. Returns per write whether it landed (False: STALE)."""
+
+        def run(sock: socket.socket) -> list[bool]:
+            landed: list[bool] = []
+            sent = 0
+            while len(landed) < len(requests):
+                while sent < len(requests) and sent - len(landed) < max(1, window):
+                    alloc_id, offset, src = requests[sent]
+                    frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, len(src)), src)
+                    sent += 1
+                status, _, _, _ = self._reply(sock, Op.WRITE)
+                if status not in (Status.OK, Status.STALE):
+                    raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
+                landed.append(status == Status.OK)
+            return landed
+
+        return list(self._call(run))
+
     def read_many(self, requests: Sequence[ReadRequest]) -> None:
         """Pipelined reads on one connection: all requests go out, then the replies land in order,
         each straight into its destination."""

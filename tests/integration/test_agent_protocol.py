@@ -84,3 +84,25 @@ def frames_read(alloc_id: int, offset: int, dest: bytearray):  # type: ignore[no
     from mooncake_store.transport.tcp import ReadRequest
 
     return ReadRequest(alloc_id=alloc_id, offset=offset, dest=memoryview(dest))
+
+
+def test_pipelined_writes_land_in_order_and_a_refused_one_spoils_nothing(one_agent: LocalCluster) -> None:
+    """write_many keeps several WRITE frames in flight on one connection: the acks come back in
+    order, a refused write (STALE) is drained by the agent and the writes after it still land."""
+    peer = PeerConnections(one_agent.agents[0].endpoint, timeout_s=5, max_idle=2)
+    try:
+        sizes = [4096, 100_000, 1 << 20, 64, 300_000]
+        reservations = peer.reserve([(n, bytes([i]) * 16) for i, n in enumerate(sizes)], node_id="agent-0")
+        payloads = [np.full(n, i + 1, np.uint8) for i, n in enumerate(sizes)]
+        requests = [(r.alloc_id, r.offset, memoryview(p)) for r, p in zip(reservations, payloads, strict=True)]
+        # The third goes to an allocation that does not exist: refused, its 1 MiB drained.
+        requests[2] = (reservations[2].alloc_id + 999_999, reservations[2].offset, memoryview(payloads[2]))
+        assert peer.write_many(requests, window=3) == [True, True, False, True, True]
+        for r, p, ok in zip(reservations, payloads, [True, True, False, True, True], strict=True):
+            got = bytearray(len(p))
+            peer.read_many([frames_read(r.alloc_id, r.offset, got)])
+            assert (bytes(got) == p.tobytes()) == ok
+        assert peer.ping() == frames.VERSION  # the connection is still in step
+        assert peer.free([r.alloc_id for r in reservations]) == len(sizes)
+    finally:
+        peer.close()
