@@ -27,7 +27,7 @@ class DiskInbox:
         self.disk = disk
         # Offsets in this table mean nothing on disk; it keeps the reservations' life cycle and
         # their bytes, which count against the disk tier's free room until the files land.
-        self.table = AllocationTable(disk.capacity_bytes, reserve_timeout_s=reserve_timeout_s, alignment=1, ids=ids)
+        self.table = AllocationTable(1 << 62, reserve_timeout_s=reserve_timeout_s, alignment=1, ids=ids)
         self._lock = threading.Lock()
 
     def __contains__(self, alloc_id: int) -> bool:
@@ -36,7 +36,8 @@ class DiskInbox:
     def reserve(self, requests: list[tuple[int, bytes]]) -> list[Allocation] | None:
         """All or nothing, like the host tier; None when the files would not fit on the disk."""
         with self._lock:  # two concurrent spills must not both count the same free room
-            in_flight, _, _, _ = self.table.usage()
+            # Files that landed count in the disk's use already; only those still on the wire here.
+            in_flight = self.table.bytes_of([a for a in self.table.known_ids() if a not in self.disk])
             if sum(size for size, _ in requests) > self.disk.free_bytes - in_flight:
                 return None
             return self.table.reserve(requests)

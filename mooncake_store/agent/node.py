@@ -169,7 +169,7 @@ class Agent:
         if self.gpu_table is None:
             return None
         allocs = self.gpu_table.reserve(requests)
-        if allocs is None:
+        if allocs is None and not spill:  # a refused spill goes to another peer: no room is made for it
             self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
         return allocs
 
@@ -346,10 +346,11 @@ class Agent:
         """After being reaped: committed objects are gone from the index, so their memory is free.
         Reservations of puts in flight are only expired: the next sync revokes their pending records
         (a late commit then fails) before freeing them, so no commit can land on reused memory."""
-        for table in self._tables():
-            table.drop_after_reap()
-        if self.disk is not None:
-            self.free_allocations(sorted(self.disk_keys))
+        with self._sync_lock:  # never between a sync's drained acks and its commits
+            for table in self._tables():
+                table.drop_after_reap()
+            if self.disk is not None:
+                self.free_allocations(sorted(self.disk_keys))
 
     def _tables(self) -> list[AllocationTable]:
         """Every table of reservations, the host tier's first."""

@@ -213,10 +213,11 @@ class PressureManager:
         return 0
 
     def _demote_or_evict(self, job: SpillJob, move: Move, tier: TierKind) -> bool:
-        if move.kind == MoveKind.DEMOTE and tier == TierKind.HOST:
-            return self.moves.demote_to_disk(job.victim, job.offset)
-        if move.kind == MoveKind.DEMOTE and tier == TierKind.GPU:
-            return self.moves.demote_gpu(job.victim, job.offset)
+        if move.kind == MoveKind.DEMOTE:
+            demote = self.moves.demote_gpu if tier == TierKind.GPU else self.moves.demote_to_disk
+            if demote(job.victim, job.offset):
+                return True
+            # No block or file fits after all (the room was in pieces): as when there is no room.
         if job.victim.children > 0:
             return False  # evicting it would cut its chain's later chunks off from every match
         return self.moves.evict(job.victim, tier)
@@ -247,8 +248,9 @@ class PressureManager:
                     state.planned[node_id] -= sum(job.wire_bytes for job in result.unsent)
                     retry.extend(result.unsent)
             spills = {}
-            for job in retry:
-                if job_of(job.victim) is None:
+            for unsent in retry:
+                job = job_of(unsent.victim)  # located afresh: where it is now, and its size there
+                if job is None:
                     continue  # freed meanwhile
                 move = self._place(job, now_ms, state, tier)
                 if move.kind == MoveKind.SPILL and move.node_id is not None:
@@ -277,6 +279,11 @@ class PressureManager:
         need = self._need(TierKind.GPU, used, table.capacity_bytes, wanted)
         if need <= 0:
             return 0
+        # As relieve_host: blocks of removed, replaced or moved objects come back by themselves.
+        returning = table.bytes_of(agent.index.pending_graves(agent.node_id))
+        need = self._need(TierKind.GPU, used - returning, table.capacity_bytes, wanted)
+        if need <= 0:
+            return 0
         return self._walk(TierKind.GPU, need, self._gpu_job)
 
     def _gpu_job(self, victim: EvictionCandidate) -> SpillJob | None:
@@ -292,6 +299,14 @@ class PressureManager:
         if disk is None:
             return 0
         need = self._need(TierKind.DISK, disk.used_bytes, disk.capacity_bytes)
+        if need <= 0:
+            return 0
+        # As relieve_host: files of removed, replaced or moved objects are freed by the next sync
+        # (or once their read leases end); do not move live objects out for them.
+        returning = sum(
+            e.stored_bytes for g in agent.index.pending_graves(agent.node_id) if (e := disk.entry(g)) is not None
+        )
+        need = self._need(TierKind.DISK, disk.used_bytes - returning, disk.capacity_bytes)
         if need <= 0:
             return 0
         return self._walk(TierKind.DISK, need, self._disk_job)

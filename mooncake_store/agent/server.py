@@ -267,7 +267,8 @@ class AgentServer:
         if allocs is None:
             _used, free, largest, _ = self._table.usage()
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
-            self._hooks.no_room(sum(size for size, _ in requests))
+            if not flags & SPILL_FLAG:  # a refused spill goes to another peer: no room is made for it
+                self._hooks.no_room(sum(size for size, _ in requests))
             return True
         if flags & SPILL_FLAG:
             self._hooks.spilled_in(len(allocs), tier)

@@ -148,7 +148,7 @@ class Spiller:
                     break
                 if not reserved.batch:
                     continue  # nothing in it could be read: it stays where it is
-                written, broken = self._send(peer_node, reserved)
+                written, broken = self._send(peer_node, reserved, tier)
                 swaps.append(
                     self._swapper.submit(self._swap, peer_node, reserved.batch, reserved.reservations, written, tier)
                 )
@@ -197,7 +197,7 @@ class Spiller:
                 continue
             self._payloads[job.victim.alloc_id] = payload
             stored = len(payload) if tier == TierKind.DISK else None
-            out.append(SpillJob(victim=job.victim, offset=0, stored_bytes=stored))
+            out.append(SpillJob(victim=job.victim, offset=job.offset, stored_bytes=stored))
         return out
 
     def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind) -> _Reserved | None:
@@ -231,11 +231,11 @@ class Spiller:
             ],
         )
 
-    def _send(self, peer_node: NodeInfo, reserved: _Reserved) -> tuple[list[bool], bool]:
+    def _send(self, peer_node: NodeInfo, reserved: _Reserved, tier: TierKind) -> tuple[list[bool], bool]:
         """Write a reserved batch to the peer: (written per job, a connection broke)."""
         peer = self._transport.peer(peer_node.tcp_endpoint)
         try:
-            written, broken = self._write_all(peer, reserved.batch, reserved.reservations)
+            written, broken = self._write_all(peer, reserved.batch, reserved.reservations, tier)
         finally:
             self._drop_payloads(reserved.batch)
         if broken:
@@ -296,7 +296,7 @@ class Spiller:
         return moved
 
     def _write_all(
-        self, peer: PeerConnections, batch: list[SpillJob], reservations: list[Reservation]
+        self, peer: PeerConnections, batch: list[SpillJob], reservations: list[Reservation], tier: TierKind
     ) -> tuple[list[bool], bool]:
         """Every job's bytes into its reservation, the jobs dealt round-robin to the streams (one
         connection each, its writes pipelined: PeerConnections.write_many). Returns (written per
@@ -313,8 +313,10 @@ class Spiller:
             try:
                 for i in todo:
                     job = batch[i]
-                    payload = self._payloads.get(job.victim.alloc_id)
-                    views.append(memoryview(payload) if payload is not None else arena.view(job.offset, job.wire_bytes))
+                    if tier == TierKind.HOST:
+                        views.append(arena.view(job.offset, job.wire_bytes))
+                    else:  # read just before the batch went (_with_payloads); never from the host arena
+                        views.append(memoryview(self._payloads[job.victim.alloc_id]))
                 requests = [
                     (reservations[i].alloc_id, reservations[i].offset, v) for i, v in zip(todo, views, strict=True)
                 ]

@@ -215,7 +215,17 @@ class DiskTier:
         fail here, while the sender still holds the good copy."""
         where = f"chunk file for disk allocation {alloc_id}"
         _, _, raw, checksum = self.parse_header(blob, where=where)
-        self.decode_into(blob, memoryview(bytearray(raw)), where=where)
+        try:
+            content = zstandard.frame_content_size(memoryview(blob)[HEADER.size :])
+        except zstandard.ZstdError as exc:
+            raise CorruptChunk(f"{where}: zstd frame is damaged: {exc}") from None
+        if content != raw:
+            raise CorruptChunk(f"{where}: header says {raw} B, its zstd frame {content} B")
+        try:
+            dest = bytearray(raw)
+        except MemoryError:
+            raise CorruptChunk(f"{where}: cannot hold {raw} B to verify it") from None
+        self.decode_into(blob, memoryview(dest), where=where)
         return self._store(alloc_id, blob, raw_bytes=raw, checksum=checksum)
 
     def read_blob(self, alloc_id: int) -> bytes:
