@@ -69,6 +69,35 @@ def nodes_table(stats: ClusterStats) -> Table:
     return table
 
 
+#: Per-tier counters of the activity table: (column, TierStats field).
+ACTIVITY = (
+    ("hits", "hits"),
+    ("reads", "reads"),
+    ("demoted", "demotions"),
+    ("promoted", "promotions"),
+    ("spill out", "spills_out"),
+    ("spill in", "spills_in"),
+    ("evicted", "evictions"),
+)
+
+
+def activity_table(stats: ClusterStats) -> Table:
+    """What each node's tiers did since their agents started: lookups answered (hits), reads the
+    agent served, moves under memory pressure, and the disk tier's compression ratio."""
+    table = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    table.add_column("node", no_wrap=True)
+    table.add_column("tier", no_wrap=True)
+    for name, _ in ACTIVITY:
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("ratio", justify="right", no_wrap=True)
+    for node in stats.nodes:
+        for i, tier in enumerate(node.tiers):
+            counts = [str(getattr(tier, field)) for _, field in ACTIVITY]
+            ratio = f"{tier.compression_ratio:.2f}x" if tier.tier == "disk" else ""
+            table.add_row(Text(node.node_id, "bold") if i == 0 else "", tier.tier, *counts, ratio)
+    return table
+
+
 def totals_line(stats: ClusterStats) -> Text:
     live = len(stats.live_nodes)
     return Text.assemble(
@@ -80,13 +109,15 @@ def totals_line(stats: ClusterStats) -> Text:
         f"{format_size(stats.used_bytes)} / {format_size(stats.capacity_bytes)}",
         ("   gets ", "dim"),
         f"{stats.hits} hit / {stats.misses} miss",
+        ("   evicted ", "dim"),
+        str(stats.evictions),
     )
 
 
 def cluster_view(stats: ClusterStats, *, header: Text | None = None) -> Group:
     parts: list[Any] = [header] if header is not None else []
     if stats.nodes:
-        parts.append(nodes_table(stats))
+        parts += [nodes_table(stats), Text(""), activity_table(stats), Text("")]
     else:
         parts.append(Text("no agents registered: start one with `mooncake agent` or `mooncake up`", "yellow"))
     parts.append(totals_line(stats))

@@ -43,6 +43,10 @@ def test_stat_json_shows_both_agents(cluster_cli: Mooncake) -> None:
     assert data["redis_url"] == cluster_cli.state()["redis_url"]
     table = cluster_cli.ok("stat").stdout.decode()
     assert "agent-0" in table and "agent-1" in table and "2/2 alive" in table
+    # The activity table: per node and tier, what was served and moved under pressure.
+    for column in ("hits", "reads", "demoted", "promoted", "spill out", "spill in", "evicted", "ratio"):
+        assert column in table, column
+    assert "evicted 0" in table
 
 
 def test_ls_and_rm(cluster_cli: Mooncake) -> None:
