@@ -36,11 +36,15 @@ class DiskInbox:
     def reserve(self, requests: list[tuple[int, bytes]]) -> list[Allocation] | None:
         """All or nothing, like the host tier; None when the files would not fit on the disk."""
         with self._lock:  # two concurrent spills must not both count the same free room
-            # Files that landed count in the disk's use already; only those still on the wire here.
-            in_flight = self.table.bytes_of([a for a in self.table.known_ids() if a not in self.disk])
-            if sum(size for size, _ in requests) > self.disk.free_bytes - in_flight:
+            if sum(size for size, _ in requests) > self.free_bytes():
                 return None
             return self.table.reserve(requests)
+
+    def free_bytes(self) -> int:
+        """The disk's free room less what reserved files still on the wire will take (files that
+        landed count in the disk's use already)."""
+        in_flight = self.table.bytes_of([a for a in self.table.known_ids() if a not in self.disk])
+        return self.disk.free_bytes - in_flight
 
     def staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         """A buffer for the whole chunk file of a reservation (fenced until written()), or None:

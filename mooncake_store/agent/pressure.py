@@ -206,7 +206,8 @@ class PressureManager:
         its high watermark (a demotion from the GPU must not put the host tier under pressure)."""
         agent = self.agent
         if lower == TierKind.DISK and agent.disk is not None:
-            return agent.disk.free_bytes
+            # Room that peers' spilled files were promised is not room for a demotion.
+            return agent.inbox.free_bytes() if agent.inbox is not None else agent.disk.free_bytes
         if lower == TierKind.HOST:
             used, _, _, _ = agent.table.usage()
             return max(0, int(agent.config.high_watermark * agent.table.capacity_bytes) - used)

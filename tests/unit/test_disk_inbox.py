@@ -84,3 +84,18 @@ def test_a_broken_transfer_stores_nothing(tmp_path: Path, blob: bytes) -> None:
     assert res.alloc_id in inbox and res.alloc_id not in inbox.disk
     inbox.free([res.alloc_id])
     assert len(inbox.table) == 0
+
+
+def test_free_bytes_counts_files_on_the_wire_once(tmp_path: Path, blob: bytes) -> None:
+    """What a demotion may still use: the disk's free room less the reserved files not yet landed."""
+    inbox = make_inbox(tmp_path, capacity=4 * len(blob))
+    assert inbox.free_bytes() == 4 * len(blob)
+    (res,) = inbox.reserve([(len(blob), b"p" * 16)]) or []
+    assert inbox.free_bytes() == 3 * len(blob)  # on the wire: promised to the peer
+    staging = inbox.staging(res.alloc_id, res.offset, res.length)
+    assert staging is not None
+    staging[:] = blob
+    assert inbox.written(res.alloc_id, staging)
+    assert inbox.free_bytes() == 3 * len(blob)  # landed: counted by the disk, not twice
+    inbox.settle([res.alloc_id])
+    assert inbox.free_bytes() == 3 * len(blob)
