@@ -27,6 +27,7 @@ class GetPath:
     def __init__(self, client: Client) -> None:
         self.client = client
         self._route_memo: Any = None  # (node table, reachable segments, routes) of the last table seen
+        self._cuda_here: bool | None = None  # whether this process can use CUDA (asked once)
 
     def get_batch(
         self, keys: list[str], dests: list[memoryview] | None, *, missing_ok: bool
@@ -171,6 +172,35 @@ class GetPath:
         )
         return reachable
 
+    def _read_via_agent(self, node: NodeInfo, replica: Replica, dest: memoryview) -> None:
+        # The agent copies other tiers out whole (device to host, or decoding a file): one request.
+        self.client._tcp.peer(node.tcp_endpoint).read_many(
+            [ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)]
+        )
+
+    def _gpu_ipc_reaches(self, node: NodeInfo) -> bool:
+        """Whether this process can copy a same-host agent's GPU replica straight into host memory
+        through the arena's CUDA IPC handle (a same-host path, allowed with shm): one device-to-host
+        copy instead of the agent's copy and a TCP transfer. Needs cupy and a device here."""
+        client = self.client
+        if TransportKind.SHM not in client.transports or node.host_id != client.host_id:
+            return False
+        if "gpu_ipc" not in node.labels:
+            return False
+        if self._cuda_here is None:
+            from mooncake_store.tiers.gpu_arrays import cuda_status  # imports cupy lazily
+
+            self._cuda_here = cuda_status(0)[0]
+        return self._cuda_here
+
+    def _read_gpu_ipc(self, node: NodeInfo, replica: Replica, dest: memoryview) -> None:
+        from mooncake_store.tiers.gpu_arrays import host_pointer
+
+        try:
+            self.client._gpu_segments().read(node, replica, host_pointer(dest), len(dest))
+        except TransferError:  # the handle would not open here (remembered): through the agent
+            self._read_via_agent(node, replica, dest)
+
     def outlived_lease(
         self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
     ) -> list[int]:
@@ -228,11 +258,10 @@ class GetPath:
                     self.client._shm.read_into(node.shm_name, self.client._arena_bytes(node), replica.offset, dest)
                 elif replica.tier == TierKind.HOST:
                     self.client._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
+                elif replica.tier == TierKind.GPU and self._gpu_ipc_reaches(node):
+                    self._read_gpu_ipc(node, replica, dest)
                 else:
-                    # The agent decodes other tiers whole: one request, no stripes.
-                    self.client._tcp.peer(node.tcp_endpoint).read_many(
-                        [ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)]
-                    )
+                    self._read_via_agent(node, replica, dest)
                 # Device puts record no checksum (0): hashing would cost a device-to-host copy.
                 if self.client.config.verify_checksum and meta.checksum and checksum_of(dest) != meta.checksum:
                     raise TransferError(f"checksum mismatch reading {meta.key!r} from {node.node_id}")

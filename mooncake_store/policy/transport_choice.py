@@ -6,7 +6,8 @@ from collections.abc import Iterable, Sequence
 
 from mooncake_store.types import TRANSPORT_ORDER, NodeInfo, Replica, TierKind, TransportKind
 
-# GPU replicas are read through their agent (device to host), so host memory is the cheapest source.
+# A GPU replica costs a device-to-host copy (through the arena's CUDA IPC handle where the client is
+# on the same host and can use CUDA, else by its agent and then TCP), so host memory is cheaper.
 TIER_RANK = {TierKind.HOST: 0, TierKind.GPU: 1, TierKind.DISK: 2}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -131,16 +132,23 @@ def test_device_put_lands_in_gpu_tier_and_reads_back(cupy, gpu_cluster, make_cli
     assert isinstance(got, cupy.ndarray) and got.dtype == cupy.float32 and got.shape == (64, 1024)
     assert np.array_equal(cupy.asnumpy(got), host_x)
     assert client._gpu is not None and client._gpu.open_count() == 1  # the IPC path, not TCP
-    host = client.get("dev")  # through the agent: device to host, then TCP
+    host = client.get("dev")  # device to host through the IPC handle: the agent serves no read
     assert np.array_equal(host, host_x)
     out = cupy.empty_like(x)
     assert client.get_into("dev", out) == x.nbytes
     assert np.array_equal(cupy.asnumpy(out), host_x)
+
+    def agent_gpu_reads() -> int:
+        return sum(t.reads for n in client.stat().nodes for t in n.tiers if t.tier == "gpu")
+
+    time.sleep(1.5)  # counters reach the node table with the next heartbeat
+    assert agent_gpu_reads() == 0
     tcp_only = make_client(gpu_cluster, transports=("tcp",))
     assert np.array_equal(tcp_only.get("dev"), host_x)
     via_tcp = tcp_only.get("dev", device=0)  # the agent reads device to host, TCP, then host to device
     assert np.array_equal(cupy.asnumpy(via_tcp), host_x)
     assert tcp_only._gpu is None  # a TCP-only client never opens the IPC handle
+    assert wait_until(lambda: agent_gpu_reads() == 2, timeout_s=5), agent_gpu_reads()
     with pytest.raises(MooncakeError, match="out holds"):
         client.get_into("dev", cupy.empty(16, dtype=cupy.uint8))
 
