@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import threading
 from typing import Any, Protocol
@@ -120,7 +121,9 @@ class AgentServer:
                 continue
             except OSError:
                 return
-            conn.settimeout(None)  # idle pooled connections may wait long between requests
+            # A request under way must go on promptly (each recv and send is bounded); idle pooled
+            # connections wait for their next request in poll(), as long as they like (_serve).
+            frames.kernel_timeouts(conn, self._timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
@@ -132,17 +135,17 @@ class AgentServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            idle = select.poll()
+            idle.register(conn, select.POLLIN)
             while not self._stop.is_set():
+                idle.poll()  # between requests a connection may wait as long as its client likes
                 try:
                     header = frames.recv_exact(conn, frames.HEADER_BYTES)
                 except TransferError:
                     return  # the client closed the connection
-                # Once a request has started, the rest of it must arrive promptly.
-                conn.settimeout(self._timeout_s)
                 op, arg, a, b, c = frames.unpack(header)
                 if not self._dispatch(conn, op, arg, a, b, c):
                     return
-                conn.settimeout(None)
         except (ProtocolError, OSError, MooncakeError) as exc:
             log.info("closing connection: %s", exc)
         finally:

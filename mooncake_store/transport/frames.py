@@ -80,6 +80,18 @@ def unpack(raw: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int
     return op, arg, a, b, c
 
 
+def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Make ``sock`` blocking, bounded by the kernel's own send and receive timeouts.
+
+    Python's timeout mode makes a socket non-blocking and poll()s before every recv and send: two
+    system calls per chunk of a large transfer, and MSG_WAITALL has no effect. SO_RCVTIMEO and
+    SO_SNDTIMEO bound each call just the same; one that runs out raises BlockingIOError (EAGAIN)."""
+    sock.settimeout(None)
+    timeval = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     recv_into_exact(sock, memoryview(buf))
@@ -90,8 +102,11 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from the socket, straight into the caller's memory (no staging copy)."""
     got = 0
     total = len(view)
+    # On a blocking socket the kernel fills the whole view in one call; with a Python timeout the
+    # flag has no effect (the socket is non-blocking underneath) and the loop does the rest.
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
     while got < total:
-        n = sock.recv_into(view[got:], total - got)
+        n = sock.recv_into(view[got:], total - got, flags)
         if n == 0:
             raise TransferError(f"peer closed the connection after {got} of {total} B")
         got += n

@@ -65,6 +65,7 @@ class PeerConnections:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        frames.kernel_timeouts(sock, self._timeout_s)  # no poll() per chunk; MSG_WAITALL reads
         return sock
 
     def _acquire(self) -> socket.socket:
@@ -97,6 +98,10 @@ class PeerConnections:
             sock.close()
             if isinstance(exc, TransferError | ProtocolError):
                 raise
+            if isinstance(exc, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
+                raise TransferError(
+                    f"agent at {self.endpoint} made no progress for {self._timeout_s:g} s (timeout_s)"
+                ) from None
             raise TransferError(f"transfer with agent at {self.endpoint} failed: {exc}") from None
         except BaseException:
             sock.close()

@@ -106,3 +106,46 @@ def test_pipelined_writes_land_in_order_and_a_refused_one_spoils_nothing(one_age
         assert peer.free([r.alloc_id for r in reservations]) == len(sizes)
     finally:
         peer.close()
+
+
+def test_a_silent_agent_is_a_clear_timeout_not_a_hang() -> None:
+    """Client sockets are blocking with kernel timeouts (no poll() per chunk): an agent that accepts
+    and then says nothing must still end the call after timeout_s, with a message that says so."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    peer = PeerConnections(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=0.5, max_idle=1)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferError, match=r"made no progress for 0.5 s"):
+            peer.ping()
+        assert time.monotonic() - started < 5
+    finally:
+        peer.close()
+        listener.close()
+
+
+def test_a_request_that_stalls_midway_is_dropped_and_its_fence_lifted(make_inproc_agent) -> None:  # type: ignore[no-untyped-def]
+    """The agent's server bounds each recv of a request under way: a writer that stops halfway
+    through a WRITE loses its connection, the reservation's write fence is lifted, and the
+    reservation takes a whole write afterwards. (A second server on the same agent, with a short
+    timeout, so that the test does not wait the agent's 30 s.)"""
+    from mooncake_store.agent.server import AgentServer
+
+    agent = make_inproc_agent()
+    server = AgentServer("127.0.0.1:0", agent.arena, agent.table, timeout_s=0.5, hooks=agent)
+    server.start()
+    peer = PeerConnections(server.endpoint, timeout_s=5, max_idle=2)
+    try:
+        (res,) = peer.reserve([(1 << 20, b"s" * 16)], node_id=agent.node_id)
+        with socket.create_connection(parse_endpoint(server.endpoint), timeout=5) as sock:
+            sock.sendall(frames.pack(Op.WRITE, 0, res.alloc_id, res.offset, 1 << 20) + b"x" * 1000)
+            started = time.monotonic()
+            assert _closed(sock)  # after about the server's 0.5 s
+            assert time.monotonic() - started < 5
+        payload = np.full(1 << 20, 7, np.uint8)
+        peer.write(res.alloc_id, res.offset, memoryview(payload))  # the fence is gone: this lands
+        got = bytearray(1 << 20)
+        peer.read_many([frames_read(res.alloc_id, res.offset, got)])
+        assert bytes(got) == payload.tobytes()
+    finally:
+        peer.close()
+        server.stop()
