@@ -33,6 +33,7 @@ READ      a = alloc_id, b = offset, c = len    OK then len bytes; STALE when the
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 from enum import IntEnum
@@ -87,7 +88,9 @@ def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     system calls per chunk of a large transfer, and MSG_WAITALL has no effect. SO_RCVTIMEO and
     SO_SNDTIMEO bound each call just the same; one that runs out raises BlockingIOError (EAGAIN)."""
     sock.settimeout(None)
-    timeval = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1_000_000))
+    # Whole microseconds, rounded up: a timeval of zero means "never time out" to the kernel.
+    usec = max(1, math.ceil(timeout_s * 1_000_000))
+    timeval = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
