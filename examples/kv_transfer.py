@@ -59,13 +59,17 @@ def main() -> int:
                 client.put_many({f"doc/chunk/{i}": c for i, c in enumerate(chunks)})
                 put_s = time.perf_counter() - start
                 total = count * chunk_bytes
-                print(f"stored {count} chunks of {CHUNK_SHAPE} float16 = {format_size(total)} "
-                      f"in {put_s * 1000:.0f} ms ({total / put_s / 1e9:.2f} GB/s)")
+                print(
+                    f"stored {count} chunks of {CHUNK_SHAPE} float16 = {format_size(total)} "
+                    f"in {put_s * 1000:.0f} ms ({total / put_s / 1e9:.2f} GB/s)"
+                )
                 time.sleep(1.2)  # let the agents' heartbeats publish their use
                 for node in client.stat().nodes:
                     tier = node.tiers[0]
-                    print(f"  {node.node_id}: {node.objects} chunks, {format_size(tier.used_bytes)} of "
-                          f"{format_size(tier.capacity_bytes)} host memory, endpoint {node.tcp_endpoint}")
+                    print(
+                        f"  {node.node_id}: {node.objects} chunks, {format_size(tier.used_bytes)} of "
+                        f"{format_size(tier.capacity_bytes)} host memory, endpoint {node.tcp_endpoint}"
+                    )
             ctx = mp.get_context("spawn")
             for transport in ("shm", "tcp"):
                 queue = ctx.Queue()
@@ -76,8 +80,10 @@ def main() -> int:
                 if seconds < 0:
                     print(f"{transport}: MISMATCH in the bytes read back", file=sys.stderr)
                     return 1
-                print(f"another process read them back over {transport}: {seconds * 1000:.0f} ms "
-                      f"({total / seconds / 1e9:.2f} GB/s), byte-exact")
+                print(
+                    f"another process read them back over {transport}: {seconds * 1000:.0f} ms "
+                    f"({total / seconds / 1e9:.2f} GB/s), byte-exact"
+                )
     except MooncakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
