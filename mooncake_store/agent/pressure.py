@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class PressureManager:
         self._wanted_gpu_bytes = 0
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
+        #: Until then (monotonic s) reservations do not wake the loop: its last pass moved nothing.
+        self._fruitless_until = 0.0
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._spiller = Spiller(agent)
@@ -69,6 +72,11 @@ class PressureManager:
         self._wake.set()
 
     def wake(self) -> None:
+        """A reservation took the tier past its high watermark. Right after a pass that found
+        nothing movable (everything hot or pinned), further wakes wait for the next interval: a
+        writer filling such a node would otherwise cost the index a victim sample per put."""
+        if time.monotonic() < self._fruitless_until:
+            return
         self._wake.set()
 
     def count(self, tier: TierKind, name: str, n: int = 1) -> None:
@@ -174,9 +182,11 @@ class PressureManager:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
             agent.reclaim_now()
+            self._fruitless_until = 0.0
         else:
             with self._lock:  # nothing movable (all hot or pinned): no polling under the high mark
                 self._draining.discard(tier)
+            self._fruitless_until = time.monotonic() + agent.config.pressure_interval_s
         return moved
 
     def _place(self, job: SpillJob, now_ms: int, state: _PassState, tier: TierKind) -> Move:
