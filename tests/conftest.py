@@ -97,7 +97,10 @@ def make_inproc_agent(redis_url: str) -> Iterator[Callable[..., Agent]]:
     test (or a server thread) calls it: for placing an interleaving exactly. All stopped at the end."""
     agents: list[Agent] = []
 
-    def make(**overrides: Any) -> Agent:
+    def make(
+        *, namespace: str | None = None, prepare: Callable[[Agent], None] | None = None, **overrides: Any
+    ) -> Agent:
+        """``namespace``: agents that must see one another share one; ``prepare`` runs before start."""
         settings: dict[str, Any] = {
             "node_id": f"rv-{uuid.uuid4().hex[:6]}",
             "host_bytes": 4 << 20,
@@ -107,7 +110,9 @@ def make_inproc_agent(redis_url: str) -> Iterator[Callable[..., Agent]]:
             "spill_to_peers": False,
         }
         settings.update(overrides)
-        agent = Agent(AgentConfig(**settings), redis_url=redis_url, namespace=f"t-{uuid.uuid4().hex[:10]}")
+        agent = Agent(AgentConfig(**settings), redis_url=redis_url, namespace=namespace or f"t-{uuid.uuid4().hex[:10]}")
+        if prepare is not None:
+            prepare(agent)
         agents.append(agent)
         agent.start()
         return agent

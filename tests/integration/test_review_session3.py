@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,6 @@ from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK
 from mooncake_store.agent.spill import Spiller, SpillJob
-from mooncake_store.config import AgentConfig
 from mooncake_store.errors import NoCapacity, StaleLocation
 from mooncake_store.index.client import PendingPut
 from mooncake_store.tiers.disk import HEADER, DiskTier
@@ -59,39 +58,33 @@ class HostBackedGpu:
 
 
 @pytest.fixture
-def make_agent(redis_url: str, tmp_path: Path) -> Iterator[Callable[..., Agent]]:
+def make_agent(make_inproc_agent: Callable[..., Agent], tmp_path: Path) -> Callable[..., Agent]:
     """In-process Agents sharing one namespace; pressure passes and syncs run only when called."""
     namespace = f"t-{uuid.uuid4().hex[:10]}"
-    agents: list[Agent] = []
 
     def make(*, gpu_bytes: int = 0, disk_bytes: int = 0, **overrides: object) -> Agent:
         settings: dict[str, object] = {
             "node_id": f"rv3-{uuid.uuid4().hex[:6]}",
-            "host_bytes": 4 * MiB,
-            "sync_interval_s": 3600.0,
             "heartbeat_interval_s": 600.0,
             "heartbeat_ttl_s": 1200.0,
             "reserve_timeout_s": 30.0,
-            "prefault": False,
             "spill_to_peers": True,
         }
         if disk_bytes:
             settings.update(disk_path=str(tmp_path), disk_bytes=disk_bytes)
         settings.update(overrides)
-        agent = Agent(AgentConfig(**settings), redis_url=redis_url, namespace=namespace)  # type: ignore[arg-type]
-        if gpu_bytes:
-            agent.gpu = HostBackedGpu(gpu_bytes)  # type: ignore[assignment]
-            agent.gpu_table = AllocationTable(
-                gpu_bytes, reserve_timeout_s=agent.config.reserve_timeout_s, ids=agent.table.ids
-            )
-        agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-        agents.append(agent)
-        agent.start()
-        return agent
 
-    yield make
-    for agent in agents:
-        agent.stop()
+        def prepare(agent: Agent) -> None:
+            if gpu_bytes:
+                agent.gpu = HostBackedGpu(gpu_bytes)  # type: ignore[assignment]
+                agent.gpu_table = AllocationTable(
+                    gpu_bytes, reserve_timeout_s=agent.config.reserve_timeout_s, ids=agent.table.ids
+                )
+            agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+        return make_inproc_agent(namespace=namespace, prepare=prepare, **settings)
+
+    return make
 
 
 def put_on(agent: Agent, key: str, data: np.ndarray, *, tier: TierKind) -> int:
