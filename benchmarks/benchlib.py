@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -73,6 +74,36 @@ def timed_loop(fn: Callable[[int], Any], budget: Budget, *, warmup: int = 2) -> 
         times.append(clock() - t0)
         i += 1
     return i, clock() - start, times
+
+
+def across_runs_if_any(runs: list[dict[str, Any]], *path: Any) -> tuple[float, float, float] | None:
+    """(median, min, max) of the figure at ``path`` over the runs; None when a run lacks it."""
+    vals = []
+    for run in runs:
+        v: Any = run
+        for p in path:
+            if not isinstance(v, dict) or p not in v:
+                return None
+            v = v[p]
+        vals.append(float(v))
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def across_runs(runs: list[dict[str, Any]], *path: Any) -> tuple[float, float, float]:
+    """As across_runs_if_any, for a figure every run has (KeyError names the path otherwise)."""
+    stat = across_runs_if_any(runs, *path)
+    if stat is None:
+        raise KeyError(f"a run has no figure at {path}")
+    return stat
+
+
+def spread_cell(stat: tuple[float, float, float] | None, nruns: int, digits: int = 2) -> str:
+    """A table cell: the median, with the range in brackets when there was more than one run."""
+    if stat is None:
+        return "–"
+    if nruns == 1:
+        return f"{stat[0]:.{digits}f}"
+    return f"{stat[0]:.{digits}f} ({stat[1]:.{digits}f}–{stat[2]:.{digits}f})"
 
 
 def gbps(nbytes: int, seconds: float) -> float:

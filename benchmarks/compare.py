@@ -37,6 +37,7 @@ from benchlib import (
     Budget,
     KiB,
     MiB,
+    across_runs_if_any,
     budget_for,
     emit_report,
     footprint_slots,
@@ -50,6 +51,7 @@ from benchlib import (
     raw_tcp_worker,
     run_in_process,
     size_label,
+    spread_cell,
     store_worker,
     timed_loop,
 )
@@ -378,26 +380,6 @@ def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, log_dir: P
     return result
 
 
-def med(runs: list[dict[str, Any]], *path: Any) -> tuple[float, float, float] | None:
-    vals = []
-    for run in runs:
-        v: Any = run
-        for p in path:
-            if not isinstance(v, dict) or p not in v:
-                return None
-            v = v[p]
-        vals.append(float(v))
-    return statistics.median(vals), min(vals), max(vals)
-
-
-def cell(x: tuple[float, float, float] | None, n: int, digits: int = 2) -> str:
-    if x is None:
-        return "–"
-    if n == 1:
-        return f"{x[0]:.{digits}f}"
-    return f"{x[0]:.{digits}f} ({x[1]:.{digits}f}–{x[2]:.{digits}f})"
-
-
 def ratio(a: tuple[float, float, float] | None, b: tuple[float, float, float] | None) -> str:
     if a is None or b is None or not b[0]:
         return "–"
@@ -425,17 +407,17 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
     for op, title in (("get", "get_into / GET"), ("put", "put / SET")):
         rows = []
         for size in sizes:
-            mem = med(runs, "limits", "memcpy", "cold", size)
-            raw = med(runs, "limits", "tcp", 1, op, size)
-            mc = med(runs, "systems", "mooncake tcp", op, size)
+            mem = across_runs_if_any(runs, "limits", "memcpy", "cold", size)
+            raw = across_runs_if_any(runs, "limits", "tcp", 1, op, size)
+            mc = across_runs_if_any(runs, "systems", "mooncake tcp", op, size)
             for name in systems:
-                x = med(runs, "systems", name, op, size)
+                x = across_runs_if_any(runs, "systems", name, op, size)
                 limit = mem if name == "store shm" else raw
                 rows.append(
                     [
                         size_label(size),
                         name,
-                        cell(x, n),
+                        spread_cell(x, n),
                         ratio(x, limit),
                         ratio(x, mc) if has_mc and name != "mooncake tcp" else "–",
                     ]
@@ -445,7 +427,10 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
                 [
                     size_label(size),
                     "_limit: memcpy / raw TCP x1_",
-                    cell(mem, n) + " / " + cell(raw, n) + (f" (median trial {typical:.2f})" if typical else ""),
+                    spread_cell(mem, n)
+                    + " / "
+                    + spread_cell(raw, n)
+                    + (f" (median trial {typical:.2f})" if typical else ""),
                     "",
                     "",
                 ]
@@ -457,15 +442,17 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
         lines.append("")
     rows = []
     for name in systems:
-        gm = med(runs, "systems", name, "batch", "get_many_gbps")
-        pm = med(runs, "systems", name, "batch", "put_many_gbps")
+        gm = across_runs_if_any(runs, "systems", name, "batch", "get_many_gbps")
+        pm = across_runs_if_any(runs, "systems", name, "batch", "put_many_gbps")
         rows.append(
             [
                 name,
-                cell(pm, n),
-                cell(gm, n),
-                cell(med(runs, "systems", name, "batch", "get_many_p50_ms"), n),
-                ratio(gm, med(runs, "systems", "mooncake tcp", "batch", "get_many_gbps")) if has_mc else "–",
+                spread_cell(pm, n),
+                spread_cell(gm, n),
+                spread_cell(across_runs_if_any(runs, "systems", name, "batch", "get_many_p50_ms"), n),
+                ratio(gm, across_runs_if_any(runs, "systems", "mooncake tcp", "batch", "get_many_gbps"))
+                if has_mc
+                else "–",
             ]
         )
     lines.append(f"### Batches of {BATCH_KEYS} x 64 KiB (put_many / get_many_into, MSET/MGET, batch_*_into)\n")
@@ -473,30 +460,30 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
     lines.append("")
     rows = []
     for name in systems:
-        p50 = med(runs, "systems", name, "lat", "p50_us")
+        p50 = across_runs_if_any(runs, "systems", name, "lat", "p50_us")
         rows.append(
             [
                 name,
-                cell(p50, n, 0),
-                cell(med(runs, "systems", name, "lat", "p99_us"), n, 0),
-                ratio(p50, med(runs, "systems", "mooncake tcp", "lat", "p50_us")) if has_mc else "–",
+                spread_cell(p50, n, 0),
+                spread_cell(across_runs_if_any(runs, "systems", name, "lat", "p99_us"), n, 0),
+                ratio(p50, across_runs_if_any(runs, "systems", "mooncake tcp", "lat", "p50_us")) if has_mc else "–",
             ]
         )
     lines.append("### 4 KiB get latency, µs\n")
     lines.append(markdown_table(["system", "p50", "p99", "p50 x Mooncake (lower is better)"], rows))
-    ex = med(runs, "systems", "mooncake tcp", "exist512_p50_us")
+    ex = across_runs_if_any(runs, "systems", "mooncake tcp", "exist512_p50_us")
     if "prefix" in runs[0]:
         rows = []
         for chunks in MATCH_CHUNKS:
-            idx = med(runs, "prefix", chunks, "index_p50_us")
+            idx = across_runs_if_any(runs, "prefix", chunks, "index_p50_us")
             rows.append(
                 [
                     str(chunks),
-                    cell(med(runs, "prefix", chunks, "match_p50_us"), n, 0),
-                    cell(med(runs, "prefix", chunks, "match_p99_us"), n, 0),
-                    cell(med(runs, "prefix", chunks, "hash_p50_us"), n, 0),
-                    cell(idx, n, 0),
-                    cell(med(runs, "prefix", chunks, "index_p99_us"), n, 0),
+                    spread_cell(across_runs_if_any(runs, "prefix", chunks, "match_p50_us"), n, 0),
+                    spread_cell(across_runs_if_any(runs, "prefix", chunks, "match_p99_us"), n, 0),
+                    spread_cell(across_runs_if_any(runs, "prefix", chunks, "hash_p50_us"), n, 0),
+                    spread_cell(idx, n, 0),
+                    spread_cell(across_runs_if_any(runs, "prefix", chunks, "index_p99_us"), n, 0),
                     ratio(idx, ex) if ex and chunks == EXIST_KEYS else "–",
                 ]
             )
@@ -519,7 +506,7 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
             )
         )
     if ex:
-        lines.append(f"\nMooncake batch_is_exist of {EXIST_KEYS} keys: p50 {cell(ex, n, 0)} µs.")
+        lines.append(f"\nMooncake batch_is_exist of {EXIST_KEYS} keys: p50 {spread_cell(ex, n, 0)} µs.")
     stalls = {
         name: sum(run["systems"][name].get("stalls", {}).get("no_capacity", 0) for run in runs) for name in systems
     }
@@ -545,8 +532,8 @@ def verdicts(runs: list[dict[str, Any]], systems: list[str]) -> list[str]:
     has_mc = "mooncake tcp" in systems
     sizes, want = TCP_VS_MOONCAKE
     for size in sizes:
-        tcp = med(runs, "systems", "store tcp x4", "get", size)
-        mc = med(runs, "systems", "mooncake tcp", "get", size)
+        tcp = across_runs_if_any(runs, "systems", "store tcp x4", "get", size)
+        mc = across_runs_if_any(runs, "systems", "mooncake tcp", "get", size)
         what = f"tcp x4 get_into {size_label(size)} ≥ {want}x Mooncake's remote get_into"
         if tcp is None or mc is None or not has_mc:
             out.append(f"{what}: {no_mc}")
@@ -554,9 +541,9 @@ def verdicts(runs: list[dict[str, Any]], systems: list[str]) -> list[str]:
             out.append(f"{what}: {tcp[0] / mc[0]:.2f}x -> {mark(tcp[0] >= want * mc[0])}")
     sizes, want = TCP_VS_RAW
     for size in sizes:
-        raw = med(runs, "limits", "tcp", 1, "get", size)
+        raw = across_runs_if_any(runs, "limits", "tcp", 1, "get", size)
         for name in ("store tcp x4", "store tcp x1"):
-            x = med(runs, "systems", name, "get", size)
+            x = across_runs_if_any(runs, "systems", name, "get", size)
             if x is None or raw is None or not raw[0]:
                 continue
             out.append(
@@ -568,22 +555,22 @@ def verdicts(runs: list[dict[str, Any]], systems: list[str]) -> list[str]:
             f"{name.removeprefix('store ')} get_many_into {BATCH_KEYS} x 64 KiB ≥ {BATCH_VS_MOONCAKE}x "
             "Mooncake's batch_get_into"
         )
-        gm = med(runs, "systems", name, "batch", "get_many_gbps")
-        mc = med(runs, "systems", "mooncake tcp", "batch", "get_many_gbps")
+        gm = across_runs_if_any(runs, "systems", name, "batch", "get_many_gbps")
+        mc = across_runs_if_any(runs, "systems", "mooncake tcp", "batch", "get_many_gbps")
         if gm is None or mc is None or not has_mc:
             out.append(f"{what}: {no_mc}")
         else:
             out.append(f"{what}: {gm[0] / mc[0]:.2f}x -> {mark(gm[0] >= BATCH_VS_MOONCAKE * mc[0])}")
     for name in ("store shm", "store tcp x4"):
         what = f"{name.removeprefix('store ')} 4 KiB get p50 no worse than Mooncake's remote get"
-        p50 = med(runs, "systems", name, "lat", "p50_us")
-        mc = med(runs, "systems", "mooncake tcp", "lat", "p50_us")
+        p50 = across_runs_if_any(runs, "systems", name, "lat", "p50_us")
+        mc = across_runs_if_any(runs, "systems", "mooncake tcp", "lat", "p50_us")
         if p50 is None or mc is None or not has_mc:
             out.append(f"{what}: {no_mc}")
         else:
             out.append(f"{what}: {p50[0]:.0f} vs {mc[0]:.0f} µs ({p50[0] / mc[0]:.2f}x) -> {mark(p50[0] <= mc[0])}")
-    idx = med(runs, "prefix", EXIST_KEYS, "index_p50_us")
-    whole = med(runs, "prefix", EXIST_KEYS, "match_p50_us")
+    idx = across_runs_if_any(runs, "prefix", EXIST_KEYS, "index_p50_us")
+    whole = across_runs_if_any(runs, "prefix", EXIST_KEYS, "match_p50_us")
     if idx is not None and whole is not None:
         out.append(
             f"prefix match of {EXIST_KEYS} chunks < {MATCH_TARGET_US / 1000:.0f} ms p50: index call (keys given) "
@@ -609,7 +596,7 @@ def chart(runs: list[dict[str, Any]], sizes: tuple[int, ...], path: Path) -> str
         series = [("memcpy", ("limits", "memcpy", "cold")), ("raw TCP", ("limits", "tcp", 1, op))]
         series += [(name, ("systems", name, op)) for name in systems]
         for k, (label, path_) in enumerate(series):
-            vals = [(med(runs, *path_, s) or (0.0, 0.0, 0.0)) for s in sizes]
+            vals = [(across_runs_if_any(runs, *path_, s) or (0.0, 0.0, 0.0)) for s in sizes]
             ax.bar(
                 xs + k * width,
                 [v[0] for v in vals],

@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     GB,
     MiB,
+    across_runs,
     emit_report,
     markdown_table,
     merge_raw_tcp,
@@ -78,6 +79,7 @@ from benchlib import (
     raw_tcp_spread,
     run_in_process,
     size_label,
+    spread_cell,
     stop_process,
 )
 
@@ -645,27 +647,8 @@ def run_once(
     return out
 
 
-def med(runs: list[dict[str, Any]], *path: Any) -> float:
-    vals = []
-    for run in runs:
-        v: Any = run
-        for p in path:
-            v = v[p]
-        vals.append(float(v))
-    return statistics.median(vals)
-
-
 def fmt(runs: list[dict[str, Any]], *path: Any, digits: int = 2) -> str:
-    vals = []
-    for run in runs:
-        v: Any = run
-        for p in path:
-            v = v[p]
-        vals.append(float(v))
-    m = statistics.median(vals)
-    if len(vals) == 1:
-        return f"{m:.{digits}f}"
-    return f"{m:.{digits}f} ({min(vals):.{digits}f}–{max(vals):.{digits}f})"
+    return spread_cell(across_runs(runs, *path), len(runs), digits)
 
 
 def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, list[str]]:
@@ -690,8 +673,8 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
     )
     rows = []
     for size in SPILL_SIZES:
-        best_raw = max(med(runs, "spill", "raw_tcp", c, "put", size) for c in conns)
-        spill = med(runs, "spill", "cases", size, "spill_gbps")
+        best_raw = max(across_runs(runs, "spill", "raw_tcp", c, "put", size)[0] for c in conns)
+        spill = across_runs(runs, "spill", "cases", size, "spill_gbps")[0]
         ratio = spill / best_raw
         ok = ratio >= SPILL_TARGET
         # The typical raw figure behind the best trial: the better loop's median trial.
@@ -810,7 +793,7 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
         )
     )
     lines.append("")
-    k = {name: med(runs, "kernels", name) for name in runs[0]["kernels"]}
+    k = {name: across_runs(runs, "kernels", name)[0] for name in runs[0]["kernels"]}
     lines.append(
         "Shuffle kernels alone on the float16 KV chunks (GB/s): disk.py's strided uint8 transpose "
         f"shuffle_planes {k['shuffle_planes']:.2f}, unshuffle_planes {k['unshuffle_planes']:.2f}; the same "
@@ -822,13 +805,22 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
     for name in disk0:
         if disk0[name]["itemsize"] != 2:
             continue
-        r_off, r_on = med(runs, "disk", name, "off", "ratio"), med(runs, "disk", name, "on", "ratio")
-        w_off, w_on = med(runs, "disk", name, "off", "write_gbps"), med(runs, "disk", name, "on", "write_gbps")
-        rd_off, rd_on = med(runs, "disk", name, "off", "read_gbps"), med(runs, "disk", name, "on", "read_gbps")
+        r_off, r_on = (
+            across_runs(runs, "disk", name, "off", "ratio")[0],
+            across_runs(runs, "disk", name, "on", "ratio")[0],
+        )
+        w_off, w_on = (
+            across_runs(runs, "disk", name, "off", "write_gbps")[0],
+            across_runs(runs, "disk", name, "on", "write_gbps")[0],
+        )
+        rd_off, rd_on = (
+            across_runs(runs, "disk", name, "off", "read_gbps")[0],
+            across_runs(runs, "disk", name, "on", "read_gbps")[0],
+        )
         saved = 1 - r_off / r_on
         cheap = w_on >= 0.8 * w_off and rd_on >= 0.8 * rd_off
         # The unshuffle kernel's share of a shuffled decode: how much a faster kernel could win back.
-        dec_on = med(runs, "disk", name, "on", "decode_gbps")
+        dec_on = across_runs(runs, "disk", name, "on", "decode_gbps")[0]
         unshuffle_share = min(1.0, dec_on / k["unshuffle_planes"])
         if saved < 0.05:
             kind = "DROP (saves too little)" if name != "random" else "no gain (as expected)"

@@ -12,7 +12,6 @@ limit: memcpy of the same size for shm, single-connection raw TCP of the same si
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import (
     SIZES,
     MiB,
+    across_runs,
     emit_report,
     markdown_table,
     measure_limits,
@@ -31,6 +31,7 @@ from benchlib import (
     raw_tcp_worker,
     run_in_process,
     size_label,
+    spread_cell,
     store_worker,
 )
 
@@ -63,22 +64,6 @@ def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, batch: boo
     return {"limits": limits, "store": store}
 
 
-def median_of(runs: list[dict[str, Any]], path: tuple[Any, ...]) -> tuple[float, float, float]:
-    vals = []
-    for run in runs:
-        v: Any = run
-        for p in path:
-            v = v[p]
-        vals.append(float(v))
-    return statistics.median(vals), min(vals), max(vals)
-
-
-def fmt(med: float, lo: float, hi: float, nruns: int, digits: int = 2) -> str:
-    if nruns == 1:
-        return f"{med:.{digits}f}"
-    return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f})"
-
-
 def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, list[str]]:
     n = len(runs)
     lines: list[str] = []
@@ -87,12 +72,12 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
         rows.append(
             [
                 size_label(size),
-                fmt(*median_of(runs, ("limits", "memcpy", "hot", size)), n),
-                fmt(*median_of(runs, ("limits", "memcpy", "cold", size)), n),
-                fmt(*median_of(runs, ("limits", "tcp", 1, "get", size)), n),
-                fmt(*median_of(runs, ("limits", "tcp", 1, "put", size)), n),
-                fmt(*median_of(runs, ("limits", "tcp", 4, "get", size)), n),
-                fmt(*median_of(runs, ("limits", "tcp", 4, "put", size)), n),
+                spread_cell(across_runs(runs, "limits", "memcpy", "hot", size), n),
+                spread_cell(across_runs(runs, "limits", "memcpy", "cold", size), n),
+                spread_cell(across_runs(runs, "limits", "tcp", 1, "get", size), n),
+                spread_cell(across_runs(runs, "limits", "tcp", 1, "put", size), n),
+                spread_cell(across_runs(runs, "limits", "tcp", 4, "get", size), n),
+                spread_cell(across_runs(runs, "limits", "tcp", 4, "put", size), n),
             ]
         )
     lines.append("### Machine limits (GB/s" + (f", median (min–max) of {n} runs" if n > 1 else "") + ")\n")
@@ -124,11 +109,11 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
         transport = "shm" if case == "shm" else "tcp"
         for op in ("put", "get"):
             for size in sizes:
-                med, lo, hi = median_of(runs, ("store", case, op, size))
+                med, lo, hi = across_runs(runs, "store", case, op, size)
                 if transport == "shm":
-                    limit, limit_name = median_of(runs, ("limits", "memcpy", "cold", size))[0], "memcpy"
+                    limit, limit_name = across_runs(runs, "limits", "memcpy", "cold", size)[0], "memcpy"
                 else:
-                    limit, limit_name = median_of(runs, ("limits", "tcp", 1, op, size))[0], f"raw TCP {op} x1"
+                    limit, limit_name = across_runs(runs, "limits", "tcp", 1, op, size)[0], f"raw TCP {op} x1"
                 ratio = med / limit if limit else float("nan")
                 target = TARGETS.get((transport, op))
                 mark = ""
@@ -144,7 +129,7 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
                         case,
                         "get_into" if op == "get" else "put",
                         size_label(size),
-                        fmt(med, lo, hi, n),
+                        spread_cell((med, lo, hi), n),
                         limit_name,
                         f"{ratio:.2f}",
                         mark,
@@ -158,10 +143,10 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
         rows.append(
             [
                 case,
-                fmt(*median_of(runs, ("store", case, "lat", "p50_us")), n, 0),
-                fmt(*median_of(runs, ("store", case, "lat", "p99_us")), n, 0),
-                fmt(*median_of(runs, ("store", case, "lat", "put_p50_us")), n, 0),
-                fmt(*median_of(runs, ("store", case, "lat", "put_p99_us")), n, 0),
+                spread_cell(across_runs(runs, "store", case, "lat", "p50_us"), n, 0),
+                spread_cell(across_runs(runs, "store", case, "lat", "p99_us"), n, 0),
+                spread_cell(across_runs(runs, "store", case, "lat", "put_p50_us"), n, 0),
+                spread_cell(across_runs(runs, "store", case, "lat", "put_p99_us"), n, 0),
             ]
         )
     lines.append("### 4 KiB latency (µs)\n")
@@ -174,8 +159,8 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
             for size in sizes:
                 if size < 8 * MiB:
                     continue
-                one = median_of(runs, ("store", "tcp x1", op, size))[0]
-                four = median_of(runs, ("store", "tcp x4", op, size))[0]
+                one = across_runs(runs, "store", "tcp x1", op, size)[0]
+                four = across_runs(runs, "store", "tcp x4", op, size)[0]
                 parts.append(f"{op} {size_label(size)}: x1 {one:.2f} vs x4 {four:.2f} GB/s")
         lines.append("tcp_connections 1 vs 4 (objects above stripe_bytes=4 MiB are striped): " + "; ".join(parts))
     stalls = {

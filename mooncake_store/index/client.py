@@ -98,7 +98,8 @@ def connect_redis(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
     return client
 
 
-def _chunks(items: Sequence[Any], size: int = BATCH_LIMIT) -> Iterator[Sequence[Any]]:
+def in_batches(items: Sequence[Any], size: int = BATCH_LIMIT) -> Iterator[Sequence[Any]]:
+    """``items`` in runs of at most ``size``: one Lua call each."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
 
@@ -175,7 +176,7 @@ class RedisIndex:
 
     # ---- puts -----------------------------------------------------------------------------
     def put_start(self, puts: Sequence[PendingPut], *, ttl_ms: int) -> None:
-        for chunk in _chunks(puts):
+        for chunk in in_batches(puts):
             entries = [
                 {
                     "put_id": p.put_id,
@@ -194,12 +195,12 @@ class RedisIndex:
 
     def put_commit(self, put_ids: Sequence[str]) -> list[str]:
         out: list[str] = []
-        for chunk in _chunks(put_ids):
+        for chunk in in_batches(put_ids):
             out.extend(self._run("put_commit", *chunk))
         return out
 
     def put_revoke(self, put_ids: Sequence[str]) -> int:
-        return sum(int(self._run("put_revoke", *chunk)) for chunk in _chunks(put_ids)) if put_ids else 0
+        return sum(int(self._run("put_revoke", *chunk)) for chunk in in_batches(put_ids)) if put_ids else 0
 
     # ---- reads ----------------------------------------------------------------------------
     def lookup(self, keys: Sequence[str], *, lease_ms: int) -> LookupResult:
@@ -207,7 +208,7 @@ class RedisIndex:
         leases: list[int] = []
         now_ms = 0
         memo = self._decoded
-        for chunk in _chunks(keys):
+        for chunk in in_batches(keys):
             raw = self._run("lookup", lease_ms, *chunk)
             now_ms = int(raw[0])
             for key, item in zip(chunk, raw[1:], strict=True):
@@ -229,7 +230,7 @@ class RedisIndex:
 
     def remove(self, keys: Sequence[str]) -> list[int | str]:
         out: list[int | str] = []
-        for chunk in _chunks(keys):
+        for chunk in in_batches(keys):
             out.extend(self._run("remove", *chunk))
         return out
 
@@ -316,7 +317,7 @@ class RedisIndex:
         guard put id or "") on its own with move_replica's rules; a status per move ("OK", "GONE",
         "PINNED", "EXPIRED"), in order. One round trip per BATCH_LIMIT moves."""
         out: list[str] = []
-        for chunk in _chunks(moves):
+        for chunk in in_batches(moves):
             args: list[str] = []
             for key, old_alloc_id, new, guard in chunk:
                 args += (key, str(old_alloc_id), json.dumps(encode_replica(new)), guard)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_store.errors import InvalidValue
-from mooncake_store.index.client import RedisIndex
+from mooncake_store.index.client import RedisIndex, in_batches
 from mooncake_store.index.scripts import read_script
 
 SCRIPT_NAMES = (
@@ -32,8 +32,6 @@ SCRIPT_NAMES = (
 #: Longest chain one match call takes: 65,536 chunks of 256 tokens are 16M tokens. A call over
 #: that many keys would hold the server for tens of milliseconds.
 MAX_CHAIN_CHUNKS = 65_536
-#: Keys per call for the batch operations that are not a chain walk.
-BATCH_LIMIT = 4096
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,34 +72,17 @@ class PrefixIndex:
         """Pin (or renew) ``keys`` until now + ``lease_ms``; False where the object is gone."""
         if lease_ms <= 0:
             raise InvalidValue(f"pin lease must be > 0 ms, got {lease_ms}")
-        out: list[bool] = []
-        for start in range(0, len(keys), BATCH_LIMIT):
-            out.extend(
-                bool(x) for x in self._run("prefix_pin", pin_id, int(lease_ms), *keys[start : start + BATCH_LIMIT])
-            )
-        return out
+        return [bool(x) for batch in in_batches(keys) for x in self._run("prefix_pin", pin_id, int(lease_ms), *batch)]
 
     def unpin(self, keys: Sequence[str], *, pin_id: str) -> int:
-        return sum(
-            int(self._run("prefix_unpin", pin_id, *keys[start : start + BATCH_LIMIT]))
-            for start in range(0, len(keys), BATCH_LIMIT)
-        )
+        return sum(int(self._run("prefix_unpin", pin_id, *batch)) for batch in in_batches(keys))
 
     def refcounts(self, keys: Sequence[str]) -> list[int]:
-        out: list[int] = []
-        for start in range(0, len(keys), BATCH_LIMIT):
-            out.extend(int(x) for x in self._run("prefix_refcount", *keys[start : start + BATCH_LIMIT]))
-        return out
+        return [int(x) for batch in in_batches(keys) for x in self._run("prefix_refcount", *batch)]
 
     def claim(self, keys: Sequence[str], *, writer_id: str, ttl_ms: int) -> list[str]:
         """'HAVE', 'MINE' or 'BUSY' per key (see prefix_claim.lua)."""
-        out: list[str] = []
-        for start in range(0, len(keys), BATCH_LIMIT):
-            out.extend(self._run("prefix_claim", writer_id, int(ttl_ms), *keys[start : start + BATCH_LIMIT]))
-        return out
+        return [str(x) for batch in in_batches(keys) for x in self._run("prefix_claim", writer_id, int(ttl_ms), *batch)]
 
     def release(self, keys: Sequence[str], *, writer_id: str) -> int:
-        return sum(
-            int(self._run("prefix_release", writer_id, *keys[start : start + BATCH_LIMIT]))
-            for start in range(0, len(keys), BATCH_LIMIT)
-        )
+        return sum(int(self._run("prefix_release", writer_id, *batch)) for batch in in_batches(keys))

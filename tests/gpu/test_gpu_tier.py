@@ -197,9 +197,10 @@ def test_agent_in_the_client_process(cupy, make_inproc_agent, redis_url) -> None
 
 
 def test_cuda_torch_tensors_bfloat16_included(gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip(f"torch {torch.__version__} is a CPU build: no CUDA torch tensors to test")
+    import torch  # a test requirement: its absence is a failure, not a skip
+
+    if not torch.cuda.is_available():  # capability: this torch build cannot reach the device
+        pytest.skip(f"torch {torch.__version__} sees no CUDA device (a CPU build?): no CUDA tensors to test")
     client: Client = make_client(gpu_cluster)
     x = torch.randn(32, 256, device="cuda:0", dtype=torch.bfloat16)
     client.put("bf16", x)
