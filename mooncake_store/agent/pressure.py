@@ -32,6 +32,12 @@ log = logging.getLogger("mooncake.agent")
 SAMPLE = 256
 #: Passes in a row while each one still moves something.
 MAX_PASSES = 32
+#: After a pass that found nothing movable, granted reservations wake the loop again only after
+#: this long (or the interval, if shorter): a writer filling a node of pinned or leased objects
+#: costs the index at most one victim sample per retry, not one per put, and pins released
+#: meanwhile are acted on within it rather than at the next interval (a reservation that does
+#: not fit still wakes the loop at once).
+FRUITLESS_RETRY_S = 0.02
 #: Peers asked per victim in a pass: a peer that refuses is left out and the next one asked.
 PEER_TRIES = 3
 
@@ -73,7 +79,7 @@ class PressureManager:
 
     def wake(self) -> None:
         """A reservation took the tier past its high watermark. Right after a pass that found
-        nothing movable (everything hot or pinned), further wakes wait for the next interval: a
+        nothing movable (everything hot or pinned), further wakes wait FRUITLESS_RETRY_S: a
         writer filling such a node would otherwise cost the index a victim sample per put."""
         if time.monotonic() < self._fruitless_until:
             return
@@ -186,7 +192,7 @@ class PressureManager:
         else:
             with self._lock:  # nothing movable (all hot or pinned): no polling under the high mark
                 self._draining.discard(tier)
-            self._fruitless_until = time.monotonic() + agent.config.pressure_interval_s
+            self._fruitless_until = time.monotonic() + min(FRUITLESS_RETRY_S, agent.config.pressure_interval_s)
         return moved
 
     def _place(self, job: SpillJob, now_ms: int, state: _PassState, tier: TierKind) -> Move:

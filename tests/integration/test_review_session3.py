@@ -22,6 +22,7 @@ from helpers import wait_until
 
 from mooncake_store import connect
 from mooncake_store.agent import node as node_module
+from mooncake_store.agent import pressure as pressure_module
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK
@@ -447,11 +448,15 @@ def test_broken_spill_gives_back_the_batch_reserved_ahead(make_agent: Callable[.
         assert bytes(a.arena.view(replica.offset, size)) == bytes([i + 1]) * size
 
 
-def test_a_node_full_of_unmovable_objects_is_not_sampled_per_reservation(make_agent: Callable[..., Agent]) -> None:
+def test_a_node_full_of_unmovable_objects_is_not_sampled_per_reservation(
+    make_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Past its high watermark every granted reservation wakes the pressure loop. When the last pass
-    found nothing movable (all pinned here), wakes wait for the next interval instead of costing the
-    index a victim sample per put; a reservation that does not fit still wakes it at once."""
-    agent = make_agent(host_bytes=4 * MiB, high_watermark=0.5, low_watermark=0.25)
+    found nothing movable (all pinned here), wakes wait a short retry (FRUITLESS_RETRY_S) instead of
+    costing the index a victim sample per put; a reservation that does not fit still wakes it at once."""
+    retry_s = 0.3  # longer than the default, so that a slow moment here cannot end it early
+    monkeypatch.setattr(pressure_module, "FRUITLESS_RETRY_S", retry_s)
+    agent = make_agent(host_bytes=4 * MiB, high_watermark=0.5, low_watermark=0.25, pressure_interval_s=1.0)
     client = connect(agent.index.url, namespace=agent.namespace)
     try:
         now_ms = client.index.server_time_ms()
@@ -463,12 +468,12 @@ def test_a_node_full_of_unmovable_objects_is_not_sampled_per_reservation(make_ag
         assert pressure.relieve_host() == 0  # 75 % used, nothing movable
         pressure._wake.clear()
         pressure.wake()
-        assert not pressure._wake.is_set()  # within the interval after a fruitless pass
+        assert not pressure._wake.is_set()  # within the retry after a fruitless pass
         pressure.want_room(MiB)
         assert pressure._wake.is_set()  # a reservation that did not fit is never held back
         pressure._wake.clear()
-        time.sleep(agent.config.pressure_interval_s + 0.05)
+        time.sleep(retry_s + 0.05)  # well before the next interval
         pressure.wake()
-        assert pressure._wake.is_set()  # the next interval samples again (leases and pins run out)
+        assert pressure._wake.is_set()  # after the retry it samples again (pins released meanwhile)
     finally:
         client.close()
