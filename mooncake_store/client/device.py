@@ -23,6 +23,7 @@ import numpy as np
 from mooncake_store.client.buffers import BFLOAT16, check_dtype
 from mooncake_store.client.gets import LEASE_SAFETY
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
+from mooncake_store.policy.transport_choice import order_replicas
 from mooncake_store.tiers.gpu import GpuSegment, local_device
 from mooncake_store.tiers.gpu_arrays import describe_device_array, empty_device_array, host_pointer, memcpy
 from mooncake_store.transport.tcp import ReadRequest
@@ -63,11 +64,6 @@ def to_host(source: DeviceSource) -> Any:
 
         return torch.from_numpy(out.view(np.int16).reshape(source.shape)).view(torch.bfloat16)
     return out.view(np.dtype(source.dtype)).reshape(source.shape)
-
-
-def gpu_node(node: NodeInfo, host_id: str) -> bool:
-    """A same-host node whose GPU tier this process can open through its IPC handle."""
-    return node.host_id == host_id and "gpu_ipc" in node.labels and node.tier(TierKind.GPU) is not None
 
 
 class GpuSegments:
@@ -214,17 +210,18 @@ def _read_replica_to_device(
     if meta.size_bytes == 0:
         return None
     n = meta.size_bytes
-    ipc_allowed = TransportKind.SHM in client.transports  # CUDA IPC is the GPU tier's same-host path
-
-    def rank(replica: Replica) -> int:
-        node = nodes.get(replica.node_id)
-        if node is None:
-            return 9
-        if replica.tier == TierKind.GPU and ipc_allowed and gpu_node(node, client.host_id):
-            return 0  # device to device through the agent's IPC handle
-        if replica.tier == TierKind.HOST and client._use_shm(node):
-            return 1  # host to device straight from the agent's shared arena
-        return 2 + (replica.tier == TierKind.DISK)  # through the agent over TCP, then to the device
+    # Device to device through the agent's IPC handle first, then host to device straight from a
+    # same-host arena, then through the agent over TCP (DESIGN.md §4; a device destination implies
+    # CUDA here, so the IPC handle is usable).
+    ordered = order_replicas(
+        meta.replicas,
+        nodes,
+        allowed=client.transports,
+        host_id=client.host_id,
+        shm_names_reachable=client._gets._reachable_segments(nodes),
+        cuda_ipc=True,
+        to_device=True,
+    )
 
     def through_agent(node: NodeInfo, replica: Replica) -> None:
         staging = np.empty(n, dtype=np.uint8)
@@ -234,13 +231,9 @@ def _read_replica_to_device(
         memcpy(dest, host_pointer(memoryview(staging)), n, dest_device)
 
     errors = []
-    for replica in sorted(meta.replicas, key=rank):
-        node = nodes.get(replica.node_id)
-        if node is None:
-            continue
+    for replica, node, kind in ordered:
         try:
-            how = rank(replica)
-            if how == 0:
+            if kind == TransportKind.SHM and replica.tier == TierKind.GPU:
                 try:
                     client._gpu_segments().read(node, replica, dest, n)
                 except TransferError as exc:
@@ -248,7 +241,7 @@ def _read_replica_to_device(
                     # agent can still serve the replica device to host.
                     errors.append(f"{replica.node_id} via CUDA IPC: {exc}")
                     through_agent(node, replica)
-            elif how == 1:
+            elif kind == TransportKind.SHM:
                 seg = client._shm.segment(node.shm_name, client._arena_bytes(node))
                 view = seg.view(replica.offset, n)
                 try:

@@ -6,6 +6,7 @@ against the index for any read that outlived its lease (DESIGN.md §3.3)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -123,6 +124,30 @@ class GetPath:
                 retry.append(i)
         return retry, error
 
+    def _order(
+        self, replicas: Sequence[Replica], nodes: dict[str, NodeInfo], shm_reachable: set[str]
+    ) -> list[tuple[Replica, NodeInfo, TransportKind]]:
+        """order_replicas with what this client can do: its transports, the segments it can map,
+        and (asked only when a GPU replica is in question) whether it can use CUDA IPC."""
+        return order_replicas(
+            replicas,
+            nodes,
+            allowed=self.client.transports,
+            host_id=self.client.host_id,
+            shm_names_reachable=shm_reachable,
+            cuda_ipc=any(r.tier == TierKind.GPU for r in replicas) and self._cuda_usable(),
+        )
+
+    def _cuda_usable(self) -> bool:
+        """Whether this process can use CUDA, so copy a same-host agent's GPU replica through the
+        arena's IPC handle (one device-to-host copy instead of the agent's copy and a TCP
+        transfer). Asked once: it imports cupy."""
+        if self._cuda_here is None:
+            from mooncake_store.tiers.gpu_arrays import cuda_status  # imports cupy lazily
+
+            self._cuda_here = cuda_status(0)[0]
+        return self._cuda_here
+
     def _best_replica(
         self, meta: ObjectMeta, nodes: dict[str, NodeInfo]
     ) -> tuple[Replica, NodeInfo, TransportKind] | None:
@@ -135,23 +160,11 @@ class GetPath:
                 replica = meta.replicas[0]
                 route = memo[2].get((replica.node_id, replica.tier), False)
                 if route is False:
-                    first = order_replicas(
-                        (replica,),
-                        nodes,
-                        allowed=self.client.transports,
-                        host_id=self.client.host_id,
-                        shm_names_reachable=shm_reachable,
-                    )
+                    first = self._order((replica,), nodes, shm_reachable)
                     route = (first[0][1], first[0][2]) if first else None
                     memo[2][(replica.node_id, replica.tier)] = route
                 return None if route is None else (replica, route[0], route[1])
-        ordered = order_replicas(
-            meta.replicas,
-            nodes,
-            allowed=self.client.transports,
-            host_id=self.client.host_id,
-            shm_names_reachable=shm_reachable,
-        )
+        ordered = self._order(meta.replicas, nodes, shm_reachable)
         return ordered[0] if ordered else None
 
     def _reachable_segments(self, nodes: dict[str, NodeInfo]) -> set[str]:
@@ -177,21 +190,6 @@ class GetPath:
         self.client._tcp.peer(node.tcp_endpoint).read_many(
             [ReadRequest(alloc_id=replica.alloc_id, offset=replica.offset, dest=dest)]
         )
-
-    def _gpu_ipc_reaches(self, node: NodeInfo) -> bool:
-        """Whether this process can copy a same-host agent's GPU replica straight into host memory
-        through the arena's CUDA IPC handle (a same-host path, allowed with shm): one device-to-host
-        copy instead of the agent's copy and a TCP transfer. Needs cupy and a device here."""
-        client = self.client
-        if TransportKind.SHM not in client.transports or node.host_id != client.host_id:
-            return False
-        if "gpu_ipc" not in node.labels:
-            return False
-        if self._cuda_here is None:
-            from mooncake_store.tiers.gpu_arrays import cuda_status  # imports cupy lazily
-
-            self._cuda_here = cuda_status(0)[0]
-        return self._cuda_here
 
     def _read_gpu_ipc(self, node: NodeInfo, replica: Replica, dest: memoryview) -> None:
         from mooncake_store.tiers.gpu_arrays import host_pointer
@@ -239,13 +237,7 @@ class GetPath:
             nodes = self.client._node_table(refresh=refresh_nodes)
             if any(r.node_id not in nodes for r in meta.replicas):
                 nodes = self.client._node_table(refresh=True)
-            ordered = order_replicas(
-                meta.replicas,
-                nodes,
-                allowed=self.client.transports,
-                host_id=self.client.host_id,
-                shm_names_reachable=self._reachable_segments(nodes),
-            )
+            ordered = self._order(meta.replicas, nodes, self._reachable_segments(nodes))
         if not ordered:
             raise TransferError(
                 f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches a replica of "
@@ -254,12 +246,12 @@ class GetPath:
         errors: list[str] = []
         for replica, node, kind in ordered:
             try:
-                if kind == TransportKind.SHM:
+                if kind == TransportKind.SHM and replica.tier == TierKind.GPU:
+                    self._read_gpu_ipc(node, replica, dest)
+                elif kind == TransportKind.SHM:
                     self.client._shm.read_into(node.shm_name, self.client._arena_bytes(node), replica.offset, dest)
                 elif replica.tier == TierKind.HOST:
                     self.client._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
-                elif replica.tier == TierKind.GPU and self._gpu_ipc_reaches(node):
-                    self._read_gpu_ipc(node, replica, dest)
                 else:
                     self._read_via_agent(node, replica, dest)
                 # Device puts record no checksum (0): hashing would cost a device-to-host copy.

@@ -29,6 +29,7 @@ from mooncake_store.errors import (
 )
 from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
+from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
@@ -111,7 +112,7 @@ class PutPath:
                     # told not to use shm stages device arrays to host memory instead.
                     nodes = self.client._node_table().values()
                     gpu_here = TransportKind.SHM in self.client.transports and any(
-                        device.gpu_node(n, self.client.host_id) for n in nodes
+                        gpu_ipc_node(n, self.client.host_id) for n in nodes
                     )
                 dev = device.as_device_source(value)
                 if gpu_here:
@@ -199,9 +200,7 @@ class PutPath:
     ) -> list[NodeInfo]:
         pool = list(nodes.values())
         if plan.tier == TierKind.GPU:
-            from mooncake_store.client.device import gpu_node
-
-            pool = [n for n in pool if gpu_node(n, self.client.host_id)]
+            pool = [n for n in pool if gpu_ipc_node(n, self.client.host_id)]
         return rank_nodes(
             pool,
             size_bytes=max(1, plan.size_bytes),

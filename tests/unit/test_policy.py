@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mooncake_store.errors import NoCapacity
@@ -102,6 +104,51 @@ def test_replicas_ordered_cheapest_first() -> None:
         reps, nodes, allowed=(TransportKind.SHM, TransportKind.TCP), host_id="h1", shm_names_reachable={"seg-same"}
     )
     assert [(r.node_id, k) for r, _, k in ordered] == [("same", TransportKind.SHM), ("other", TransportKind.TCP)]
+
+
+def gpu_node_on(host: str, node_id: str, *, ipc: bool = True) -> NodeInfo:
+    base = node(node_id, free=MiB, host=host)
+    tiers = (*base.tiers, TierUsage(tier=TierKind.GPU, capacity_bytes=MiB, used_bytes=0))
+    return dataclasses.replace(base, tiers=tiers, labels={"gpu_ipc": "00" * 64} if ipc else {})
+
+
+def test_gpu_replicas_take_cuda_ipc_only_on_the_same_host_with_cuda_and_shm_allowed() -> None:
+    """CUDA IPC is the GPU tier's same-host path: SHM for a GPU replica, when this process can use
+    CUDA and the node publishes a handle; otherwise its agent serves it over TCP."""
+    both = (TransportKind.SHM, TransportKind.TCP)
+    same, other, no_handle = gpu_node_on("h1", "g"), gpu_node_on("h2", "g2"), gpu_node_on("h1", "g3", ipc=False)
+    gpu = {"tier": TierKind.GPU, "host_id": "h1", "shm_reachable": True}
+    assert choose_transport(same, allowed=both, cuda_ipc=True, **gpu) == TransportKind.SHM  # type: ignore[arg-type]
+    assert choose_transport(same, allowed=both, cuda_ipc=False, **gpu) == TransportKind.TCP  # type: ignore[arg-type]
+    assert choose_transport(other, allowed=both, cuda_ipc=True, **gpu) == TransportKind.TCP  # type: ignore[arg-type]
+    assert choose_transport(no_handle, allowed=both, cuda_ipc=True, **gpu) == TransportKind.TCP  # type: ignore[arg-type]
+    tcp_only = (TransportKind.TCP,)
+    assert choose_transport(same, allowed=tcp_only, cuda_ipc=True, **gpu) == TransportKind.TCP  # type: ignore[arg-type]
+    # A disk replica is decoded by its agent, whatever the host.
+    disk = {"tier": TierKind.DISK, "host_id": "h1", "shm_reachable": True, "cuda_ipc": True}
+    assert choose_transport(same, allowed=both, **disk) == TransportKind.TCP  # type: ignore[arg-type]
+
+
+def test_replicas_ordered_by_path_then_by_tier_for_the_destination() -> None:
+    """A same-host copy beats any transfer through an agent; within one path, host memory is read
+    first into host buffers and GPU memory first into device buffers."""
+    nodes = {"g": gpu_node_on("h1", "g"), "far": gpu_node_on("h2", "far")}
+    reps = [
+        Replica(node_id="far", tier=TierKind.DISK, offset=0, size_bytes=1, alloc_id=1),
+        Replica(node_id="far", tier=TierKind.HOST, offset=0, size_bytes=1, alloc_id=2),
+        Replica(node_id="far", tier=TierKind.GPU, offset=0, size_bytes=1, alloc_id=3),
+        Replica(node_id="g", tier=TierKind.GPU, offset=0, size_bytes=1, alloc_id=4),
+        Replica(node_id="g", tier=TierKind.HOST, offset=0, size_bytes=1, alloc_id=5),
+    ]
+    kw = {"allowed": (TransportKind.SHM, TransportKind.TCP), "host_id": "h1", "shm_names_reachable": {"seg-g"}}
+    to_host = order_replicas(reps, nodes, cuda_ipc=True, **kw)  # type: ignore[arg-type]
+    assert [r.alloc_id for r, _, _ in to_host] == [5, 4, 2, 3, 1]
+    to_device = order_replicas(reps, nodes, cuda_ipc=True, to_device=True, **kw)  # type: ignore[arg-type]
+    assert [r.alloc_id for r, _, _ in to_device] == [4, 5, 3, 2, 1]
+    no_cuda = order_replicas(reps, nodes, cuda_ipc=False, **kw)  # type: ignore[arg-type]
+    # Without CUDA here the same-host GPU replica goes through its agent, after the remote host one.
+    assert [(r.alloc_id, k) for r, _, k in no_cuda][:2] == [(5, TransportKind.SHM), (2, TransportKind.TCP)]
+    assert {r.alloc_id: k for r, _, k in no_cuda}[4] == TransportKind.TCP
 
 
 def test_expired_reservations() -> None:
