@@ -7,6 +7,7 @@ module moves them."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,10 @@ class LocalMoves:
     def __init__(self, agent: Agent, count: Callable[[TierKind, str], None]) -> None:
         self.agent = agent
         self.count = count
+        #: Move targets kept because the index could not say whether a swap named them, by alloc
+        #: id: (key, tier). settle() asks again and frees those it does not name.
+        self._unsure: dict[int, tuple[str, TierKind]] = {}
+        self._lock = threading.Lock()
 
     def demote_to_disk(self, victim: EvictionCandidate, offset: int) -> bool:
         """Compress a host-tier object (at ``offset`` in the arena) into a chunk file of this agent's
@@ -52,10 +57,9 @@ class LocalMoves:
             )
         except MooncakeError:
             # Unknown whether the swap landed: keep the file if the index names it, else drop it.
-            swapped = self._index_names(victim.key, disk_id)
+            swapped = self._index_names(victim.key, disk_id, TierKind.DISK)
         if not swapped:
-            agent.disk_keys.pop(disk_id, None)
-            agent.disk.remove(disk_id)
+            self._drop_target(disk_id, TierKind.DISK)
             return False
         self.count(TierKind.HOST, "demotions")
         return True
@@ -75,21 +79,68 @@ class LocalMoves:
                 alloc_id=alloc_id,
             )
         except MooncakeError:
-            swapped = self._index_names(key, alloc_id)
+            swapped = self._index_names(key, alloc_id, TierKind.HOST)
         if not swapped:
-            agent.table.free([alloc_id])
+            self._drop_target(alloc_id, TierKind.HOST)
         return swapped
 
-    def _index_names(self, key: str, alloc_id: int) -> bool:
-        """Whether ``key`` lists this agent's ``alloc_id``; True when the index cannot say (a file
-        kept for nothing is a bounded leak, a file dropped under a live replica is lost data)."""
+    def _index_names(self, key: str, alloc_id: int, tier: TierKind) -> bool:
+        """Whether ``key`` lists this agent's ``alloc_id``. When the index cannot say, True, and
+        the target is remembered for settle(): dropping it under a live replica would lose data,
+        keeping it for nothing would leak it."""
+        named = self._ask_index(key, alloc_id)
+        if named is None:
+            with self._lock:
+                self._unsure[alloc_id] = (key, tier)
+            return True
+        return named
+
+    def _ask_index(self, key: str, alloc_id: int) -> bool | None:
+        """Whether ``key`` lists this agent's ``alloc_id``; None when the index cannot be asked."""
         try:
             meta = self.agent.index.lookup([key], lease_ms=0).objects[0]
         except MooncakeError:
-            return True
+            return None
         return meta is not None and any(
             r.node_id == self.agent.node_id and r.alloc_id == alloc_id for r in meta.replicas
         )
+
+    def _drop_target(self, alloc_id: int, tier: TierKind) -> None:
+        """Free a move's target that the index does not name: a chunk file, or a host block."""
+        agent = self.agent
+        if tier == TierKind.DISK:
+            agent.disk_keys.pop(alloc_id, None)
+            if agent.disk is not None:
+                agent.disk.remove(alloc_id)
+        else:
+            agent.table.free([alloc_id])
+
+    def settle(self) -> int:
+        """Ask the index again about targets kept while it could not answer; free those it does
+        not name (the swap did not land). Stops at the first question it cannot answer. Returns
+        how many were freed. The pressure loop calls this before each pass."""
+        with self._lock:
+            unsure = list(self._unsure.items())
+        if not unsure:
+            return 0
+        agent = self.agent
+        try:
+            # A swap that landed and whose object moved on since has put the target in the
+            # graveyard: the sync frees it once its read leases end, not this.
+            graves = set(agent.index.pending_graves(agent.node_id))
+        except MooncakeError:
+            return 0
+        freed = 0
+        for alloc_id, (key, tier) in unsure:
+            named = self._ask_index(key, alloc_id)
+            if named is None:
+                break  # still unreachable: next time
+            with self._lock:
+                self._unsure.pop(alloc_id, None)
+            if not named and alloc_id not in graves:
+                self._drop_target(alloc_id, tier)
+                freed += 1
+        return freed
 
     def _swap(
         self, key: str, *, old_alloc_id: int, node_id: str, tier: TierKind, offset: int, size_bytes: int, alloc_id: int

@@ -203,10 +203,12 @@ class Agent:
         if used > self.config.high_watermark * self.table.capacity_bytes:
             self.pressure.wake()  # move objects alongside the writer, not in bursts after refusals
 
-    def reclaim_now(self) -> None:
+    def reclaim_now(self, *, force: bool = False) -> None:
+        """Free what is due in the graveyard now, not at the next sync. ``force``: even right after
+        another reclaim (a pressure pass that just moved objects out wants their room at once)."""
         # A client hammering a full agent must not turn every refused RESERVE into a Redis call.
         now = time.monotonic()
-        if now - self._last_reclaim < RECLAIM_MIN_INTERVAL_S:
+        if not force and now - self._last_reclaim < RECLAIM_MIN_INTERVAL_S:
             return
         self._last_reclaim = now
         try:

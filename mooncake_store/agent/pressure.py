@@ -41,6 +41,9 @@ FRUITLESS_RETRY_S = 0.02
 #: Peers asked per victim in a pass: a peer that refuses is left out and the next one asked.
 PEER_TRIES = 3
 
+#: Locates a victim in its tier here (None: freed since the sample was taken).
+JobOf = Callable[[EvictionCandidate], SpillJob | None]
+
 
 @dataclass(slots=True)
 class _PassState:
@@ -98,6 +101,7 @@ class PressureManager:
             if stop.is_set():
                 return
             try:
+                self.moves.settle()
                 # Evicting a chain's last chunk makes its parent a leaf only then, so one sample can
                 # free little; sample again while passes make progress.
                 self.relieve_gpu()
@@ -112,28 +116,39 @@ class PressureManager:
 
     def relieve_host(self) -> int:
         """One pass over the host tier; returns the bytes moved away."""
-        agent = self.agent
-        used, _, largest_free, _ = agent.table.usage()
+        table = self.agent.table
         with self._lock:
             wanted, self._wanted_bytes = self._wanted_bytes, 0
-        if wanted and largest_free >= wanted:
-            wanted = 0  # freed meanwhile
-        need = self._need(TierKind.HOST, used, agent.table.capacity_bytes, wanted)
-        if wanted > largest_free:  # free space may be in pieces too small for the waiting reservation
-            need = max(need, wanted - largest_free)
-        if need <= 0:
+
+        def need_now(returning: int) -> int:
+            used, _, largest_free, _ = table.usage()
+            waiting = 0 if largest_free >= wanted else wanted  # 0: room for it appeared meanwhile
+            need = self._need(TierKind.HOST, used - returning, table.capacity_bytes, waiting)
+            # The free space may be in pieces too small for the waiting reservation.
+            return max(need, waiting - largest_free - returning) if waiting else need
+
+        return self._relieve(TierKind.HOST, need_now, self._host_job)
+
+    def _relieve(self, tier: TierKind, need_now: Callable[[int], int], job_of: JobOf) -> int:
+        """The pass shared by every tier: ``need_now(returning)`` is what must leave ``tier``, given
+        ``returning`` bytes of it that come back by themselves. Space of removed, replaced and moved
+        objects is freed once their read leases end: free what is due now, and do not move live
+        objects out for what is merely waiting."""
+        if need_now(0) <= 0:
             return 0
-        # Space of removed and replaced objects comes back by itself once their read leases end:
-        # free what is due now, and do not move live objects out for what is merely waiting.
-        agent.reclaim_now()
-        used, _, largest_free, _ = agent.table.usage()
-        returning = agent.table.bytes_of(agent.index.pending_graves(agent.node_id))
-        need = self._need(TierKind.HOST, used - returning, agent.table.capacity_bytes, wanted)
-        if wanted > largest_free + returning:  # the free space may be in pieces too small for it
-            need = max(need, wanted - largest_free - returning)
-        if need <= 0:
-            return 0
-        return self._walk(TierKind.HOST, need, self._host_job)
+        self.agent.reclaim_now()
+        need = need_now(self._returning(tier))
+        return self._walk(tier, need, job_of) if need > 0 else 0
+
+    def _returning(self, tier: TierKind) -> int:
+        """Bytes of ``tier`` held by this node's graveyard (still leased: freed when leases end)."""
+        agent = self.agent
+        graves = agent.index.pending_graves(agent.node_id)
+        if tier == TierKind.DISK:
+            disk = agent.disk
+            return sum(e.stored_bytes for g in graves if (e := disk.entry(g)) is not None) if disk is not None else 0
+        table = agent.gpu_table if tier == TierKind.GPU else agent.table
+        return table.bytes_of(graves) if table is not None else 0
 
     def _need(self, tier: TierKind, used: int, capacity: int, wanted: int = 0) -> int:
         """Bytes to move out of ``tier`` now. Past the high watermark a drain starts and goes on,
@@ -154,7 +169,7 @@ class PressureManager:
         location = self.agent.table.offset_of(victim.alloc_id)
         return SpillJob(victim=victim, offset=location[0]) if location is not None else None
 
-    def _walk(self, tier: TierKind, need: int, job_of: Callable[[EvictionCandidate], SpillJob | None]) -> int:
+    def _walk(self, tier: TierKind, need: int, job_of: JobOf) -> int:
         """Move the coldest movable objects of ``tier`` until ``need`` bytes are on their way out;
         returns the bytes moved. ``job_of`` locates a victim in the tier (None: freed since the
         sample was taken)."""
@@ -187,7 +202,7 @@ class PressureManager:
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
-            agent.reclaim_now()
+            agent.reclaim_now(force=True)
             self._fruitless_until = 0.0
         else:
             with self._lock:  # nothing movable (all hot or pinned): no polling under the high mark
@@ -245,7 +260,7 @@ class PressureManager:
         now_ms: int,
         state: _PassState,
         tier: TierKind,
-        job_of: Callable[[EvictionCandidate], SpillJob | None],
+        job_of: JobOf,
     ) -> int:
         """Send each peer its victims in batches. A peer that refuses (or breaks) is skipped for the
         rest of the pass and what it did not take is placed again: another peer, else demote or evict."""
@@ -290,18 +305,13 @@ class PressureManager:
         table = agent.gpu_table
         if table is None or agent.gpu is None:
             return 0
-        used, _, _, _ = table.usage()
         with self._lock:
             wanted, self._wanted_gpu_bytes = self._wanted_gpu_bytes, 0
-        need = self._need(TierKind.GPU, used, table.capacity_bytes, wanted)
-        if need <= 0:
-            return 0
-        # As relieve_host: blocks of removed, replaced or moved objects come back by themselves.
-        returning = table.bytes_of(agent.index.pending_graves(agent.node_id))
-        need = self._need(TierKind.GPU, used - returning, table.capacity_bytes, wanted)
-        if need <= 0:
-            return 0
-        return self._walk(TierKind.GPU, need, self._gpu_job)
+
+        def need_now(returning: int) -> int:
+            return self._need(TierKind.GPU, table.usage()[0] - returning, table.capacity_bytes, wanted)
+
+        return self._relieve(TierKind.GPU, need_now, self._gpu_job)
 
     def _gpu_job(self, victim: EvictionCandidate) -> SpillJob | None:
         table = self.agent.gpu_table
@@ -315,18 +325,11 @@ class PressureManager:
         disk = agent.disk
         if disk is None:
             return 0
-        need = self._need(TierKind.DISK, disk.used_bytes, disk.capacity_bytes)
-        if need <= 0:
-            return 0
-        # As relieve_host: files of removed, replaced or moved objects are freed by the next sync
-        # (or once their read leases end); do not move live objects out for them.
-        returning = sum(
-            e.stored_bytes for g in agent.index.pending_graves(agent.node_id) if (e := disk.entry(g)) is not None
-        )
-        need = self._need(TierKind.DISK, disk.used_bytes - returning, disk.capacity_bytes)
-        if need <= 0:
-            return 0
-        return self._walk(TierKind.DISK, need, self._disk_job)
+
+        def need_now(returning: int) -> int:
+            return self._need(TierKind.DISK, disk.used_bytes - returning, disk.capacity_bytes)
+
+        return self._relieve(TierKind.DISK, need_now, self._disk_job)
 
     def _disk_job(self, victim: EvictionCandidate) -> SpillJob | None:
         disk = self.agent.disk

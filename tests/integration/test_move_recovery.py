@@ -1,0 +1,83 @@
+"""A local move (demotion to disk) whose compare-and-swap fails with the index unreachable, and
+the lookup after it too: whether the swap landed is unknown, so the chunk file is kept (dropping
+it under a live replica would lose data). Once the index answers again, the pressure loop's
+settle() frees the file if the index does not name it, and keeps it if it does. The index's
+failures are injected on the agent's index client; the agent, its disk tier and the Redis server
+are real."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_store import connect
+from mooncake_store.agent.node import Agent
+from mooncake_store.errors import ConnectError
+from mooncake_store.types import TierKind
+
+MiB = 1 << 20
+
+
+def unreachable(*_args: object, **_kwargs: object) -> None:
+    raise ConnectError("index unreachable (injected)")
+
+
+@pytest.fixture
+def disk_agent(make_inproc_agent: Callable[..., Agent], tmp_path: Path) -> Agent:
+    return make_inproc_agent(host_bytes=8 * MiB, disk_path=str(tmp_path), disk_bytes=16 * MiB)
+
+
+def demote_with_index_down(agent: Agent, key: str, monkeypatch: pytest.MonkeyPatch, *, swap_lands: bool) -> int:
+    """Demote ``key`` to disk while the swap's answer is lost (after landing or not) and the lookup
+    that would tell fails; returns the chunk file's alloc id."""
+    (victim,) = [c for c in agent.index.victim_candidates(agent.node_id, "host") if c.key == key]
+    location = agent.table.offset_of(victim.alloc_id)
+    assert location is not None
+    real_swap = agent.index.move_replica
+    written: list[int] = []
+
+    def lost_answer(key: str, **kwargs: object) -> str:
+        written.append(kwargs["new"].alloc_id)  # type: ignore[attr-defined]
+        if swap_lands:
+            real_swap(key, **kwargs)  # type: ignore[arg-type]
+        raise ConnectError("connection lost before the answer (injected)")
+
+    monkeypatch.setattr(agent.index, "move_replica", lost_answer)
+    monkeypatch.setattr(agent.index, "lookup", unreachable)
+    assert agent.pressure.moves.demote_to_disk(victim, location[0]), "kept while the index cannot say"
+    (disk_id,) = written
+    assert agent.disk is not None and agent.disk.entry(disk_id) is not None
+    # Still unreachable: settle() keeps it for later.
+    assert agent.pressure.moves.settle() == 0 and agent.disk.entry(disk_id) is not None
+    monkeypatch.undo()
+    return disk_id
+
+
+@pytest.mark.parametrize("swap_lands", [False, True], ids=["swap-lost", "swap-landed"])
+def test_a_move_target_the_index_could_not_confirm_is_settled_later(
+    disk_agent: Agent, monkeypatch: pytest.MonkeyPatch, swap_lands: bool
+) -> None:
+    key = f"unsure-{uuid.uuid4().hex[:6]}"
+    value = np.arange(MiB // 2, dtype=np.float16)
+    with connect(disk_agent.index.url, namespace=disk_agent.namespace) as client:
+        client.put(key, value, preferred_node=disk_agent.node_id)
+        disk_id = demote_with_index_down(disk_agent, key, monkeypatch, swap_lands=swap_lands)
+        disk = disk_agent.disk
+        assert disk is not None
+        path = disk.path_of(disk_id)
+        assert path.exists()
+        freed = disk_agent.pressure.moves.settle()
+        tiers = [r.tier for r in client.object_meta(key).replicas]  # type: ignore[union-attr]
+        if swap_lands:
+            assert freed == 0 and path.exists() and disk_id in disk_agent.disk_keys
+            assert tiers == [TierKind.DISK]
+        else:
+            assert freed == 1 and not path.exists() and disk.entry(disk_id) is None
+            assert disk_id not in disk_agent.disk_keys
+            assert tiers == [TierKind.HOST]
+        assert disk_agent.pressure.moves.settle() == 0  # nothing left to ask about
+        np.testing.assert_array_equal(client.get(key), value)
