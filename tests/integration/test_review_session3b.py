@@ -162,7 +162,12 @@ def test_stop_wakes_every_connection_thread_idle_or_mid_request(make_inproc_agen
         assert all(not t.is_alive() for t in threads), "a connection thread outlived stop()"
         assert time.monotonic() - started < 3
         for sock in socks:
-            assert sock.recv(1) == b""
+            # Closed: a FIN, or a reset where the server closed with the half header unread (stop()
+            # may come before that connection's thread reaches its recv).
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                assert sock is socks[2]
     finally:
         for sock in socks:
             sock.close()
