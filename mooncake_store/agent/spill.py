@@ -136,25 +136,36 @@ class Spiller:
         try:
             if batches:
                 ahead = self._reserver.submit(self._reserve, peer_node, batches[0], tier)
-            for i, batch in enumerate(batches):
+            for i in range(len(batches)):
                 assert ahead is not None
                 reserved = ahead.result()
                 ahead = None
-                if reserved is not None and i + 1 < len(batches):
-                    ahead = self._reserver.submit(self._reserve, peer_node, batches[i + 1], tier)
-                rest = [job for later in batches[i + 1 :] for job in later]
                 if reserved is None:
-                    result.refused, result.unsent = True, batch + rest
+                    result.refused = True
+                    result.unsent = [job for rest in batches[i:] for job in rest]
                     break
-                if not reserved.batch:
-                    continue  # nothing in it could be read: it stays where it is
-                written, broken = self._send(peer_node, reserved, tier)
-                swaps.append(
-                    self._swapper.submit(self._swap, peer_node, reserved.batch, reserved.reservations, written, tier)
-                )
+                try:
+                    if i + 1 < len(batches):
+                        ahead = self._reserver.submit(self._reserve, peer_node, batches[i + 1], tier)
+                    if not reserved.batch:
+                        continue  # nothing in it could be read: it stays where it is
+                    written, broken = self._send(peer_node, reserved, tier)
+                    swaps.append(
+                        self._swapper.submit(
+                            self._swap, peer_node, reserved.batch, reserved.reservations, written, tier
+                        )
+                    )
+                except BaseException:
+                    # Not a transfer error (those come back as ``broken``): a bug, or the agent
+                    # closing the spiller mid-batch (no more work can be scheduled). The batch's
+                    # room on the peer goes back now, not when it times out there.
+                    if reserved.reservations:
+                        self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
+                    raise
                 if broken:
                     unwritten = [job for job, ok in zip(reserved.batch, written, strict=True) if not ok]
-                    result.refused, result.unsent = True, unwritten + rest
+                    result.refused = True
+                    result.unsent = unwritten + [job for rest in batches[i + 1 :] for job in rest]
                     break
         finally:
             if ahead is not None:

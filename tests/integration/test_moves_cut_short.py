@@ -1,9 +1,13 @@
-"""A local move (demotion to disk) whose compare-and-swap fails with the index unreachable, and
-the lookup after it too: whether the swap landed is unknown, so the chunk file is kept (dropping
-it under a live replica would lose data). Once the index answers again, the pressure loop's
-settle() frees the file if the index does not name it, and keeps it if it does. The index's
-failures are injected on the agent's index client; the agent, its disk tier and the Redis server
-are real."""
+"""Moves cut short, and what they leave behind.
+
+A local move (demotion to disk) whose compare-and-swap fails with the index unreachable, and the
+lookup after it too: whether the swap landed is unknown, so the chunk file is kept (dropping it
+under a live replica would lose data). Once the index answers again, the pressure loop's settle()
+frees the file if the index does not name it, and keeps it if it does. The index's failures are
+injected on the agent's index client; the agent, its disk tier and the Redis server are real.
+
+A spill whose spiller is closed while a batch is on the wire (the agent stopping): the batch's
+reservations on the peer are given back at once rather than when they time out there."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import pytest
 
 from mooncake_store import connect
 from mooncake_store.agent.node import Agent
+from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import ConnectError
 from mooncake_store.types import TierKind
 
@@ -81,3 +86,34 @@ def test_a_move_target_the_index_could_not_confirm_is_settled_later(
             assert tiers == [TierKind.HOST]
         assert disk_agent.pressure.moves.settle() == 0  # nothing left to ask about
         np.testing.assert_array_equal(client.get(key), value)
+
+
+def test_a_spill_cut_short_by_close_gives_the_peers_room_back(make_inproc_agent: Callable[..., Agent]) -> None:
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    # A long reservation timeout: anything still reserved on B at the end was not given back.
+    a = make_inproc_agent(namespace=namespace, host_bytes=8 * MiB, reserve_timeout_s=600.0, spill_to_peers=True)
+    b = make_inproc_agent(namespace=namespace, host_bytes=8 * MiB, reserve_timeout_s=600.0)
+    keys = [f"cut-{i}" for i in range(4)]
+    with connect(a.index.url, namespace=namespace) as client:
+        for i, key in enumerate(keys):
+            client.put(key, np.full(256 * 1024, i + 1, np.uint8), preferred_node=a.node_id)
+        victims = [c for c in a.index.victim_candidates(a.node_id, "host") if c.key in keys]
+        jobs = []
+        for victim in victims:
+            location = a.table.offset_of(victim.alloc_id)
+            assert location is not None
+            jobs.append(SpillJob(victim=victim, offset=location[0]))
+        spiller = Spiller(a)
+        # What close() does to the swap thread, as if it came while the batch was being written:
+        # the bytes reach B, but no swap can be scheduled for them.
+        spiller._swapper.shutdown(wait=True)
+        try:
+            with pytest.raises(RuntimeError, match="shutdown"):
+                spiller.spill(a.index.nodes()[b.node_id], jobs)
+        finally:
+            spiller.close()
+        b.sync_once()  # what B's next sync does: free the reservations expired by the FREE frame
+        assert len(b.table) == 0 and not b.table.reserved_deadlines(), "the cut batch still holds room on B"
+        for i, key in enumerate(keys):  # nothing moved: every object still on A, byte-exact
+            assert [r.node_id for r in client.object_meta(key).replicas] == [a.node_id]  # type: ignore[union-attr]
+            np.testing.assert_array_equal(client.get(key), np.full(256 * 1024, i + 1, np.uint8))
