@@ -96,13 +96,15 @@ class LocalMoves:
         return named
 
     def _ask_index(self, key: str, alloc_id: int) -> bool | None:
-        """Whether ``key`` lists this agent's ``alloc_id``; None when the index cannot be asked."""
+        """Whether ``key`` lists this agent's ``alloc_id``; None when the index cannot be asked.
+        The record itself, not a lookup: a lookup leaves out nodes past their heartbeat deadline,
+        which this one may be right after the outage that made the question necessary."""
         try:
-            meta = self.agent.index.lookup([key], lease_ms=0).objects[0]
+            replicas = self.agent.index.replicas_listed(key)
         except MooncakeError:
             return None
-        return meta is not None and any(
-            r.node_id == self.agent.node_id and r.alloc_id == alloc_id for r in meta.replicas
+        return replicas is not None and any(
+            r.node_id == self.agent.node_id and r.alloc_id == alloc_id for r in replicas
         )
 
     def _drop_target(self, alloc_id: int, tier: TierKind) -> None:
@@ -121,23 +123,29 @@ class LocalMoves:
         how many were freed. The pressure loop calls this before each pass."""
         with self._lock:
             unsure = list(self._unsure.items())
-        if not unsure:
-            return 0
-        agent = self.agent
-        try:
-            # A swap that landed and whose object moved on since has put the target in the
-            # graveyard: the sync frees it once its read leases end, not this.
-            graves = set(agent.index.pending_graves(agent.node_id))
-        except MooncakeError:
-            return 0
-        freed = 0
+        # The questions first, then the graveyard: a target the index no longer names was either
+        # never swapped in, or swapped in and buried since (a remove or a replace, perhaps under
+        # a reader's lease); asked in this order, a burial between the two reads is seen.
+        answers: list[tuple[int, TierKind, bool]] = []
         for alloc_id, (key, tier) in unsure:
             named = self._ask_index(key, alloc_id)
             if named is None:
                 break  # still unreachable: next time
+            answers.append((alloc_id, tier, named))
+        if not answers:
+            return 0
+        agent = self.agent
+        try:
+            buried = agent.index.buried(agent.node_id, [a for a, _, named in answers if not named])
+        except MooncakeError:
+            return 0
+        freed = 0
+        for alloc_id, tier, named in answers:
             with self._lock:
                 self._unsure.pop(alloc_id, None)
-            if not named and alloc_id not in graves:
+            # Named: an object's replica like any other. Buried: the sync frees it once its read
+            # leases end. Neither: the swap never landed, and nothing else will free it.
+            if not named and alloc_id not in buried:
                 self._drop_target(alloc_id, tier)
                 freed += 1
         return freed

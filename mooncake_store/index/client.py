@@ -14,6 +14,7 @@ from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index.schema import (
     decode_node,
     decode_object,
+    decode_replicas,
     encode_node,
     encode_replica,
     encode_shape,
@@ -296,6 +297,27 @@ class RedisIndex:
             return [int(a) for a in self.redis.zrange(self.prefix + "gc:" + node_id, 0, limit - 1)]
         except redis.RedisError as exc:
             raise ConnectError(f"cannot read the graveyard of {node_id} from {self.url}: {exc}") from None
+
+    def replicas_listed(self, key: str) -> tuple[Replica, ...] | None:
+        """Every replica ``key``'s record lists, on live nodes or not (lookup leaves out nodes past
+        their heartbeat deadline); None when there is no such object. For an agent asking whether
+        the index names one of its own allocations: after an outage its own heartbeat may lag."""
+        try:
+            raw = self.redis.hget(self.prefix + "o:" + key, "replicas")
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the replicas of {key!r} from {self.url}: {exc}") from None
+        return None if raw is None else decode_replicas(raw)
+
+    def buried(self, node_id: str, alloc_ids: Sequence[int]) -> set[int]:
+        """Those of ``alloc_ids`` that are in the node's graveyard now (any number, unlike
+        pending_graves, which lists the earliest due)."""
+        if not alloc_ids:
+            return set()
+        try:
+            scores = self.redis.zmscore(self.prefix + "gc:" + node_id, [str(a) for a in alloc_ids])
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the graveyard of {node_id} from {self.url}: {exc}") from None
+        return {a for a, score in zip(alloc_ids, scores, strict=True) if score is not None}
 
     def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:
         """Compare-and-swap a replica's location; "OK", "GONE" or "PINNED"."""

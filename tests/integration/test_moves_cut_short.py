@@ -53,6 +53,7 @@ def demote_with_index_down(agent: Agent, key: str, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(agent.index, "move_replica", lost_answer)
     monkeypatch.setattr(agent.index, "lookup", unreachable)
+    monkeypatch.setattr(agent.index, "replicas_listed", unreachable)
     assert agent.pressure.moves.demote_to_disk(victim, location[0]), "kept while the index cannot say"
     (disk_id,) = written
     assert agent.disk is not None and agent.disk.entry(disk_id) is not None
