@@ -240,6 +240,8 @@ def _read_replica_to_device(
                     # The handle would not open here (no peer access, another container...): the
                     # agent can still serve the replica device to host.
                     errors.append(f"{replica.node_id} via CUDA IPC: {exc}")
+                    if TransportKind.TCP not in client.transports:
+                        raise  # no other way to this replica: the next one
                     through_agent(node, replica)
             elif kind == TransportKind.SHM:
                 seg = client._shm.segment(node.shm_name, client._arena_bytes(node))

@@ -13,7 +13,7 @@ import numpy as np
 
 from mooncake_store.client.puts import checksum_of
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
-from mooncake_store.policy.transport_choice import order_replicas
+from mooncake_store.policy.transport_choice import gpu_ipc_node, order_replicas
 from mooncake_store.transport.tcp import ReadRequest
 from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
 
@@ -135,7 +135,17 @@ class GetPath:
             allowed=self.client.transports,
             host_id=self.client.host_id,
             shm_names_reachable=shm_reachable,
-            cuda_ipc=any(r.tier == TierKind.GPU for r in replicas) and self._cuda_usable(),
+            cuda_ipc=self._ipc_in_question(replicas, nodes) and self._cuda_usable(),
+        )
+
+    def _ipc_in_question(self, replicas: Sequence[Replica], nodes: dict[str, NodeInfo]) -> bool:
+        """Whether CUDA IPC could reach one of ``replicas`` at all (shm allowed, a same-host GPU
+        replica with a handle): only then is CUDA probed, which imports cupy and starts the CUDA
+        runtime in this process."""
+        client = self.client
+        return TransportKind.SHM in client.transports and any(
+            r.tier == TierKind.GPU and (node := nodes.get(r.node_id)) is not None and gpu_ipc_node(node, client.host_id)
+            for r in replicas
         )
 
     def _cuda_usable(self) -> bool:
@@ -196,7 +206,11 @@ class GetPath:
 
         try:
             self.client._gpu_segments().read(node, replica, host_pointer(dest), len(dest))
-        except TransferError:  # the handle would not open here (remembered): through the agent
+        except TransferError:
+            # The handle would not open here (remembered): through the agent, if TCP is allowed;
+            # else the error sends _read_object on to the next replica.
+            if TransportKind.TCP not in self.client.transports:
+                raise
             self._read_via_agent(node, replica, dest)
 
     def outlived_lease(

@@ -13,8 +13,9 @@ from collections.abc import Iterable, Sequence
 from mooncake_store.types import TRANSPORT_ORDER, NodeInfo, Replica, TierKind, TransportKind
 
 #: Within one path, which tier is read first. Into host memory a GPU replica costs a device-to-host
-#: copy more than a host one; into device memory a GPU replica is a device-to-device copy, cheaper
-#: than a host-to-device one. A disk replica is decoded by its agent either way.
+#: copy more than a host one; into device memory, over the same-host path, a GPU replica is a
+#: device-to-device copy, cheaper than a host-to-device one (through an agent both arrive in host
+#: memory, so the host order holds). A disk replica is decoded by its agent either way.
 TIER_RANK_TO_HOST = {TierKind.HOST: 0, TierKind.GPU: 1, TierKind.DISK: 2}
 TIER_RANK_TO_DEVICE = {TierKind.GPU: 0, TierKind.HOST: 1, TierKind.DISK: 2}
 
@@ -66,7 +67,6 @@ def order_replicas(
     beats any transfer through an agent), then the cheaper tier for the destination (``to_device``:
     the reader wants the bytes in device memory). Replicas no allowed path reaches are left out."""
     allowed_t = tuple(allowed)
-    tier_rank = TIER_RANK_TO_DEVICE if to_device else TIER_RANK_TO_HOST
     out: list[tuple[int, Replica, NodeInfo, TransportKind]] = []
     for replica in replicas:
         node = nodes.get(replica.node_id)
@@ -81,6 +81,8 @@ def order_replicas(
             cuda_ipc=cuda_ipc,
         )
         if kind is not None:
-            out.append((TRANSPORT_ORDER.index(kind) * 10 + tier_rank[replica.tier], replica, node, kind))
+            device_copy = to_device and kind == TransportKind.SHM
+            tier_rank = (TIER_RANK_TO_DEVICE if device_copy else TIER_RANK_TO_HOST)[replica.tier]
+            out.append((TRANSPORT_ORDER.index(kind) * 10 + tier_rank, replica, node, kind))
     out.sort(key=lambda item: item[0])
     return [(r, n, k) for _, r, n, k in out]

@@ -131,7 +131,7 @@ def test_gpu_replicas_take_cuda_ipc_only_on_the_same_host_with_cuda_and_shm_allo
 
 def test_replicas_ordered_by_path_then_by_tier_for_the_destination() -> None:
     """A same-host copy beats any transfer through an agent; within one path, host memory is read
-    first into host buffers and GPU memory first into device buffers."""
+    first into host buffers, and GPU memory first into device buffers over the same-host path."""
     nodes = {"g": gpu_node_on("h1", "g"), "far": gpu_node_on("h2", "far")}
     reps = [
         Replica(node_id="far", tier=TierKind.DISK, offset=0, size_bytes=1, alloc_id=1),
@@ -144,7 +144,8 @@ def test_replicas_ordered_by_path_then_by_tier_for_the_destination() -> None:
     to_host = order_replicas(reps, nodes, cuda_ipc=True, **kw)  # type: ignore[arg-type]
     assert [r.alloc_id for r, _, _ in to_host] == [5, 4, 2, 3, 1]
     to_device = order_replicas(reps, nodes, cuda_ipc=True, to_device=True, **kw)  # type: ignore[arg-type]
-    assert [r.alloc_id for r, _, _ in to_device] == [4, 5, 3, 2, 1]
+    # Through an agent both land in host memory first: host before gpu there too.
+    assert [r.alloc_id for r, _, _ in to_device] == [4, 5, 2, 3, 1]
     no_cuda = order_replicas(reps, nodes, cuda_ipc=False, **kw)  # type: ignore[arg-type]
     # Without CUDA here the same-host GPU replica goes through its agent, after the remote host one.
     assert [(r.alloc_id, k) for r, _, k in no_cuda][:2] == [(5, TransportKind.SHM), (2, TransportKind.TCP)]
