@@ -159,6 +159,7 @@ class Spiller:
                     # Not a transfer error (those come back as ``broken``): a bug, or the agent
                     # closing the spiller mid-batch (no more work can be scheduled). The batch's
                     # room on the peer goes back now, not when it times out there.
+                    self._drop_payloads(reserved.batch)  # a GPU or disk batch's bytes, if still held
                     if reserved.reservations:
                         self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
                     raise
