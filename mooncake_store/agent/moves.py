@@ -85,10 +85,19 @@ class LocalMoves:
         return swapped
 
     def _index_names(self, key: str, alloc_id: int, tier: TierKind) -> bool:
-        """Whether ``key`` lists this agent's ``alloc_id``. When the index cannot say, True, and
-        the target is remembered for settle(): dropping it under a live replica would lose data,
-        keeping it for nothing would leak it."""
+        """Whether the move's target ``alloc_id`` must be kept: ``key`` lists it, or it is in this
+        node's graveyard (the sync frees it when its leases end). When the index cannot say, True,
+        and the target is remembered for settle(): dropping it under a live replica would lose
+        data, keeping it for nothing would leak it."""
         named = self._ask_index(key, alloc_id)
+        if named is False:
+            # The swap may have landed and the object been removed or replaced since, under a
+            # reader's lease on the new location: then the graveyard frees it, not this.
+            try:
+                if alloc_id in self.agent.index.buried(self.agent.node_id, [alloc_id]):
+                    return True
+            except MooncakeError:
+                named = None
         if named is None:
             with self._lock:
                 self._unsure[alloc_id] = (key, tier)

@@ -15,6 +15,7 @@ verify the checksum, so a corrupted file is an error, never wrong data.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import threading
@@ -31,6 +32,8 @@ HEADER = struct.Struct("<4sBBHQQQ")
 MAGIC = b"MCZ1"
 FLAG_SHUFFLED = 1
 SUFFIX = ".mcz"
+#: Held (flock) by the tier that owns the directory.
+LOCK_NAME = ".lock"
 
 
 class CorruptChunk(MooncakeError):
@@ -94,7 +97,27 @@ class DiskTier:
         self._raw = 0
         self._lock = threading.Lock()
         self._local = threading.local()  # zstd contexts are not thread-safe; one per thread
+        self._lock_fd = self._claim(self.root)
         self._clear_leftovers()
+
+    @staticmethod
+    def _claim(root: Path) -> int:
+        """An exclusive lock on the directory for this tier's lifetime (the kernel drops it when the
+        process dies). Without it a second agent started by mistake with a live agent's node id and
+        disk path would clear the live agent's chunk files as leftovers before the index refused it."""
+        try:
+            fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise MooncakeError(f"cannot open the disk tier's lock file in {root}: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise MooncakeError(
+                f"the disk tier directory {root} is in use by another agent (or another tier in this "
+                "process): each agent needs a disk directory of its own"
+            ) from None
+        return fd
 
     def _clear_leftovers(self) -> None:
         # Files from an earlier incarnation belong to replicas that the index no longer lists (a
@@ -287,3 +310,6 @@ class DiskTier:
         if remove_files:
             for alloc_id in list(self._entries):
                 self.remove(alloc_id)
+        if self._lock_fd >= 0:  # idempotent; the lock goes with the descriptor
+            os.close(self._lock_fd)
+            self._lock_fd = -1

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mooncake_store.errors import InvalidValue, NoCapacity
+from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
 from mooncake_store.tiers.disk import HEADER, CorruptChunk, DiskTier, shuffle_planes, unshuffle_planes
 
 
@@ -105,8 +105,19 @@ def test_leftovers_of_an_earlier_incarnation_are_cleared(tmp_path: Path) -> None
     tier = DiskTier(tmp_path, 1 << 20)
     tier.write(1, memoryview(b"old"))
     (tier.path_of(1).parent / "junk.tmp").write_bytes(b"half")
-    DiskTier(tmp_path, 1 << 20)
+    tier.close(remove_files=False)  # as a crashed agent leaves them (its lock went with it)
+    DiskTier(tmp_path, 1 << 20).close()
     assert not list(tmp_path.rglob("*.mcz")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_directory_in_use_is_refused_and_its_files_left_alone(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write(1, memoryview(b"live"))
+    with pytest.raises(MooncakeError, match="in use by another agent"):
+        DiskTier(tmp_path, 1 << 20)
+    assert tier.path_of(1).exists()
+    tier.close()
+    DiskTier(tmp_path, 1 << 20).close()  # free again once the owner closed it
 
 
 @pytest.mark.parametrize("size", [2, 4096, 1 << 20, 1001])
