@@ -78,6 +78,9 @@ class Agent:
             raise
         self._stop = threading.Event()
         self._sync_lock = threading.Lock()
+        #: Whether the last sync's reply arrived and was applied (agent_sync.lua keeps its acks and
+        #: graves until the next sync says so). True at start: nothing came before.
+        self._sync_applied = True
         self._last_reclaim = 0.0
         self._threads: list[threading.Thread] = []
         self.started_ms = int(time.time() * 1000)
@@ -390,7 +393,9 @@ class Agent:
         expired = expired_reservations(deadlines, time.monotonic())
         put_ids = [next((t.put_id_of(a) for t in tables if a in t), None) or b"" for a in expired]
         put_ids_hex = [p.hex() for p in put_ids]
-        result = self.index.agent_sync(self.node_id, expired_put_ids=put_ids_hex)
+        # Until this reply is applied, the index keeps what it carries for the next sync.
+        applied_last, self._sync_applied = self._sync_applied, False
+        result = self.index.agent_sync(self.node_id, expired_put_ids=put_ids_hex, applied_last=applied_last)
         plan = plan_sync(
             expired=expired,
             expired_status=result.expired_status,
@@ -407,3 +412,4 @@ class Agent:
                     self.disk_keys[alloc_id] = result.acked_keys[alloc_id]
         if plan.free:
             self.free_allocations(plan.free)
+        self._sync_applied = True

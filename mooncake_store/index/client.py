@@ -377,8 +377,15 @@ class RedisIndex:
     def reap_dead_nodes(self, *, grace_ms: int, max_keys: int = 5000) -> list[str]:
         return list(self._run("node_reap", grace_ms, max_keys))
 
-    def agent_sync(self, node_id: str, *, expired_put_ids: Sequence[str], max_graves: int = 1000) -> SyncResult:
-        acks, statuses, graves = self._run("agent_sync", node_id, max_graves, *expired_put_ids)
+    def agent_sync(
+        self, node_id: str, *, expired_put_ids: Sequence[str], applied_last: bool, max_graves: int = 1000
+    ) -> SyncResult:
+        """What happened to the node's memory since its last confirmed sync. ``applied_last``: the
+        agent received and applied the reply of its previous call; if not, that reply's acks and
+        graves come again (agent_sync.lua)."""
+        acks, statuses, graves = self._run(
+            "agent_sync", node_id, max_graves, "1" if applied_last else "0", *expired_put_ids
+        )
         acked: list[int] = []
         keys: dict[int, str] = {}
         for ack in acks:

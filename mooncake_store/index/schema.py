@@ -14,7 +14,9 @@ on Redis Cluster::
     mc:{ns}:hb             zset   node id -> heartbeat deadline ms
     mc:{ns}:nobj:<node>    set    keys with a replica on the node (reaping, per-node counts)
     mc:{ns}:acks:<node>    list   alloc ids committed since the agent's last sync
+    mc:{ns}:acksout:<node> list   acks the last sync delivered, until the agent confirms it applied them
     mc:{ns}:gc:<node>      zset   alloc id -> time after which the agent may free it
+    mc:{ns}:gcout:<node>   list   graves the last sync delivered, until the agent confirms them
     mc:{ns}:version        string object version counter
     mc:{ns}:stats          hash   hits, misses, evictions, hits:<node>:<tier>
 

@@ -35,7 +35,7 @@ def plan_sync(
     - A grave is freed if the agent still knows it (a grave for an unknown id was freed earlier).
     """
     # Every ack of an allocation the agent holds commits it, even one reserved after the sync took
-    # its snapshot: the ack is drained by this sync and will not come again.
+    # its snapshot (an ack may also come twice, after a lost reply: committing again is harmless).
     acked_set = set(acked) & set(known)
     commit = tuple(sorted(acked_set))
     free: list[int] = []

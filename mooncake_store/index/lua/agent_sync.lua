@@ -1,28 +1,48 @@
 -- agent_sync: one round trip in which an agent learns what happened to its memory.
 -- KEYS: none
--- ARGV: [1] prefix, [2] node id, [3] max graveyard entries, [4..n] put ids of reservations past
---       their deadline
+-- ARGV: [1] prefix, [2] node id, [3] max graveyard entries, [4] "1" if the agent applied the last
+--       reply it received (and received the last one it asked for), else "0", [5..n] put ids of
+--       reservations past their deadline
 -- Returns: {acks, statuses, graves}
---   acks:     alloc ids committed since the last sync (drained); a move onto this agent's disk
---             tier lists "<alloc id>\t<key>"
+--   acks:     alloc ids committed since the last confirmed sync; a move onto this agent's disk tier
+--             lists "<alloc id>\t<key>"
 --   statuses: one per expired put id: "R" the pending record was still there and is now revoked
 --             (free the space: a later commit fails with EXPIRED), "G" it was already gone
 --             (committed, and then listed in acks, or revoked by its writer)
 --   graves:   alloc ids whose objects were removed or replaced and whose leases have run out (free them)
+-- Acks and graves are delivered at least once: what a reply carries stays in acksout:/gcout: until
+-- the agent's next sync says it applied that reply. A reply lost on the way (the agent's call timed
+-- out while this script still ran, in a stall of the server) is carried again by the next one;
+-- dropped, its acks would let the agent free objects that the index names, its graves would leak.
+-- Applying an ack or a grave twice is harmless: alloc ids are never reused.
 local node = ARGV[2]
 local now = now_ms()
-local ak = P .. 'acks:' .. node
-local acks = redis.call('LRANGE', ak, 0, -1)
+local ak, gk = P .. 'acks:' .. node, P .. 'gc:' .. node
+local ako, gko = P .. 'acksout:' .. node, P .. 'gcout:' .. node
+if ARGV[4] == '1' then redis.call('DEL', ako, gko) end
+
+local function append(dst, items)
+  for i = 1, #items, 1000 do  -- unpack has a stack limit
+    redis.call('RPUSH', dst, unpack(items, i, math.min(i + 999, #items)))
+  end
+end
+
+append(ako, redis.call('LRANGE', ak, 0, -1))
 redis.call('DEL', ak)
 local statuses = {}
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   if redis.call('DEL', P .. 'pend:' .. ARGV[i]) == 1 then
     table.insert(statuses, 'R')
   else
     table.insert(statuses, 'G')
   end
 end
-local gk = P .. 'gc:' .. node
-local graves = redis.call('ZRANGEBYSCORE', gk, '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
-if #graves > 0 then redis.call('ZREM', gk, unpack(graves)) end
-return {acks, statuses, graves}
+local room = tonumber(ARGV[3]) - redis.call('LLEN', gko)
+if room > 0 then
+  local due = redis.call('ZRANGEBYSCORE', gk, '-inf', now, 'LIMIT', 0, room)
+  if #due > 0 then
+    redis.call('ZREM', gk, unpack(due))
+    append(gko, due)
+  end
+end
+return {redis.call('LRANGE', ako, 0, -1), statuses, redis.call('LRANGE', gko, 0, -1)}

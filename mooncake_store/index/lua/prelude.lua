@@ -91,7 +91,7 @@ local function purge_node(node, max_keys)
   end
   local left = redis.call('SCARD', nk)
   if left == 0 then
-    redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node)
+    redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node)
     redis.call('HDEL', P .. 'nodes', node)
     redis.call('ZREM', P .. 'hb', node)
   end
