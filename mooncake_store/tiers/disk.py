@@ -93,6 +93,7 @@ class DiskTier:
         self.level = level
         self.shuffle = shuffle
         self._entries: dict[int, DiskEntry] = {}
+        self._storing: set[int] = set()  # ids whose files are being written
         self._used = 0
         self._raw = 0
         self._lock = threading.Lock()
@@ -265,13 +266,17 @@ class DiskTier:
         self, alloc_id: int, blob: bytes | bytearray | memoryview, *, raw_bytes: int, checksum: int
     ) -> DiskEntry:
         with self._lock:
-            if alloc_id in self._entries:
+            # Two writes of one id at once (a peer sending two WRITEs into one disk reservation):
+            # the second is refused, or both would pass the check above and the first be answered
+            # OK while the file holds the second's bytes.
+            if alloc_id in self._entries or alloc_id in self._storing:
                 raise InvalidValue(f"disk allocation {alloc_id} already exists")
             if len(blob) > self.free_bytes:
                 raise NoCapacity(
                     f"need {len(blob)} B on disk; {self.free_bytes}/{self.capacity_bytes} B free in {self.root}"
                 )
             self._used += len(blob)  # claimed before the write so concurrent writers cannot overshoot
+            self._storing.add(alloc_id)
         path = self.path_of(alloc_id)
         tmp = path.with_suffix(".tmp")
         try:
@@ -285,9 +290,11 @@ class DiskTier:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self._used -= len(blob)
+                self._storing.discard(alloc_id)
             raise MooncakeError(f"cannot write {path}: {exc}") from None
         entry = DiskEntry(alloc_id=alloc_id, raw_bytes=raw_bytes, stored_bytes=len(blob), checksum=checksum)
         with self._lock:
+            self._storing.discard(alloc_id)
             self._entries[alloc_id] = entry
             self._raw += raw_bytes
         return entry

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -183,3 +185,34 @@ def test_a_frame_longer_than_its_header_says_is_corruption(tmp_path: Path) -> No
     short = HEADER.pack(b"MCZ1", 0, 1, 0, 120, 0, len(body)) + body
     with pytest.raises(CorruptChunk, match="decompressed to 100 B, header says 120 B"):
         tier.decode_into(short, memoryview(bytearray(120)), where="forged")
+
+
+def test_a_second_write_of_an_id_while_the_first_is_on_its_way_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two writers of one id at once (a peer sending two WRITEs into one disk reservation): the
+    second is refused while the first is still being written, and the file holds the first's bytes."""
+    tier = DiskTier(tmp_path, 1 << 20)
+    in_fsync, release = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        in_fsync.set()
+        assert release.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    first = threading.Thread(target=tier.write, args=(7, memoryview(b"first" * 100)))
+    first.start()
+    try:
+        assert in_fsync.wait(10)
+        with pytest.raises(InvalidValue, match="7 already exists"):
+            tier.write(7, memoryview(b"second" * 100))
+    finally:
+        release.set()
+        first.join(10)
+    out = bytearray(500)
+    tier.read_into(7, memoryview(out))
+    assert bytes(out) == b"first" * 100
+    assert tier.used_bytes == tier.entry(7).stored_bytes  # type: ignore[union-attr]
+    tier.close()
