@@ -124,6 +124,7 @@ class EvictionCandidate:
     dtype: str
     children: int = 0  # stored chunks whose chain parent this object is: evicting it would cut them off
     other_nodes: tuple[str, ...] = ()  # nodes holding its other replicas: never a spill target
+    chain_parent: str = ""  # key of the chunk before it in its prefix chain ("" for none)
 
 
 def check_key(key: object) -> str:

@@ -45,11 +45,23 @@ PEER_TRIES = 3
 JobOf = Callable[[EvictionCandidate], SpillJob | None]
 
 
+@dataclass(frozen=True, slots=True)
+class Returning:
+    """Bytes of a tier that the graveyard gives back by itself: all of them, and those due soon."""
+
+    all: int = 0
+    soon: int = 0
+
+
 @dataclass(slots=True)
 class _PassState:
     peers: list[NodeInfo]
     planned: dict[str, int] = field(default_factory=dict)
     refused: set[str] = field(default_factory=set)
+    #: Chunks of a chain evicted in this pass, by their parent's key: the sample's children counts
+    #: are that much too high, and a parent whose last child went is a leaf now (evict.lua still
+    #: checks atomically, so a count too low here cannot cut a chain).
+    children_gone: Counter[str] = field(default_factory=Counter)
 
 
 class PressureManager:
@@ -104,13 +116,10 @@ class PressureManager:
                 self.moves.settle()
                 # Evicting a chain's last chunk makes its parent a leaf only then, so one sample can
                 # free little; sample again while passes make progress.
-                self.relieve_gpu()
-                for _ in range(MAX_PASSES):
-                    if self.relieve_host() == 0:
-                        break
-                for _ in range(MAX_PASSES):
-                    if self.relieve_disk() == 0:
-                        break
+                for relieve in (self.relieve_gpu, self.relieve_host, self.relieve_disk):
+                    for _ in range(MAX_PASSES):
+                        if relieve() == 0:
+                            break
             except MooncakeError as exc:
                 log.warning("pressure pass failed: %s", exc)
 
@@ -120,35 +129,46 @@ class PressureManager:
         with self._lock:
             wanted, self._wanted_bytes = self._wanted_bytes, 0
 
-        def need_now(returning: int) -> int:
+        def need_now(returning: Returning) -> int:
             used, _, largest_free, _ = table.usage()
             waiting = 0 if largest_free >= wanted else wanted  # 0: room for it appeared meanwhile
-            need = self._need(TierKind.HOST, used - returning, table.capacity_bytes, waiting)
-            # The free space may be in pieces too small for the waiting reservation.
-            return max(need, waiting - largest_free - returning) if waiting else need
+            need = self._need(TierKind.HOST, used - returning.all, table.capacity_bytes, waiting)
+            # The free space may be in pieces too small for the waiting reservation. A writer waits
+            # a few seconds at most: only graves due by the next pass count as room for it (a long
+            # read lease on a removed object must not leave it waiting while others could move).
+            return max(need, waiting - largest_free - returning.soon) if waiting else need
 
         return self._relieve(TierKind.HOST, need_now, self._host_job)
 
-    def _relieve(self, tier: TierKind, need_now: Callable[[int], int], job_of: JobOf) -> int:
+    def _relieve(self, tier: TierKind, need_now: Callable[[Returning], int], job_of: JobOf) -> int:
         """The pass shared by every tier: ``need_now(returning)`` is what must leave ``tier``, given
         ``returning`` bytes of it that come back by themselves. Space of removed, replaced and moved
         objects is freed once their read leases end: free what is due now, and do not move live
         objects out for what is merely waiting."""
-        if need_now(0) <= 0:
+        if need_now(Returning()) <= 0:
             return 0
         self.agent.reclaim_now()
         need = need_now(self._returning(tier))
         return self._walk(tier, need, job_of) if need > 0 else 0
 
-    def _returning(self, tier: TierKind) -> int:
-        """Bytes of ``tier`` held by this node's graveyard (still leased: freed when leases end)."""
+    def _returning(self, tier: TierKind) -> Returning:
+        """Bytes of ``tier`` held by this node's graveyard (still leased: freed when leases end),
+        all of them and those due by the next pass."""
         agent = self.agent
-        graves = agent.index.pending_graves(agent.node_id)
+        now_ms, graves = agent.index.pending_graves(agent.node_id)
+        soon_ms = now_ms + int(1000 * agent.config.pressure_interval_s)
         if tier == TierKind.DISK:
             disk = agent.disk
-            return sum(e.stored_bytes for g in graves if (e := disk.entry(g)) is not None) if disk is not None else 0
-        table = agent.gpu_table if tier == TierKind.GPU else agent.table
-        return table.bytes_of(graves) if table is not None else 0
+
+            def size(ids: list[int]) -> int:
+                return sum(e.stored_bytes for g in ids if (e := disk.entry(g)) is not None) if disk else 0
+        else:
+            table = agent.gpu_table if tier == TierKind.GPU else agent.table
+
+            def size(ids: list[int]) -> int:
+                return table.bytes_of(ids) if table is not None else 0
+
+        return Returning(all=size([g for g, _ in graves]), soon=size([g for g, due in graves if due <= soon_ms]))
 
     def _need(self, tier: TierKind, used: int, capacity: int, wanted: int = 0) -> int:
         """Bytes to move out of ``tier`` now. Past the high watermark a drain starts and goes on,
@@ -196,7 +216,7 @@ class PressureManager:
                 spills.setdefault(move.node_id, []).append(job)
                 state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
                 planned += job.wire_bytes
-            elif self._demote_or_evict(job, move, tier):
+            elif self._demote_or_evict(job, move, tier, state):
                 moved += job.wire_bytes
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
         if moved:
@@ -244,15 +264,21 @@ class PressureManager:
             return max(0, int(agent.config.high_watermark * agent.table.capacity_bytes) - used)
         return 0
 
-    def _demote_or_evict(self, job: SpillJob, move: Move, tier: TierKind) -> bool:
+    def _demote_or_evict(self, job: SpillJob, move: Move, tier: TierKind, state: _PassState) -> bool:
+        victim = job.victim
         if move.kind == MoveKind.DEMOTE:
             demote = self.moves.demote_gpu if tier == TierKind.GPU else self.moves.demote_to_disk
-            if demote(job.victim, job.offset):
+            if demote(victim, job.offset):
                 return True
             # No block or file fits after all (the room was in pieces): as when there is no room.
-        if job.victim.children > 0:
+        last_replica = not victim.other_nodes
+        if last_replica and victim.children - state.children_gone[victim.key] > 0:
             return False  # evicting it would cut its chain's later chunks off from every match
-        return self.moves.evict(job.victim, tier)
+        if not self.moves.evict(victim, tier):
+            return False
+        if last_replica and victim.chain_parent:
+            state.children_gone[victim.chain_parent] += 1  # the object is gone: one child fewer
+        return True
 
     def _carry_out_spills(
         self,
@@ -291,7 +317,7 @@ class PressureManager:
                         state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
                         continue
                     move = Move(kind=MoveKind.EVICT)  # out of peers to ask: as when no peer has room
-                if self._demote_or_evict(job, move, tier):
+                if self._demote_or_evict(job, move, tier, state):
                     moved += job.wire_bytes
             if not spills:
                 break
@@ -308,8 +334,8 @@ class PressureManager:
         with self._lock:
             wanted, self._wanted_gpu_bytes = self._wanted_gpu_bytes, 0
 
-        def need_now(returning: int) -> int:
-            return self._need(TierKind.GPU, table.usage()[0] - returning, table.capacity_bytes, wanted)
+        def need_now(returning: Returning) -> int:
+            return self._need(TierKind.GPU, table.usage()[0] - returning.all, table.capacity_bytes, wanted)
 
         return self._relieve(TierKind.GPU, need_now, self._gpu_job)
 
@@ -326,8 +352,8 @@ class PressureManager:
         if disk is None:
             return 0
 
-        def need_now(returning: int) -> int:
-            return self._need(TierKind.DISK, disk.used_bytes - returning, disk.capacity_bytes)
+        def need_now(returning: Returning) -> int:
+            return self._need(TierKind.DISK, disk.used_bytes - returning.all, disk.capacity_bytes)
 
         return self._relieve(TierKind.DISK, need_now, self._disk_job)
 

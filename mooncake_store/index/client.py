@@ -287,16 +287,22 @@ class RedisIndex:
                 dtype=flat[i + 7],
                 children=int(flat[i + 8]),
                 other_nodes=tuple(n for n in str(flat[i + 9]).split(",") if n),
+                chain_parent=str(flat[i + 10]),
             )
-            for i in range(0, len(flat), 10)
+            for i in range(0, len(flat), 11)
         ]
 
-    def pending_graves(self, node_id: str, *, limit: int = 4096) -> list[int]:
-        """Alloc ids in the node's graveyard: removed or replaced, freed once their leases run out."""
+    def pending_graves(self, node_id: str, *, limit: int = 4096) -> tuple[int, list[tuple[int, int]]]:
+        """The node's graveyard, earliest due first: (server time ms, [(alloc id, due ms)]) of the
+        removed, replaced and moved objects' old locations, freed once their leases run out."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.prefix + "gc:" + node_id, 0, limit - 1, withscores=True)
         try:
-            return [int(a) for a in self.redis.zrange(self.prefix + "gc:" + node_id, 0, limit - 1)]
+            (seconds, micros), graves = pipe.execute()
         except redis.RedisError as exc:
             raise ConnectError(f"cannot read the graveyard of {node_id} from {self.url}: {exc}") from None
+        return int(seconds) * 1000 + int(micros) // 1000, [(int(a), int(due)) for a, due in graves]
 
     def replicas_listed(self, key: str) -> tuple[Replica, ...] | None:
         """Every replica ``key``'s record lists, on live nodes or not (lookup leaves out nodes past
@@ -347,7 +353,9 @@ class RedisIndex:
         return out
 
     def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
-        """Drop one replica (the object too if it was the last); "OK", "GONE" or "PINNED"."""
+        """Drop one replica (the object too if it was the last); "OK", "GONE", "PINNED", "LEASED"
+        (read since the sample that chose it) or "PARENT" (the last replica of a chunk that stored
+        chunks of its chain hang off)."""
         return str(self._run("evict", key, node_id, str(alloc_id)))
 
     # ---- node table -----------------------------------------------------------------------

@@ -2,9 +2,10 @@
 -- KEYS: none
 -- ARGV: [1] prefix, [2] key, [3] node, [4] alloc id
 -- Returns: "OK" (the replica is in its agent's graveyard; if it was the last one the object is
--- gone and counted in stats.evictions), "GONE" (no such replica any more), "PINNED", or "PARENT"
--- (its last replica, and stored chunks of its prefix chain hang off it: the sample that chose it
--- was stale).
+-- gone and counted in stats.evictions), "GONE" (no such replica any more), "PINNED", "LEASED" (a
+-- reader looked it up since the sample that chose it: it is hot, and a read lease is live), or
+-- "PARENT" (its last replica, and stored chunks of its prefix chain hang off it: the sample that
+-- chose it was stale).
 local key, node, alloc = ARGV[2], ARGV[3], ARGV[4]
 local ok = P .. 'o:' .. key
 local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
@@ -17,6 +18,7 @@ end
 if not found then return 'GONE' end
 if live_pins(key, now) > 0 then return 'PINNED' end
 if #keep == 0 and children_of(key) > 0 then return 'PARENT' end
+if tonumber(f[2] or 0) > now then return 'LEASED' end
 redis.call('ZADD', P .. 'gc:' .. node, math.max(now, tonumber(f[2] or 0)), alloc)
 local still_there = false
 for _, r in ipairs(keep) do if r[1] == node then still_there = true end end

@@ -1,9 +1,10 @@
 -- victims: a sample of the objects with a replica on one node's tier, with what eviction weighs.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] tier, [4] sample size
--- Returns: a flat list, 10 fields per candidate:
+-- Returns: a flat list, 11 fields per candidate:
 --   key, size, last_access ms, lease_until ms, live pins, alloc id, chain position (-1: none), dtype,
---   stored children in its prefix chain, the other nodes holding a replica (comma-separated)
+--   stored children in its prefix chain, the other nodes holding a replica (comma-separated), the
+--   key of its chain parent ("" for none)
 -- Sampling (SRANDMEMBER) bounds the work per call like Redis's own approximate LRU; the pure policy
 -- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
 -- count) so the policy, not this script, owns the rule.
@@ -12,7 +13,8 @@ local now = now_ms()
 local keys = redis.call('SRANDMEMBER', P .. 'nobj:' .. node, tonumber(ARGV[4]))
 local out = {}
 for _, key in ipairs(keys) do
-  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype')
+  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype',
+    'chain_parent')
   if f[1] then
     local reps = decode_list(f[4])
     local others = {}
@@ -32,6 +34,7 @@ for _, key in ipairs(keys) do
         table.insert(out, f[6] or '|u1')
         table.insert(out, children_of(key))
         table.insert(out, table.concat(others, ','))
+        table.insert(out, f[7] or '')
       end
     end
   end
