@@ -101,6 +101,12 @@ class PutPath:
     ) -> list[PlannedPut]:
         plans = []
         gpu_here: bool | None = None
+        for key, parent in (chain_parent or {}).items():
+            if parent == key:
+                # The key would count itself as a stored child and never be a leaf: never evictable.
+                raise InvalidValue(
+                    f"chain_parent of {key!r} names the key itself; a chunk's parent is the one before it"
+                )
         for key, value in items.items():
             check_key(key)
             tier = TierKind.HOST
@@ -196,21 +202,32 @@ class PutPath:
         *,
         now: int,
         preferred_node: str | None,
+        replicas: int,
         free_bytes: dict[str, int] | None = None,
     ) -> list[NodeInfo]:
+        """Nodes for the plan's replicas, best first. ``preferred_node`` takes the first replica
+        (and with one replica it is the only candidate: the put waits for its room); further
+        replicas go where the ranking puts them."""
         pool = list(nodes.values())
         if plan.tier == TierKind.GPU:
             pool = [n for n in pool if gpu_ipc_node(n, self.client.host_id)]
-        return rank_nodes(
-            pool,
-            size_bytes=max(1, plan.size_bytes),
-            now_ms=now,
-            host_id=self.client.host_id,
-            zone=self.client.zone,
-            tier=plan.tier,
-            preferred_node=preferred_node,
-            free_bytes=free_bytes,
-        )
+
+        def ranked(preferred: str | None) -> list[NodeInfo]:
+            return rank_nodes(
+                pool,
+                size_bytes=max(1, plan.size_bytes),
+                now_ms=now,
+                host_id=self.client.host_id,
+                zone=self.client.zone,
+                tier=plan.tier,
+                preferred_node=preferred,
+                free_bytes=free_bytes,
+            )
+
+        first = ranked(preferred_node)
+        if preferred_node is None or replicas == 1:
+            return first
+        return first + [n for n in ranked(None) if n.node_id != preferred_node]
 
     def _reserve(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> dict[str, NodeInfo]:
         """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier."""
@@ -225,7 +242,9 @@ class PutPath:
         groups: dict[tuple[str, TierKind], list[PlannedPut]] = {}
         for plan in plans:
             free = projected[plan.tier]
-            ranked = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, free_bytes=free)
+            ranked = self._candidates(
+                plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas, free_bytes=free
+            )
             for node in choose_replica_nodes(ranked, replicas):
                 free[node.node_id] = free.get(node.node_id, 0) - max(1, plan.size_bytes)
                 groups.setdefault((node.node_id, plan.tier), []).append(plan)
@@ -240,7 +259,7 @@ class PutPath:
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     if not isinstance(exc, NoCapacity):
                         client._tcp.drop_peer(node.tcp_endpoint)
-                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node)
+                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node, refusal=str(exc))
                     continue
                 for plan, res in zip(group, got, strict=True):
                     plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
@@ -256,15 +275,25 @@ class PutPath:
         failed_node: str,
         replicas: int,
         preferred_node: str | None,
+        *,
+        refusal: str,
     ) -> None:
-        """One object at a time on the remaining candidates, after a node turned a batch down."""
+        """One object at a time on the remaining candidates, after a node turned a batch down
+        (``refusal``: what it said). The preferred node's replica has no other candidate: NoCapacity,
+        and the put waits for that node to make room."""
         client = self.client
         now = client._server_now_ms()
+        if failed_node == preferred_node:
+            raise NoCapacity(
+                f"preferred_node {preferred_node!r} has no room for {len(group)} object(s) "
+                f"(first key {group[0].key!r}): {refusal}"
+            )
         for plan in group:
             # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
             taken = {r.node_id for r in plan.replicas} | plan.assigned | {failed_node}
-            errors: list[str] = []
-            for node in self._candidates(plan, nodes, now=now, preferred_node=preferred_node):
+            errors: list[str] = [refusal]
+            candidates = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas)
+            for node in candidates:
                 if node.node_id in taken:
                     continue
                 try:
@@ -279,8 +308,8 @@ class PutPath:
                 break
             else:
                 raise NoCapacity(
-                    f"no node could take {plan.size_bytes} B for key {plan.key!r} "
-                    f"(replicas={replicas}): " + "; ".join(errors or [f"node {failed_node} is full"])
+                    f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): "
+                    + "; ".join(errors)
                 )
 
     @staticmethod

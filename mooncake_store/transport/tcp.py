@@ -7,13 +7,14 @@ served by its own agent thread, which keeps both cores busy on a loopback peer.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from mooncake_store.errors import ConnectError, NoCapacity, ProtocolError, StaleLocation, TransferError
+from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity, ProtocolError, StaleLocation, TransferError
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
 
@@ -150,8 +151,16 @@ class PeerConnections:
             return [Reservation(offset=off, alloc_id=alloc) for off, alloc in frames.RESERVE_REPLY.iter_unpack(raw)]
 
         out: list[Reservation] = []
-        for start in range(0, len(requests), frames.MAX_BATCH):
-            out.extend(self._call(run_chunk, requests[start : start + frames.MAX_BATCH]))
+        try:
+            for start in range(0, len(requests), frames.MAX_BATCH):
+                out.extend(self._call(run_chunk, requests[start : start + frames.MAX_BATCH]))
+        except BaseException:
+            # All or nothing across frames too: what earlier frames got goes back now, or it
+            # would be held, in no caller's hands, until the agent's reservation timeout.
+            if out:
+                with contextlib.suppress(MooncakeError):
+                    self.free([r.alloc_id for r in out])
+            raise
         return out
 
     def free(self, alloc_ids: Sequence[int]) -> int:
