@@ -137,3 +137,9 @@ def test_closed_client_refuses(shared_cluster: LocalCluster) -> None:
     own.close()
     with pytest.raises(MooncakeError, match="closed"):
         own.get("x")
+
+
+def test_a_chunk_that_names_itself_as_its_chain_parent_is_refused(shared_client: Client) -> None:
+    with pytest.raises(InvalidValue, match="'self/0' names the key itself"):
+        shared_client.put_many({"self/0": b"x"}, chain_pos={"self/0": 0}, chain_parent={"self/0": "self/0"})
+    assert not shared_client.exists("self/0")
