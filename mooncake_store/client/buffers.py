@@ -93,12 +93,22 @@ def as_destination(out: object) -> memoryview:
     if _is_torch(out):
         array, _ = _torch_to_numpy(out)
         out = array
+    if isinstance(out, np.ndarray) and (
+        out.dtype.kind not in ALLOWED_KINDS or out.dtype.fields is not None or out.dtype.subdtype is not None
+    ):
+        # Raw bytes over Python object pointers (or a layout numpy will not export) is not a buffer.
+        raise InvalidValue(
+            f"out has dtype {out.dtype}; get_into writes raw bytes: pass a bool, int, uint, float or "
+            "complex array, or a bytearray"
+        )
     try:
         view = memoryview(out)  # type: ignore[arg-type]
-    except TypeError:
+    except (TypeError, ValueError) as exc:
         raise InvalidValue(
-            f"out must be a writable buffer (bytearray, numpy array, CPU torch tensor), got {type(out).__name__}"
+            f"out must be a writable buffer (bytearray, numpy array, CPU torch tensor), got {type(out).__name__}: {exc}"
         ) from None
+    if "O" in view.format:
+        raise InvalidValue(f"out ({type(out).__name__}) holds Python objects (buffer format {view.format!r})")
     if view.readonly:
         raise InvalidValue(f"out ({type(out).__name__}) is read-only")
     if not view.c_contiguous:

@@ -110,7 +110,11 @@ class GetPath:
             for endpoint, train in trains.items():
                 try:
                     self.client._tcp.peer(endpoint).read_many([request for _, _, request in train])
-                    for i, replica, _ in train:
+                    for i, replica, request in train:
+                        meta = by_index[i][0]
+                        if self._corrupt(meta, request.dest):
+                            singles.append((i, meta, request.dest, None))  # every replica, or the error
+                            continue
                         used[i] = replica
                 except (TransferError, ConnectError):
                     # Some object of the train moved or its agent failed: read those one by one,
@@ -213,6 +217,11 @@ class GetPath:
                 raise
             self._read_via_agent(node, replica, dest)
 
+    def _corrupt(self, meta: ObjectMeta, dest: memoryview) -> bool:
+        """With verify_checksum, whether the bytes read differ from what was put. Device puts
+        record no checksum (0): hashing would cost a device-to-host copy."""
+        return bool(self.client.config.verify_checksum and meta.checksum and checksum_of(dest) != meta.checksum)
+
     def outlived_lease(
         self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
     ) -> list[int]:
@@ -268,8 +277,7 @@ class GetPath:
                     self.client._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
                 else:
                     self._read_via_agent(node, replica, dest)
-                # Device puts record no checksum (0): hashing would cost a device-to-host copy.
-                if self.client.config.verify_checksum and meta.checksum and checksum_of(dest) != meta.checksum:
+                if self._corrupt(meta, dest):
                     raise TransferError(f"checksum mismatch reading {meta.key!r} from {node.node_id}")
                 return replica
             except (TransferError, ConnectError) as exc:
