@@ -45,6 +45,8 @@ Chunks = Sequence[object] | Callable[[int], object]
 #: Destination buffers for load(): a sequence (one per chunk, at least as many as match), or a
 #: function called with the number of matched chunks that returns that many buffers.
 Outs = Sequence[object] | Callable[[int], Sequence[object]]
+#: Upper bound of pin_lease_s and claim_ttl_s (about 115 days): a lease, not a forever.
+MAX_SECONDS = 10_000_000
 
 
 class PrefixHit:
@@ -58,6 +60,9 @@ class PrefixHit:
         self.num_chunks = len(keys)
         self.num_tokens = len(keys) * chunk_tokens
         self._released = not keys
+        #: Serialises release and the renewal of this hit's pins: a renewal that read the hit as
+        #: held must not pin it again after its release unpinned it.
+        self._pin_lock = threading.Lock()
 
     @property
     def released(self) -> bool:
@@ -65,10 +70,11 @@ class PrefixHit:
 
     def release(self) -> None:
         """Unpin the chunks (idempotent). ``chunks`` stay valid: they are the caller's memory."""
-        if self._released:
-            return
-        self._released = True
-        self._cache._release(self)
+        with self._pin_lock:
+            if self._released:
+                return
+            self._released = True
+            self._cache._release(self)
 
     def __enter__(self) -> PrefixHit:
         return self
@@ -102,8 +108,9 @@ class PrefixCache:
     ) -> None:
         if not isinstance(chunk_tokens, int) or not 1 <= chunk_tokens <= 1 << 20:
             raise InvalidValue(f"chunk_tokens must be an int in 1..{1 << 20}, got {chunk_tokens!r}")
-        if pin_lease_s <= 0 or claim_ttl_s <= 0:
-            raise InvalidValue(f"pin_lease_s and claim_ttl_s must be > 0, got {pin_lease_s} and {claim_ttl_s}")
+        for name, seconds in (("pin_lease_s", pin_lease_s), ("claim_ttl_s", claim_ttl_s)):
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= MAX_SECONDS:
+                raise InvalidValue(f"{name} must be a number of seconds in (0, {MAX_SECONDS}], got {seconds!r}")
         self.client = client
         self.namespace = check_namespace(namespace)
         self.chunk_tokens = chunk_tokens
@@ -165,8 +172,8 @@ class PrefixCache:
     def _limit(self, keys: list[str], max_tokens: int | None) -> list[str]:
         if max_tokens is None:
             return keys
-        if max_tokens < 0:
-            raise InvalidValue(f"max_tokens must be >= 0, got {max_tokens}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidValue(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         return keys[: max_tokens // self.chunk_tokens]
 
     # ---- store ------------------------------------------------------------------------------
@@ -263,12 +270,16 @@ class PrefixCache:
         try:
             self.client.get_many_into(keys, dests)
             return dests
+        except InvalidValue:
+            raise  # the caller's buffers are wrong (too small, bad dtype): an error, not a miss
         except MooncakeError:
             # Some chunk went away between match and read (a node died): keep the readable run.
             out: list[Any] = []
             for key, dest in zip(keys, dests, strict=True):
                 try:
                     self.client.get_into(key, dest)
+                except InvalidValue:
+                    raise
                 except MooncakeError:
                     break
                 out.append(dest)
@@ -297,7 +308,8 @@ class PrefixCache:
     def _release(self, hit: PrefixHit) -> None:
         with self._lock:
             self._held.pop(hit.pin_id, None)
-        if hit.keys and not self._closed:
+        # Even after close(): a load that raced it pinned its chunks, and the client is still open.
+        if hit.keys:
             try:
                 self.index.unpin(hit.keys, pin_id=hit.pin_id)
             except MooncakeError:
@@ -308,10 +320,13 @@ class PrefixCache:
             with self._lock:
                 hits = [h for h in self._held.values() if not h.released]
             for hit in hits:
-                try:
-                    self.index.pin(hit.keys, pin_id=hit.pin_id, lease_ms=self.pin_lease_ms)
-                except MooncakeError:
-                    pass  # Redis unreachable: the pins run out by their lease, as for a dead client
+                with hit._pin_lock:
+                    if hit.released:
+                        continue  # released since the list was taken: its pins must stay gone
+                    try:
+                        self.index.pin(hit.keys, pin_id=hit.pin_id, lease_ms=self.pin_lease_ms)
+                    except MooncakeError:
+                        pass  # Redis unreachable: the pins run out by their lease, as for a dead client
 
     # ---- life cycle -------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -31,6 +31,7 @@ The namespace must name the layout (model, dtype, layers, KV heads, head dim, TP
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from typing import Any
 
@@ -66,12 +67,29 @@ def kv_layout(model_or_config: Any) -> tuple[int, int, int]:
 
 def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -> str:
     """A PrefixCache namespace naming the model and its KV layout, e.g.
-    ``meta-llama/Llama-3-8B/bfloat16/L32/kv8/d128/tp0``."""
+    ``meta-llama/Llama-3-8B/bfloat16/L32/kv8/d128/tp0``. A model with neither ``model_id`` nor a
+    name (built from a config, weights loaded by hand) is named by its type and a digest of its
+    weights: two such models of one layout must not restore each other's KV caches."""
     cfg = _text_config(model)
-    name = model_id or getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model_type
+    name = model_id or getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not name:
+        name = f"{cfg.model_type}-{_weights_digest(model)}"
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
     layers, kv_heads, head_dim = kv_layout(model)
     return f"{name}/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
+
+
+def _weights_digest(model: Any, *, tensors: int = 4, values: int = 1024) -> str:
+    """A short digest of the first ``values`` values of the model's first ``tensors`` parameters
+    (cheap for any model size, and different for any two differently initialised or trained models)."""
+    digest = hashlib.blake2b(digest_size=6)
+    parameters = getattr(model, "parameters", None)
+    for i, param in enumerate(parameters() if callable(parameters) else ()):
+        if i >= tensors:
+            break
+        head = param.detach().reshape(-1)[:values].float().cpu().numpy()
+        digest.update(head.tobytes())
+    return digest.hexdigest()
 
 
 def cache_kwargs(model: Any, past: Any) -> dict[str, Any]:
