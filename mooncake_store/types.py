@@ -85,6 +85,24 @@ class TierUsage:
         return self.capacity_bytes - self.used_bytes
 
 
+#: Alloc ids carry, in bits 47..62, a tag of the agent incarnation that handed them out, which the
+#: agent also publishes in the node table: a client whose copy of the table predates a restart of
+#: the node (same node id, new arena) sees the replica's tag differ and re-reads the table instead
+#: of copying through the old arena's mapping. 47 bits leave 1.4e14 ids per incarnation.
+ALLOC_TAG_SHIFT = 47
+ALLOC_TAG_BITS = 16
+
+
+def alloc_tag_of(alloc_id: int) -> int:
+    return (alloc_id >> ALLOC_TAG_SHIFT) & ((1 << ALLOC_TAG_BITS) - 1)
+
+
+def stale_for(replica: Replica, node: NodeInfo | None) -> bool:
+    """Whether ``node`` (a client's copy of the node's row) predates the incarnation that holds
+    ``replica``: the table must be read again before the replica is reached."""
+    return node is not None and node.alloc_tag != 0 and alloc_tag_of(replica.alloc_id) != node.alloc_tag
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NodeInfo:
     """One row of the node table, as the agent publishes it."""
@@ -102,6 +120,9 @@ class NodeInfo:
     started_ms: int = 0
     last_heartbeat_ms: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    #: The tag this incarnation of the agent puts in every alloc id it hands out (see
+    #: alloc_tag_of); 0 when unknown.
+    alloc_tag: int = 0
 
     def tier(self, kind: TierKind) -> TierUsage | None:
         for usage in self.tiers:

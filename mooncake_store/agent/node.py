@@ -3,6 +3,7 @@ and runs the background duties (heartbeat, sync, reaping dead peers)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -26,7 +27,7 @@ from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.gpu import GpuArena
 from mooncake_store.tiers.host import HostArena, segment_name
 from mooncake_store.transport.shm import local_host_id
-from mooncake_store.types import NodeInfo, TierKind, TierUsage, TransportKind
+from mooncake_store.types import ALLOC_TAG_SHIFT, NodeInfo, TierKind, TierUsage, TransportKind
 
 log = logging.getLogger("mooncake.agent")
 
@@ -46,11 +47,23 @@ class Agent:
         self.namespace = namespace
         self.incarnation = uuid.uuid4().hex
         self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=max(2.0, config.heartbeat_ttl_s))
+        # The incarnation in the name as well as the pid: an agent restarted with the same pid (PID 1
+        # in its container) must not publish its predecessor's name, or clients that mapped the old
+        # segment would go on reading (and writing) it as if it were the new one.
         self.arena = HostArena.create(
-            segment_name(namespace, self.node_id), config.host_bytes, prefault=config.prefault
+            segment_name(namespace, self.node_id, pid=f"{os.getpid()}-{self.incarnation[:12]}"),
+            config.host_bytes,
+            prefault=config.prefault,
         )
         try:
-            self.table = AllocationTable(config.host_bytes, reserve_timeout_s=config.reserve_timeout_s)
+            # Every alloc id of this incarnation carries its tag (types.ALLOC_TAG_SHIFT), published
+            # in the node table: clients holding a copy of the table from before a restart notice.
+            self.alloc_tag = int(self.incarnation[:4], 16) or 1
+            self.table = AllocationTable(
+                config.host_bytes,
+                reserve_timeout_s=config.reserve_timeout_s,
+                ids=itertools.count((self.alloc_tag << ALLOC_TAG_SHIFT) + 1),
+            )
             # Each agent gets a directory of its own under disk_path: the disk tier clears what it
             # finds there at start (files of an earlier incarnation that the index no longer lists).
             self.disk = (
@@ -263,6 +276,7 @@ class Agent:
             transports=(TransportKind.SHM, TransportKind.TCP),
             tiers=self.tiers(),
             started_ms=self.started_ms,
+            alloc_tag=self.alloc_tag,
             # Same-host clients open the GPU arena through this CUDA IPC handle.
             labels={
                 # Peers judge whether they may spill here against this agent's own watermark.

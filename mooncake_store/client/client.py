@@ -28,9 +28,11 @@ from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import (
     NodeInfo,
     ObjectMeta,
+    Replica,
     TierKind,
     TransportKind,
     check_key,
+    stale_for,
 )
 
 if TYPE_CHECKING:
@@ -117,6 +119,14 @@ class Client:
                 self._clock_offset_ms = int(server_now - local_before)
                 self._nodes_at = time.monotonic()
             return self._nodes
+
+    def _nodes_for(self, replicas: Iterable[Replica], nodes: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
+        """``nodes``, or the table read afresh when a replica is on a node this copy lacks or was
+        handed out by a later incarnation of its node than this copy knows (a node restarted
+        within NODE_TABLE_TTL_S: its old row names the old arena, whose mapping must not be used)."""
+        if any(r.node_id not in nodes or stale_for(r, nodes[r.node_id]) for r in replicas):
+            return self._node_table(refresh=True)
+        return nodes
 
     def _server_now_ms(self) -> int:
         return int(time.time() * 1000) + self._clock_offset_ms

@@ -191,7 +191,7 @@ def read_to_device(
         dest = describe_device_array(target)
         if dest.nbytes < meta.size_bytes:
             raise InvalidValue(f"out holds {dest.nbytes} B but key {key!r} is {meta.size_bytes} B")
-        nodes = client._node_table(refresh=attempt > 0)
+        nodes = client._nodes_for(meta.replicas, client._node_table(refresh=attempt > 0))
         try:
             source = _read_replica_to_device(client, meta, nodes, dest.pointer, dest.device_id)
         except (TransferError, ConnectError) as exc:

@@ -83,7 +83,9 @@ class GetPath:
         objects that stripe, other tiers) is read one object at a time."""
         retry: list[int] = []
         error: MooncakeError | None = None
-        nodes = self.client._node_table(refresh=refresh_nodes)
+        nodes = self.client._nodes_for(
+            (r for _, meta, _ in targets for r in meta.replicas), self.client._node_table(refresh=refresh_nodes)
+        )
         trains: dict[str, list[tuple[int, Replica, ReadRequest]]] = {}
         singles: list[tuple[int, ObjectMeta, memoryview, tuple[Replica, NodeInfo, TransportKind] | None]] = []
         pipelined = len(targets) > 1
@@ -257,9 +259,7 @@ class GetPath:
         if best is not None and len(meta.replicas) == 1:
             ordered = [best]
         else:
-            nodes = self.client._node_table(refresh=refresh_nodes)
-            if any(r.node_id not in nodes for r in meta.replicas):
-                nodes = self.client._node_table(refresh=True)
+            nodes = self.client._nodes_for(meta.replicas, self.client._node_table(refresh=refresh_nodes))
             ordered = self._order(meta.replicas, nodes, self._reachable_segments(nodes))
         if not ordered:
             raise TransferError(

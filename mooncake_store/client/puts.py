@@ -172,7 +172,11 @@ class PutPath:
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:
         client = self.client
-        nodes = self._reserve(plans, replicas, preferred_node)
+        # The reservations' ids name the incarnation that granted them: a node restarted since this
+        # copy of the table was read has a new arena under a new name, to be written through.
+        nodes = client._nodes_for(
+            (r for p in plans for r in p.replicas), self._reserve(plans, replicas, preferred_node)
+        )
         started = False
         try:
             client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))

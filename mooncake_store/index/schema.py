@@ -109,6 +109,7 @@ def encode_node(info: NodeInfo, incarnation: str) -> str:
             "tiers": encode_tiers(info.tiers),
             "started_ms": info.started_ms,
             "labels": info.labels,
+            "alloc_tag": info.alloc_tag,
         }
     )
 
@@ -154,6 +155,7 @@ def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
             started_ms=int(d.get("started_ms", 0)),
             last_heartbeat_ms=int(d.get("last_heartbeat_ms", 0)),
             labels=dict(d.get("labels") or {}),
+            alloc_tag=int(d.get("alloc_tag") or 0),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise ProtocolError(f"malformed node record in the index: {raw!r:.200} ({exc})") from None

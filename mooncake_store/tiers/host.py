@@ -38,13 +38,13 @@ _VALID_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def segment_name(namespace: str, node_id: str, pid: int | None = None) -> str:
+def segment_name(namespace: str, node_id: str, pid: int | str | None = None) -> str:
     """``mooncake.<namespace>.<node_id>.<pid>`` with every character outside ``[A-Za-z0-9._-]``
     replaced by ``_``, at most :data:`MAX_SEGMENT_NAME` characters.
 
-    The pid makes a restarted agent's segment distinct from a stale one left by a crashed
-    predecessor; when the name is too long the middle is cut, never the pid suffix, so that
-    uniqueness survives truncation.
+    The pid (an agent passes its pid and incarnation) makes a restarted agent's segment distinct
+    from its predecessor's; when the name is too long the middle is cut, never the pid suffix, so
+    that uniqueness survives truncation.
     """
     suffix = f".{os.getpid() if pid is None else pid}"
     prefix = _UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}")

@@ -182,3 +182,19 @@ def test_an_ack_commits_even_a_reservation_newer_than_the_snapshot() -> None:
     # the ack is drained now and never comes again, so it must commit.
     plan = plan_sync(expired=[], expired_status=[], acked=[42], graves=[], known=[42])
     assert plan.commit == (42,) and plan.free == ()
+
+
+def test_a_node_row_older_than_the_incarnation_holding_a_replica_is_stale() -> None:
+    """Alloc ids carry their incarnation's tag; a client's copy of the row from before a restart
+    of the node (another tag) must be read again before the replica is reached."""
+    from mooncake_store.index.schema import decode_node, encode_node
+    from mooncake_store.types import ALLOC_TAG_SHIFT, alloc_tag_of, stale_for
+
+    row = dataclasses.replace(node("a", free=MiB), alloc_tag=0x1234)
+    assert decode_node(encode_node(row, "inc"), 0).alloc_tag == 0x1234
+    mine = Replica(node_id="a", tier=TierKind.HOST, offset=0, size_bytes=1, alloc_id=(0x1234 << ALLOC_TAG_SHIFT) + 7)
+    later = dataclasses.replace(mine, alloc_id=(0x4321 << ALLOC_TAG_SHIFT) + 1)
+    assert alloc_tag_of(mine.alloc_id) == 0x1234 and mine.alloc_id < 2**63
+    assert not stale_for(mine, row) and stale_for(later, row)
+    assert not stale_for(later, dataclasses.replace(row, alloc_tag=0))  # an untagged row: no judgement
+    assert not stale_for(later, None)
