@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mooncake_store.agent.server import SPILL_FLAG
+from mooncake_store.transport.tcp import TcpTransport
+from mooncake_store.types import Replica, ReplicaState, TierKind
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
@@ -14,3 +22,32 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def guarded_spill_copy(
+    client: Any, a: Any, b: Any, *, size: int, guard_ttl_ms: int = 60_000
+) -> tuple[Replica, Replica, str]:
+    """Put "obj" (``size`` bytes of 0xAA) on agent ``a``, then copy it to ``b`` as a's pressure
+    thread spills (agent/spill.py): a guard record, a reservation on b, the bytes. Returns (a's
+    replica, the new replica on b, guard id); the swap is the test's to make."""
+    value = np.full(size, 0xAA, dtype=np.uint8)
+    client.put("obj", value, preferred_node=a.node_id)
+    meta = client.object_meta("obj")
+    assert meta is not None and meta.replicas[0].node_id == a.node_id
+    put_id = uuid.uuid4().bytes
+    client.index.guard_reservations([put_id.hex()], ttl_ms=guard_ttl_ms)
+    tcp = TcpTransport(timeout_s=10.0, connections_per_peer=1, stripe_bytes=1 << 30)
+    try:
+        (res,) = tcp.peer(b.endpoint).reserve([(size, put_id)], node_id=b.node_id, flags=SPILL_FLAG)
+        tcp.peer(b.endpoint).write(res.alloc_id, res.offset, memoryview(value))
+    finally:
+        tcp.close()
+    new = Replica(
+        node_id=b.node_id,
+        tier=TierKind.HOST,
+        offset=res.offset,
+        size_bytes=size,
+        alloc_id=res.alloc_id,
+        state=ReplicaState.COMPLETE,
+    )
+    return meta.replicas[0], new, put_id.hex()

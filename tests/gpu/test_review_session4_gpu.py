@@ -63,36 +63,21 @@ def _spy_tcp(client: Client) -> list[str]:
     return endpoints
 
 
-def test_shm_only_host_read_does_not_fall_back_to_tcp_when_ipc_fails(
-    cupy, gpu_cluster, make_client, monkeypatch
+@pytest.mark.parametrize("device", [None, 0], ids=["host-read", "device-read"])
+def test_shm_only_read_does_not_fall_back_to_tcp_when_ipc_fails(
+    cupy, gpu_cluster, make_client, monkeypatch, device
 ) -> None:  # type: ignore[no-untyped-def]
-    """gets.py _read_gpu_ipc falls back to the agent over TCP whatever client.transports says. Before
-    d0f79f0 a shm-only client never read a GPU replica over TCP (the policy left it out: no allowed
-    path); now the policy gives it SHM (CUDA IPC) and, when the handle does not open, the read goes
-    over TCP anyway."""
+    """gets.py _read_gpu_ipc (host reads) and device.py _read_replica_to_device (device reads) fell
+    back to the agent over TCP whatever client.transports said, when the CUDA IPC handle did not
+    open. Before d0f79f0 a shm-only client never read a GPU replica over TCP (the policy left it
+    out: no allowed path); then the policy gave it SHM (CUDA IPC) and the fallback went over TCP."""
     writer: Client = make_client(gpu_cluster)
     _put_gpu_object(cupy, writer, "dev")
     shm_only: Client = make_client(gpu_cluster, transports=("shm",))
     monkeypatch.setattr(device_module, "GpuSegment", _UnopenableSegment)
     tcp_calls = _spy_tcp(shm_only)
     with pytest.raises(MooncakeError):
-        shm_only.get("dev")
-    assert tcp_calls == [], f"a shm-only client read over TCP from {tcp_calls}"
-
-
-def test_shm_only_device_read_does_not_fall_back_to_tcp_when_ipc_fails(
-    cupy, gpu_cluster, make_client, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
-    """device.py _read_replica_to_device now takes its order from order_replicas (which honours
-    allowed transports), but its CUDA IPC fallback still goes through the agent over TCP for a
-    client that allows only shm."""
-    writer: Client = make_client(gpu_cluster)
-    _put_gpu_object(cupy, writer, "dev")
-    shm_only: Client = make_client(gpu_cluster, transports=("shm",))
-    monkeypatch.setattr(device_module, "GpuSegment", _UnopenableSegment)
-    tcp_calls = _spy_tcp(shm_only)
-    with pytest.raises(MooncakeError):
-        shm_only.get("dev", device=0)
+        shm_only.get("dev") if device is None else shm_only.get("dev", device=device)
     assert tcp_calls == [], f"a shm-only client read over TCP from {tcp_calls}"
 
 

@@ -17,18 +17,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import guarded_spill_copy, wait_until
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.server import SPILL_FLAG
 from mooncake_store.client.cluster import AgentProcess
 from mooncake_store.client.puts import PlannedPut
 from mooncake_store.errors import ConnectError
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op
 from mooncake_store.transport.tcp import TcpTransport, parse_endpoint
-from mooncake_store.types import Replica, ReplicaState, TierKind
+from mooncake_store.types import Replica, TierKind
 
 MiB = 1 << 20
 SIZE = 64 << 10
@@ -200,29 +199,7 @@ def test_chain_children_count_survives_parent_restore(
 
 # ---------------------------------------------------------------------------------------------
 def _guarded_spill_copy(client: Client, a: AgentProcess, b: AgentProcess) -> tuple[Replica, Replica, str]:
-    """Put "obj" on a, then copy it to b as a's pressure thread spills (agent/spill.py): a guard
-    record, a reservation on b, the bytes. Returns (a's replica, the new replica on b, guard id);
-    the swap is the test's to make."""
-    client.put("obj", np.full(SIZE, 0xAA, dtype=np.uint8), preferred_node=a.node_id)
-    meta = client.object_meta("obj")
-    assert meta is not None and meta.replicas[0].node_id == a.node_id
-    put_id = uuid.uuid4().bytes
-    client.index.guard_reservations([put_id.hex()], ttl_ms=60_000)
-    tcp = TcpTransport(timeout_s=10.0, connections_per_peer=1, stripe_bytes=1 << 30)
-    try:
-        (res,) = tcp.peer(b.endpoint).reserve([(SIZE, put_id)], node_id=b.node_id, flags=SPILL_FLAG)
-        tcp.peer(b.endpoint).write(res.alloc_id, res.offset, memoryview(np.full(SIZE, 0xAA, dtype=np.uint8)))
-    finally:
-        tcp.close()
-    new = Replica(
-        node_id=b.node_id,
-        tier=TierKind.HOST,
-        offset=res.offset,
-        size_bytes=SIZE,
-        alloc_id=res.alloc_id,
-        state=ReplicaState.COMPLETE,
-    )
-    return meta.replicas[0], new, put_id.hex()
+    return guarded_spill_copy(client, a, b, size=SIZE)
 
 
 # ---------------------------------------------------------------------------------------------

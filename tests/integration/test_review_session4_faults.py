@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable
 
 import numpy as np
 import redis
-from helpers import wait_until
+from helpers import guarded_spill_copy, wait_until
 
 from mooncake_store import Client, LocalCluster
-from mooncake_store.agent.server import SPILL_FLAG
 from mooncake_store.index.schema import encode_replica
-from mooncake_store.transport.tcp import TcpTransport
-from mooncake_store.types import Replica, ReplicaState, TierKind
 
 MiB = 1 << 20
 SIZE = 1 * MiB
@@ -45,29 +41,8 @@ def test_a_sync_reply_lost_in_an_index_stall_does_not_free_a_spilled_in_object(
     a = cluster.add_agent(node_id="a", extra_args=["--host-bytes", str(32 * MiB)])
     b = cluster.add_agent(node_id="b", extra_args=["--host-bytes", str(8 * MiB)])
     client = make_client(cluster, timeout_s=20.0)
-    value = np.full(SIZE, 0xAA, dtype=np.uint8)
-    client.put("obj", value, preferred_node=a.node_id)
-    meta = client.object_meta("obj")
-    assert meta is not None and meta.replicas[0].node_id == a.node_id
-    old = meta.replicas[0]
-
     # The copy, as a's spiller makes it: guard, RESERVE (spill) on b, WRITE.
-    put_id = uuid.uuid4().bytes
-    client.index.guard_reservations([put_id.hex()], ttl_ms=300_000)
-    tcp = TcpTransport(timeout_s=10.0, connections_per_peer=1, stripe_bytes=1 << 30)
-    try:
-        (res,) = tcp.peer(b.endpoint).reserve([(SIZE, put_id)], node_id=b.node_id, flags=SPILL_FLAG)
-        tcp.peer(b.endpoint).write(res.alloc_id, res.offset, memoryview(value))
-    finally:
-        tcp.close()
-    new = Replica(
-        node_id=b.node_id,
-        tier=TierKind.HOST,
-        offset=res.offset,
-        size_bytes=SIZE,
-        alloc_id=res.alloc_id,
-        state=ReplicaState.COMPLETE,
-    )
+    old, new, guard = guarded_spill_copy(client, a, b, size=SIZE, guard_ttl_ms=300_000)
 
     # The swap, then at once (same connection, one write: nothing runs in between) the stall.
     stall = redis.Redis.from_url(cluster.redis_url, socket_timeout=30)
@@ -81,7 +56,7 @@ def test_a_sync_reply_lost_in_an_index_stall_does_not_free_a_spilled_in_object(
             "obj",
             str(old.alloc_id),
             json.dumps(encode_replica(new)),
-            put_id.hex(),
+            guard,
         )
         pipe.eval(STALL, 0, 3.6)
         swapped, _ = pipe.execute()
@@ -94,13 +69,13 @@ def test_a_sync_reply_lost_in_an_index_stall_does_not_free_a_spilled_in_object(
     nodes = client.index
     assert wait_until(lambda: nodes.nodes()[b.node_id].heartbeat_deadline_ms > nodes.server_time_ms(), 5.0)
     meta = client.object_meta("obj")
-    assert meta is not None and [(r.node_id, r.alloc_id) for r in meta.replicas] == [(b.node_id, res.alloc_id)]
+    assert meta is not None and [(r.node_id, r.alloc_id) for r in meta.replicas] == [(b.node_id, new.alloc_id)]
 
     # Another object on b: it must not land in the block the index names for "obj".
     client.put("intruder", np.full(SIZE, 0x55, dtype=np.uint8), preferred_node=b.node_id)
     got = client.get("obj")
-    assert np.array_equal(got, value), (
-        f"'obj' (spilled to b, alloc {res.alloc_id} at offset {res.offset}) read back as bytes "
+    assert np.array_equal(got, np.full(SIZE, 0xAA, dtype=np.uint8)), (
+        f"'obj' (spilled to b, alloc {new.alloc_id} at offset {new.offset}) read back as bytes "
         f"0x{int(got[0]):02x}: b freed the block after its sync's reply (with the swap's ack) was "
         "lost in the index stall, and reused it"
     )
