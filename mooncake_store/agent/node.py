@@ -86,7 +86,13 @@ class Agent:
             self.pressure = PressureManager(self)
             self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0, hooks=self)
         except BaseException:
-            self.arena.close(unlink=True)  # a half-built agent must not leave its segment behind
+            # A half-built agent must not leave its segment, its device memory (and IPC handle) or
+            # its disk directory's lock behind.
+            if getattr(self, "gpu", None) is not None:
+                self.gpu.close()
+            if getattr(self, "disk", None) is not None:
+                self.disk.close(remove_files=False)
+            self.arena.close(unlink=True)
             self.index.close()
             raise
         self._stop = threading.Event()
@@ -188,6 +194,17 @@ class Agent:
         if allocs is None and not spill:  # a refused spill goes to another peer: no room is made for it
             self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
         return allocs
+
+    def other_tier_room(self, tier: int, *, spill: bool) -> tuple[int, int, int]:
+        if tier == TIER_DISK:
+            if self.disk is None or self.inbox is None or not spill:
+                return 0, 0, 0  # puts never go to disk
+            free = self.inbox.free_bytes()
+            return free, free, self.disk.capacity_bytes  # a file needs no contiguous block
+        if self.gpu_table is None:
+            return 0, 0, 0
+        _, free, largest, _ = self.gpu_table.usage()
+        return free, largest, self.gpu_table.capacity_bytes
 
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         if self.inbox is not None and alloc_id in self.inbox:

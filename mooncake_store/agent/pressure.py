@@ -24,6 +24,7 @@ from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose
 from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
 
 if TYPE_CHECKING:
+    from mooncake_store.agent.allocations import AllocationTable
     from mooncake_store.agent.node import Agent
 
 log = logging.getLogger("mooncake.agent")
@@ -125,20 +126,24 @@ class PressureManager:
 
     def relieve_host(self) -> int:
         """One pass over the host tier; returns the bytes moved away."""
-        table = self.agent.table
         with self._lock:
             wanted, self._wanted_bytes = self._wanted_bytes, 0
+        return self._relieve(TierKind.HOST, self._arena_need(TierKind.HOST, self.agent.table, wanted), self._host_job)
+
+    def _arena_need(self, tier: TierKind, table: AllocationTable, wanted: int) -> Callable[[Returning], int]:
+        """What must leave an arena tier (host or GPU), with ``wanted`` bytes of a reservation that
+        did not fit waiting for room."""
 
         def need_now(returning: Returning) -> int:
             used, _, largest_free, _ = table.usage()
             waiting = 0 if largest_free >= wanted else wanted  # 0: room for it appeared meanwhile
-            need = self._need(TierKind.HOST, used - returning.all, table.capacity_bytes, waiting)
+            need = self._need(tier, used - returning.all, table.capacity_bytes, waiting)
             # The free space may be in pieces too small for the waiting reservation. A writer waits
             # a few seconds at most: only graves due by the next pass count as room for it (a long
             # read lease on a removed object must not leave it waiting while others could move).
             return max(need, waiting - largest_free - returning.soon) if waiting else need
 
-        return self._relieve(TierKind.HOST, need_now, self._host_job)
+        return need_now
 
     def _relieve(self, tier: TierKind, need_now: Callable[[Returning], int], job_of: JobOf) -> int:
         """The pass shared by every tier: ``need_now(returning)`` is what must leave ``tier``, given
@@ -333,11 +338,7 @@ class PressureManager:
             return 0
         with self._lock:
             wanted, self._wanted_gpu_bytes = self._wanted_gpu_bytes, 0
-
-        def need_now(returning: Returning) -> int:
-            return self._need(TierKind.GPU, table.usage()[0] - returning.all, table.capacity_bytes, wanted)
-
-        return self._relieve(TierKind.GPU, need_now, self._gpu_job)
+        return self._relieve(TierKind.GPU, self._arena_need(TierKind.GPU, table, wanted), self._gpu_job)
 
     def _gpu_job(self, victim: EvictionCandidate) -> SpillJob | None:
         table = self.agent.gpu_table

@@ -48,6 +48,10 @@ class AgentHooks(Protocol):
         """Reservations in tier ``tier`` (1: GPU, 2: disk, for spills only); None when the agent has
         no room or no such tier."""
 
+    def other_tier_room(self, tier: int, *, spill: bool) -> tuple[int, int, int]:
+        """(free bytes, largest free block, capacity) of tier ``tier`` here, for a refusal's reply
+        (zeros when there is no such tier, or it takes no such reservation)."""
+
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         """A host buffer to receive a WRITE into an allocation of another tier (which is fenced
         against frees until other_tier_written), or None."""
@@ -254,7 +258,8 @@ class AgentServer:
         if tier != TIER_HOST:
             allocs = self._hooks.reserve_other_tier(tier, requests, spill=bool(flags & SPILL_FLAG))
             if allocs is None:
-                self._reply(conn, Op.RESERVE, Status.NO_CAPACITY)
+                free, largest, capacity = self._hooks.other_tier_room(tier, spill=bool(flags & SPILL_FLAG))
+                self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, capacity)
                 return True
             if flags & SPILL_FLAG:
                 self._hooks.spilled_in(len(allocs), tier)

@@ -118,6 +118,8 @@ class Client:
                 self._nodes = self.index.nodes()
                 self._clock_offset_ms = int(server_now - local_before)
                 self._nodes_at = time.monotonic()
+                if self._gpu is not None:
+                    self._gpu.retain(self._nodes)  # IPC mappings of agents that left
             return self._nodes
 
     def _nodes_for(self, replicas: Iterable[Replica], nodes: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
@@ -155,14 +157,15 @@ class Client:
         """Store several objects with one index round trip per phase (start, commit) for the batch.
 
         Device arrays (cupy, or anything with ``__cuda_array_interface__``) go to a same-host GPU
-        tier when one exists, else they are staged to host memory once.
+        tier that can hold them (on ``preferred_node``, if named), else they are staged to host
+        memory once.
 
         For chunks of a prefix chain, ``chain_pos`` gives each key its position and ``chain_parent``
         the key of the chunk before it. Under memory pressure the cluster then evicts only chunks
         that no stored chunk hangs off, later and colder ones first, so chains stay prefix-closed.
         """
         self._check_open()
-        plans = self._puts.plan(items, chain_pos=chain_pos, chain_parent=chain_parent)
+        plans = self._puts.plan(items, chain_pos=chain_pos, chain_parent=chain_parent, preferred_node=preferred_node)
         if plans:
             self._puts.run(plans, replicas=replicas, preferred_node=preferred_node)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,13 @@ from mooncake_store.client.gets import LEASE_SAFETY
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
 from mooncake_store.policy.transport_choice import order_replicas
 from mooncake_store.tiers.gpu import GpuSegment, local_device
-from mooncake_store.tiers.gpu_arrays import describe_device_array, empty_device_array, host_pointer, memcpy
+from mooncake_store.tiers.gpu_arrays import (
+    describe_device_array,
+    empty_device_array,
+    host_pointer,
+    memcpy,
+    parse_device,
+)
 from mooncake_store.transport.tcp import ReadRequest
 from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
 
@@ -151,6 +158,15 @@ class GpuSegments:
         finally:
             self._release(seg)
 
+    def retain(self, node_ids: Iterable[str]) -> None:
+        """Close the mappings of agents no longer in the node table (stopped, or reaped), as soon
+        as no copy uses them: on a real device each keeps a dead agent's arena resident."""
+        keep = set(node_ids)
+        with self._lock:
+            for node_id in [n for n in self._segments if n not in keep]:
+                _, seg = self._segments.pop(node_id)
+                self._retire(seg)
+
     def open_count(self) -> int:
         with self._lock:
             return len(self._segments)
@@ -171,6 +187,8 @@ def read_to_device(
     Same rules as host reads: one lookup with a lease, the cheapest replica first, and a read that
     outlived its lease is re-checked against the index before it counts."""
     client._check_open()
+    if out is None and device is not None:
+        parse_device(device)  # a bad device is InvalidValue whether or not the key exists
     config = client.config
     last_error: MooncakeError | None = None
     target: Any = None

@@ -47,6 +47,11 @@ def checksum_of(view: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
+def _capacity_of(node: NodeInfo, tier: TierKind) -> int:
+    usage = node.tier(tier)
+    return usage.capacity_bytes if usage is not None else 0
+
+
 @dataclass(slots=True)
 class PlannedPut:
     key: str
@@ -98,9 +103,10 @@ class PutPath:
         *,
         chain_pos: Mapping[str, int] | None,
         chain_parent: Mapping[str, str] | None,
+        preferred_node: str | None = None,
     ) -> list[PlannedPut]:
         plans = []
-        gpu_here: bool | None = None
+        gpu_nodes: list[NodeInfo] | None = None
         for key, parent in (chain_parent or {}).items():
             if parent == key:
                 # The key would count itself as a stored child and never be a leaf: never evictable.
@@ -113,15 +119,21 @@ class PutPath:
             if is_device_array(value):
                 from mooncake_store.client import device  # lazy: only device arrays need it
 
-                if gpu_here is None:
+                if gpu_nodes is None:
                     # The GPU tier is reached through CUDA IPC, a same-host path like shm: a client
                     # told not to use shm stages device arrays to host memory instead.
-                    nodes = self.client._node_table().values()
-                    gpu_here = TransportKind.SHM in self.client.transports and any(
-                        gpu_ipc_node(n, self.client.host_id) for n in nodes
-                    )
+                    gpu_nodes = [
+                        n
+                        for n in self.client._node_table().values()
+                        if TransportKind.SHM in self.client.transports
+                        and gpu_ipc_node(n, self.client.host_id)
+                        and preferred_node in (None, n.node_id)
+                    ]
                 dev = device.as_device_source(value)
-                if gpu_here:
+                # Into a GPU tier that can hold it at all; else staged to host memory once, as on a
+                # host without a GPU tier (too large for every GPU arena, or a preferred node
+                # without one, is no reason to fail).
+                if any(_capacity_of(n, TierKind.GPU) >= dev.size_bytes for n in gpu_nodes):
                     source: Source | DeviceSource = dev
                     tier = TierKind.GPU
                 else:

@@ -136,13 +136,14 @@ class PeerConnections:
             status, a, b, c = self._reply(sock, Op.RESERVE)
             if status == Status.NO_CAPACITY:
                 need = sum(size for size, _ in chunk)
-                if tier != 0:  # other tiers do not report their free room in the reply
+                where = TIER_NAMES.get(tier, tier)
+                if c == 0:  # no such tier there, or a disk tier, which takes spills only
                     raise NoCapacity(
-                        f"need {need} B in {len(chunk)} object(s) on {TIER_NAMES.get(tier, tier)}; "
-                        f"node {node_id} has no room for them there"
+                        f"need {need} B in {len(chunk)} object(s) on {where}; node {node_id} takes none "
+                        f"there (no {where} tier, or one that takes only spills)"
                     )
                 raise NoCapacity(
-                    f"need {need} B in {len(chunk)} object(s) on host; node {node_id} has "
+                    f"need {need} B in {len(chunk)} object(s) on {where}; node {node_id} has "
                     f"{a}/{c} B free, largest free block {b} B"
                 )
             if status != Status.OK:

@@ -125,7 +125,7 @@ def test_disk_reservations_follow_the_wire_rules(
     blob = source.read_blob(1)
     peer = PeerConnections(agent.endpoint, timeout_s=5, max_idle=2)
     try:
-        with pytest.raises(NoCapacity, match="on disk; node agent-0 has no room"):  # puts never go to disk
+        with pytest.raises(NoCapacity, match="on disk; node agent-0 takes none there"):  # puts never go to disk
             peer.reserve([(len(blob), b"w" * 16)], node_id="agent-0", tier=TIER_DISK)
         with pytest.raises(NoCapacity, match="need 5242880 B in 1 object"):  # more than the disk holds
             peer.reserve([(5 * MiB, b"w" * 16)], node_id="agent-0", tier=TIER_DISK, flags=SPILL)
