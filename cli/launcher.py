@@ -29,7 +29,7 @@ from mooncake_cli.procs import (
 from mooncake_cli.state import AgentRecord, ClusterState, clear_state, state_dir
 
 from mooncake_store.config import format_size, redact_url
-from mooncake_store.tiers.host import SHM_DIR, segment_name
+from mooncake_store.tiers.host import SHM_DIR, segment_pattern
 
 _SERVER_PID_RE = re.compile(r", pid (\d+)\s*$", re.MULTILINE)
 
@@ -51,13 +51,6 @@ class StopReport:
     stopped: int = 0
     killed: int = 0
     segments: list[str] = field(default_factory=list)
-
-
-def _expected_segment(namespace: str, node_id: str, pid: int) -> str:
-    # The agent names its segment after its own pid; rebuild that name to clean up after an agent
-    # that died before it could report it.
-    mine = segment_name(namespace, node_id)
-    return mine[: mine.rindex(".")] + f".{pid}"
 
 
 def check_shm_room(num_agents: int, host_bytes: int) -> None:
@@ -120,7 +113,7 @@ def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState) -> None:
             AgentRecord(
                 node_id=node_id,
                 proc=ref_of(proc.pid),
-                shm_name=_expected_segment(plan.namespace, node_id, proc.pid),
+                shm_name=segment_pattern(plan.namespace, node_id, proc.pid),  # its name, once READY says it
                 endpoint="",
             )
         )

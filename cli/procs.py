@@ -111,11 +111,13 @@ def remove_segments(names: list[str]) -> list[str]:
         # Names come from our own state file, but never let one escape /dev/shm.
         if not name or "/" in name or name in (".", ".."):
             continue
-        path = SHM_DIR / name
-        if path.exists():
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(name)
+        # A pattern (segment_pattern) stands for the segment of an agent that died before it said
+        # its name: its pid is in the pattern, and the agent is stopped by now.
+        for path in SHM_DIR.glob(name) if "*" in name else [SHM_DIR / name]:
+            if path.exists():
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(path.name)
     return removed
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -137,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.worker:
         return _worker(args)
+    # SIGTERM and SIGHUP unwind like Ctrl-C, so the cluster below stops what it started (by default
+    # they end the process on the spot, leaving the server, the agents and their shared memory).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
 
     from mooncake_store import LocalCluster, PrefixCache, connect
     from mooncake_store.integrations.transformers import kv_layout, kv_namespace

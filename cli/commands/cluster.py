@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Annotated
 
@@ -15,7 +18,7 @@ from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, global
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive, ref_of
 from mooncake_cli.render import cluster_view
-from mooncake_cli.state import ClusterState, clear_state, load_state, save_state, state_path
+from mooncake_cli.state import ClusterState, clear_state, load_state, save_state, state_dir, state_path
 from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
@@ -30,6 +33,30 @@ class _Stop(Exception):
 
 def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
+
+
+@contextlib.contextmanager
+def _only_up() -> Iterator[None]:
+    """One `mooncake up` at a time per state directory, from its check of the state file until
+    the cluster is recorded (detached) or stopped (foreground): two at once would both pass the
+    check and start two clusters, one of which `down` would not know. The lock goes with the
+    process (its children do not inherit the descriptor: they are spawned with close_fds)."""
+    directory = state_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / "up.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise CliError(f"cannot use the state directory {directory}: {exc.strerror or exc}", ExitCode.ERROR) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CliError(
+                f"another `mooncake up` is starting or running with the state directory {directory}", ExitCode.ERROR
+            ) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def _refuse_if_running() -> None:
@@ -81,13 +108,28 @@ def up(
         raise CliError(f"--host-mem={host_mem!r}: must be more than 0 B", ExitCode.USAGE)
     # Validates the URL and namespace (ConfigError -> exit 2) with the same rules as the SDK.
     config = load_config(overrides={"redis_url": redis_url or g.redis_url, "namespace": namespace or g.namespace})
+    with _only_up():
+        _up_locked(agents, host_bytes, config.redis_url, config.namespace, port, zone, timeout, detach, as_json)
+
+
+def _up_locked(
+    agents: int,
+    host_bytes: int,
+    redis_url: str | None,
+    namespace: str,
+    port: int,
+    zone: str | None,
+    timeout: float,
+    detach: bool,
+    as_json: bool,
+) -> None:
     _refuse_if_running()
     launcher.check_shm_room(agents, host_bytes)
     plan = launcher.LaunchPlan(
         num_agents=agents,
         host_bytes=host_bytes,
-        redis_url=config.redis_url,
-        namespace=config.namespace,
+        redis_url=redis_url,
+        namespace=namespace,
         port=port,
         zone=zone,
         timeout_s=timeout,
@@ -98,8 +140,19 @@ def up(
         where = "the embedded server" if plan.redis_url is None else redact_url(plan.redis_url)
         err.print(f"[dim]starting {agents} agent(s) x {format_size(host_bytes)} on {where}...[/dim]")
     if detach:
-        state = launcher.launch(plan)
-        save_state(state)
+        # A SIGTERM or SIGHUP while starting unwinds launch(), which stops what it started: nothing
+        # is recorded yet, so nothing else could.
+        previous = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            state = launcher.launch(plan)
+            save_state(state)
+        except _Stop:
+            raise CliError(
+                "stopped by a signal while starting; everything it started was stopped", ExitCode.ERROR
+            ) from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         _print_started(state, as_json=as_json)
         return
     _run_foreground(plan, owner, as_json=as_json)
@@ -130,11 +183,9 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
     except (KeyboardInterrupt, _Stop):
         pass
     finally:
-        # Ignore further Ctrl-C while stopping: a half-stopped cluster is the one outcome to avoid.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for signum, handler in previous.items():
-            if signum != signal.SIGINT:
-                signal.signal(signum, signal.SIG_IGN if handler is None else handler)
+        # Ignore further signals while stopping: a half-stopped cluster is the one outcome to avoid.
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)
         if state is not None:
             report = launcher.stop(state, timeout_s=10.0, own=True)
             err.print(
@@ -142,7 +193,8 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
                 + (f" ({report.killed} killed)" if report.killed else "")
                 + f", removed {len(report.segments)} shared-memory segment(s)"
             )
-        signal.signal(signal.SIGINT, previous[signal.SIGINT] or signal.SIG_DFL)
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _live_view(state: ClusterState) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from mooncake_store.embedded import EmbeddedServer
 from mooncake_store.errors import MooncakeError, ServerError
-from mooncake_store.tiers.host import SHM_DIR
+from mooncake_store.tiers.host import SHM_DIR, segment_pattern
 
 
 @dataclass(slots=True)
@@ -53,8 +53,10 @@ class AgentProcess:
                 self.process.kill()
                 self.process.wait(timeout=10)
         if self.shm_name:
-            # A killed agent cannot remove its own segment; its name holds its pid, so this is ours.
-            (SHM_DIR / self.shm_name).unlink(missing_ok=True)
+            # A killed agent cannot remove its own segment; its name holds its pid, so this is ours
+            # (a pattern before READY: the agent died before it said the name).
+            for path in SHM_DIR.glob(self.shm_name) if "*" in self.shm_name else [SHM_DIR / self.shm_name]:
+                path.unlink(missing_ok=True)
         for stream in (self.process.stdout, self.process.stderr):
             if stream is not None:
                 stream.close()
@@ -148,7 +150,11 @@ class LocalCluster:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = open(self.log_dir / f"{node_id}.log", "ab")  # noqa: SIM115 - owned by the process
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=os.environ.copy())
-        agent = AgentProcess(node_id=node_id, process=proc, args=cmd)
+        # Until READY says the segment's name, a pattern of it (its pid is in it): stop() removes
+        # the segment of an agent that dies before it gets there.
+        agent = AgentProcess(
+            node_id=node_id, process=proc, args=cmd, shm_name=segment_pattern(self.namespace, node_id, proc.pid)
+        )
         self.agents.append(agent)
         ready = self._wait_ready(agent)
         agent.endpoint, agent.shm_name = ready["endpoint"], ready["shm_name"]

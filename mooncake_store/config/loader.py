@@ -66,7 +66,7 @@ def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
             data = tomllib.load(fh)
     except OSError as exc:
         raise ConfigError(f"file {path}: cannot read it ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8
         raise ConfigError(f"file {path}: not valid TOML ({exc})") from None
     found: dict[str, tuple[object, _Source]] = {}
     where = f"file {path}"

@@ -51,6 +51,12 @@ def segment_name(namespace: str, node_id: str, pid: int | str | None = None) -> 
     return prefix[: MAX_SEGMENT_NAME - len(suffix)] + suffix
 
 
+def segment_pattern(namespace: str, node_id: str, pid: int) -> str:
+    """A glob matching the segment an agent of ``pid`` names (segment_name with its pid and
+    incarnation): for removing the segment of an agent that died before it said its name."""
+    return segment_name(namespace, node_id, pid=f"{pid}-*")
+
+
 def _check_name(name: object) -> str:
     # The name becomes a path component under /dev/shm: "/" or ".." would escape the directory.
     if not isinstance(name, str) or not _VALID_NAME.fullmatch(name) or name in (".", ".."):

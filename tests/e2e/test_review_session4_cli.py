@@ -1,0 +1,343 @@
+"""Review (session 4) of the CLI's process management: processes and /dev/shm segments that outlive
+the command that started them, and bad config that is not a clean error.
+
+Every process these tests look for is found by the test's own temp state dir in its environment
+(the CLI passes its environment on to the embedded server and the agents), so no other cluster on
+the machine is ever seen or signalled; what is left over is stopped by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from mooncake_store import LocalCluster
+from mooncake_store.errors import MooncakeError
+
+from .conftest import HOST_MEM, Mooncake, assert_one_line_error, mooncake_bin
+
+SHM = Path("/dev/shm")
+
+
+def _ticks(pid: int) -> int | None:
+    """Start time of a live (not zombie) process, None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+class Procs:
+    """The processes a CLI run with one state dir started: found by MOONCAKE_STATE_DIR in their
+    environment, plus their descendants (valkey-server overwrites its environ with its title).
+    Every process once seen stays tracked by pid and start time, so an orphan is still found and
+    a reused pid is never signalled."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.needle = f"MOONCAKE_STATE_DIR={state_dir}\0".encode()
+        self.seen: dict[int, int] = {}
+
+    def scan(self) -> list[int]:
+        parents: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            pid = int(entry.name)
+            try:
+                stat = (entry / "stat").read_text()
+                parents[pid] = int(stat[stat.rindex(")") + 2 :].split()[1])
+                if self.needle in (entry / "environ").read_bytes() and _ticks(pid) is not None:
+                    self.seen.setdefault(pid, _ticks(pid) or 0)
+            except (OSError, ValueError):
+                continue
+        grew = True
+        while grew:
+            grew = False
+            for pid, ppid in parents.items():
+                if ppid in self.seen and pid not in self.seen and _ticks(pid) is not None:
+                    self.seen[pid] = _ticks(pid) or 0
+                    grew = True
+        return self.alive()
+
+    def alive(self) -> list[int]:
+        return sorted(pid for pid, ticks in self.seen.items() if _ticks(pid) == ticks)
+
+    def settled(self, timeout_s: float = 5.0) -> list[int]:
+        """Those still running after up to ``timeout_s`` (the time they need to wind down)."""
+        deadline = time.monotonic() + timeout_s
+        left = self.scan()
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = self.scan()
+        return left
+
+    def describe(self, pids: list[int]) -> list[str]:
+        out = []
+        for pid in pids:
+            try:
+                out.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                out.append(f"{pid}: (gone)")
+        return out
+
+    def stop_all(self) -> None:
+        # SIGTERM first: the server wrapper then stops its server and removes its temp dir, and an
+        # agent removes its segment.
+        for signum, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            for pid in self.scan():
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + wait_s
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def _segments(namespace: str) -> list[str]:
+    return sorted(p.name for p in SHM.glob(f"mooncake.{namespace}.*"))
+
+
+@pytest.fixture
+def procs(mooncake: Mooncake) -> Iterator[Procs]:
+    tracked = Procs(mooncake.state_dir)
+    try:
+        yield tracked
+    finally:
+        tracked.scan()
+        mooncake("down", "--timeout", "2")
+        tracked.stop_all()
+
+
+@pytest.fixture
+def namespaces() -> Iterator[list[str]]:
+    """Namespaces whose segments the test removes at the end, whatever happened."""
+    names: list[str] = []
+    try:
+        yield names
+    finally:
+        for ns in names:
+            for name in _segments(ns):
+                (SHM / name).unlink(missing_ok=True)
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_two_concurrent_detached_ups_leave_nothing_after_down(mooncake: Mooncake, procs: Procs) -> None:
+    # _refuse_if_running() reads the state file long before save_state() writes it: two `up`s in the
+    # same state dir both start a cluster, the second save overwrites the first, and `down` then
+    # cannot find the first cluster's processes (they also share logs/server.out, so both even
+    # report the same URL).
+    ups = [mooncake.popen("up", "--detach", "--agents", "0", "--json") for _ in range(2)]
+    outputs = [up.communicate(timeout=60) for up in ups]
+    procs.scan()
+    down = mooncake("down", "--timeout", "5")
+    assert down.returncode == 0, down.stderr
+    left = procs.settled()
+    assert not left, f"still running after `mooncake down`: {procs.describe(left)}"
+    started = [
+        json.loads(stdout)["servers"] for (stdout, _), up in zip(outputs, ups, strict=True) if up.returncode == 0
+    ]
+    assert len(started) <= 1, f"both `up`s started a cluster in one state dir (servers {started}); one is unrecorded"
+
+
+def test_sigterm_during_detached_up_leaves_nothing(mooncake: Mooncake, procs: Procs, namespaces: list[str]) -> None:
+    # A detached `up` has no SIGTERM handler and writes the state file only once everything is up:
+    # killed while it waits for the agents (`timeout 10 mooncake up -d`, a closed ssh session), it
+    # leaves the server and the agent running, with nothing recorded for `down` to find.
+    ns = f"rv4-{uuid.uuid4().hex[:8]}"
+    namespaces.append(ns)
+    up = mooncake.popen("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM, "--namespace", ns)
+    server_out = mooncake.state_dir / "logs" / "server.out"
+
+    def server_started() -> bool:
+        return up.poll() is not None or (server_out.exists() and b"redis://" in server_out.read_bytes())
+
+    _wait_for(server_started, 60, "the embedded server")
+    assert up.poll() is None, "up finished before the test could signal it"
+    procs.scan()
+    up.send_signal(signal.SIGTERM)
+    up.communicate(timeout=60)
+    procs.scan()
+    mooncake("down", "--timeout", "5")  # whatever was recorded, stop it
+    left = procs.settled()
+    assert not left, f"still running after an interrupted `mooncake up -d` and `down`: {procs.describe(left)}"
+    assert _segments(ns) == []
+
+
+def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs) -> None:
+    # `mooncake demo` runs LocalCluster in a with-block, but SIGTERM's default action ends the
+    # process without unwinding it: the embedded server (a session of its own) and both agents go on
+    # running, each agent holding a 256 MiB /dev/shm arena.
+    args = ("demo", "--doc-tokens", "600", "--chunk-tokens", "64", "--layers", "2", "--new-tokens", "2")
+    demo = subprocess.Popen(
+        [mooncake_bin(), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**mooncake.env, "PYTHONUNBUFFERED": "1"},
+    )
+    segments: list[Path] = []
+    temp_dirs: list[Path] = []
+    try:
+        assert demo.stdout is not None
+        seen = b""
+        deadline = time.monotonic() + 240
+        while b"cluster " not in seen and time.monotonic() < deadline:
+            line = demo.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert b"cluster " in seen, seen
+        started = procs.scan()
+        agents = [p for p in started if b"mooncake_store.agent" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(agents) == 2 and len(started) >= 4, procs.describe(started)  # + the demo and the server
+        segments = [seg for pid in agents for seg in SHM.glob(f"mooncake.default.agent-*.{pid}-*")]
+        assert len(segments) == 2, segments
+        for pid in started:  # the embedded server runs in its temp dir, which the demo should remove
+            with contextlib.suppress(OSError):
+                cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+                if cwd.name.startswith("mooncake-redis-"):
+                    temp_dirs.append(cwd)
+        demo.send_signal(signal.SIGTERM)
+        demo.wait(timeout=60)
+        left = procs.settled(timeout_s=10.0)
+        assert not left, f"still running after the demo was stopped with SIGTERM: {procs.describe(left)}"
+        assert not [seg for seg in segments if seg.exists()]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait(timeout=30)
+        procs.stop_all()
+        for seg in segments:
+            seg.unlink(missing_ok=True)
+        for temp_dir in temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _kill_agent_once_its_segment_exists(ns: str, stop: threading.Event, killed: list[str]) -> None:
+    # SIGKILL as the OOM killer would (a large arena is being prefaulted): the agent has created
+    # its segment but not yet printed READY, so the starter knows only its pid.
+    while not stop.is_set():
+        for name in _segments(ns):
+            pid = int(name.rsplit(".", 1)[1].split("-", 1)[0])
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(name)
+            return
+        time.sleep(0.002)
+
+
+def test_up_removes_the_segment_of_an_agent_killed_before_ready(
+    mooncake: Mooncake, procs: Procs, namespaces: list[str]
+) -> None:
+    # launcher._expected_segment rebuilds the name as mooncake.NS.NODE.PID, but agents name their
+    # segment mooncake.NS.NODE.PID-INCARNATION since the incarnation went into the name: the segment
+    # of an agent that died before READY is never removed.
+    for _ in range(3):  # if the agent got to READY before the kill, try again
+        ns = f"rv4-{uuid.uuid4().hex[:8]}"
+        namespaces.append(ns)
+        stop, killed = threading.Event(), []  # type: ignore[var-annotated]
+        killer = threading.Thread(target=_kill_agent_once_its_segment_exists, args=(ns, stop, killed))
+        killer.start()
+        try:
+            up = mooncake("up", "--detach", "--agents", "1", "--host-mem", "1GiB", "--namespace", ns, timeout=120)
+        finally:
+            stop.set()
+            killer.join()
+        if up.returncode != 0:
+            break
+        procs.scan()
+        mooncake("down", "--timeout", "5")
+    else:
+        pytest.skip("the agent always became ready before it could be killed")
+    assert killed, up.stderr
+    assert up.returncode == 1 and b"agent-0" in up.stderr, up.stderr
+    assert _segments(ns) == [], f"{killed} left in {SHM} after `mooncake up` failed"
+
+
+def test_local_cluster_removes_the_segment_of_an_agent_killed_before_ready(namespaces: list[str]) -> None:
+    # LocalCluster learns a segment's name only from READY (AgentProcess.shm_name stays ""), so an
+    # agent that dies before it leaves its whole arena in /dev/shm.
+    for _ in range(3):
+        ns = f"rv4-{uuid.uuid4().hex[:8]}"
+        namespaces.append(ns)
+        stop, killed = threading.Event(), []  # type: ignore[var-annotated]
+        killer = threading.Thread(target=_kill_agent_once_its_segment_exists, args=(ns, stop, killed))
+        killer.start()
+        cluster = LocalCluster(num_agents=1, host_bytes=1 << 30, namespace=ns)
+        failed = False
+        try:
+            cluster.start()
+        except MooncakeError:
+            failed = True
+        finally:
+            stop.set()
+            killer.join()
+            cluster.stop()
+        if failed:
+            break
+    else:
+        pytest.skip("the agent always became ready before it could be killed")
+    assert killed
+    assert _segments(ns) == [], f"{killed} left in {SHM} after LocalCluster.start() failed"
+
+
+def test_second_sigterm_while_foreground_up_stops_does_not_orphan_the_server(
+    mooncake: Mooncake, procs: Procs, namespaces: list[str]
+) -> None:
+    # _run_foreground means to ignore further signals while it stops the cluster, but it restores
+    # SIGTERM/SIGHUP to their previous handlers (SIG_DFL): a second SIGTERM kills `up` half-way,
+    # after the agents but before the server, and the state file stays behind.
+    ns = f"rv4-{uuid.uuid4().hex[:8]}"
+    namespaces.append(ns)
+    up = mooncake.popen("up", "--agents", "2", "--host-mem", HOST_MEM, "--namespace", ns)
+    state_file = mooncake.state_dir / "cluster.json"
+    try:
+        _wait_for(lambda: state_file.exists() or up.poll() is not None, 60, "the state file")
+        assert up.poll() is None, up.communicate()
+        procs.scan()
+        up.send_signal(signal.SIGTERM)
+        time.sleep(0.1)  # it is now waiting for its agents to stop
+        assert up.poll() is None, "stopped too fast for the test"
+        up.send_signal(signal.SIGTERM)
+        up.communicate(timeout=60)
+        left = procs.settled()
+        assert not left, f"`up` (exit {up.returncode}) left running: {procs.describe(left)}"
+        assert not state_file.exists()
+        assert up.returncode == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(timeout=30)
+
+
+def test_config_file_that_is_not_utf8_is_a_config_error(mooncake: Mooncake, tmp_path: Path) -> None:
+    # tomllib raises UnicodeDecodeError for bytes that are not UTF-8; _read_file catches only
+    # OSError and TOMLDecodeError, so the CLI prints "internal error: UnicodeDecodeError ..." without
+    # naming the file.
+    config = Path(mooncake.env["XDG_CONFIG_HOME"]) / "mooncake" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_bytes(b'redis_url = "redis://127.0.0.1:6379/0"\n# caf\xe9 latin-1\n')
+    result = mooncake("stat")
+    line = assert_one_line_error(result, 2, str(config))
+    assert "internal error" not in line
