@@ -66,7 +66,9 @@ def alive(ref: ProcRef) -> bool:
         return True
     if fields[0] == "Z":
         return False
-    return ref.start_ticks == 0 or int(fields[19]) == ref.start_ticks
+    # With procfs a recorded start of 0 means the process was already gone when it was recorded:
+    # whatever runs under that PID now is another process, never to be signalled.
+    return ref.start_ticks != 0 and int(fields[19]) == ref.start_ticks
 
 
 def _signal(ref: ProcRef, signum: int) -> None:
