@@ -25,6 +25,7 @@ from mooncake_cli.procs import (
     spawn_detached,
     terminate,
     wait_for_line,
+    wait_for_match,
 )
 from mooncake_cli.state import AgentRecord, ClusterState, clear_state, state_dir
 
@@ -80,7 +81,7 @@ def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
         raise CliError(f"the embedded Redis server did not start within {plan.timeout_s:g} s: {tail}")
     # The wrapper prints the server's own pid right after the URL; recording it lets `down` stop
     # the server even if the wrapper was killed outright.
-    found = wait_for_line(proc, log, "", 2.0) and _SERVER_PID_RE.search(log.read_text(errors="replace"))
+    found = wait_for_match(proc, log, _SERVER_PID_RE, 2.0)
     if found:
         state.servers.append(ref_of(int(found.group(1))))
     return line.strip()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -134,12 +135,21 @@ def spawn_detached(cmd: list[str], *, stdout: Path, stderr: Path) -> subprocess.
 def wait_for_line(proc: subprocess.Popen[bytes], path: Path, prefix: str, timeout_s: float) -> str | None:
     """The first line of ``path`` that starts with ``prefix``, once the process has written it;
     None when the process exits or the time runs out first."""
+    found = wait_for_match(proc, path, re.compile("^" + re.escape(prefix) + ".*$", re.MULTILINE), timeout_s)
+    return found.group(0) if found else None
+
+
+def wait_for_match(
+    proc: subprocess.Popen[bytes], path: Path, pattern: re.Pattern[str], timeout_s: float
+) -> re.Match[str] | None:
+    """The first match of ``pattern`` in ``path`` once the process has written it (other lines,
+    such as warnings, may come first); None when the process exits or the time runs out first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith(prefix):
-                    return line
+            found = pattern.search(path.read_text(errors="replace"))
+            if found:
+                return found
         if proc.poll() is not None:
             return None
         time.sleep(0.05)

@@ -65,6 +65,8 @@ class ClusterState:
     agents: list[AgentRecord] = field(default_factory=list)
     log_dir: str = ""
     started_at: float = field(default_factory=time.time)
+    #: The boot the processes ran in: after a reboot a PID and its start time can come again.
+    boot_id: str = field(default_factory=lambda: current_boot_id())
 
     @property
     def shm_segments(self) -> list[str]:
@@ -89,12 +91,13 @@ class ClusterState:
             "shm_segments": self.shm_segments,
             "log_dir": self.log_dir,
             "started_at": self.started_at,
+            "boot_id": self.boot_id,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ClusterState:
         owner = data.get("owner")
-        return cls(
+        state = cls(
             redis_url=str(data["redis_url"]),
             namespace=str(data.get("namespace", "default")),
             mode=str(data.get("mode", "detached")),
@@ -103,7 +106,22 @@ class ClusterState:
             agents=[AgentRecord.from_dict(a) for a in data.get("agents", [])],
             log_dir=str(data.get("log_dir", "")),
             started_at=float(data.get("started_at", 0.0)),
+            boot_id=str(data.get("boot_id", "")),
         )
+        if state.boot_id and state.boot_id != current_boot_id():
+            # Recorded before a reboot: none of those processes runs, whatever now has their PIDs.
+            state.owner, state.servers = None, []
+            for agent in state.agents:
+                agent.proc = ProcRef(pid=0, start_ticks=0)
+        return state
+
+
+def current_boot_id() -> str:
+    """This boot's id (Linux), "" where there is none to read."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def load_state() -> ClusterState | None:

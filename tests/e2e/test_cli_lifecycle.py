@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from mooncake_cli.procs import start_ticks
+from mooncake_cli.state import STATE_VERSION
 
 from .conftest import HOST_MEM, Mooncake
 
@@ -64,3 +68,36 @@ def test_foreground_up_stops_everything_on_ctrl_c(mooncake: Mooncake, pid_alive:
     assert not any((SHM / s).exists() for s in segments)
     assert not state_file.exists()
     assert proc.stdout is not None and b"agent-0" in proc.stdout.read()
+
+
+def test_down_never_signals_processes_recorded_in_another_boot(
+    mooncake: Mooncake, pid_alive: Callable[[int], bool]
+) -> None:
+    """After a reboot a PID and its start time can come again: a state file from another boot names
+    no running process, whatever runs under its PIDs now."""
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        ref = {"pid": bystander.pid, "start_ticks": start_ticks(bystander.pid)}
+        mooncake.state_dir.mkdir(parents=True, exist_ok=True)
+        (mooncake.state_dir / "cluster.json").write_text(
+            json.dumps(
+                {
+                    "version": STATE_VERSION,
+                    "redis_url": "redis://127.0.0.1:1/0",
+                    "namespace": "default",
+                    "mode": "detached",
+                    "owner": None,
+                    "servers": [ref],
+                    "agents": [],
+                    "shm_segments": [],
+                    "log_dir": "",
+                    "started_at": 0.0,
+                    "boot_id": "another-boot",
+                }
+            )
+        )
+        mooncake("down")
+        assert pid_alive(bystander.pid), "down signalled a process recorded in another boot"
+    finally:
+        bystander.terminate()
+        bystander.wait(timeout=10)

@@ -1,0 +1,90 @@
+"""Review of the Redis index (session 4): each test fails on the code as reviewed, for the reason
+its docstring gives. Real Redis, real agents (in process, so an interleaving can be placed)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from mooncake_store import connect
+from mooncake_store.agent.node import Agent
+
+SIZE = 64 << 10
+
+
+def _key(tag: str) -> str:
+    return f"rv4i-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_put_reserved_on_a_dead_incarnation_cannot_commit_onto_its_successor(
+    make_inproc_agent: Callable[..., Agent], redis_url: str
+) -> None:
+    """put_commit.lua:22-24 refuses a replica only when its node id left the node table. A node that
+    crashed after granting a reservation and came back under the same node id (a new incarnation,
+    a new arena, alloc ids with a new tag) passes that check: the late commit of the old
+    reservation answers OK and the index names the old incarnation's alloc id at an offset of the
+    new arena. The new agent never heard of that alloc, hands the offset to the next put, and a get
+    of the committed key returns the other object's bytes (no error)."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    node_id = f"rv-{uuid.uuid4().hex[:6]}"
+    first = make_inproc_agent(namespace=namespace, node_id=node_id)
+    client = connect(redis_url, namespace=namespace)
+    try:
+        ghost = _key("ghost")
+        puts = client._puts
+        (plan,) = puts.plan({ghost: np.full(SIZE, 0xAA, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
+        nodes = puts._reserve([plan], 1, None)
+        client.index.put_start([plan.pending()], ttl_ms=60_000)
+        puts._write_replica(nodes[node_id], plan.replicas[0], plan)
+        first.stop()  # the node goes away (crash or restart) between the write and the commit
+        make_inproc_agent(namespace=namespace, node_id=node_id)  # ... and comes back under its id
+        statuses = client.index.put_commit([plan.put_id.hex()])
+        other = _key("other")
+        client.put(other, np.full(SIZE, 0x55, dtype=np.uint8))
+        seen = None
+        if client.exists(ghost):
+            seen = bytes(client.get(ghost).tobytes()[:4])
+        assert statuses == ["EXPIRED"], (
+            f"commit of a reservation of the previous incarnation answered {statuses}; "
+            f"get({ghost!r}) then returned {seen!r}... (the put wrote 0xAA)"
+        )
+    finally:
+        client.close()
+
+
+def test_a_node_whose_reap_began_cannot_heartbeat_back_to_life_half_purged(
+    make_inproc_agent: Callable[..., Agent], redis_url: str
+) -> None:
+    """node_reap.lua purges a dead node in bounded steps (max_keys, shared by up to 16 nodes), and
+    purge_node (prelude.lua:80-103) removes the node record only at the last step. node_heartbeat
+    .lua:8-11 checks only that the record exists under the same incarnation, so an agent that was
+    stalled past deadline + grace and wakes between two reap steps gets OK, is live again, and the
+    reaper never picks it again. The keys already stripped are gone from the index (objects lost
+    although their only replica's bytes still live) and their blocks stay allocated on the agent:
+    no grave names them and the agent never dropped them (it drops everything only on UNKNOWN)."""
+    agent = make_inproc_agent(heartbeat_interval_s=3000.0, heartbeat_ttl_s=3600.0)
+    client = connect(redis_url, namespace=agent.namespace)
+    try:
+        keys = [_key(str(i)) for i in range(6)]
+        for key in keys:
+            client.put(key, np.full(SIZE, 7, dtype=np.uint8))
+        agent.sync_once()  # the agent learns its commits
+        index = client.index
+        index.redis.zadd(index.prefix + "hb", {agent.node_id: 0})  # stalled past deadline + grace
+        assert index.reap_dead_nodes(grace_ms=0, max_keys=2) == []  # a first, partial reap step
+        # The agent wakes up and heartbeats, exactly as its heartbeat loop does.
+        alive = agent.index.heartbeat(
+            agent.node_id, incarnation=agent.incarnation, ttl_ms=agent._ttl_ms, tiers=agent.tiers()
+        )
+        index.reap_dead_nodes(grace_ms=0)  # later reaper rounds
+        still = [k for k in keys if client.exists(k)]
+        held = len(agent._known_ids())
+        assert not alive or len(still) == len(keys), (
+            f"heartbeat answered OK after a partial reap: {len(still)}/{len(keys)} keys left in the "
+            f"index, the agent still holds {held} blocks, none in its graveyard "
+            f"({index.redis.zcard(index.prefix + 'gc:' + agent.node_id)})"
+        )
+    finally:
+        client.close()
