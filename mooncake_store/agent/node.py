@@ -10,6 +10,8 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from mooncake_store.agent.server import TIER_DISK, TIER_GPU, AgentServer
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
+from mooncake_store.index.client import NodeSuperseded
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.gpu import GpuArena
@@ -97,6 +100,9 @@ class Agent:
             raise
         self._stop = threading.Event()
         self._sync_lock = threading.Lock()
+        #: Spill reservations granted to peers and not yet landed or freed, with their tier.
+        self._spills_in_flight: dict[int, TierKind] = {}
+        self._spills_lock = threading.Lock()
         #: Whether the last sync's reply arrived and was applied (agent_sync.lua keeps its acks and
         #: graves until the next sync says so). True at start: nothing came before.
         self._sync_applied = True
@@ -224,6 +230,9 @@ class Agent:
             still_reserved = self.gpu_table.end_write(alloc_id)
         return data is not None and still_reserved
 
+    def host_read(self, length: int) -> None:
+        self.pressure.count(TierKind.HOST, "reads")
+
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         if self.config.promote_on_read:
             try:
@@ -252,9 +261,24 @@ class Agent:
     def no_room(self, size_bytes: int) -> None:
         self.pressure.want_room(size_bytes)
 
-    def spilled_in(self, count: int, tier: int) -> None:
+    def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
         kind = TierKind.DISK if tier == TIER_DISK else TierKind.GPU if tier == TIER_GPU else TierKind.HOST
-        self.pressure.count(kind, "spills_in", count)
+        with self._spills_lock:
+            self._spills_in_flight.update(dict.fromkeys(alloc_ids, kind))
+
+    def _count_spills_in(self, committed: Iterable[int], freed: Iterable[int]) -> None:
+        """Spills in are counted when their swaps land (the ack commits the reservation), not when
+        the room was granted: a swap refused afterwards (the object changed meanwhile) moved nothing."""
+        landed: Counter[TierKind] = Counter()
+        with self._spills_lock:
+            for alloc_id in committed:
+                kind = self._spills_in_flight.pop(alloc_id, None)
+                if kind is not None:
+                    landed[kind] += 1
+            for alloc_id in freed:
+                self._spills_in_flight.pop(alloc_id, None)
+        for kind, n in landed.items():
+            self.pressure.count(kind, "spills_in", n)
 
     def expire_other_tiers(self, alloc_ids: list[int]) -> int:
         expired = 0
@@ -377,6 +401,11 @@ class Agent:
                     next_reap = now + self.config.heartbeat_ttl_s
             except ConnectError as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except MooncakeError as exc:
+                # Another incarnation took the node id over while this one stalled (IN_USE): the
+                # index names none of this agent's memory any more, and its syncs are refused.
+                log.error("node %s: %s; this agent holds nothing and stops syncing", self.node_id, exc)
+                self._drop_everything()
 
     def _drop_everything(self) -> None:
         """After being reaped: committed objects are gone from the index, so their memory is free.
@@ -407,7 +436,7 @@ class Agent:
         while not self._stop.wait(self.config.sync_interval_s):
             try:
                 self.sync_once()
-            except ConnectError as exc:
+            except (ConnectError, NodeSuperseded) as exc:
                 log.warning("sync failed: %s", exc)
 
     def sync_once(self) -> None:
@@ -426,7 +455,9 @@ class Agent:
         put_ids_hex = [p.hex() for p in put_ids]
         # Until this reply is applied, the index keeps what it carries for the next sync.
         applied_last, self._sync_applied = self._sync_applied, False
-        result = self.index.agent_sync(self.node_id, expired_put_ids=put_ids_hex, applied_last=applied_last)
+        result = self.index.agent_sync(
+            self.node_id, incarnation=self.incarnation, expired_put_ids=put_ids_hex, applied_last=applied_last
+        )
         plan = plan_sync(
             expired=expired,
             expired_status=result.expired_status,
@@ -443,4 +474,5 @@ class Agent:
                     self.disk_keys[alloc_id] = result.acked_keys[alloc_id]
         if plan.free:
             self.free_allocations(plan.free)
+        self._count_spills_in(plan.commit, plan.free)
         self._sync_applied = True

@@ -44,6 +44,9 @@ class AgentHooks(Protocol):
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         """Called once the reply is sent (promotion happens here)."""
 
+    def host_read(self, length: int) -> None:
+        """A READ of the host arena is being served (counted with the host tier's activity)."""
+
     def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
         """Reservations in tier ``tier`` (1: GPU, 2: disk, for spills only); None when the agent has
         no room or no such tier."""
@@ -69,8 +72,9 @@ class AgentHooks(Protocol):
     def no_room(self, size_bytes: int) -> None:
         """A reservation did not fit even after reclaim_now."""
 
-    def spilled_in(self, count: int, tier: int) -> None:
-        """Reservations flagged as spills from a peer were granted in ``tier``."""
+    def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
+        """Reservations flagged as spills from a peer were granted in ``tier`` (counted as spills
+        in once their swaps land)."""
 
     def expire_other_tiers(self, alloc_ids: list[int]) -> int:
         """A FREE's share outside the host arena: reservations in other tiers that expire now."""
@@ -184,6 +188,8 @@ class AgentServer:
         if not self._in_arena(offset, length) or not self._table.begin_read(alloc_id, offset, length):
             return self._read_other_tier(conn, alloc_id, offset, length)
         try:
+            # Counted before the reply goes: a client that has its bytes sees the read in stat().
+            self._hooks.host_read(length)
             view = self._arena.view(offset, length)
             try:
                 frames.send_all(conn, frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length), view)
@@ -262,7 +268,7 @@ class AgentServer:
                 self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, capacity)
                 return True
             if flags & SPILL_FLAG:
-                self._hooks.spilled_in(len(allocs), tier)
+                self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)
             payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
             frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
             return True
@@ -279,7 +285,7 @@ class AgentServer:
                 self._hooks.no_room(sum(size for size, _ in requests))
             return True
         if flags & SPILL_FLAG:
-            self._hooks.spilled_in(len(allocs), tier)
+            self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)
         self._hooks.reserved()
         payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
         frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))

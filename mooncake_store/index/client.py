@@ -67,6 +67,11 @@ class SyncResult:
     acked_keys: dict[int, str] = field(default_factory=dict)
 
 
+class NodeSuperseded(MooncakeError):
+    """The node record belongs to another incarnation (or is gone): this agent's syncs must wait
+    until it registers again, or stop."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KeyListing:
     key: str
@@ -386,14 +391,26 @@ class RedisIndex:
         return list(self._run("node_reap", grace_ms, max_keys))
 
     def agent_sync(
-        self, node_id: str, *, expired_put_ids: Sequence[str], applied_last: bool, max_graves: int = 1000
+        self,
+        node_id: str,
+        *,
+        incarnation: str,
+        expired_put_ids: Sequence[str],
+        applied_last: bool,
+        max_graves: int = 1000,
     ) -> SyncResult:
         """What happened to the node's memory since its last confirmed sync. ``applied_last``: the
         agent received and applied the reply of its previous call; if not, that reply's acks and
-        graves come again (agent_sync.lua)."""
-        acks, statuses, graves = self._run(
-            "agent_sync", node_id, max_graves, "1" if applied_last else "0", *expired_put_ids
+        graves come again (agent_sync.lua). Raises NodeSuperseded when the node record is not
+        ``incarnation``'s."""
+        reply = self._run(
+            "agent_sync", node_id, max_graves, "1" if applied_last else "0", incarnation, *expired_put_ids
         )
+        if reply == ["SUPERSEDED"]:
+            raise NodeSuperseded(
+                f"node {node_id} is not incarnation {incarnation[:12]}'s in the index (reaped, or taken over)"
+            )
+        acks, statuses, graves = reply
         acked: list[int] = []
         keys: dict[int, str] = {}
         for ack in acks:

@@ -17,6 +17,7 @@ on Redis Cluster::
     mc:{ns}:acksout:<node> list   acks the last sync delivered, until the agent confirms it applied them
     mc:{ns}:gc:<node>      zset   alloc id -> time after which the agent may free it
     mc:{ns}:gcout:<node>   list   graves the last sync delivered, until the agent confirms them
+    mc:{ns}:purging        set    nodes whose records are being purged (reaped or taken over)
     mc:{ns}:version        string object version counter
     mc:{ns}:stats          hash   hits, misses, evictions, hits:<node>:<tier>
 

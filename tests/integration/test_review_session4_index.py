@@ -3,13 +3,16 @@ its docstring gives. Real Redis, real agents (in process, so an interleaving can
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 from mooncake_store import connect
 from mooncake_store.agent.node import Agent
+from mooncake_store.index.client import NodeSuperseded
 
 SIZE = 64 << 10
 
@@ -58,7 +61,7 @@ def test_a_node_whose_reap_began_cannot_heartbeat_back_to_life_half_purged(
     make_inproc_agent: Callable[..., Agent], redis_url: str
 ) -> None:
     """node_reap.lua purges a dead node in bounded steps (max_keys, shared by up to 16 nodes), and
-    purge_node (prelude.lua:80-103) removes the node record only at the last step. node_heartbeat
+    purge_node (prelude.lua:75-99) removes the node record only at the last step. node_heartbeat
     .lua:8-11 checks only that the record exists under the same incarnation, so an agent that was
     stalled past deadline + grace and wakes between two reap steps gets OK, is live again, and the
     reaper never picks it again. The keys already stripped are gone from the index (objects lost
@@ -86,5 +89,37 @@ def test_a_node_whose_reap_began_cannot_heartbeat_back_to_life_half_purged(
             f"index, the agent still holds {held} blocks, none in its graveyard "
             f"({index.redis.zcard(index.prefix + 'gc:' + agent.node_id)})"
         )
+    finally:
+        client.close()
+
+
+def test_a_superseded_incarnation_cannot_drain_the_acks_of_its_successor(
+    make_inproc_agent: Callable[..., Agent], redis_url: str
+) -> None:
+    """agent_sync.lua:18-31 drains acks:<node id> for whoever calls with that node id: the script
+    takes no incarnation. An agent that stalled past its deadline is taken over by a new agent under
+    the same node id (node_register.lua:15 lets a new incarnation in once the deadline passed). The
+    old process wakes up; its heartbeat gets UNKNOWN, its re-registration IN_USE (a MooncakeError the
+    heartbeat loop does not catch), but its sync loop goes on and takes the new agent's acks. The new
+    agent never learns its commit: its reservation expires, agent_sync says "G", plan_sync frees it,
+    and the next put lands on the committed object's block; a get then returns the other bytes."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    node_id = f"rv-{uuid.uuid4().hex[:6]}"
+    old = make_inproc_agent(namespace=namespace, node_id=node_id, heartbeat_interval_s=3000.0, heartbeat_ttl_s=3600.0)
+    client = connect(redis_url, namespace=namespace)
+    try:
+        client.index.redis.zadd(client.index.prefix + "hb", {node_id: 0})  # the old agent stalls
+        new = make_inproc_agent(namespace=namespace, node_id=node_id)  # a replacement takes the id over
+        assert new.incarnation != old.incarnation
+        key = _key("committed")
+        client.put(key, np.full(SIZE, 0x11, dtype=np.uint8))  # onto the new agent, the only live node
+        # The stalled agent wakes up: its sync loop runs before anything stops it, and is refused.
+        with pytest.raises(NodeSuperseded):
+            old.sync_once()
+        time.sleep(new.config.reserve_timeout_s + 0.2)
+        new.sync_once()  # the reservation looks expired and its record gone ("G") with no ack
+        client.put(_key("other"), np.full(SIZE, 0x22, dtype=np.uint8))
+        got = client.get(key).tobytes()[:4]
+        assert got == b"\x11" * 4, f"get({key!r}) returned {got!r}: the new agent freed the block of a committed object"
     finally:
         client.close()

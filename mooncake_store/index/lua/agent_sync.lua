@@ -1,9 +1,11 @@
 -- agent_sync: one round trip in which an agent learns what happened to its memory.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] max graveyard entries, [4] "1" if the agent applied the last
---       reply it received (and received the last one it asked for), else "0", [5..n] put ids of
---       reservations past their deadline
--- Returns: {acks, statuses, graves}
+--       reply it received (and received the last one it asked for), else "0", [5] the agent's
+--       incarnation, [6..n] put ids of reservations past their deadline
+-- Returns: {acks, statuses, graves}, or {"SUPERSEDED"} when the node record is not this
+-- incarnation's (reaped, or taken over by a new agent under the same id): what waits in the ack
+-- list and the graveyard belongs to the record's incarnation, and must not be drained by this one.
 --   acks:     alloc ids committed since the last confirmed sync; a move onto this agent's disk tier
 --             lists "<alloc id>\t<key>"
 --   statuses: one per expired put id: "R" the pending record was still there and is now revoked
@@ -17,6 +19,8 @@
 -- Applying an ack or a grave twice is harmless: alloc ids are never reused.
 local node = ARGV[2]
 local now = now_ms()
+local record = redis.call('HGET', P .. 'nodes', node)
+if not record or cjson.decode(record).incarnation ~= ARGV[5] then return {'SUPERSEDED'} end
 local ak, gk = P .. 'acks:' .. node, P .. 'gc:' .. node
 local ako, gko = P .. 'acksout:' .. node, P .. 'gcout:' .. node
 if ARGV[4] == '1' then redis.call('DEL', ako, gko) end
@@ -30,7 +34,7 @@ end
 append(ako, redis.call('LRANGE', ak, 0, -1))
 redis.call('DEL', ak)
 local statuses = {}
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   if redis.call('DEL', P .. 'pend:' .. ARGV[i]) == 1 then
     table.insert(statuses, 'R')
   else

@@ -16,6 +16,7 @@ local renew_before = now + lease - math.floor(lease / 10)
 local out = {now}
 local hits = 0
 local tier_hits = {}
+local TIER_RANK = {host = 0, gpu = 1, disk = 2}
 for i = 3, #ARGV do
   local ok = P .. 'o:' .. ARGV[i]
   local f = redis.call('HMGET', ok, 'size', 'dtype', 'shape', 'checksum', 'version', 'replicas', 'lease_until')
@@ -27,12 +28,16 @@ for i = 3, #ARGV do
       -- One COMPLETE replica: returned as stored when its node is live.
       if not node_live(node, now) then reps = nil end
     else
-      local live = {}
+      local live, best = {}, nil
       for _, r in ipairs(decode_list(reps)) do
-        if r[6] == 'COMPLETE' and node_live(r[1], now) then live[#live + 1] = r end
+        if r[6] == 'COMPLETE' and node_live(r[1], now) then
+          live[#live + 1] = r
+          -- Hits go to the replica a reader on another host takes: the cheapest tier.
+          if best == nil or TIER_RANK[r[2]] < TIER_RANK[best[2]] then best = r end
+        end
       end
       if #live > 0 then
-        reps, node, tier = encode_list(live), live[1][1], live[1][2]
+        reps, node, tier = encode_list(live), best[1], best[2]
       else
         reps = nil
       end
@@ -45,7 +50,7 @@ for i = 3, #ARGV do
       end
       found = {f[1], f[2], f[3], f[4], f[5], reps, lease_until}
       hits = hits + 1
-      -- Credited to the first live replica's node and tier: the one a reader on another host takes.
+      -- Credited to the cheapest live replica's node and tier: the one a reader on another host takes.
       local name = 'hits:' .. node .. ':' .. tier
       tier_hits[name] = (tier_hits[name] or 0) + 1
     end

@@ -1,12 +1,14 @@
 -- node_heartbeat: extend an agent's deadline and publish its current use.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] incarnation, [4] ttl ms, [5] JSON of fields to merge into the node record
--- Returns: {"OK", deadline_ms}, or {"UNKNOWN"} when the record is gone or belongs to another
--- incarnation (the agent was reaped while stalled and must register again).
+-- Returns: {"OK", deadline_ms}, or {"UNKNOWN"} when the record is gone, belongs to another
+-- incarnation or is being purged (the agent was reaped while stalled and must register again).
 local node, inc, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
 local raw = redis.call('HGET', P .. 'nodes', node)
 if not raw then return {'UNKNOWN'} end
+-- Being reaped (or taken over): part of its replicas may be gone already.
+if redis.call('SISMEMBER', P .. 'purging', node) == 1 then return {'UNKNOWN'} end
 local rec = cjson.decode(raw)
 if rec.incarnation ~= inc then return {'UNKNOWN'} end
 for k, v in pairs(cjson.decode(ARGV[5])) do rec[k] = v end

@@ -22,6 +22,10 @@ if old then
   end
 end
 local rec = cjson.decode(info)
+if not old or cjson.decode(old).incarnation ~= rec.incarnation then
+  -- A new incarnation starts counting afresh, like every other counter of its tiers.
+  for _, t in ipairs({'gpu', 'host', 'disk'}) do redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':' .. t) end
+end
 rec.last_heartbeat_ms = now
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)

@@ -74,6 +74,10 @@ end
 -- Returns the number of keys still to go (0 when the node is gone from the index).
 local function purge_node(node, max_keys)
   local nk = P .. 'nobj:' .. node
+  -- Marked until the last step: a heartbeat of the incarnation being purged must not bring the
+  -- node back to life with part of its replicas gone (node_heartbeat answers UNKNOWN, and the
+  -- agent drops everything and registers again, which finishes the purge first).
+  redis.call('SADD', P .. 'purging', node)
   local keys = redis.call('SRANDMEMBER', nk, max_keys)
   for _, key in ipairs(keys) do
     local ok = P .. 'o:' .. key
@@ -94,9 +98,28 @@ local function purge_node(node, max_keys)
     redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node)
     redis.call('HDEL', P .. 'nodes', node)
     redis.call('ZREM', P .. 'hb', node)
+    redis.call('SREM', P .. 'purging', node)
   end
   return left
 end
+-- Whether alloc id `alloc` (a decimal string) of node `node` cannot name live memory there: the
+-- node left the node table, or the id carries the tag of another incarnation of it than the one
+-- registered now (bits 47..62, mooncake_store.types.ALLOC_TAG_SHIFT; a node record without a tag
+-- judges nothing). A put reserved before a restart must not commit into the successor's arena.
+-- Exact as a double for any id below tag * 2^47 + 2^47 - 2^10.
+local node_tags = {}
+local function stale_alloc(node, alloc)
+  local tag = node_tags[node]
+  if tag == nil then
+    local raw = redis.call('HGET', P .. 'nodes', node)
+    tag = raw and (tonumber(cjson.decode(raw).alloc_tag) or 0) or -1
+    node_tags[node] = tag
+  end
+  if tag == -1 then return true end
+  if tag == 0 then return false end
+  return math.floor(tonumber(alloc) / 140737488355328) % 65536 ~= tag
+end
+
 -- Compare-and-swap one replica of key from (old_node, old_alloc) to new (a decoded replica array)
 -- (DESIGN.md §3.4). guard: "" or the put id of the new location's reservation on another agent,
 -- whose record pend:<guard> that agent's sync deletes when the reservation times out. Returns "OK"
@@ -116,7 +139,7 @@ local function swap_replica(key, old_node, old_alloc, new, guard, now)
     elseif r[1] == new[1] then dup = true end
   end
   if guard ~= '' and redis.call('DEL', P .. 'pend:' .. guard) == 0 then return 'EXPIRED' end
-  if redis.call('HEXISTS', P .. 'nodes', new[1]) == 0 then return 'EXPIRED' end
+  if stale_alloc(new[1], new[5]) then return 'EXPIRED' end
   if not found then return 'GONE' end
   if dup then return 'DUP' end
   if live_pins(key, now) > 0 then return 'PINNED' end

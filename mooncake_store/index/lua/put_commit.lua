@@ -2,7 +2,8 @@
 -- KEYS: none
 -- ARGV: [1] prefix, [2..n] put ids
 -- Returns: one status per put id, in order: "OK", "EXPIRED" (the pending record is gone: revoked or
--- reclaimed, the bytes may already be freed; or a replica's node has left the node table) or "PINNED" (the key exists and holds live pins, so it
+-- reclaimed, the bytes may already be freed; or a replica's node has left the node table or
+-- restarted since the reservation) or "PINNED" (the key exists and holds live pins, so it
 -- cannot be replaced). On OK an older object under the key is replaced in one step: its replicas go
 -- to their agents' graveyards, to be freed once every read lease granted on it has expired.
 local now = now_ms()
@@ -16,11 +17,12 @@ for i = 2, #ARGV do
     local e = cjson.decode(raw)
     local ok = P .. 'o:' .. e.key
     local old = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent')
-    -- A replica on a node that left the node table (reaped, deregistered) names memory that is
-    -- gone; no reaper would ever find it again, so the put fails like an expired reservation.
+    -- A replica on a node that left the node table (reaped, deregistered), or reserved from an
+    -- earlier incarnation of its node (restarted since), names memory that is gone; no reaper would
+    -- ever find it again, so the put fails like an expired reservation.
     local orphan = false
     for _, r in ipairs(e.replicas) do
-      if redis.call('HEXISTS', P .. 'nodes', r[1]) == 0 then orphan = true end
+      if stale_alloc(r[1], r[5]) then orphan = true end
     end
     if orphan then
       redis.call('DEL', pk)
