@@ -51,3 +51,8 @@ def guarded_spill_copy(
         state=ReplicaState.COMPLETE,
     )
     return meta.replicas[0], new, put_id.hex()
+
+
+def random_bytes(n: int, seed: int) -> np.ndarray:
+    """``n`` reproducible random bytes."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from mooncake_store import LocalCluster
 from mooncake_store.tiers.gpu_arrays import cuda_status
+
+MiB = 1 << 20
 
 USABLE, WHY = cuda_status(0)
 
@@ -16,3 +21,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/gpu/" in str(item.fspath):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cupy():  # type: ignore[no-untyped-def]
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def gpu_cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    """One agent with a 32 MiB GPU tier and a 64 MiB host arena."""
+    cluster = make_cluster(0)
+    cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(64 * MiB), "--gpu-mem", str(32 * MiB)])
+    return cluster

@@ -11,35 +11,23 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import random_bytes, wait_until
 
-from mooncake_store import Client, LocalCluster, MooncakeError, connect
+from mooncake_store import Client, MooncakeError, connect
 from mooncake_store.tiers.gpu import GpuArena, GpuSegment
 from mooncake_store.tiers.gpu_arrays import memcpy
 
 MiB = 1 << 20
 
 
-@pytest.fixture
-def cupy():  # type: ignore[no-untyped-def]
-    import cupy
-
-    return cupy
-
-
-def _random(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
 def test_arena_round_trip_host_and_device(cupy) -> None:  # type: ignore[no-untyped-def]
     arena = GpuArena(0, 16 * MiB)
     try:
         assert len(arena.ipc_handle) == 64  # sizeof(cudaIpcMemHandle_t)
-        data = _random(3 * MiB, 0)
+        data = random_bytes(3 * MiB, 0)
         arena.write_from_host(4096, memoryview(data))
         back = np.empty_like(data)
         arena.read_to_host(4096, memoryview(back))
@@ -50,7 +38,7 @@ def test_arena_round_trip_host_and_device(cupy) -> None:  # type: ignore[no-unty
         floats_back = np.empty_like(floats)
         arena.read_to_host(0, memoryview(floats_back))
         assert np.array_equal(floats_back, floats)
-        dev = cupy.asarray(_random(MiB, 1))  # device to device into the arena
+        dev = cupy.asarray(random_bytes(MiB, 1))  # device to device into the arena
         arena.copy_within(8 * MiB, int(dev.data.ptr), MiB)
         out = np.empty(MiB, np.uint8)
         arena.read_to_host(8 * MiB, memoryview(out))
@@ -114,13 +102,6 @@ def test_ipc_from_another_process_both_ways() -> None:
         arena.close()
 
 
-@pytest.fixture
-def gpu_cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    cluster = make_cluster(0)
-    cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(64 * MiB), "--gpu-mem", str(32 * MiB)])
-    return cluster
-
-
 def test_device_put_lands_in_gpu_tier_and_reads_back(cupy, gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
     client: Client = make_client(gpu_cluster)
     host_x = np.random.default_rng(2).standard_normal((64, 1024)).astype(np.float32)
@@ -157,7 +138,7 @@ def test_tcp_reads_of_gpu_replicas_at_any_offset(cupy, gpu_cluster, make_client)
     """The agent serves GPU replicas over TCP (host gets, TCP-only clients, other hosts): the read
     names the replica's offset in the GPU arena, which is not 0 for any object but the first."""
     client: Client = make_client(gpu_cluster)
-    values = {f"at/{i}": _random(4096 + i, 10 + i) for i in range(3)}
+    values = {f"at/{i}": random_bytes(4096 + i, 10 + i) for i in range(3)}
     for key, value in values.items():
         client.put(key, cupy.asarray(value))
     offsets = [client.object_meta(key).replicas[0].offset for key in values]  # type: ignore[union-attr]
@@ -180,7 +161,7 @@ def test_host_object_to_device_in_one_copy(cupy, gpu_cluster, make_client) -> No
 def test_device_put_without_gpu_tier_is_staged_to_host(cupy, make_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(1)
     client: Client = make_client(cluster)
-    host_x = _random(MiB + 3, 3)
+    host_x = random_bytes(MiB + 3, 3)
     client.put("staged", cupy.asarray(host_x))
     assert str(client.object_meta("staged").replicas[0].tier) == "host"  # type: ignore[union-attr]
     assert np.array_equal(client.get("staged"), host_x)
@@ -190,7 +171,7 @@ def test_device_put_without_gpu_tier_is_staged_to_host(cupy, make_cluster, make_
 def test_agent_in_the_client_process(cupy, make_inproc_agent, redis_url) -> None:  # type: ignore[no-untyped-def]
     agent = make_inproc_agent(host_bytes=16 * MiB, gpu_bytes=8 * MiB, reserve_timeout_s=10.0)
     with connect(redis_url, namespace=agent.namespace) as client:
-        host_x = _random(MiB, 4)
+        host_x = random_bytes(MiB, 4)
         client.put("here", cupy.asarray(host_x))
         assert str(client.object_meta("here").replicas[0].tier) == "gpu"  # type: ignore[union-attr]
         assert np.array_equal(cupy.asnumpy(client.get("here", device=0)), host_x)
@@ -239,7 +220,7 @@ def test_gpu_pressure_spills_to_the_peers_gpu_tier(cupy, make_cluster, make_clie
     cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(4 * MiB), "--gpu-mem", str(16 * MiB)])
     cluster.add_agent(node_id="gpu-1", extra_args=["--host-bytes", str(4 * MiB), "--gpu-mem", str(128 * MiB)])
     client: Client = make_client(cluster, lease_ms=200, timeout_s=30)
-    values = {f"g/{i}": _random(MiB, i) for i in range(40)}
+    values = {f"g/{i}": random_bytes(MiB, i) for i in range(40)}
     for key, value in values.items():
         client.put(key, cupy.asarray(value), preferred_node="gpu-0")
 

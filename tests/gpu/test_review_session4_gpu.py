@@ -6,7 +6,6 @@ elsewhere)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,24 +13,10 @@ import pytest
 
 import mooncake_store.client.device as device_module
 import mooncake_store.tiers.gpu_arrays as gpu_arrays
-from mooncake_store import Client, LocalCluster, MooncakeError
+from mooncake_store import Client, MooncakeError
 from mooncake_store.errors import TransferError
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def cupy():  # type: ignore[no-untyped-def]
-    import cupy
-
-    return cupy
-
-
-@pytest.fixture
-def gpu_cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    cluster = make_cluster(0)
-    cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(64 * MiB), "--gpu-mem", str(32 * MiB)])
-    return cluster
 
 
 def _put_gpu_object(cupy: Any, client: Client, key: str) -> np.ndarray:

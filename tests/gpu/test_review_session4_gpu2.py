@@ -10,7 +10,7 @@ import uuid
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import random_bytes, wait_until
 
 from mooncake_store import Client
 from mooncake_store.config import AgentConfig
@@ -19,17 +19,6 @@ from mooncake_store.tiers import gpu as gpu_module
 from mooncake_store.transport.tcp import TcpTransport
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def cupy():  # type: ignore[no-untyped-def]
-    import cupy
-
-    return cupy
-
-
-def _random(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def _tier(client: Client, key: str) -> tuple[str, str]:
@@ -46,7 +35,7 @@ def test_device_put_larger_than_the_gpu_tier_is_staged_to_host(cupy, make_cluste
     cluster = make_cluster(0)
     cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(64 * MiB), "--gpu-mem", str(8 * MiB)])
     client: Client = make_client(cluster, timeout_s=5)
-    value = _random(12 * MiB, 1)
+    value = random_bytes(12 * MiB, 1)
     client.put("big", cupy.asarray(value))
     assert _tier(client, "big") == ("gpu-0", "host")
     assert np.array_equal(client.get("big"), value)
@@ -60,7 +49,7 @@ def test_device_put_to_a_preferred_node_without_gpu_tier(cupy, make_cluster, mak
     cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(16 * MiB), "--gpu-mem", str(8 * MiB)])
     cluster.add_agent(node_id="cpu-0", extra_args=["--host-bytes", str(16 * MiB)])
     client: Client = make_client(cluster, timeout_s=5)
-    value = _random(MiB, 2)
+    value = random_bytes(MiB, 2)
     client.put("pinned-here", cupy.asarray(value), preferred_node="cpu-0")
     assert _tier(client, "pinned-here") == ("cpu-0", "host")
     assert np.array_equal(client.get("pinned-here"), value)
@@ -75,7 +64,7 @@ def test_fragmented_gpu_tier_makes_room_for_a_waiting_put(cupy, make_cluster, ma
     cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(64 * MiB), "--gpu-mem", str(16 * MiB)])
     client: Client = make_client(cluster, timeout_s=6, lease_ms=200)
     for i in range(4):  # 12 of 16 MiB: under the high watermark, laid out back to back
-        client.put(f"frag/{i}", cupy.asarray(_random(3 * MiB, 10 + i)))
+        client.put(f"frag/{i}", cupy.asarray(random_bytes(3 * MiB, 10 + i)))
     offsets = sorted(client.object_meta(f"frag/{i}").replicas[0].offset for i in range(4))  # type: ignore[union-attr]
     assert offsets == [0, 3 * MiB, 6 * MiB, 9 * MiB], offsets
     client.remove("frag/0")
@@ -86,7 +75,7 @@ def test_fragmented_gpu_tier_makes_room_for_a_waiting_put(cupy, make_cluster, ma
 
     # Free now: [0, 3), [6, 9) and [12, 16) MiB, 10 MiB in all, the largest block 4 MiB.
     assert wait_until(lambda: gpu_used() == 6 * MiB, timeout_s=10), gpu_used()
-    value = _random(5 * MiB, 20)
+    value = random_bytes(5 * MiB, 20)
     client.put("frag/big", cupy.asarray(value))  # NoCapacity after timeout_s on the current code
     assert np.array_equal(cupy.asnumpy(client.get("frag/big", device=0)), value)
 
@@ -100,13 +89,13 @@ def test_gpu_segments_of_agents_that_left_are_closed(cupy, make_cluster, make_cl
     cluster.add_agent(node_id="gpu-a", extra_args=["--host-bytes", str(16 * MiB), "--gpu-mem", str(8 * MiB)])
     reader: Client = make_client(cluster)
     writer: Client = make_client(cluster)
-    writer.put("a", cupy.asarray(_random(MiB, 3)))
+    writer.put("a", cupy.asarray(random_bytes(MiB, 3)))
     reader.get("a", device=0)
     assert reader._gpu is not None and reader._gpu.open_count() == 1
     cluster.agent("gpu-a").stop()  # leaves the cluster: deregistered, its arena freed
     cluster.add_agent(node_id="gpu-b", extra_args=["--host-bytes", str(16 * MiB), "--gpu-mem", str(8 * MiB)])
     fresh: Client = make_client(cluster)
-    value = _random(MiB, 4)
+    value = random_bytes(MiB, 4)
     fresh.put("b", cupy.asarray(value))
     assert np.array_equal(cupy.asnumpy(reader.get("b", device=0)), value)  # re-reads the node table
     assert "gpu-a" not in reader._node_table()
