@@ -53,7 +53,11 @@ class DiskInbox:
             return None
         if not self.table.begin_write(alloc_id, offset, length):
             return None
-        return bytearray(length)
+        try:
+            return bytearray(length)
+        except MemoryError:  # the fence must not outlive a buffer that could not be made
+            self.table.end_write(alloc_id)
+            return None
 
     def written(self, alloc_id: int, data: bytearray | None) -> bool:
         """Store a received chunk file (None: the transfer broke off) and lift the fence; False

@@ -196,6 +196,8 @@ class Agent:
             return self.inbox.reserve(requests) if self.inbox is not None and spill else None
         if self.gpu_table is None:
             return None
+        if sum(size for size, _ in requests) > self.gpu_table.capacity_bytes:
+            return None  # can never fit: no room is made for it
         allocs = self.gpu_table.reserve(requests)
         if allocs is None and not spill:  # a refused spill goes to another peer: no room is made for it
             self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
@@ -217,7 +219,11 @@ class Agent:
             return self.inbox.staging(alloc_id, offset, length)
         if self.gpu_table is None or not self.gpu_table.begin_write(alloc_id, offset, length):
             return None
-        return bytearray(length)
+        try:
+            return bytearray(length)
+        except MemoryError:  # the fence must not outlive a buffer that could not be made
+            self.gpu_table.end_write(alloc_id)
+            return None
 
     def other_tier_written(self, alloc_id: int, offset: int, data: bytearray | None) -> bool:
         if self.inbox is not None and alloc_id in self.inbox:

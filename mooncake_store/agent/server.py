@@ -30,6 +30,8 @@ TIER_GPU = 1
 TIER_DISK = 2
 #: RESERVE flag: the reservation is a spill from a peer agent.
 SPILL_FLAG = 1
+#: Pause before accepting again after accept() failed (out of descriptors, say).
+ACCEPT_RETRY_S = 0.1
 #: Chunk for draining the payload of a refused WRITE.
 DRAIN_BYTES = 1 << 20
 
@@ -127,19 +129,31 @@ class AgentServer:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
-            # A request under way must go on promptly (each recv and send is bounded); idle pooled
-            # connections wait for their next request in poll(), as long as they like (_serve).
-            frames.kernel_timeouts(conn, self._timeout_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-            thread = threading.Thread(target=self._serve, args=(conn,), name="mc-conn", daemon=True)
-            with self._lock:
-                self._conns.add(conn)
-                self._threads.add(thread)
-            thread.start()
+            except OSError as exc:
+                if self._stop.is_set():
+                    return  # stop() shut the listening socket down
+                # Out of descriptors (EMFILE, ENFILE) or memory is a passing condition: serving
+                # nobody ever again would be the worse outcome.
+                log.warning("accept failed: %s; retrying", exc)
+                self._stop.wait(ACCEPT_RETRY_S)
+                continue
+            try:
+                # A request under way must go on promptly (each recv and send is bounded); idle
+                # pooled connections wait for their next request in poll(), as long as they like.
+                frames.kernel_timeouts(conn, self._timeout_s)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+                thread = threading.Thread(target=self._serve, args=(conn,), name="mc-conn", daemon=True)
+                with self._lock:
+                    self._conns.add(conn)
+                    self._threads.add(thread)
+                thread.start()
+            except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+                log.warning("cannot serve a new connection: %s", exc)
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -156,6 +170,8 @@ class AgentServer:
                     return
         except (ProtocolError, OSError, MooncakeError) as exc:
             log.info("closing connection: %s", exc)
+        except Exception:  # a bug must cost this connection, not leave it half-served and silent
+            log.exception("closing connection after an unexpected error")
         finally:
             conn.close()
             with self._lock:
@@ -261,6 +277,12 @@ class AgentServer:
             return False
         raw = frames.recv_exact(conn, frames.RESERVE_ENTRY.size * count)
         requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
+        if tier == TIER_HOST and sum(size for size, _ in requests) > self._table.capacity_bytes:
+            # Can never fit: no reclaim, and above all no room made for it (a pressure pass sized by
+            # it would move or evict everything on the node).
+            _used, free, largest, _ = self._table.usage()
+            self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
+            return True
         if tier != TIER_HOST:
             allocs = self._hooks.reserve_other_tier(tier, requests, spill=bool(flags & SPILL_FLAG))
             if allocs is None:

@@ -1,0 +1,121 @@
+"""Review of the agent's wire protocol (session 4, wire): agent/server.py, agent/inbox.py and the
+agent hooks in agent/node.py, driven with hand-made frames over real loopback sockets.
+
+Each test fails on the code as reviewed, for the reason its docstring gives. Real Agents in this
+process (make_inproc_agent) against the session's real Redis-compatible server; every wait is
+bounded, and every socket is closed by the test that opened it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from helpers import wait_until
+
+from mooncake_store import connect
+from mooncake_store.agent.node import Agent
+from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK
+from mooncake_store.transport import frames
+from mooncake_store.transport.frames import Op, Status
+from mooncake_store.transport.tcp import PeerConnections, parse_endpoint
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def test_a_reserve_larger_than_the_arena_evicts_nothing(
+    make_inproc_agent: Callable[..., Agent], redis_url: str
+) -> None:
+    """One RESERVE frame asking for 1 TiB on a 4 MiB agent can never be granted; it must be refused
+    (NO_CAPACITY) and cost nothing else. The server passes the size to no_room(), the pressure
+    thread wants 1 TiB of room (_arena_need: wanted - largest_free) and evicts every movable object
+    of the node, far below its watermark: a single bad frame drops every object stored there."""
+    ns = f"t-{uuid.uuid4().hex[:10]}"
+    agent = make_inproc_agent(namespace=ns, host_bytes=4 * MiB, reserve_timeout_s=30.0)
+    client = connect(redis_url, namespace=ns, timeout_s=10, transports=("tcp",))
+    keys = [f"k{i}" for i in range(4)]
+    try:
+        for i, key in enumerate(keys):
+            client.put(key, np.full(64 * KiB, i, np.uint8))  # 256 KiB of 4 MiB: no pressure at all
+        assert all(client.object_meta(k) is not None for k in keys)
+        with socket.create_connection(parse_endpoint(agent.server.endpoint), timeout=5) as sock:
+            sock.sendall(frames.pack(Op.RESERVE, 1, 0, 0) + frames.RESERVE_ENTRY.pack(1 << 40, b"x" * 16))
+            _, status, _, _, capacity = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
+        assert status == Status.NO_CAPACITY and capacity == 4 * MiB
+        time.sleep(1.5)  # the pressure thread was woken at once; give it several passes
+        gone = [k for k in keys if client.object_meta(k) is None]
+        assert not gone, f"a refused 1 TiB RESERVE on a 4 MiB node evicted {gone}"
+        for i, key in enumerate(keys):
+            assert client.get(key).tolist() == [i] * (64 * KiB)
+    finally:
+        client.close()
+
+
+def test_running_out_of_file_descriptors_does_not_kill_the_accept_loop(make_inproc_agent: Callable[..., Agent]) -> None:
+    """accept() failing with EMFILE (one client holding many idle connections, which the server
+    keeps forever and does not cap) is transient: once descriptors are free again the agent must
+    serve new connections. _accept_loop returns on any OSError from accept(), so the agent never
+    accepts again: every later connection sits in the backlog and each request times out."""
+    agent = make_inproc_agent()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    sock: socket.socket | None = None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+    try:
+        for _ in range(64):  # bounded: fill every descriptor this process may still open
+            try:
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        os.close(fillers.pop())  # one free slot, which the client end of a connection takes
+        sock = socket.create_connection(parse_endpoint(agent.server.endpoint), timeout=2)
+        time.sleep(0.6)  # the accept thread wakes for it and gets EMFILE
+    finally:
+        if sock is not None:
+            sock.close()
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    peer = PeerConnections(agent.server.endpoint, timeout_s=2, max_idle=1)
+    try:
+        assert wait_until(agent.server._accept_thread.is_alive, 1), "the accept loop died on EMFILE"
+        assert peer.ping() == frames.VERSION
+    finally:
+        peer.close()
+
+
+def test_a_disk_write_too_large_to_stage_leaks_no_fence(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A spill reservation on the disk tier is bounded only by disk_bytes, and a WRITE into it
+    stages the whole file in DRAM (inbox.staging: bytearray(length)) after begin_write has fenced
+    it. When that allocation fails (MemoryError, here 1 PiB) nothing lifts the fence: the
+    connection thread dies with a traceback (_serve catches only MooncakeError/OSError), the
+    reservation keeps readers=1, and a FREE followed by a sync only dooms it. It stays in the
+    inbox for good and its 1 PiB counts against the disk's free room for the agent's life."""
+    disk_bytes = 1 << 52
+    agent = make_inproc_agent(disk_path=str(tmp_path), disk_bytes=disk_bytes)
+    assert agent.inbox is not None
+    peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
+    try:
+        (res,) = peer.reserve([(1 << 50, b"s" * 16)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG)
+        with socket.create_connection(parse_endpoint(agent.server.endpoint), timeout=5) as sock:
+            sock.sendall(frames.pack(Op.WRITE, 0, res.alloc_id, res.offset, 1 << 50))
+            try:
+                reply = sock.recv(frames.HEADER_BYTES)  # refused (a reply) or closed: either will do
+            except OSError:
+                reply = b""
+        assert reply == b"" or frames.unpack(reply)[1] != Status.OK
+        assert peer.free([res.alloc_id]) == 1  # the writer gives the reservation up
+        agent.sync_once()  # no commit reached the index: the sync frees it
+        assert res.alloc_id not in agent.inbox, "the abandoned disk reservation is still fenced"
+        assert agent.inbox.free_bytes() == disk_bytes
+    finally:
+        peer.close()
