@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.console import Group
@@ -86,15 +87,20 @@ def activity_table(stats: ClusterStats) -> Table:
     agent served, moves under memory pressure, and the disk tier's compression ratio."""
     table = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
     table.add_column("node", no_wrap=True)
+    # Counters count from the agent's start: "up" says how long that is (a restart zeroes them).
+    table.add_column("up", justify="right", no_wrap=True)
     table.add_column("tier", no_wrap=True)
     for name, _ in ACTIVITY:
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("ratio", justify="right", no_wrap=True)
+    now_ms = time.time() * 1000
     for node in stats.nodes:
+        up = age((now_ms - node.started_ms) / 1000) if node.started_ms else "-"
         for i, tier in enumerate(node.tiers):
             counts = [str(getattr(tier, field)) for _, field in ACTIVITY]
             ratio = f"{tier.compression_ratio:.2f}x" if tier.tier == "disk" else ""
-            table.add_row(Text(node.node_id, "bold") if i == 0 else "", tier.tier, *counts, ratio)
+            first = i == 0
+            table.add_row(Text(node.node_id, "bold") if first else "", up if first else "", tier.tier, *counts, ratio)
     return table
 
 

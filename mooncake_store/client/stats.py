@@ -38,6 +38,9 @@ class NodeStats:
     transports: tuple[str, ...]
     objects: int
     tiers: tuple[TierStats, ...]
+    #: When this incarnation of the agent started (ms since the epoch): the tiers' activity
+    #: counters count from then, and start again from zero when the agent restarts.
+    started_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +106,7 @@ def build_stats(
                 transports=tuple(str(t) for t in node.transports),
                 objects=per_node.get(node.node_id, 0),
                 tiers=tuple(_tier_stats(t, hits.get((node.node_id, str(t.tier)), 0)) for t in node.tiers),
+                started_ms=node.started_ms,
             )
         )
     live = [r for r in rows if r.alive]

@@ -6,6 +6,7 @@ import json
 import os
 import select
 import signal
+import time
 from pathlib import Path
 
 from .conftest import Mooncake, assert_one_line_error
@@ -44,9 +45,11 @@ def test_stat_json_shows_both_agents(cluster_cli: Mooncake) -> None:
     table = cluster_cli.ok("stat").stdout.decode()
     assert "agent-0" in table and "agent-1" in table and "2/2 alive" in table
     # The activity table: per node and tier, what was served and moved under pressure.
-    for column in ("hits", "reads", "demoted", "promoted", "spill out", "spill in", "evicted", "ratio"):
+    for column in ("up", "hits", "reads", "demoted", "promoted", "spill out", "spill in", "evicted", "ratio"):
         assert column in table, column
     assert "evicted 0" in table
+    # The counters count from each agent's start, which stat() and --json carry.
+    assert all(0 < nodes[n]["started_ms"] <= time.time() * 1000 for n in ("agent-0", "agent-1"))
 
 
 def test_ls_and_rm(cluster_cli: Mooncake) -> None:
