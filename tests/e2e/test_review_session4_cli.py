@@ -7,17 +7,20 @@ the machine is ever seen or signalled; what is left over is stopped by PID."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -232,74 +235,125 @@ def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs) -> 
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _kill_agent_once_its_segment_exists(ns: str, stop: threading.Event, killed: list[str]) -> None:
-    # SIGKILL as the OOM killer would (a large arena is being prefaulted): the agent has created
-    # its segment but not yet printed READY, so the starter knows only its pid.
-    while not stop.is_set():
-        for name in _segments(ns):
-            pid = int(name.rsplit(".", 1)[1].split("-", 1)[0])
+class HoldingRedisProxy:
+    """A loopback TCP proxy to a real Redis server that lets each connection's commands through
+    until its first script call (EVALSHA), and from there holds what the client sends: an agent
+    has created its arena (its PING went through) but blocks in its registration, so it can be
+    killed before READY every time, not only when a race is won."""
+
+    def __init__(self, target_url: str) -> None:
+        parsed = urlsplit(target_url)
+        self._target = (parsed.hostname or "127.0.0.1", parsed.port or 6379)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}{parsed.path}"
+        self._socks: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
-            killed.append(name)
-            return
-        time.sleep(0.002)
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self._target)
+            self._socks += [client, server]
+            for target, args in ((self._to_server, (client, server)), (self._to_client, (server, client))):
+                thread = threading.Thread(target=target, args=args, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    @staticmethod
+    def _to_server(client: socket.socket, server: socket.socket) -> None:
+        seen = b""  # what was sent so far, for a command name split over two reads
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                at = (seen[-6:] + data).upper().find(b"EVALSHA")
+                if at >= 0:
+                    server.sendall(data[: max(0, at - len(seen[-6:]))])
+                    while client.recv(65536):  # held: the server never sees the script call
+                        pass
+                    return
+                server.sendall(data)
+                seen = seen[-6:] + data
+
+    @staticmethod
+    def _to_client(server: socket.socket, client: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                client.sendall(data)
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+@pytest.fixture
+def holding_proxy(redis_url: str) -> Iterator[HoldingRedisProxy]:
+    proxy = HoldingRedisProxy(redis_url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def _kill_agent_once_its_segment_exists(ns: str, timeout_s: float = 30.0) -> str:
+    """SIGKILL, as the OOM killer would, the agent of namespace ``ns`` once its segment exists (it
+    is then held in its registration, before READY); the segment's name."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for name in _segments(ns):
+            os.kill(int(name.rsplit(".", 1)[1].split("-", 1)[0]), signal.SIGKILL)
+            return name
+        time.sleep(0.005)
+    raise AssertionError(f"no segment of namespace {ns} appeared within {timeout_s} s")
 
 
 def test_up_removes_the_segment_of_an_agent_killed_before_ready(
-    mooncake: Mooncake, procs: Procs, namespaces: list[str]
+    mooncake: Mooncake, procs: Procs, namespaces: list[str], holding_proxy: HoldingRedisProxy
 ) -> None:
-    # launcher._expected_segment rebuilds the name as mooncake.NS.NODE.PID, but agents name their
+    # launcher._expected_segment rebuilt the name as mooncake.NS.NODE.PID, but agents name their
     # segment mooncake.NS.NODE.PID-INCARNATION since the incarnation went into the name: the segment
-    # of an agent that died before READY is never removed.
-    for _ in range(3):  # if the agent got to READY before the kill, try again
-        ns = f"rv4-{uuid.uuid4().hex[:8]}"
-        namespaces.append(ns)
-        stop, killed = threading.Event(), []  # type: ignore[var-annotated]
-        killer = threading.Thread(target=_kill_agent_once_its_segment_exists, args=(ns, stop, killed))
-        killer.start()
-        try:
-            up = mooncake("up", "--detach", "--agents", "1", "--host-mem", "1GiB", "--namespace", ns, timeout=120)
-        finally:
-            stop.set()
-            killer.join()
-        if up.returncode != 0:
-            break
-        procs.scan()
-        mooncake("down", "--timeout", "5")
-    else:
-        pytest.skip("the agent always became ready before it could be killed")
-    assert killed, up.stderr
-    assert up.returncode == 1 and b"agent-0" in up.stderr, up.stderr
+    # of an agent that died before READY was never removed.
+    ns = f"rv4-{uuid.uuid4().hex[:8]}"
+    namespaces.append(ns)
+    up = mooncake.popen(
+        "up", "--detach", "--agents", "1", "--host-mem", "64MiB", "--namespace", ns, "--redis-url", holding_proxy.url
+    )
+    try:
+        killed = _kill_agent_once_its_segment_exists(ns)
+        _, stderr = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(timeout=10)
+    procs.scan()
+    assert up.returncode == 1 and b"agent-0" in stderr, stderr
     assert _segments(ns) == [], f"{killed} left in {SHM} after `mooncake up` failed"
 
 
-def test_local_cluster_removes_the_segment_of_an_agent_killed_before_ready(namespaces: list[str]) -> None:
-    # LocalCluster learns a segment's name only from READY (AgentProcess.shm_name stays ""), so an
-    # agent that dies before it leaves its whole arena in /dev/shm.
-    for _ in range(3):
-        ns = f"rv4-{uuid.uuid4().hex[:8]}"
-        namespaces.append(ns)
-        stop, killed = threading.Event(), []  # type: ignore[var-annotated]
-        killer = threading.Thread(target=_kill_agent_once_its_segment_exists, args=(ns, stop, killed))
-        killer.start()
-        cluster = LocalCluster(num_agents=1, host_bytes=1 << 30, namespace=ns)
-        failed = False
-        try:
-            cluster.start()
-        except MooncakeError:
-            failed = True
-        finally:
-            stop.set()
-            killer.join()
-            cluster.stop()
-        if failed:
-            break
-    else:
-        pytest.skip("the agent always became ready before it could be killed")
-    assert killed
-    assert _segments(ns) == [], f"{killed} left in {SHM} after LocalCluster.start() failed"
+def test_local_cluster_removes_the_segment_of_an_agent_killed_before_ready(
+    namespaces: list[str], holding_proxy: HoldingRedisProxy
+) -> None:
+    # LocalCluster learned a segment's name only from READY (AgentProcess.shm_name stayed ""), so
+    # an agent that died before it left its whole arena in /dev/shm.
+    ns = f"rv4-{uuid.uuid4().hex[:8]}"
+    namespaces.append(ns)
+    cluster = LocalCluster(num_agents=1, host_bytes=64 << 20, namespace=ns, redis_url=holding_proxy.url)
+    killer = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    killed = killer.submit(_kill_agent_once_its_segment_exists, ns)
+    try:
+        with pytest.raises(MooncakeError):
+            cluster.start()  # stops what it started when the agent never says READY
+    finally:
+        cluster.stop()
+        killer.shutdown(wait=True)
+    assert _segments(ns) == [], f"{killed.result()} left in {SHM} after LocalCluster.start() failed"
 
 
 def test_second_sigterm_while_foreground_up_stops_does_not_orphan_the_server(

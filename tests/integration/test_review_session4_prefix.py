@@ -14,9 +14,12 @@ import uuid
 
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from mooncake_store import Client, InvalidValue, MooncakeError, PrefixCache
 from mooncake_store.client.prefix import PrefixHit
+from mooncake_store.integrations.transformers import kv_namespace, load_prefix, output_cache, save_prefix
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -166,10 +169,6 @@ def test_load_prefix_never_restores_the_kv_of_another_model(shared_client: Clien
     built from a config, then given its weights from a state dict): two models with different
     weights and one layout share a namespace, and load_prefix of one restores the KV cache that
     the other computed, so its continuation is silently wrong."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from mooncake_store.integrations.transformers import kv_namespace, load_prefix, output_cache, save_prefix
-
     config = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
               "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
     torch.manual_seed(1)
