@@ -108,38 +108,28 @@ def up(
         raise CliError(f"--host-mem={host_mem!r}: must be more than 0 B", ExitCode.USAGE)
     # Validates the URL and namespace (ConfigError -> exit 2) with the same rules as the SDK.
     config = load_config(overrides={"redis_url": redis_url or g.redis_url, "namespace": namespace or g.namespace})
-    with _only_up():
-        _up_locked(agents, host_bytes, config.redis_url, config.namespace, port, zone, timeout, detach, as_json)
-
-
-def _up_locked(
-    agents: int,
-    host_bytes: int,
-    redis_url: str | None,
-    namespace: str,
-    port: int,
-    zone: str | None,
-    timeout: float,
-    detach: bool,
-    as_json: bool,
-) -> None:
-    _refuse_if_running()
-    launcher.check_shm_room(agents, host_bytes)
     plan = launcher.LaunchPlan(
         num_agents=agents,
         host_bytes=host_bytes,
-        redis_url=redis_url,
-        namespace=namespace,
+        redis_url=config.redis_url,
+        namespace=config.namespace,
         port=port,
         zone=zone,
         timeout_s=timeout,
         mode="detached" if detach else "foreground",
     )
-    owner = None if detach else ref_of(os.getpid())
+    with _only_up():
+        _start(plan, as_json=as_json)
+
+
+def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
+    """Start the planned cluster; the caller holds the state directory (_only_up)."""
+    _refuse_if_running()
+    launcher.check_shm_room(plan.num_agents, plan.host_bytes)
     if not as_json:
         where = "the embedded server" if plan.redis_url is None else redact_url(plan.redis_url)
-        err.print(f"[dim]starting {agents} agent(s) x {format_size(host_bytes)} on {where}...[/dim]")
-    if detach:
+        err.print(f"[dim]starting {plan.num_agents} agent(s) x {format_size(plan.host_bytes)} on {where}...[/dim]")
+    if plan.mode == "detached":
         # A SIGTERM or SIGHUP while starting unwinds launch(), which stops what it started: nothing
         # is recorded yet, so nothing else could.
         previous = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -155,7 +145,7 @@ def _up_locked(
                 signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         _print_started(state, as_json=as_json)
         return
-    _run_foreground(plan, owner, as_json=as_json)
+    _run_foreground(plan, ref_of(os.getpid()), as_json=as_json)
 
 
 def _print_started(state: ClusterState, *, as_json: bool) -> None:

@@ -85,24 +85,35 @@ class LocalMoves:
         return swapped
 
     def _index_names(self, key: str, alloc_id: int, tier: TierKind) -> bool:
-        """Whether the move's target ``alloc_id`` must be kept: ``key`` lists it, or it is in this
-        node's graveyard (the sync frees it when its leases end). When the index cannot say, True,
-        and the target is remembered for settle(): dropping it under a live replica would lose
-        data, keeping it for nothing would leak it."""
-        named = self._ask_index(key, alloc_id)
-        if named is False:
-            # The swap may have landed and the object been removed or replaced since, under a
-            # reader's lease on the new location: then the graveyard frees it, not this.
-            try:
-                if alloc_id in self.agent.index.buried(self.agent.node_id, [alloc_id]):
-                    return True
-            except MooncakeError:
-                named = None
-        if named is None:
-            with self._lock:
-                self._unsure[alloc_id] = (key, tier)
-            return True
-        return named
+        """Whether the move's target ``alloc_id`` must be kept (see _keep). When the index cannot
+        say, True, and the target is remembered for settle(): dropping it under a live replica
+        would lose data, keeping it for nothing would leak it."""
+        keep = self._keep({alloc_id: key})
+        if alloc_id in keep:
+            return keep[alloc_id]
+        with self._lock:
+            self._unsure[alloc_id] = (key, tier)
+        return True
+
+    def _keep(self, targets: dict[int, str]) -> dict[int, bool]:
+        """For move targets (alloc id -> key) whose swap's outcome is unknown, whether each must be
+        kept: its key's record lists it (an object's replica like any other), or it is in this
+        node's graveyard (the swap landed and the object was removed or replaced since, perhaps
+        under a reader's lease: the sync frees it when the leases end). Neither: the swap never
+        landed, and nothing else will free it. Only the targets the index could answer for; the
+        questions go first, then the graveyard, so that a burial between the two reads is seen."""
+        named: dict[int, bool] = {}
+        for alloc_id, key in targets.items():
+            answer = self._ask_index(key, alloc_id)
+            if answer is None:
+                break  # unreachable: the rest wait for the next time
+            named[alloc_id] = answer
+        agent = self.agent
+        try:
+            buried = agent.index.buried(agent.node_id, [a for a, n in named.items() if not n])
+        except MooncakeError:
+            return {}
+        return {alloc_id: n or alloc_id in buried for alloc_id, n in named.items()}
 
     def _ask_index(self, key: str, alloc_id: int) -> bool | None:
         """Whether ``key`` lists this agent's ``alloc_id``; None when the index cannot be asked.
@@ -127,35 +138,19 @@ class LocalMoves:
             agent.table.free([alloc_id])
 
     def settle(self) -> int:
-        """Ask the index again about targets kept while it could not answer; free those it does
-        not name (the swap did not land). Stops at the first question it cannot answer. Returns
-        how many were freed. The pressure loop calls this before each pass."""
+        """Ask the index again about targets kept while it could not answer, and free those it
+        says to drop (_keep). Returns how many were freed. The pressure loop calls this before
+        each pass."""
         with self._lock:
-            unsure = list(self._unsure.items())
-        # The questions first, then the graveyard: a target the index no longer names was either
-        # never swapped in, or swapped in and buried since (a remove or a replace, perhaps under
-        # a reader's lease); asked in this order, a burial between the two reads is seen.
-        answers: list[tuple[int, TierKind, bool]] = []
-        for alloc_id, (key, tier) in unsure:
-            named = self._ask_index(key, alloc_id)
-            if named is None:
-                break  # still unreachable: next time
-            answers.append((alloc_id, tier, named))
-        if not answers:
-            return 0
-        agent = self.agent
-        try:
-            buried = agent.index.buried(agent.node_id, [a for a, _, named in answers if not named])
-        except MooncakeError:
+            unsure = dict(self._unsure)
+        if not unsure:
             return 0
         freed = 0
-        for alloc_id, tier, named in answers:
+        for alloc_id, keep in self._keep({a: key for a, (key, _) in unsure.items()}).items():
             with self._lock:
                 self._unsure.pop(alloc_id, None)
-            # Named: an object's replica like any other. Buried: the sync frees it once its read
-            # leases end. Neither: the swap never landed, and nothing else will free it.
-            if not named and alloc_id not in buried:
-                self._drop_target(alloc_id, tier)
+            if not keep:
+                self._drop_target(alloc_id, unsure[alloc_id][1])
                 freed += 1
         return freed
 

@@ -54,7 +54,7 @@ class Agent:
         # in its container) must not publish its predecessor's name, or clients that mapped the old
         # segment would go on reading (and writing) it as if it were the new one.
         self.arena = HostArena.create(
-            segment_name(namespace, self.node_id, pid=f"{os.getpid()}-{self.incarnation[:12]}"),
+            segment_name(namespace, self.node_id, incarnation=self.incarnation[:12]),
             config.host_bytes,
             prefault=config.prefault,
         )
@@ -196,8 +196,6 @@ class Agent:
             return self.inbox.reserve(requests) if self.inbox is not None and spill else None
         if self.gpu_table is None:
             return None
-        if sum(size for size, _ in requests) > self.gpu_table.capacity_bytes:
-            return None  # can never fit: no room is made for it
         allocs = self.gpu_table.reserve(requests)
         if allocs is None and not spill:  # a refused spill goes to another peer: no room is made for it
             self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
@@ -420,6 +418,8 @@ class Agent:
         with self._sync_lock:  # never between a sync's drained acks and its commits
             for table in self._tables():
                 table.drop_after_reap()
+            with self._spills_lock:
+                self._spills_in_flight.clear()  # those reservations are gone with the rest
             if self.disk is not None:
                 self.free_allocations(sorted(self.disk_keys))
 

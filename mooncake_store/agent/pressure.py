@@ -85,7 +85,12 @@ class PressureManager:
 
     # ---- signals from the server ------------------------------------------------------------
     def want_room(self, size_bytes: int, *, tier: TierKind = TierKind.HOST) -> None:
-        """A reservation of ``size_bytes`` did not fit: make room now rather than at the next pass."""
+        """A reservation of ``size_bytes`` did not fit: make room now rather than at the next pass.
+        One larger than the whole tier can never fit, and makes none: a pass sized by it would move
+        or evict everything there (one hostile RESERVE frame would empty the node)."""
+        table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
+        if table is None or size_bytes > table.capacity_bytes:
+            return
         with self._lock:
             if tier == TierKind.GPU:
                 self._wanted_gpu_bytes = max(self._wanted_gpu_bytes, size_bytes)
@@ -162,18 +167,19 @@ class PressureManager:
         agent = self.agent
         now_ms, graves = agent.index.pending_graves(agent.node_id)
         soon_ms = now_ms + int(1000 * agent.config.pressure_interval_s)
+        return Returning(
+            all=self._bytes_in(tier, [g for g, _ in graves]),
+            soon=self._bytes_in(tier, [g for g, due in graves if due <= soon_ms]),
+        )
+
+    def _bytes_in(self, tier: TierKind, alloc_ids: list[int]) -> int:
+        """What those of ``alloc_ids`` that live in ``tier`` here take there (stored bytes on disk)."""
+        agent = self.agent
         if tier == TierKind.DISK:
             disk = agent.disk
-
-            def size(ids: list[int]) -> int:
-                return sum(e.stored_bytes for g in ids if (e := disk.entry(g)) is not None) if disk else 0
-        else:
-            table = agent.gpu_table if tier == TierKind.GPU else agent.table
-
-            def size(ids: list[int]) -> int:
-                return table.bytes_of(ids) if table is not None else 0
-
-        return Returning(all=size([g for g, _ in graves]), soon=size([g for g, due in graves if due <= soon_ms]))
+            return sum(e.stored_bytes for a in alloc_ids if (e := disk.entry(a)) is not None) if disk else 0
+        table = agent.gpu_table if tier == TierKind.GPU else agent.table
+        return table.bytes_of(alloc_ids) if table is not None else 0
 
     def _need(self, tier: TierKind, used: int, capacity: int, wanted: int = 0) -> int:
         """Bytes to move out of ``tier`` now. Past the high watermark a drain starts and goes on,

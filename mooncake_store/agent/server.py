@@ -277,12 +277,6 @@ class AgentServer:
             return False
         raw = frames.recv_exact(conn, frames.RESERVE_ENTRY.size * count)
         requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
-        if tier == TIER_HOST and sum(size for size, _ in requests) > self._table.capacity_bytes:
-            # Can never fit: no reclaim, and above all no room made for it (a pressure pass sized by
-            # it would move or evict everything on the node).
-            _used, free, largest, _ = self._table.usage()
-            self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
-            return True
         if tier != TIER_HOST:
             allocs = self._hooks.reserve_other_tier(tier, requests, spill=bool(flags & SPILL_FLAG))
             if allocs is None:

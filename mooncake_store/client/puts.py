@@ -28,7 +28,7 @@ from mooncake_store.errors import (
     TransferError,
 )
 from mooncake_store.index.client import PendingPut
-from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
+from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes, tier_capacity
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
@@ -45,11 +45,6 @@ WIRE_TIER = {TierKind.HOST: 0, TierKind.GPU: 1}
 
 def checksum_of(view: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(view)
-
-
-def _capacity_of(node: NodeInfo, tier: TierKind) -> int:
-    usage = node.tier(tier)
-    return usage.capacity_bytes if usage is not None else 0
 
 
 @dataclass(slots=True)
@@ -133,7 +128,7 @@ class PutPath:
                 # Into a GPU tier that can hold it at all; else staged to host memory once, as on a
                 # host without a GPU tier (too large for every GPU arena, or a preferred node
                 # without one, is no reason to fail).
-                if any(_capacity_of(n, TierKind.GPU) >= dev.size_bytes for n in gpu_nodes):
+                if any(tier_capacity(n, TierKind.GPU) >= dev.size_bytes for n in gpu_nodes):
                     source: Source | DeviceSource = dev
                     tier = TierKind.GPU
                 else:

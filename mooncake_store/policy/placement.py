@@ -18,7 +18,7 @@ def _free(node: NodeInfo, tier: TierKind) -> int:
     return usage.free_bytes if usage else 0
 
 
-def _capacity(node: NodeInfo, tier: TierKind) -> int:
+def tier_capacity(node: NodeInfo, tier: TierKind) -> int:
     usage = node.tier(tier)
     return usage.capacity_bytes if usage else 0
 
@@ -43,7 +43,7 @@ def rank_nodes(
     end rather than dropped: its agent has the final word when asked to reserve.
     Raises NoCapacity when no live node's tier is large enough at all.
     """
-    alive = [n for n in live_nodes(nodes, now_ms) if _capacity(n, tier) >= size_bytes]
+    alive = [n for n in live_nodes(nodes, now_ms) if tier_capacity(n, tier) >= size_bytes]
     if preferred_node is not None:
         alive = [n for n in alive if n.node_id == preferred_node]
     if not alive:
@@ -57,7 +57,7 @@ def rank_nodes(
         fits = 0 if free >= size_bytes else 1
         same_host = 0 if n.host_id == host_id else 1
         same_zone = 0 if n.zone == zone else 1
-        load = 1.0 - free / max(1, _capacity(n, tier))
+        load = 1.0 - free / max(1, tier_capacity(n, tier))
         return (fits, same_host, same_zone, load, n.node_id)
 
     return sorted(alive, key=score)
@@ -87,6 +87,6 @@ def no_room_message(
         return f"need {size_bytes} B on {tier}; no live agent is registered (start one: `mooncake up`)"
     if preferred_node is not None and preferred_node not in {n.node_id for n in alive}:
         return f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} is not a live agent"
-    parts = ", ".join(f"node {n.node_id} has {_free(n, tier)}/{_capacity(n, tier)} B free" for n in alive[:8])
-    largest = max(_capacity(n, tier) for n in alive)
+    parts = ", ".join(f"node {n.node_id} has {_free(n, tier)}/{tier_capacity(n, tier)} B free" for n in alive[:8])
+    largest = max(tier_capacity(n, tier) for n in alive)
     return f"need {size_bytes} B on {tier}; the largest {tier} arena is {largest} B; {parts}"

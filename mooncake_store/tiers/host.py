@@ -38,23 +38,23 @@ _VALID_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def segment_name(namespace: str, node_id: str, pid: int | str | None = None) -> str:
-    """``mooncake.<namespace>.<node_id>.<pid>`` with every character outside ``[A-Za-z0-9._-]``
-    replaced by ``_``, at most :data:`MAX_SEGMENT_NAME` characters.
+def segment_name(namespace: str, node_id: str, pid: int | None = None, incarnation: str = "") -> str:
+    """``mooncake.<namespace>.<node_id>.<pid>[-<incarnation>]`` with every character outside
+    ``[A-Za-z0-9._-]`` replaced by ``_``, at most :data:`MAX_SEGMENT_NAME` characters.
 
-    The pid (an agent passes its pid and incarnation) makes a restarted agent's segment distinct
-    from its predecessor's; when the name is too long the middle is cut, never the pid suffix, so
-    that uniqueness survives truncation.
+    The pid and the incarnation make a restarted agent's segment distinct from its predecessor's,
+    even under the same pid (PID 1 in a container); when the name is too long the middle is cut,
+    never the suffix, so that uniqueness survives truncation.
     """
-    suffix = f".{os.getpid() if pid is None else pid}"
+    suffix = f".{os.getpid() if pid is None else pid}" + (f"-{incarnation}" if incarnation else "")
     prefix = _UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}")
     return prefix[: MAX_SEGMENT_NAME - len(suffix)] + suffix
 
 
 def segment_pattern(namespace: str, node_id: str, pid: int) -> str:
-    """A glob matching the segment an agent of ``pid`` names (segment_name with its pid and
-    incarnation): for removing the segment of an agent that died before it said its name."""
-    return segment_name(namespace, node_id, pid=f"{pid}-*")
+    """A glob matching the segment an agent of ``pid`` names, whatever its incarnation: for
+    removing the segment of an agent that died before it said its name."""
+    return segment_name(namespace, node_id, pid=pid, incarnation="*")
 
 
 def _check_name(name: object) -> str:

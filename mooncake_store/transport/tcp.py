@@ -178,15 +178,8 @@ class PeerConnections:
 
     # ---- data ---------------------------------------------------------------------------------
     def write(self, alloc_id: int, offset: int, src: memoryview) -> None:
-        def run(sock: socket.socket) -> None:
-            frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, len(src)), src)
-            status, _, _, _ = self._reply(sock, Op.WRITE)
-            if status == Status.STALE:
-                raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
-            if status != Status.OK:
-                raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
-
-        self._call(run)
+        if not self.write_many([(alloc_id, offset, src)])[0]:
+            raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
 
     def write_many(self, requests: Sequence[tuple[int, int, memoryview]], *, window: int = 4) -> list[bool]:
         """Pipelined writes on one connection, each (alloc_id, offset, bytes): up to ``window``
