@@ -73,6 +73,7 @@ from benchlib import (
     across_runs,
     emit_report,
     markdown_table,
+    measure_memcpy,
     merge_raw_tcp,
     raw_tcp_objects_worker,
     raw_tcp_server,
@@ -84,7 +85,12 @@ from benchlib import (
 )
 
 SPILL_SIZES = (1 * MiB, 8 * MiB)
+#: A's spill paths to B: "tcp" (WRITEs; the target is judged on it: a peer on another host gets
+#: its bytes so) and "shm" (memcpy into B's shared arena: A's default for a peer on its own host).
+PATHS = ("tcp", "shm")
 SPILL_TARGET = 0.7
+#: Spill bursts per size and run (quick, full): each a fresh pair of agents, filled and released.
+SPILL_BURSTS = (3, 5)
 A_SPILL_BYTES = 1024 * MiB  # agent A's host arena in the spill cases (quick: 256 MiB)
 A_SPILL_BYTES_QUICK = 256 * MiB
 FILL = 0.9  # A is filled to this fraction of its arena before the release
@@ -200,8 +206,10 @@ def summarize_profile(path: Path, top: int = 12) -> dict[str, Any]:
     }
 
 
-def spill_case(size: int, a_bytes: int, *, profile_dir: Path | None) -> dict[str, Any]:
-    """Fill A (pinned), release, time the one burst of spilling that follows; see the module doc."""
+def spill_case(size: int, a_bytes: int, *, path: str, profile_dir: Path | None) -> dict[str, Any]:
+    """Fill A (pinned), release, time the one burst of spilling that follows; see the module doc.
+    ``path``: how A sends to B, "tcp" (WRITEs, as to a peer on another host) or "shm" (memcpy into
+    B's shared arena, A's default for a peer on its host)."""
     from mooncake_store import LocalCluster, connect
     from mooncake_store.index.client import RedisIndex
 
@@ -215,7 +223,16 @@ def spill_case(size: int, a_bytes: int, *, profile_dir: Path | None) -> dict[str
     keys = [f"spill-{size}-{i}" for i in range(count)]
     with LocalCluster(num_agents=0, host_bytes=a_bytes) as cluster:
         a = cluster.add_agent(
-            node_id="A", extra_args=["--host-bytes", str(a_bytes), "--high-watermark", hw, "--low-watermark", lw]
+            node_id="A",
+            extra_args=[
+                "--host-bytes",
+                str(a_bytes),
+                "--high-watermark",
+                hw,
+                "--low-watermark",
+                lw,
+                *(["--no-spill-shm"] if path == "tcp" else []),
+            ],
         )
         b = cluster.add_agent(node_id="B", extra_args=["--host-bytes", str(b_bytes)])
         index = RedisIndex(cluster.redis_url, namespace=cluster.namespace)
@@ -237,7 +254,7 @@ def spill_case(size: int, a_bytes: int, *, profile_dir: Path | None) -> dict[str
                     raise RuntimeError(f"fill did not stay on A: {per_node}")
                 time.sleep(0.5)  # A's pressure thread idle again, the fill's pages settled
                 if profile_dir is not None:
-                    spy = start_py_spy(a.pid, profile_dir / f"spill-A-{size_label(size).replace(' ', '')}.txt")
+                    spy = start_py_spy(a.pid, profile_dir / profile_name(size))
                 pids = {"A": a.pid, "B": b.pid, "index": cluster.server.pid if cluster.server else 0}
                 cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
                 on_b = index.prefix + "nobj:B"
@@ -306,8 +323,29 @@ def spill_case(size: int, a_bytes: int, *, profile_dir: Path | None) -> dict[str
         timeline=[(round(t * 1e3, 2), n) for t, n in points],
     )
     if profile_dir is not None:
-        res["profile"] = summarize_profile(profile_dir / f"spill-A-{size_label(size).replace(' ', '')}.txt")
+        res["profile"] = summarize_profile(profile_dir / profile_name(size))
     return res
+
+
+def profile_name(size: int) -> str:
+    return f"spill-A-{size_label(size).replace(' ', '')}.txt"
+
+
+def best_burst(bursts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest of a size's bursts, with every burst's figure and their median beside it. The
+    byte-exact check and the evictions count every burst: a wrong byte in a slower burst is not
+    hidden behind the fastest one."""
+    rates = [b["spill_gbps"] for b in bursts]
+    best = max(bursts, key=lambda b: b["spill_gbps"])
+    return {
+        **best,
+        "bursts_gbps": rates,
+        "median_burst_gbps": statistics.median(rates),
+        "checked": sum(b["checked"] for b in bursts),
+        "wrong": sum(b["wrong"] for b in bursts),
+        "evictions": sum(b["evictions"] for b in bursts),
+        "short_bursts": sum(b["moved_bytes"] < 0.9 * b["expected_bytes"] for b in bursts),
+    }
 
 
 def measure_spill(*, quick: bool, profile_dir: Path | None) -> dict[str, Any]:
@@ -318,17 +356,26 @@ def measure_spill(*, quick: bool, profile_dir: Path | None) -> dict[str, Any]:
     with raw_tcp_server(max(SPILL_SIZES)) as port:
         for conns in sorted({1, STREAMS}):
             raw[conns] = run_in_process(raw_tcp_objects_worker, port, SPILL_SIZES, conns, quick)
-    cases = {size: spill_case(size, a_bytes, profile_dir=None) for size in SPILL_SIZES}
+    # Several bursts per size, the sizes taking turns (a noisy second of the shared machine then
+    # costs one burst, not one size): the raw limit is the best of several trials, and a single
+    # burst held against it would compare one sample with the best of many.
+    bursts: dict[str, dict[int, list[dict[str, Any]]]] = {path: {size: [] for size in SPILL_SIZES} for path in PATHS}
+    for _ in range(SPILL_BURSTS[not quick]):
+        for path in PATHS:
+            for size in SPILL_SIZES:
+                bursts[path][size].append(spill_case(size, a_bytes, path=path, profile_dir=None))
+    cases = {path: {size: best_burst(runs) for size, runs in per_size.items()} for path, per_size in bursts.items()}
+    memcpy = measure_memcpy(SPILL_SIZES, quick=quick)["cold"]
     # Raw trials again after the cases (the machine is shared): the limit is the best of both rounds.
     with raw_tcp_server(max(SPILL_SIZES)) as port:
         for conns in sorted(raw):
             later = run_in_process(raw_tcp_objects_worker, port, SPILL_SIZES, conns, quick)
             raw[conns] = merge_raw_tcp(raw[conns], later)
-    out: dict[str, Any] = {"raw_tcp": raw, "streams": STREAMS, "a_bytes": a_bytes, "cases": cases}
+    out: dict[str, Any] = {"raw_tcp": raw, "memcpy": memcpy, "streams": STREAMS, "a_bytes": a_bytes, "cases": cases}
     if profile_dir is not None:
         # Separate runs under py-spy, so that the sampler (a process of its own on the same CPUs)
         # does not slow the figures in the table.
-        out["profiled"] = {size: spill_case(size, a_bytes, profile_dir=profile_dir) for size in SPILL_SIZES}
+        out["profiled"] = {size: spill_case(size, a_bytes, path="tcp", profile_dir=profile_dir) for size in SPILL_SIZES}
     return out
 
 
@@ -651,6 +698,63 @@ def fmt(runs: list[dict[str, Any]], *path: Any, digits: int = 2) -> str:
     return spread_cell(across_runs(runs, *path), len(runs), digits)
 
 
+def spill_row(
+    runs: list[dict[str, Any]], path: str, size: int, conns: list[int], bursts: int, verdicts: list[str]
+) -> list[str]:
+    """One spill table row (path, size); its verdict line goes to ``verdicts``."""
+    _, lw = SPILL_WATERMARKS
+    best_raw = max(across_runs(runs, "spill", "raw_tcp", c, "put", size)[0] for c in conns)
+    spill = across_runs(runs, "spill", "cases", path, size, "spill_gbps")[0]
+    ratio = spill / best_raw
+    ok = ratio >= SPILL_TARGET
+    # The typical raw figure behind the best trial: the better loop's median trial.
+    typical = statistics.median(
+        max(
+            v
+            for k in conns
+            for name, v in raw_tcp_spread(run["spill"]["raw_tcp"][k], "put", size).items()
+            if name.endswith("_median")
+        )
+        for run in runs
+    )
+    c = runs[-1]["spill"]["cases"][path][size]
+    short = ""
+    if c["moved_bytes"] < 0.9 * c["expected_bytes"]:
+        left = c["on_a"] * size / c["a_bytes"]
+        short = (
+            f"; the burst stopped early: {c['moved_bytes'] >> 20} of the {c['expected_bytes'] >> 20} MiB that "
+            f"take A to its low watermark ({lw}) moved, A still {left:.0%} full (last run)"
+        )
+    if c["short_bursts"]:
+        short += f"; {c['short_bursts']} of {bursts} bursts (last run) moved under 90% of what they should"
+    median_burst = across_runs(runs, "spill", "cases", path, size, "median_burst_gbps")[0]
+    memcpy = across_runs(runs, "spill", "memcpy", size)[0]
+    if path == "tcp":
+        verdict = f"-> {'met' if ok else 'MISSED'} (≥{SPILL_TARGET})"
+    else:
+        verdict = f"= {spill / memcpy:.2f}x one thread's memcpy ({memcpy:.2f} GB/s; not the target's path)"
+    verdicts.append(
+        f"spill {size_label(size)} over {path}: best burst {spill:.2f} GB/s = {ratio:.2f}x raw loopback TCP put's "
+        f"best trial ({best_raw:.2f} GB/s) {verdict}; median burst {median_burst:.2f} GB/s = "
+        f"{median_burst / typical:.2f}x raw TCP's median trial ({typical:.2f}){short}"
+    )
+    return [
+        path,
+        size_label(size),
+        *(fmt(runs, "spill", "raw_tcp", k, "put", size) for k in conns),
+        fmt(runs, "spill", "memcpy", size),
+        fmt(runs, "spill", "cases", path, size, "spill_gbps"),
+        fmt(runs, "spill", "cases", path, size, "median_burst_gbps"),
+        fmt(runs, "spill", "cases", path, size, "after_first_gbps"),
+        f"{ratio:.2f}" + (f" {'met' if ok else 'MISSED'}" if path == "tcp" else ""),
+        f"{c['moved_bytes'] >> 20} MiB ({c['moved_objects']}/{c['objects']} obj.)",
+        f"{c['t_first_ms']:.0f} / {c['t_last_ms']:.0f} ({c['steps']} steps)",
+        f"{c['evictions']}",
+        f"{c['checked'] - c['wrong']}/{c['checked']}",
+        " ".join(f"{k} {v:.2f}" for k, v in c["cpu_s"].items()),
+    ]
+
+
 def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, list[str]]:
     lines: list[str] = []
     verdicts: list[str] = []
@@ -658,6 +762,7 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
     # Spill.
     sp = runs[0]["spill"]
     streams = sp["streams"]
+    bursts = len(sp["cases"][PATHS[0]][SPILL_SIZES[0]]["bursts_gbps"])
     conns = sorted(sp["raw_tcp"])
     hw, lw = SPILL_WATERMARKS
     lines.append(
@@ -666,62 +771,31 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
     )
     lines.append(
         "spill: bytes that arrived on B over the time from the release to the last swap (B's object count "
-        f"polled every {POLL_S * 1000:.0f} ms); after first: the rate between the first and the last swap. "
+        f"polled every {POLL_S * 1000:.0f} ms), the best of {bursts} bursts (each a fresh pair of agents, filled "
+        "and released), as the raw figure is the best of its trials; median burst: the median of those bursts; "
+        "after first: the best burst's rate between the first and the last swap. "
         f"A sends over {streams} connection(s) to B. Raw TCP put xN: whole objects of the same size on N loopback "
         "connections at once between two Python processes, same run, the best of a few short trials of a "
-        "request/ack loop and a streaming loop; the ratio is to the better of x1 and xN.\n"
+        "request/ack loop and a streaming loop; the ratio is to the better of x1 and xN. memcpy: one thread's "
+        "numpy.copyto rotating over 64 MiB of sources (the shm path copies on "
+        f"{streams} threads). Path tcp: A sends WRITEs (as to a peer on another host); the target is judged on it. "
+        "Path shm: A copies into B's shared arena (its default for a peer on its own host).\n"
     )
     rows = []
-    for size in SPILL_SIZES:
-        best_raw = max(across_runs(runs, "spill", "raw_tcp", c, "put", size)[0] for c in conns)
-        spill = across_runs(runs, "spill", "cases", size, "spill_gbps")[0]
-        ratio = spill / best_raw
-        ok = ratio >= SPILL_TARGET
-        # The typical raw figure behind the best trial: the better loop's median trial.
-        typical = statistics.median(
-            max(
-                v
-                for k in conns
-                for name, v in raw_tcp_spread(run["spill"]["raw_tcp"][k], "put", size).items()
-                if name.endswith("_median")
-            )
-            for run in runs
-        )
-        c = runs[-1]["spill"]["cases"][size]
-        short = ""
-        if c["moved_bytes"] < 0.9 * c["expected_bytes"]:
-            left = c["on_a"] * size / c["a_bytes"]
-            short = (
-                f"; the burst stopped early: {c['moved_bytes'] >> 20} of the {c['expected_bytes'] >> 20} MiB that "
-                f"take A to its low watermark ({lw}) moved, A still {left:.0%} full (last run)"
-            )
-        verdicts.append(
-            f"spill {size_label(size)}: {spill:.2f} GB/s = {ratio:.2f}x raw loopback TCP put (best trial "
-            f"{best_raw:.2f} GB/s; {spill / typical:.2f}x its median trial {typical:.2f}) -> "
-            f"{'met' if ok else 'MISSED'} (≥{SPILL_TARGET}){short}"
-        )
-        rows.append(
-            [
-                size_label(size),
-                *(fmt(runs, "spill", "raw_tcp", k, "put", size) for k in conns),
-                fmt(runs, "spill", "cases", size, "spill_gbps"),
-                fmt(runs, "spill", "cases", size, "after_first_gbps"),
-                f"{ratio:.2f} {'met' if ok else 'MISSED'}",
-                f"{c['moved_bytes'] >> 20} MiB ({c['moved_objects']}/{c['objects']} obj.)",
-                f"{c['t_first_ms']:.0f} / {c['t_last_ms']:.0f} ({c['steps']} steps)",
-                f"{c['evictions']}",
-                f"{c['checked'] - c['wrong']}/{c['checked']}",
-                " ".join(f"{k} {v:.2f}" for k, v in c["cpu_s"].items()),
-            ]
-        )
+    for path in PATHS:
+        for size in SPILL_SIZES:
+            rows.append(spill_row(runs, path, size, conns, bursts, verdicts))
     lines.append(
         markdown_table(
             [
+                "path",
                 "size",
                 *(f"raw TCP put x{k}" for k in conns),
+                "memcpy",
                 "spill",
+                "median burst",
                 "after first",
-                f"ratio (≥{SPILL_TARGET})",
+                f"ratio to raw TCP (≥{SPILL_TARGET})",
                 "moved to B",
                 "first / last swap, ms",
                 "evicted",

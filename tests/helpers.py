@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mooncake_store.agent.server import SPILL_FLAG
+from mooncake_store.index.client import PendingPut
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import Replica, ReplicaState, TierKind
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.node import Agent
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
@@ -56,3 +60,41 @@ def guarded_spill_copy(
 def random_bytes(n: int, seed: int) -> np.ndarray:
     """``n`` reproducible random bytes."""
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def put_on(agent: Agent, key: str, data: np.ndarray, *, tier: TierKind) -> int:
+    """Store ``data`` under ``key`` in ``agent``'s GPU or host table, as a committed object; its alloc id."""
+    table = agent.gpu_table if tier == TierKind.GPU else agent.table
+    assert table is not None
+    put_id = uuid.uuid4().bytes
+    (alloc,) = table.reserve([(data.nbytes, put_id)]) or []
+    if tier == TierKind.GPU:
+        agent.gpu.write_from_host(alloc.offset, memoryview(data.view(np.uint8)))  # type: ignore[union-attr]
+    else:
+        agent.arena.view(alloc.offset, data.nbytes)[:] = data.view(np.uint8)
+    replica = Replica(
+        node_id=agent.node_id,
+        tier=tier,
+        offset=alloc.offset,
+        size_bytes=data.nbytes,
+        alloc_id=alloc.alloc_id,
+        state=ReplicaState.PENDING,
+    )
+    pending = PendingPut(
+        put_id=put_id.hex(),
+        key=key,
+        size_bytes=data.nbytes,
+        dtype=str(data.dtype),
+        shape=data.shape,
+        checksum=0,
+        replicas=(replica,),
+    )
+    agent.index.put_start([pending], ttl_ms=60_000)
+    assert agent.index.put_commit([put_id.hex()]) == ["OK"]
+    agent.sync_once()  # the commit's ack
+    return alloc.alloc_id
+
+
+def replicas_of(agent: Agent, key: str) -> list[Replica]:
+    meta = agent.index.lookup([key], lease_ms=0).objects[0]
+    return list(meta.replicas) if meta is not None else []

@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--high-watermark", help="fraction of a tier past which the agent moves objects (0.90)")
     p.add_argument("--low-watermark", help="fraction it moves objects down to (0.75)")
     p.add_argument("--no-spill", action="store_true", help="never push objects to peers under pressure")
+    p.add_argument("--no-spill-shm", action="store_true", help="spill to same-host peers over TCP, not shared memory")
     p.add_argument("--config", help="TOML config file")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 "agent.high_watermark": args.high_watermark,
                 "agent.low_watermark": args.low_watermark,
                 "agent.spill_to_peers": False if args.no_spill else None,
+                "agent.spill_shm": False if args.no_spill_shm else None,
             },
         )
         if not config.redis_url:

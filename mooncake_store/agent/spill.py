@@ -18,6 +18,13 @@ DESIGN.md §3.4 wants a single move:
 A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
 batches not sent are handed back, to be placed elsewhere (pressure.py decides where).
 
+A peer on this host (same host id, shm among its transports, the index's row of it from this
+pass naming the incarnation its reservations come from) gets a host batch by memcpy into its
+shared arena instead of WRITEs (``agent.spill_shm``; DESIGN.md §4: shm before tcp): its agent
+sees the RESERVE and the FREE, not the bytes. There is no fence on the peer's side for such a copy,
+as for a same-host client's put: a reservation is copied into only while it is younger than half
+the reservation timeout, so the peer cannot have reclaimed (and handed out) the block meanwhile.
+
 The disk tier spills the same way into the peer's disk tier (RESERVE on tier 2): what travels is
 the chunk file as stored, compressed and checksummed, which the peer verifies before it answers
 the WRITE (agent/inbox.py), so the bytes are neither recompressed nor trusted blindly. The GPU
@@ -28,6 +35,7 @@ host-to-device copy there.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,9 +43,20 @@ from typing import TYPE_CHECKING
 
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.errors import MooncakeError
+from mooncake_store.policy.transport_choice import choose_transport
+from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport import frames
+from mooncake_store.transport.shm import ShmTransport, copy_bytes, local_host_id
 from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
-from mooncake_store.types import EvictionCandidate, NodeInfo, Replica, ReplicaState, TierKind
+from mooncake_store.types import (
+    EvictionCandidate,
+    NodeInfo,
+    Replica,
+    ReplicaState,
+    TierKind,
+    TransportKind,
+    alloc_tag_of,
+)
 
 if TYPE_CHECKING:
     from mooncake_store.agent.node import Agent
@@ -76,6 +95,8 @@ class _Reserved:
 
     batch: list[SpillJob]
     reservations: list[Reservation]
+    #: When the peer granted them (monotonic s): a shm copy goes only into young reservations.
+    at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -115,12 +136,19 @@ class Spiller:
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
+        self._shm = ShmTransport()
+        self._host_id = local_host_id()
+        #: Maps same-host peers' arenas ahead of their first spill: mapping (with its page tables
+        #: populated) costs ~0.1 s per GiB, which the first batch to a peer would otherwise wait for.
+        self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-map")
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, bytes | bytearray] = {}
 
     def close(self) -> None:
         self._transport.close()
+        self._mapper.shutdown(wait=True, cancel_futures=True)  # before close: no mapping made after it
+        self._shm.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
         self._reserver.shutdown(wait=False, cancel_futures=True)
@@ -177,6 +205,39 @@ class Spiller:
                 except MooncakeError as exc:
                     result.error = result.error or exc
         return result
+
+    def retain(self, peers: list[NodeInfo]) -> None:
+        """Given the node table: unmap the shared arenas of peers no longer in it (their memory
+        stays allocated while mapped), and map those of same-host peers not mapped yet, in the
+        background."""
+        self._shm.retain({p.shm_name for p in peers if p.shm_name})
+        for peer in peers:
+            if peer.node_id != self.agent.node_id and self._arena_bytes(peer) and not self._shm.mapped(peer.shm_name):
+                self._mapper.submit(self._peer_segment, peer, TierKind.HOST)
+
+    def _arena_bytes(self, peer_node: NodeInfo) -> int:
+        """The size of the peer's host arena when host batches to it go by memcpy, else 0 (TCP)."""
+        if not self.agent.config.spill_shm or not peer_node.alloc_tag:
+            return 0
+        path = choose_transport(
+            peer_node,
+            allowed=(TransportKind.SHM, TransportKind.TCP),
+            host_id=self._host_id,
+            shm_reachable=self._shm.reachable(peer_node.shm_name),
+        )
+        usage = peer_node.tier(TierKind.HOST)
+        return usage.capacity_bytes if path == TransportKind.SHM and usage is not None else 0
+
+    def _peer_segment(self, peer_node: NodeInfo, tier: TierKind) -> SharedSegment | None:
+        """The peer's shared arena when a host batch may go there by memcpy, else None (TCP)."""
+        size = self._arena_bytes(peer_node) if tier == TierKind.HOST else 0
+        if not size:
+            return None
+        try:
+            return self._shm.segment(peer_node.shm_name, size)
+        except MooncakeError as exc:  # gone since the node table was read: TCP says what became of it
+            log.info("spill to %s: cannot map %s (%s); sending over TCP", peer_node.node_id, peer_node.shm_name, exc)
+            return None
 
     def _give_back(self, peer_node: NodeInfo, ahead: Future[_Reserved | None]) -> None:
         """A batch reserved ahead that will not be sent (the pass ended early): its room goes back."""
@@ -241,10 +302,14 @@ class Spiller:
                 Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=p)
                 for r, p in zip(reservations, put_ids, strict=True)
             ],
+            at=time.monotonic(),
         )
 
     def _send(self, peer_node: NodeInfo, reserved: _Reserved, tier: TierKind) -> tuple[list[bool], bool]:
         """Write a reserved batch to the peer: (written per job, a connection broke)."""
+        segment = self._peer_segment(peer_node, tier)
+        if segment is not None:
+            return self._copy_all(segment, peer_node, reserved), False
         peer = self._transport.peer(peer_node.tcp_endpoint)
         try:
             written, broken = self._write_all(peer, reserved.batch, reserved.reservations, tier)
@@ -356,6 +421,47 @@ class Spiller:
                     log.warning("spill stream failed: %r", exc)
                     broken[0] = True
         return written, broken[0]
+
+    def _copy_all(self, segment: SharedSegment, peer_node: NodeInfo, reserved: _Reserved) -> list[bool]:
+        """A host batch into a same-host peer's arena, one memcpy per job (numpy releases the GIL,
+        so the streams copy in parallel). Returns written per job: a reservation handed out by
+        another incarnation of the peer than the row naming this segment, or too old to be sure
+        the peer still holds it, is not copied into (the job stays here)."""
+        arena = self.agent.arena
+        batch, reservations = reserved.batch, reserved.reservations
+        written = [False] * len(batch)
+        deadline = reserved.at + self.agent.config.reserve_timeout_s / 2
+
+        def stream(indices: range) -> None:
+            for i in indices:
+                job, res = batch[i], reservations[i]
+                if alloc_tag_of(res.alloc_id) != peer_node.alloc_tag or time.monotonic() > deadline:
+                    continue
+                size = job.wire_bytes
+                if size:
+                    try:
+                        dest = segment.view(res.offset, size)  # outside the peer's arena: refused
+                    except MooncakeError as exc:
+                        log.warning("spill of %s to %s: %s", job.victim.key, peer_node.node_id, exc)
+                        continue
+                    src = arena.view(job.offset, size)
+                    try:
+                        copy_bytes(dest, src)
+                    finally:
+                        dest.release()
+                        src.release()
+                written[i] = True
+
+        streams = min(self._streams, len(batch))
+        futures = [self._pool.submit(stream, range(k, len(batch), streams)) for k in range(1, streams)]
+        try:
+            stream(range(0, len(batch), streams))
+        finally:
+            for fut in futures:
+                exc = fut.exception()
+                if exc is not None:
+                    log.warning("spill copy to %s failed: %r", peer_node.node_id, exc)
+        return written
 
     def _expire(self, endpoint: str, alloc_ids: list[int]) -> None:
         try:

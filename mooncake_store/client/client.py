@@ -118,8 +118,10 @@ class Client:
                 self._nodes = self.index.nodes()
                 self._clock_offset_ms = int(server_now - local_before)
                 self._nodes_at = time.monotonic()
+                # Mappings of agents that left: each keeps the agent's whole arena allocated.
+                self._shm.retain({n.shm_name for n in self._nodes.values() if n.shm_name})
                 if self._gpu is not None:
-                    self._gpu.retain(self._nodes)  # IPC mappings of agents that left
+                    self._gpu.retain(self._nodes)
             return self._nodes
 
     def _nodes_for(self, replicas: Iterable[Replica], nodes: dict[str, NodeInfo]) -> dict[str, NodeInfo]:

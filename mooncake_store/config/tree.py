@@ -53,6 +53,9 @@ class AgentConfig:
     low_watermark: float = 0.75
     pressure_interval_s: float = 0.2
     spill_to_peers: bool = True
+    # A peer on this host gets spilled host-tier objects by one memcpy into its shared arena
+    # (the shm path, as a same-host client put); false: every spill goes over TCP.
+    spill_shm: bool = True
     disk_path: str = ""  # "" -> no disk tier
     disk_bytes: int = 0  # capacity of the disk tier (compressed bytes on disk)
     promote_on_read: bool = True  # a read of a disk replica brings the object back to host memory

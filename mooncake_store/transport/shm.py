@@ -43,6 +43,10 @@ class ShmTransport:
             return True
         return (SHM_DIR / shm_name).exists()
 
+    def mapped(self, shm_name: str) -> bool:
+        seg = self._segments.get(shm_name)
+        return seg is not None and not seg.closed
+
     def segment(self, shm_name: str, size_bytes: int) -> SharedSegment:
         with self._lock:
             seg = self._segments.get(shm_name)
@@ -56,6 +60,16 @@ class ShmTransport:
 
     def write_from(self, shm_name: str, arena_bytes: int, offset: int, src: memoryview) -> None:
         copy_bytes(self.segment(shm_name, arena_bytes).view(offset, len(src)), src)
+
+    def retain(self, shm_names: set[str]) -> None:
+        """Unmap the segments not named in ``shm_names`` (agents that left the node table): a
+        mapping keeps a dead agent's whole arena in memory after its file is unlinked. A copy
+        still under way keeps its pages until its view is released (SharedSegment.close)."""
+        with self._lock:
+            gone = [name for name in self._segments if name not in shm_names]
+            dropped = [self._segments.pop(name) for name in gone]
+        for seg in dropped:
+            seg.close()
 
     def close(self) -> None:
         with self._lock:

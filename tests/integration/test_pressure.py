@@ -35,11 +35,17 @@ def replica_nodes(client: Client, key: str) -> list[tuple[str, str]]:
     return [(r.node_id, str(r.tier)) for r in meta.replicas]
 
 
+#: Agent A's spill path to a same-host peer: memcpy into its shared arena (the default), or TCP
+#: WRITEs (as to a peer on another host).
+SPILL_PATHS = pytest.mark.parametrize("spill_args", [[], ["--no-spill-shm"]], ids=["shm", "tcp"])
+
+
+@SPILL_PATHS
 def test_spill_to_peer_keeps_everything_readable(
-    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], spill_args: list[str]
 ) -> None:
     cluster = make_cluster(0)
-    cluster.add_agent(node_id="agent-0", extra_args=["--host-bytes", str(24 * MiB)])
+    cluster.add_agent(node_id="agent-0", extra_args=["--host-bytes", str(24 * MiB), *spill_args])
     cluster.add_agent(node_id="agent-1", extra_args=["--host-bytes", str(160 * MiB)])
     writer = make_client(cluster, lease_ms=300, timeout_s=20)
     hot_reader = make_client(cluster, lease_ms=3000)
@@ -288,15 +294,16 @@ def test_move_replicas_swaps_each_entry_on_its_own(
     assert not redis_exists(client, "pend:live-guard")  # the swap took the guard
 
 
+@SPILL_PATHS
 def test_batched_spill_moves_a_burst_keeps_pinned_and_leased(
-    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], spill_args: list[str]
 ) -> None:
     """A full agent released at once spills most of itself to its peer in a few batches: everything
     byte-exact, nothing evicted, pinned and leased (hot) objects stay, counters agree."""
     cluster = make_cluster(0)
     cluster.add_agent(
         node_id="agent-0",
-        extra_args=["--host-bytes", str(48 * MiB), "--high-watermark", "0.5", "--low-watermark", "0.1"],
+        extra_args=["--host-bytes", str(48 * MiB), "--high-watermark", "0.5", "--low-watermark", "0.1", *spill_args],
     )
     cluster.add_agent(node_id="agent-1", extra_args=["--host-bytes", str(160 * MiB)])
     client = make_client(cluster, lease_ms=300, timeout_s=20)

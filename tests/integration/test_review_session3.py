@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import put_on, replicas_of, wait_until
 
 from mooncake_store import connect
 from mooncake_store.agent import node as node_module
@@ -28,11 +28,10 @@ from mooncake_store.agent.node import Agent
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import NoCapacity, StaleLocation
-from mooncake_store.index.client import PendingPut
 from mooncake_store.tiers.disk import HEADER, DiskTier
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import PeerConnections
-from mooncake_store.types import Replica, ReplicaState, TierKind
+from mooncake_store.types import Replica, TierKind
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -86,44 +85,6 @@ def make_agent(make_inproc_agent: Callable[..., Agent], tmp_path: Path) -> Calla
         return make_inproc_agent(namespace=namespace, prepare=prepare, **settings)
 
     return make
-
-
-def put_on(agent: Agent, key: str, data: np.ndarray, *, tier: TierKind) -> int:
-    """Store ``data`` under ``key`` in ``agent``'s GPU or host table, as a committed object; its alloc id."""
-    table = agent.gpu_table if tier == TierKind.GPU else agent.table
-    assert table is not None
-    put_id = uuid.uuid4().bytes
-    (alloc,) = table.reserve([(data.nbytes, put_id)]) or []
-    if tier == TierKind.GPU:
-        agent.gpu.write_from_host(alloc.offset, memoryview(data.view(np.uint8)))  # type: ignore[union-attr]
-    else:
-        agent.arena.view(alloc.offset, data.nbytes)[:] = data.view(np.uint8)
-    replica = Replica(
-        node_id=agent.node_id,
-        tier=tier,
-        offset=alloc.offset,
-        size_bytes=data.nbytes,
-        alloc_id=alloc.alloc_id,
-        state=ReplicaState.PENDING,
-    )
-    pending = PendingPut(
-        put_id=put_id.hex(),
-        key=key,
-        size_bytes=data.nbytes,
-        dtype=str(data.dtype),
-        shape=data.shape,
-        checksum=0,
-        replicas=(replica,),
-    )
-    agent.index.put_start([pending], ttl_ms=60_000)
-    assert agent.index.put_commit([put_id.hex()]) == ["OK"]
-    agent.sync_once()  # the commit's ack
-    return alloc.alloc_id
-
-
-def replicas_of(agent: Agent, key: str) -> list[Replica]:
-    meta = agent.index.lookup([key], lease_ms=0).objects[0]
-    return list(meta.replicas) if meta is not None else []
 
 
 def on_disk(agent: Agent, key: str, data: np.ndarray) -> int:
@@ -413,7 +374,7 @@ def test_broken_spill_gives_back_the_batch_reserved_ahead(make_agent: Callable[.
     moved, the second's reservation (not written) and the third's (reserved ahead while the second
     was written) are expired on the peer before spill() returns, and its next sync frees both; the
     objects not moved keep their bytes on the sender."""
-    a = make_agent(host_bytes=4 * MiB)
+    a = make_agent(host_bytes=4 * MiB, spill_shm=False)  # the TCP path: WRITEs that can break
     b = make_agent(host_bytes=4 * MiB)
     size = 256 * KiB
     for i in range(3):
