@@ -38,15 +38,36 @@ def agent(
     disk_mem: Annotated[
         str | None, typer.Option("--disk-mem", help="Disk tier capacity (compressed bytes), e.g. 20GiB.")
     ] = None,
+    gpu_mem: Annotated[
+        str | None,
+        typer.Option("--gpu-mem", help="GPU tier size on --gpu-id, e.g. 8GiB (needs cupy and a CUDA device)."),
+    ] = None,
+    gpu_id: Annotated[int | None, typer.Option("--gpu-id", help="CUDA device of the GPU tier. Default 0.")] = None,
     high_watermark: Annotated[
         float | None, typer.Option("--high-watermark", help="Tier use (0..1) past which objects move. Default 0.90.")
     ] = None,
     low_watermark: Annotated[
         float | None, typer.Option("--low-watermark", help="Tier use (0..1) moves stop at. Default 0.75.")
     ] = None,
+    heartbeat_ttl_s: Annotated[
+        float | None,
+        typer.Option("--heartbeat-ttl-s", help="Seconds after the last heartbeat that the node counts as dead."),
+    ] = None,
+    reserve_timeout_s: Annotated[
+        float | None,
+        typer.Option("--reserve-timeout-s", help="Seconds after which an uncommitted reservation is reclaimed."),
+    ] = None,
+    no_prefault: Annotated[
+        bool, typer.Option("--no-prefault", help="Do not touch the host arena's pages at start.")
+    ] = False,
+    no_spill: Annotated[bool, typer.Option("--no-spill", help="Never push objects to peers under pressure.")] = False,
+    no_spill_shm: Annotated[
+        bool, typer.Option("--no-spill-shm", help="Spill to same-host peers over TCP, not shared memory.")
+    ] = False,
     redis_url: RedisUrlOpt = None,
     namespace: NamespaceOpt = None,
-    config_file: Annotated[str | None, typer.Option("--config", help="TOML config file ([agent] section).")] = None,
+    # "\\[": the help text is rich markup, which would take "[agent]" for a style tag and drop it.
+    config_file: Annotated[str | None, typer.Option("--config", help="TOML config file (\\[agent] section).")] = None,
     ready_json: Annotated[
         bool, typer.Option("--ready-json", help="Print one line READY {json} on stdout once serving (for scripts).")
     ] = False,
@@ -69,8 +90,16 @@ def agent(
             "agent.advertise": advertise,
             "agent.disk_path": disk,
             "agent.disk_bytes": disk_mem,
+            "agent.gpu_bytes": gpu_mem,
+            "agent.gpu_id": gpu_id,
             "agent.high_watermark": high_watermark,
             "agent.low_watermark": low_watermark,
+            "agent.heartbeat_ttl_s": heartbeat_ttl_s,
+            "agent.reserve_timeout_s": reserve_timeout_s,
+            # A switch that was not given leaves the file's or env's value standing.
+            "agent.prefault": False if no_prefault else None,
+            "agent.spill_to_peers": False if no_spill else None,
+            "agent.spill_shm": False if no_spill_shm else None,
         },
     )
     if not config.redis_url:

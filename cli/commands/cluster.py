@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from mooncake_store import ClusterStats, MooncakeError, connect
-from mooncake_store.config import format_size, load_config, parse_size, redact_url
+from mooncake_store.config import format_size, load_config, redact_url
 
 
 class _Stop(Exception):
@@ -79,8 +79,14 @@ def up(
     ctx: typer.Context,
     agents: Annotated[int, typer.Option("--agents", "-n", min=0, max=64, help="Number of agent processes.")] = 2,
     host_mem: Annotated[
-        str, typer.Option("--host-mem", help="Host-DRAM arena per agent: 512MiB, 1GiB, 1073741824 (bytes).")
-    ] = "1GiB",
+        str | None,
+        typer.Option(
+            "--host-mem",
+            help="Host-DRAM arena per agent: 512MiB, 1GiB, 1073741824 (bytes). "
+            "Default: env MOONCAKE_AGENT_HOST_BYTES, then the config file, then 1GiB.",
+            show_default=False,
+        ),
+    ] = None,
     redis_url: RedisUrlOpt = None,
     namespace: NamespaceOpt = None,
     detach: Annotated[
@@ -103,14 +109,20 @@ def up(
     shell find it with no flags.
     """
     g = globals_of(ctx)
-    host_bytes = parse_size(host_mem, what="--host-mem")
-    if host_bytes <= 0:
-        raise CliError(f"--host-mem={host_mem!r}: must be more than 0 B", ExitCode.USAGE)
-    # Validates the URL and namespace (ConfigError -> exit 2) with the same rules as the SDK.
-    config = load_config(overrides={"redis_url": redis_url or g.redis_url, "namespace": namespace or g.namespace})
+    # Validates every value the agents will be given (ConfigError -> exit 2) with the same rules and
+    # the same layers as the agents themselves, before any process starts; an option not given
+    # (None) leaves env and config file standing.
+    config = load_config(
+        overrides={
+            "redis_url": redis_url or g.redis_url,
+            "namespace": namespace or g.namespace,
+            "agent.host_bytes": host_mem,
+            "agent.zone": zone,
+        }
+    )
     plan = launcher.LaunchPlan(
         num_agents=agents,
-        host_bytes=host_bytes,
+        host_bytes=config.agent.host_bytes,
         redis_url=config.redis_url,
         namespace=config.namespace,
         port=port,

@@ -16,7 +16,11 @@ from types import FrameType
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.config import load_config
-from mooncake_store.errors import MooncakeError
+from mooncake_store.errors import ConfigError, MooncakeError
+
+#: Exit codes, as the `mooncake` CLI's (cli/exits.py): 2 for bad input, 1 for any other failure.
+EXIT_ERROR = 1
+EXIT_USAGE = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             },
         )
         if not config.redis_url:
-            raise MooncakeError("no Redis URL: pass --redis-url or set MOONCAKE_REDIS_URL")
+            raise ConfigError("no Redis URL: pass --redis-url or set MOONCAKE_REDIS_URL")
         agent = Agent(config.agent, redis_url=config.redis_url, namespace=config.namespace)
     except MooncakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        # As the `mooncake` CLI: 2 is bad input only; no room, no Redis or no GPU is a failure (1).
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_ERROR
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -101,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             pass
     except MooncakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        # Whatever ended the run (a bug's exception included): deregister and remove the segment.
         agent.stop()
-        return 1
-    agent.stop()
     return 0
 
 

@@ -21,8 +21,8 @@ from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import TIER_DISK, TIER_GPU, AgentServer
-from mooncake_store.config import AgentConfig
-from mooncake_store.errors import ConnectError, MooncakeError
+from mooncake_store.config import AgentConfig, is_wildcard_host, split_host_port
+from mooncake_store.errors import ConfigError, ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
 from mooncake_store.index.client import NodeSuperseded
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
@@ -43,8 +43,25 @@ def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def _refuse_wildcard_endpoint(config: AgentConfig) -> None:
+    """Peers dial the published endpoint, and a wildcard bind address (0.0.0.0, ::) dialled from
+    another host is that host itself: the node would be unreachable, or, with the same fixed port on
+    every node, clients would talk to the wrong agent. Checked here rather than in the config, where a
+    client loading the same file has no use for the agent's endpoint."""
+    if config.advertise:
+        return
+    host, _ = split_host_port(config.listen, what="agent.listen")
+    if is_wildcard_host(host):
+        raise ConfigError(
+            f"agent.listen={config.listen!r} binds every interface, and peers cannot dial {host}: set "
+            "agent.advertise (--advertise HOST:PORT, env MOONCAKE_AGENT_ADVERTISE) to an address of this "
+            "node that peers can reach"
+        )
+
+
 class Agent:
     def __init__(self, config: AgentConfig, *, redis_url: str, namespace: str) -> None:
+        _refuse_wildcard_endpoint(config)
         self.config = config
         self.node_id = config.node_id or default_node_id()
         self.namespace = namespace
@@ -69,8 +86,11 @@ class Agent:
             )
             # Each agent gets a directory of its own under disk_path: the disk tier clears what it
             # finds there at start (files of an earlier incarnation that the index no longer lists).
+            # expanduser: a "~/kv" from a TOML file or env (no shell to expand it) means the home directory.
             self.disk = (
-                DiskTier(Path(config.disk_path) / self.node_id, config.disk_bytes) if config.disk_bytes else None
+                DiskTier(Path(os.path.expanduser(config.disk_path)) / self.node_id, config.disk_bytes)
+                if config.disk_bytes
+                else None
             )
             self.disk_keys: dict[int, str] = {}  # disk alloc id -> key, for promotion
             # Chunk files that peers spill onto this disk tier, until their swaps are acked.

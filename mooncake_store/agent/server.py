@@ -15,11 +15,12 @@ import threading
 from typing import Any, Protocol
 
 from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.config import split_host_port
 from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError
 from mooncake_store.tiers.host import HostArena
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
-from mooncake_store.transport.tcp import SOCKET_BUFFER_BYTES, parse_endpoint
+from mooncake_store.transport.tcp import SOCKET_BUFFER_BYTES
 
 log = logging.getLogger("mooncake.agent")
 
@@ -86,17 +87,21 @@ class AgentServer:
     def __init__(
         self, listen: str, arena: HostArena, table: AllocationTable, *, timeout_s: float, hooks: AgentHooks
     ) -> None:
-        host, port = parse_endpoint(listen) if not listen.endswith(":0") else (listen.rpartition(":")[0], 0)
+        host, port = split_host_port(listen, what="agent.listen")  # brackets of "[::1]:0" removed
         self._arena = arena
         self._table = table
         self._timeout_s = timeout_s
         self._hooks = hooks
+        # create_server() defaults to AF_INET, which cannot bind an IPv6 address.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self._sock = socket.create_server((host, port), backlog=256, reuse_port=False)
+            self._sock = socket.create_server((host, port), family=family, backlog=256, reuse_port=False)
         except OSError as exc:
             raise ConnectError(f"agent cannot listen on {listen}: {exc}") from None
         self._sock.settimeout(0.5)
-        self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
+        bound_port = self._sock.getsockname()[1]
+        # Bracketed, an IPv6 endpoint still splits at its last colon (parse_endpoint strips them).
+        self.endpoint = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()

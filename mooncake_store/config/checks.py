@@ -8,9 +8,14 @@ redacted) and the layer it came from.
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
+
+import redis
+from redis.connection import Connection, parse_url
 
 from mooncake_store.config.fields import _Field, _Source
 from mooncake_store.config.values import (
@@ -22,6 +27,8 @@ from mooncake_store.config.values import (
     CONFIG_TRANSPORTS,
     _parse_host_port,
     format_size,
+    is_ascii_digits,
+    is_wildcard_host,
     parse_size,
     redact_url,
 )
@@ -63,6 +70,10 @@ def _check_name(what: str, *, allow_empty: bool = False) -> _Check:
     return check
 
 
+# Redis numbers its databases with a C int (SELECT, the `databases` setting).
+_MAX_REDIS_DB = (1 << 31) - 1
+
+
 def _check_redis_url(value: str | None) -> str | None:
     if value is None:
         return None
@@ -72,15 +83,36 @@ def _check_redis_url(value: str | None) -> str | None:
         if scheme not in ("redis", "rediss", "unix"):
             return "scheme must be redis://, rediss:// or unix://, e.g. redis://127.0.0.1:6379/0"
         if scheme == "unix":
-            return None if parts.path else "unix:// needs a socket path, e.g. unix:///run/redis.sock"
-        if not parts.hostname:
+            if not parts.path:
+                return "unix:// needs a socket path, e.g. unix:///run/redis.sock"
+        elif not parts.hostname:
             return "needs a host, e.g. redis://127.0.0.1:6379/0"
-        _ = parts.port  # raises ValueError when out of range or not a number
-    except ValueError as exc:
+        # redis-py reads port 0 as "no port" and dials 6379: another server than the one named.
+        elif parts.port == 0:
+            return "port must be 1..65535, e.g. redis://127.0.0.1:6379/0"
+    except ValueError as exc:  # urlsplit's port: out of range or not a number
         return f"not a valid URL ({exc})"
-    db = parts.path.lstrip("/")
-    if db and not db.isdigit():
-        return f"database {db!r} must be a number, e.g. redis://127.0.0.1:6379/0"
+    if scheme != "unix":
+        db = parts.path.lstrip("/")
+        # ASCII only: redis-py silently drops a database it cannot parse ("²") and uses db 0.
+        if db and not is_ascii_digits(db):
+            return f"database {db!r} must be a number, e.g. redis://127.0.0.1:6379/0"
+    return _redis_py_problem(value)
+
+
+def _redis_py_problem(value: str) -> str | None:
+    """What redis-py itself would refuse, found now rather than at the first connect: its URL parser,
+    then the connection object built from the URL's options (no I/O: it connects lazily), which
+    refuses options it does not know (``?foo=1``) and values it cannot use (``?protocol=9``)."""
+    try:
+        options = parse_url(value)
+        db = options.get("db", 0)
+        if not 0 <= db <= _MAX_REDIS_DB:
+            return f"database {db} must be in 0..{_MAX_REDIS_DB}"
+        connection_class = options.pop("connection_class", Connection)
+        connection_class(**options)
+    except (ValueError, TypeError, redis.RedisError) as exc:
+        return f"redis-py cannot use it ({exc})"
     return None
 
 
@@ -100,7 +132,31 @@ def _check_listen(value: str) -> str | None:
     return result if isinstance(result, str) else None
 
 
+def _check_advertise(value: str) -> str | None:
+    if value == "":
+        return None  # the bound address of listen
+    # Peers dial this address: port 0 ("any port") and a wildcard host can only be bound, not dialled.
+    result = _parse_host_port(value, min_port=1)
+    if isinstance(result, str):
+        return result
+    if is_wildcard_host(result[0]):
+        return f"{result[0]} is not an address peers can dial; name this host's address or name"
+    return None
+
+
+def _check_path(value: str) -> str | None:
+    if "\0" in value:
+        return "a path cannot contain a NUL byte"
+    if value.startswith("~") and os.path.expanduser(value) == value:
+        return "cannot expand ~ here (no such user, or no HOME)"
+    return None
+
+
 _DAY_S = 86400.0
+# Agent loops below a millisecond would only spin (Redis TTLs count in ms); a reservation must live
+# long enough for a put's bytes to arrive.
+_MIN_LOOP_S = 0.001
+_MIN_RESERVE_S = 0.1
 _CHECKS: dict[str, _Check] = {
     "redis_url": _check_redis_url,
     "namespace": _check_name("namespace"),
@@ -111,18 +167,21 @@ _CHECKS: dict[str, _Check] = {
     "client.stripe_bytes": _size_range(1),
     "client.io_threads": _number_range(1, 1024),
     "client.max_retries": _number_range(0, 100),
+    "client.zone": _check_name("zone"),
     "agent.node_id": _check_name("node_id", allow_empty=True),
     "agent.host_bytes": _size_range(1),
     "agent.listen": _check_listen,
-    "agent.advertise": lambda v: None if v == "" else _check_listen(v),
+    "agent.advertise": _check_advertise,
     "agent.zone": _check_name("zone"),
-    "agent.heartbeat_interval_s": _number_range(0, 3600, lo_open=True, unit=" s"),
-    "agent.heartbeat_ttl_s": _number_range(0, _DAY_S, lo_open=True, unit=" s"),
-    "agent.reserve_timeout_s": _number_range(0, _DAY_S, lo_open=True, unit=" s"),
-    "agent.sync_interval_s": _number_range(0, 3600, lo_open=True, unit=" s"),
+    "agent.heartbeat_interval_s": _number_range(_MIN_LOOP_S, 3600, unit=" s"),
+    "agent.heartbeat_ttl_s": _number_range(_MIN_LOOP_S, _DAY_S, unit=" s"),
+    "agent.reserve_timeout_s": _number_range(_MIN_RESERVE_S, _DAY_S, unit=" s"),
+    "agent.sync_interval_s": _number_range(_MIN_LOOP_S, 3600, unit=" s"),
     "agent.high_watermark": _number_range(0, 1, lo_open=True),
-    "agent.low_watermark": _number_range(0, 1),
-    "agent.pressure_interval_s": _number_range(0, 3600, lo_open=True, unit=" s"),
+    # 0 would make every pass of the pressure loop empty the tier.
+    "agent.low_watermark": _number_range(0, 1, lo_open=True),
+    "agent.pressure_interval_s": _number_range(_MIN_LOOP_S, 3600, unit=" s"),
+    "agent.disk_path": _check_path,
     "agent.disk_bytes": _size_range(0),
     "agent.gpu_bytes": _size_range(0),
     "agent.gpu_id": _number_range(0, 1023),
@@ -130,6 +189,8 @@ _CHECKS: dict[str, _Check] = {
 
 
 # --- coercion, and the check of one value against its field -----------------------------------------
+
+_INT_RE = re.compile(r"[+-]?[0-9]+")
 
 
 def _show(spec: _Field, value: object) -> str:
@@ -152,17 +213,15 @@ def _coerce(spec: _Field, value: object, source: _Source) -> object:
     if kind == "int":
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip(), 10)
-            except ValueError:
-                pass
+        # ASCII digits only: int() also takes "٣", "１" and "1_000", which nobody means here.
+        if isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
+            return int(value.strip(), 10)
         raise _fail(spec, value, source, "not an integer")
     if kind == "float":
         number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
             number = float(value)
-        elif isinstance(value, str):
+        elif isinstance(value, str) and value.isascii() and "_" not in value:
             try:
                 number = float(value.strip())
             except ValueError:

@@ -17,6 +17,7 @@ from mooncake_store.config.tree import (
     ClientConfig,
     Config,
     _check,
+    _check_disk,
     _check_heartbeat,
     _check_watermarks,
     _Source,
@@ -86,10 +87,18 @@ def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
     return found
 
 
+#: Older names of config keys, still read so that deployments setting them keep working; the key's own
+#: variable wins when both are set. MOONCAKE_ZONE is what the client read before client.zone existed.
+_ENV_ALIASES: dict[str, str] = {"MOONCAKE_ZONE": "client.zone"}
+
+
 def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
     found: dict[str, tuple[object, _Source]] = {}
+    for var, key in _ENV_ALIASES.items():
+        if var in env and _FIELDS[key].env_var not in env:
+            found[key] = (env[var], _Source(kind="env", detail=var))
     for var in sorted(env):  # sorted: the same first error on every run
-        if not var.startswith(ENV_PREFIX) or var in NON_CONFIG_ENV_VARS:
+        if not var.startswith(ENV_PREFIX) or var in NON_CONFIG_ENV_VARS or var in _ENV_ALIASES:
             continue
         spec = _FIELDS_BY_ENV.get(var)
         if spec is None:
@@ -97,7 +106,7 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(
                 f"env {var}: unknown variable{hint}; MOONCAKE_* variables must be config keys "
-                f"or one of {', '.join(sorted(NON_CONFIG_ENV_VARS))}"
+                f"or one of {', '.join(sorted(NON_CONFIG_ENV_VARS | _ENV_ALIASES.keys()))}"
             )
         found[spec.key] = (env[var], _Source(kind="env", detail=var))
     return found
@@ -145,19 +154,33 @@ def load_config(
             holder = defaults if spec.section is None else getattr(defaults, spec.section)
             values[key] = getattr(holder, spec.name)
             sources[key] = _DEFAULT
+
+    def as_given(key: str) -> object:
+        """The value of ``key`` as the user wrote it (None: the default), for messages."""
+        return layered.get(key, (None, _DEFAULT))[0]
+
     # Checked here as well as in AgentConfig so the message can say where each of the two came from.
     _check_heartbeat(
         float(values["agent.heartbeat_interval_s"]),  # type: ignore[arg-type]
         float(values["agent.heartbeat_ttl_s"]),  # type: ignore[arg-type]
         sources["agent.heartbeat_interval_s"],
         sources["agent.heartbeat_ttl_s"],
-        ttl_as_given=layered.get("agent.heartbeat_ttl_s", (None, _DEFAULT))[0],
+        ttl_as_given=as_given("agent.heartbeat_ttl_s"),
     )
 
     _check_watermarks(
         float(values["agent.low_watermark"]),  # type: ignore[arg-type]
         float(values["agent.high_watermark"]),  # type: ignore[arg-type]
         sources["agent.low_watermark"],
+        sources["agent.high_watermark"],
+        as_given=(as_given("agent.low_watermark"), as_given("agent.high_watermark")),
+    )
+    _check_disk(
+        str(values["agent.disk_path"]),
+        int(values["agent.disk_bytes"]),  # type: ignore[call-overload]
+        sources["agent.disk_path"],
+        sources["agent.disk_bytes"],
+        as_given=(as_given("agent.disk_path"), as_given("agent.disk_bytes")),
     )
 
     def section(name: str | None) -> dict[str, Any]:

@@ -30,6 +30,9 @@ class ClientConfig:
     io_threads: int = 8  # runs the futures of get_async/put_async
     max_retries: int = 3
     verify_checksum: bool = False
+    # The writer's topology zone: placement prefers the least loaded node of this zone. Also read
+    # from MOONCAKE_ZONE (loader._ENV_ALIASES), the variable the client used before this field.
+    zone: str = "default"
 
     def __post_init__(self) -> None:
         _validate_instance(self, "client")
@@ -113,17 +116,58 @@ def _validate_instance(obj: object, section: str | None) -> None:
     if section == "agent":
         assert isinstance(obj, AgentConfig)
         _check_heartbeat(obj.heartbeat_interval_s, obj.heartbeat_ttl_s, _CODE, _CODE)
-        _check_watermarks(obj.low_watermark, obj.high_watermark, _CODE)
-        if obj.disk_bytes and not obj.disk_path:
-            raise ConfigError(
-                f"agent.disk_bytes={obj.disk_bytes} needs agent.disk_path (the directory of the disk tier)"
-            )
+        _check_watermarks(obj.low_watermark, obj.high_watermark, _CODE, _CODE)
+        _check_disk(obj.disk_path, obj.disk_bytes, _CODE, _CODE)
 
 
-def _check_watermarks(low: float, high: float, source: _Source) -> None:
+def _check_watermarks(
+    low: float, high: float, low_src: _Source, high_src: _Source, *, as_given: tuple[object, object] = (None, None)
+) -> None:
+    """``as_given`` is (low, high) as the user wrote them, so the message quotes their text."""
     # With low >= high the agent would start moving objects and never reach its stopping point.
-    if low >= high:
-        raise _fail(_FIELDS["agent.low_watermark"], low, source, f"must be below agent.high_watermark={high!r}")
+    if low < high:
+        return
+    low_raw = low if as_given[0] is None else as_given[0]
+    high_raw = high if as_given[1] is None else as_given[1]
+    # Blame the one the user set: with only the high watermark given, the default low one is not
+    # the mistake.
+    if low_src == _DEFAULT and high_src != _DEFAULT:
+        raise _fail(
+            _FIELDS["agent.high_watermark"],
+            high_raw,
+            high_src,
+            f"must be above agent.low_watermark={low!r} (from {low_src.describe()})",
+        )
+    raise _fail(
+        _FIELDS["agent.low_watermark"],
+        low_raw,
+        low_src,
+        f"must be below agent.high_watermark={high!r} (from {high_src.describe()})",
+    )
+
+
+def _check_disk(
+    path: str, size: int, path_src: _Source, size_src: _Source, *, as_given: tuple[object, object] = (None, None)
+) -> None:
+    """The disk tier needs both its directory and its capacity; one without the other is a mistake
+    (the agent would otherwise silently run with no disk tier). ``as_given``: (path, size) as written."""
+    path_raw = path if as_given[0] is None else as_given[0]
+    size_raw = size if as_given[1] is None else as_given[1]
+    if size and not path:
+        raise _fail(
+            _FIELDS["agent.disk_bytes"],
+            size_raw,
+            size_src,
+            "needs agent.disk_path (the directory of the disk tier, --disk) to be set as well",
+        )
+    if path and not size:
+        raise _fail(
+            _FIELDS["agent.disk_path"],
+            path_raw,
+            path_src,
+            f"needs agent.disk_bytes > 0 (the disk tier's capacity, --disk-mem), but agent.disk_bytes={size_raw!r} "
+            f"(from {size_src.describe()})",
+        )
 
 
 def _check_heartbeat(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from decimal import Decimal, InvalidOperation
 from urllib.parse import urlsplit, urlunsplit
@@ -18,13 +19,15 @@ NON_CONFIG_ENV_VARS: frozenset[str] = frozenset({"MOONCAKE_CONFIG", "MOONCAKE_RE
 CONFIG_TRANSPORTS: tuple[str, ...] = ("shm", "tcp", "rdma")
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_SIZE_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)", re.IGNORECASE)
+# ASCII only: \d alone would take fullwidth and other Unicode digits, which nobody means in a size.
+_SIZE_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[a-z]*)", re.IGNORECASE | re.ASCII)
 _SIZE_EXAMPLES = "examples: 512MiB, 1GiB, 1073741824"
 # "i" means binary, everything else decimal, as in IEC and Kubernetes; so "10MB" is 10**7 bytes.
+# A bare "e" is left out: "1e" reads as a number in scientific notation cut short, not as 10**18 B.
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
     "b": 1,
-    **{f"{p}": 1000**e for e, p in enumerate("kmgtpe", start=1)},
+    **{f"{p}": 1000**e for e, p in enumerate("kmgtp", start=1)},
     **{f"{p}b": 1000**e for e, p in enumerate("kmgtpe", start=1)},
     **{f"{p}i": 1024**e for e, p in enumerate("kmgtpe", start=1)},
     **{f"{p}ib": 1024**e for e, p in enumerate("kmgtpe", start=1)},
@@ -38,8 +41,9 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 def parse_size(text: str | int, *, what: str = "size") -> int:
     """Bytes in ``text``: ``"512MiB"``, ``"1.5GiB"``, ``"10MB"`` (decimal), ``"1073741824"`` or an int.
 
-    Units are case-insensitive; a fractional result is rounded down to whole bytes. ``what`` prefixes
-    the error message, so callers pass the key and layer the value came from.
+    Units are case-insensitive; a fractional result with a unit is rounded down to whole bytes, while a
+    fractional count of bytes (``"1.5"``) is refused. ``what`` prefixes the error message, so callers
+    pass the key and layer the value came from.
     """
     if isinstance(text, bool) or not isinstance(text, int | str):
         raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
@@ -57,6 +61,9 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
             number = Decimal(match.group("num")) * unit
         except InvalidOperation:  # pragma: no cover - the regex admits only plain decimals
             raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})") from None
+        if unit == 1 and number != number.to_integral_value():
+            # Rounding "1.5" down to 1 B would silently give a far smaller size than meant.
+            raise ConfigError(f"{what}={text!r}: not a whole number of bytes (did you mean a unit, e.g. 1.5GiB?)")
     if number < 0:
         raise ConfigError(f"{what}={text!r}: a size cannot be negative")
     if number > _MAX_SIZE:
@@ -77,16 +84,31 @@ def format_size(size_bytes: int) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def split_host_port(text: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` or ``"[V6]:PORT"`` as ``(host, port)``; :class:`ConfigError` if malformed."""
+def split_host_port(text: str, *, what: str = "") -> tuple[str, int]:
+    """``"HOST:PORT"`` or ``"[V6]:PORT"`` as ``(host, port)`` (brackets removed); :class:`ConfigError`
+    if malformed. ``what`` names the value in the message (``"agent.listen"``)."""
     result = _parse_host_port(text)
     if isinstance(result, str):
-        raise ConfigError(f"{text!r}: {result}")
+        raise ConfigError(f"{what}={text!r}: {result}" if what else f"{text!r}: {result}")
     return result
 
 
-def _parse_host_port(text: object) -> tuple[str, int] | str:
-    """``(host, port)``, or the problem with ``text``."""
+def is_ascii_digits(text: str) -> bool:
+    """Only 0-9: ``str.isdigit()`` is also true for "²" and other digits ``int()`` refuses or misreads."""
+    return text.isascii() and text.isdigit()
+
+
+def is_wildcard_host(host: str) -> bool:
+    """``0.0.0.0``, ``::`` and their spellings: an address to bind on, never one to dial."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False  # a hostname
+
+
+def _parse_host_port(text: object, *, min_port: int = 0) -> tuple[str, int] | str:
+    """``(host, port)``, or the problem with ``text``; ``min_port=1`` for an address that is dialled
+    (port 0 can only be bound: "any free port")."""
     if not isinstance(text, str):
         return "expected HOST:PORT text, e.g. 127.0.0.1:0"
     host, sep, port_text = text.rpartition(":")
@@ -96,8 +118,8 @@ def _parse_host_port(text: object) -> tuple[str, int] | str:
     # An unbracketed IPv6 address is ambiguous: is the last group the port or part of the address?
     if not sep or not host or (":" in host and not bracketed):
         return "expected HOST:PORT, e.g. 127.0.0.1:0 or [::1]:0"
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        return f"port {port_text!r} is not in 0..65535"
+    if not is_ascii_digits(port_text) or not min_port <= int(port_text) <= 65535:
+        return f"port {port_text!r} is not in {min_port}..65535"
     return host, int(port_text)
 
 

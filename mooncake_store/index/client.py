@@ -10,6 +10,7 @@ from typing import Any
 
 import redis
 
+from mooncake_store.config import redact_url
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index.schema import (
     decode_node,
@@ -94,11 +95,12 @@ def connect_redis(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
             health_check_interval=30,
         )
         client.ping()
-    except ValueError as exc:
-        raise ConnectError(f"bad Redis URL {url!r}: {exc}") from None
+    except (ValueError, TypeError) as exc:  # TypeError: a URL option redis-py does not know (?foo=1)
+        # Redacted: the CLI prints these messages, and a password must not reach terminals or logs.
+        raise ConnectError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
     except redis.RedisError as exc:
         raise ConnectError(
-            f"cannot reach Redis at {url}: {exc}. Start a cluster with `mooncake up` or "
+            f"cannot reach Redis at {redact_url(url)}: {exc}. Start a cluster with `mooncake up` or "
             "mooncake_store.LocalCluster, or point MOONCAKE_REDIS_URL at a running server."
         ) from None
     return client

@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from mooncake_store.config import format_size
 from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
 
 HEADER = struct.Struct("<4sBBHQQQ")
@@ -89,6 +90,7 @@ class DiskTier:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise MooncakeError(f"cannot create the disk tier directory {self.root}: {exc}") from None
+        self._check_room(self.root, capacity_bytes)
         self.capacity_bytes = capacity_bytes
         self.level = level
         self.shuffle = shuffle
@@ -100,6 +102,24 @@ class DiskTier:
         self._local = threading.local()  # zstd contexts are not thread-safe; one per thread
         self._lock_fd = self._claim(self.root)
         self._clear_leftovers()
+
+    @staticmethod
+    def _check_room(root: Path, capacity_bytes: int) -> None:
+        """Refuse a capacity the filesystem could never hold: the node table would advertise it, and
+        placement and spills would count on room that is not there. Free room is not the bound, since
+        it changes with other users of the disk; the filesystem's whole size is."""
+        try:
+            st = os.statvfs(root)
+        except OSError:
+            return  # nothing to measure against: writes report the real error
+        total = st.f_blocks * st.f_frsize
+        if capacity_bytes > total:
+            free = st.f_bavail * st.f_frsize
+            raise NoCapacity(
+                f"disk tier capacity {capacity_bytes} B ({format_size(capacity_bytes)}) is more than the "
+                f"filesystem of {root} holds: {total} B ({format_size(total)}) in all, {free} B free",
+                permanent=True,
+            )
 
     @staticmethod
     def _claim(root: Path) -> int:
