@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from mooncake_store.errors import InvalidKey
+from mooncake_store.errors import InvalidKey, InvalidValue
 
 #: Longest key accepted, in UTF-8 bytes. Redis keys may be far longer, but a key is also part of
 #: every index record and of log lines; vLLM/LMCache block hashes are well under 200 bytes.
@@ -148,6 +148,13 @@ class EvictionCandidate:
     chain_parent: str = ""  # key of the chunk before it in its prefix chain ("" for none)
 
 
+def check_keys(keys: object) -> list[str]:
+    """Every key of a sequence of keys checked; a str or bytes is refused, not split into characters."""
+    if isinstance(keys, str | bytes | bytearray | memoryview) or not hasattr(keys, "__iter__"):
+        raise InvalidValue(f"pass a list of keys, got {type(keys).__name__}: {keys!r:.80}")
+    return [check_key(k) for k in keys]  # type: ignore[attr-defined]
+
+
 def check_key(key: object) -> str:
     """Return ``key`` if it is acceptable, else raise :class:`InvalidKey` saying why."""
     if not isinstance(key, str):
@@ -159,8 +166,9 @@ def check_key(key: object) -> str:
     except UnicodeEncodeError as exc:
         raise InvalidKey(f"key {key!r:.80} is not valid UTF-8 text: {exc.reason}") from None
     if len(encoded) > MAX_KEY_BYTES:
-        raise InvalidKey(f"key is {len(encoded)} B of UTF-8; the limit is {MAX_KEY_BYTES} B")
+        raise InvalidKey(f"key {key!r:.60} is {len(encoded)} B of UTF-8; the limit is {MAX_KEY_BYTES} B")
     for ch in key:
-        if ord(ch) < 0x20 or ord(ch) == 0x7F:
+        # C0, DEL and C1 (U+0080..U+009F: NEL breaks lines, CSI starts terminal escapes in `ls`).
+        if ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F:
             raise InvalidKey(f"key {key!r:.80} contains control character {ch!r}")
     return key

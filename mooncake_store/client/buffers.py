@@ -42,7 +42,13 @@ def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
         raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
     if tensor.dtype == torch.bfloat16:
         return tensor.detach().view(torch.int16).numpy(), BFLOAT16
-    array = tensor.detach().numpy()
+    try:
+        array = tensor.detach().numpy()
+    except (TypeError, RuntimeError) as exc:  # float8, a lazy conjugate view, ...: no numpy layout
+        raise InvalidValue(
+            f"torch tensor of dtype {tensor.dtype} has no numpy form to store or fill ({exc}); "
+            "supported: bool, int, uint, float16/32/64, bfloat16 and complex tensors"
+        ) from None
     return array, array.dtype.str
 
 
@@ -66,10 +72,10 @@ def as_source(value: object) -> Source:
     else:
         try:
             array = np.asarray(memoryview(value))  # type: ignore[arg-type]
-        except TypeError:
+        except (TypeError, ValueError, NotImplementedError) as exc:  # no buffer, or a format numpy cannot read
             raise InvalidValue(
-                f"cannot store a {type(value).__name__}: pass bytes, a memoryview or buffer, a numpy array "
-                "or a CPU torch tensor"
+                f"cannot store a {type(value).__name__} ({exc}): pass bytes, a memoryview or buffer of "
+                "numbers, a numpy array or a CPU torch tensor"
             ) from None
     if array.ndim > MAX_DIMS:
         raise InvalidValue(f"array has {array.ndim} dimensions; the limit is {MAX_DIMS}")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from mooncake_store.client.buffers import as_destination, to_array
 from mooncake_store.client.gets import GetPath
@@ -16,6 +15,7 @@ from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
 from mooncake_store.config import ClientConfig, load_config
 from mooncake_store.errors import (
+    ConfigError,
     ConnectError,
     InvalidValue,
     MooncakeError,
@@ -32,6 +32,7 @@ from mooncake_store.types import (
     TierKind,
     TransportKind,
     check_key,
+    check_keys,
     stale_for,
 )
 
@@ -58,15 +59,20 @@ class Client:
         config: ClientConfig | None = None,
         transports: Iterable[str] | None = None,
     ) -> None:
+        for name, value in (("redis_url", redis_url), ("namespace", namespace)):
+            if not isinstance(value, str):
+                raise ConfigError(f"{name} must be a str, got {type(value).__name__}: {value!r:.80}")
         self.config = config or ClientConfig()
         if transports is not None:
-            self.config = replace(self.config, transports=tuple(transports))
+            # One name is a transport, not a sequence of one-letter ones.
+            names = (transports,) if isinstance(transports, str) else tuple(transports)
+            self.config = replace(self.config, transports=names)
         self.transports = tuple(TransportKind(t) for t in self.config.transports)
         self.redis_url = redis_url
         self.namespace = namespace
         self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=self.config.timeout_s)
         self.host_id = local_host_id()
-        self.zone = os.environ.get("MOONCAKE_ZONE", "default")
+        self.zone = self.config.zone  # the writer's zone for placement (client.zone, MOONCAKE_ZONE)
         self._shm = ShmTransport()
         self._tcp = TcpTransport(
             timeout_s=self.config.timeout_s,
@@ -86,18 +92,34 @@ class Client:
 
     # ---- life cycle -------------------------------------------------------------------------
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        self._tcp.close()
-        self._shm.close()
-        if self._gpu is not None:
-            self._gpu.close()
-        self.index.close()
+        """Release connections, mappings and threads. Idempotent; may be called from any thread,
+        a done-callback of this client's own futures included. Operations still under way in
+        other threads end with MooncakeError("client is closed")."""
+        with self._pool_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool = self._pool
+        try:
+            if pool is not None:
+                # A callback of one of our futures runs on a pool thread, which cannot join itself.
+                own_thread = threading.current_thread() in getattr(pool, "_threads", ())
+                pool.shutdown(wait=not own_thread)
+        finally:
+            self._tcp.close()
+            self._shm.close()
+            if self._gpu is not None:
+                self._gpu.close()
+            self.index.close()
+
+    def __reduce__(self) -> NoReturn:
+        raise TypeError(
+            "a mooncake_store Client holds connections and mappings and cannot be pickled; "
+            "call mooncake_store.connect() in each process"
+        )
 
     def __enter__(self) -> Client:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -223,7 +245,7 @@ class Client:
 
     def get_many(self, keys: Sequence[str]) -> list[Any]:
         """Several objects with one index round trip; None in place of a missing key."""
-        checked = [check_key(k) for k in keys]
+        checked = check_keys(keys)
         metas, buffers = self._gets.get_batch(checked, None, missing_ok=True)
         return [
             None if meta is None else to_array(buf, meta.dtype, meta.shape)
@@ -232,10 +254,13 @@ class Client:
 
     def get_many_into(self, keys: Sequence[str], outs: Sequence[object]) -> list[int]:
         """Like get_into for a batch; returns bytes written per key (KeyNotFound if any is missing)."""
-        if len(keys) != len(outs):
-            raise InvalidValue(f"{len(keys)} keys but {len(outs)} output buffers")
+        checked = check_keys(keys)
+        if isinstance(outs, str | bytes) or not isinstance(outs, Sequence):
+            raise InvalidValue(f"outs must be a sequence of buffers, got {type(outs).__name__}")
+        if len(checked) != len(outs):
+            raise InvalidValue(f"{len(checked)} keys but {len(outs)} output buffers")
         dests = [as_destination(o) for o in outs]
-        metas, _ = self._gets.get_batch([check_key(k) for k in keys], dests, missing_ok=False)
+        metas, _ = self._gets.get_batch(checked, dests, missing_ok=False)
         return [m.size_bytes if m else 0 for m in metas]
 
     # ---- other operations -------------------------------------------------------------------
@@ -256,8 +281,9 @@ class Client:
 
     def remove_many(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
-        statuses = self.index.remove([check_key(k) for k in keys])
-        pinned = [k for k, s in zip(keys, statuses, strict=True) if s == "PINNED"]
+        checked = check_keys(keys)
+        statuses = self.index.remove(checked)
+        pinned = [k for k, s in zip(checked, statuses, strict=True) if s == "PINNED"]
         if pinned:
             raise ObjectPinned(f"key(s) {pinned[:5]!r} are pinned; release their pins first")
         return [s == 1 for s in statuses]

@@ -12,11 +12,12 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from mooncake_store.embedded import EmbeddedServer
 from mooncake_store.errors import MooncakeError, ServerError
@@ -30,6 +31,18 @@ class AgentProcess:
     endpoint: str = ""
     shm_name: str = ""
     args: list[str] = field(default_factory=list)
+    #: Where the agent's stderr goes: a file, never a pipe nobody reads (a full pipe would block
+    #: every agent thread that logs).
+    log: IO[bytes] | None = None
+
+    def log_tail(self, limit: int = 2000) -> str:
+        """The last ``limit`` bytes of the agent's stderr."""
+        if self.log is None or self.log.closed:
+            return ""
+        with open(self.log.fileno(), "rb", closefd=False) as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(0, size - limit))
+            return f.read().decode(errors="replace")
 
     @property
     def pid(self) -> int:
@@ -57,7 +70,7 @@ class AgentProcess:
             # (a pattern before READY: the agent died before it said the name).
             for path in SHM_DIR.glob(self.shm_name) if "*" in self.shm_name else [SHM_DIR / self.shm_name]:
                 path.unlink(missing_ok=True)
-        for stream in (self.process.stdout, self.process.stderr):
+        for stream in (self.process.stdout, self.process.stderr, self.log):
             if stream is not None:
                 stream.close()
 
@@ -122,8 +135,6 @@ class LocalCluster:
             sys.executable,
             "-m",
             "mooncake_store.agent",
-            "--redis-url",
-            self.redis_url,
             "--namespace",
             self.namespace,
             "--host-bytes",
@@ -145,15 +156,26 @@ class LocalCluster:
         """Start one more agent and wait until it is registered."""
         node_id = node_id or f"agent-{len(self.agents)}"
         cmd = self.agent_command(node_id, zone, extra_args or [])
-        stderr: Any = subprocess.PIPE
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = open(self.log_dir / f"{node_id}.log", "ab")  # noqa: SIM115 - owned by the process
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, env=os.environ.copy())
+            log: IO[bytes] = open(self.log_dir / f"{node_id}.log", "ab")  # noqa: SIM115 - closed by AgentProcess.stop
+        else:
+            log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by AgentProcess.stop
+        # The URL goes in the environment, not on the command line, where `ps` would show a password.
+        env = {**os.environ, "MOONCAKE_REDIS_URL": self.redis_url}
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env)
+        except BaseException:
+            log.close()
+            raise
         # Until READY says the segment's name, a pattern of it (its pid is in it): stop() removes
         # the segment of an agent that dies before it gets there.
         agent = AgentProcess(
-            node_id=node_id, process=proc, args=cmd, shm_name=segment_pattern(self.namespace, node_id, proc.pid)
+            node_id=node_id,
+            process=proc,
+            args=cmd,
+            shm_name=segment_pattern(self.namespace, node_id, proc.pid),
+            log=log,
         )
         self.agents.append(agent)
         ready = self._wait_ready(agent)
@@ -172,18 +194,16 @@ class LocalCluster:
                     return dict(json.loads(line[6:]))
                 if not line:
                     break
-        err = b""
         if not line:  # stdout closed: the agent is exiting; give it a moment to finish its stderr
             try:
                 agent.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        if agent.process.stderr is not None and agent.process.poll() is not None:
-            err = agent.process.stderr.read()[-2000:]
+        err = agent.log_tail() if agent.process.poll() is not None else ""
         agent.stop()
         raise ServerError(
             f"agent {agent.node_id} did not become ready within {self.startup_timeout_s} s "
-            f"(exit code {agent.process.poll()}): {err.decode(errors='replace').strip() or line!r}"
+            f"(exit code {agent.process.poll()}): {err.strip() or line!r}"
         )
 
     def agent(self, node_id: str) -> AgentProcess:

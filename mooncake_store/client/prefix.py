@@ -106,8 +106,13 @@ class PrefixCache:
         claim_ttl_s: float = 30.0,
         io_threads: int = 4,
     ) -> None:
-        if not isinstance(chunk_tokens, int) or not 1 <= chunk_tokens <= 1 << 20:
-            raise InvalidValue(f"chunk_tokens must be an int in 1..{1 << 20}, got {chunk_tokens!r}")
+        for name, count, top in (
+            ("chunk_tokens", chunk_tokens, 1 << 20),
+            ("replicas", replicas, 16),
+            ("io_threads", io_threads, 1024),
+        ):
+            if type(count) is not int or not 1 <= count <= top:
+                raise InvalidValue(f"{name} must be an int in 1..{top}, got {count!r:.80}")
         for name, seconds in (("pin_lease_s", pin_lease_s), ("claim_ttl_s", claim_ttl_s)):
             if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= MAX_SECONDS:
                 raise InvalidValue(f"{name} must be a number of seconds in (0, {MAX_SECONDS}], got {seconds!r}")

@@ -60,10 +60,13 @@ BlockHash = bytes | str | int
 def check_namespace(namespace: object) -> str:
     if not isinstance(namespace, str) or not namespace:
         raise InvalidValue(f"prefix namespace must be non-empty text, got {namespace!r:.80}")
-    raw = namespace.encode("utf-8", errors="strict")
+    try:
+        raw = namespace.encode("utf-8", errors="strict")
+    except UnicodeEncodeError as exc:  # a lone surrogate: not text the index can hold
+        raise InvalidValue(f"prefix namespace {namespace!r:.80} is not valid UTF-8 text: {exc.reason}") from None
     if len(raw) > MAX_NAMESPACE_BYTES:
         raise InvalidValue(f"prefix namespace is {len(raw)} B of UTF-8; the limit is {MAX_NAMESPACE_BYTES} B")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in namespace):
+    if any(ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F for ch in namespace):
         raise InvalidValue(f"prefix namespace {namespace!r:.80} contains a control character")
     assert len(KEY_PREFIX) + len(raw) + 1 + 2 * DIGEST_BYTES <= MAX_KEY_BYTES
     return namespace
@@ -162,6 +165,9 @@ def block_hash_bytes(block_hash: BlockHash) -> bytes:
 def block_hash_chain(namespace: str, block_hashes: Sequence[BlockHash]) -> list[bytes]:
     """Digests for engine-supplied block hashes, one full chunk each."""
     check_namespace(namespace)
+    if isinstance(block_hashes, str | bytes | bytearray | memoryview) or not hasattr(block_hashes, "__iter__"):
+        # One engine digest passed by mistake would be hashed as one chunk per byte or character.
+        raise InvalidValue(f"block_hashes must be a sequence of block hashes, got {type(block_hashes).__name__}")
     header = _header(namespace)
     out: list[bytes] = []
     prev = ROOT

@@ -20,6 +20,7 @@ import xxhash
 from mooncake_store.client.buffers import Source, as_source
 from mooncake_store.errors import (
     ConnectError,
+    InvalidKey,
     InvalidValue,
     MooncakeError,
     NoCapacity,
@@ -87,6 +88,30 @@ class PlannedPut:
         )
 
 
+#: Largest chain position: Lua numbers are doubles, exact for integers below 2**53.
+MAX_CHAIN_POS = (1 << 53) - 1
+
+
+def check_chain_meta(items: object, chain_pos: object, chain_parent: object) -> None:
+    """``items`` a mapping of keys to values; ``chain_pos`` a mapping of keys to positions (ints
+    in 0..MAX_CHAIN_POS) and ``chain_parent`` of keys to keys, or None. Checked before anything is
+    reserved: a bad position stored in the index would stop the agent's eviction (its victim sample
+    reads it as an int), and a bad parent would half-commit the object."""
+    if not isinstance(items, Mapping):
+        raise InvalidValue(f"put_many takes a mapping of key -> value, got {type(items).__name__}")
+    for name, given in (("chain_pos", chain_pos), ("chain_parent", chain_parent)):
+        if given is not None and not isinstance(given, Mapping):
+            raise InvalidValue(f"{name} must be a mapping of key -> value or None, got {type(given).__name__}")
+    for key, pos in (chain_pos or {}).items():
+        if type(pos) is not int or not 0 <= pos <= MAX_CHAIN_POS:
+            raise InvalidValue(f"chain_pos of {key!r:.80} must be an int in 0..{MAX_CHAIN_POS}, got {pos!r:.80}")
+    for key, parent in (chain_parent or {}).items():
+        try:
+            check_key(parent)
+        except InvalidKey as exc:
+            raise InvalidKey(f"chain_parent of {key!r:.80}: {exc}") from None
+
+
 class PutPath:
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -102,6 +127,7 @@ class PutPath:
     ) -> list[PlannedPut]:
         plans = []
         gpu_nodes: list[NodeInfo] | None = None
+        check_chain_meta(items, chain_pos, chain_parent)
         for key, parent in (chain_parent or {}).items():
             if parent == key:
                 # The key would count itself as a stored child and never be a leaf: never evictable.
@@ -149,7 +175,7 @@ class PutPath:
         return plans
 
     def run(self, plans: list[PlannedPut], *, replicas: int, preferred_node: str | None) -> None:
-        if not isinstance(replicas, int) or not 1 <= replicas <= 16:
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 16:
             raise InvalidValue(f"replicas must be an int in 1..16, got {replicas!r}")
         # Space held by removed or replaced objects comes back once their read leases run out, so a
         # full cluster is worth waiting for, up to timeout_s; an object larger than every arena is not.

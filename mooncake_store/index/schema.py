@@ -5,11 +5,12 @@ on Redis Cluster::
 
     mc:{ns}:o:<key>        hash   object record: size, dtype, shape, checksum, version, replicas,
                                   lease_until, last_access, created, refcount (mirror of live pins),
-                                  chain_pos, chain_parent, children (prefix chains, for eviction)
+                                  chain_pos, chain_parent (prefix chains, for eviction)
     mc:{ns}:keys           set    every committed key (ls, stat)
     mc:{ns}:pend:<put_id>  hash   a put between reserve and commit (invisible to readers)
     mc:{ns}:pins:<key>     zset   pin id -> expiry ms; refcount = live pins
     mc:{ns}:claim:<key>    string writer id (PX ttl) while one writer stores a missing prefix chunk
+    mc:{ns}:children       hash   parent key -> stored chunks naming it (survives the parent's removal)
     mc:{ns}:nodes          hash   node id -> node JSON (endpoints, shm name, zone, tiers, incarnation)
     mc:{ns}:hb             zset   node id -> heartbeat deadline ms
     mc:{ns}:nobj:<node>    set    keys with a replica on the node (reaping, per-node counts)

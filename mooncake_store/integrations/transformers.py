@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the demo's message
         "pip install 'mooncake-store[hf]' (CPU torch is enough)"
     ) from exc
 
+from mooncake_store.client.buffers import as_source
 from mooncake_store.client.prefix import PrefixCache
 from mooncake_store.errors import InvalidValue
 
@@ -150,6 +151,20 @@ def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int
     return cache.store(ids, chunk)
 
 
+def _check_stored_layout(cache: PrefixCache, key: str, chunk: Any) -> None:
+    """get_into fills a buffer at least as large as the object with its raw bytes: a chunk saved
+    as float16 read into float32 staging would restore garbage without a word. The stored dtype
+    and size must be the staging chunk's."""
+    meta = cache.client.object_meta(key)
+    want = as_source(chunk)
+    if meta is not None and (meta.dtype != want.dtype or meta.size_bytes != want.view.nbytes):
+        raise InvalidValue(
+            f"the stored KV chunks are {meta.dtype}, {meta.size_bytes} B each, but this load asked for "
+            f"{chunk.dtype} chunks of shape {tuple(chunk.shape)} ({want.view.nbytes} B): pass the model, "
+            "or the dtype= and config= they were saved with"
+        )
+
+
 def load_prefix(
     cache: PrefixCache,
     input_ids: Any,
@@ -176,7 +191,9 @@ def load_prefix(
     if limit < cache.chunk_tokens:
         return 0, None
     layers, kv_heads, head_dim = kv_layout(model if model is not None else config)
-    dtype = dtype or (model.dtype if model is not None else torch.float32)
+    dtype = dtype or (model.dtype if model is not None else getattr(config, "torch_dtype", None) or torch.float32)
+    if isinstance(dtype, str):  # configs may carry "float16"
+        dtype = getattr(torch, dtype)
     device = device or (model.device if model is not None else "cpu")
     size = cache.chunk_tokens
     staging: list[Any] = []
@@ -187,6 +204,8 @@ def load_prefix(
 
     with cache.load(ids, outs=outs, include_tail=False, max_tokens=limit) as hit:
         n = hit.num_chunks
+        if n:
+            _check_stored_layout(cache, hit.keys[0], staging[0][0])
     if n == 0:
         return 0, None
     data = staging[0][:n]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.host import SHM_DIR, SharedSegment
 
 
@@ -33,6 +34,7 @@ class ShmTransport:
     def __init__(self) -> None:
         self._segments: dict[str, SharedSegment] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def reachable(self, shm_name: str) -> bool:
         """A mapped segment stays readable while mapped; only unmapped ones cost a stat()."""
@@ -49,6 +51,8 @@ class ShmTransport:
 
     def segment(self, shm_name: str, size_bytes: int) -> SharedSegment:
         with self._lock:
+            if self._closed:  # a mapping made now would outlive close()
+                raise MooncakeError(f"shm transport is closed (asked for {shm_name})")
             seg = self._segments.get(shm_name)
             if seg is None or seg.closed:
                 seg = SharedSegment.attach(shm_name, size_bytes)
@@ -73,6 +77,7 @@ class ShmTransport:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             segments, self._segments = list(self._segments.values()), {}
         for seg in segments:
             seg.close()

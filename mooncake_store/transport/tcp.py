@@ -11,9 +11,10 @@ import contextlib
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from mooncake_store.config import is_ascii_digits
 from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity, ProtocolError, StaleLocation, TransferError
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
@@ -37,7 +38,8 @@ class ReadRequest:
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # ASCII digits only: "²" passes str.isdigit() and then breaks int() with a bare ValueError.
+    if not host or not is_ascii_digits(port) or not 0 < int(port) < 65536:
         raise ProtocolError(f"bad agent endpoint {endpoint!r}; expected HOST:PORT")
     return host.strip("[]"), int(port)
 
@@ -234,9 +236,12 @@ class TcpTransport:
         self._peers: dict[str, PeerConnections] = {}
         self._lock = threading.Lock()
         self._stripes = ThreadPoolExecutor(max_workers=max(1, connections_per_peer), thread_name_prefix="mc-stripe")
+        self._closed = False
 
     def peer(self, endpoint: str) -> PeerConnections:
         with self._lock:
+            if self._closed:
+                raise MooncakeError(f"TCP transport is closed (asked for {endpoint})")
             peer = self._peers.get(endpoint)
             if peer is None:
                 peer = PeerConnections(endpoint, timeout_s=self._timeout_s, max_idle=self._connections * 2)
@@ -250,7 +255,10 @@ class TcpTransport:
             peer.close()
 
     def close(self) -> None:
+        """Close every pooled connection; a transfer still under way (or started later) ends with
+        MooncakeError instead of opening new ones."""
         with self._lock:
+            self._closed = True
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
             peer.close()
@@ -279,14 +287,24 @@ class TcpTransport:
         """Run ``transfer(start, length)`` per stripe: the first on this thread, the rest on the
         stripe pool (each on a connection of its own); the first error is raised once all settle."""
         stripes = self._stripes_of(length)
-        futures = [self._stripes.submit(transfer, s, n) for s, n in stripes[1:]]
+        closed = MooncakeError("TCP transport is closed")
+        futures: list[Future[None]] = []
         first_error: BaseException | None = None
         try:
-            transfer(*stripes[0])
-        except BaseException as exc:
-            first_error = exc
+            for s, n in stripes[1:]:
+                futures.append(self._stripes.submit(transfer, s, n))
+        except RuntimeError:  # the pool was shut down: close() ran meanwhile
+            first_error = closed
+        if first_error is None:
+            try:
+                transfer(*stripes[0])
+            except BaseException as exc:
+                first_error = exc
         for fut in futures:
-            exc = fut.exception()
+            try:
+                exc = fut.exception()
+            except CancelledError:  # close() cancelled it before a stripe thread took it
+                exc = closed
             first_error = first_error or exc
         if first_error is not None:
             raise first_error
