@@ -125,8 +125,7 @@ def agent(
                 f"{format_size(config.agent.host_bytes)} host arena /dev/shm/{info.shm_name}, "
                 f"zone {config.agent.zone}, index {redact_url(config.redis_url)} namespace {config.namespace}"
             )
-        while not stop.wait(0.5):  # a timed wait keeps signal delivery prompt
-            pass
+        node.run_until(stop)  # a MooncakeError (taken over while stalled) exits 1 through main's handler
     finally:
         node.stop()
     err.print(f"agent {node.node_id} stopped")

@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             "pid": agent.node_info().pid,
         }
         print("READY " + json.dumps(ready), flush=True)
-        while not stop.wait(0.5):
-            pass
+        agent.run_until(stop)
     except MooncakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -24,7 +24,7 @@ from mooncake_store.agent.server import TIER_DISK, TIER_GPU, AgentServer
 from mooncake_store.config import AgentConfig, is_wildcard_host, split_host_port
 from mooncake_store.errors import ConfigError, ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
-from mooncake_store.index.client import NodeSuperseded
+from mooncake_store.index.client import NodeIdTaken, NodeSuperseded
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.gpu import GpuArena
@@ -119,6 +119,8 @@ class Agent:
             self.index.close()
             raise
         self._stop = threading.Event()
+        #: Why this agent can no longer serve (its node id was taken over), once it cannot.
+        self.fatal: str | None = None
         self._sync_lock = threading.Lock()
         #: Spill reservations granted to peers and not yet landed or freed, with their tier.
         self._spills_in_flight: dict[int, TierKind] = {}
@@ -401,6 +403,13 @@ class Agent:
     def wait(self) -> None:
         self._stop.wait()
 
+    def run_until(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set or the agent can no longer serve (:attr:`fatal`, then raised
+        as MooncakeError). Polls: a timed wait keeps signal delivery prompt."""
+        while not stop.wait(0.5):
+            if self.fatal is not None:
+                raise MooncakeError(self.fatal)
+
     # ---- background duties --------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -425,6 +434,13 @@ class Agent:
                     next_reap = now + self.config.heartbeat_ttl_s
             except ConnectError as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except NodeIdTaken as exc:
+                # Reaped while stalled, and its node id taken over since: this agent can never serve
+                # again under it. It gives up its memory and says so; its process stops (fatal).
+                log.error("node %s: %s; this agent holds nothing and stops", self.node_id, exc)
+                self._drop_everything()
+                self.fatal = f"node {self.node_id} was taken over by another agent while this one stalled: {exc}"
+                return
             except MooncakeError as exc:
                 # Another incarnation took the node id over while this one stalled (IN_USE): the
                 # index names none of this agent's memory any more, and its syncs are refused.

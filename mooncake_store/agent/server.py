@@ -12,11 +12,13 @@ import logging
 import select
 import socket
 import threading
+import time
 from typing import Any, Protocol
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.config import split_host_port
 from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError
+from mooncake_store.tiers.disk import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
@@ -33,6 +35,8 @@ TIER_DISK = 2
 SPILL_FLAG = 1
 #: Pause before accepting again after accept() failed (out of descriptors, say).
 ACCEPT_RETRY_S = 0.1
+#: Connections served at once (one thread each); more are closed as they arrive.
+MAX_CONNECTIONS = 1024
 #: Chunk for draining the payload of a refused WRITE.
 DRAIN_BYTES = 1 << 20
 
@@ -105,6 +109,7 @@ class AgentServer:
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()
+        self._full_logged_at = 0.0
         self._lock = threading.Lock()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="mc-accept", daemon=True)
         self.counters = {"reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0}
@@ -141,6 +146,16 @@ class AgentServer:
                 # nobody ever again would be the worse outcome.
                 log.warning("accept failed: %s; retrying", exc)
                 self._stop.wait(ACCEPT_RETRY_S)
+                continue
+            with self._lock:
+                full = len(self._conns) >= MAX_CONNECTIONS
+            if full:
+                # One thread per connection: a client that opens connections without end must not
+                # exhaust the agent's threads and descriptors. Pools hold a few per peer.
+                if time.monotonic() - self._full_logged_at > 1.0:  # once a second, not per connection
+                    self._full_logged_at = time.monotonic()
+                    log.warning("%d connections open, the limit; closing new ones", MAX_CONNECTIONS)
+                conn.close()
                 continue
             try:
                 # A request under way must go on promptly (each recv and send is bounded); idle
@@ -282,6 +297,11 @@ class AgentServer:
             return False
         raw = frames.recv_exact(conn, frames.RESERVE_ENTRY.size * count)
         requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
+        if tier == TIER_DISK and any(size < DISK_HEADER.size for size, _ in requests):
+            # No chunk file is shorter than its header: such entries could only fill the inbox with
+            # reservations (8192 per frame) that nothing will ever write.
+            self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
+            return True
         if tier != TIER_HOST:
             allocs = self._hooks.reserve_other_tier(tier, requests, spill=bool(flags & SPILL_FLAG))
             if allocs is None:

@@ -68,6 +68,10 @@ class SyncResult:
     acked_keys: dict[int, str] = field(default_factory=dict)
 
 
+class NodeIdTaken(MooncakeError):
+    """Registration refused: a live agent of another incarnation holds the node id."""
+
+
 class NodeSuperseded(MooncakeError):
     """The node record belongs to another incarnation (or is gone): this agent's syncs must wait
     until it registers again, or stop."""
@@ -373,7 +377,7 @@ class RedisIndex:
                 break
         if status[0] == "IN_USE":
             other = json.loads(status[1])
-            raise MooncakeError(
+            raise NodeIdTaken(
                 f"node id {info.node_id!r} is held by a live agent (pid {other.get('pid')} on "
                 f"{other.get('host')}); pick another --node-id or stop that agent"
             )

@@ -38,7 +38,7 @@ import socket
 import struct
 from enum import IntEnum
 
-from mooncake_store.errors import ProtocolError, TransferError
+from mooncake_store.errors import InvalidValue, ProtocolError, TransferError
 
 MAGIC = b"MC"
 VERSION = 1
@@ -69,7 +69,19 @@ class Status(IntEnum):
 
 
 def pack(op: int, arg: int = 0, a: int = 0, b: int = 0, c: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, op, arg, a, b, c)
+    try:
+        return HEADER.pack(MAGIC, VERSION, op, arg, a, b, c)
+    except struct.error as exc:  # a negative or oversized field: say which, not struct's words
+        raise InvalidValue(f"frame fields op={op} arg={arg} a={a} b={b} c={c} do not fit the header: {exc}") from None
+
+
+def pack_reserve_entry(size: int, put_id: bytes) -> bytes:
+    try:
+        return RESERVE_ENTRY.pack(size, put_id)
+    except struct.error as exc:
+        raise InvalidValue(
+            f"reservation size {size} (0..2**64-1) or put id {put_id!r:.40} does not fit: {exc}"
+        ) from None
 
 
 def unpack(raw: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int]:

@@ -133,7 +133,7 @@ class PeerConnections:
         """Reserve space for each (size, put_id). All or nothing: NoCapacity names the sizes."""
 
         def run_chunk(sock: socket.socket, chunk: Sequence[tuple[int, bytes]]) -> list[Reservation]:
-            payload = b"".join(frames.RESERVE_ENTRY.pack(size, put_id) for size, put_id in chunk)
+            payload = b"".join(frames.pack_reserve_entry(size, put_id) for size, put_id in chunk)
             frames.send_all(sock, frames.pack(Op.RESERVE, len(chunk), tier, flags), memoryview(payload))
             status, a, b, c = self._reply(sock, Op.RESERVE)
             if status == Status.NO_CAPACITY:

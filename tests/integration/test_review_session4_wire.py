@@ -21,8 +21,10 @@ import pytest
 from helpers import wait_until
 
 from mooncake_store import connect
+from mooncake_store.agent import server as server_module
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK
+from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
@@ -124,3 +126,48 @@ def test_a_disk_write_too_large_to_stage_leaks_no_fence(
         assert agent.inbox.free_bytes() == disk_bytes
     finally:
         peer.close()
+
+
+def test_disk_reservations_shorter_than_a_chunk_file_header_are_refused(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A spill onto the disk tier reserves room for a chunk file, which is never shorter than its
+    header: zero-size entries could only fill the inbox with 8192 reservations per frame."""
+    agent = make_inproc_agent(disk_path=str(tmp_path), disk_bytes=64 << 20)
+    assert agent.inbox is not None
+    peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
+    try:
+        with pytest.raises(MooncakeError):
+            peer.reserve(
+                [(0, b"z%015d" % i) for i in range(8192)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG
+            )
+        assert len(agent.inbox.table) == 0
+        (res,) = peer.reserve([(4096, b"y" * 16)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG)
+        assert res.alloc_id in agent.inbox  # a real size still reserves
+    finally:
+        peer.close()
+
+
+def test_connections_past_the_limit_are_closed_and_the_agent_keeps_serving(
+    make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread per connection: past MAX_CONNECTIONS a new connection is closed at once; once one
+    of the open ones goes, new connections are served again."""
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 4)
+    agent = make_inproc_agent()
+    address = parse_endpoint(agent.server.endpoint)
+    held = [socket.create_connection(address, timeout=5) for _ in range(4)]
+    try:
+        assert wait_until(lambda: len(agent.server._conns) == 4, 5)
+        with socket.create_connection(address, timeout=5) as extra:
+            assert extra.recv(1) == b"", "a connection past the limit was served"
+        held.pop().close()
+        assert wait_until(lambda: len(agent.server._conns) == 3, 5)
+        peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=1)
+        try:
+            assert peer.ping() == frames.VERSION
+        finally:
+            peer.close()
+    finally:
+        for sock in held:
+            sock.close()

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from mooncake_store.errors import ProtocolError, TransferError
+from mooncake_store.errors import InvalidValue, ProtocolError, TransferError
 from mooncake_store.transport import frames
 
 
@@ -39,3 +39,13 @@ def test_send_and_receive_into_caller_memory() -> None:
         a.close()
         with pytest.raises(TransferError, match="peer closed the connection after 0 of 10 B"):
             frames.recv_exact(b, 10)
+
+
+def test_fields_that_do_not_fit_a_frame_are_invalid_value() -> None:
+    """Negative or over-u64 fields (a caller's bug) name the fields, not struct's words."""
+    with pytest.raises(InvalidValue, match="do not fit"):
+        frames.pack(frames.Op.WRITE, 0, -1, 0, 5)
+    with pytest.raises(InvalidValue, match="do not fit"):
+        frames.pack(frames.Op.READ, 0, 1, 1 << 64, 5)
+    with pytest.raises(InvalidValue, match="reservation size -5"):
+        frames.pack_reserve_entry(-5, b"x" * 16)
