@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
 import socket
 import statistics
 import struct
@@ -26,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_store.transport.frames import kernel_timeouts
+
 KiB = 1 << 10
 MiB = 1 << 20
 GB = 1e9
@@ -33,6 +36,13 @@ SIZES = (64 * KiB, 1 * MiB, 8 * MiB, 32 * MiB)
 #: Socket buffers of the raw TCP baseline when the store's value (transport/tcp.py) cannot be
 #: imported; store_socket_buffer_bytes() reads the store's.
 SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(128 + signal) in the main thread, so that a benchmark killed by its
+    PID still runs its ``finally`` blocks and context exits: the children it started (agents, the
+    index, the raw TCP server, Mooncake's processes) are stopped by their PIDs, not orphaned."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def size_label(n: int) -> str:
@@ -118,6 +128,18 @@ def percentile_us(times: list[float], q: float) -> float:
 #: Bytes the store benchmark rotates over (its keys) and the limits rotate over too, so that neither
 #: the store nor its limit reads a source that sits hot in the last-level cache.
 FOOTPRINT_BYTES = 64 * MiB
+#: The smallest agent arena (or Mooncake segment) the store workload fits in: its keys rotate over
+#: FOOTPRINT_BYTES, and each replacing put holds its new copy while the old one waits to be freed.
+MIN_HOST_BYTES = 2 * FOOTPRINT_BYTES
+
+
+def check_host_bytes(parser: Any, host_bytes: int) -> None:
+    """``parser.error`` (exit 2) for an arena the workload cannot fit in, before any work starts."""
+    if host_bytes < MIN_HOST_BYTES:
+        parser.error(
+            f"--host-bytes {host_bytes} is too small: the workload rotates over {FOOTPRINT_BYTES >> 20} MiB "
+            f"of keys and needs at least {MIN_HOST_BYTES} ({MIN_HOST_BYTES >> 20} MiB)"
+        )
 
 
 def footprint_slots(size: int) -> int:
@@ -144,7 +166,10 @@ def measure_memcpy(sizes: tuple[int, ...], *, quick: bool) -> dict[str, dict[int
 
 # ---- raw loopback TCP -----------------------------------------------------------------------------
 # The baseline for every TCP figure: the best a plain Python socket loop does between two processes
-# on this machine, with the store's socket options (TCP_NODELAY, its SO_SNDBUF/SO_RCVBUF). Two loops:
+# on this machine, with the store's socket options (TCP_NODELAY, its SO_SNDBUF/SO_RCVBUF) and its
+# socket mode on both sides (blocking, bounded by kernel timeouts, payloads received with one
+# MSG_WAITALL call: frames.kernel_timeouts), so that the limit is not handicapped by Python's
+# timeout mode, which poll()s before every recv and send. Two loops:
 #
 # - request/response ("rr"): one request per object, the object comes back (get) or goes out and is
 #   acked (put): a round trip per object, as the store's reads and writes have;
@@ -165,6 +190,10 @@ MAX_STREAM_COUNT = 200_000
 #: Trials per (size, op, loop) and seconds per trial: (quick, full).
 RAW_TRIALS = (3, 5)
 RAW_TRIAL_S = (0.25, 0.4)
+#: Kernel send/receive timeout of every raw socket: a stuck peer fails the trial instead of hanging.
+RAW_IO_TIMEOUT_S = 30.0
+#: How often the raw server checks that its parent (the benchmark) is still there.
+RAW_PARENT_CHECK_S = 0.5
 
 
 @functools.cache
@@ -187,11 +216,20 @@ def tune(sock: socket.socket, buffer_bytes: int | None = None) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from the socket; False if the peer closed first."""
+def _recv_exact(sock: socket.socket, view: memoryview, *, idle_ok: bool = False) -> bool:
+    """Fill ``view`` from the socket; False if the peer closed first. On a blocking socket (kernel
+    timeouts) the kernel fills the view in one MSG_WAITALL call, as the store's recv_into_exact does.
+    ``idle_ok``: a receive timeout before the first byte is waited out (an idle connection between
+    requests, as the agent's idle connections wait as long as they like); any other raises."""
     got, total = 0, len(view)
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
     while got < total:
-        n = sock.recv_into(view[got:], total - got)
+        try:
+            n = sock.recv_into(view[got:], total - got, flags)
+        except BlockingIOError:  # SO_RCVTIMEO ran out (EAGAIN)
+            if idle_ok and got == 0:
+                continue
+            raise
         if n == 0:
             return False
         got += n
@@ -204,7 +242,7 @@ def _serve_raw(conn: socket.socket, view: memoryview) -> None:
     head = memoryview(bytearray(REQ.size))
     slot = 0
     with conn:
-        while _recv_exact(conn, head):
+        while _recv_exact(conn, head, idle_ok=True):
             word, count = REQ.unpack(head)
             length = word & ~PUT_BIT
             slots = footprint_slots(max(1, length))
@@ -221,29 +259,36 @@ def _serve_raw(conn: socket.socket, view: memoryview) -> None:
                 conn.sendall(b"\x01")
 
 
-def _raw_server(listener: socket.socket, max_bytes: int, buffer_bytes: int, stop: threading.Event) -> None:
+def _raw_server(
+    listener: socket.socket, max_bytes: int, buffer_bytes: int, stop: threading.Event, parent_pid: int | None = None
+) -> None:
+    """Accept connections until ``stop`` is set or, with ``parent_pid``, until the parent is gone
+    (this process was re-parented: a benchmark killed with SIGKILL cannot stop it by its PID). The
+    connection threads are daemons: they end with the process."""
     # Touched (no zero-page reads) and large enough for every size's rotation (footprint_slots).
     buf = np.ones(max(FOOTPRINT_BYTES, 2 * max_bytes) + max_bytes, dtype=np.uint8)
     view = memoryview(buf).cast("B")
-    listener.settimeout(0.5)
-    while not stop.is_set():
+    listener.settimeout(RAW_PARENT_CHECK_S)
+    while not stop.is_set() and (parent_pid is None or os.getppid() == parent_pid):
         try:
             conn, _ = listener.accept()
         except TimeoutError:
             continue
         except OSError:
             break
-        conn.settimeout(None)
+        kernel_timeouts(conn, RAW_IO_TIMEOUT_S)  # the agent's mode: blocking, MSG_WAITALL receives
         tune(conn, buffer_bytes)
         threading.Thread(target=_serve_raw, args=(conn, view), daemon=True).start()
 
 
 def raw_server_main(port_pipe: Any, max_bytes: int, buffer_bytes: int) -> None:
-    """Child process: a plain threaded socket server (a thread per connection)."""
+    """Child process: a plain threaded socket server (a thread per connection); it ends by itself
+    once its parent is gone."""
+    parent_pid = os.getppid()
     listener = socket.create_server(("127.0.0.1", 0), backlog=64)
     port_pipe.send(listener.getsockname()[1])
     port_pipe.close()
-    _raw_server(listener, max_bytes, buffer_bytes, threading.Event())
+    _raw_server(listener, max_bytes, buffer_bytes, threading.Event(), parent_pid)
 
 
 def stripes_of(length: int, connections: int, stripe_bytes: int) -> list[tuple[int, int]]:
@@ -264,8 +309,9 @@ class RawClient:
     def __init__(self, port: int, connections: int, stripe_bytes: int = 4 * MiB) -> None:
         self.socks = []
         for _ in range(connections):
-            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s = socket.create_connection(("127.0.0.1", port), timeout=RAW_IO_TIMEOUT_S)
             tune(s)
+            kernel_timeouts(s, RAW_IO_TIMEOUT_S)  # the store client's mode: blocking, MSG_WAITALL receives
             self.socks.append(s)
         self.stripe_bytes = stripe_bytes
         self.pool = None
@@ -427,16 +473,22 @@ def _objects_rr_trial(client: RawClient, op: str, views: list[memoryview], bound
 
 
 def _objects_stream(client: RawClient, op: str, views: list[memoryview], count: int) -> None:
-    """``count`` whole objects dealt evenly over the connections, each connection streaming its
-    share (gets into ``views[0]``, puts from ``views`` in turn)."""
+    """Exactly ``count`` whole objects (what _stream_trial credits) dealt over the connections, the
+    first ``count % conns`` taking one more, each connection streaming its share (gets into
+    ``views[0]``, puts from ``views`` in turn). A connection whose share is nothing sends nothing."""
     conns = len(client.socks)
-    share = max(1, count // conns)
-    if op == "get":
-        client.each_connection(lambda _k, sock: RawClient._get(sock, views[0], share))
-    else:
-        client.each_connection(
-            lambda k, sock: RawClient._put_from(sock, [views[(i * conns + k) % len(views)] for i in range(share)])
-        )
+    base, extra = divmod(count, conns)
+
+    def move(k: int, sock: socket.socket) -> None:
+        share = base + (k < extra)
+        if not share:
+            return
+        if op == "get":
+            RawClient._get(sock, views[0], share)
+        else:
+            RawClient._put_from(sock, [views[(i * conns + k) % len(views)] for i in range(share)])
+
+    client.each_connection(move)
 
 
 def measure_raw_tcp(
@@ -730,7 +782,9 @@ def as_jsonable(obj: Any) -> Any:
     if hasattr(obj, "__dataclass_fields__"):
         return as_jsonable(asdict(obj))
     if isinstance(obj, float | np.floating):
-        return round(float(obj), 4)
+        # Six significant digits: rounding to decimals would turn a 4 KiB latency in seconds or a
+        # slow rate in GB/s into zero.
+        return float(f"{float(obj):.6g}")
     return obj
 
 

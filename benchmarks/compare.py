@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import shutil
 import signal
@@ -38,10 +39,14 @@ from benchlib import (
     KiB,
     MiB,
     across_runs_if_any,
+    as_jsonable,
     budget_for,
+    check_host_bytes,
     emit_report,
+    exit_on_sigterm,
     footprint_slots,
     gbps,
+    machine_info,
     markdown_table,
     measure_limits,
     merge_raw_tcp,
@@ -62,7 +67,11 @@ MATCH_CHUNKS = (64, 512, 4096)
 MATCH_CHUNK_TOKENS = 256
 #: Targets of issue 6 that this benchmark measures (README, "Performance").
 TCP_VS_MOONCAKE = ((8 * MiB, 32 * MiB), 1.8)  # store tcp x4 get_into / Mooncake's remote get_into
-TCP_VS_RAW = ((8 * MiB, 32 * MiB), 0.85)  # store tcp get_into / raw loopback TCP get x1
+TCP_VS_RAW = ((8 * MiB, 32 * MiB), 0.85)  # store tcp xN get_into / raw loopback TCP get xN
+#: Raw TCP connection counts measured as limits: the store's tcp cases' own counts.
+RAW_CONNECTIONS = (1, 4)
+#: The store's cases: (transport, tcp_connections).
+STORE_CASES = (("shm", 4), ("tcp", 4), ("tcp", 1))
 BATCH_VS_MOONCAKE = 2.0  # get_many_into of BATCH_KEYS x 64 KiB / Mooncake's batch_get_into
 MATCH_TARGET_US = 1000.0  # prefix match of EXIST_KEYS chunks, p50
 
@@ -145,8 +154,9 @@ class MooncakeCluster:
         self.master_addr = ""
 
     def _spawn(self, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
-        out = open(self.log_dir / log, "wb")  # noqa: SIM115 - owned by the process
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # The child writes to its own duplicate of the descriptor: ours is closed at once.
+        with open(self.log_dir / log, "wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.procs.append(proc)
         return proc
 
@@ -249,6 +259,7 @@ def _mooncake_measure(master_addr: str, sizes: tuple[int, ...], quick: bool) -> 
                 if got != s:
                     raise RuntimeError(f"mooncake get_into returned {got} for {s} B")
 
+            dst[:size] = 0  # what the check below reads was written by these gets, not left over
             n, secs, times = timed_loop(get, b)
             out["get"][size] = gbps(n * size, secs)
             if not np.array_equal(src[:size], dst[:size]):
@@ -273,6 +284,7 @@ def _mooncake_measure(master_addr: str, sizes: tuple[int, ...], quick: bool) -> 
             if any(g != BATCH_OBJECT_BYTES for g in got):
                 raise RuntimeError(f"mooncake batch_get_into returned {got[:4]}...")
 
+        dst[:total] = 0  # the check below then sees what batch_get_into wrote, not an earlier get's bytes
         n, secs, gtimes = timed_loop(batch_get, b)
         out["batch"]["get_many_gbps"] = gbps(n * total, secs)
         out["batch"]["get_many_p50_ms"] = percentile_us(gtimes, 50) / 1e3
@@ -342,10 +354,11 @@ def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, log_dir: P
     from mooncake_store import LocalCluster
     from mooncake_store.embedded import EmbeddedServer
 
-    result: dict[str, Any] = {"limits": measure_limits(sizes, quick=quick, connections=(1,)), "systems": {}}
+    limits = measure_limits(sizes, quick=quick, connections=RAW_CONNECTIONS)
+    result: dict[str, Any] = {"limits": limits, "systems": {}}
     systems = result["systems"]
     with LocalCluster(num_agents=1, host_bytes=host_bytes) as cluster:
-        for transport, conns in (("shm", 4), ("tcp", 4), ("tcp", 1)):
+        for transport, conns in STORE_CASES:
             name = "store shm" if transport == "shm" else f"store tcp x{conns}"
             print(f"  {name} ...", file=sys.stderr, flush=True)
             systems[name] = run_in_process(
@@ -375,9 +388,28 @@ def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, log_dir: P
     # window of a few seconds can sit in someone else's burst; the limit is the best of both rounds.
     print("  raw TCP again ...", file=sys.stderr, flush=True)
     with raw_tcp_server(max(sizes)) as port:
-        later = run_in_process(raw_tcp_worker, port, sizes, 1, quick)
-    result["limits"]["tcp"][1] = merge_raw_tcp(result["limits"]["tcp"][1], later)
+        for conns in RAW_CONNECTIONS:
+            later = run_in_process(raw_tcp_worker, port, sizes, conns, quick)
+            limits["tcp"][conns] = merge_raw_tcp(limits["tcp"][conns], later)
     return result
+
+
+def raw_connections_of(system: str) -> int:
+    """The raw TCP connection count a system is held against: the store's tcp xN cases against raw
+    xN (like for like); the others (Mooncake's transport, Redis) against one connection."""
+    prefix = "store tcp x"
+    return int(system.removeprefix(prefix)) if system.startswith(prefix) else 1
+
+
+def systems_of(runs: list[dict[str, Any]]) -> list[str]:
+    """Every system any run measured, in the order they first appear: a run where one failed (say
+    Mooncake) must not hide it from the others' figures, nor crash the report."""
+    return list(dict.fromkeys(name for run in runs for name in run.get("systems", {})))
+
+
+def skipped_runs(runs: list[dict[str, Any]]) -> list[str]:
+    """'run K: reason' for each run where Mooncake was not measured."""
+    return [f"run {k}: {run['mooncake_skipped']}" for k, run in enumerate(runs, 1) if "mooncake_skipped" in run]
 
 
 def ratio(a: tuple[float, float, float] | None, b: tuple[float, float, float] | None) -> str:
@@ -386,12 +418,14 @@ def ratio(a: tuple[float, float, float] | None, b: tuple[float, float, float] | 
     return f"{a[0] / b[0]:.2f}"
 
 
-def raw_trial_median(runs: list[dict[str, Any]], op: str, size: int) -> float | None:
-    """The median over runs of the raw TCP x1 loop with the better median trial: the typical figure
-    behind the best-of-trials limit."""
+def raw_trial_median(runs: list[dict[str, Any]], op: str, size: int, conns: int = 1) -> float | None:
+    """The median over runs of the raw TCP x``conns`` loop with the better median trial: the typical
+    figure behind the best-of-trials limit."""
     vals = []
     for run in runs:
-        tcp = run["limits"]["tcp"][1]
+        tcp = run["limits"]["tcp"].get(conns)
+        if tcp is None:
+            continue
         spread = raw_tcp_spread(tcp, op, size)
         loops = [v for k, v in spread.items() if k.endswith("_median")]
         if loops:
@@ -401,18 +435,19 @@ def raw_trial_median(runs: list[dict[str, Any]], op: str, size: int) -> float | 
 
 def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, list[str]]:
     n = len(runs)
-    systems = list(runs[0]["systems"])
+    systems = systems_of(runs)
     has_mc = "mooncake tcp" in systems
+    raw_conns = sorted({conns for run in runs for conns in run["limits"]["tcp"]})
     lines = []
     for op, title in (("get", "get_into / GET"), ("put", "put / SET")):
         rows = []
         for size in sizes:
             mem = across_runs_if_any(runs, "limits", "memcpy", "cold", size)
-            raw = across_runs_if_any(runs, "limits", "tcp", 1, op, size)
+            raw = {c: across_runs_if_any(runs, "limits", "tcp", c, op, size) for c in raw_conns}
             mc = across_runs_if_any(runs, "systems", "mooncake tcp", op, size)
             for name in systems:
                 x = across_runs_if_any(runs, "systems", name, op, size)
-                limit = mem if name == "store shm" else raw
+                limit = mem if name == "store shm" else raw.get(raw_connections_of(name))
                 rows.append(
                     [
                         size_label(size),
@@ -422,22 +457,31 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
                         ratio(x, mc) if has_mc and name != "mooncake tcp" else "–",
                     ]
                 )
-            typical = raw_trial_median(runs, op, size)
+            cells = [spread_cell(mem, n)]
+            for c in raw_conns:
+                typical = raw_trial_median(runs, op, size, c)
+                cells.append(spread_cell(raw[c], n) + (f" (median trial {typical:.2f})" if typical else ""))
             rows.append(
                 [
                     size_label(size),
-                    "_limit: memcpy / raw TCP x1_",
-                    spread_cell(mem, n)
-                    + " / "
-                    + spread_cell(raw, n)
-                    + (f" (median trial {typical:.2f})" if typical else ""),
+                    "_limit: memcpy / " + " / ".join(f"raw TCP x{c}" for c in raw_conns) + "_",
+                    " / ".join(cells),
                     "",
                     "",
                 ]
             )
         lines.append(f"### {title} throughput, GB/s" + (f" (median, min–max of {n} runs)" if n > 1 else "") + "\n")
         lines.append(
-            markdown_table(["size", "system", "GB/s", "x limit (memcpy shm, raw TCP otherwise)", "x Mooncake"], rows)
+            markdown_table(
+                [
+                    "size",
+                    "system",
+                    "GB/s",
+                    "x limit (memcpy for shm; raw TCP xN for store tcp xN; raw TCP x1 otherwise)",
+                    "x Mooncake",
+                ],
+                rows,
+            )
         )
         lines.append("")
     rows = []
@@ -508,15 +552,20 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
     if ex:
         lines.append(f"\nMooncake batch_is_exist of {EXIST_KEYS} keys: p50 {spread_cell(ex, n, 0)} µs.")
     stalls = {
-        name: sum(run["systems"][name].get("stalls", {}).get("no_capacity", 0) for run in runs) for name in systems
+        name: sum(run["systems"].get(name, {}).get("stalls", {}).get("no_capacity", 0) for run in runs)
+        for name in systems
     }
     if any(stalls.values()):
         lines.append(
             "\nthis store's puts that hit NoCapacity and waited for the agent to free replaced objects "
             "(inside the timing): " + ", ".join(f"{k} {v}" for k, v in stalls.items() if v)
         )
-    if "mooncake_skipped" in runs[0]:
-        lines.append(f"\nMooncake was not measured: {runs[0]['mooncake_skipped']}")
+    skipped = skipped_runs(runs)
+    if skipped:
+        lines.append(
+            f"\nMooncake was not measured in {len(skipped)} of {n} run(s) ({'; '.join(skipped)}); a figure some "
+            "run lacks shows as – (every run's figures are in the JSON)."
+        )
     return "\n".join(lines), verdicts(runs, systems)
 
 
@@ -527,8 +576,12 @@ def verdicts(runs: list[dict[str, Any]], systems: list[str]) -> list[str]:
         return "met" if ok else "MISSED"
 
     out: list[str] = []
-    skipped = runs[0].get("mooncake_skipped")
-    no_mc = "not measured (Mooncake skipped: see the line above)" if skipped else "not measured (no Mooncake figures)"
+    skipped = skipped_runs(runs)
+    no_mc = (
+        "not measured (Mooncake skipped in " + ", ".join(s.split(":", 1)[0] for s in skipped) + ": see above)"
+        if skipped
+        else "not measured (no Mooncake figures)"
+    )
     has_mc = "mooncake tcp" in systems
     sizes, want = TCP_VS_MOONCAKE
     for size in sizes:
@@ -540,15 +593,18 @@ def verdicts(runs: list[dict[str, Any]], systems: list[str]) -> list[str]:
         else:
             out.append(f"{what}: {tcp[0] / mc[0]:.2f}x -> {mark(tcp[0] >= want * mc[0])}")
     sizes, want = TCP_VS_RAW
+    # The limit of one run is its best raw trial; over several runs, the median of those.
+    best = "best trial" if len(runs) == 1 else f"median over {len(runs)} runs of each run's best trial"
     for size in sizes:
-        raw = across_runs_if_any(runs, "limits", "tcp", 1, "get", size)
         for name in ("store tcp x4", "store tcp x1"):
+            conns = raw_connections_of(name)
+            raw = across_runs_if_any(runs, "limits", "tcp", conns, "get", size)
             x = across_runs_if_any(runs, "systems", name, "get", size)
             if x is None or raw is None or not raw[0]:
                 continue
             out.append(
-                f"{name.removeprefix('store ')} get_into {size_label(size)} ≥ {want}x raw TCP get x1 "
-                f"(best trial, {raw[0]:.2f} GB/s): {x[0] / raw[0]:.2f}x -> {mark(x[0] >= want * raw[0])}"
+                f"{name.removeprefix('store ')} get_into {size_label(size)} ≥ {want}x raw TCP get x{conns} "
+                f"({best}, {raw[0]:.2f} GB/s): {x[0] / raw[0]:.2f}x -> {mark(x[0] >= want * raw[0])}"
             )
     for name in ("store shm", "store tcp x4"):
         what = (
@@ -588,12 +644,15 @@ def chart(runs: list[dict[str, Any]], sizes: tuple[int, ...], path: Path) -> str
         import matplotlib.pyplot as plt
     except ImportError:
         return "chart skipped: matplotlib is not installed (pip install 'mooncake-store[bench]')"
-    systems = list(runs[0]["systems"])
+    systems = systems_of(runs)
+    raw_conns = sorted({conns for run in runs for conns in run["limits"]["tcp"]})
+    limits = 1 + len(raw_conns)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    width = 0.8 / (len(systems) + 2)
+    width = 0.8 / (len(systems) + limits)
     xs = np.arange(len(sizes))
     for ax, op in zip(axes, ("get", "put"), strict=True):
-        series = [("memcpy", ("limits", "memcpy", "cold")), ("raw TCP", ("limits", "tcp", 1, op))]
+        series: list[tuple[str, tuple[Any, ...]]] = [("memcpy", ("limits", "memcpy", "cold"))]
+        series += [(f"raw TCP x{c}", ("limits", "tcp", c, op)) for c in raw_conns]
         series += [(name, ("systems", name, op)) for name in systems]
         for k, (label, path_) in enumerate(series):
             vals = [(across_runs_if_any(runs, *path_, s) or (0.0, 0.0, 0.0)) for s in sizes]
@@ -603,7 +662,7 @@ def chart(runs: list[dict[str, Any]], sizes: tuple[int, ...], path: Path) -> str
                 width,
                 yerr=[[v[0] - v[1] for v in vals], [v[2] - v[0] for v in vals]],
                 label=label,
-                hatch="//" if k < 2 else None,
+                hatch="//" if k < limits else None,
             )
         ax.set_xticks(xs + width * (len(series) - 1) / 2, [size_label(s) for s in sizes])
         ax.set_yscale("log")
@@ -626,14 +685,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    check_host_bytes(parser, args.host_bytes)
+    exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    runs = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    json_path = args.out / f"compare-{stamp}.json"
+    info = machine_info()
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="mc-bench-") as logs:
         for i in range(args.repeat):
             print(f"run {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
             runs.append(run_once(SIZES, quick=args.quick, host_bytes=args.host_bytes, log_dir=Path(logs)))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+            # The raw figures first, after every run: a later run or the report failing loses nothing.
+            json_path.write_text(
+                json.dumps(as_jsonable({"machine": info, "quick": args.quick, "runs": runs}), indent=1)
+            )
+    print(f"raw figures written to {json_path}", file=sys.stderr)
     table, targets = report(runs, SIZES)
     # emit_report prints the report; the same text is kept as the run's markdown file.
     text = io.StringIO()
@@ -644,8 +712,8 @@ def main(argv: list[str] | None = None) -> int:
             table,
             "Targets",
             targets,
-            json_path=args.out / f"compare-{stamp}.json",
-            payload={"quick": args.quick, "runs": runs},
+            json_path=None,
+            payload={},
         )
     sys.stdout.write(text.getvalue())
     (args.out / f"compare-{stamp}.md").write_text(text.getvalue())

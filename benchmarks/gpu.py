@@ -20,8 +20,10 @@ agent's CUDA IPC handle or its shared-memory arena):
 Every store figure includes the index round trips of its operation (a put: RESERVE, put_start and
 put_commit; a get: one lookup), which at these sizes can cost more than the copy itself: the
 report shows the per-call time next to the bandwidth, so that the two can be told apart. Each
-case's bytes are checked once against the source (on the host: no kernel is launched, so the
-benchmark needs no NVRTC). Loops are bounded by count and seconds; the cluster is stopped by PID.
+case's bytes are checked once against the source through the case's own path (a read into a zeroed
+destination of the case's kind, compared on the host; zeroing is a memset and no kernel is launched,
+so the benchmark needs no NVRTC). Loops are bounded by count and seconds; the cluster is stopped by
+PID.
 """
 
 from __future__ import annotations
@@ -34,7 +36,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import MiB, budget_for, emit_report, gbps, markdown_table, percentile_us, size_label, timed_loop
+from benchlib import (
+    MiB,
+    budget_for,
+    emit_report,
+    exit_on_sigterm,
+    gbps,
+    markdown_table,
+    percentile_us,
+    size_label,
+    timed_loop,
+)
 
 from mooncake_store import LocalCluster, connect
 from mooncake_store.tiers.gpu_arrays import cuda_status
@@ -45,6 +57,12 @@ QUICK_SIZES = (1 * MiB, 16 * MiB)
 SLOTS = 4
 MEMCPY_DEFAULT = 4
 STREAM_LEGACY = 1
+#: The store cases, by name (the table's rows, LIMIT_OF's and check_case's keys).
+PUT_GPU = "put cupy -> GPU tier"
+GET_CUPY_GPU = "get_into cupy <- GPU tier"
+GET_NUMPY_GPU = "get_into numpy <- GPU tier"
+GET_DEVICE_HOST_SHM = "get(device) <- host tier (shm)"
+GET_CUPY_HOST_TCP = "get_into cupy <- host tier (tcp)"
 
 
 def copy_and_wait(cupy: Any, dst: int, src: int, nbytes: int) -> None:
@@ -91,13 +109,11 @@ def store_cases(cupy: Any, sizes: tuple[int, ...], gpu_mem: str, *, quick: bool)
                 gkeys = [f"gpu/{size}/{i}" for i in range(SLOTS)]
                 hkeys = [f"host/{size}/{i}" for i in range(SLOTS)]
                 cases: dict[str, Callable[[int], Any]] = {
-                    "put cupy -> GPU tier": lambda i, k=gkeys, v=dev_src: client.put(k[i % SLOTS], v),
-                    "get_into cupy <- GPU tier": lambda i, k=gkeys, d=dev_dst: client.get_into(k[i % SLOTS], d),
-                    "get_into numpy <- GPU tier": lambda i, k=gkeys, d=host_dst: client.get_into(k[i % SLOTS], d),
-                    "get(device) <- host tier (shm)": lambda i, k=hkeys: client.get(k[i % SLOTS], device="cuda:0"),
-                    "get_into cupy <- host tier (tcp)": lambda i, k=hkeys, d=dev_dst: tcp_client.get_into(
-                        k[i % SLOTS], d
-                    ),
+                    PUT_GPU: lambda i, k=gkeys, v=dev_src: client.put(k[i % SLOTS], v),
+                    GET_CUPY_GPU: lambda i, k=gkeys, d=dev_dst: client.get_into(k[i % SLOTS], d),
+                    GET_NUMPY_GPU: lambda i, k=gkeys, d=host_dst: client.get_into(k[i % SLOTS], d),
+                    GET_DEVICE_HOST_SHM: lambda i, k=hkeys: client.get(k[i % SLOTS], device="cuda:0"),
+                    GET_CUPY_HOST_TCP: lambda i, k=hkeys, d=dev_dst: tcp_client.get_into(k[i % SLOTS], d),
                 }
                 for key in hkeys:
                     client.put(key, host_src)
@@ -114,26 +130,50 @@ def store_cases(cupy: Any, sizes: tuple[int, ...], gpu_mem: str, *, quick: bool)
     return out
 
 
+def zeroed_device(cupy: Any, nbytes: int) -> Any:
+    """A device array of zeros: a read that writes nothing (or only part) then shows as a mismatch.
+    ``fill(0)`` of a contiguous cupy array is a memset on the current stream, which the store's copy
+    waits for (the array's CUDA Array Interface names that stream); no kernel is compiled."""
+    dest = cupy.empty(nbytes, dtype=cupy.uint8)
+    dest.fill(0)
+    return dest
+
+
 def check_case(cupy: Any, client: Any, tcp_client: Any, name: str, gkey: str, hkey: str, expected: np.ndarray) -> bool:
-    """One read of the case's kind, compared with the source on the host."""
-    if "host tier (tcp)" in name:
-        dest = cupy.empty(expected.size, dtype=cupy.uint8)
+    """One read through the case's own path (the client, the destination's kind and the tier of the
+    case) into a zeroed destination, compared with the source on the host. A put is read back with
+    a host read, a path independent of the device copies under test."""
+    if name in (PUT_GPU, GET_CUPY_GPU, GET_NUMPY_GPU):
+        tiers = {str(r.tier) for r in client.object_meta(gkey).replicas}
+        if tiers != {"gpu"}:
+            print(f"  note: {gkey} lives in {tiers}, not the GPU tier", file=sys.stderr)
+    if name == PUT_GPU:
+        got = np.asarray(client.get(gkey))
+    elif name == GET_CUPY_GPU:
+        dest = zeroed_device(cupy, expected.size)
+        client.get_into(gkey, dest)
+        got = cupy.asnumpy(dest)
+    elif name == GET_NUMPY_GPU:
+        host = np.zeros(expected.size, dtype=np.uint8)
+        client.get_into(gkey, host)
+        got = host
+    elif name == GET_DEVICE_HOST_SHM:
+        got = cupy.asnumpy(client.get(hkey, device="cuda:0"))
+    elif name == GET_CUPY_HOST_TCP:
+        dest = zeroed_device(cupy, expected.size)
         tcp_client.get_into(hkey, dest)
-        return bool(np.array_equal(cupy.asnumpy(dest), expected))
-    if "host tier" in name:
-        return bool(np.array_equal(cupy.asnumpy(client.get(hkey, device="cuda:0")), expected))
-    tiers = {str(r.tier) for r in client.object_meta(gkey).replicas}
-    if tiers != {"gpu"}:
-        print(f"  note: {gkey} lives in {tiers}, not the GPU tier", file=sys.stderr)
-    return bool(np.array_equal(client.get(gkey), expected))
+        got = cupy.asnumpy(dest)
+    else:
+        raise ValueError(f"no check for the case {name!r}")
+    return bool(np.array_equal(got, expected))
 
 
 LIMIT_OF = {
-    "put cupy -> GPU tier": "d2d",
-    "get_into cupy <- GPU tier": "d2d",
-    "get_into numpy <- GPU tier": "d2h",
-    "get(device) <- host tier (shm)": "h2d",
-    "get_into cupy <- host tier (tcp)": "h2d",
+    PUT_GPU: "d2d",
+    GET_CUPY_GPU: "d2d",
+    GET_NUMPY_GPU: "d2h",
+    GET_DEVICE_HOST_SHM: "h2d",
+    GET_CUPY_HOST_TCP: "h2d",
 }
 
 
@@ -167,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every raw figure to this file")
     parser.add_argument("--gpu-mem", default="2GiB", help="the agent's GPU tier (default 2GiB)")
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     usable, why = cuda_status(0)
     if not usable:
         print(f"benchmarks/gpu.py needs cupy and a CUDA device: {why}", file=sys.stderr)

@@ -9,7 +9,8 @@
 #
 # With the device tool: run(command="bash benchmarks/gpu_kit.sh run", carry=[".whl"], timeout_s=500).
 # Results go to $OUT (the device tool brings that folder back), else to /tmp/gpu-kit:
-# device.txt, tests_gpu.txt, gpu_bench.md, gpu_bench.json (and suite.txt with "all").
+# device.txt, tests_gpu.txt, gpu_bench.md, gpu_bench.json (and suite.txt with "all"); failed.txt
+# names the steps that failed, and the script's exit code is then 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,12 +35,26 @@ run() {
     export PYTHONPATH="/tmp/site:$PWD:/tmp/mc-path" PYTHONUNBUFFERED=1
     { nvidia-smi -L; python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"; } \
         > "$out/device.txt" 2>&1
+    # tee's status would hide the command's: each step's own exit code is taken from PIPESTATUS[0],
+    # and the script fails if any step did (every step still runs, so all results come back).
+    local failed=()
     python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/integration/test_gpu_unavailable.py 2>&1 \
         | tee "$out/tests_gpu.txt"
+    local rc=${PIPESTATUS[0]}
+    ((rc == 0)) || failed+=("tests/gpu (exit $rc)")
     (cd benchmarks && timeout 240 python3 gpu.py --json "$out/gpu_bench.json" 2>&1) | tee "$out/gpu_bench.md"
+    rc=${PIPESTATUS[0]}
+    ((rc == 0)) || failed+=("benchmarks/gpu.py (exit $rc)")
     if [[ "${1:-}" == "all" ]]; then
         timeout 300 python3 -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$out/suite.txt"
+        rc=${PIPESTATUS[0]}
+        ((rc == 0)) || failed+=("the whole suite (exit $rc)")
     fi
+    if ((${#failed[@]})); then
+        printf 'FAILED: %s\n' "${failed[@]}" | tee "$out/failed.txt" >&2
+        return 1
+    fi
+    echo "all steps passed"
 }
 
 case "${1:-}" in

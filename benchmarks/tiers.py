@@ -27,7 +27,9 @@ connections), one compare-and-swap of the batch in the index (``move_replicas.lu
 the next batch's writes) and a FREE of reservations whose swap failed; plus the 1-byte trigger put
 (~1 ms) and the poll's resolution. A's freeing of the old copies (graveyard) is not on that path.
 B and the index server share the same CPUs; their CPU seconds during the spill are reported. The
-moved objects are read back (a sample of 16) and checked byte for byte.
+moved objects are read back (a sample of 16) and checked byte for byte. The figure is the best of
+the bursts that were complete (moved at least 90% of what takes A to its low watermark) and
+byte-exact; a wrong byte or a short burst makes the verdict INVALID and the exit code 1.
 
 **Disk tier.** ``DiskTier`` directly (no agent): every chunk written (encode = optional byte-plane
 shuffle + zstd level 3 + xxh3; then temp file, fsync, rename) and read back (read_bytes, zstd,
@@ -40,7 +42,7 @@ torch the KV data are synthetic (float16 normals with per-channel scales) and th
 Reads come from the page cache for both the tier and the plain files (the files were just
 written); the tier reads ``1/ratio`` as many bytes from a cold device. Then, end to end, one agent
 with ``--disk`` demotes float16 KV chunks under pressure; the demotion rate and the read-back
-(disk read, promotion) are reported.
+(disk read, promotion) are reported; a wrong byte read back is INVALID too.
 
 Every loop is bounded by a count and by seconds; every process is stopped by its PID (py-spy by
 SIGINT to its PID); temporary directories are removed.
@@ -52,6 +54,7 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import shutil
 import signal
 import statistics
@@ -72,6 +75,7 @@ from benchlib import (
     MiB,
     across_runs,
     emit_report,
+    exit_on_sigterm,
     markdown_table,
     measure_memcpy,
     merge_raw_tcp,
@@ -102,6 +106,11 @@ CHUNK_TOKENS = 256  # the integration's chunk: (layers, 2, kv_heads, 256, head_d
 POLL_S = 0.002
 TRIGGER_KEY = "spill-trigger"  # the 1-byte put that wakes A's pressure thread (pinned: never moves)
 SPY_RATE = 200
+#: A burst that moved less than this share of what takes A to its low watermark stopped short.
+COMPLETE_SHARE = 0.9
+#: The verdict of a case whose bytes came back wrong or whose bursts stopped short: its figure
+#: means nothing, and the exit code is 1.
+INVALID = "INVALID"
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -331,20 +340,33 @@ def profile_name(size: int) -> str:
     return f"spill-A-{size_label(size).replace(' ', '')}.txt"
 
 
+def burst_complete(burst: dict[str, Any]) -> bool:
+    """Whether a burst moved what takes A to its low watermark (within COMPLETE_SHARE)."""
+    return bool(burst["moved_bytes"] >= COMPLETE_SHARE * burst["expected_bytes"])
+
+
 def best_burst(bursts: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fastest of a size's bursts, with every burst's figure and their median beside it. The
-    byte-exact check and the evictions count every burst: a wrong byte in a slower burst is not
-    hidden behind the fastest one."""
-    rates = [b["spill_gbps"] for b in bursts]
-    best = max(bursts, key=lambda b: b["spill_gbps"])
+    """The fastest of a size's complete, byte-exact bursts, with every burst's figure and the median
+    of the valid ones beside it. A short burst's rate is over less work and a wrong burst's bytes
+    mean nothing: neither may stand as the figure. With no valid burst the figures are NaN (the
+    details are the fastest burst's) and ``valid`` is False. The byte-exact check and the evictions
+    count every burst: a wrong byte in a slower burst is not hidden behind the fastest one."""
+    good = [b for b in bursts if burst_complete(b) and b["wrong"] == 0]
+    best = max(good or bursts, key=lambda b: b["spill_gbps"])
+    nan = float("nan")
+    wrong = sum(b["wrong"] for b in bursts)
+    short = sum(not burst_complete(b) for b in bursts)
     return {
         **best,
-        "bursts_gbps": rates,
-        "median_burst_gbps": statistics.median(rates),
+        **({} if good else {"spill_gbps": nan, "after_first_gbps": nan}),
+        "bursts_gbps": [b["spill_gbps"] for b in bursts],
+        "valid_bursts": len(good),
+        "median_burst_gbps": statistics.median(b["spill_gbps"] for b in good) if good else nan,
         "checked": sum(b["checked"] for b in bursts),
-        "wrong": sum(b["wrong"] for b in bursts),
+        "wrong": wrong,
         "evictions": sum(b["evictions"] for b in bursts),
-        "short_bursts": sum(b["moved_bytes"] < 0.9 * b["expected_bytes"] for b in bursts),
+        "short_bursts": short,
+        "valid": bool(good) and wrong == 0 and short == 0,
     }
 
 
@@ -452,11 +474,20 @@ def plain_io(chunks: list[np.ndarray], root: Path) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
+def check_chunks(chunks: list[np.ndarray], got: list[np.ndarray], what: str) -> None:
+    """RuntimeError naming the first chunk whose bytes differ from the source."""
+    for i, (c, g) in enumerate(zip(chunks, got, strict=True)):
+        if not np.array_equal(c, g):
+            raise RuntimeError(f"{what} returned wrong bytes (chunk {i} of {len(chunks)})")
+
+
 def tier_io(chunks: list[np.ndarray], root: Path, itemsize: int, shuffle: str) -> dict[str, float]:
     """DiskTier: in-memory encode/decode (the codec alone), then write + read through files."""
     from mooncake_store.tiers.disk import DiskTier
 
-    tier = DiskTier(root, 1 << 40, shuffle=shuffle)
+    # Room for every chunk even if the codec gained nothing, and no more: the tier refuses a
+    # capacity its filesystem could never hold.
+    tier = DiskTier(root, 2 * sum(len(c) for c in chunks) + 64 * MiB, shuffle=shuffle)
     try:
         warm = tier.encode(memoryview(chunks[0]), itemsize=itemsize)[0]  # contexts and first-touch out of the timing
         tier.decode_into(warm, memoryview(np.empty_like(chunks[0])), where="warm-up")
@@ -467,16 +498,18 @@ def tier_io(chunks: list[np.ndarray], root: Path, itemsize: int, shuffle: str) -
         for blob, d in zip(blobs, dest, strict=True):
             tier.decode_into(blob, memoryview(d), where="memory")
         t2 = time.perf_counter()
+        check_chunks(chunks, dest, f"DiskTier encode/decode (shuffle={shuffle})")
         stored = sum(len(b) for b in blobs)
         del blobs
+        for d in dest:  # what the check after the reads sees must come from the reads, not the decode
+            d.fill(0)
         for i, c in enumerate(chunks):
             tier.write(i, memoryview(c), itemsize=itemsize)
         t3 = time.perf_counter()
         for i, d in enumerate(dest):
             tier.read_into(i, memoryview(d))
         t4 = time.perf_counter()
-        if not all(np.array_equal(c, d) for c, d in zip(chunks, dest, strict=True)):
-            raise RuntimeError(f"DiskTier round trip (shuffle={shuffle}) returned wrong bytes")
+        check_chunks(chunks, dest, f"DiskTier write/read (shuffle={shuffle})")
         return {"stored": stored, "encode_s": t1 - t0, "decode_s": t2 - t1, "write_s": t3 - t2, "read_s": t4 - t3}
     finally:
         tier.close()
@@ -519,13 +552,19 @@ def measure_shuffle_kernels(chunks: list[np.ndarray], *, quick: bool) -> dict[st
     }
     reps = 3 if quick else 10
     for name, fn in kernels.items():
-        fn()
+        if name.startswith("unshuffle"):
+            # Both unshuffle kernels write into the same outs: zero them, so that each kernel's own
+            # warm-up call is what the check sees.
+            for o in outs:
+                o.fill(0)
+            fn()
+            check_chunks(chunks, outs, name)
+        else:
+            fn()
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
         res[name] = raw * reps / (time.perf_counter() - t0) / GB
-    if not all(np.array_equal(c, o) for c, o in zip(chunks, outs, strict=True)):
-        raise RuntimeError("unshuffle_u16 returned wrong bytes")
     return res
 
 
@@ -600,6 +639,16 @@ def demotion_writer(redis_url: str, namespace: str, chunks: list[np.ndarray], co
         queue.put(("error", f"{exc!r}\n{traceback.format_exc()}"))
 
 
+def next_message(queue: Any, timeout_s: float) -> tuple[str, Any] | None:
+    """The worker's next (status, value), or None when none came within ``timeout_s``. Only the
+    queue's "nothing yet" is caught here: an error the worker reported is for the caller to raise."""
+    try:
+        status, value = queue.get(timeout=timeout_s)
+    except queue_mod.Empty:
+        return None
+    return status, value
+
+
 def measure_demotion(chunks: list[np.ndarray], base: Path, *, quick: bool) -> dict[str, Any]:
     """One agent with a disk tier, 64 MiB host arena at 0.5/0.2: puts of float16 KV chunks force
     demotions; rate = bytes whose replica moved to disk per second (index polled), then read back."""
@@ -633,21 +682,19 @@ def measure_demotion(chunks: list[np.ndarray], base: Path, *, quick: bool) -> di
                     time.sleep(0.08)  # poll gently: list_keys costs the index server CPU
                     listing = index.list_keys("kv-*")
                     points.append((time.monotonic(), sum(1 for k in listing if k.replicas[0].tier == "disk")))
-                with contextlib.suppress(Exception):
-                    status, value = queue.get(timeout=0.02)
-                    if status == "error":
+                message = next_message(queue, 0.02)
+                if message is None and not proc.is_alive():
+                    message = next_message(queue, 2.0)  # its last message may still be in the pipe
+                    if message is None:
+                        raise RuntimeError(f"demotion writer (pid {proc.pid}) died, exit code {proc.exitcode}")
+                if message is not None:
+                    status, value = message
+                    if status == "error":  # the writer's own error, with its traceback
                         raise RuntimeError(f"demotion writer failed: {value}")
                     if status == "written":
                         written = value
                     else:
                         result = value
-                if result is None and not proc.is_alive():
-                    with contextlib.suppress(Exception):  # its last message may still be in the pipe
-                        status, value = queue.get(timeout=2)
-                        if status == "ok":
-                            result = value
-                            break
-                    raise RuntimeError(f"demotion writer (pid {proc.pid}) died, exit code {proc.exitcode}")
             if result is None or written is None:
                 raise RuntimeError("demotion case did not finish within 300 s")
             time.sleep(1.2)  # one heartbeat: the tier counters reach the index
@@ -656,7 +703,8 @@ def measure_demotion(chunks: list[np.ndarray], base: Path, *, quick: bool) -> di
             with connect(cluster.redis_url, namespace=cluster.namespace) as client:
                 tiers = {t.tier: t for n in client.stat().nodes for t in n.tiers}
         finally:
-            proc.join(5)
+            if proc.pid is not None:  # a failed start() must surface as itself, not as join()'s assertion
+                proc.join(5)
             stop_process(proc)
             index.close()
     disk = tiers.get("disk")
@@ -718,25 +766,38 @@ def spill_row(
         for run in runs
     )
     c = runs[-1]["spill"]["cases"][path][size]
-    short = ""
-    if c["moved_bytes"] < 0.9 * c["expected_bytes"]:
-        left = c["on_a"] * size / c["a_bytes"]
-        short = (
-            f"; the burst stopped early: {c['moved_bytes'] >> 20} of the {c['expected_bytes'] >> 20} MiB that "
-            f"take A to its low watermark ({lw}) moved, A still {left:.0%} full (last run)"
+    cases = [run["spill"]["cases"][path][size] for run in runs]
+    # What makes the case INVALID: a wrong byte in any burst, a burst that stopped short, or no
+    # burst that was both (then there is no figure at all).
+    problems = []
+    wrong, checked = sum(x["wrong"] for x in cases), sum(x["checked"] for x in cases)
+    if wrong:
+        problems.append(f"{wrong} of {checked} objects read back from B had wrong bytes")
+    short_bursts = sum(x["short_bursts"] for x in cases)
+    if short_bursts:
+        problems.append(
+            f"{short_bursts} of {bursts * len(runs)} bursts moved under {COMPLETE_SHARE:.0%} of what takes A "
+            f"to its low watermark ({lw})"
         )
-    if c["short_bursts"]:
-        short += f"; {c['short_bursts']} of {bursts} bursts (last run) moved under 90% of what they should"
+    if not burst_complete(c):
+        left = c["on_a"] * size / c["a_bytes"]
+        problems.append(
+            f"no complete burst in the last run: the fastest moved {c['moved_bytes'] >> 20} of "
+            f"{c['expected_bytes'] >> 20} MiB, A still {left:.0%} full"
+        )
+    invalid = bool(problems) or not all(x["valid"] for x in cases)
     median_burst = across_runs(runs, "spill", "cases", path, size, "median_burst_gbps")[0]
     memcpy = across_runs(runs, "spill", "memcpy", size)[0]
-    if path == "tcp":
+    if invalid:
+        verdict = f"-> {INVALID}: " + ("; ".join(problems) or "a run had no complete, byte-exact burst")
+    elif path == "tcp":
         verdict = f"-> {'met' if ok else 'MISSED'} (≥{SPILL_TARGET})"
     else:
         verdict = f"= {spill / memcpy:.2f}x one thread's memcpy ({memcpy:.2f} GB/s; not the target's path)"
     verdicts.append(
-        f"spill {size_label(size)} over {path}: best burst {spill:.2f} GB/s = {ratio:.2f}x raw loopback TCP put's "
-        f"best trial ({best_raw:.2f} GB/s) {verdict}; median burst {median_burst:.2f} GB/s = "
-        f"{median_burst / typical:.2f}x raw TCP's median trial ({typical:.2f}){short}"
+        f"spill {size_label(size)} over {path}: best complete, byte-exact burst {spill:.2f} GB/s = {ratio:.2f}x "
+        f"raw loopback TCP put's best trial ({best_raw:.2f} GB/s) {verdict}; median of those bursts "
+        f"{median_burst:.2f} GB/s = {median_burst / typical:.2f}x raw TCP's median trial ({typical:.2f})"
     )
     return [
         path,
@@ -746,7 +807,7 @@ def spill_row(
         fmt(runs, "spill", "cases", path, size, "spill_gbps"),
         fmt(runs, "spill", "cases", path, size, "median_burst_gbps"),
         fmt(runs, "spill", "cases", path, size, "after_first_gbps"),
-        f"{ratio:.2f}" + (f" {'met' if ok else 'MISSED'}" if path == "tcp" else ""),
+        INVALID if invalid else f"{ratio:.2f}" + (f" {'met' if ok else 'MISSED'}" if path == "tcp" else ""),
         f"{c['moved_bytes'] >> 20} MiB ({c['moved_objects']}/{c['objects']} obj.)",
         f"{c['t_first_ms']:.0f} / {c['t_last_ms']:.0f} ({c['steps']} steps)",
         f"{c['evictions']}",
@@ -772,7 +833,8 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
     lines.append(
         "spill: bytes that arrived on B over the time from the release to the last swap (B's object count "
         f"polled every {POLL_S * 1000:.0f} ms), the best of {bursts} bursts (each a fresh pair of agents, filled "
-        "and released), as the raw figure is the best of its trials; median burst: the median of those bursts; "
+        "and released) that were complete and byte-exact, as the raw figure is the best of its trials; median "
+        "burst: the median of those bursts; "
         "after first: the best burst's rate between the first and the last swap. "
         f"A sends over {streams} connection(s) to B. Raw TCP put xN: whole objects of the same size on N loopback "
         "connections at once between two Python processes, same run, the best of a few short trials of a "
@@ -911,6 +973,18 @@ def report(runs: list[dict[str, Any]], kv_info: dict[str, Any]) -> tuple[str, li
         )
     if "demotion" in runs[-1]:
         d = runs[-1]["demotion"]
+        read = sum(run["demotion"]["read_objects"] for run in runs)
+        wrong = sum(run["demotion"]["wrong"] for run in runs)
+        if wrong:
+            state = f"{INVALID}: {wrong} of {read} demoted objects read back with wrong bytes"
+        elif not all(run["demotion"]["read_objects"] for run in runs):
+            state = f"{INVALID}: a run demoted nothing to read back (the case did not exercise the disk tier)"
+        else:
+            state = f"{read}/{read} demoted objects read back byte-exact"
+        verdicts.append(
+            f"disk tier end to end: demotion {fmt(runs, 'demotion', 'demote_gbps')} GB/s, get of demoted "
+            f"{fmt(runs, 'demotion', 'read_gbps')} GB/s -> {state}"
+        )
         lines.append("### Disk tier end to end (one agent, 64 MiB host at 0.5/0.2, --disk; float16 KV chunks)\n")
         lines.append(
             markdown_table(
@@ -948,13 +1022,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, help="run py-spy on agent A during the spills; stacks go here")
     parser.add_argument("--disk-dir", type=Path, help="parent of the temporary disk-tier directory (default: TMPDIR)")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end demotion case")
-    parser.add_argument("--tokens", type=int, help="tokens of the KV forward (default 4096, quick 2048)")
+    parser.add_argument(
+        "--tokens", type=int, help=f"tokens of the KV forward (default 4096, quick 2048; >= {CHUNK_TOKENS})"
+    )
     parser.add_argument("--spill-only", action="store_true", help="only the spill cases (no disk tier)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    # 0 is an argument like any other, not "the default"; below one chunk there is no KV data at all.
+    tokens = args.tokens if args.tokens is not None else (2048 if args.quick else 4096)
+    if tokens < CHUNK_TOKENS:
+        parser.error(f"--tokens {tokens}: at least one chunk of {CHUNK_TOKENS} tokens is needed")
+    if args.disk_dir is not None and not args.disk_dir.is_dir():
+        parser.error(f"--disk-dir {args.disk_dir} is not a directory")
+    exit_on_sigterm()
     started = time.monotonic()
-    tokens = args.tokens or (2048 if args.quick else 4096)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     datasets: dict[str, list[np.ndarray]] = {}
@@ -990,7 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
         json_path=args.json,
         payload={"quick": args.quick, "kv": kv_info, "filesystem": fs, "runs": runs},
     )
-    return 0
+    # Missed targets are results; wrong bytes or short bursts mean the figures cannot be trusted.
+    return 1 if any(INVALID in v for v in verdicts) else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ In one run: single-thread memcpy (numpy.copyto), raw loopback TCP between two pr
 and the store's connection count, both directions), then a LocalCluster with one agent and a client in
 a separate process measuring put and get_into for 64 KiB .. 32 MiB over shm and over tcp (tcp with 1
 and with 4 connections per peer), plus 4 KiB get latency. Every figure is GB/s and a ratio to its
-limit: memcpy of the same size for shm, single-connection raw TCP of the same size for tcp.
+limit: memcpy of the same size for shm, raw TCP of the same size over the same number of connections
+for tcp (``tcp x4`` against raw TCP x4, measured in the same run).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from benchlib import (
     SIZES,
     MiB,
     across_runs,
+    check_host_bytes,
     emit_report,
+    exit_on_sigterm,
     markdown_table,
     measure_limits,
     merge_raw_tcp,
@@ -37,6 +40,8 @@ from benchlib import (
 
 #: (transport, tcp_connections) cases measured against the store.
 CASES = (("shm", 4), ("tcp", 1), ("tcp", 4))
+#: Raw TCP connection counts measured as limits: every tcp case's own count.
+RAW_CONNECTIONS = tuple(sorted({conns for transport, conns in CASES if transport == "tcp"}))
 TARGETS = {  # (transport, op) -> (sizes, minimum ratio to the limit)
     ("shm", "get"): ((8 * MiB, 32 * MiB), 0.8),
     ("tcp", "get"): ((8 * MiB, 32 * MiB), 0.85),
@@ -47,7 +52,7 @@ TARGETS = {  # (transport, op) -> (sizes, minimum ratio to the limit)
 def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, batch: bool = False) -> dict[str, Any]:
     from mooncake_store import LocalCluster
 
-    limits = measure_limits(sizes, quick=quick, connections=(1, 4))
+    limits = measure_limits(sizes, quick=quick, connections=RAW_CONNECTIONS)
     store: dict[str, Any] = {}
     with LocalCluster(num_agents=1, host_bytes=host_bytes) as cluster:
         for transport, conns in CASES:
@@ -58,10 +63,15 @@ def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, batch: boo
     # Raw TCP again after the store's figures (as compare.py does): on a shared machine one window of
     # a few seconds can sit in someone else's burst; the limit is the best trial of both rounds.
     with raw_tcp_server(max(sizes)) as port:
-        for conns in (1, 4):
+        for conns in RAW_CONNECTIONS:
             later = run_in_process(raw_tcp_worker, port, sizes, conns, quick)
             limits["tcp"][conns] = merge_raw_tcp(limits["tcp"][conns], later)
     return {"limits": limits, "store": store}
+
+
+def case_connections(case: str) -> int:
+    """The connection count of a tcp case's name ("tcp x4" -> 4)."""
+    return int(case.rpartition("x")[2])
 
 
 def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, list[str]]:
@@ -113,7 +123,10 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
                 if transport == "shm":
                     limit, limit_name = across_runs(runs, "limits", "memcpy", "cold", size)[0], "memcpy"
                 else:
-                    limit, limit_name = across_runs(runs, "limits", "tcp", 1, op, size)[0], f"raw TCP {op} x1"
+                    # Like for like: N store connections against N raw connections of the same run.
+                    conns = case_connections(case)
+                    limit = across_runs(runs, "limits", "tcp", conns, op, size)[0]
+                    limit_name = f"raw TCP {op} x{conns}"
                 ratio = med / limit if limit else float("nan")
                 target = TARGETS.get((transport, op))
                 mark = ""
@@ -184,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
+    check_host_bytes(parser, args.host_bytes)
+    exit_on_sigterm()
     sizes = SIZES
     started = time.monotonic()
     runs = []
