@@ -348,6 +348,8 @@ class Agent:
             labels={
                 # Peers judge whether they may spill here against this agent's own watermark.
                 "high_watermark": str(self.config.high_watermark),
+                # A prefaulted arena's pages all exist: a same-host peer may map it populated.
+                "prefault": "1" if self.config.prefault else "0",
                 # The PCI bus id names the device whatever CUDA_VISIBLE_DEVICES a client runs with.
                 **(
                     {

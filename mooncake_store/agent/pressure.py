@@ -39,6 +39,8 @@ MAX_PASSES = 32
 #: meanwhile are acted on within it rather than at the next interval (a reservation that does
 #: not fit still wakes the loop at once).
 FRUITLESS_RETRY_S = 0.02
+#: How often, while peers' arenas are mapped, the node table is read to unmap those that left.
+RETAIN_EVERY_S = 2.0
 #: Peers asked per victim in a pass: a peer that refuses is left out and the next one asked.
 PEER_TRIES = 3
 
@@ -113,12 +115,18 @@ class PressureManager:
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         interval = self.agent.config.pressure_interval_s
+        next_retain = 0.0
         while not stop.is_set():
             self._wake.wait(interval)
             self._wake.clear()
             if stop.is_set():
                 return
             try:
+                if self._spiller.mapped and time.monotonic() >= next_retain:
+                    # Same-host peers' arenas stay mapped between passes; one that left must not
+                    # keep its memory allocated until this node is under pressure again.
+                    next_retain = time.monotonic() + RETAIN_EVERY_S
+                    self._spiller.retain(list(self.agent.index.nodes().values()))
                 self.moves.settle()
                 # Evicting a chain's last chunk makes its parent a leaf only then, so one sample can
                 # free little; sample again while passes make progress.

@@ -19,7 +19,7 @@ from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.config import split_host_port
 from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError
 from mooncake_store.tiers.disk import HEADER as DISK_HEADER
-from mooncake_store.tiers.host import HostArena
+from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
 from mooncake_store.transport.tcp import SOCKET_BUFFER_BYTES
@@ -110,6 +110,8 @@ class AgentServer:
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()
         self._full_logged_at = 0.0
+        #: FENCEd alloc ids per connection (only its own thread touches its set).
+        self._fences: dict[socket.socket, set[int]] = {}
         self._lock = threading.Lock()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="mc-accept", daemon=True)
         self.counters = {"reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0}
@@ -193,6 +195,9 @@ class AgentServer:
         except Exception:  # a bug must cost this connection, not leave it half-served and silent
             log.exception("closing connection after an unexpected error")
         finally:
+            # Fences this connection still holds end with it (the writer died or broke off).
+            for alloc_id in self._fences.pop(conn, set()):
+                self._table.end_write(alloc_id)
             conn.close()
             with self._lock:
                 self._conns.discard(conn)
@@ -211,6 +216,10 @@ class AgentServer:
             return self._reserve(conn, arg, a, b)
         if op == Op.FREE:
             return self._free(conn, arg)
+        if op == Op.FENCE:
+            return self._fence(conn, arg)
+        if op == Op.UNFENCE:
+            return self._unfence(conn, arg)
         if op == Op.PING:
             self._reply(conn, Op.PING, Status.OK, frames.VERSION)
             return True
@@ -331,6 +340,47 @@ class AgentServer:
         payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
         frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
         return True
+
+    def _fence(self, conn: socket.socket, count: int) -> bool:
+        """Fence host-tier reservations for a writer that copies into the shared arena itself (a
+        same-host peer's spill): the reply names this arena (its digest) and says per id whether it
+        is fenced (a live reservation, not being freed). Fences last until UNFENCE on this
+        connection, or its close."""
+        ids = self._ids(conn, Op.FENCE, count)
+        if ids is None:
+            return False
+        fenced = self._fences.setdefault(conn, set())
+        ok = bytearray(len(ids))
+        for i, alloc_id in enumerate(ids):
+            location = self._table.offset_of(alloc_id)
+            if alloc_id not in fenced and location is not None and self._table.begin_write(alloc_id, *location):
+                fenced.add(alloc_id)
+                ok[i] = 1
+        digest = segment_digest(self._arena.name)
+        frames.send_all(conn, frames.pack(Op.FENCE | frames.REPLY_BIT, Status.OK, digest, len(ids)), memoryview(ok))
+        return True
+
+    def _unfence(self, conn: socket.socket, count: int) -> bool:
+        """Lift fences this connection holds; per id whether the reservation is still live (False:
+        freed meanwhile, so what was copied into it is void)."""
+        ids = self._ids(conn, Op.UNFENCE, count)
+        if ids is None:
+            return False
+        fenced = self._fences.get(conn, set())
+        ok = bytearray(len(ids))
+        for i, alloc_id in enumerate(ids):
+            if alloc_id in fenced:
+                fenced.discard(alloc_id)
+                ok[i] = self._table.end_write(alloc_id)
+        frames.send_all(conn, frames.pack(Op.UNFENCE | frames.REPLY_BIT, Status.OK, 0, len(ids)), memoryview(ok))
+        return True
+
+    def _ids(self, conn: socket.socket, op: Op, count: int) -> list[int] | None:
+        """The alloc ids of a FENCE or UNFENCE frame; None (BAD_REQUEST sent) for a bad count."""
+        if not 0 < count <= frames.MAX_BATCH:
+            self._reply(conn, op, Status.BAD_REQUEST)
+            return None
+        return [x for (x,) in frames.U64.iter_unpack(frames.recv_exact(conn, frames.U64.size * count))]
 
     def _free(self, conn: socket.socket, count: int) -> bool:
         if not 0 < count <= frames.MAX_BATCH:

@@ -18,12 +18,15 @@ DESIGN.md §3.4 wants a single move:
 A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
 batches not sent are handed back, to be placed elsewhere (pressure.py decides where).
 
-A peer on this host (same host id, shm among its transports, the index's row of it from this
-pass naming the incarnation its reservations come from) gets a host batch by memcpy into its
-shared arena instead of WRITEs (``agent.spill_shm``; DESIGN.md §4: shm before tcp): its agent
-sees the RESERVE and the FREE, not the bytes. There is no fence on the peer's side for such a copy,
-as for a same-host client's put: a reservation is copied into only while it is younger than half
-the reservation timeout, so the peer cannot have reclaimed (and handed out) the block meanwhile.
+A peer on this host (same host id, shm among its transports) gets a host batch by memcpy into its
+shared arena instead of WRITEs (``agent.spill_shm``; DESIGN.md §4: shm before tcp), under the
+peer's fence: on one connection, FENCE the batch's reservations (the peer answers which it holds,
+and the digest of its arena's name, so the bytes go into the arena of the agent that holds them,
+not an earlier incarnation's mapping), copy into the fenced ones, UNFENCE (the peer answers which
+are still live: one freed meanwhile, say by a reaper, was only doomed and is not re-granted until
+then). The peer's arena is mapped on the first spill to it (its page tables populated when the
+peer prefaulted its arena, else not: mapping must not allocate a sparse arena) and unmapped when
+the peer leaves the node table.
 
 The disk tier spills the same way into the peer's disk tier (RESERVE on tier 2): what travels is
 the chunk file as stored, compressed and checksummed, which the peer verifies before it answers
@@ -35,7 +38,6 @@ host-to-device copy there.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from typing import TYPE_CHECKING
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.errors import MooncakeError
 from mooncake_store.policy.transport_choice import choose_transport
-from mooncake_store.tiers.host import SharedSegment
+from mooncake_store.tiers.host import SharedSegment, segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.transport.shm import ShmTransport, copy_bytes, local_host_id
 from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
@@ -55,7 +57,6 @@ from mooncake_store.types import (
     ReplicaState,
     TierKind,
     TransportKind,
-    alloc_tag_of,
 )
 
 if TYPE_CHECKING:
@@ -95,8 +96,6 @@ class _Reserved:
 
     batch: list[SpillJob]
     reservations: list[Reservation]
-    #: When the peer granted them (monotonic s): a shm copy goes only into young reservations.
-    at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -138,16 +137,12 @@ class Spiller:
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
         self._shm = ShmTransport()
         self._host_id = local_host_id()
-        #: Maps same-host peers' arenas ahead of their first spill: mapping (with its page tables
-        #: populated) costs ~0.1 s per GiB, which the first batch to a peer would otherwise wait for.
-        self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-map")
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, bytes | bytearray] = {}
 
     def close(self) -> None:
         self._transport.close()
-        self._mapper.shutdown(wait=True, cancel_futures=True)  # before close: no mapping made after it
         self._shm.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
@@ -206,18 +201,19 @@ class Spiller:
                     result.error = result.error or exc
         return result
 
+    @property
+    def mapped(self) -> bool:
+        """Whether any peer's arena is mapped (then the node table is worth a look now and then)."""
+        return self._shm.mapped_any()
+
     def retain(self, peers: list[NodeInfo]) -> None:
         """Given the node table: unmap the shared arenas of peers no longer in it (their memory
-        stays allocated while mapped), and map those of same-host peers not mapped yet, in the
-        background."""
+        stays allocated while mapped)."""
         self._shm.retain({p.shm_name for p in peers if p.shm_name})
-        for peer in peers:
-            if peer.node_id != self.agent.node_id and self._arena_bytes(peer) and not self._shm.mapped(peer.shm_name):
-                self._mapper.submit(self._peer_segment, peer, TierKind.HOST)
 
     def _arena_bytes(self, peer_node: NodeInfo) -> int:
         """The size of the peer's host arena when host batches to it go by memcpy, else 0 (TCP)."""
-        if not self.agent.config.spill_shm or not peer_node.alloc_tag:
+        if not self.agent.config.spill_shm:
             return 0
         path = choose_transport(
             peer_node,
@@ -234,8 +230,8 @@ class Spiller:
         if not size:
             return None
         try:
-            return self._shm.segment(peer_node.shm_name, size)
-        except MooncakeError as exc:  # gone since the node table was read: TCP says what became of it
+            return self._shm.segment(peer_node.shm_name, size, populate=peer_node.labels.get("prefault") == "1")
+        except (MooncakeError, OSError) as exc:  # gone since the table was read, or no room to map: TCP
             log.info("spill to %s: cannot map %s (%s); sending over TCP", peer_node.node_id, peer_node.shm_name, exc)
             return None
 
@@ -302,14 +298,18 @@ class Spiller:
                 Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=p)
                 for r, p in zip(reservations, put_ids, strict=True)
             ],
-            at=time.monotonic(),
         )
 
     def _send(self, peer_node: NodeInfo, reserved: _Reserved, tier: TierKind) -> tuple[list[bool], bool]:
         """Write a reserved batch to the peer: (written per job, a connection broke)."""
         segment = self._peer_segment(peer_node, tier)
         if segment is not None:
-            return self._copy_all(segment, peer_node, reserved), False
+            try:
+                return self._copy_all(segment, peer_node, reserved), False
+            except MooncakeError as exc:  # the connection broke: the peer lifts the fences itself
+                log.info("spill to %s failed mid-copy: %s", peer_node.node_id, exc)
+                self._transport.drop_peer(peer_node.tcp_endpoint)
+                return [False] * len(reserved.batch), True
         peer = self._transport.peer(peer_node.tcp_endpoint)
         try:
             written, broken = self._write_all(peer, reserved.batch, reserved.reservations, tier)
@@ -423,45 +423,54 @@ class Spiller:
         return written, broken[0]
 
     def _copy_all(self, segment: SharedSegment, peer_node: NodeInfo, reserved: _Reserved) -> list[bool]:
-        """A host batch into a same-host peer's arena, one memcpy per job (numpy releases the GIL,
-        so the streams copy in parallel). Returns written per job: a reservation handed out by
-        another incarnation of the peer than the row naming this segment, or too old to be sure
-        the peer still holds it, is not copied into (the job stays here)."""
+        """A host batch into a same-host peer's arena under its fence, one memcpy per job (numpy
+        releases the GIL, so the streams copy in parallel). Returns written per job: fenced by the
+        peer, copied, and still held by the peer when the fence was lifted. Nothing is copied when
+        the fencing agent's arena is not the mapped one (the peer restarted since the node table was
+        read: its reservations are in a new arena)."""
         arena = self.agent.arena
         batch, reservations = reserved.batch, reserved.reservations
-        written = [False] * len(batch)
-        deadline = reserved.at + self.agent.config.reserve_timeout_s / 2
+        expected = segment_digest(peer_node.shm_name)
 
-        def stream(indices: range) -> None:
-            for i in indices:
-                job, res = batch[i], reservations[i]
-                if alloc_tag_of(res.alloc_id) != peer_node.alloc_tag or time.monotonic() > deadline:
-                    continue
-                size = job.wire_bytes
-                if size:
-                    try:
-                        dest = segment.view(res.offset, size)  # outside the peer's arena: refused
-                    except MooncakeError as exc:
-                        log.warning("spill of %s to %s: %s", job.victim.key, peer_node.node_id, exc)
+        def work(digest: int, fenced: list[bool]) -> list[bool]:
+            copied = [False] * len(batch)
+            if digest != expected:
+                log.info("spill to %s: its arena is not %s any more; nothing copied", peer_node.node_id, segment.name)
+                return copied
+
+            def stream(indices: range) -> None:
+                for i in indices:
+                    if not fenced[i]:
                         continue
-                    src = arena.view(job.offset, size)
-                    try:
-                        copy_bytes(dest, src)
-                    finally:
-                        dest.release()
-                        src.release()
-                written[i] = True
+                    job, res = batch[i], reservations[i]
+                    size = job.wire_bytes
+                    if size:
+                        try:
+                            dest = segment.view(res.offset, size)  # outside the peer's arena: refused
+                        except MooncakeError as exc:
+                            log.warning("spill of %s to %s: %s", job.victim.key, peer_node.node_id, exc)
+                            continue
+                        src = arena.view(job.offset, size)
+                        try:
+                            copy_bytes(dest, src)
+                        finally:
+                            dest.release()
+                            src.release()
+                    copied[i] = True
 
-        streams = min(self._streams, len(batch))
-        futures = [self._pool.submit(stream, range(k, len(batch), streams)) for k in range(1, streams)]
-        try:
-            stream(range(0, len(batch), streams))
-        finally:
-            for fut in futures:
-                exc = fut.exception()
-                if exc is not None:
-                    log.warning("spill copy to %s failed: %r", peer_node.node_id, exc)
-        return written
+            streams = min(self._streams, len(batch))
+            futures = [self._pool.submit(stream, range(k, len(batch), streams)) for k in range(1, streams)]
+            try:
+                stream(range(0, len(batch), streams))
+            finally:
+                for fut in futures:
+                    exc = fut.exception()
+                    if exc is not None:
+                        log.warning("spill copy to %s failed: %r", peer_node.node_id, exc)
+            return copied
+
+        peer = self._transport.peer(peer_node.tcp_endpoint)
+        return peer.fenced([r.alloc_id for r in reservations], work)
 
     def _expire(self, endpoint: str, alloc_ids: list[int]) -> None:
         try:

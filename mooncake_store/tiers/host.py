@@ -11,6 +11,7 @@ exiting would delete the agent's arena. Plain ``os.open`` + ``mmap`` has no such
 from __future__ import annotations
 
 import errno
+import hashlib
 import mmap
 import os
 import re
@@ -49,6 +50,12 @@ def segment_name(namespace: str, node_id: str, pid: int | None = None, incarnati
     suffix = f".{os.getpid() if pid is None else pid}" + (f"-{incarnation}" if incarnation else "")
     prefix = _UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}")
     return prefix[: MAX_SEGMENT_NAME - len(suffix)] + suffix
+
+
+def segment_digest(name: str) -> int:
+    """A 64-bit digest of a segment name: a FENCE reply carries the fencing agent's, so that a
+    writer copies only into the arena of the agent that holds its reservations."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 def segment_pattern(namespace: str, node_id: str, pid: int) -> str:
@@ -212,8 +219,9 @@ class SharedSegment(_Mapping):
     __slots__ = ()
 
     @classmethod
-    def attach(cls, name: str, size_bytes: int) -> SharedSegment:
-        """Map the first ``size_bytes`` of ``/dev/shm/<name>`` read-write.
+    def attach(cls, name: str, size_bytes: int, *, populate: bool = True) -> SharedSegment:
+        """Map the first ``size_bytes`` of ``/dev/shm/<name>`` read-write; ``populate`` maps its
+        pages now (faults later cost ~4x the copy), which allocates those of a sparse segment.
 
         Raises :class:`ConnectError` when the segment is missing (the agent is gone or on another
         host) and :class:`ProtocolError` when it is smaller than the agent advertised.
@@ -231,7 +239,7 @@ class SharedSegment(_Mapping):
             actual = os.fstat(fd).st_size
             if actual < size_bytes:
                 raise ProtocolError(f"shared-memory segment {path} is {actual} B; the agent advertised {size_bytes} B")
-            mm = _map(fd, size_bytes, populate=True)
+            mm = _map(fd, size_bytes, populate=populate)
         finally:
             os.close(fd)
         return cls(name, path, size_bytes, mm)

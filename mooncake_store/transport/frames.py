@@ -58,6 +58,10 @@ class Op(IntEnum):
     FREE = 3
     WRITE = 4
     READ = 5
+    #: Fence host-tier reservations for a writer that copies into the shared arena itself (a
+    #: same-host peer): until UNFENCE on the same connection, or its close, a free only dooms them.
+    FENCE = 6
+    UNFENCE = 7
 
 
 class Status(IntEnum):

@@ -45,17 +45,16 @@ class ShmTransport:
             return True
         return (SHM_DIR / shm_name).exists()
 
-    def mapped(self, shm_name: str) -> bool:
-        seg = self._segments.get(shm_name)
-        return seg is not None and not seg.closed
+    def mapped_any(self) -> bool:
+        return bool(self._segments)
 
-    def segment(self, shm_name: str, size_bytes: int) -> SharedSegment:
+    def segment(self, shm_name: str, size_bytes: int, *, populate: bool = True) -> SharedSegment:
         with self._lock:
             if self._closed:  # a mapping made now would outlive close()
                 raise MooncakeError(f"shm transport is closed (asked for {shm_name})")
             seg = self._segments.get(shm_name)
             if seg is None or seg.closed:
-                seg = SharedSegment.attach(shm_name, size_bytes)
+                seg = SharedSegment.attach(shm_name, size_bytes, populate=populate)
                 self._segments[shm_name] = seg
             return seg
 

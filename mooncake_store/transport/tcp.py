@@ -15,7 +15,15 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mooncake_store.config import is_ascii_digits
-from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity, ProtocolError, StaleLocation, TransferError
+from mooncake_store.errors import (
+    ConnectError,
+    InvalidValue,
+    MooncakeError,
+    NoCapacity,
+    ProtocolError,
+    StaleLocation,
+    TransferError,
+)
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
 
@@ -202,6 +210,36 @@ class PeerConnections:
                     raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
                 landed.append(status == Status.OK)
             return landed
+
+        return list(self._call(run))
+
+    def fenced(self, alloc_ids: Sequence[int], work: Callable[[int, list[bool]], list[bool]]) -> list[bool]:
+        """Copy into host-tier reservations of a same-host agent's shared arena under its fence:
+        FENCE them, run ``work(arena_digest, fenced)`` (which copies into the fenced ones and says
+        per id whether it did), then UNFENCE, all on one connection. Returns per id whether the
+        bytes landed in a reservation the agent still holds: fenced, copied, and not freed
+        meanwhile. Should the connection break, the agent lifts the fences when it closes."""
+        ids = list(alloc_ids)
+        if not 0 < len(ids) <= frames.MAX_BATCH:
+            raise InvalidValue(f"{len(ids)} reservations to fence; 1..{frames.MAX_BATCH} per call")
+
+        def exchange(sock: socket.socket, op: Op, which: list[int]) -> tuple[int, list[bool]]:
+            payload = b"".join(frames.U64.pack(x) for x in which)
+            frames.send_all(sock, frames.pack(op, len(which)), memoryview(payload))
+            status, a, count, _ = self._reply(sock, op)
+            if status != Status.OK or count != len(which):
+                raise ProtocolError(f"agent at {self.endpoint} answered {op.name} with status {status}, {count} ids")
+            return a, [bool(x) for x in frames.recv_exact(sock, count)]
+
+        def run(sock: socket.socket) -> list[bool]:
+            digest, fenced = exchange(sock, Op.FENCE, ids)
+            try:
+                done = work(digest, fenced)
+            finally:
+                held = [x for x, f in zip(ids, fenced, strict=True) if f]
+                _, live = exchange(sock, Op.UNFENCE, held) if held else (0, [])
+            still = dict(zip(held, live, strict=True))
+            return [f and d and still.get(x, False) for x, f, d in zip(ids, fenced, done, strict=True)]
 
         return list(self._call(run))
 

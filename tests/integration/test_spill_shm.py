@@ -19,7 +19,8 @@ from helpers import put_on, replicas_of
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
-from mooncake_store.types import ALLOC_TAG_SHIFT, TierKind
+from mooncake_store.tiers.host import HostArena
+from mooncake_store.types import TierKind
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -91,23 +92,25 @@ def test_with_spill_shm_off_a_same_host_peer_gets_writes(make_agent: Callable[..
         assert bytes(b.arena.view(replica.offset, SIZE)) == value.tobytes(), key
 
 
-def test_reservations_of_another_incarnation_than_the_row_are_not_copied_into(
-    make_agent: Callable[..., Agent],
-) -> None:
-    """The row names the arena to map; a reservation whose alloc tag is not the row's comes from a
-    later incarnation of the peer (another arena): copying into the row's arena would leave the new
-    arena's block with stale bytes under a swapped location. The objects stay, the room goes back."""
+def test_nothing_is_copied_into_an_arena_the_fencing_agent_does_not_own(make_agent: Callable[..., Agent]) -> None:
+    """The row read at the start of the pass names the arena to map; if the peer restarted since,
+    its reservations live in its new arena. The FENCE reply names the fencing agent's arena (a
+    digest), so the stale mapping (here a leftover segment of that name) is never written."""
     a = make_agent(host_bytes=4 * MiB)
     b = make_agent(host_bytes=8 * MiB)
     jobs, values = filled(a, 3)
-    row = a.index.nodes()[b.node_id]
-    older = dataclasses.replace(row, alloc_tag=(row.alloc_tag % 0xFFFF) + 1)
-    spiller = Spiller(a, streams=1)
+    leftover = HostArena.create(f"mooncake.test-leftover.{uuid.uuid4().hex[:8]}", 8 * MiB)
     try:
-        result = spiller.spill(older, jobs, tier=TierKind.HOST)
+        row = dataclasses.replace(a.index.nodes()[b.node_id], shm_name=leftover.name)
+        spiller = Spiller(a, streams=1)
+        try:
+            result = spiller.spill(row, jobs, tier=TierKind.HOST)
+        finally:
+            spiller.close()
+        assert result.moved == []
+        assert not any(bytes(leftover.view(0, 8 * MiB))), "the leftover arena was written"
     finally:
-        spiller.close()
-    assert result.moved == []
+        leftover.close()
     for key, value in values.items():
         (replica,) = replicas_of(a, key)
         assert replica.node_id == a.node_id
@@ -116,24 +119,33 @@ def test_reservations_of_another_incarnation_than_the_row_are_not_copied_into(
     assert len(b.table) == 0, "the reservations not copied into were not given back"
 
 
-def test_a_reservation_older_than_half_the_timeout_is_not_copied_into(make_agent: Callable[..., Agent]) -> None:
-    """Without a fence on the peer, a copy goes only into reservations the peer surely still holds."""
-    a = make_agent(host_bytes=4 * MiB, reserve_timeout_s=2.0)
-    b = make_agent(host_bytes=8 * MiB)
-    jobs, _ = filled(a, 2)
-    peer = a.index.nodes()[b.node_id]
+def test_a_reservation_freed_while_fenced_is_not_regranted_and_the_copy_is_void(
+    make_agent: Callable[..., Agent],
+) -> None:
+    """The peer frees a fenced reservation (its timeout ran out mid-copy): the block is only doomed
+    (no other put gets it while the copy may still land) and UNFENCE says the copy is void."""
+    a = make_agent(host_bytes=4 * MiB)
+    b = make_agent(host_bytes=4 * MiB, reserve_timeout_s=0.3)
+    jobs, _ = filled(a, 1)
+    peer_row = a.index.nodes()[b.node_id]
     spiller = Spiller(a, streams=1)
     try:
-        reserved = spiller._reserve(peer, jobs, TierKind.HOST)
+        reserved = spiller._reserve(peer_row, jobs, TierKind.HOST)
         assert reserved is not None
-        segment = spiller._peer_segment(peer, TierKind.HOST)
-        assert segment is not None
-        before = bytes(b.arena.view(reserved.reservations[0].offset, SIZE))
-        stale = dataclasses.replace(reserved, at=time.monotonic() - 1.5)
-        assert spiller._copy_all(segment, peer, stale) == [False, False]
-        assert bytes(b.arena.view(reserved.reservations[0].offset, SIZE)) == before
-        fresh = dataclasses.replace(reserved, at=time.monotonic())
-        assert spiller._copy_all(segment, peer, fresh) == [True, True]
+        (res,) = reserved.reservations
+        taken: list[int] = []
+
+        def work(digest: int, fenced: list[bool]) -> list[bool]:
+            assert fenced == [True]
+            time.sleep(0.5)
+            b.sync_once()  # the reservation timed out: freed, but fenced, so only doomed
+            put_on(b, "other", np.full(SIZE, 9, np.uint8), tier=TierKind.HOST)
+            taken.extend(r.offset for r in replicas_of(b, "other"))
+            return [True]
+
+        peer = spiller._transport.peer(peer_row.tcp_endpoint)
+        assert peer.fenced([res.alloc_id], work) == [False]
+        assert taken and taken[0] != res.offset, "a doomed (fenced) block was handed to another put"
     finally:
         spiller.close()
 
@@ -150,10 +162,6 @@ def test_a_peer_that_left_the_table_is_unmapped(make_agent: Callable[..., Agent]
         assert spiller._shm._segments == {}
     finally:
         spiller.close()
-
-
-def test_alloc_tags_sit_where_the_check_reads_them() -> None:
-    assert ALLOC_TAG_SHIFT == 47  # _copy_all compares alloc_tag_of(reservation) with the row's tag
 
 
 def test_a_client_unmaps_the_arena_of_an_agent_that_left(make_agent: Callable[..., Agent]) -> None:
