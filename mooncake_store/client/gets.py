@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mooncake_store.client.puts import checksum_of
-from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
+from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, StaleLocation, TransferError
 from mooncake_store.policy.transport_choice import gpu_ipc_node, order_replicas
 from mooncake_store.transport.tcp import ReadRequest
 from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
@@ -83,6 +83,9 @@ class GetPath:
         objects that stripe, other tiers) is read one object at a time."""
         retry: list[int] = []
         error: MooncakeError | None = None
+        # Endpoints that failed (timed out, refused) in this batch: tried last for the other keys,
+        # so a stalled node costs the batch one timeout, not one per key.
+        failing: set[str] = set()
         nodes = self.client._nodes_for(
             (r for _, meta, _ in targets for r in meta.replicas), self.client._node_table(refresh=refresh_nodes)
         )
@@ -118,13 +121,15 @@ class GetPath:
                             singles.append((i, meta, request.dest, None))  # every replica, or the error
                             continue
                         used[i] = replica
-                except (TransferError, ConnectError):
+                except (TransferError, ConnectError) as exc:
                     # Some object of the train moved or its agent failed: read those one by one,
                     # which tries every replica of each.
+                    if not isinstance(exc, StaleLocation):
+                        failing.add(endpoint)
                     singles.extend((i, *by_index[i], None) for i, _, _ in train)
         for i, meta, dest, best in singles:
             try:
-                used[i] = self._read_object(meta, dest, refresh_nodes=refresh_nodes, best=best)
+                used[i] = self._read_object(meta, dest, refresh_nodes=refresh_nodes, best=best, failing=failing)
             except (TransferError, ConnectError) as exc:
                 error = exc
                 retry.append(i)
@@ -251,9 +256,11 @@ class GetPath:
         *,
         refresh_nodes: bool,
         best: tuple[Replica, NodeInfo, TransportKind] | None = None,
+        failing: set[str] | None = None,
     ) -> Replica | None:
         """Copy the object into ``dest`` from the cheapest replica that answers; returns that replica.
-        ``best``, from _best_replica, spares ranking a single replica a second time."""
+        ``best``, from _best_replica, spares ranking a single replica a second time. ``failing``:
+        agent endpoints that failed earlier in the batch, tried last (and added to here)."""
         if meta.size_bytes == 0:
             return None
         if best is not None and len(meta.replicas) == 1:
@@ -261,6 +268,9 @@ class GetPath:
         else:
             nodes = self.client._nodes_for(meta.replicas, self.client._node_table(refresh=refresh_nodes))
             ordered = self._order(meta.replicas, nodes, self._reachable_segments(nodes))
+        if failing:
+            # Stable: the cheapest path first among the replicas on agents that have been answering.
+            ordered.sort(key=lambda route: route[2] != TransportKind.SHM and route[1].tcp_endpoint in failing)
         if not ordered:
             raise TransferError(
                 f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches a replica of "
@@ -284,4 +294,6 @@ class GetPath:
                 errors.append(f"{node.node_id} via {kind}: {exc}")
                 if isinstance(exc, ConnectError):
                     self.client._tcp.drop_peer(node.tcp_endpoint)
+                if failing is not None and kind != TransportKind.SHM and not isinstance(exc, StaleLocation):
+                    failing.add(node.tcp_endpoint)
         raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors))

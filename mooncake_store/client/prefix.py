@@ -256,9 +256,9 @@ class PrefixCache:
                 dests = list(outs(found) if callable(outs) else outs[:found])
                 if len(dests) < found:
                     raise InvalidValue(f"{found} chunk(s) matched but {len(dests)} output buffer(s) given")
-                chunks: list[Any] = self._read_into(matched, dests[:found])
+                chunks: list[Any] = self._read(matched, dests[:found])
             else:
-                chunks = self.client.get_many(matched)
+                chunks = self._read(matched, None)
             usable = next((i for i, c in enumerate(chunks) if c is None), len(chunks))
             if usable < found:
                 self.index.unpin(matched[usable:], pin_id=pin_id)
@@ -271,23 +271,31 @@ class PrefixCache:
             raise
         return hit
 
-    def _read_into(self, keys: list[str], dests: list[object]) -> list[Any]:
+    def _read(self, keys: list[str], dests: list[object] | None) -> list[Any]:
+        """The chunks, into ``dests`` when given (else as new arrays); None from the first one
+        that cannot be read on."""
+        client = self.client
         try:
-            self.client.get_many_into(keys, dests)
+            if dests is None:
+                return client.get_many(keys)
+            client.get_many_into(keys, dests)
             return dests
         except InvalidValue:
             raise  # the caller's buffers are wrong (too small, bad dtype): an error, not a miss
         except MooncakeError:
             # Some chunk went away between match and read (a node died): keep the readable run.
             out: list[Any] = []
-            for key, dest in zip(keys, dests, strict=True):
+            for i, key in enumerate(keys):
                 try:
-                    self.client.get_into(key, dest)
+                    if dests is None:
+                        out.append(client.get(key))
+                    else:
+                        client.get_into(key, dests[i])
+                        out.append(dests[i])
                 except InvalidValue:
                     raise
                 except MooncakeError:
                     break
-                out.append(dest)
             return out + [None] * (len(keys) - len(out))
 
     def load_async(self, token_ids: Any = None, **kwargs: Any) -> Future[PrefixHit]:

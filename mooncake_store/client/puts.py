@@ -282,8 +282,13 @@ class PutPath:
             ranked = self._candidates(
                 plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas, free_bytes=free
             )
-            for node in choose_replica_nodes(ranked, replicas):
-                free[node.node_id] = free.get(node.node_id, 0) - max(1, plan.size_bytes)
+            size = max(1, plan.size_bytes)
+
+            def has_room(n: NodeInfo, free: dict[str, int] = free, size: int = size) -> bool:
+                return free.get(n.node_id, 0) >= size
+
+            for node in choose_replica_nodes(ranked, replicas, has_room=has_room):
+                free[node.node_id] = free.get(node.node_id, 0) - size
                 groups.setdefault((node.node_id, plan.tier), []).append(plan)
                 plan.assigned.add(node.node_id)
         try:

@@ -3,7 +3,7 @@ the writer's zone, then the node with the most room anywhere."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from mooncake_store.errors import NoCapacity
 from mooncake_store.types import NodeInfo, TierKind
@@ -63,15 +63,28 @@ def rank_nodes(
     return sorted(alive, key=score)
 
 
-def choose_replica_nodes(ranked: list[NodeInfo], replicas: int) -> list[NodeInfo]:
-    """The first ``replicas`` distinct nodes of a ranking; NoCapacity if there are fewer."""
+def choose_replica_nodes(
+    ranked: list[NodeInfo], replicas: int, *, has_room: Callable[[NodeInfo], bool] | None = None
+) -> list[NodeInfo]:
+    """``replicas`` distinct nodes of a ranking: the first as ranked, each further one on a host
+    (then a zone) no chosen node is on, where one with room exists, else the next as ranked: two
+    copies on one host are lost together. NoCapacity if there are fewer nodes than replicas."""
     if replicas > len(ranked):
         raise NoCapacity(
             f"replicas={replicas} needs {replicas} live nodes with room; only {len(ranked)} qualify "
             f"({', '.join(n.node_id for n in ranked) or 'none'})",
             permanent=True,
         )
-    return ranked[:replicas]
+    room = has_room or (lambda _n: True)
+    chosen = ranked[:1]
+    rest = list(enumerate(ranked[1:]))
+    while len(chosen) < replicas:
+        hosts = {n.host_id for n in chosen}
+        zones = {n.zone for n in chosen}
+        pick = min(rest, key=lambda item: (not room(item[1]), item[1].host_id in hosts, item[1].zone in zones, item[0]))
+        rest.remove(pick)
+        chosen.append(pick[1])
+    return chosen
 
 
 def no_room_message(

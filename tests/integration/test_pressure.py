@@ -257,6 +257,8 @@ def test_move_replicas_swaps_each_entry_on_its_own(
         tiers=(),
     )
     client.index.redis.hset(client.index.prefix + "nodes", "elsewhere", encode_node(ghost, "ghost"))
+    # ... and live: a move onto a node past its heartbeat deadline is refused (EXPIRED).
+    client.index.redis.zadd(client.index.prefix + "hb", {"elsewhere": client.index.server_time_ms() + 600_000})
 
     def new_at(alloc_id: int) -> Replica:
         return Replica(

@@ -198,3 +198,20 @@ def test_a_node_row_older_than_the_incarnation_holding_a_replica_is_stale() -> N
     assert not stale_for(mine, row) and stale_for(later, row)
     assert not stale_for(later, dataclasses.replace(row, alloc_tag=0))  # an untagged row: no judgement
     assert not stale_for(later, None)
+
+
+def test_further_replicas_go_to_other_hosts_then_other_zones() -> None:
+    """The first replica as ranked (the writer's host first); each further one on a host, then a
+    zone, no chosen replica is on, where such a node has room: two copies on one host die together."""
+    nodes = [
+        node("mine-1", free=MiB),
+        node("mine-2", free=MiB),
+        node("near", free=MiB, host="h2"),
+        node("far", free=MiB, host="h3", zone="z2"),
+    ]
+    assert [n.node_id for n in choose_replica_nodes(nodes, 2)] == ["mine-1", "far"]
+    assert [n.node_id for n in choose_replica_nodes(nodes, 3)] == ["mine-1", "far", "near"]
+    assert [n.node_id for n in choose_replica_nodes(nodes, 4)] == ["mine-1", "far", "near", "mine-2"]
+    full = {"far", "near"}
+    picked = choose_replica_nodes(nodes, 2, has_room=lambda n: n.node_id not in full)
+    assert [n.node_id for n in picked] == ["mine-1", "mine-2"]  # no other host has room: as ranked

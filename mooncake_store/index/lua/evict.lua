@@ -17,7 +17,13 @@ for _, r in ipairs(decode_list(f[1])) do
 end
 if not found then return 'GONE' end
 if live_pins(key, now) > 0 then return 'PINNED' end
-if #keep == 0 and children_of(key) > 0 then return 'PARENT' end
+-- The last readable copy: none left on a live node (a replica on a node past its deadline is
+-- skipped by readers and soon reaped, so it keeps neither the chain whole nor the object).
+local readable = 0
+for _, r in ipairs(keep) do
+  if r[6] == 'COMPLETE' and node_live(r[1], now) then readable = readable + 1 end
+end
+if readable == 0 and children_of(key) > 0 then return 'PARENT' end
 if tonumber(f[2] or 0) > now then return 'LEASED' end
 redis.call('ZADD', P .. 'gc:' .. node, math.max(now, tonumber(f[2] or 0)), alloc)
 local still_there = false
@@ -28,5 +34,7 @@ if #keep == 0 then
   redis.call('HINCRBY', P .. 'stats', 'evictions', 1)
 else
   redis.call('HSET', ok, 'replicas', encode_list(keep))
+  -- What is left is on dead nodes only: the object is lost to readers now, which is an eviction.
+  if readable == 0 then redis.call('HINCRBY', P .. 'stats', 'evictions', 1) end
 end
 return 'OK'

@@ -125,7 +125,7 @@ end
 -- whose record pend:<guard> that agent's sync deletes when the reservation times out. Returns "OK"
 -- (also for a retry whose first call swapped: the caller must not free a copy the index names),
 -- "GONE", "PINNED", "EXPIRED" (the guard is gone: the new location may already be freed; or the
--- new node left the node table) or "DUP" (the new node already holds another replica: two copies
+-- new node left the node table or is past its heartbeat deadline) or "DUP" (the new node already holds another replica: two copies
 -- on one node would be one).
 local function swap_replica(key, old_node, old_alloc, new, guard, now)
   local ok = P .. 'o:' .. key
@@ -140,6 +140,9 @@ local function swap_replica(key, old_node, old_alloc, new, guard, now)
   end
   if guard ~= '' and redis.call('DEL', P .. 'pend:' .. guard) == 0 then return 'EXPIRED' end
   if stale_alloc(new[1], new[5]) then return 'EXPIRED' end
+  -- Past its heartbeat deadline the new node is skipped by readers and soon reaped: moving the
+  -- object there would hand its good copy to the graveyard for one nobody can read.
+  if not node_live(new[1], now) then return 'EXPIRED' end
   if not found then return 'GONE' end
   if dup then return 'DUP' end
   if live_pins(key, now) > 0 then return 'PINNED' end

@@ -2,8 +2,8 @@
 -- KEYS: none
 -- ARGV: [1] prefix, [2..n] put ids
 -- Returns: one status per put id, in order: "OK", "EXPIRED" (the pending record is gone: revoked or
--- reclaimed, the bytes may already be freed; or a replica's node has left the node table or
--- restarted since the reservation) or "PINNED" (the key exists and holds live pins, so it
+-- reclaimed, the bytes may already be freed; or a replica's node has left the node table, is past
+-- its heartbeat deadline, or restarted since the reservation) or "PINNED" (the key exists and holds live pins, so it
 -- cannot be replaced). On OK an older object under the key is replaced in one step: its replicas go
 -- to their agents' graveyards, to be freed once every read lease granted on it has expired.
 local now = now_ms()
@@ -20,9 +20,11 @@ for i = 2, #ARGV do
     -- A replica on a node that left the node table (reaped, deregistered), or reserved from an
     -- earlier incarnation of its node (restarted since), names memory that is gone; no reaper would
     -- ever find it again, so the put fails like an expired reservation.
+    -- A replica on a node past its heartbeat deadline would be skipped by every reader and soon
+    -- reaped: reported stored, the object would be unreadable at once (or short of a replica).
     local orphan = false
     for _, r in ipairs(e.replicas) do
-      if stale_alloc(r[1], r[5]) then orphan = true end
+      if stale_alloc(r[1], r[5]) or not node_live(r[1], now) then orphan = true end
     end
     if orphan then
       redis.call('DEL', pk)

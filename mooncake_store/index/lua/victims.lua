@@ -3,7 +3,7 @@
 -- ARGV: [1] prefix, [2] node id, [3] tier, [4] sample size
 -- Returns: a flat list, 11 fields per candidate:
 --   key, size, last_access ms, lease_until ms, live pins, alloc id, chain position (-1: none), dtype,
---   stored children in its prefix chain, the other nodes holding a replica (comma-separated), the
+--   stored children in its prefix chain, the other live nodes holding a replica (comma-separated), the
 --   key of its chain parent ("" for none)
 -- Sampling (SRANDMEMBER) bounds the work per call like Redis's own approximate LRU; the pure policy
 -- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
@@ -18,8 +18,9 @@ for _, key in ipairs(keys) do
   if f[1] then
     local reps = decode_list(f[4])
     local others = {}
+    -- Other nodes with a readable copy: one past its heartbeat deadline is no redundancy.
     for _, r in ipairs(reps) do
-      if r[1] ~= node then table.insert(others, r[1]) end
+      if r[1] ~= node and r[6] == 'COMPLETE' and node_live(r[1], now) then table.insert(others, r[1]) end
     end
     for _, r in ipairs(reps) do
       if r[1] == node and r[2] == tier and r[6] == 'COMPLETE' then
