@@ -88,8 +88,8 @@ class PlannedPut:
         )
 
 
-#: Largest chain position: Lua numbers are doubles, exact for integers below 2**53.
-MAX_CHAIN_POS = (1 << 53) - 1
+#: Largest chain position: the index's scripts print numbers with 14 significant digits.
+MAX_CHAIN_POS = 10**14 - 1
 
 
 def check_chain_meta(items: object, chain_pos: object, chain_parent: object) -> None:

@@ -85,15 +85,18 @@ def decode_shape(raw: str) -> tuple[int, ...]:
 
 def decode_object(key: str, fields: list[Any]) -> ObjectMeta:
     size, dtype, shape, checksum, version, replicas = fields[:6]
-    return ObjectMeta(
-        key=key,
-        size_bytes=int(size),
-        dtype=_text(dtype),
-        shape=decode_shape(_text(shape)),
-        checksum=int(checksum),
-        version=int(version),
-        replicas=decode_replicas(replicas),
-    )
+    try:
+        return ObjectMeta(
+            key=key,
+            size_bytes=int(size),
+            dtype=_text(dtype),
+            shape=decode_shape(_text(shape)),
+            checksum=int(checksum),
+            version=int(version),
+            replicas=decode_replicas(replicas),
+        )
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"malformed object record for key {key!r:.80} in the index: {exc}") from None
 
 
 def encode_node(info: NodeInfo, incarnation: str) -> str:
@@ -120,10 +123,12 @@ def encode_tiers(tiers: tuple[TierUsage, ...]) -> list[dict[str, Any]]:
     return [
         {
             "tier": str(t.tier),
-            "capacity": t.capacity_bytes,
-            "used": t.used_bytes,
-            "objects": t.objects,
-            **({"counters": t.counters} if t.counters else {}),
+            # As strings: the scripts re-encode node records with cjson, which prints numbers with 14
+            # significant digits (a 112 TiB disk tier would come back rounded).
+            "capacity": str(t.capacity_bytes),
+            "used": str(t.used_bytes),
+            "objects": str(t.objects),
+            **({"counters": {k: str(v) for k, v in t.counters.items()}} if t.counters else {}),
         }
         for t in tiers
     ]

@@ -44,9 +44,9 @@ end
 local room = tonumber(ARGV[3]) - redis.call('LLEN', gko)
 if room > 0 then
   local due = redis.call('ZRANGEBYSCORE', gk, '-inf', now, 'LIMIT', 0, room)
-  if #due > 0 then
-    redis.call('ZREM', gk, unpack(due))
-    append(gko, due)
+  for i = 1, #due, 1000 do  -- unpack has a stack limit
+    redis.call('ZREM', gk, unpack(due, i, math.min(i + 999, #due)))
   end
+  append(gko, due)
 end
 return {redis.call('LRANGE', ako, 0, -1), statuses, redis.call('LRANGE', gko, 0, -1)}

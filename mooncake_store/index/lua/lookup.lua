@@ -33,7 +33,7 @@ for i = 3, #ARGV do
         if r[6] == 'COMPLETE' and node_live(r[1], now) then
           live[#live + 1] = r
           -- Hits go to the replica a reader on another host takes: the cheapest tier.
-          if best == nil or TIER_RANK[r[2]] < TIER_RANK[best[2]] then best = r end
+          if best == nil or (TIER_RANK[r[2]] or 9) < (TIER_RANK[best[2]] or 9) then best = r end
         end
       end
       if #live > 0 then

@@ -18,6 +18,29 @@ local function encode_list(t)
   if #t == 0 then return '[]' end
   return cjson.encode(t)
 end
+-- Shapes of what clients send, checked before a script writes anything: Redis keeps the writes of
+-- a script that fails half-way, so a bad field must be refused up front, not met by a redis.call.
+local TIERS = {gpu = true, host = true, disk = true}
+local function is_uint(v) return type(v) == 'number' and v >= 0 and v == math.floor(v) and v < 1e14 end
+local function is_digits(v) return type(v) == 'string' and string.match(v, '^%d+$') ~= nil end
+local function valid_replica(r)
+  return type(r) == 'table' and #r == 6 and type(r[1]) == 'string' and r[1] ~= '' and TIERS[r[2]] == true
+    and is_uint(r[3]) and is_uint(r[4]) and is_digits(r[5]) and type(r[6]) == 'string'
+end
+local function valid_entry(e)
+  if type(e) ~= 'table' or type(e.put_id) ~= 'string' or type(e.key) ~= 'string' or e.key == ''
+      or not is_uint(e.size) or type(e.dtype) ~= 'string' or type(e.shape) ~= 'string'
+      or string.match(e.shape, '^[%d,]*$') == nil or not is_digits(e.checksum)
+      or type(e.replicas) ~= 'table' or #e.replicas == 0 then
+    return false
+  end
+  if e.chain_pos ~= nil and not is_uint(e.chain_pos) then return false end
+  if e.chain_parent ~= nil and (type(e.chain_parent) ~= 'string' or e.chain_parent == '') then return false end
+  for _, r in ipairs(e.replicas) do
+    if not valid_replica(r) then return false end
+  end
+  return true
+end
 -- The common record, a single COMPLETE replica as cjson wrote it, read without decoding the JSON:
 -- returns its node id and tier, or nil for anything else (several replicas, another state, a
 -- node id with escaped characters), which callers then decode in full.
@@ -96,6 +119,8 @@ local function purge_node(node, max_keys)
   local left = redis.call('SCARD', nk)
   if left == 0 then
     redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node)
+    -- Its hit counters too: default node ids carry a pid, so stats would grow with every agent.
+    redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':gpu', 'hits:' .. node .. ':host', 'hits:' .. node .. ':disk')
     redis.call('HDEL', P .. 'nodes', node)
     redis.call('ZREM', P .. 'hb', node)
     redis.call('SREM', P .. 'purging', node)
@@ -126,8 +151,9 @@ end
 -- (also for a retry whose first call swapped: the caller must not free a copy the index names),
 -- "GONE", "PINNED", "EXPIRED" (the guard is gone: the new location may already be freed; or the
 -- new node left the node table or is past its heartbeat deadline) or "DUP" (the new node already holds another replica: two copies
--- on one node would be one).
+-- on one node would be one), or "INVALID" (the new location is malformed: nothing is written).
 local function swap_replica(key, old_node, old_alloc, new, guard, now)
+  if not valid_replica(new) then return 'INVALID' end
   local ok = P .. 'o:' .. key
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
   if not f[1] then return 'GONE' end

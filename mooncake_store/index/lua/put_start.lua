@@ -9,6 +9,10 @@
 local ttl = tonumber(ARGV[2])
 local entries = cjson.decode(ARGV[3])
 local now = now_ms()
+-- All or nothing: every entry is checked before the first is written.
+for i, e in ipairs(entries) do
+  if not valid_entry(e) then return redis.error_reply('BAD_ENTRY put_start entry ' .. i .. ' is malformed') end
+end
 for _, e in ipairs(entries) do
   local pk = P .. 'pend:' .. e.put_id
   redis.call('HSET', pk, 'key', e.key, 'entry', cjson.encode(e), 'deadline', now + ttl)
