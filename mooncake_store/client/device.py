@@ -39,6 +39,9 @@ from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, Transp
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
 
+#: A GPU arena's IPC handle that would not open is tried again after this long.
+UNOPENABLE_RETRY_S = 30.0
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceSource:
@@ -83,7 +86,8 @@ class GpuSegments:
         self._segments: dict[str, tuple[str, GpuSegment]] = {}  # node id -> (handle hex, segment)
         self._busy: dict[int, int] = {}  # id(segment) -> copies in flight
         self._retired: list[GpuSegment] = []
-        self._unopenable: dict[str, str] = {}  # handle hex -> why it would not open (not retried)
+        #: handle hex -> (why it would not open, when to try again (monotonic s))
+        self._unopenable: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
 
     def _acquire(self, node: NodeInfo) -> GpuSegment:
@@ -94,9 +98,9 @@ class GpuSegments:
                 seg = known[1]
                 self._busy[id(seg)] = self._busy.get(id(seg), 0) + 1
                 return seg
-            why = self._unopenable.get(handle_hex)
-        if why is not None:
-            raise TransferError(why)
+            failed = self._unopenable.get(handle_hex)
+        if failed is not None and time.monotonic() < failed[1]:
+            raise TransferError(failed[0])
         usage = node.tier(TierKind.GPU)
         if usage is None:
             raise TransferError(f"node {node.node_id} publishes no GPU tier")
@@ -105,13 +109,15 @@ class GpuSegments:
             gpu_id = int(node.labels.get("gpu_id", "0"))
         except ValueError:
             raise TransferError(f"node {node.node_id} publishes a malformed CUDA IPC handle or GPU id") from None
-        device_id = local_device(gpu_id, node.labels.get("gpu_pci"))
         try:
+            device_id = local_device(gpu_id, node.labels.get("gpu_pci"))
             seg = GpuSegment(device_id, handle, usage.capacity_bytes)
-        except (InvalidValue, TransferError) as exc:
+        except MooncakeError as exc:  # GpuUnavailable too: callers fall back on TransferError only
             why = f"node {node.node_id}: {exc}"
             with self._lock:
-                self._unopenable[handle_hex] = why
+                # Not asked again for a while (each try costs a CUDA call), but not forever: the
+                # cause may pass (device memory, a peer limit).
+                self._unopenable[handle_hex] = (why, time.monotonic() + UNOPENABLE_RETRY_S)
             raise TransferError(why) from None
         with self._lock:
             known = self._segments.get(node.node_id)
@@ -147,14 +153,16 @@ class GpuSegments:
     def write(self, node: NodeInfo, replica: Replica, src_pointer: int, nbytes: int) -> None:
         seg = self._acquire(node)
         try:
-            memcpy(seg.pointer(replica.offset, nbytes), src_pointer, nbytes, seg.device_id)
+            with seg.in_use():
+                memcpy(seg.pointer(replica.offset, nbytes), src_pointer, nbytes, seg.device_id)
         finally:
             self._release(seg)
 
     def read(self, node: NodeInfo, replica: Replica, dest_pointer: int, nbytes: int) -> None:
         seg = self._acquire(node)
         try:
-            memcpy(dest_pointer, seg.pointer(replica.offset, nbytes), nbytes, seg.device_id)
+            with seg.in_use():
+                memcpy(dest_pointer, seg.pointer(replica.offset, nbytes), nbytes, seg.device_id)
         finally:
             self._release(seg)
 

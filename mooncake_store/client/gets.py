@@ -5,6 +5,7 @@ against the index for any read that outlived its lease (DESIGN.md §3.3)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -162,8 +163,12 @@ class GetPath:
     def _cuda_usable(self) -> bool:
         """Whether this process can use CUDA, so copy a same-host agent's GPU replica through the
         arena's IPC handle (one device-to-host copy instead of the agent's copy and a TCP
-        transfer). Asked once: it imports cupy."""
+        transfer). Only in a process that already uses cupy: opening the handle would otherwise
+        give a CPU-only reader a CUDA context (hundreds of MiB of device memory) for a host read.
+        Asked once cupy is there."""
         if self._cuda_here is None:
+            if "cupy" not in sys.modules:
+                return False
             from mooncake_store.tiers.gpu_arrays import cuda_status  # imports cupy lazily
 
             self._cuda_here = cuda_status(0)[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from mooncake_store.errors import InvalidValue, NoCapacity, TransferError
@@ -24,7 +25,7 @@ IPC_HANDLE_BYTES = 64
 #: IPC handle -> (base pointer, device) of the arenas this process owns. CUDA refuses to open an IPC
 #: handle in the process that exported it ("invalid device context"), so a client sharing a process
 #: with an agent uses the pointer directly.
-_local_arenas: dict[bytes, tuple[int, int]] = {}
+_local_arenas: dict[bytes, GpuArena] = {}
 _local_lock = threading.Lock()
 
 
@@ -62,8 +63,11 @@ class GpuArena:
                 self.pci_bus_id = ""
         if len(self.ipc_handle) != IPC_HANDLE_BYTES:
             raise GpuUnavailable(f"CUDA IPC handle is {len(self.ipc_handle)} B, expected {IPC_HANDLE_BYTES}")
+        #: Held by close() around the free and by this process's own segments around each copy:
+        #: a copy through a segment never touches the arena after it is freed.
+        self.lock = threading.Lock()
         with _local_lock:
-            _local_arenas[self.ipc_handle] = (self.base_ptr, device_id)
+            _local_arenas[self.ipc_handle] = self
 
     def _check(self, offset: int, length: int) -> int:
         if offset < 0 or length < 0 or offset + length > self.size_bytes:
@@ -80,17 +84,22 @@ class GpuArena:
         """Device-to-device (or host) copy from any pointer into the arena."""
         memcpy(self._check(offset, nbytes), src_ptr, nbytes, self.device_id)
 
+    @property
+    def closed(self) -> bool:
+        return self._memory is None
+
     def close(self) -> None:
-        memory, self._memory = self._memory, None
-        if memory is None:
-            return
         with _local_lock:
             _local_arenas.pop(self.ipc_handle, None)
-        cupy = _cupy()
-        with cupy.cuda.Device(self.device_id):
-            with contextlib.suppress(Exception):
-                cupy.cuda.runtime.deviceSynchronize()  # no copy of ours may still touch it
-            del memory  # cudaFree, on the device that allocated it
+        with self.lock:
+            memory, self._memory = self._memory, None
+            if memory is None:
+                return
+            cupy = _cupy()
+            with cupy.cuda.Device(self.device_id):
+                with contextlib.suppress(Exception):
+                    cupy.cuda.runtime.deviceSynchronize()  # no copy of ours may still touch it
+                del memory  # cudaFree, on the device that allocated it
 
 
 class GpuSegment:
@@ -104,9 +113,12 @@ class GpuSegment:
         self.size_bytes = size_bytes
         with _local_lock:
             local = _local_arenas.get(ipc_handle)
+        # CUDA refuses to open a handle in the process that exported it: this process's own arena
+        # is used directly, and each copy holds its lock (the arena may be closed meanwhile).
+        self._local = local
         self._ipc = local is None
         if local is not None:
-            self.base_ptr, self.device_id = local
+            self.base_ptr, self.device_id = local.base_ptr, local.device_id
         else:
             try:
                 with cupy.cuda.Device(device_id):
@@ -114,6 +126,18 @@ class GpuSegment:
             except _cuda_error() as exc:
                 raise TransferError(f"cannot open a GPU arena's CUDA IPC handle on device {device_id}: {exc}") from None
         self._open = True
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Around each copy through this segment: for this process's own arena, its lock, and an
+        error (not a copy into freed memory) once it is closed."""
+        if self._local is None:
+            yield
+            return
+        with self._local.lock:
+            if self._local.closed or not self._open:
+                raise TransferError(f"the GPU arena at 0x{self.base_ptr:x} was closed")
+            yield
 
     def pointer(self, offset: int, length: int) -> int:
         if offset < 0 or length < 0 or offset + length > self.size_bytes:
