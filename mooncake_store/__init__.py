@@ -25,6 +25,7 @@ from mooncake_store.errors import (
     ServerError,
     StaleLocation,
     TransferError,
+    TransferTimeout,
 )
 from mooncake_store.types import MAX_KEY_BYTES
 
@@ -49,6 +50,7 @@ __all__ = [
     "ServerError",
     "StaleLocation",
     "TransferError",
+    "TransferTimeout",
     "connect",
 ]
 __version__ = "0.1.0"

@@ -71,6 +71,10 @@ class TransferError(MooncakeError):
     """A transfer to or from a peer failed."""
 
 
+class TransferTimeout(TransferError):
+    """A peer made no progress within timeout_s (stalled, or the network is)."""
+
+
 class StaleLocation(TransferError):
     """A replica location no longer holds the object it was looked up for."""
 

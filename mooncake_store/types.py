@@ -148,9 +148,15 @@ class EvictionCandidate:
     chain_parent: str = ""  # key of the chunk before it in its prefix chain ("" for none)
 
 
+def is_collection_not_text(value: object) -> bool:
+    """Whether ``value`` is a collection of items (a list, a tuple, an array's rows), not text or
+    bytes, which iterate as characters: one key or one digest passed where several belong."""
+    return not isinstance(value, str | bytes | bytearray | memoryview) and hasattr(value, "__iter__")
+
+
 def check_keys(keys: object) -> list[str]:
     """Every key of a sequence of keys checked; a str or bytes is refused, not split into characters."""
-    if isinstance(keys, str | bytes | bytearray | memoryview) or not hasattr(keys, "__iter__"):
+    if not is_collection_not_text(keys):
         raise InvalidValue(f"pass a list of keys, got {type(keys).__name__}: {keys!r:.80}")
     return [check_key(k) for k in keys]  # type: ignore[attr-defined]
 

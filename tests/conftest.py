@@ -120,3 +120,29 @@ def make_inproc_agent(redis_url: str) -> Iterator[Callable[..., Agent]]:
     yield make
     for agent in agents:
         agent.stop()
+
+
+@pytest.fixture
+def make_peer_agent(make_inproc_agent: Callable[..., Agent]) -> Callable[..., Agent]:
+    """In-process Agents in one namespace, so that they spill to one another, with heartbeats that
+    never lapse; their pressure loop does nothing unless ``real_pressure``: the test drives the
+    Spiller itself."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+
+    def make(*, real_pressure: bool = False, **overrides: Any) -> Agent:
+        settings: dict[str, Any] = {
+            "node_id": f"peer-{uuid.uuid4().hex[:6]}",
+            "heartbeat_interval_s": 600.0,
+            "heartbeat_ttl_s": 1200.0,
+            "reserve_timeout_s": 30.0,
+            "spill_to_peers": True,
+            **overrides,
+        }
+
+        def prepare(agent: Agent) -> None:
+            if not real_pressure:
+                agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+        return make_inproc_agent(namespace=namespace, prepare=prepare, **settings)
+
+    return make

@@ -3,8 +3,9 @@
     RESERVED --(commit acked)--> COMMITTED --(grave due)--> freed
        └──(revoked / abandoned after the reservation timeout)--> freed
 
-A free of an allocation that a TCP read is still sending is deferred until the read ends, so a
-slow reader never sees its bytes reused under it (DESIGN.md §3.3).
+A free of an allocation that a TCP read or write is still moving, or that a same-host writer holds
+fenced, is deferred until that ends, so a slow reader or writer never sees its bytes reused under
+it (DESIGN.md §3.3).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Allocation:
     put_id: bytes
     state: AllocState
     deadline: float  # monotonic seconds; meaningful while RESERVED
-    readers: int = 0  # TCP reads and writes in progress: a free waits for them
+    readers: int = 0  # TCP reads and writes in progress, and fences: a free waits for them
     doomed: bool = False
 
 

@@ -24,7 +24,7 @@ from mooncake_store.agent.server import TIER_DISK, TIER_GPU, AgentServer
 from mooncake_store.config import AgentConfig, is_wildcard_host, split_host_port
 from mooncake_store.errors import ConfigError, ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
-from mooncake_store.index.client import NodeIdTaken, NodeSuperseded
+from mooncake_store.index.client import NodeIdTaken
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.gpu import GpuArena
@@ -444,10 +444,12 @@ class Agent:
                 self.fatal = f"node {self.node_id} was taken over by another agent while this one stalled: {exc}"
                 return
             except MooncakeError as exc:
-                # Another incarnation took the node id over while this one stalled (IN_USE): the
-                # index names none of this agent's memory any more, and its syncs are refused.
-                log.error("node %s: %s; this agent holds nothing and stops syncing", self.node_id, exc)
-                self._drop_everything()
+                # A script error (the server out of memory, busy, read-only in a failover): the
+                # index still names this agent's objects, so it keeps them and tries again. Only
+                # being reaped (heartbeat False) or taken over (NodeIdTaken) lets its memory go.
+                log.warning("heartbeat failed: %s", exc)
+            except Exception:
+                log.exception("heartbeat failed unexpectedly")
 
     def _drop_everything(self) -> None:
         """After being reaped: committed objects are gone from the index, so their memory is free.
@@ -480,8 +482,10 @@ class Agent:
         while not self._stop.wait(self.config.sync_interval_s):
             try:
                 self.sync_once()
-            except (ConnectError, NodeSuperseded) as exc:
+            except MooncakeError as exc:  # unreachable, superseded, or a script error: try again
                 log.warning("sync failed: %s", exc)
+            except Exception:  # a bug costs one sync, not the agent's reclaiming for good
+                log.exception("sync failed unexpectedly")
 
     def sync_once(self) -> None:
         # One sync at a time: two could both see a reservation as expired, and the one that does not

@@ -1,4 +1,5 @@
-"""The agent's TCP server: the control ops (reserve, free) and the data ops (read, write).
+"""The agent's TCP server: the control ops (reserve, free, fence, unfence) and the data ops (read,
+write).
 
 One thread per connection: the socket calls release the GIL, and clients keep a handful of
 connections per agent. Every frame is checked before a byte of payload is read; a malformed
@@ -36,7 +37,9 @@ SPILL_FLAG = 1
 #: Pause before accepting again after accept() failed (out of descriptors, say).
 ACCEPT_RETRY_S = 0.1
 #: Connections served at once (one thread each); more are closed as they arrive.
-MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS = 4096
+#: A connection idle this long is closed (clients retire pooled ones sooner: tcp.POOL_IDLE_S).
+IDLE_CLOSE_S = 600.0
 #: Chunk for draining the payload of a refused WRITE.
 DRAIN_BYTES = 1 << 20
 
@@ -182,7 +185,16 @@ class AgentServer:
             idle = select.poll()
             idle.register(conn, select.POLLIN)
             while not self._stop.is_set():
-                idle.poll()  # between requests a connection may wait as long as its client likes
+                # Between requests a connection may wait: long for a pooled one (IDLE_CLOSE_S, after
+                # which it is closed, so that forgotten ones do not hold the connection limit), but
+                # one holding fences only timeout_s (a same-host writer copying a batch needs ms; one
+                # that stalled must not keep the blocks from being freed).
+                holding = bool(self._fences.get(conn))
+                wait_s = self._timeout_s if holding else IDLE_CLOSE_S
+                if not idle.poll(int(wait_s * 1000)):
+                    if holding:
+                        log.warning("a connection held fences %g s without a request; closing it", wait_s)
+                    return
                 try:
                     header = frames.recv_exact(conn, frames.HEADER_BYTES)
                 except TransferError:
@@ -383,11 +395,9 @@ class AgentServer:
         return [x for (x,) in frames.U64.iter_unpack(frames.recv_exact(conn, frames.U64.size * count))]
 
     def _free(self, conn: socket.socket, count: int) -> bool:
-        if not 0 < count <= frames.MAX_BATCH:
-            self._reply(conn, Op.FREE, Status.BAD_REQUEST)
+        ids = self._ids(conn, Op.FREE, count)
+        if ids is None:
             return False
-        raw = frames.recv_exact(conn, frames.U64.size * count)
-        ids = [x for (x,) in frames.U64.iter_unpack(raw)]
         freed = self._table.expire_now(ids) + self._hooks.expire_other_tiers(ids)
         self._reply(conn, Op.FREE, Status.OK, freed)
         return True

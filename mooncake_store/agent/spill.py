@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -153,6 +154,10 @@ class Spiller:
         a batch's bytes go out, the next batch is reserved (reservation thread) and the one before
         is swapped in the index (swap thread); all swaps are done when this returns."""
         result = SpillResult()
+        if tier == TierKind.HOST:
+            # Map a same-host peer's arena before reserving there: populating a large mapping takes
+            # ~0.1 s per GiB, which reservations already granted would spend ageing.
+            self._peer_segment(peer_node, tier)
         batches = batches_of(jobs, max_bytes=self._batch_bytes)
         swaps: list[Future[list[SpillJob]]] = []
         ahead: Future[_Reserved | None] | None = None
@@ -410,17 +415,25 @@ class Spiller:
                 if not ok:  # that reservation went (timed out); the stream is fine
                     log.info("spill of %s to %s: reservation gone", batch[i].victim.key, peer.endpoint)
 
-        streams = min(self._streams, len(batch))
-        futures = [self._pool.submit(stream, range(k, len(batch), streams)) for k in range(1, streams)]
+        if self._over_streams(len(batch), stream):
+            broken[0] = True
+        return written, broken[0]
+
+    def _over_streams(self, count: int, stream: Callable[[range], None]) -> bool:
+        """Run ``stream`` over the jobs ``0..count`` dealt round-robin to the streams: one on this
+        thread, the rest on the pool. Returns whether a stream failed (each failure is logged)."""
+        streams = min(self._streams, count)
+        futures = [self._pool.submit(stream, range(k, count, streams)) for k in range(1, streams)]
+        failed = False
         try:
-            stream(range(0, len(batch), streams))
+            stream(range(0, count, streams))
         finally:
             for fut in futures:
                 exc = fut.exception()
                 if exc is not None:
                     log.warning("spill stream failed: %r", exc)
-                    broken[0] = True
-        return written, broken[0]
+                    failed = True
+        return failed
 
     def _copy_all(self, segment: SharedSegment, peer_node: NodeInfo, reserved: _Reserved) -> list[bool]:
         """A host batch into a same-host peer's arena under its fence, one memcpy per job (numpy
@@ -458,15 +471,7 @@ class Spiller:
                             src.release()
                     copied[i] = True
 
-            streams = min(self._streams, len(batch))
-            futures = [self._pool.submit(stream, range(k, len(batch), streams)) for k in range(1, streams)]
-            try:
-                stream(range(0, len(batch), streams))
-            finally:
-                for fut in futures:
-                    exc = fut.exception()
-                    if exc is not None:
-                        log.warning("spill copy to %s failed: %r", peer_node.node_id, exc)
+            self._over_streams(len(batch), stream)  # a job whose copy failed stays uncopied
             return copied
 
         peer = self._transport.peer(peer_node.tcp_endpoint)

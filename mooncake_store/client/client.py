@@ -33,6 +33,7 @@ from mooncake_store.types import (
     TransportKind,
     check_key,
     check_keys,
+    is_collection_not_text,
     stale_for,
 )
 
@@ -255,11 +256,11 @@ class Client:
     def get_many_into(self, keys: Sequence[str], outs: Sequence[object]) -> list[int]:
         """Like get_into for a batch; returns bytes written per key (KeyNotFound if any is missing)."""
         checked = check_keys(keys)
-        if isinstance(outs, str | bytes) or not isinstance(outs, Sequence):
-            raise InvalidValue(f"outs must be a sequence of buffers, got {type(outs).__name__}")
-        if len(checked) != len(outs):
-            raise InvalidValue(f"{len(checked)} keys but {len(outs)} output buffers")
-        dests = [as_destination(o) for o in outs]
+        if not is_collection_not_text(outs):  # a list of buffers, or one array with a row per key
+            raise InvalidValue(f"outs must be buffers, one per key, got {type(outs).__name__}")
+        dests = [as_destination(o) for o in outs]  # type: ignore[attr-defined]
+        if len(checked) != len(dests):
+            raise InvalidValue(f"{len(checked)} keys but {len(dests)} output buffers")
         metas, _ = self._gets.get_batch(checked, dests, missing_ok=False)
         return [m.size_bytes if m else 0 for m in metas]
 

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mooncake_store.client.puts import checksum_of
-from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, StaleLocation, TransferError
+from mooncake_store.errors import (
+    ConnectError,
+    InvalidValue,
+    KeyNotFound,
+    MooncakeError,
+    TransferError,
+    TransferTimeout,
+)
 from mooncake_store.policy.transport_choice import gpu_ipc_node, order_replicas
 from mooncake_store.transport.tcp import ReadRequest
 from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
@@ -40,6 +47,9 @@ class GetPath:
         metas: list[ObjectMeta | None] = [None] * len(keys)
         used: dict[int, Replica | None] = {}
         buffers: list[np.ndarray] = [np.empty(0, np.uint8)] * len(keys)
+        # Agent endpoints that failed (timed out, refused) during this call: not asked again by it,
+        # so a stalled agent costs the batch one timeout, not one per key and attempt.
+        failing: set[str] = set()
         for attempt in range(self.client.config.max_retries + 1):
             started = time.monotonic()
             result = self.client.index.lookup([keys[i] for i in pending], lease_ms=self.client.config.lease_ms)
@@ -61,7 +71,7 @@ class GetPath:
                     buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
                     dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
                 targets.append((i, meta, dest))
-            retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0)
+            retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0, failing=failing)
             last_error = error or last_error
             done = [i for i, _, _ in targets if i not in retry]
             if done and time.monotonic() - started > LEASE_SAFETY * lease_left_ms / 1000:
@@ -75,7 +85,12 @@ class GetPath:
         )
 
     def _read_targets(
-        self, targets: list[tuple[int, ObjectMeta, memoryview]], used: dict[int, Replica | None], *, refresh_nodes: bool
+        self,
+        targets: list[tuple[int, ObjectMeta, memoryview]],
+        used: dict[int, Replica | None],
+        *,
+        refresh_nodes: bool,
+        failing: set[str],
     ) -> tuple[list[int], MooncakeError | None]:
         """Read every target; returns the indexes to retry and the last error.
 
@@ -84,9 +99,6 @@ class GetPath:
         objects that stripe, other tiers) is read one object at a time."""
         retry: list[int] = []
         error: MooncakeError | None = None
-        # Endpoints that failed (timed out, refused) in this batch: tried last for the other keys,
-        # so a stalled node costs the batch one timeout, not one per key.
-        failing: set[str] = set()
         nodes = self.client._nodes_for(
             (r for _, meta, _ in targets for r in meta.replicas), self.client._node_table(refresh=refresh_nodes)
         )
@@ -102,6 +114,7 @@ class GetPath:
             if (
                 pipelined
                 and best is not None
+                and best[1].tcp_endpoint not in failing
                 and best[2] == TransportKind.TCP
                 and best[0].tier == TierKind.HOST
                 and meta.size_bytes <= stripe_bytes
@@ -125,7 +138,7 @@ class GetPath:
                 except (TransferError, ConnectError) as exc:
                     # Some object of the train moved or its agent failed: read those one by one,
                     # which tries every replica of each.
-                    if not isinstance(exc, StaleLocation):
+                    if isinstance(exc, TransferTimeout):
                         failing.add(endpoint)
                     singles.extend((i, *by_index[i], None) for i, _, _ in train)
         for i, meta, dest, best in singles:
@@ -265,7 +278,7 @@ class GetPath:
     ) -> Replica | None:
         """Copy the object into ``dest`` from the cheapest replica that answers; returns that replica.
         ``best``, from _best_replica, spares ranking a single replica a second time. ``failing``:
-        agent endpoints that failed earlier in the batch, tried last (and added to here)."""
+        agent endpoints that failed earlier in the batch, not asked again (and added to here)."""
         if meta.size_bytes == 0:
             return None
         if best is not None and len(meta.replicas) == 1:
@@ -274,8 +287,13 @@ class GetPath:
             nodes = self.client._nodes_for(meta.replicas, self.client._node_table(refresh=refresh_nodes))
             ordered = self._order(meta.replicas, nodes, self._reachable_segments(nodes))
         if failing:
-            # Stable: the cheapest path first among the replicas on agents that have been answering.
-            ordered.sort(key=lambda route: route[2] != TransportKind.SHM and route[1].tcp_endpoint in failing)
+            skipped = [r for r in ordered if r[2] != TransportKind.SHM and r[1].tcp_endpoint in failing]
+            ordered = [r for r in ordered if r not in skipped]
+            if not ordered and skipped:
+                raise TransferError(
+                    f"every replica of {meta.key!r} is on an agent that failed earlier in this call "
+                    f"({', '.join(sorted({r[1].node_id for r in skipped}))})"
+                )
         if not ordered:
             raise TransferError(
                 f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches a replica of "
@@ -299,6 +317,6 @@ class GetPath:
                 errors.append(f"{node.node_id} via {kind}: {exc}")
                 if isinstance(exc, ConnectError):
                     self.client._tcp.drop_peer(node.tcp_endpoint)
-                if failing is not None and kind != TransportKind.SHM and not isinstance(exc, StaleLocation):
+                if failing is not None and kind != TransportKind.SHM and isinstance(exc, TransferTimeout):
                     failing.add(node.tcp_endpoint)
         raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors))

@@ -1,9 +1,10 @@
-"""PrefixCache: KV-cache chunks of prompt prefixes, matched in one index round trip and shared.
+"""PrefixCache: KV-cache chunks of prompt prefixes, matched in one index round trip (per 4096
+chunks) and shared.
 
 ::
 
     cache = PrefixCache(client, namespace="llama-3-8b/bf16/tp0", chunk_tokens=256)
-    n = cache.match(token_ids)                 # tokens covered by stored chunks; one round trip
+    n = cache.match(token_ids)                 # tokens covered by stored chunks; one round trip per 4096 chunks
     cache.store(token_ids, chunks)             # one array per full chunk; existing chunks are skipped
     with cache.load(token_ids) as hit:         # pins the matched chunks while the block runs
         hit.num_tokens, hit.chunks
@@ -164,7 +165,7 @@ class PrefixCache:
         include_tail: bool = True,
         max_tokens: int | None = None,
     ) -> int:
-        """Tokens covered by the longest chain of stored chunks: one index round trip.
+        """Tokens covered by the longest chain of stored chunks: one index round trip per 4096 chunks.
 
         A partial last chunk counts only if exactly that tail was stored (``store(...,
         include_tail=True)``). ``max_tokens`` caps the answer at a chunk boundary below it.

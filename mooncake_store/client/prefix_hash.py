@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_store.errors import InvalidValue
-from mooncake_store.types import MAX_KEY_BYTES
+from mooncake_store.types import MAX_KEY_BYTES, is_collection_not_text
 
 PERSON = b"mooncake-pfx-v2"
 DIGEST_BYTES = 16
@@ -165,7 +165,7 @@ def block_hash_bytes(block_hash: BlockHash) -> bytes:
 def block_hash_chain(namespace: str, block_hashes: Sequence[BlockHash]) -> list[bytes]:
     """Digests for engine-supplied block hashes, one full chunk each."""
     check_namespace(namespace)
-    if isinstance(block_hashes, str | bytes | bytearray | memoryview) or not hasattr(block_hashes, "__iter__"):
+    if not is_collection_not_text(block_hashes):
         # One engine digest passed by mistake would be hashed as one chunk per byte or character.
         raise InvalidValue(f"block_hashes must be a sequence of block hashes, got {type(block_hashes).__name__}")
     header = _header(namespace)

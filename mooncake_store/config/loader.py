@@ -89,14 +89,17 @@ def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
 
 #: Older names of config keys, still read so that deployments setting them keep working; the key's own
 #: variable wins when both are set. MOONCAKE_ZONE is what the client read before client.zone existed.
-_ENV_ALIASES: dict[str, str] = {"MOONCAKE_ZONE": "client.zone"}
+#: Variables that set several keys at once: MOONCAKE_ZONE is the node's zone, for its agent and
+#: its clients alike (MOONCAKE_AGENT_ZONE / MOONCAKE_CLIENT_ZONE, when set, win for their side).
+_ENV_ALIASES: dict[str, tuple[str, ...]] = {"MOONCAKE_ZONE": ("agent.zone", "client.zone")}
 
 
 def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
     found: dict[str, tuple[object, _Source]] = {}
-    for var, key in _ENV_ALIASES.items():
-        if var in env and _FIELDS[key].env_var not in env:
-            found[key] = (env[var], _Source(kind="env", detail=var))
+    for var, keys in _ENV_ALIASES.items():
+        for key in keys:
+            if var in env and _FIELDS[key].env_var not in env:
+                found[key] = (env[var], _Source(kind="env", detail=var))
     for var in sorted(env):  # sorted: the same first error on every run
         if not var.startswith(ENV_PREFIX) or var in NON_CONFIG_ENV_VARS or var in _ENV_ALIASES:
             continue

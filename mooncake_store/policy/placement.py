@@ -1,5 +1,7 @@
 """Where a put goes (DESIGN.md §4): the writer's own host first, then the least loaded node of
-the writer's zone, then the node with the most room anywhere."""
+the writer's zone, then the node with the most room anywhere. Further replicas of one object go
+to another host, then another zone, where one has room (a departure from "same zone first" for
+replicas > 1: two copies in one failure domain are lost together)."""
 
 from __future__ import annotations
 

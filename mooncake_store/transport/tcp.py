@@ -8,8 +8,10 @@ served by its own agent thread, which keeps both cores busy on a loopback peer.
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from mooncake_store.errors import (
     ProtocolError,
     StaleLocation,
     TransferError,
+    TransferTimeout,
 )
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
@@ -56,6 +59,19 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 TIER_NAMES = {0: "host", 1: "gpu", 2: "disk"}
 
 
+#: Pooled connections idle longer than this are not reused (the agent closes them after its own,
+#: longer, limit: agent/server.py IDLE_CLOSE_S).
+POOL_IDLE_S = 300.0
+
+
+def _readable(sock: socket.socket) -> bool:
+    """An idle pooled connection with something to read has been closed or reset by the agent (a
+    reply is never pending between requests)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
+
+
 class PeerConnections:
     """Connections to one agent. Thread-safe: each call takes a connection of its own."""
 
@@ -64,7 +80,7 @@ class PeerConnections:
         self._address = parse_endpoint(endpoint)
         self._timeout_s = timeout_s
         self._max_idle = max_idle
-        self._idle: list[socket.socket] = []
+        self._idle: list[tuple[socket.socket, float]] = []  # (connection, when it went idle), newest last
         self._lock = threading.Lock()
         self._closed = False
 
@@ -80,15 +96,28 @@ class PeerConnections:
         return sock
 
     def _acquire(self) -> socket.socket:
+        """A pooled connection that is still good, else a new one. Connections idle longer than
+        POOL_IDLE_S are retired before the agent closes them (AgentServer closes idle ones after
+        IDLE_CLOSE_S); one the agent closed or reset anyway shows as readable, and is dropped."""
+        stale: list[socket.socket] = []
+        sock: socket.socket | None = None
+        now = time.monotonic()
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._connect()
+            while self._idle:
+                candidate, since = self._idle.pop()
+                if now - since > POOL_IDLE_S or _readable(candidate):
+                    stale.append(candidate)
+                    continue
+                sock = candidate
+                break
+        for dead in stale:
+            dead.close()
+        return sock if sock is not None else self._connect()
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < self._max_idle:
-                self._idle.append(sock)
+                self._idle.append((sock, time.monotonic()))
                 return
         sock.close()
 
@@ -96,7 +125,7 @@ class PeerConnections:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for sock in idle:
+        for sock, _ in idle:
             sock.close()
 
     def _call(self, func, *args):  # type: ignore[no-untyped-def]
@@ -110,7 +139,7 @@ class PeerConnections:
             if isinstance(exc, TransferError | ProtocolError):
                 raise
             if isinstance(exc, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
-                raise TransferError(
+                raise TransferTimeout(
                     f"agent at {self.endpoint} made no progress for {self._timeout_s:g} s (timeout_s)"
                 ) from None
             raise TransferError(f"transfer with agent at {self.endpoint} failed: {exc}") from None

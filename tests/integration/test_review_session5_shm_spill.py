@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
 from helpers import put_on, replicas_of, wait_until
 
 from mooncake_store.agent import pressure as pressure_module
@@ -27,29 +25,6 @@ from mooncake_store.types import TierKind
 KiB = 1 << 10
 MiB = 1 << 20
 SIZE = 256 * KiB
-
-
-@pytest.fixture
-def make_agent(make_inproc_agent: Callable[..., Agent]) -> Callable[..., Agent]:
-    namespace = f"t-{uuid.uuid4().hex[:10]}"
-
-    def make(*, real_pressure: bool = False, **overrides: object) -> Agent:
-        settings: dict[str, object] = {
-            "node_id": f"shmrv-{uuid.uuid4().hex[:6]}",
-            "heartbeat_interval_s": 600.0,
-            "heartbeat_ttl_s": 1200.0,
-            "reserve_timeout_s": 30.0,
-            "spill_to_peers": True,
-            **overrides,
-        }
-
-        def prepare(agent: Agent) -> None:
-            if not real_pressure:
-                agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-
-        return make_inproc_agent(namespace=namespace, prepare=prepare, **settings)
-
-    return make
 
 
 def one_job(agent: Agent, key: str, seed: int) -> tuple[SpillJob, np.ndarray]:
@@ -68,15 +43,15 @@ def read_back(agent: Agent, key: str) -> bytes:
 
 
 def test_bug1_a_peer_with_a_shorter_reserve_timeout_has_a_regranted_block_overwritten(
-    make_agent: Callable[..., Agent],
+    make_peer_agent: Callable[..., Agent],
 ) -> None:
-    """_copy_all's deadline is reserved.at + *this* agent's reserve_timeout_s / 2; the peer reclaims
-    after *its own* timeout. A peer with a shorter one (0.3 s here, 30 s on the sender) frees the
-    reservation and hands the block to another put while the sender still thinks it is young: the
-    memcpy lands on the peer's committed object. The swap is refused afterwards (guard gone), but
-    the other object's bytes are already wrong for every reader."""
-    a = make_agent(host_bytes=4 * MiB, reserve_timeout_s=30.0)
-    b = make_agent(host_bytes=4 * MiB, reserve_timeout_s=0.3)
+    """The copy was guarded by the *sender's* reserve_timeout_s / 2, while the peer reclaims after
+    *its own* timeout. A peer with a shorter one (0.3 s here, 30 s on the sender) freed the
+    reservation and handed the block to another put while the sender still thought it young: the
+    memcpy landed on the peer's committed object. Now the peer's fence decides: a freed
+    reservation is not fenced, and nothing is copied into it."""
+    a = make_peer_agent(host_bytes=4 * MiB, reserve_timeout_s=30.0)
+    b = make_peer_agent(host_bytes=4 * MiB, reserve_timeout_s=0.3)
     job, _ = one_job(a, "victim", 1)
     peer = a.index.nodes()[b.node_id]
     spiller = Spiller(a, streams=1)
@@ -103,14 +78,14 @@ def test_bug1_a_peer_with_a_shorter_reserve_timeout_has_a_regranted_block_overwr
     )
 
 
-def test_bug2_a_reaped_peer_has_a_regranted_block_overwritten(make_agent: Callable[..., Agent]) -> None:
+def test_bug2_a_reaped_peer_has_a_regranted_block_overwritten(make_peer_agent: Callable[..., Agent]) -> None:
     """Equal timeouts, but the peer frees reservations early: reaped while stalled, its heartbeat
     step (node.py _heartbeat_loop) drops everything (reservations expire now), registers again under
     the same incarnation (same arena, same alloc tag: the sender's row is still right), and its next
-    sync frees the block, which the next put gets. The sender's age check (half of 30 s) passes and
-    the memcpy overwrites that put's committed bytes. The TCP path is fenced (begin_write refuses)."""
-    a = make_agent(host_bytes=4 * MiB)
-    b = make_agent(host_bytes=4 * MiB)
+    sync frees the block, which the next put gets. The sender's old age check (half of 30 s) passed
+    and the memcpy overwrote that put's committed bytes; the peer's FENCE now refuses the block."""
+    a = make_peer_agent(host_bytes=4 * MiB)
+    b = make_peer_agent(host_bytes=4 * MiB)
     job, _ = one_job(a, "victim", 2)
     peer = a.index.nodes()[b.node_id]
     spiller = Spiller(a, streams=1)
@@ -149,14 +124,14 @@ def _mapped_paths() -> str:
 
 
 def test_bug3_a_departed_peers_arena_stays_mapped_while_there_is_no_pressure(
-    make_agent: Callable[..., Agent],
+    make_peer_agent: Callable[..., Agent],
 ) -> None:
     """retain() ran only inside a pressure pass (_walk), and a pass only runs while a tier is past
     its watermark. A peer that left while this agent was not under pressure stayed mapped (its whole
     arena kept allocated after its file is unlinked) until the next pressure episode, if any. Now
     the pressure loop reads the node table every RETAIN_EVERY_S while any peer arena is mapped."""
-    a = make_agent(host_bytes=4 * MiB, real_pressure=True, pressure_interval_s=0.02)
-    b = make_agent(host_bytes=4 * MiB)
+    a = make_peer_agent(host_bytes=4 * MiB, real_pressure=True, pressure_interval_s=0.02)
+    b = make_peer_agent(host_bytes=4 * MiB)
     spiller = a.pressure._spiller
     assert spiller._peer_segment(a.index.nodes()[b.node_id], TierKind.HOST) is not None  # a spill mapped it
     name = b.arena.name
@@ -167,13 +142,13 @@ def test_bug3_a_departed_peers_arena_stays_mapped_while_there_is_no_pressure(
     assert gone and not still, f"the arena of a peer that left is still mapped: {still[:1]}"
 
 
-def test_bug4_mapping_a_no_prefault_peer_allocates_its_whole_arena(make_agent: Callable[..., Agent]) -> None:
+def test_bug4_mapping_a_no_prefault_peer_allocates_its_whole_arena(make_peer_agent: Callable[..., Agent]) -> None:
     """SharedSegment.attach used MAP_POPULATE for every peer: on tmpfs, populating a shared mapping
     allocates every page of the file, so a peer started with --no-prefault (sparse arena) had its
     whole arena made resident by a neighbour. A peer's row now says whether it prefaulted, and its
     arena is mapped populated only then (and only when something is spilled to it)."""
-    a = make_agent(host_bytes=4 * MiB)
-    b = make_agent(host_bytes=64 * MiB, prefault=False)
+    a = make_peer_agent(host_bytes=4 * MiB)
+    b = make_peer_agent(host_bytes=64 * MiB, prefault=False)
     path = Path("/dev/shm") / b.arena.name
     before = os.stat(path).st_blocks * 512
     assert before < 8 * MiB

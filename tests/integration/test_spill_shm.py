@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
-import pytest
 from helpers import put_on, replicas_of
 
 from mooncake_store.agent.node import Agent
@@ -27,28 +26,6 @@ MiB = 1 << 20
 SIZE = 256 * KiB
 
 
-@pytest.fixture
-def make_agent(make_inproc_agent: Callable[..., Agent]) -> Callable[..., Agent]:
-    namespace = f"t-{uuid.uuid4().hex[:10]}"
-
-    def make(**overrides: object) -> Agent:
-        settings: dict[str, object] = {
-            "node_id": f"shm-{uuid.uuid4().hex[:6]}",
-            "heartbeat_interval_s": 600.0,
-            "heartbeat_ttl_s": 1200.0,
-            "reserve_timeout_s": 30.0,
-            "spill_to_peers": True,
-            **overrides,
-        }
-
-        def prepare(agent: Agent) -> None:
-            agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-
-        return make_inproc_agent(namespace=namespace, prepare=prepare, **settings)
-
-    return make
-
-
 def filled(agent: Agent, count: int) -> tuple[list[SpillJob], dict[str, np.ndarray]]:
     """``count`` distinct objects committed on ``agent``'s host tier, as spill jobs."""
     values = {f"o{i}": np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8) for i in range(count)}
@@ -59,9 +36,9 @@ def filled(agent: Agent, count: int) -> tuple[list[SpillJob], dict[str, np.ndarr
     return jobs, values
 
 
-def test_a_same_host_peer_gets_the_batch_by_memcpy_not_writes(make_agent: Callable[..., Agent]) -> None:
-    a = make_agent(host_bytes=4 * MiB)
-    b = make_agent(host_bytes=8 * MiB)
+def test_a_same_host_peer_gets_the_batch_by_memcpy_not_writes(make_peer_agent: Callable[..., Agent]) -> None:
+    a = make_peer_agent(host_bytes=4 * MiB)
+    b = make_peer_agent(host_bytes=8 * MiB)
     jobs, values = filled(a, 6)
     spiller = Spiller(a, streams=2, batch_bytes=2 * SIZE)  # three batches
     try:
@@ -76,9 +53,9 @@ def test_a_same_host_peer_gets_the_batch_by_memcpy_not_writes(make_agent: Callab
         assert bytes(b.arena.view(replica.offset, SIZE)) == value.tobytes(), key
 
 
-def test_with_spill_shm_off_a_same_host_peer_gets_writes(make_agent: Callable[..., Agent]) -> None:
-    a = make_agent(host_bytes=4 * MiB, spill_shm=False)
-    b = make_agent(host_bytes=8 * MiB)
+def test_with_spill_shm_off_a_same_host_peer_gets_writes(make_peer_agent: Callable[..., Agent]) -> None:
+    a = make_peer_agent(host_bytes=4 * MiB, spill_shm=False)
+    b = make_peer_agent(host_bytes=8 * MiB)
     jobs, values = filled(a, 4)
     spiller = Spiller(a, streams=2)
     try:
@@ -92,12 +69,12 @@ def test_with_spill_shm_off_a_same_host_peer_gets_writes(make_agent: Callable[..
         assert bytes(b.arena.view(replica.offset, SIZE)) == value.tobytes(), key
 
 
-def test_nothing_is_copied_into_an_arena_the_fencing_agent_does_not_own(make_agent: Callable[..., Agent]) -> None:
+def test_nothing_is_copied_into_an_arena_the_fencing_agent_does_not_own(make_peer_agent: Callable[..., Agent]) -> None:
     """The row read at the start of the pass names the arena to map; if the peer restarted since,
     its reservations live in its new arena. The FENCE reply names the fencing agent's arena (a
     digest), so the stale mapping (here a leftover segment of that name) is never written."""
-    a = make_agent(host_bytes=4 * MiB)
-    b = make_agent(host_bytes=8 * MiB)
+    a = make_peer_agent(host_bytes=4 * MiB)
+    b = make_peer_agent(host_bytes=8 * MiB)
     jobs, values = filled(a, 3)
     leftover = HostArena.create(f"mooncake.test-leftover.{uuid.uuid4().hex[:8]}", 8 * MiB)
     try:
@@ -120,12 +97,12 @@ def test_nothing_is_copied_into_an_arena_the_fencing_agent_does_not_own(make_age
 
 
 def test_a_reservation_freed_while_fenced_is_not_regranted_and_the_copy_is_void(
-    make_agent: Callable[..., Agent],
+    make_peer_agent: Callable[..., Agent],
 ) -> None:
     """The peer frees a fenced reservation (its timeout ran out mid-copy): the block is only doomed
     (no other put gets it while the copy may still land) and UNFENCE says the copy is void."""
-    a = make_agent(host_bytes=4 * MiB)
-    b = make_agent(host_bytes=4 * MiB, reserve_timeout_s=0.3)
+    a = make_peer_agent(host_bytes=4 * MiB)
+    b = make_peer_agent(host_bytes=4 * MiB, reserve_timeout_s=0.3)
     jobs, _ = filled(a, 1)
     peer_row = a.index.nodes()[b.node_id]
     spiller = Spiller(a, streams=1)
@@ -150,9 +127,9 @@ def test_a_reservation_freed_while_fenced_is_not_regranted_and_the_copy_is_void(
         spiller.close()
 
 
-def test_a_peer_that_left_the_table_is_unmapped(make_agent: Callable[..., Agent]) -> None:
-    a = make_agent(host_bytes=4 * MiB)
-    b = make_agent(host_bytes=8 * MiB)
+def test_a_peer_that_left_the_table_is_unmapped(make_peer_agent: Callable[..., Agent]) -> None:
+    a = make_peer_agent(host_bytes=4 * MiB)
+    b = make_peer_agent(host_bytes=8 * MiB)
     jobs, _ = filled(a, 1)
     spiller = Spiller(a, streams=1)
     try:
@@ -164,13 +141,13 @@ def test_a_peer_that_left_the_table_is_unmapped(make_agent: Callable[..., Agent]
         spiller.close()
 
 
-def test_a_client_unmaps_the_arena_of_an_agent_that_left(make_agent: Callable[..., Agent]) -> None:
+def test_a_client_unmaps_the_arena_of_an_agent_that_left(make_peer_agent: Callable[..., Agent]) -> None:
     """A long-lived client that read from an agent's shared arena keeps that arena allocated while
     it stays mapped: once the node table no longer lists the agent, the mapping goes."""
     from mooncake_store import connect
 
-    a = make_agent(host_bytes=4 * MiB)
-    b = make_agent(host_bytes=4 * MiB)
+    a = make_peer_agent(host_bytes=4 * MiB)
+    b = make_peer_agent(host_bytes=4 * MiB)
     client = connect(a.index.url, namespace=a.namespace, transports=("shm",))
     try:
         client.put("k", np.arange(SIZE, dtype=np.uint8), preferred_node=b.node_id)

@@ -366,3 +366,12 @@ def test_mooncake_agent_accepts_gpu_flags(tmp_path: Path, redis_url: str) -> Non
     stderr = result.stderr.decode(errors="replace")
     assert "No such option" not in stderr, stderr
     assert result.returncode == 1 and "gpu" in stderr.lower(), (result.returncode, stderr)
+
+
+def test_mooncake_zone_sets_the_zone_of_agents_and_clients_alike() -> None:
+    """MOONCAKE_ZONE names the node's zone: an agent run with it must not stay in "default"
+    without a word; MOONCAKE_AGENT_ZONE / MOONCAKE_CLIENT_ZONE win for their own side."""
+    config = load_config(env={"MOONCAKE_ZONE": "rack-3"})
+    assert config.agent.zone == "rack-3" and config.client.zone == "rack-3"
+    config = load_config(env={"MOONCAKE_ZONE": "rack-3", "MOONCAKE_AGENT_ZONE": "rack-4"})
+    assert config.agent.zone == "rack-4" and config.client.zone == "rack-3"

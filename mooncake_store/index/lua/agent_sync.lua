@@ -25,11 +25,12 @@ local ak, gk = P .. 'acks:' .. node, P .. 'gc:' .. node
 local ako, gko = P .. 'acksout:' .. node, P .. 'gcout:' .. node
 if ARGV[4] == '1' then redis.call('DEL', ako, gko) end
 
-local function append(dst, items)
+local function chunked(cmd, key, items)
   for i = 1, #items, 1000 do  -- unpack has a stack limit
-    redis.call('RPUSH', dst, unpack(items, i, math.min(i + 999, #items)))
+    redis.call(cmd, key, unpack(items, i, math.min(i + 999, #items)))
   end
 end
+local function append(dst, items) chunked('RPUSH', dst, items) end
 
 append(ako, redis.call('LRANGE', ak, 0, -1))
 redis.call('DEL', ak)
@@ -44,9 +45,7 @@ end
 local room = tonumber(ARGV[3]) - redis.call('LLEN', gko)
 if room > 0 then
   local due = redis.call('ZRANGEBYSCORE', gk, '-inf', now, 'LIMIT', 0, room)
-  for i = 1, #due, 1000 do  -- unpack has a stack limit
-    redis.call('ZREM', gk, unpack(due, i, math.min(i + 999, #due)))
-  end
+  chunked('ZREM', gk, due)
   append(gko, due)
 end
 return {redis.call('LRANGE', ako, 0, -1), statuses, redis.call('LRANGE', gko, 0, -1)}

@@ -1,0 +1,57 @@
+"""The client's table of GPU segments without a device: an agent's IPC handle that will not open
+(here: no CUDA runtime for its device) is a TransferError, which every fallback to TCP catches,
+and is tried again after UNOPENABLE_RETRY_S instead of never. No cupy needed: the open fails first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mooncake_store.client import device as device_module
+from mooncake_store.client.device import GpuSegments
+from mooncake_store.errors import TransferError
+from mooncake_store.tiers.gpu_arrays import GpuUnavailable
+from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage, TransportKind
+
+MiB = 1 << 20
+
+
+def _gpu_node(handle_hex: str) -> NodeInfo:
+    return NodeInfo(
+        node_id="g",
+        host="h",
+        host_id="h",
+        zone="z",
+        pid=1,
+        tcp_endpoint="127.0.0.1:1",
+        shm_name="",
+        transports=(TransportKind.SHM, TransportKind.TCP),
+        tiers=(TierUsage(tier=TierKind.GPU, capacity_bytes=MiB, used_bytes=0),),
+        labels={"gpu_ipc": handle_hex, "gpu_id": "0"},
+    )
+
+
+def test_a_handle_that_would_not_open_is_tried_again_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA runtime for the agent's device (GpuUnavailable from local_device) used to escape as
+    a non-TransferError, past every fallback to TCP; and one failed open was remembered for the
+    client's life. Now both are a TransferError, asked again after UNOPENABLE_RETRY_S."""
+    segments = GpuSegments()
+    node = _gpu_node(bytes(64).hex())
+    replica = Replica(node_id="g", tier=TierKind.GPU, offset=0, size_bytes=16, alloc_id=1, state=ReplicaState.COMPLETE)
+    dest = np.zeros(16, np.uint8)
+    calls: list[int] = []
+
+    def no_runtime(device_id: int, pci_bus_id: str | None = None) -> int:
+        calls.append(device_id)
+        raise GpuUnavailable("CUDA runtime unavailable: the test's")
+
+    monkeypatch.setattr(device_module, "local_device", no_runtime)
+    for _ in range(2):
+        with pytest.raises(TransferError, match="the test's"):
+            segments.read(node, replica, dest.ctypes.data, 16)
+    assert len(calls) == 1  # the second read did not ask again
+    segments._unopenable = {k: (why, 0.0) for k, (why, _) in segments._unopenable.items()}  # the wait is over
+    with pytest.raises(TransferError):
+        segments.read(node, replica, dest.ctypes.data, 16)
+    assert len(calls) == 2
+    segments.close()
