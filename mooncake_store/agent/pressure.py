@@ -221,7 +221,10 @@ class PressureManager:
         candidates = agent.index.victim_candidates(agent.node_id, str(tier), sample=SAMPLE)
         # One read of the node table per pass; what this pass sends each peer is counted here.
         peers = list(agent.index.nodes().values()) if agent.config.spill_to_peers else []
-        self._spiller.retain(peers)
+        if tier == TierKind.HOST:
+            self._spiller.premap(peers)  # also unmaps peers that left
+        else:
+            self._spiller.retain(peers)
         state = _PassState(peers=peers)
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions and evictions happen as the walk meets them.

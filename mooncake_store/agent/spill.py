@@ -138,12 +138,19 @@ class Spiller:
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
         self._shm = ShmTransport()
         self._host_id = local_host_id()
+        #: Maps same-host peers' arenas while this agent is under pressure, before its first batch
+        #: to them: populating a mapping costs ~0.1 s per GiB, a whole burst's worth of copying.
+        self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-map")
+        #: The segment names the node table listed at the last look: a mapping queued before a
+        #: peer left is not made after it left.
+        self._listed: set[str] = set()
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, bytes | bytearray] = {}
 
     def close(self) -> None:
         self._transport.close()
+        self._mapper.shutdown(wait=True, cancel_futures=True)  # no mapping is made after the unmap
         self._shm.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
@@ -214,7 +221,21 @@ class Spiller:
     def retain(self, peers: list[NodeInfo]) -> None:
         """Given the node table: unmap the shared arenas of peers no longer in it (their memory
         stays allocated while mapped)."""
-        self._shm.retain({p.shm_name for p in peers if p.shm_name})
+        self._listed = {p.shm_name for p in peers if p.shm_name}
+        self._shm.retain(self._listed)
+
+    def premap(self, peers: list[NodeInfo]) -> None:
+        """Under pressure: map, in the background, the arenas of same-host peers not mapped yet, so
+        that the first batch to one does not wait for it. Only then: every mapping costs page
+        tables (2 MiB per GiB) for as long as it lasts."""
+        self.retain(peers)
+        for peer in peers:
+            if peer.node_id != self.agent.node_id and not self._shm.mapped(peer.shm_name) and self._arena_bytes(peer):
+                self._mapper.submit(self._map_if_listed, peer)
+
+    def _map_if_listed(self, peer: NodeInfo) -> None:
+        if peer.shm_name in self._listed and not self._shm.mapped(peer.shm_name):
+            self._peer_segment(peer, TierKind.HOST)
 
     def _arena_bytes(self, peer_node: NodeInfo) -> int:
         """The size of the peer's host arena when host batches to it go by memcpy, else 0 (TCP)."""

@@ -48,6 +48,10 @@ class ShmTransport:
     def mapped_any(self) -> bool:
         return bool(self._segments)
 
+    def mapped(self, shm_name: str) -> bool:
+        seg = self._segments.get(shm_name)
+        return seg is not None and not seg.closed
+
     def segment(self, shm_name: str, size_bytes: int, *, populate: bool = True) -> SharedSegment:
         with self._lock:
             if self._closed:  # a mapping made now would outlive close()

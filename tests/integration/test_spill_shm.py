@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
-from helpers import put_on, replicas_of
+from helpers import put_on, replicas_of, wait_until
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
@@ -158,3 +158,26 @@ def test_a_client_unmaps_the_arena_of_an_agent_that_left(make_peer_agent: Callab
         assert b.arena.name not in client._shm._segments
     finally:
         client.close()
+
+
+def test_an_agent_under_pressure_maps_its_same_host_peers_before_it_spills(
+    make_peer_agent: Callable[..., Agent],
+) -> None:
+    """Mapping a peer's arena (page tables populated) costs ~0.1 s per GiB: an agent past its high
+    watermark maps its same-host peers in the background while its passes still find nothing to
+    move, so the first batch does not wait for it; an agent under no pressure maps nothing."""
+    a = make_peer_agent(
+        host_bytes=4 * MiB, real_pressure=True, pressure_interval_s=0.02, high_watermark=0.5, low_watermark=0.25
+    )
+    b = make_peer_agent(host_bytes=8 * MiB)
+    spiller = a.pressure._spiller
+    time.sleep(0.2)
+    assert not spiller._shm.mapped(b.arena.name), "mapped with no pressure"
+    far = a.index.server_time_ms() + 600_000
+    keys = [f"pinned-{i}" for i in range(3)]
+    for key in keys:  # pinned first (a pin may name a key before it exists): nothing can move
+        a.index.redis.zadd(a.index.prefix + "pins:" + key, {"test": far})
+    for i, key in enumerate(keys):
+        put_on(a, key, np.full(MiB, i, np.uint8), tier=TierKind.HOST)
+    assert wait_until(lambda: spiller._shm.mapped(b.arena.name), 10), "the same-host peer was not mapped"
+    assert len(b.table) == 0  # nothing was spilled: the mapping came first
