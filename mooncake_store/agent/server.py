@@ -185,15 +185,14 @@ class AgentServer:
             idle = select.poll()
             idle.register(conn, select.POLLIN)
             while not self._stop.is_set():
-                # Between requests a connection may wait: long for a pooled one (IDLE_CLOSE_S, after
-                # which it is closed, so that forgotten ones do not hold the connection limit), but
-                # one holding fences only timeout_s (a same-host writer copying a batch needs ms; one
-                # that stalled must not keep the blocks from being freed).
+                # Between requests a connection may wait: a pooled one up to IDLE_CLOSE_S, after which
+                # it is closed, so that forgotten ones do not hold the connection limit. One holding
+                # fences waits as long as it likes: its writer may still be copying (a stalled but
+                # live writer holding memory is the safe failure; lifting the fence on a timer let a
+                # late copy land in a block handed to another object), and if the writer dies the
+                # kernel closes its socket, which lifts them.
                 holding = bool(self._fences.get(conn))
-                wait_s = self._timeout_s if holding else IDLE_CLOSE_S
-                if not idle.poll(int(wait_s * 1000)):
-                    if holding:
-                        log.warning("a connection held fences %g s without a request; closing it", wait_s)
+                if not idle.poll(None if holding else int(IDLE_CLOSE_S * 1000)):
                     return
                 try:
                     header = frames.recv_exact(conn, frames.HEADER_BYTES)

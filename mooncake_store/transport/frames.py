@@ -31,7 +31,7 @@ READ      a = alloc_id, b = offset, c = len    OK then len bytes; STALE when the
 FENCE     arg = count, payload count x u64     OK, a = digest of the host arena's segment name,
           (host-tier reservations a same-host  b = count, payload count x u8 (1: fenced, a live
           writer copies into itself)           reservation; a free only dooms it until UNFENCE on
-                                               this connection, or its close, or timeout_s idle)
+                                               this connection, or its close: never on a timer)
 UNFENCE   arg = count, payload count x u64     OK, b = count, payload count x u8 (1: still live, the
                                                copy counts; 0: freed meanwhile, the copy is void)
 ========  ===================================  ========================================================

@@ -188,30 +188,3 @@ def test_idle_connections_are_closed_and_the_client_pool_reconnects(
         assert peer.ping() == frames.VERSION  # a new connection, not the closed one
     finally:
         peer.close()
-
-
-def test_a_connection_holding_fences_without_a_request_is_closed_and_its_fences_lifted(
-    make_inproc_agent: Callable[..., Agent],
-) -> None:
-    """A same-host writer that stalls between FENCE and UNFENCE must not keep the fenced blocks from
-    being freed: after the agent's I/O timeout without a request the connection closes, and with it
-    the fences."""
-    agent = make_inproc_agent()
-    agent.server._timeout_s = 0.5
-    peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
-    try:
-        (res,) = peer.reserve([(4096, b"f" * 16)], node_id=agent.node_id)
-
-        def stall(digest: int, fenced: list[bool]) -> list[bool]:
-            assert fenced == [True]
-            assert wait_until(lambda: len(agent.server._conns) == 0, 5), "the fenced connection stayed open"
-            return [True]
-
-        with pytest.raises(MooncakeError):
-            peer.fenced([res.alloc_id], stall)  # its UNFENCE finds the connection closed
-        assert agent.table.begin_write(res.alloc_id, res.offset, 4096)  # not doomed, fence gone
-        agent.table.end_write(res.alloc_id)
-        assert agent.table.free([res.alloc_id]) == 1
-        assert res.alloc_id not in agent.table  # freed at once: no fence left holding it
-    finally:
-        peer.close()
