@@ -32,6 +32,8 @@ from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes, tier_capacity
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
+from mooncake_store.tiers.host import segment_digest
+from mooncake_store.transport import frames
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
 if TYPE_CHECKING:
@@ -214,9 +216,16 @@ class PutPath:
         try:
             client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))
             started = True
+            same_host: dict[str, list[tuple[Replica, PlannedPut]]] = {}
             for plan in plans:
                 for replica in plan.replicas:
-                    self._write_replica(nodes[replica.node_id], replica, plan)
+                    node = nodes[replica.node_id]
+                    if plan.size_bytes and isinstance(plan.source, Source) and client._use_shm(node):
+                        same_host.setdefault(node.node_id, []).append((replica, plan))
+                    else:
+                        self._write_replica(node, replica, plan)
+            for node_id, group in same_host.items():
+                self._write_fenced(nodes[node_id], group)
             statuses = client.index.put_commit([p.put_id.hex() for p in plans])
         except BaseException:
             self.abandon(plans, nodes, started=started)
@@ -360,6 +369,33 @@ class PutPath:
             node_id=node_id, tier=tier, offset=offset, size_bytes=size, alloc_id=alloc_id, state=ReplicaState.PENDING
         )
 
+    def _write_fenced(self, node: NodeInfo, group: list[tuple[Replica, PlannedPut]]) -> None:
+        """Same-host puts into one agent's shared arena, each one memcpy, under the agent's fence
+        (FENCE, copy, UNFENCE on one connection): a reservation the agent freed meanwhile (this
+        writer stalled past its timeout, or the agent was reaped and let its reservations go) is not
+        written, so the bytes never land in a block handed to another object. Raises
+        ReservationExpired (the put is placed again) when a reservation was gone."""
+        client = self.client
+        expected = segment_digest(node.shm_name)
+        for start in range(0, len(group), frames.MAX_BATCH):
+            part = group[start : start + frames.MAX_BATCH]
+
+            def copy(digest: int, fenced: list[bool], part: list[tuple[Replica, PlannedPut]] = part) -> list[bool]:
+                if digest != expected:  # the mapped arena is not the agent's: nothing is copied
+                    return [False] * len(part)
+                for (replica, plan), ok in zip(part, fenced, strict=True):
+                    if ok:
+                        view = plan.source.view  # type: ignore[union-attr]  # a Source: checked by the caller
+                        client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, view)
+                return fenced
+
+            landed = client._tcp.peer(node.tcp_endpoint).fenced([r.alloc_id for r, _ in part], copy)
+            if not all(landed):
+                raise ReservationExpired(
+                    f"{landed.count(False)} reservation(s) on {node.node_id} were gone before their bytes landed "
+                    f"(first key {part[landed.index(False)][1].key!r})"
+                )
+
     def _write_replica(self, node: NodeInfo, replica: Replica, plan: PlannedPut) -> None:
         client = self.client
         if plan.size_bytes == 0:
@@ -377,9 +413,9 @@ class PutPath:
                 log.info("device put of %s through CUDA IPC failed (%s); sending it over TCP", plan.key, exc)
                 staged = memoryview(to_host_bytes(src))
                 client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, staged)
-        elif client._use_shm(node):
-            client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, src.view)
         else:
+            # Over TCP the agent fences the reservation while the payload arrives (same-host writes
+            # into its shared arena go through _write_fenced).
             client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, src.view)
 
     def abandon(self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:

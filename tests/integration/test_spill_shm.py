@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from helpers import put_on, replicas_of, wait_until
 
 from mooncake_store.agent.node import Agent
@@ -181,3 +182,33 @@ def test_an_agent_under_pressure_maps_its_same_host_peers_before_it_spills(
         put_on(a, key, np.full(MiB, i, np.uint8), tier=TierKind.HOST)
     assert wait_until(lambda: spiller._shm.mapped(b.arena.name), 10), "the same-host peer was not mapped"
     assert len(b.table) == 0  # nothing was spilled: the mapping came first
+
+
+def test_a_same_host_put_never_writes_into_a_block_its_agent_gave_away(
+    make_peer_agent: Callable[..., Agent],
+) -> None:
+    """A client's same-host put copies into the agent's shared arena under the agent's fence, as
+    a spill does: when the client stalled past the reservation timeout and the agent gave the block
+    to another put, the late copy is not made (ReservationExpired: the put is placed again) and the
+    other object keeps its bytes."""
+    from mooncake_store import connect
+    from mooncake_store.errors import ReservationExpired
+
+    agent = make_peer_agent(host_bytes=4 * MiB, reserve_timeout_s=0.3)
+    client = connect(agent.index.url, namespace=agent.namespace, transports=("shm", "tcp"))
+    try:
+        puts = client._puts
+        (plan,) = puts.plan({"late": np.full(SIZE, 0x5A, np.uint8)}, chain_pos=None, chain_parent=None)
+        nodes = puts._reserve([plan], 1, None)
+        (replica,) = plan.replicas
+        time.sleep(0.5)  # the writer stalls past the agent's reservation timeout
+        agent.sync_once()  # never committed: the agent frees the reservation
+        other = np.random.default_rng(5).integers(0, 256, SIZE, dtype=np.uint8)
+        put_on(agent, "other", other, tier=TierKind.HOST)
+        (taken,) = replicas_of(agent, "other")
+        assert taken.offset == replica.offset, "the allocator did not hand the same block out again"
+        with pytest.raises(ReservationExpired):
+            puts._write_fenced(nodes[agent.node_id], [(replica, plan)])
+        assert bytes(agent.arena.view(taken.offset, SIZE)) == other.tobytes(), "the late copy overwrote it"
+    finally:
+        client.close()
