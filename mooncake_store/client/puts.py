@@ -377,11 +377,19 @@ class PutPath:
         ReservationExpired (the put is placed again) when a reservation was gone."""
         client = self.client
         expected = segment_digest(node.shm_name)
+        client._shm.segment(node.shm_name, client._arena_bytes(node))  # mapped before any fence is held
         for start in range(0, len(group), frames.MAX_BATCH):
             part = group[start : start + frames.MAX_BATCH]
+            other_arena: list[bool] = []
 
-            def copy(digest: int, fenced: list[bool], part: list[tuple[Replica, PlannedPut]] = part) -> list[bool]:
-                if digest != expected:  # the mapped arena is not the agent's: nothing is copied
+            def copy(
+                digest: int,
+                fenced: list[bool],
+                part: list[tuple[Replica, PlannedPut]] = part,
+                other_arena: list[bool] = other_arena,
+            ) -> list[bool]:
+                if digest != expected:  # the segment of that name is not the agent's arena: not here
+                    other_arena.append(True)
                     return [False] * len(part)
                 for (replica, plan), ok in zip(part, fenced, strict=True):
                     if ok:
@@ -390,6 +398,14 @@ class PutPath:
                 return fenced
 
             landed = client._tcp.peer(node.tcp_endpoint).fenced([r.alloc_id for r, _ in part], copy)
+            if other_arena:
+                # The agent and the segment this client maps are not the same (say, an advertise
+                # address that reaches another agent's namesake): its own transport, TCP, still is.
+                log.warning("agent %s does not own segment %s; writing over TCP", node.node_id, node.shm_name)
+                for replica, plan in part:
+                    view = plan.source.view  # type: ignore[union-attr]
+                    client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, view)
+                continue
             if not all(landed):
                 raise ReservationExpired(
                     f"{landed.count(False)} reservation(s) on {node.node_id} were gone before their bytes landed "

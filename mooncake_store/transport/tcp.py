@@ -262,11 +262,17 @@ class PeerConnections:
 
         def run(sock: socket.socket) -> list[bool]:
             digest, fenced = exchange(sock, Op.FENCE, ids)
+            held = [x for x, f in zip(ids, fenced, strict=True) if f]
             try:
                 done = work(digest, fenced)
-            finally:
-                held = [x for x, f in zip(ids, fenced, strict=True) if f]
-                _, live = exchange(sock, Op.UNFENCE, held) if held else (0, [])
+            except BaseException:
+                # The work's own error is the one to report: lift the fences if the connection still
+                # can (closing it, which _call does, lifts them as well).
+                with contextlib.suppress(MooncakeError, OSError):
+                    if held:
+                        exchange(sock, Op.UNFENCE, held)
+                raise
+            _, live = exchange(sock, Op.UNFENCE, held) if held else (0, [])
             still = dict(zip(held, live, strict=True))
             return [f and d and still.get(x, False) for x, f, d in zip(ids, fenced, done, strict=True)]
 

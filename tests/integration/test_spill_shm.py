@@ -212,3 +212,33 @@ def test_a_same_host_put_never_writes_into_a_block_its_agent_gave_away(
         assert bytes(agent.arena.view(taken.offset, SIZE)) == other.tobytes(), "the late copy overwrote it"
     finally:
         client.close()
+
+
+def test_a_same_host_put_to_an_agent_that_does_not_own_the_named_segment_goes_over_tcp(
+    make_peer_agent: Callable[..., Agent],
+) -> None:
+    """The node row names a segment the agent does not own (here a leftover of that name): the
+    FENCE reply's arena digest differs, nothing is copied into the leftover, and the bytes go over
+    TCP into the agent's own arena instead."""
+    from mooncake_store import connect
+    from mooncake_store.index.schema import encode_node
+
+    agent = make_peer_agent(host_bytes=4 * MiB)
+    leftover = HostArena.create(f"mooncake.test-leftover.{uuid.uuid4().hex[:8]}", 4 * MiB)
+    index = agent.index
+    index.redis.hset(
+        index.prefix + "nodes",
+        agent.node_id,
+        encode_node(dataclasses.replace(agent.node_info(), shm_name=leftover.name), agent.incarnation),
+    )
+    writer = connect(index.url, namespace=agent.namespace, transports=("shm", "tcp"))
+    reader = connect(index.url, namespace=agent.namespace, transports=("tcp",))
+    try:
+        value = np.random.default_rng(9).integers(0, 256, SIZE, dtype=np.uint8)
+        writer.put("k", value)
+        assert not any(bytes(leftover.view(0, 4 * MiB))), "the leftover segment was written"
+        assert np.array_equal(reader.get("k"), value)
+    finally:
+        writer.close()
+        reader.close()
+        leftover.close()

@@ -1,0 +1,149 @@
+"""Review of a716e88: same-host client puts copy under the agent's FENCE / UNFENCE
+(client/puts.py _put_once, _write_fenced; transport/tcp.py PeerConnections.fenced; agent/server.py
+_fence, _unfence). Real in-process Agents, real sockets, real shm, the real client."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_store import Client, connect
+from mooncake_store.agent.node import Agent
+from mooncake_store.client.prefix import PrefixCache
+from mooncake_store.errors import MooncakeError
+from mooncake_store.transport import frames
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., Client]]:
+    made: list[Client] = []
+
+    def make(agent: Agent, **kwargs: object) -> Client:
+        c = connect(agent.index.url, namespace=agent.namespace, **kwargs)  # type: ignore[arg-type]
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def held_fences(agent: Agent) -> int:
+    return sum(len(s) for s in list(agent.server._fences.values()))
+
+
+def fenced_conns(agent: Agent) -> int:
+    return len(agent.server._fences)
+
+
+def test_zero_size_and_mixed_batch_same_host(make_inproc_agent, clients) -> None:
+    agent = make_inproc_agent(host_bytes=8 * MiB, reserve_timeout_s=30.0)
+    c = clients(agent, transports=("shm", "tcp"))
+    items = {f"k{i}": np.full(i * 100, i, np.uint8) for i in range(20)}  # k0 is empty
+    c.put_many(items)
+    for k, v in items.items():
+        assert np.array_equal(c.get(k), v)
+    assert fenced_conns(agent) >= 1, "the same-host put did not go through FENCE"
+    assert held_fences(agent) == 0
+
+
+def test_shm_only_client_puts_same_host(make_inproc_agent, clients) -> None:
+    agent = make_inproc_agent(host_bytes=8 * MiB, reserve_timeout_s=30.0)
+    c = clients(agent, transports=("shm",))
+    data = np.arange(64 * KiB, dtype=np.uint8)
+    c.put("a", data)
+    assert np.array_equal(c.get("a"), data)
+    assert held_fences(agent) == 0
+
+
+def test_batch_larger_than_max_batch(make_inproc_agent, clients) -> None:
+    agent = make_inproc_agent(host_bytes=64 * MiB, reserve_timeout_s=60.0)
+    c = clients(agent, transports=("shm", "tcp"))
+    n = frames.MAX_BATCH + 10
+    items = {f"b{i}": np.full(8, i % 251, np.uint8) for i in range(n)}
+    c.put_many(items)
+    for i in (0, frames.MAX_BATCH - 1, frames.MAX_BATCH, n - 1):
+        assert np.array_equal(c.get(f"b{i}"), items[f"b{i}"])
+    assert held_fences(agent) == 0
+
+
+def test_two_same_host_agents_replicas_2(make_peer_agent, clients) -> None:
+    a = make_peer_agent(host_bytes=8 * MiB, spill_to_peers=False)
+    b = make_peer_agent(host_bytes=8 * MiB, spill_to_peers=False)
+    c = clients(a, transports=("shm", "tcp"))
+    items = {f"r{i}": np.full(4 * KiB, i, np.uint8) for i in range(10)}
+    c.put_many(items, replicas=2)
+    for k, v in items.items():
+        assert np.array_equal(c.get(k), v)
+    assert len(a.table) == 10 and len(b.table) == 10
+    assert held_fences(a) == 0 and held_fences(b) == 0
+
+
+def test_concurrent_puts_from_many_threads(make_inproc_agent, clients) -> None:
+    agent = make_inproc_agent(host_bytes=64 * MiB, reserve_timeout_s=60.0)
+    c = clients(agent, transports=("shm", "tcp"))
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(30):
+                c.put_many({f"t{t}-{i}-{j}": np.full(16 * KiB, (t + i + j) % 256, np.uint8) for j in range(4)})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[:3]
+    for t in range(16):
+        assert np.array_equal(c.get(f"t{t}-29-3"), np.full(16 * KiB, (t + 29 + 3) % 256, np.uint8))
+    assert held_fences(agent) == 0
+
+
+def test_copy_that_raises_leaves_no_fence(make_inproc_agent, clients) -> None:
+    """The arena file is gone when the client first maps it: the copy raises inside the fence."""
+    agent = make_inproc_agent(host_bytes=4 * MiB, reserve_timeout_s=60.0)
+    c = clients(agent, transports=("shm", "tcp"))
+    puts = c._puts
+    (plan,) = puts.plan({"x": np.full(64 * KiB, 7, np.uint8)}, chain_pos=None, chain_parent=None)
+    nodes = puts._reserve([plan], 1, None)
+    (replica,) = plan.replicas
+    path = Path("/dev/shm") / agent.arena.name
+    moved = path.with_name(path.name + ".moved")
+    os.rename(path, moved)
+    try:
+        with pytest.raises((MooncakeError, OSError)) as info:
+            puts._write_fenced(nodes[agent.node_id], [(replica, plan)])
+        print("copy raised:", type(info.value).__name__, info.value)
+    finally:
+        os.rename(moved, path)
+    assert held_fences(agent) == 0
+    agent.table.free([replica.alloc_id])
+    assert replica.alloc_id not in agent.table, "a reader/fence count was left on the reservation"
+
+
+def test_prefix_store_same_host(make_inproc_agent, clients) -> None:
+    agent = make_inproc_agent(host_bytes=16 * MiB, reserve_timeout_s=60.0)
+    c = clients(agent, transports=("shm", "tcp"))
+    cache = PrefixCache(c, "m1", chunk_tokens=4)
+    tokens = list(range(16))
+    chunks = [np.full(8 * KiB, i, np.uint8) for i in range(4)]
+    assert cache.store(tokens, chunks) == 4
+    hit = cache.load(tokens)
+    try:
+        assert hit.num_chunks == 4
+        for i, ch in enumerate(hit.chunks):
+            assert np.array_equal(np.asarray(ch), chunks[i])
+    finally:
+        hit.release()
+    assert held_fences(agent) == 0
