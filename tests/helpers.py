@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pytest
 
 from mooncake_store.agent.server import SPILL_FLAG
 from mooncake_store.index.client import PendingPut
 from mooncake_store.transport.tcp import TcpTransport
-from mooncake_store.types import Replica, ReplicaState, TierKind
+from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage, TransportKind
 
 if TYPE_CHECKING:
     from mooncake_store.agent.node import Agent
+
+
+def mooncake_bin() -> str:
+    """The installed `mooncake` console script: the test install (pip install -e '.[test,hf]')
+    always provides it, so its absence fails the test rather than skipping it."""
+    beside = Path(sys.executable).parent / "mooncake"
+    found = str(beside) if beside.exists() else shutil.which("mooncake")
+    if not found:
+        pytest.fail("the mooncake console script is not installed: the package did not install it")
+    return found
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
@@ -98,3 +112,40 @@ def put_on(agent: Agent, key: str, data: np.ndarray, *, tier: TierKind) -> int:
 def replicas_of(agent: Agent, key: str) -> list[Replica]:
     meta = agent.index.lookup([key], lease_ms=0).objects[0]
     return list(meta.replicas) if meta is not None else []
+
+
+def node_row(
+    node_id: str,
+    *,
+    tiers: tuple[TierUsage, ...] = (),
+    transports: tuple[TransportKind, ...] = (TransportKind.TCP,),
+    labels: dict[str, str] | None = None,
+) -> NodeInfo:
+    """A node-table row for a node no agent serves (host "h", zone "z"): for index scripts and
+    client tables that need a row and nothing behind it."""
+    return NodeInfo(
+        node_id=node_id,
+        host="h",
+        host_id="h",
+        zone="z",
+        pid=1,
+        tcp_endpoint="127.0.0.1:1",
+        shm_name="",
+        transports=transports,
+        tiers=tiers,
+        labels=labels or {},
+    )
+
+
+def count_read_requests(peer: Any) -> list[int]:
+    """Spy (calling through) on a PeerConnections' read_many: the number of requests of each call,
+    appended to the returned list. A stalled agent costs a timeout per call: counted, not timed."""
+    asked: list[int] = []
+    real_read_many = peer.read_many
+
+    def counting_read_many(requests: Any) -> Any:
+        asked.append(len(requests))
+        return real_read_many(requests)
+
+    peer.read_many = counting_read_many
+    return asked

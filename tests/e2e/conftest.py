@@ -5,26 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import mooncake_bin
 
 # Small arenas: the suite runs several clusters on a 2-core machine with a few GiB of /dev/shm.
 HOST_MEM = "64MiB"
-
-
-def mooncake_bin() -> str:
-    beside = Path(sys.executable).parent / "mooncake"
-    found = str(beside) if beside.exists() else shutil.which("mooncake")
-    if not found:
-        pytest.fail("the mooncake console script is not installed: the package did not install it")
-    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import node_row
 
 from mooncake_store.client import device as device_module
 from mooncake_store.client.device import GpuSegments
@@ -17,16 +18,10 @@ MiB = 1 << 20
 
 
 def _gpu_node(handle_hex: str) -> NodeInfo:
-    return NodeInfo(
-        node_id="g",
-        host="h",
-        host_id="h",
-        zone="z",
-        pid=1,
-        tcp_endpoint="127.0.0.1:1",
-        shm_name="",
-        transports=(TransportKind.SHM, TransportKind.TCP),
+    return node_row(
+        "g",
         tiers=(TierUsage(tier=TierKind.GPU, capacity_bytes=MiB, used_bytes=0),),
+        transports=(TransportKind.SHM, TransportKind.TCP),
         labels={"gpu_ipc": handle_hex, "gpu_id": "0"},
     )
 

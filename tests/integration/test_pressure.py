@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import node_row, wait_until
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError, TransferError
 
@@ -243,20 +243,8 @@ def test_move_replicas_swaps_each_entry_on_its_own(
 
     # A registered node that no agent serves: the swap needs its target in the node table.
     from mooncake_store.index.schema import encode_node
-    from mooncake_store.types import NodeInfo, TransportKind
 
-    ghost = NodeInfo(
-        node_id="elsewhere",
-        host="h",
-        host_id="h",
-        zone="z",
-        pid=1,
-        tcp_endpoint="127.0.0.1:9",
-        shm_name="",
-        transports=(TransportKind.TCP,),
-        tiers=(),
-    )
-    client.index.redis.hset(client.index.prefix + "nodes", "elsewhere", encode_node(ghost, "ghost"))
+    client.index.redis.hset(client.index.prefix + "nodes", "elsewhere", encode_node(node_row("elsewhere"), "ghost"))
     # ... and live: a move onto a node past its heartbeat deadline is refused (EXPIRED).
     client.index.redis.zadd(client.index.prefix + "hb", {"elsewhere": client.index.server_time_ms() + 600_000})
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import guarded_spill_copy, wait_until
+from helpers import count_read_requests, guarded_spill_copy, wait_until
 
 from mooncake_store import Client, LocalCluster, PrefixCache, connect
 from mooncake_store.agent.node import Agent
@@ -226,14 +226,7 @@ def test_a_batch_read_pays_a_stalled_replica_once_not_once_per_key(
     # Count the requests that go to the stalled agent (a spy that calls through): each one waits a
     # whole timeout. Counted rather than timed: timing belongs in benchmarks/.
     peer = reader._tcp.peer(stalled.endpoint)
-    asked: list[int] = []
-    real_read_many = peer.read_many
-
-    def counting_read_many(requests):  # type: ignore[no-untyped-def]
-        asked.append(len(requests))
-        return real_read_many(requests)
-
-    peer.read_many = counting_read_many  # type: ignore[method-assign]
+    asked = count_read_requests(peer)
     os.kill(stalled.pid, signal.SIGSTOP)
     try:
         got = reader.get_many(list(values))

@@ -14,13 +14,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import node_row
 
 from mooncake_store.client.puts import MAX_CHAIN_POS
 from mooncake_store.errors import MooncakeError
 from mooncake_store.index.client import BATCH_LIMIT, PendingPut, RedisIndex
 from mooncake_store.index.prefix import MAX_CHAIN_CHUNKS, PrefixIndex
 from mooncake_store.index.schema import decode_replicas
-from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage, TransportKind
+from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage
 
 TTL_MS = 600_000
 
@@ -35,17 +36,7 @@ def index(redis_url: str) -> Iterator[RedisIndex]:
 
 
 def _node_info(node_id: str, *, tiers: tuple[TierUsage, ...] | None = None) -> NodeInfo:
-    return NodeInfo(
-        node_id=node_id,
-        host="h",
-        host_id="h",
-        zone="z",
-        pid=1,
-        tcp_endpoint="127.0.0.1:1",
-        shm_name="",
-        transports=(TransportKind.TCP,),
-        tiers=tiers or (TierUsage(tier=TierKind.HOST, capacity_bytes=1 << 30, used_bytes=0),),
-    )
+    return node_row(node_id, tiers=tiers or (TierUsage(tier=TierKind.HOST, capacity_bytes=1 << 30, used_bytes=0),))
 
 
 def _register(index: RedisIndex, node_id: str, **kw: Any) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import redis
-from helpers import random_bytes, replicas_of, wait_until
+from helpers import count_read_requests, random_bytes, replicas_of, wait_until
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -128,14 +128,7 @@ def test_a_batch_read_waits_for_a_stalled_agent_once_even_without_other_replicas
     stalled: AgentProcess = cluster.agents[0]
     reader = make_client(cluster, transports=("tcp",), timeout_s=0.5, max_retries=0)
     peer = reader._tcp.peer(stalled.endpoint)
-    asked: list[int] = []
-    real_read_many = peer.read_many
-
-    def counting_read_many(requests):  # type: ignore[no-untyped-def]
-        asked.append(len(requests))
-        return real_read_many(requests)
-
-    peer.read_many = counting_read_many  # type: ignore[method-assign]
+    asked = count_read_requests(peer)
     os.kill(stalled.pid, signal.SIGSTOP)
     try:
         with pytest.raises(TransferError):

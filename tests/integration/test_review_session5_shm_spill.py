@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from helpers import put_on, replicas_of, wait_until
@@ -20,7 +21,7 @@ from helpers import put_on, replicas_of, wait_until
 from mooncake_store.agent import pressure as pressure_module
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
-from mooncake_store.types import TierKind
+from mooncake_store.types import NodeInfo, TierKind
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -40,6 +41,22 @@ def read_back(agent: Agent, key: str) -> bytes:
     (replica,) = replicas_of(agent, key)
     assert replica.node_id == agent.node_id
     return bytes(agent.arena.view(replica.offset, replica.size_bytes))
+
+
+def regrant_then_spill(
+    spiller: Spiller, row: NodeInfo, b: Agent, reserved: Any, granted_at: int, *, seed: int
+) -> tuple[np.ndarray, list[bool]]:
+    """Another put on the peer gets the block the spill had reserved (the peer freed it), then the
+    sender copies and swaps as a spill does. Returns the other object's bytes and written per job."""
+    other = np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+    put_on(b, "other", other, tier=TierKind.HOST)
+    (replica,) = replicas_of(b, "other")
+    assert replica.offset == granted_at, "the allocator did not hand the same block out again"
+    segment = spiller._peer_segment(row, TierKind.HOST)
+    assert segment is not None
+    written = spiller._copy_all(segment, row, reserved)
+    spiller._swap(row, reserved.batch, reserved.reservations, written, TierKind.HOST)
+    return other, written
 
 
 def test_bug1_a_peer_with_a_shorter_reserve_timeout_has_a_regranted_block_overwritten(
@@ -62,14 +79,7 @@ def test_bug1_a_peer_with_a_shorter_reserve_timeout_has_a_regranted_block_overwr
         time.sleep(0.5)  # past the peer's timeout, far inside the sender's 15 s window
         b.sync_once()  # the peer reclaims the reservation (and deletes the guard): the block is free
         assert len(b.table) == 0
-        other = np.random.default_rng(99).integers(0, 256, SIZE, dtype=np.uint8)
-        put_on(b, "other", other, tier=TierKind.HOST)
-        (replica,) = replicas_of(b, "other")
-        assert replica.offset == granted_at, "the allocator did not hand the same block out again"
-        segment = spiller._peer_segment(peer, TierKind.HOST)
-        assert segment is not None
-        written = spiller._copy_all(segment, peer, reserved)
-        spiller._swap(peer, reserved.batch, reserved.reservations, written, TierKind.HOST)
+        other, written = regrant_then_spill(spiller, peer, b, reserved, granted_at, seed=99)
     finally:
         spiller.close()
     assert read_back(b, "other") == other.tobytes(), (
@@ -102,16 +112,9 @@ def test_bug2_a_reaped_peer_has_a_regranted_block_overwritten(make_peer_agent: C
         b.index.register_node(b.node_info(), incarnation=b.incarnation, ttl_ms=b._ttl_ms)
         b.sync_once()  # frees the expired reservation
         assert len(b.table) == 0
-        other = np.random.default_rng(77).integers(0, 256, SIZE, dtype=np.uint8)
-        put_on(b, "other", other, tier=TierKind.HOST)
-        (replica,) = replicas_of(b, "other")
-        assert replica.offset == granted_at
         row = a.index.nodes()[b.node_id]  # a fresh row: same arena, same tag
         assert row.shm_name == peer.shm_name and row.alloc_tag == peer.alloc_tag
-        segment = spiller._peer_segment(row, TierKind.HOST)
-        assert segment is not None
-        written = spiller._copy_all(segment, row, reserved)
-        spiller._swap(row, reserved.batch, reserved.reservations, written, TierKind.HOST)
+        other, written = regrant_then_spill(spiller, row, b, reserved, granted_at, seed=77)
     finally:
         spiller.close()
     assert read_back(b, "other") == other.tobytes(), (
