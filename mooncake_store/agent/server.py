@@ -367,8 +367,7 @@ class AgentServer:
             if alloc_id not in fenced and location is not None and self._table.begin_write(alloc_id, *location):
                 fenced.add(alloc_id)
                 ok[i] = 1
-        digest = segment_digest(self._arena.name)
-        frames.send_all(conn, frames.pack(Op.FENCE | frames.REPLY_BIT, Status.OK, digest, len(ids)), memoryview(ok))
+        self._reply_flags(conn, Op.FENCE, ok, segment_digest(self._arena.name))
         return True
 
     def _unfence(self, conn: socket.socket, count: int) -> bool:
@@ -383,8 +382,12 @@ class AgentServer:
             if alloc_id in fenced:
                 fenced.discard(alloc_id)
                 ok[i] = self._table.end_write(alloc_id)
-        frames.send_all(conn, frames.pack(Op.UNFENCE | frames.REPLY_BIT, Status.OK, 0, len(ids)), memoryview(ok))
+        self._reply_flags(conn, Op.UNFENCE, ok)
         return True
+
+    def _reply_flags(self, conn: socket.socket, op: Op, flags: bytearray, a: int = 0) -> None:
+        """OK with one byte per id of the request (b = their count) after the header."""
+        frames.send_all(conn, frames.pack(op | frames.REPLY_BIT, Status.OK, a, len(flags)), memoryview(flags))
 
     def _ids(self, conn: socket.socket, op: Op, count: int) -> list[int] | None:
         """The alloc ids of a FENCE or UNFENCE frame; None (BAD_REQUEST sent) for a bad count."""

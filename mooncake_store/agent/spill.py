@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.errors import MooncakeError
 from mooncake_store.policy.transport_choice import choose_transport
-from mooncake_store.tiers.host import SharedSegment, segment_digest
+from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport import frames
 from mooncake_store.transport.shm import ShmTransport, copy_bytes, local_host_id
 from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
@@ -464,13 +464,9 @@ class Spiller:
         read: its reservations are in a new arena)."""
         arena = self.agent.arena
         batch, reservations = reserved.batch, reserved.reservations
-        expected = segment_digest(peer_node.shm_name)
 
-        def work(digest: int, fenced: list[bool]) -> list[bool]:
+        def copy(fenced: list[bool]) -> list[bool]:
             copied = [False] * len(batch)
-            if digest != expected:
-                log.info("spill to %s: its arena is not %s any more; nothing copied", peer_node.node_id, segment.name)
-                return copied
 
             def stream(indices: range) -> None:
                 for i in indices:
@@ -496,7 +492,11 @@ class Spiller:
             return copied
 
         peer = self._transport.peer(peer_node.tcp_endpoint)
-        return peer.fenced([r.alloc_id for r in reservations], work)
+        landed = peer.fenced([r.alloc_id for r in reservations], segment.name, copy)
+        if landed is None:
+            log.info("spill to %s: its arena is not %s any more; nothing copied", peer_node.node_id, segment.name)
+            return [False] * len(batch)
+        return landed
 
     def _expire(self, endpoint: str, alloc_ids: list[int]) -> None:
         try:

@@ -32,7 +32,6 @@ from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes, tier_capacity
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
-from mooncake_store.tiers.host import segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
@@ -376,30 +375,20 @@ class PutPath:
         written, so the bytes never land in a block handed to another object. Raises
         ReservationExpired (the put is placed again) when a reservation was gone."""
         client = self.client
-        expected = segment_digest(node.shm_name)
         client._shm.segment(node.shm_name, client._arena_bytes(node))  # mapped before any fence is held
         for start in range(0, len(group), frames.MAX_BATCH):
             part = group[start : start + frames.MAX_BATCH]
-            other_arena: list[bool] = []
 
-            def copy(
-                digest: int,
-                fenced: list[bool],
-                part: list[tuple[Replica, PlannedPut]] = part,
-                other_arena: list[bool] = other_arena,
-            ) -> list[bool]:
-                if digest != expected:  # the segment of that name is not the agent's arena: not here
-                    other_arena.append(True)
-                    return [False] * len(part)
+            def copy(fenced: list[bool], part: list[tuple[Replica, PlannedPut]] = part) -> list[bool]:
                 for (replica, plan), ok in zip(part, fenced, strict=True):
                     if ok:
                         view = plan.source.view  # type: ignore[union-attr]  # a Source: checked by the caller
                         client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, view)
                 return fenced
 
-            landed = client._tcp.peer(node.tcp_endpoint).fenced([r.alloc_id for r, _ in part], copy)
-            if other_arena:
-                # The agent and the segment this client maps are not the same (say, an advertise
+            landed = client._tcp.peer(node.tcp_endpoint).fenced([r.alloc_id for r, _ in part], node.shm_name, copy)
+            if landed is None:
+                # The agent and the segment its row names are not the same (say, an advertise
                 # address that reaches another agent's namesake): its own transport, TCP, still is.
                 log.warning("agent %s does not own segment %s; writing over TCP", node.node_id, node.shm_name)
                 for replica, plan in part:

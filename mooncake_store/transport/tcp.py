@@ -27,6 +27,7 @@ from mooncake_store.errors import (
     TransferError,
     TransferTimeout,
 )
+from mooncake_store.tiers.host import segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
 
@@ -242,12 +243,16 @@ class PeerConnections:
 
         return list(self._call(run))
 
-    def fenced(self, alloc_ids: Sequence[int], work: Callable[[int, list[bool]], list[bool]]) -> list[bool]:
+    def fenced(
+        self, alloc_ids: Sequence[int], shm_name: str, copy: Callable[[list[bool]], list[bool]]
+    ) -> list[bool] | None:
         """Copy into host-tier reservations of a same-host agent's shared arena under its fence:
-        FENCE them, run ``work(arena_digest, fenced)`` (which copies into the fenced ones and says
-        per id whether it did), then UNFENCE, all on one connection. Returns per id whether the
-        bytes landed in a reservation the agent still holds: fenced, copied, and not freed
-        meanwhile. Should the connection break, the agent lifts the fences when it closes."""
+        FENCE them, run ``copy(fenced)`` (which copies into the fenced ones and says per id whether
+        it did), then UNFENCE, all on one connection. Returns per id whether the bytes landed in a
+        reservation the agent still holds: fenced, copied, and not freed meanwhile; None, with
+        nothing copied, when the agent's arena is not the segment ``shm_name`` the caller maps (the
+        FENCE reply names its arena by digest). Should the connection break, the agent lifts the
+        fences when it closes."""
         ids = list(alloc_ids)
         if not 0 < len(ids) <= frames.MAX_BATCH:
             raise InvalidValue(f"{len(ids)} reservations to fence; 1..{frames.MAX_BATCH} per call")
@@ -260,11 +265,12 @@ class PeerConnections:
                 raise ProtocolError(f"agent at {self.endpoint} answered {op.name} with status {status}, {count} ids")
             return a, [bool(x) for x in frames.recv_exact(sock, count)]
 
-        def run(sock: socket.socket) -> list[bool]:
+        def run(sock: socket.socket) -> list[bool] | None:
             digest, fenced = exchange(sock, Op.FENCE, ids)
             held = [x for x, f in zip(ids, fenced, strict=True) if f]
+            owned = digest == segment_digest(shm_name)
             try:
-                done = work(digest, fenced)
+                done = copy(fenced) if owned else [False] * len(ids)
             except BaseException:
                 # The work's own error is the one to report: lift the fences if the connection still
                 # can (closing it, which _call does, lifts them as well).
@@ -273,10 +279,13 @@ class PeerConnections:
                         exchange(sock, Op.UNFENCE, held)
                 raise
             _, live = exchange(sock, Op.UNFENCE, held) if held else (0, [])
+            if not owned:
+                return None
             still = dict(zip(held, live, strict=True))
             return [f and d and still.get(x, False) for x, f, d in zip(ids, fenced, done, strict=True)]
 
-        return list(self._call(run))
+        landed: list[bool] | None = self._call(run)
+        return landed
 
     def read_many(self, requests: Sequence[ReadRequest]) -> None:
         """Pipelined reads on one connection: all requests go out, then the replies land in order,

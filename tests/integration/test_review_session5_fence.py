@@ -38,7 +38,7 @@ def test_bug1_fence_lifted_by_the_idle_timer_while_the_writer_still_copies(
     try:
         (res,) = peer.reserve([(SIZE, b"\x01" * 16)], node_id=agent.node_id)
 
-        def work(digest: int, fenced: list[bool]) -> list[bool]:
+        def work(fenced: list[bool]) -> list[bool]:
             seen["fenced"] = list(fenced)
             time.sleep(1.5)  # the writer is slow, not dead: it still holds the connection
             # The peer's sync frees the reservation meanwhile (it timed out, or was revoked).
@@ -53,7 +53,7 @@ def test_bug1_fence_lifted_by_the_idle_timer_while_the_writer_still_copies(
             return [True]
 
         with contextlib.suppress(MooncakeError):  # UNFENCE finds the connection closed
-            peer.fenced([res.alloc_id], work)
+            peer.fenced([res.alloc_id], agent.arena.name, work)
         assert seen["fenced"] == [True]
         assert seen["still_held"], "a free of a fenced reservation released it: the fence was lifted by a timer"
         assert not seen["regranted"], "the fenced block was re-granted while its writer was still copying into it"

@@ -113,7 +113,7 @@ def test_a_reservation_freed_while_fenced_is_not_regranted_and_the_copy_is_void(
         (res,) = reserved.reservations
         taken: list[int] = []
 
-        def work(digest: int, fenced: list[bool]) -> list[bool]:
+        def work(fenced: list[bool]) -> list[bool]:
             assert fenced == [True]
             time.sleep(0.5)
             b.sync_once()  # the reservation timed out: freed, but fenced, so only doomed
@@ -122,7 +122,7 @@ def test_a_reservation_freed_while_fenced_is_not_regranted_and_the_copy_is_void(
             return [True]
 
         peer = spiller._transport.peer(peer_row.tcp_endpoint)
-        assert peer.fenced([res.alloc_id], work) == [False]
+        assert peer.fenced([res.alloc_id], peer_row.shm_name, work) == [False]
         assert taken and taken[0] != res.offset, "a doomed (fenced) block was handed to another put"
     finally:
         spiller.close()
