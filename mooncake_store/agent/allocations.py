@@ -48,6 +48,12 @@ class AllocationTable:
     ) -> None:
         self._allocator = OffsetAllocator(capacity_bytes, alignment=alignment)
         self._allocs: dict[int, Allocation] = {}
+        #: Allocations in state COMMITTED, kept as a running count: usage() runs on every RESERVE
+        #: and for every victim of a pressure pass, and counting there cost O(objects) each time.
+        self._committed = 0
+        #: Allocations in state RESERVED: the sync scans their deadlines five times a second, and
+        #: they are the puts in flight, not every object.
+        self._reserved: dict[int, Allocation] = {}
         self._lock = threading.Lock()
         self._reserve_timeout_s = reserve_timeout_s
         # Start alloc ids from the clock so that a restarted agent never reissues an id that an old
@@ -87,17 +93,16 @@ class AllocationTable:
     def usage(self) -> tuple[int, int, int, int]:
         """(used bytes, free bytes, largest free block, committed objects)."""
         with self._lock:
-            committed = sum(1 for a in self._allocs.values() if a.state == AllocState.COMMITTED)
             return (
                 self._allocator.used_bytes,
                 self._allocator.free_bytes,
                 self._allocator.largest_free_bytes,
-                committed,
+                self._committed,
             )
 
     def reserved_deadlines(self) -> dict[int, float]:
         with self._lock:
-            return {a.alloc_id: a.deadline for a in self._allocs.values() if a.state == AllocState.RESERVED}
+            return {a.alloc_id: a.deadline for a in self._reserved.values()}
 
     def put_id_of(self, alloc_id: int) -> bytes | None:
         with self._lock:
@@ -124,6 +129,7 @@ class AllocationTable:
                     for alloc in done:
                         self._allocator.free(alloc.offset)
                         del self._allocs[alloc.alloc_id]
+                        del self._reserved[alloc.alloc_id]
                     return None
                 alloc = Allocation(
                     alloc_id=next(self._ids),
@@ -134,6 +140,7 @@ class AllocationTable:
                     deadline=now + self._reserve_timeout_s,
                 )
                 self._allocs[alloc.alloc_id] = alloc
+                self._reserved[alloc.alloc_id] = alloc
                 done.append(alloc)
             return done
 
@@ -141,8 +148,10 @@ class AllocationTable:
         with self._lock:
             for alloc_id in alloc_ids:
                 alloc = self._allocs.get(alloc_id)
-                if alloc is not None:
+                if alloc is not None and alloc.state != AllocState.COMMITTED:
                     alloc.state = AllocState.COMMITTED
+                    self._committed += 1
+                    del self._reserved[alloc_id]
 
     def free(self, alloc_ids: list[int] | tuple[int, ...]) -> int:
         """Release allocations (decided by a sync); returns how many were released or doomed."""
@@ -189,6 +198,10 @@ class AllocationTable:
 
     def _release(self, alloc: Allocation) -> None:
         del self._allocs[alloc.alloc_id]
+        if alloc.state == AllocState.COMMITTED:
+            self._committed -= 1
+        else:
+            del self._reserved[alloc.alloc_id]
         self._allocator.free(alloc.offset)
 
     def begin_write(self, alloc_id: int, offset: int, length: int) -> bool:

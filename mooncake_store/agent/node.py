@@ -472,11 +472,9 @@ class Agent:
             tables.append(self.inbox.table)
         return tables
 
-    def _known_ids(self) -> set[int]:
-        ids: set[int] = set(self.disk_keys)
-        for table in self._tables():
-            ids |= table.known_ids()
-        return ids
+    def holds(self, alloc_id: int) -> bool:
+        """Whether this agent holds ``alloc_id`` in any tier (asked per id by the sync's plan)."""
+        return alloc_id in self.disk_keys or any(alloc_id in table for table in self._tables())
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.config.sync_interval_s):
@@ -511,7 +509,7 @@ class Agent:
             expired_status=result.expired_status,
             acked=result.acked_alloc_ids,
             graves=result.graves,
-            known=self._known_ids(),
+            holds=self.holds,
         )
         for table in tables:
             table.commit(plan.commit)

@@ -3,7 +3,7 @@ which to free. Pure, so the reclaim rules are unit-tested without Redis."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -24,7 +24,7 @@ def plan_sync(
     expired_status: Sequence[str],
     acked: Iterable[int],
     graves: Iterable[int],
-    known: Iterable[int],
+    holds: Callable[[int], bool],
 ) -> SyncPlan:
     """Decide from one agent_sync answer.
 
@@ -33,15 +33,21 @@ def plan_sync(
     - An expired reservation whose record was already gone ("G") and that is not acked was revoked
       by its writer (or never recorded, the writer died first): freed.
     - A grave is freed if the agent still knows it (a grave for an unknown id was freed earlier).
+
+    ``holds(alloc_id)`` says whether the agent holds an id; it is asked per id (the agent's tables
+    are not copied into a set of every object each sync).
     """
     # Every ack of an allocation the agent holds commits it, even one reserved after the sync took
     # its snapshot (an ack may also come twice, after a lost reply: committing again is harmless).
-    acked_set = set(acked) & set(known)
+    acked_set = {a for a in acked if holds(a)}
     commit = tuple(sorted(acked_set))
     free: list[int] = []
     for alloc, status in zip(expired, expired_status, strict=True):
         if status == "R" or (status == "G" and alloc not in acked_set):
             free.append(alloc)
-    known_set = set(known)
-    free.extend(g for g in graves if g in known_set and g not in free)
+    freeing = set(free)
+    for grave in graves:
+        if grave not in freeing and holds(grave):
+            free.append(grave)
+            freeing.add(grave)
     return SyncPlan(commit=commit, free=tuple(free))

@@ -83,7 +83,7 @@ def test_a_node_whose_reap_began_cannot_heartbeat_back_to_life_half_purged(
         )
         index.reap_dead_nodes(grace_ms=0)  # later reaper rounds
         still = [k for k in keys if client.exists(k)]
-        held = len(agent._known_ids())
+        held = len(agent.table)
         assert not alive or len(still) == len(keys), (
             f"heartbeat answered OK after a partial reap: {len(still)}/{len(keys)} keys left in the "
             f"index, the agent still holds {held} blocks, none in its graveyard "

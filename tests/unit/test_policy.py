@@ -162,7 +162,7 @@ def test_plan_sync_rules() -> None:
         expired_status=["R", "G", "G"],
         acked=[1, 4, 99],
         graves=[7, 8],
-        known=[1, 2, 3, 4, 5, 7],
+        holds={1, 2, 3, 4, 5, 7}.__contains__,
     )
     assert plan.commit == (1, 4)  # acked reservations become objects; 99 is unknown here
     # 2 revoked by the sync, 3 gone and not acked (its writer revoked or died), 7 a known grave;
@@ -180,7 +180,7 @@ def test_projected_free_space_spreads_a_batch() -> None:
 def test_an_ack_commits_even_a_reservation_newer_than_the_snapshot() -> None:
     # The whole put (reserve, write, commit) landed between the sync's snapshot and its round trip:
     # the ack is drained now and never comes again, so it must commit.
-    plan = plan_sync(expired=[], expired_status=[], acked=[42], graves=[], known=[42])
+    plan = plan_sync(expired=[], expired_status=[], acked=[42], graves=[], holds={42}.__contains__)
     assert plan.commit == (42,) and plan.free == ()
 
 
@@ -215,3 +215,9 @@ def test_further_replicas_go_to_other_hosts_then_other_zones() -> None:
     full = {"far", "near"}
     picked = choose_replica_nodes(nodes, 2, has_room=lambda n: n.node_id not in full)
     assert [n.node_id for n in picked] == ["mine-1", "mine-2"]  # no other host has room: as ranked
+
+
+def test_plan_sync_frees_each_allocation_once() -> None:
+    """A grave listed twice, or also expired and revoked in the same sync, is freed once."""
+    plan = plan_sync(expired=[2], expired_status=["R"], acked=[], graves=[7, 2, 7, 9], holds={2, 7}.__contains__)
+    assert plan.free == (2, 7)
