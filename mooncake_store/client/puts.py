@@ -33,6 +33,7 @@ from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes, ti
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.transport import frames
+from mooncake_store.transport.tcp import Fence
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
 if TYPE_CHECKING:
@@ -87,6 +88,15 @@ class PlannedPut:
             chain_pos=self.chain_pos,
             chain_parent=self.chain_parent,
         )
+
+
+@dataclass(slots=True)
+class _FencedPart:
+    """Same-host puts into one agent's arena, with the Fence that covers their copies."""
+
+    node: NodeInfo
+    puts: list[tuple[Replica, PlannedPut]]
+    fence: Fence
 
 
 #: Largest chain position: the index's scripts print numbers with 14 significant digits.
@@ -212,23 +222,43 @@ class PutPath:
             (r for p in plans for r in p.replicas), self._reserve(plans, replicas, preferred_node)
         )
         started = False
+        fences: list[_FencedPart] = []
         try:
-            client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))
-            started = True
             same_host: dict[str, list[tuple[Replica, PlannedPut]]] = {}
+            elsewhere: list[tuple[Replica, PlannedPut]] = []
             for plan in plans:
                 for replica in plan.replicas:
                     node = nodes[replica.node_id]
                     if plan.size_bytes and isinstance(plan.source, Source) and client._use_shm(node):
                         same_host.setdefault(node.node_id, []).append((replica, plan))
                     else:
-                        self._write_replica(node, replica, plan)
+                        elsewhere.append((replica, plan))
+            # The FENCEs go out first and their replies are read after put_start's round trip.
             for node_id, group in same_host.items():
-                self._write_fenced(nodes[node_id], group)
+                fences += self._fence(nodes[node_id], group)
+            client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))
+            started = True
+            for replica, plan in elsewhere:
+                self._write_replica(nodes[replica.node_id], replica, plan)
+            for part in fences:
+                self._copy_fenced(part)
+                part.fence.unfence()
+            # The UNFENCE replies are read after put_commit's round trip, and their verdicts are not
+            # needed: the index is the judge. An agent frees a reservation only after its sync
+            # revoked the pending record (a timeout), or once the node left the table or restarted
+            # (a reap): put_commit refuses every one of those (EXPIRED). The fence is what keeps a
+            # late copy out of a block given to another object; lifting it can wait a round trip.
             statuses = client.index.put_commit([p.put_id.hex() for p in plans])
         except BaseException:
+            for part in fences:
+                part.fence.abort()  # closing the connection lifts its fences
             self.abandon(plans, nodes, started=started)
             raise
+        for part in fences:
+            try:
+                part.fence.finish()
+            except MooncakeError as exc:  # the connection closed, which lifts the fences too
+                log.info("lifting the fences on %s: %s", part.node.node_id, exc)
         failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
         if failed:
             self.abandon([p for p, _ in failed], nodes, started=True)
@@ -368,38 +398,51 @@ class PutPath:
             node_id=node_id, tier=tier, offset=offset, size_bytes=size, alloc_id=alloc_id, state=ReplicaState.PENDING
         )
 
-    def _write_fenced(self, node: NodeInfo, group: list[tuple[Replica, PlannedPut]]) -> None:
-        """Same-host puts into one agent's shared arena, each one memcpy, under the agent's fence
-        (FENCE, copy, UNFENCE on one connection): a reservation the agent freed meanwhile (this
-        writer stalled past its timeout, or the agent was reaped and let its reservations go) is not
-        written, so the bytes never land in a block handed to another object. Raises
-        ReservationExpired (the put is placed again) when a reservation was gone."""
+    def _fence(self, node: NodeInfo, group: list[tuple[Replica, PlannedPut]]) -> list[_FencedPart]:
+        """Send the FENCEs of same-host puts into one agent's shared arena (one per MAX_BATCH of
+        them, each on a connection of its own); _copy_fenced reads each reply and copies. The
+        arena is mapped first: mapping a large one must not happen while fences are held."""
         client = self.client
-        client._shm.segment(node.shm_name, client._arena_bytes(node))  # mapped before any fence is held
-        for start in range(0, len(group), frames.MAX_BATCH):
-            part = group[start : start + frames.MAX_BATCH]
+        client._shm.segment(node.shm_name, client._arena_bytes(node))
+        peer = client._tcp.peer(node.tcp_endpoint)
+        parts: list[_FencedPart] = []
+        try:
+            for start in range(0, len(group), frames.MAX_BATCH):
+                part = group[start : start + frames.MAX_BATCH]
+                parts.append(_FencedPart(node, part, Fence(peer, [r.alloc_id for r, _ in part], node.shm_name)))
+        except BaseException:
+            for made in parts:
+                made.fence.abort()
+            raise
+        return parts
 
-            def copy(fenced: list[bool], part: list[tuple[Replica, PlannedPut]] = part) -> list[bool]:
-                for (replica, plan), ok in zip(part, fenced, strict=True):
-                    if ok:
-                        view = plan.source.view  # type: ignore[union-attr]  # a Source: checked by the caller
-                        client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, view)
-                return fenced
-
-            landed = client._tcp.peer(node.tcp_endpoint).fenced([r.alloc_id for r, _ in part], node.shm_name, copy)
-            if landed is None:
-                # The agent and the segment its row names are not the same (say, an advertise
-                # address that reaches another agent's namesake): its own transport, TCP, still is.
-                log.warning("agent %s does not own segment %s; writing over TCP", node.node_id, node.shm_name)
-                for replica, plan in part:
-                    view = plan.source.view  # type: ignore[union-attr]
-                    client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, view)
-                continue
-            if not all(landed):
-                raise ReservationExpired(
-                    f"{landed.count(False)} reservation(s) on {node.node_id} were gone before their bytes landed "
-                    f"(first key {part[landed.index(False)][1].key!r})"
-                )
+    def _copy_fenced(self, part: _FencedPart) -> None:
+        """Same-host puts, each one memcpy into the agent's arena, into the reservations the agent
+        fenced: one it freed meanwhile (this writer stalled past its timeout, or the agent was
+        reaped and let its reservations go) is not written, so the bytes never land in a block
+        handed to another object. Raises ReservationExpired (the put is placed again) when a
+        reservation was gone."""
+        client, node = self.client, part.node
+        fenced = part.fence.fenced()
+        if fenced is None:
+            # The agent and the segment its row names are not the same (say, an advertise address
+            # that reaches another agent's namesake): its own transport, TCP, still is.
+            log.warning("agent %s does not own segment %s; writing over TCP", node.node_id, node.shm_name)
+            for replica, plan in part.puts:
+                view = plan.source.view  # type: ignore[union-attr]  # a Source: checked by the caller
+                client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, view)
+            return
+        if not all(fenced):
+            raise ReservationExpired(
+                f"{fenced.count(False)} reservation(s) on {node.node_id} were gone before their bytes landed "
+                f"(first key {part.puts[fenced.index(False)][1].key!r})"
+            )
+        for replica, plan in part.puts:
+            view = plan.source.view  # type: ignore[union-attr]
+            try:
+                client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, view)
+            except OSError as exc:  # the segment could not be mapped again (unmapped meanwhile)
+                raise TransferError(f"copy of {plan.key!r} into {node.shm_name} failed: {exc}") from None
 
     def _write_replica(self, node: NodeInfo, replica: Replica, plan: PlannedPut) -> None:
         client = self.client
@@ -420,7 +463,7 @@ class PutPath:
                 client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, staged)
         else:
             # Over TCP the agent fences the reservation while the payload arrives (same-host writes
-            # into its shared arena go through _write_fenced).
+            # into its shared arena go through _fence and _copy_fenced).
             client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, src.view)
 
     def abandon(self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:

@@ -133,8 +133,15 @@ class PeerConnections:
         """Run ``func(sock, *args)`` on a pooled connection; a connection that saw an error is dropped,
         since the stream may be mid-frame."""
         sock = self._acquire()
+        result = self._on(sock, func, *args)
+        self._release(sock)
+        return result
+
+    def _on(self, sock: socket.socket, func, *args):  # type: ignore[no-untyped-def]
+        """``func(sock, *args)`` on a connection already taken; on any error the connection is closed
+        (the stream may be mid-frame) and socket errors become TransferError."""
         try:
-            result = func(sock, *args)
+            return func(sock, *args)
         except (OSError, TransferError, ProtocolError) as exc:
             sock.close()
             if isinstance(exc, TransferError | ProtocolError):
@@ -147,8 +154,6 @@ class PeerConnections:
         except BaseException:
             sock.close()
             raise
-        self._release(sock)
-        return result
 
     def _reply(self, sock: socket.socket, op: Op) -> tuple[int, int, int, int]:
         rop, status, a, b, c = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
@@ -248,44 +253,22 @@ class PeerConnections:
     ) -> list[bool] | None:
         """Copy into host-tier reservations of a same-host agent's shared arena under its fence:
         FENCE them, run ``copy(fenced)`` (which copies into the fenced ones and says per id whether
-        it did), then UNFENCE, all on one connection. Returns per id whether the bytes landed in a
-        reservation the agent still holds: fenced, copied, and not freed meanwhile; None, with
-        nothing copied, when the agent's arena is not the segment ``shm_name`` the caller maps (the
-        FENCE reply names its arena by digest). Should the connection break, the agent lifts the
-        fences when it closes."""
-        ids = list(alloc_ids)
-        if not 0 < len(ids) <= frames.MAX_BATCH:
-            raise InvalidValue(f"{len(ids)} reservations to fence; 1..{frames.MAX_BATCH} per call")
-
-        def exchange(sock: socket.socket, op: Op, which: list[int]) -> tuple[int, list[bool]]:
-            payload = b"".join(frames.U64.pack(x) for x in which)
-            frames.send_all(sock, frames.pack(op, len(which)), memoryview(payload))
-            status, a, count, _ = self._reply(sock, op)
-            if status != Status.OK or count != len(which):
-                raise ProtocolError(f"agent at {self.endpoint} answered {op.name} with status {status}, {count} ids")
-            return a, [bool(x) for x in frames.recv_exact(sock, count)]
-
-        def run(sock: socket.socket) -> list[bool] | None:
-            digest, fenced = exchange(sock, Op.FENCE, ids)
-            held = [x for x, f in zip(ids, fenced, strict=True) if f]
-            owned = digest == segment_digest(shm_name)
-            try:
-                done = copy(fenced) if owned else [False] * len(ids)
-            except BaseException:
-                # The work's own error is the one to report: lift the fences if the connection still
-                # can (closing it, which _call does, lifts them as well).
-                with contextlib.suppress(MooncakeError, OSError):
-                    if held:
-                        exchange(sock, Op.UNFENCE, held)
-                raise
-            _, live = exchange(sock, Op.UNFENCE, held) if held else (0, [])
-            if not owned:
-                return None
-            still = dict(zip(held, live, strict=True))
-            return [f and d and still.get(x, False) for x, f, d in zip(ids, fenced, done, strict=True)]
-
-        landed: list[bool] | None = self._call(run)
-        return landed
+        it did), then UNFENCE, all on one connection (see Fence). Returns per id whether the bytes
+        landed in a reservation the agent still holds: fenced, copied, and not freed meanwhile;
+        None, with nothing copied, when the agent's arena is not the segment ``shm_name`` the caller
+        maps. Should the connection break, the agent lifts the fences when it closes."""
+        fence = Fence(self, alloc_ids, shm_name)
+        try:
+            fenced = fence.fenced()
+            done = copy(fenced) if fenced is not None else None
+            fence.unfence()
+            still = fence.finish()
+        except BaseException:
+            fence.abort()  # the work's own error is the one reported; the close lifts the fences
+            raise
+        if fenced is None or done is None:
+            return None
+        return [f and d and still.get(x, False) for x, f, d in zip(fence.ids, fenced, done, strict=True)]
 
     def read_many(self, requests: Sequence[ReadRequest]) -> None:
         """Pipelined reads on one connection: all requests go out, then the replies land in order,
@@ -306,6 +289,86 @@ class PeerConnections:
                 raise stale
 
         self._call(run)
+
+
+class Fence:
+    """FENCE and UNFENCE of one batch of host-tier reservations on one connection to a same-host
+    agent, for a writer that copies into the agent's shared arena itself. The FENCE goes out when
+    the Fence is made and the UNFENCE with unfence(), each before its reply is read (fenced(),
+    finish()): a writer overlaps them with its own index round trips. Fences last until the
+    UNFENCE or until the connection closes, which abort() does (and the agent does when the writer
+    dies). The connection goes back to the pool only once both replies are read."""
+
+    def __init__(self, peer: PeerConnections, alloc_ids: Sequence[int], shm_name: str) -> None:
+        self.ids = list(alloc_ids)
+        if not 0 < len(self.ids) <= frames.MAX_BATCH:
+            raise InvalidValue(f"{len(self.ids)} reservations to fence; 1..{frames.MAX_BATCH} per call")
+        self._peer = peer
+        self._shm_name = shm_name
+        self._held: list[int] = []
+        self._sock: socket.socket | None = peer._acquire()
+        self._send(Op.FENCE, self.ids)
+
+    def fenced(self) -> list[bool] | None:
+        """The FENCE reply: per id whether the agent fenced it (a live reservation, not being freed);
+        None when the agent's arena is not the segment the writer maps (the reply names it by
+        digest): nothing may be copied, and unfence() lifts what was fenced."""
+        digest, flags = self._read(Op.FENCE, len(self.ids))
+        self._held = [x for x, f in zip(self.ids, flags, strict=True) if f]
+        return flags if digest == segment_digest(self._shm_name) else None
+
+    def unfence(self) -> None:
+        """Send the UNFENCE of every fenced id; finish() reads its reply."""
+        if self._held:
+            self._send(Op.UNFENCE, self._held)
+
+    def finish(self) -> dict[int, bool]:
+        """The UNFENCE reply: per fenced id whether its reservation was still live (False: freed
+        meanwhile, so what was copied into it is void). The connection goes back to the pool."""
+        still: dict[int, bool] = {}
+        if self._held:
+            _, flags = self._read(Op.UNFENCE, len(self._held))
+            still = dict(zip(self._held, flags, strict=True))
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._peer._release(sock)
+        return still
+
+    def abort(self) -> None:
+        """Close the connection: the agent lifts every fence it held. Safe to call at any point."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _live(self) -> socket.socket:
+        if self._sock is None:
+            raise TransferError(f"the fence's connection to agent at {self._peer.endpoint} is closed")
+        return self._sock
+
+    def _send(self, op: Op, ids: list[int]) -> None:
+        payload = b"".join(frames.U64.pack(x) for x in ids)
+        sock = self._live()
+        try:
+            self._peer._on(sock, frames.send_all, frames.pack(op, len(ids)), memoryview(payload))
+        except BaseException:
+            self._sock = None  # _on closed it
+            raise
+
+    def _read(self, op: Op, count: int) -> tuple[int, list[bool]]:
+        def run(sock: socket.socket) -> tuple[int, list[bool]]:
+            status, a, got, _ = self._peer._reply(sock, op)
+            if status != Status.OK or got != count:
+                where = self._peer.endpoint
+                raise ProtocolError(f"agent at {where} answered {op.name} with status {status}, {got} ids")
+            return a, [bool(x) for x in frames.recv_exact(sock, count)]
+
+        sock = self._live()
+        try:
+            result: tuple[int, list[bool]] = self._peer._on(sock, run)
+        except BaseException:
+            self._sock = None  # _on closed it
+            raise
+        return result
 
 
 class TcpTransport:

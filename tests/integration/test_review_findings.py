@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import guarded_spill_copy, wait_until
+from helpers import guarded_spill_copy, wait_until, write_fenced
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -171,7 +171,7 @@ def test_reaped_agent_does_not_free_reservations_of_puts_in_flight(
     time.sleep(0.5)
     # The writer, unaware, writes (same host: under the agent's fence, which may refuse it) and commits.
     with contextlib.suppress(ReservationExpired):
-        puts._write_fenced(nodes[node_id], [(plan.replicas[0], plan)])
+        write_fenced(puts, nodes[node_id], [(plan.replicas[0], plan)])
     time.sleep(0.5)  # the re-registered agent's next sync revokes the reservation it expired
     statuses = client.index.put_commit([plan.put_id.hex()])
     assert statuses == ["EXPIRED"]  # the late commit fails instead of naming reusable memory

@@ -1,5 +1,5 @@
 """Review of a716e88: same-host client puts copy under the agent's FENCE / UNFENCE
-(client/puts.py _put_once, _write_fenced; transport/tcp.py PeerConnections.fenced; agent/server.py
+(client/puts.py _put_once, _fence, _copy_fenced; transport/tcp.py Fence, PeerConnections.fenced; agent/server.py
 _fence, _unfence). Real in-process Agents, real sockets, real shm, the real client."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from mooncake_store import Client, connect
 from mooncake_store.agent.node import Agent
@@ -110,26 +111,47 @@ def test_concurrent_puts_from_many_threads(make_inproc_agent, clients) -> None:
     assert held_fences(agent) == 0
 
 
-def test_copy_that_raises_leaves_no_fence(make_inproc_agent, clients) -> None:
-    """The arena file is gone when the client first maps it: the copy raises inside the fence."""
+def _new_reservations(agent: Agent, before: set[int]) -> list[int]:
+    return [a for a in agent.table.known_ids() if a not in before]
+
+
+def test_arena_unreachable_put_goes_over_tcp_without_fences(make_inproc_agent, clients) -> None:
+    """The arena file is gone when the client first looks for it: the put goes over TCP (no fence
+    is taken), and the object reads back."""
     agent = make_inproc_agent(host_bytes=4 * MiB, reserve_timeout_s=60.0)
     c = clients(agent, transports=("shm", "tcp"))
-    puts = c._puts
-    (plan,) = puts.plan({"x": np.full(64 * KiB, 7, np.uint8)}, chain_pos=None, chain_parent=None)
-    nodes = puts._reserve([plan], 1, None)
-    (replica,) = plan.replicas
+    value = np.full(64 * KiB, 7, np.uint8)
     path = Path("/dev/shm") / agent.arena.name
     moved = path.with_name(path.name + ".moved")
     os.rename(path, moved)
     try:
-        with pytest.raises((MooncakeError, OSError)) as info:
-            puts._write_fenced(nodes[agent.node_id], [(replica, plan)])
-        print("copy raised:", type(info.value).__name__, info.value)
+        c.put("x", value)
     finally:
         os.rename(moved, path)
-    assert held_fences(agent) == 0
-    agent.table.free([replica.alloc_id])
-    assert replica.alloc_id not in agent.table, "a reader/fence count was left on the reservation"
+    assert fenced_conns(agent) == 0, "a fence was taken for a put that could not map the arena"
+    assert np.array_equal(c.get("x"), value)
+
+
+def test_copy_that_raises_leaves_no_fence(make_inproc_agent, clients, monkeypatch) -> None:
+    """The memcpy fails inside the fence (the FENCE was answered, the copy raises): the error is the
+    one reported, the client's connection closes and with it the agent lifts the fence."""
+    agent = make_inproc_agent(host_bytes=4 * MiB, reserve_timeout_s=60.0)
+    c = clients(agent, transports=("shm", "tcp"))
+    c.put("warm", np.ones(4 * KiB, np.uint8))  # the arena is mapped: the failure is the copy's
+    before = agent.table.known_ids()
+
+    def failing_copy(*args: object, **kwargs: object) -> None:
+        assert held_fences(agent) == 1, "the copy ran outside the fence"
+        raise OSError("copy failed (injected)")
+
+    monkeypatch.setattr(c._shm, "write_from", failing_copy)
+    with pytest.raises(MooncakeError, match="injected"):
+        c.put("x", np.full(64 * KiB, 7, np.uint8))
+    assert wait_until(lambda: held_fences(agent) == 0, 10), "the agent did not lift the fence"
+    left = _new_reservations(agent, before)
+    assert left, "the reservation the put made is not in the table"
+    agent.table.free(left)
+    assert not _new_reservations(agent, before), "a reader/fence count was left on the reservation"
 
 
 def test_prefix_store_same_host(make_inproc_agent, clients) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import put_on, replicas_of, wait_until
+from helpers import put_on, replicas_of, wait_until, write_fenced
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
@@ -208,7 +208,7 @@ def test_a_same_host_put_never_writes_into_a_block_its_agent_gave_away(
         (taken,) = replicas_of(agent, "other")
         assert taken.offset == replica.offset, "the allocator did not hand the same block out again"
         with pytest.raises(ReservationExpired):
-            puts._write_fenced(nodes[agent.node_id], [(replica, plan)])
+            write_fenced(puts, nodes[agent.node_id], [(replica, plan)])
         assert bytes(agent.arena.view(taken.offset, SIZE)) == other.tobytes(), "the late copy overwrote it"
     finally:
         client.close()
