@@ -146,3 +146,19 @@ def make_peer_agent(make_inproc_agent: Callable[..., Agent]) -> Callable[..., Ag
         return make_inproc_agent(namespace=namespace, prepare=prepare, **settings)
 
     return make
+
+
+@pytest.fixture
+def clients() -> Iterator[Callable[..., Client]]:
+    """Clients of an in-process agent's namespace (``clients(agent, **connect_kwargs)``), closed at
+    the end."""
+    made: list[Client] = []
+
+    def make(agent: Agent, **kwargs: object) -> Client:
+        c = connect(agent.index.url, namespace=agent.namespace, **kwargs)  # type: ignore[arg-type]
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()

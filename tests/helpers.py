@@ -164,3 +164,8 @@ def write_fenced(puts: Any, node: Any, group: list[Any]) -> None:
     finally:
         for part in parts:
             part.fence.abort()  # a no-op once finished
+
+
+def held_fences(agent: Any) -> int:
+    """Fences an in-process agent's server holds, over all its connections."""
+    return sum(len(s) for s in list(agent.server._fences.values()))

@@ -243,22 +243,19 @@ class PutPath:
             for part in fences:
                 self._copy_fenced(part)
                 part.fence.unfence()
-            # The UNFENCE replies are read after put_commit's round trip, and their verdicts are not
-            # needed: the index is the judge. An agent frees a reservation only after its sync
-            # revoked the pending record (a timeout), or once the node left the table or restarted
-            # (a reap): put_commit refuses every one of those (EXPIRED). The fence is what keeps a
-            # late copy out of a block given to another object; lifting it can wait a round trip.
+            # Every UNFENCE is out before the first reply is read (agents answer in parallel), and
+            # every reply is read before put_commit: a reservation the agent freed while it was
+            # fenced must not be committed. The index alone would not refuse it: a sync that ran
+            # before put_start (a writer that stalled) found no pending record to revoke ("G") and
+            # freed the reservation, and the pending record written after it is then committed.
+            for part in fences:
+                self._check_landed(part)
             statuses = client.index.put_commit([p.put_id.hex() for p in plans])
         except BaseException:
             for part in fences:
                 part.fence.abort()  # closing the connection lifts its fences
             self.abandon(plans, nodes, started=started)
             raise
-        for part in fences:
-            try:
-                part.fence.finish()
-            except MooncakeError as exc:  # the connection closed, which lifts the fences too
-                log.info("lifting the fences on %s: %s", part.node.node_id, exc)
         failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
         if failed:
             self.abandon([p for p, _ in failed], nodes, started=True)
@@ -415,6 +412,18 @@ class PutPath:
                 made.fence.abort()
             raise
         return parts
+
+    @staticmethod
+    def _check_landed(part: _FencedPart) -> None:
+        """Read a part's UNFENCE reply; ReservationExpired (the put is placed again) when the agent
+        freed one of its reservations while it was fenced (what was copied into it is void)."""
+        still = part.fence.finish()
+        gone = [plan.key for replica, plan in part.puts if not still.get(replica.alloc_id, True)]
+        if gone:
+            raise ReservationExpired(
+                f"{len(gone)} reservation(s) on {part.node.node_id} were freed while their bytes were "
+                f"copied (first key {gone[0]!r})"
+            )
 
     def _copy_fenced(self, part: _FencedPart) -> None:
         """Same-host puts, each one memcpy into the agent's arena, into the reservations the agent

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import held_fences, wait_until
 
-from mooncake_store import Client, connect
 from mooncake_store.agent.node import Agent
 from mooncake_store.client.prefix import PrefixCache
 from mooncake_store.errors import MooncakeError
@@ -21,24 +19,6 @@ from mooncake_store.transport import frames
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-
-@pytest.fixture
-def clients() -> Iterator[Callable[..., Client]]:
-    made: list[Client] = []
-
-    def make(agent: Agent, **kwargs: object) -> Client:
-        c = connect(agent.index.url, namespace=agent.namespace, **kwargs)  # type: ignore[arg-type]
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
-
-
-def held_fences(agent: Agent) -> int:
-    return sum(len(s) for s in list(agent.server._fences.values()))
 
 
 def fenced_conns(agent: Agent) -> int:
