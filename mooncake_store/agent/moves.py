@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from mooncake_store.errors import MooncakeError
 from mooncake_store.types import EvictionCandidate, Replica, ReplicaState, TierKind
@@ -20,8 +19,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("mooncake.agent")
 
 
+class CountMove(Protocol):
+    """Adds ``n`` to the counter ``name`` of ``tier`` (PressureManager.count)."""
+
+    def __call__(self, tier: TierKind, name: str, n: int = 1) -> None: ...
+
+
 class LocalMoves:
-    def __init__(self, agent: Agent, count: Callable[[TierKind, str], None]) -> None:
+    def __init__(self, agent: Agent, count: CountMove) -> None:
         self.agent = agent
         self.count = count
         #: Move targets kept because the index could not say whether a swap named them, by alloc
@@ -171,11 +176,18 @@ class LocalMoves:
         return status == "OK"
 
     def evict(self, victim: EvictionCandidate, tier: TierKind) -> bool:
-        status = self.agent.index.evict(victim.key, node_id=self.agent.node_id, alloc_id=victim.alloc_id)
-        if status == "OK":
-            self.count(tier, "evictions")
-            return True
-        return False
+        return self.evict_many([victim], tier)[0]
+
+    def evict_many(self, victims: list[EvictionCandidate], tier: TierKind) -> list[bool]:
+        """Drop these replicas of ``tier`` in one index round trip, in order; per victim whether it
+        went (not pinned, read, replaced or cut from its chain since the sample chose it)."""
+        if not victims:
+            return []
+        statuses = self.agent.index.evict_many([(v.key, v.alloc_id) for v in victims], node_id=self.agent.node_id)
+        gone = [status == "OK" for status in statuses]
+        if any(gone):
+            self.count(tier, "evictions", sum(gone))
+        return gone
 
     def demote_gpu(self, victim: EvictionCandidate, gpu_offset: int) -> bool:
         """Copy a GPU-tier object to a host block (one device-to-host copy) and swap it there;

@@ -65,6 +65,9 @@ class _PassState:
     #: are that much too high, and a parent whose last child went is a leaf now (evict.lua still
     #: checks atomically, so a count too low here cannot cut a chain).
     children_gone: Counter[str] = field(default_factory=Counter)
+    #: Victims to evict, in the order the pass chose them: one index round trip at the end of the
+    #: pass for all of them (evict.lua takes them in order, so a leaf goes before its parent).
+    evictions: list[SpillJob] = field(default_factory=list)
 
 
 class PressureManager:
@@ -246,6 +249,7 @@ class PressureManager:
             elif self._demote_or_evict(job, move, tier, state):
                 moved += job.wire_bytes
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
+        moved -= self._evict_queued(state, tier)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
@@ -301,11 +305,19 @@ class PressureManager:
         last_replica = not victim.other_nodes
         if last_replica and victim.children - state.children_gone[victim.key] > 0:
             return False  # evicting it would cut its chain's later chunks off from every match
-        if not self.moves.evict(victim, tier):
-            return False
+        state.evictions.append(job)  # evicted at the end of the pass (_evict_queued)
         if last_replica and victim.chain_parent:
-            state.children_gone[victim.chain_parent] += 1  # the object is gone: one child fewer
+            # One child fewer for the parent, if the eviction goes through; if it does not, the
+            # parent's own eviction later in the batch finds the child and is refused (PARENT).
+            state.children_gone[victim.chain_parent] += 1
         return True
+
+    def _evict_queued(self, state: _PassState, tier: TierKind) -> int:
+        """Evict the pass's queued victims in one index round trip; returns the bytes of those that
+        did not go (pinned, read, replaced or still a parent since the sample was taken)."""
+        queued, state.evictions = state.evictions, []
+        gone = self.moves.evict_many([job.victim for job in queued], tier)
+        return sum(job.wire_bytes for job, ok in zip(queued, gone, strict=True) if not ok)
 
     def _carry_out_spills(
         self,

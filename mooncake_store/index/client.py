@@ -367,7 +367,17 @@ class RedisIndex:
         """Drop one replica (the object too if it was the last); "OK", "GONE", "PINNED", "LEASED"
         (read since the sample that chose it) or "PARENT" (the last replica of a chunk that stored
         chunks of its chain hang off)."""
-        return str(self._run("evict", key, node_id, str(alloc_id)))
+        return self.evict_many([(key, alloc_id)], node_id=node_id)[0]
+
+    def evict_many(self, victims: Sequence[tuple[str, int]], *, node_id: str) -> list[str]:
+        """Drop ``node_id``'s replicas (key, alloc id), each on its own and in order, with evict's
+        statuses; one round trip per BATCH_LIMIT of them (a pass of small objects used to pay one
+        per object)."""
+        out: list[str] = []
+        for chunk in in_batches(victims):
+            args = [x for key, alloc_id in chunk for x in (key, str(alloc_id))]
+            out.extend(str(s) for s in self._run("evict", node_id, *args))
+        return out
 
     # ---- node table -----------------------------------------------------------------------
     def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int) -> int:
