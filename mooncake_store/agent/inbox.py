@@ -29,6 +29,11 @@ class DiskInbox:
         # their bytes, which count against the disk tier's free room until the files land.
         self.table = AllocationTable(1 << 62, reserve_timeout_s=reserve_timeout_s, alignment=1, ids=ids)
         self._lock = threading.Lock()
+        #: Bytes of reservations whose files have not landed, by alloc id, and their sum: the room
+        #: they are promised (free_bytes runs per victim of every pressure pass, and used to walk
+        #: the whole table).
+        self._on_wire: dict[int, int] = {}
+        self._on_wire_bytes = 0
 
     def __contains__(self, alloc_id: int) -> bool:
         return alloc_id in self.table
@@ -36,15 +41,25 @@ class DiskInbox:
     def reserve(self, requests: list[tuple[int, bytes]]) -> list[Allocation] | None:
         """All or nothing, like the host tier; None when the files would not fit on the disk."""
         with self._lock:  # two concurrent spills must not both count the same free room
-            if sum(size for size, _ in requests) > self.free_bytes():
+            if sum(size for size, _ in requests) > self.disk.free_bytes - self._on_wire_bytes:
                 return None
-            return self.table.reserve(requests)
+            allocs = self.table.reserve(requests)
+            for alloc in allocs or []:
+                self._on_wire[alloc.alloc_id] = alloc.length
+                self._on_wire_bytes += alloc.length
+            return allocs
 
     def free_bytes(self) -> int:
         """The disk's free room less what reserved files still on the wire will take (files that
         landed count in the disk's use already)."""
-        in_flight = self.table.bytes_of([a for a in self.table.known_ids() if a not in self.disk])
-        return self.disk.free_bytes - in_flight
+        with self._lock:
+            return self.disk.free_bytes - self._on_wire_bytes
+
+    def _landed(self, alloc_ids: Iterable[int]) -> None:
+        """These reservations' bytes are no longer promised: their files landed, or they went."""
+        with self._lock:
+            for alloc_id in alloc_ids:
+                self._on_wire_bytes -= self._on_wire.pop(alloc_id, 0)
 
     def staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         """A buffer for the whole chunk file of a reservation (fenced until written()), or None:
@@ -68,6 +83,7 @@ class DiskInbox:
                 try:
                     self.disk.write_blob(alloc_id, data)
                     stored = True
+                    self._landed([alloc_id])  # the file counts in the disk's use from now on
                 except MooncakeError as exc:
                     log.warning("chunk file spilled to disk allocation %d refused: %s", alloc_id, exc)
         finally:
@@ -81,11 +97,13 @@ class DiskInbox:
         returns their ids."""
         done = [alloc_id for alloc_id in acked if alloc_id in self.table]
         self.table.free(done)
+        self._landed(done)
         return done
 
     def free(self, alloc_ids: Iterable[int]) -> None:
         """Free reservations that timed out or were abandoned, with any file already written."""
         ids = [alloc_id for alloc_id in alloc_ids if alloc_id in self.table]
         self.table.free(ids)
+        self._landed(ids)
         for alloc_id in ids:
             self.disk.remove(alloc_id)

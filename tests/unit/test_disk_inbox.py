@@ -99,3 +99,34 @@ def test_free_bytes_counts_files_on_the_wire_once(tmp_path: Path, blob: bytes) -
     assert inbox.free_bytes() == 3 * len(blob)  # landed: counted by the disk, not twice
     inbox.settle([res.alloc_id])
     assert inbox.free_bytes() == 3 * len(blob)
+
+
+def test_free_room_follows_each_reservation_through_its_life(tmp_path: Path, blob: bytes) -> None:
+    """Room promised to files on the wire is held from the reservation until the file lands (then
+    the file counts in the disk's use) or the reservation goes; a file that fails its check is
+    still promised until its reservation goes."""
+    inbox = make_inbox(tmp_path, capacity=8 * len(blob))
+    size = len(blob)
+    a, b, c = inbox.reserve([(size, b"a" * 16), (size, b"b" * 16), (size, b"c" * 16)]) or []
+    assert inbox.free_bytes() == inbox.disk.free_bytes - 3 * size
+
+    def land(res, data: bytes) -> bool:  # type: ignore[no-untyped-def]
+        staging = inbox.staging(res.alloc_id, res.offset, res.length)
+        assert staging is not None
+        staging[:] = data
+        return inbox.written(res.alloc_id, staging)
+
+    assert land(a, blob)
+    assert inbox.disk.free_bytes < 8 * size  # the file is on the disk now
+    assert inbox.free_bytes() == inbox.disk.free_bytes - 2 * size
+    assert inbox.settle([a.alloc_id]) == [a.alloc_id]  # its swap was acked: a disk allocation now
+    assert inbox.free_bytes() == inbox.disk.free_bytes - 2 * size
+    damaged = bytearray(blob)
+    damaged[0] ^= 0xFF
+    assert not land(b, bytes(damaged))
+    assert inbox.free_bytes() == inbox.disk.free_bytes - 2 * size
+    inbox.free([b.alloc_id, c.alloc_id])
+    inbox.free([b.alloc_id])  # again: nothing more
+    inbox.settle([a.alloc_id, c.alloc_id])
+    assert inbox.free_bytes() == inbox.disk.free_bytes
+    assert a.alloc_id in inbox.disk and b.alloc_id not in inbox.disk
