@@ -237,7 +237,14 @@ class PressureManager:
         # hang off, when eviction is the only way out) is skipped, not the end of the pass.
         for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
             if moved + planned >= need:
-                break
+                if not state.evictions:
+                    break
+                # Enough is on its way out if the queued evictions go: carry them out now, and walk
+                # on past those refused (read, pinned or grown a child since the sample) while the
+                # rest of the sample can make up for them. One round trip unless some are refused.
+                moved -= self._evict_queued(state, tier)
+                if moved + planned >= need:
+                    break
             job = job_of(victim)
             if job is None:
                 continue
@@ -314,10 +321,15 @@ class PressureManager:
 
     def _evict_queued(self, state: _PassState, tier: TierKind) -> int:
         """Evict the pass's queued victims in one index round trip; returns the bytes of those that
-        did not go (pinned, read, replaced or still a parent since the sample was taken)."""
+        did not go (pinned, read, replaced or still a parent since the sample was taken). A chunk
+        that stayed is its parent's child again: the parent is no leaf for the rest of the pass."""
         queued, state.evictions = state.evictions, []
         gone = self.moves.evict_many([job.victim for job in queued], tier)
-        return sum(job.wire_bytes for job, ok in zip(queued, gone, strict=True) if not ok)
+        refused = [job for job, ok in zip(queued, gone, strict=True) if not ok]
+        for job in refused:
+            if not job.victim.other_nodes and job.victim.chain_parent:
+                state.children_gone[job.victim.chain_parent] -= 1
+        return sum(job.wire_bytes for job in refused)
 
     def _carry_out_spills(
         self,

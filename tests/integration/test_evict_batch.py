@@ -56,14 +56,22 @@ def test_a_pressure_pass_evicts_its_victims_in_one_round_trip(make_inproc_agent:
         for key, value in values.items():
             client.put(key, value)
         assert wait_until(lambda: agent.table.usage()[0] <= 0.5 * 4 * MiB, 10), "the agent did not get under its mark"
-        evicted = sum(agent.pressure.counters[t]["evictions"] for t in agent.pressure.counters)
-        kept = [key for key in values if client.exists(key)]
-        assert evicted >= 32 and len(kept) == 96 - evicted
+
+        def evicted() -> int:
+            return sum(agent.pressure.counters[t]["evictions"] for t in agent.pressure.counters)
+
+        def kept() -> list[str]:
+            return [key for key in values if client.exists(key)]
+
+        # A pass may still be under way when the tier gets under its mark: its objects leave the
+        # index before its counter moves. Settled, every object gone is an eviction counted once.
+        assert wait_until(lambda: evicted() == 96 - len(kept()), 10), (evicted(), len(kept()))
+        assert evicted() >= 32
         # The pass that found the node past its high watermark evicted down to the low one (32
         # objects at least) in one call; later passes pick up what puts added meanwhile.
-        assert max(calls) >= 16, f"index calls per pass: {calls} for {evicted} evictions"
-        assert sum(calls) >= evicted
-        for key in kept:  # what stayed is whole
+        assert max(calls) >= 16, f"index calls per pass: {calls} for {evicted()} evictions"
+        assert sum(calls) >= evicted()
+        for key in kept():  # what stayed is whole
             assert np.array_equal(client.get(key), values[key])
     finally:
         client.close()
