@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,27 @@ from mooncake_store.errors import ConfigError, MooncakeError
 #: Exit codes, as the `mooncake` CLI's (cli/exits.py): 2 for bad input, 1 for any other failure.
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+
+
+#: How often an agent started with --exit-with-parent checks that its launcher is still there.
+PARENT_CHECK_S = 1.0
+
+log = logging.getLogger("mooncake.agent")
+
+
+def watch_parent(pid: int, stop: threading.Event) -> None:
+    """Set ``stop`` once ``pid`` is no longer this process's parent (it died: the agent is
+    re-parented), so that an agent whose launcher was killed (SIGKILL runs no cleanup) does not
+    live on holding its arena. Polled: PR_SET_PDEATHSIG fires when the forking *thread* ends, which
+    would stop agents a launcher started from a short-lived thread."""
+
+    def run() -> None:
+        while not stop.wait(PARENT_CHECK_S):
+            if os.getppid() != pid:
+                log.warning("launcher process %d is gone; stopping", pid)
+                stop.set()
+
+    threading.Thread(target=run, name="mc-parent-watch", daemon=True).start()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,12 +66,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-spill", action="store_true", help="never push objects to peers under pressure")
     p.add_argument("--no-spill-shm", action="store_true", help="spill to same-host peers over TCP, not shared memory")
     p.add_argument("--config", help="TOML config file")
+    p.add_argument(
+        "--exit-with-parent",
+        type=int,
+        metavar="PID",
+        help="stop, as on SIGTERM, once PID is no longer this process's parent (LocalCluster passes its own)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.exit_with_parent is not None and args.exit_with_parent <= 0:
+        print(f"error: --exit-with-parent must be a process id > 0, got {args.exit_with_parent}", file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -93,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.exit_with_parent is not None:
+        watch_parent(args.exit_with_parent, stop)
     try:
         agent.start()
         ready = {

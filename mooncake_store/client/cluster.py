@@ -145,6 +145,10 @@ class LocalCluster:
             str(self.heartbeat_ttl_s),
             "--reserve-timeout-s",
             str(self.reserve_timeout_s),
+            # Killed without a chance to stop them (SIGKILL), this process must not leave agents
+            # holding their arenas: they stop once it is gone.
+            "--exit-with-parent",
+            str(os.getpid()),
         ]
         if zone:
             cmd += ["--zone", zone]
