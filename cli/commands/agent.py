@@ -13,7 +13,7 @@ from mooncake_cli.context import NamespaceOpt, RedisUrlOpt, err, globals_of, out
 from mooncake_cli.exits import CliError, ExitCode
 
 from mooncake_store.agent.node import Agent
-from mooncake_store.config import format_size, load_config, redact_url
+from mooncake_store.config import agent_flag_overrides, format_size, load_config, redact_url
 
 
 def agent(
@@ -80,27 +80,26 @@ def agent(
     g = globals_of(ctx)
     config = load_config(
         file=config_file,
-        overrides={
-            "redis_url": redis_url or g.redis_url,
-            "namespace": namespace or g.namespace,
-            "agent.host_bytes": host_mem,
-            "agent.node_id": node_id,
-            "agent.listen": listen,
-            "agent.zone": zone,
-            "agent.advertise": advertise,
-            "agent.disk_path": disk,
-            "agent.disk_bytes": disk_mem,
-            "agent.gpu_bytes": gpu_mem,
-            "agent.gpu_id": gpu_id,
-            "agent.high_watermark": high_watermark,
-            "agent.low_watermark": low_watermark,
-            "agent.heartbeat_ttl_s": heartbeat_ttl_s,
-            "agent.reserve_timeout_s": reserve_timeout_s,
-            # A switch that was not given leaves the file's or env's value standing.
-            "agent.prefault": False if no_prefault else None,
-            "agent.spill_to_peers": False if no_spill else None,
-            "agent.spill_shm": False if no_spill_shm else None,
-        },
+        overrides=agent_flag_overrides(
+            redis_url=redis_url or g.redis_url,
+            namespace=namespace or g.namespace,
+            host_bytes=host_mem,
+            node_id=node_id,
+            listen=listen,
+            zone=zone,
+            advertise=advertise,
+            disk=disk,
+            disk_mem=disk_mem,
+            gpu_mem=gpu_mem,
+            gpu_id=gpu_id,
+            high_watermark=high_watermark,
+            low_watermark=low_watermark,
+            heartbeat_ttl_s=heartbeat_ttl_s,
+            reserve_timeout_s=reserve_timeout_s,
+            no_prefault=no_prefault,
+            no_spill=no_spill,
+            no_spill_shm=no_spill_shm,
+        ),
     )
     if not config.redis_url:
         # An agent never falls back to the state file: a node must say which cluster it joins.

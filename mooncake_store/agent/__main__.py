@@ -16,7 +16,7 @@ import threading
 from types import FrameType
 
 from mooncake_store.agent.node import Agent
-from mooncake_store.config import load_config
+from mooncake_store.config import agent_flag_overrides, load_config
 from mooncake_store.errors import ConfigError, MooncakeError
 
 #: Exit codes, as the `mooncake` CLI's (cli/exits.py): 2 for bad input, 1 for any other failure.
@@ -89,26 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(
             file=args.config,
-            overrides={
-                "redis_url": args.redis_url,
-                "namespace": args.namespace,
-                "agent.host_bytes": args.host_bytes,
-                "agent.node_id": args.node_id,
-                "agent.listen": args.listen,
-                "agent.zone": args.zone,
-                "agent.advertise": args.advertise,
-                "agent.heartbeat_ttl_s": args.heartbeat_ttl_s,
-                "agent.reserve_timeout_s": args.reserve_timeout_s,
-                "agent.prefault": False if args.no_prefault else None,
-                "agent.disk_path": args.disk,
-                "agent.disk_bytes": args.disk_mem,
-                "agent.gpu_bytes": args.gpu_mem,
-                "agent.gpu_id": args.gpu_id,
-                "agent.high_watermark": args.high_watermark,
-                "agent.low_watermark": args.low_watermark,
-                "agent.spill_to_peers": False if args.no_spill else None,
-                "agent.spill_shm": False if args.no_spill_shm else None,
-            },
+            overrides=agent_flag_overrides(
+                redis_url=args.redis_url,
+                namespace=args.namespace,
+                host_bytes=args.host_bytes,
+                node_id=args.node_id,
+                listen=args.listen,
+                zone=args.zone,
+                advertise=args.advertise,
+                disk=args.disk,
+                disk_mem=args.disk_mem,
+                gpu_mem=args.gpu_mem,
+                gpu_id=args.gpu_id,
+                high_watermark=args.high_watermark,
+                low_watermark=args.low_watermark,
+                heartbeat_ttl_s=args.heartbeat_ttl_s,
+                reserve_timeout_s=args.reserve_timeout_s,
+                no_prefault=args.no_prefault,
+                no_spill=args.no_spill,
+                no_spill_shm=args.no_spill_shm,
+            ),
         )
         if not config.redis_url:
             raise ConfigError("no Redis URL: pass --redis-url or set MOONCAKE_REDIS_URL")

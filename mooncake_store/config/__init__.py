@@ -25,6 +25,7 @@ never be silently ignored: a misspelt ``host_bytes`` would otherwise leave an ag
 from __future__ import annotations
 
 from mooncake_store.config.loader import (
+    agent_flag_overrides,
     load_config,
 )
 from mooncake_store.config.tree import (
@@ -51,6 +52,7 @@ __all__ = [
     "AgentConfig",
     "ClientConfig",
     "Config",
+    "agent_flag_overrides",
     "format_size",
     "is_ascii_digits",
     "is_wildcard_host",

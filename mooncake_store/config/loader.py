@@ -194,3 +194,49 @@ def load_config(
         client=ClientConfig(**section("client")),
         agent=AgentConfig(**section("agent")),
     )
+
+
+def agent_flag_overrides(
+    *,
+    redis_url: str | None,
+    namespace: str | None,
+    host_bytes: str | None,
+    node_id: str | None,
+    listen: str | None,
+    zone: str | None,
+    advertise: str | None,
+    disk: str | None,
+    disk_mem: str | None,
+    gpu_mem: str | None,
+    gpu_id: int | None,
+    high_watermark: float | None,
+    low_watermark: float | None,
+    heartbeat_ttl_s: float | None,
+    reserve_timeout_s: float | None,
+    no_prefault: bool,
+    no_spill: bool,
+    no_spill_shm: bool,
+) -> dict[str, object]:
+    """The config overrides an agent's command-line flags make, for both entry points (``python -m
+    mooncake_store.agent`` and ``mooncake agent``), so that neither can forget one. A flag not
+    given (None, or a switch left off) leaves the file's or the environment's value standing."""
+    return {
+        "redis_url": redis_url,
+        "namespace": namespace,
+        "agent.host_bytes": host_bytes,
+        "agent.node_id": node_id,
+        "agent.listen": listen,
+        "agent.zone": zone,
+        "agent.advertise": advertise,
+        "agent.disk_path": disk,
+        "agent.disk_bytes": disk_mem,
+        "agent.gpu_bytes": gpu_mem,
+        "agent.gpu_id": gpu_id,
+        "agent.high_watermark": high_watermark,
+        "agent.low_watermark": low_watermark,
+        "agent.heartbeat_ttl_s": heartbeat_ttl_s,
+        "agent.reserve_timeout_s": reserve_timeout_s,
+        "agent.prefault": False if no_prefault else None,
+        "agent.spill_to_peers": False if no_spill else None,
+        "agent.spill_shm": False if no_spill_shm else None,
+    }
