@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -169,3 +170,24 @@ def write_fenced(puts: Any, node: Any, group: list[Any]) -> None:
 def held_fences(agent: Any) -> int:
     """Fences an in-process agent's server holds, over all its connections."""
     return sum(len(s) for s in list(agent.server._fences.values()))
+
+
+def run_in_threads(work: Callable[[int], None], count: int, timeout_s: float = 60.0) -> list[BaseException]:
+    """``work(0)`` .. ``work(count - 1)`` on threads of their own, all at once; the errors they
+    raised. Fails if one is still running after ``timeout_s`` (a hang)."""
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(count)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + timeout_s
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    assert not any(th.is_alive() for th in threads), f"a thread was still running after {timeout_s} s"
+    return errors

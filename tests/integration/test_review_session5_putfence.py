@@ -5,12 +5,11 @@ _fence, _unfence). Real in-process Agents, real sockets, real shm, the real clie
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import held_fences, wait_until
+from helpers import held_fences, run_in_threads, wait_until
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.client.prefix import PrefixCache
@@ -71,20 +70,12 @@ def test_two_same_host_agents_replicas_2(make_peer_agent, clients) -> None:
 def test_concurrent_puts_from_many_threads(make_inproc_agent, clients) -> None:
     agent = make_inproc_agent(host_bytes=64 * MiB, reserve_timeout_s=60.0)
     c = clients(agent, transports=("shm", "tcp"))
-    errors: list[BaseException] = []
 
     def worker(t: int) -> None:
-        try:
-            for i in range(30):
-                c.put_many({f"t{t}-{i}-{j}": np.full(16 * KiB, (t + i + j) % 256, np.uint8) for j in range(4)})
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(30):
+            c.put_many({f"t{t}-{i}-{j}": np.full(16 * KiB, (t + i + j) % 256, np.uint8) for j in range(4)})
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    errors = run_in_threads(worker, 16, timeout_s=120)
     assert not errors, errors[:3]
     for t in range(16):
         assert np.array_equal(c.get(f"t{t}-29-3"), np.full(16 * KiB, (t + 29 + 3) % 256, np.uint8))

@@ -11,15 +11,15 @@ while the pass is under way.
 
 from __future__ import annotations
 
+import functools
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
-from mooncake_store import Client, connect
+from mooncake_store import Client
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.pressure import MAX_PASSES
 from mooncake_store.index.client import BATCH_LIMIT
@@ -31,44 +31,9 @@ CHUNK = 256 * KiB
 
 
 @pytest.fixture
-def ns() -> str:
-    return f"t-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def make_agent(make_inproc_agent: Callable[..., Agent], ns: str) -> Callable[..., Agent]:
-    """In-process Agents sharing one namespace; pressure passes and syncs run only when called."""
-
-    def make(**overrides: object) -> Agent:
-        settings: dict[str, object] = {
-            "node_id": f"rv6e-{uuid.uuid4().hex[:6]}",
-            "heartbeat_interval_s": 600.0,
-            "heartbeat_ttl_s": 1200.0,
-            "reserve_timeout_s": 30.0,
-            "spill_to_peers": False,
-        }
-        settings.update(overrides)
-
-        def prepare(agent: Agent) -> None:
-            agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-
-        return make_inproc_agent(namespace=ns, prepare=prepare, **settings)
-
-    return make
-
-
-@pytest.fixture
-def open_client(redis_url: str, ns: str) -> Iterator[Callable[..., Client]]:
-    made: list[Client] = []
-
-    def make(**kwargs: object) -> Client:
-        c = connect(redis_url, namespace=ns, timeout_s=10, **kwargs)  # type: ignore[arg-type]
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+def make_agent(make_peer_agent: Callable[..., Agent]) -> Callable[..., Agent]:
+    """In-process Agents sharing one namespace, no spills; pressure passes and syncs run only when called."""
+    return functools.partial(make_peer_agent, spill_to_peers=False)
 
 
 def chunk(key: str) -> np.ndarray:
@@ -116,7 +81,7 @@ def used(agent: Agent) -> int:
 
 # ---------------------------------------------------------------------------------------------
 def test_a_read_chain_leaf_does_not_make_a_pass_with_movable_victims_move_nothing(
-    make_agent: Callable[..., Agent], open_client: Callable[..., Client]
+    make_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:
     """DEFECT. 15 of 16 slots (high 90 %, low 75 %: 3 chunks must go). The coldest objects are a
     five-chunk chain; ten independent warmer chunks follow. A reader reads the chain's leaf right
@@ -127,7 +92,7 @@ def test_a_read_chain_leaf_does_not_make_a_pass_with_movable_victims_move_nothin
     returns 0 although 10 movable objects were in its sample, ends the drain and arms the
     fruitless back-off, and the tier stays past its high watermark."""
     agent = make_agent(host_bytes=4 * MiB)
-    client = open_client()
+    client = clients(agent, timeout_s=10)
     chain = [f"cold/{i}" for i in range(5)]
     put_chain(client, chain, agent.node_id)
     time.sleep(0.01)
@@ -149,7 +114,7 @@ def test_a_read_chain_leaf_does_not_make_a_pass_with_movable_victims_move_nothin
 
 
 def test_a_drain_is_not_ended_while_movable_objects_remain(
-    make_agent: Callable[..., Agent], open_client: Callable[..., Client]
+    make_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:
     """DEFECT (the consequence: a drain that stops early for good). 15 of 16 slots: one cold
     loose chunk, then chain A (5), chain B (5), four warm chunks. A reader reads a chain's leaf
@@ -161,7 +126,7 @@ def test_a_drain_is_not_ended_while_movable_objects_remain(
     stays past its low watermark with nine movable chunks there. Before the batch, pass 1 skipped
     the refused leaf, skipped its ancestors and evicted B's leaf and parent instead: 12 of 16."""
     agent = make_agent(host_bytes=4 * MiB)
-    client = open_client()
+    client = clients(agent, timeout_s=10)
     client.put("loose", chunk("loose"), preferred_node=agent.node_id)
     time.sleep(0.01)
     a = [f"A/{i}" for i in range(5)]
@@ -193,14 +158,14 @@ def test_a_drain_is_not_ended_while_movable_objects_remain(
 # ---------------------------------------------------------------------------------------------
 # Regression tests (pass on 711f7c3): what the batch must keep.
 def test_a_failed_leaf_keeps_its_optimistically_freed_parent_and_counts_stay_exact(
-    make_agent: Callable[..., Agent], open_client: Callable[..., Client]
+    make_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:
     """Chain safety and statistics with a refusal inside the batch: whatever the walk's optimistic
     children_gone said, a parent whose child is still there is not evicted (PARENT), the per-tier
     'evictions' counter and the index's stats count only what went, and every object left is whole
     and its chain prefix-closed."""
     agent = make_agent(host_bytes=4 * MiB)
-    client = open_client()
+    client = clients(agent, timeout_s=10)
     chain = [f"c/{i}" for i in range(5)]
     put_chain(client, chain, agent.node_id)
     time.sleep(0.01)
@@ -223,13 +188,13 @@ def test_a_failed_leaf_keeps_its_optimistically_freed_parent_and_counts_stay_exa
 
 
 def test_evict_many_keeps_order_across_batch_limit_chunks_and_odd_keys(
-    make_agent: Callable[..., Agent], open_client: Callable[..., Client]
+    make_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:
     """RedisIndex.evict_many splits at BATCH_LIMIT: a leaf at the end of one call lets its parent,
     the first entry of the next call, go; a parent before its leaf is refused; keys with spaces,
     quotes, braces, commas, '%' and non-ASCII text are matched exactly; one status per entry."""
     agent = make_agent(host_bytes=4 * MiB)
-    client = open_client()
+    client = clients(agent, timeout_s=10)
     odd = ['a b "c" {d}', "e,f%g", "ключ/ü", "x]\\y"]
     small = np.zeros(1024, np.uint8)
     client.put_many({"p": small}, chain_pos={"p": 0}, preferred_node=agent.node_id)
@@ -250,14 +215,14 @@ def test_evict_many_keeps_order_across_batch_limit_chunks_and_odd_keys(
 
 
 def test_a_replicated_parent_goes_here_but_its_last_replica_is_refused_in_the_same_batch(
-    make_agent: Callable[..., Agent], open_client: Callable[..., Client]
+    make_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:
     """Multi-replica objects: a parent with a readable copy on another node may lose this node's
     copy while its child stays; the other node's batch, which would take the last copy, is refused
     (PARENT) while the child is there, and goes once the child went earlier in that batch."""
     a = make_agent(host_bytes=8 * MiB)
     b = make_agent(host_bytes=8 * MiB)
-    client = open_client()
+    client = clients(a, timeout_s=10)
     client.put_many({"p": chunk("p")}, chain_pos={"p": 0}, replicas=2)
     client.put_many({"c": chunk("c")}, chain_pos={"c": 1}, chain_parent={"c": "p"}, preferred_node=b.node_id)
     reps = {r.node_id: r.alloc_id for r in client.object_meta("p").replicas}  # type: ignore[union-attr]

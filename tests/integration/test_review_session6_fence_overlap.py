@@ -8,14 +8,13 @@ sockets, real shm, the real index; faults are injected around the component, nev
 from __future__ import annotations
 
 import socket
-import threading
 import time
 import uuid
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import held_fences, wait_until
+from helpers import held_fences, run_in_threads, wait_until
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
@@ -291,23 +290,13 @@ def test_many_threads_two_same_host_agents_replicas_2(make_peer_agent, clients) 
     a = make_peer_agent(host_bytes=32 * MiB, spill_to_peers=False)
     b = make_peer_agent(host_bytes=32 * MiB, spill_to_peers=False)
     c = clients(a, transports=("shm", "tcp"))
-    errors: list[BaseException] = []
 
     def worker(t: int) -> None:
-        try:
-            for i in range(10):
-                c.put_many(
-                    {f"t{t}-{i}-{j}": np.full(8 * KiB, (t * 7 + i + j) % 256, np.uint8) for j in range(3)}, replicas=2
-                )
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(10):
+            batch = {f"t{t}-{i}-{j}": np.full(8 * KiB, (t * 7 + i + j) % 256, np.uint8) for j in range(3)}
+            c.put_many(batch, replicas=2)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not any(th.is_alive() for th in threads), "a put hung"
+    errors = run_in_threads(worker, 16, timeout_s=60)
     assert not errors, errors[:3]
     for t in range(16):
         key = f"t{t}-9-2"
