@@ -175,9 +175,6 @@ class LocalMoves:
         status = self.agent.index.move_replica(key, old_node=self.agent.node_id, old_alloc_id=old_alloc_id, new=new)
         return status == "OK"
 
-    def evict(self, victim: EvictionCandidate, tier: TierKind) -> bool:
-        return self.evict_many([victim], tier)[0]
-
     def evict_many(self, victims: list[EvictionCandidate], tier: TierKind) -> list[bool]:
         """Drop these replicas of ``tier`` in one index round trip, in order; per victim whether it
         went (not pinned, read, replaced or cut from its chain since the sample chose it)."""

@@ -65,8 +65,8 @@ class _PassState:
     #: are that much too high, and a parent whose last child went is a leaf now (evict.lua still
     #: checks atomically, so a count too low here cannot cut a chain).
     children_gone: Counter[str] = field(default_factory=Counter)
-    #: Victims to evict, in the order the pass chose them: one index round trip at the end of the
-    #: pass for all of them (evict.lua takes them in order, so a leaf goes before its parent).
+    #: Victims to evict, in the order the pass chose them, sent in one index round trip once the
+    #: pass has chosen enough (evict.lua takes them in order, so a leaf goes before its parent).
     evictions: list[SpillJob] = field(default_factory=list)
 
 
@@ -230,7 +230,8 @@ class PressureManager:
             self._spiller.retain(peers)
         state = _PassState(peers=peers)
         # Spills are planned during the walk and carried out afterwards, batched per peer
-        # (agent/spill.py); demotions and evictions happen as the walk meets them.
+        # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
+        # in batches (_evict_queued).
         spills: dict[str, list[SpillJob]] = {}
         moved = planned = 0
         # Walk the whole cold-first order: a victim that may not leave (a chain chunk that others

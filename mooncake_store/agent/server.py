@@ -394,7 +394,7 @@ class AgentServer:
         if not 0 < count <= frames.MAX_BATCH:
             self._reply(conn, op, Status.BAD_REQUEST)
             return None
-        return [x for (x,) in frames.U64.iter_unpack(frames.recv_exact(conn, frames.U64.size * count))]
+        return frames.unpack_ids(frames.recv_exact(conn, frames.U64.size * count))
 
     def _free(self, conn: socket.socket, count: int) -> bool:
         ids = self._ids(conn, Op.FREE, count)

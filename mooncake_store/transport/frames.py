@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
+from collections.abc import Sequence
 from enum import IntEnum
 
 from mooncake_store.errors import InvalidValue, ProtocolError, TransferError
@@ -92,6 +93,19 @@ def pack_reserve_entry(size: int, put_id: bytes) -> bytes:
         raise InvalidValue(
             f"reservation size {size} (0..2**64-1) or put id {put_id!r:.40} does not fit: {exc}"
         ) from None
+
+
+def pack_ids(alloc_ids: Sequence[int]) -> bytes:
+    """The payload of a FREE, FENCE or UNFENCE frame: one u64 per alloc id."""
+    try:
+        return struct.pack(f"<{len(alloc_ids)}Q", *alloc_ids)
+    except struct.error as exc:
+        raise InvalidValue(f"alloc ids must be ints in 0..2**64-1: {exc}") from None
+
+
+def unpack_ids(raw: bytes | bytearray | memoryview) -> list[int]:
+    """The alloc ids of a FREE, FENCE or UNFENCE payload."""
+    return [x for (x,) in U64.iter_unpack(raw)]
 
 
 def unpack(raw: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int]:

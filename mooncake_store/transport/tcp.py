@@ -211,7 +211,7 @@ class PeerConnections:
 
     def free(self, alloc_ids: Sequence[int]) -> int:
         def run(sock: socket.socket, ids: Sequence[int]) -> int:
-            payload = b"".join(frames.U64.pack(a) for a in ids)
+            payload = frames.pack_ids(ids)
             frames.send_all(sock, frames.pack(Op.FREE, len(ids)), memoryview(payload))
             _status, freed, _, _ = self._reply(sock, Op.FREE)
             return freed
@@ -340,19 +340,8 @@ class Fence:
         if sock is not None:
             sock.close()
 
-    def _live(self) -> socket.socket:
-        if self._sock is None:
-            raise TransferError(f"the fence's connection to agent at {self._peer.endpoint} is closed")
-        return self._sock
-
     def _send(self, op: Op, ids: list[int]) -> None:
-        payload = b"".join(frames.U64.pack(x) for x in ids)
-        sock = self._live()
-        try:
-            self._peer._on(sock, frames.send_all, frames.pack(op, len(ids)), memoryview(payload))
-        except BaseException:
-            self._sock = None  # _on closed it
-            raise
+        self._use(frames.send_all, frames.pack(op, len(ids)), memoryview(frames.pack_ids(ids)))
 
     def _read(self, op: Op, count: int) -> tuple[int, list[bool]]:
         def run(sock: socket.socket) -> tuple[int, list[bool]]:
@@ -362,13 +351,19 @@ class Fence:
                 raise ProtocolError(f"agent at {where} answered {op.name} with status {status}, {got} ids")
             return a, [bool(x) for x in frames.recv_exact(sock, count)]
 
-        sock = self._live()
-        try:
-            result: tuple[int, list[bool]] = self._peer._on(sock, run)
-        except BaseException:
-            self._sock = None  # _on closed it
-            raise
+        result: tuple[int, list[bool]] = self._use(run)
         return result
+
+    def _use(self, func, *args):  # type: ignore[no-untyped-def]
+        """``func(sock, *args)`` on the held connection; on an error it is closed (PeerConnections._on)
+        and the Fence holds none any more."""
+        if self._sock is None:
+            raise TransferError(f"the fence's connection to agent at {self._peer.endpoint} is closed")
+        try:
+            return self._peer._on(self._sock, func, *args)
+        except BaseException:
+            self._sock = None
+            raise
 
 
 class TcpTransport:

@@ -170,5 +170,5 @@ def test_eviction_refuses_an_object_read_after_the_sample_was_taken(
     (victim,) = [c for c in agent.index.victim_candidates(agent.node_id, "host") if c.key == "obj"]
     assert victim.lease_until_ms <= agent.index.server_time_ms()  # cold when sampled
     assert np.array_equal(client.get("obj"), chunk("obj"))  # read now: a live lease
-    evicted = agent.pressure.moves.evict(victim, TierKind.HOST)
+    (evicted,) = agent.pressure.moves.evict_many([victim], TierKind.HOST)
     assert not evicted and client.exists("obj"), "an object under a live read lease was evicted"

@@ -49,3 +49,13 @@ def test_fields_that_do_not_fit_a_frame_are_invalid_value() -> None:
         frames.pack(frames.Op.READ, 0, 1, 1 << 64, 5)
     with pytest.raises(InvalidValue, match="reservation size -5"):
         frames.pack_reserve_entry(-5, b"x" * 16)
+
+
+def test_id_lists_round_trip_and_refuse_what_does_not_fit() -> None:
+    ids = [0, 1, 2**63, 2**64 - 1]
+    assert frames.unpack_ids(frames.pack_ids(ids)) == ids
+    assert frames.pack_ids([]) == b""
+    with pytest.raises(InvalidValue, match="alloc ids"):
+        frames.pack_ids([2**64])
+    with pytest.raises(InvalidValue, match="alloc ids"):
+        frames.pack_ids([-1])
