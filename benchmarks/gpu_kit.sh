@@ -38,11 +38,13 @@ run() {
     # tee's status would hide the command's: each step's own exit code is taken from PIPESTATUS[0],
     # and the script fails if any step did (every step still runs, so all results come back).
     local failed=()
-    python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/integration/test_gpu_unavailable.py 2>&1 \
+    # Bounded per test and in all, so one hang cannot spend the session's device time.
+    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --timeout=90 --durations=15 \
+        tests/gpu tests/integration/test_gpu_unavailable.py 2>&1 \
         | tee "$out/tests_gpu.txt"
     local rc=${PIPESTATUS[0]}
     ((rc == 0)) || failed+=("tests/gpu (exit $rc)")
-    (cd benchmarks && timeout 240 python3 gpu.py --json "$out/gpu_bench.json" 2>&1) | tee "$out/gpu_bench.md"
+    (cd benchmarks && timeout 150 python3 gpu.py --json "$out/gpu_bench.json" 2>&1) | tee "$out/gpu_bench.md"
     rc=${PIPESTATUS[0]}
     ((rc == 0)) || failed+=("benchmarks/gpu.py (exit $rc)")
     if [[ "${1:-}" == "all" ]]; then
