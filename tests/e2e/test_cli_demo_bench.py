@@ -68,7 +68,9 @@ def _bench_keys(cli: Mooncake) -> list[str]:
 
 
 def test_bench_ctrl_c_removes_its_keys(cluster_cli: Mooncake) -> None:
-    proc = cluster_cli.popen("bench", "--seconds", "3", "--sizes", "64KiB", "--transport", "tcp")
+    # Long enough that the run cannot end on its own before the signal lands, even when each
+    # `mooncake ls` below takes seconds on a loaded machine (with 3 s it sometimes did: exit 0).
+    proc = cluster_cli.popen("bench", "--seconds", "60", "--sizes", "64KiB", "--transport", "tcp")
     try:
         deadline = time.monotonic() + 30
         while not _bench_keys(cluster_cli):  # the put loop has started
