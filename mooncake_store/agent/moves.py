@@ -198,14 +198,12 @@ class LocalMoves:
         # The agent's own move target: committed at once, so no reservation timeout can free it
         # between the copy and the swap; it is freed below if the swap does not happen.
         agent.table.commit([alloc.alloc_id])
-        view = agent.arena.view(alloc.offset, victim.size_bytes)
         try:
-            agent.gpu.read_to_host(gpu_offset, view)
+            with agent.arena.device_view(alloc.offset, victim.size_bytes) as view:
+                agent.gpu.read_to_host(gpu_offset, view)
         except Exception:
             agent.table.free([alloc.alloc_id])
             raise
-        finally:
-            view.release()
         if not self._swap_to_host_block(victim.key, victim.alloc_id, alloc.offset, alloc.alloc_id, victim.size_bytes):
             return False
         self.count(TierKind.GPU, "demotions")

@@ -106,6 +106,8 @@ class Agent:
                 self.gpu_table = AllocationTable(
                     config.gpu_bytes, reserve_timeout_s=config.reserve_timeout_s, ids=self.table.ids
                 )
+                # Demotions copy GPU blocks into the host arena: pinned, they run at DMA speed.
+                self.arena.pin_for_devices()
             self.pressure = PressureManager(self)
             self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0, hooks=self)
         except BaseException:
@@ -356,6 +358,7 @@ class Agent:
                         "gpu_id": str(self.gpu.device_id),
                         "gpu_ipc": self.gpu.ipc_handle.hex(),
                         "gpu_pci": self.gpu.pci_bus_id,
+                        "host_pinned": "1" if self.arena.pinned else "0",
                     }
                     if self.gpu
                     else {}

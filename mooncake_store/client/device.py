@@ -271,11 +271,10 @@ def _read_replica_to_device(
                     through_agent(node, replica)
             elif kind == TransportKind.SHM:
                 seg = client._shm.segment(node.shm_name, client._arena_bytes(node))
-                view = seg.view(replica.offset, n)
-                try:
+                if client.config.pin_shared_arenas:
+                    seg.pin_for_devices()
+                with seg.device_view(replica.offset, n) as view:
                     memcpy(dest, host_pointer(view), n, dest_device)
-                finally:
-                    view.release()
             else:
                 through_agent(node, replica)
             return replica

@@ -30,6 +30,9 @@ class ClientConfig:
     io_threads: int = 8  # runs the futures of get_async/put_async
     max_retries: int = 3
     verify_checksum: bool = False
+    # Device reads of same-host host-tier objects page-lock the agent's mapped arena on first use
+    # (cudaHostRegister, a one-time cost per arena): host to device then runs at DMA speed.
+    pin_shared_arenas: bool = True
     # The writer's topology zone: placement prefers the least loaded node of this zone. Also read
     # from MOONCAKE_ZONE (loader._ENV_ALIASES), the variable the client used before this field.
     zone: str = "default"

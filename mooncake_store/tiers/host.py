@@ -10,14 +10,18 @@ exiting would delete the agent's arena. Plain ``os.open`` + ``mmap`` has no such
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import logging
 import mmap
 import os
 import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from mooncake_store.errors import (
     ConnectError,
@@ -26,6 +30,11 @@ from mooncake_store.errors import (
     NoCapacity,
     ProtocolError,
 )
+
+if TYPE_CHECKING:
+    from mooncake_store.tiers.gpu_arrays import PinnedHost
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 
@@ -82,7 +91,7 @@ def _check_size(size_bytes: object) -> int:
 class _Mapping:
     """A read-write ``MAP_SHARED`` mapping of a file in ``/dev/shm``; shared by both sides."""
 
-    __slots__ = ("_base", "_mm", "name", "path", "size_bytes")
+    __slots__ = ("_base", "_mm", "_pin", "_pin_lock", "_pin_refused", "name", "path", "size_bytes")
 
     def __init__(self, name: str, path: Path, size_bytes: int, mm: mmap.mmap) -> None:
         self.name = name
@@ -92,6 +101,9 @@ class _Mapping:
         # Views are sliced from one base memoryview rather than memoryview(mm) each time, so the
         # mapping has one export to release at close.
         self._base: memoryview | None = memoryview(mm)
+        self._pin: PinnedHost | None = None
+        self._pin_refused = False
+        self._pin_lock = threading.Lock()
 
     @property
     def closed(self) -> bool:
@@ -112,10 +124,53 @@ class _Mapping:
             )
         return base[offset : offset + length]
 
+    @property
+    def pinned(self) -> bool:
+        pin = self._pin
+        return pin is not None and pin.registered
+
+    def pin_for_devices(self) -> bool:
+        """Page-lock the whole mapping for CUDA copies (once; the first call pays for it, about
+        what touching every page costs). False where CUDA refuses: device copies then stay
+        pageable, and the reason is logged once. Only called on paths that already use CUDA."""
+        with self._pin_lock:
+            if self._pin is not None:
+                return True
+            base = self._base
+            if self._pin_refused or base is None:
+                return False
+            from mooncake_store.tiers.gpu_arrays import PinnedHost, host_pointer
+
+            try:
+                self._pin = PinnedHost(host_pointer(base), self.size_bytes)
+            except MooncakeError as exc:
+                self._pin_refused = True
+                log.warning("device copies through %s stay pageable: %s", self.path, exc)
+                return False
+            return True
+
+    @contextlib.contextmanager
+    def device_view(self, offset: int, length: int) -> Iterator[memoryview]:
+        """:meth:`view` for a CUDA copy: close() unpins only once the copy is done with it."""
+        pin = self._pin
+        view = self.view(offset, length)
+        try:
+            if pin is None:
+                yield view
+            else:
+                with pin.in_use():
+                    yield view
+        finally:
+            view.release()
+
     def _unmap(self) -> None:
-        base, mm = self._base, self._mm
-        self._base = None
-        self._mm = None
+        with self._pin_lock:  # no pinning starts on a mapping going away
+            base, mm, pin = self._base, self._mm, self._pin
+            self._base = None
+            self._mm = None
+            self._pin = None
+        if pin is not None:
+            pin.close()  # before the unmap: a later mapping at this address must not inherit it
         if base is not None:
             base.release()
         if mm is not None:
