@@ -107,7 +107,7 @@ class Agent:
                     config.gpu_bytes, reserve_timeout_s=config.reserve_timeout_s, ids=self.table.ids
                 )
                 # Demotions copy GPU blocks into the host arena: pinned, they run at DMA speed.
-                self.arena.pin_for_devices()
+                self.arena.pin_for_devices(config.gpu_id)
             self.pressure = PressureManager(self)
             self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0, hooks=self)
         except BaseException:

@@ -272,9 +272,15 @@ def _read_replica_to_device(
             elif kind == TransportKind.SHM:
                 seg = client._shm.segment(node.shm_name, client._arena_bytes(node))
                 if client.config.pin_shared_arenas:
-                    seg.pin_for_devices()
-                with seg.device_view(replica.offset, n) as view:
-                    memcpy(dest, host_pointer(view), n, dest_device)
+                    seg.pin_for_devices(dest_device)
+                try:
+                    with seg.device_view(replica.offset, n) as view:
+                        memcpy(dest, host_pointer(view), n, dest_device)
+                except MooncakeError as exc:
+                    if not seg.closed:
+                        raise
+                    # Unmapped meanwhile (its agent left the node table): the next replica, if any.
+                    raise TransferError(f"{node.shm_name} was unmapped during the read: {exc}") from None
             else:
                 through_agent(node, replica)
             return replica

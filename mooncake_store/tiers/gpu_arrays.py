@@ -11,18 +11,25 @@ pointers apart), so one call serves host-to-device, device-to-host and device-to
 source or destination may be any buffer, the agent's shared-memory arena included: a same-host
 ``get(key, device="cuda:0")`` of a host-tier object is one copy from the arena into device memory.
 
-Every copy is issued on the legacy default stream of the device that owns the device side and the
-host waits for it before :func:`memcpy` returns. That wait is what makes the bytes safe to publish:
-a device-to-device copy returns before it has run, and a host-to-device copy from pageable memory
-returns once the source is staged, not written (CUDA runtime API, "API synchronization behavior").
-Another process reading the arena through its IPC handle has no stream order with ours, so a put
-must not commit, and a demotion must not swap, until the copy has landed.
+Every copy is issued on a non-blocking stream of the calling thread's own, on the device that owns
+the device side, and the host waits for it before :func:`memcpy` returns. That wait is what makes
+the bytes safe to publish: a device-to-device copy returns before it has run, and a host-to-device
+copy from pageable memory returns once the source is staged, not written (CUDA runtime API, "API
+synchronization behavior"). Another process reading the arena through its IPC handle has no stream
+order with ours, so a put must not commit, and a demotion must not swap, until the copy has landed.
+
+The stream is non-blocking so that a copy neither waits for nor holds up kernels that other threads
+(an engine's forward pass, say) queued on the legacy default stream: a loader thread pulls chunks
+while the model computes. The order with the caller's own work comes from
+:func:`describe_device_array`, which waits for the stream the caller's array names (a source's
+producer, a destination's pending readers) before the copy is issued.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,10 +39,10 @@ import numpy as np
 
 from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity, TransferError
 
+log = logging.getLogger(__name__)
+
 #: cudaMemcpyDefault
 MEMCPY_DEFAULT = 4
-#: cudaStreamLegacy: the legacy default stream, whatever the caller's per-thread-stream setting.
-STREAM_LEGACY = 1
 BFLOAT16 = "bfloat16"
 #: cudaHostRegisterPortable: the range counts as pinned in every CUDA context of the process.
 HOST_REGISTER_PORTABLE = 1
@@ -212,19 +219,39 @@ def host_pointer(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
+_per_thread = threading.local()
+
+
+def copy_stream(cupy: Any) -> int:
+    """This thread's copy stream on the current device (a ``cudaStreamNonBlocking`` stream, made on
+    first use and kept for the thread's life): streams are per device, and one per thread keeps
+    concurrent copies of one process from queueing behind each other."""
+    streams: dict[int, Any] | None = getattr(_per_thread, "streams", None)
+    if streams is None:
+        streams = _per_thread.streams = {}
+    device_id = int(cupy.cuda.runtime.getDevice())
+    stream = streams.get(device_id)
+    if stream is None:
+        stream = streams[device_id] = cupy.cuda.Stream(non_blocking=True)
+    return int(stream.ptr)
+
+
 def memcpy(dst_ptr: int, src_ptr: int, nbytes: int, device_id: int | None = None) -> None:
     """Copy ``nbytes`` between any two pointers (host or device) and wait until they have landed.
 
     ``device_id`` is the device that owns the device side of the copy; it is made current for the
-    copy so that the stream waited for is the one the copy ran on."""
+    copy so that the stream waited for is the one the copy ran on. The copy is not ordered after
+    work queued on any other stream, the default one included: callers with device arrays get
+    that order from :func:`describe_device_array`, which waits for the stream the array names."""
     if nbytes <= 0:
         return
     cuda_error = _cuda_error()
     try:
         with _on_device(device_id) as cupy:
             runtime = cupy.cuda.runtime
-            runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, MEMCPY_DEFAULT, STREAM_LEGACY)
-            runtime.streamSynchronize(STREAM_LEGACY)
+            stream = copy_stream(cupy)
+            runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, MEMCPY_DEFAULT, stream)
+            runtime.streamSynchronize(stream)
     except cuda_error as exc:
         raise TransferError(f"CUDA copy of {nbytes} B (0x{src_ptr:x} -> 0x{dst_ptr:x}) failed: {exc}") from None
 
@@ -234,51 +261,41 @@ class PinnedHost:
     device run by DMA at the bus's speed: from pageable memory the driver stages every copy through
     a bounce buffer of its own (an H200 moved 7-12 GB/s host to device that way).
 
-    The range must be unregistered before it is unmapped, never after, and never while a copy
-    through it runs: :meth:`close` waits for the copies counted by :meth:`in_use`. A copy that
-    starts after :meth:`close` still works (cudaMemcpyDefault takes pageable memory too); it is
-    only slower."""
+    Registered while ``device_id`` is current (the device its copies go to: pinning on another would
+    create a CUDA context there), and portable, so every context of the process sees it. Whoever
+    owns the range unregisters it (:meth:`close`) before unmapping it and once no copy through it
+    runs (:class:`mooncake_store.tiers.host._Mapping` counts them): a later mapping at the same
+    address must not inherit the registration."""
 
-    def __init__(self, pointer: int, nbytes: int) -> None:
-        cupy = _cupy()
+    def __init__(self, pointer: int, nbytes: int, device_id: int | None = None) -> None:
         try:
-            cupy.cuda.runtime.hostRegister(pointer, nbytes, HOST_REGISTER_PORTABLE)
+            with _on_device(device_id) as cupy:
+                cupy.cuda.runtime.hostRegister(pointer, nbytes, HOST_REGISTER_PORTABLE)
         except _cuda_error() as exc:  # e.g. a sandbox that refuses to lock pages
             raise GpuUnavailable(f"cannot pin {nbytes} B of host memory at 0x{pointer:x} for CUDA: {exc}") from None
         self.pointer = pointer
         self.nbytes = nbytes
+        self.device_id = device_id
         self._registered = True
-        self._copies = 0
-        self._idle = threading.Condition()
+        self._lock = threading.Lock()
 
     @property
     def registered(self) -> bool:
         return self._registered
 
-    @contextlib.contextmanager
-    def in_use(self) -> Iterator[None]:
-        """Around each device copy through the range: close() waits for it."""
-        with self._idle:
-            self._copies += 1
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._copies -= 1
-                if not self._copies:
-                    self._idle.notify_all()
-
     def close(self) -> None:
-        """Unregister, once no copy through the range runs. There is no timeout: a copy is one
-        synchronous cudaMemcpy, and unregistering under a running DMA, or unmapping a range still
-        registered (a later mapping at that address would inherit it), is worse than waiting."""
-        with self._idle:
+        """Unregister (once). A failure is logged: it means CUDA's context is gone (the process is
+        exiting; the registration went with it) or CUDA itself failed, and either way the caller
+        unmaps next."""
+        with self._lock:
             if not self._registered:
                 return
             self._registered = False
-            self._idle.wait_for(lambda: self._copies == 0)
-            with contextlib.suppress(Exception):  # a CUDA context already torn down at exit
-                _cupy().cuda.runtime.hostUnregister(self.pointer)
+            try:
+                with _on_device(self.device_id) as cupy:
+                    cupy.cuda.runtime.hostUnregister(self.pointer)
+            except Exception as exc:
+                log.warning("unpinning %d B at 0x%x failed: %s", self.nbytes, self.pointer, exc)
 
 
 def empty_device_array(nbytes: int, device: str | int) -> Any:

@@ -18,6 +18,7 @@ import mmap
 import os
 import re
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -91,7 +92,19 @@ def _check_size(size_bytes: object) -> int:
 class _Mapping:
     """A read-write ``MAP_SHARED`` mapping of a file in ``/dev/shm``; shared by both sides."""
 
-    __slots__ = ("_base", "_mm", "_pin", "_pin_lock", "_pin_refused", "name", "path", "size_bytes")
+    __slots__ = (
+        "__weakref__",
+        "_base",
+        "_device_copies",
+        "_mm",
+        "_pin",
+        "_pin_cond",
+        "_pin_refused",
+        "_unpin",
+        "name",
+        "path",
+        "size_bytes",
+    )
 
     def __init__(self, name: str, path: Path, size_bytes: int, mm: mmap.mmap) -> None:
         self.name = name
@@ -103,7 +116,12 @@ class _Mapping:
         self._base: memoryview | None = memoryview(mm)
         self._pin: PinnedHost | None = None
         self._pin_refused = False
-        self._pin_lock = threading.Lock()
+        #: Guards the pinning and counts the device copies through views of this mapping: the
+        #: close unpins only once none runs.
+        self._pin_cond = threading.Condition()
+        self._device_copies = 0
+        #: Unpins once, from close() or when the mapping is collected without one.
+        self._unpin: weakref.finalize | None = None
 
     @property
     def closed(self) -> bool:
@@ -122,18 +140,22 @@ class _Mapping:
             raise InvalidValue(
                 f"view offset={offset} length={length} is outside segment {self.name} of size {self.size_bytes} B"
             )
-        return base[offset : offset + length]
+        try:
+            return base[offset : offset + length]
+        except ValueError:  # released by a close() in another thread since it was read above
+            raise MooncakeError(f"segment {self.path} is closed") from None
 
     @property
     def pinned(self) -> bool:
         pin = self._pin
         return pin is not None and pin.registered
 
-    def pin_for_devices(self) -> bool:
-        """Page-lock the whole mapping for CUDA copies (once; the first call pays for it, about
-        what touching every page costs). False where CUDA refuses: device copies then stay
-        pageable, and the reason is logged once. Only called on paths that already use CUDA."""
-        with self._pin_lock:
+    def pin_for_devices(self, device_id: int | None = None) -> bool:
+        """Page-lock the whole mapping for CUDA copies to and from ``device_id`` (once; the first
+        call pays for it, about what touching every page costs). False where CUDA refuses: device
+        copies then stay pageable, and the reason is logged once. Only called on paths that
+        already use CUDA."""
+        with self._pin_cond:
             if self._pin is not None:
                 return True
             base = self._base
@@ -142,35 +164,49 @@ class _Mapping:
             from mooncake_store.tiers.gpu_arrays import PinnedHost, host_pointer
 
             try:
-                self._pin = PinnedHost(host_pointer(base), self.size_bytes)
+                pin = PinnedHost(host_pointer(base), self.size_bytes, device_id)
             except MooncakeError as exc:
                 self._pin_refused = True
                 log.warning("device copies through %s stay pageable: %s", self.path, exc)
                 return False
+            self._pin = pin
+            # A mapping dropped without close() is unpinned when collected, before its slots (the
+            # mmap) go: the pages must never be unmapped while registered.
+            self._unpin = weakref.finalize(self, pin.close)
             return True
 
     @contextlib.contextmanager
     def device_view(self, offset: int, length: int) -> Iterator[memoryview]:
-        """:meth:`view` for a CUDA copy: close() unpins only once the copy is done with it."""
-        pin = self._pin
-        view = self.view(offset, length)
+        """:meth:`view` for a CUDA copy, counted whether the mapping is pinned yet or not, so that
+        close() unpins only once the copy is done with it. A thread must not close the mapping
+        while it holds one of these (the close would wait for it)."""
+        with self._pin_cond:
+            self._device_copies += 1
         try:
-            if pin is None:
+            view = self.view(offset, length)
+            try:
                 yield view
-            else:
-                with pin.in_use():
-                    yield view
+            finally:
+                view.release()
         finally:
-            view.release()
+            with self._pin_cond:
+                self._device_copies -= 1
+                if not self._device_copies:
+                    self._pin_cond.notify_all()
 
     def _unmap(self) -> None:
-        with self._pin_lock:  # no pinning starts on a mapping going away
-            base, mm, pin = self._base, self._mm, self._pin
-            self._base = None
+        with self._pin_cond:
+            base, mm, unpin = self._base, self._mm, self._unpin
+            self._base = None  # no view (device or not) starts from here on
             self._mm = None
             self._pin = None
-        if pin is not None:
-            pin.close()  # before the unmap: a later mapping at this address must not inherit it
+            self._unpin = None
+            if unpin is not None:
+                # No timeout: a copy is one synchronous cudaMemcpy, and unpinning under a running
+                # DMA, or unmapping a range still registered, is worse than waiting.
+                self._pin_cond.wait_for(lambda: self._device_copies == 0)
+        if unpin is not None:
+            unpin()  # before the unmap: a later mapping at this address must not inherit it
         if base is not None:
             base.release()
         if mm is not None:

@@ -4,6 +4,7 @@ object, and every pinning is undone before its mapping goes away, once the copie
 
 from __future__ import annotations
 
+import gc
 import threading
 import uuid
 
@@ -13,7 +14,7 @@ from helpers import run_in_threads
 
 from mooncake_store import Client, LocalCluster, MooncakeError, connect
 from mooncake_store.tiers.gpu_arrays import host_pointer, memcpy
-from mooncake_store.tiers.host import HostArena
+from mooncake_store.tiers.host import HostArena, SharedSegment
 
 MiB = 1 << 20
 #: cudaPointerAttributes.type: cudaMemoryTypeUnregistered, cudaMemoryTypeHost
@@ -38,10 +39,14 @@ def test_arena_pins_copies_and_unpins_before_unmap(cupy) -> None:  # type: ignor
             assert memory_type(cupy, base) == REGISTERED_HOST
             data = np.random.default_rng(round_).integers(0, 256, 3 * MiB, dtype=np.uint8)
             dev = cupy.asarray(data)
+            # memcpy takes raw pointers and copies on a stream of its own: work the caller queued
+            # on the default stream (this upload, the memset below) is the caller's to wait for.
+            cupy.cuda.Stream.null.synchronize()
             with arena.device_view(MiB, 3 * MiB) as view:  # device to pinned host
                 memcpy(host_pointer(view), int(dev.data.ptr), 3 * MiB, 0)
                 assert np.array_equal(np.frombuffer(view, np.uint8), data)
             back = cupy.zeros(3 * MiB, dtype=cupy.uint8)
+            cupy.cuda.Stream.null.synchronize()
             with arena.device_view(MiB, 3 * MiB) as view:  # and pinned host to device
                 memcpy(int(back.data.ptr), host_pointer(view), 3 * MiB, 0)
             assert np.array_equal(cupy.asnumpy(back), data)
@@ -49,6 +54,23 @@ def test_arena_pins_copies_and_unpins_before_unmap(cupy) -> None:  # type: ignor
             arena.close()
         assert not arena.pinned
         assert memory_type(cupy, base) == UNREGISTERED  # unregistered, then unmapped
+
+
+def test_a_pinned_mapping_dropped_without_close_is_unpinned(cupy) -> None:  # type: ignore[no-untyped-def]
+    """A client dropped without close() must not leave its mapping of an agent's arena registered
+    after the pages are unmapped: the next mapping at that address would inherit it."""
+    arena = new_arena(8 * MiB)
+    try:
+        segment = SharedSegment.attach(arena.name, arena.size_bytes)
+        assert segment.pin_for_devices(0)
+        with segment.device_view(0, 1) as first:
+            base = host_pointer(first)
+        assert memory_type(cupy, base) == REGISTERED_HOST
+        del segment, first
+        gc.collect()
+        assert memory_type(cupy, base) == UNREGISTERED
+    finally:
+        arena.close()
 
 
 def test_close_waits_for_the_copies_through_the_pinning(cupy) -> None:  # type: ignore[no-untyped-def]
