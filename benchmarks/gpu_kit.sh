@@ -6,6 +6,7 @@
 #   here:   bash benchmarks/gpu_kit.sh prepare   # wheels for Python 3.12 x86-64 into .whl/ (~8 MB)
 #   there:  bash benchmarks/gpu_kit.sh run       # install them, run tests/gpu and benchmarks/gpu.py
 #           bash benchmarks/gpu_kit.sh run all   # ... and the whole suite as well
+#           bash benchmarks/gpu_kit.sh spill     # benchmarks/tiers.py --spill-only on its CPUs
 #
 # With the device tool: run(command="bash benchmarks/gpu_kit.sh run", carry=[".whl"], timeout_s=500).
 # Results go to $OUT (the device tool brings that folder back), else to /tmp/gpu-kit:
@@ -24,15 +25,31 @@ prepare() {
     ls -la .whl
 }
 
-run() {
-    local out="${OUT:-/tmp/gpu-kit}"
-    mkdir -p "$out"
+install() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "installing the carried wheels failed" | tee "$out/device.txt"; return 1; }
+        || { echo "installing the carried wheels failed" | tee "$1/device.txt"; return 1; }
     # The project from the tree itself (agents start as `python -m mooncake_store.agent`, which
     # inherits this path); the CLI package lives in cli/ and installs as mooncake_cli.
     mkdir -p /tmp/mc-path && ln -sfn "$PWD/cli" /tmp/mc-path/mooncake_cli
     export PYTHONPATH="/tmp/site:$PWD:/tmp/mc-path" PYTHONUNBUFFERED=1
+}
+
+# The spill benchmark on the lent machine's 16 CPUs (it needs no GPU): on the 2-vCPU development
+# VM the spill's copies and its per-object work share two CPUs. Quick first, then full size.
+spill() {
+    local out="${OUT:-/tmp/gpu-kit}"
+    mkdir -p "$out"
+    install "$out" || return 1
+    (cd benchmarks && timeout 100 python3 tiers.py --quick --spill-only --json "$out/spill_quick.json" 2>&1) \
+        | tee "$out/spill_quick.md"
+    (cd benchmarks && timeout 200 python3 tiers.py --spill-only --json "$out/spill_full.json" 2>&1) \
+        | tee "$out/spill_full.md"
+}
+
+run() {
+    local out="${OUT:-/tmp/gpu-kit}"
+    mkdir -p "$out"
+    install "$out" || return 1
     { nvidia-smi -L; python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"; } \
         > "$out/device.txt" 2>&1
     # tee's status would hide the command's: each step's own exit code is taken from PIPESTATUS[0],
@@ -62,5 +79,6 @@ run() {
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    *) echo "usage: $0 prepare | run [all]" >&2; exit 2 ;;
+    spill) spill ;;
+    *) echo "usage: $0 prepare | run [all] | spill" >&2; exit 2 ;;
 esac
