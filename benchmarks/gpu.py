@@ -19,8 +19,9 @@ agent's CUDA IPC handle or its shared-memory arena):
   first read, pinning included, is timed apart);
 - the same with a TCP-only client: a TCP read into host memory, then host to device;
 - apart from the table: a loader thread's ``get_into`` of a host-tier object into its own stream's
-  buffer, on an idle device and with matrix products queued on the legacy default stream (the
-  store copies on a non-blocking stream of its own, so the load should not wait for them).
+  buffer, on an idle device and with matrix products queued on the legacy default stream. The
+  store's copies run on the legacy default stream, which orders them after the caller's work, so
+  today the load waits for the products: the figure is what an explicit-stream API would save.
 
 Every store figure includes the index round trips of its operation (a put: RESERVE, put_start and
 put_commit; a get: one lookup), which at these sizes can cost more than the copy itself: the
@@ -115,7 +116,8 @@ PRODUCTS = 4
 def load_during_compute(cupy: Any, client: Any, key: str, size: int) -> dict[str, float]:
     """An engine's pattern: its forward pass queued on the legacy default stream, a loader thread
     pulling a chunk into a buffer of its own non-blocking stream. Times the load with the device
-    idle and with PRODUCTS fp32 8192x8192 matrix products queued, and the products alone."""
+    idle and with PRODUCTS fp32 8192x8192 matrix products queued, and the products alone. (The
+    store's copy waits for the products: see the module doc.)"""
     import threading
 
     a = cupy.zeros((8192, 8192), dtype=cupy.float32)  # memsets: no kernel to compile

@@ -11,18 +11,20 @@ pointers apart), so one call serves host-to-device, device-to-host and device-to
 source or destination may be any buffer, the agent's shared-memory arena included: a same-host
 ``get(key, device="cuda:0")`` of a host-tier object is one copy from the arena into device memory.
 
-Every copy is issued on a non-blocking stream of the calling thread's own, on the device that owns
-the device side, and the host waits for it before :func:`memcpy` returns. That wait is what makes
-the bytes safe to publish: a device-to-device copy returns before it has run, and a host-to-device
-copy from pageable memory returns once the source is staged, not written (CUDA runtime API, "API
-synchronization behavior"). Another process reading the arena through its IPC handle has no stream
-order with ours, so a put must not commit, and a demotion must not swap, until the copy has landed.
+Every copy is issued on the legacy default stream of the device that owns the device side and the
+host waits for it before :func:`memcpy` returns. That wait is what makes the bytes safe to publish:
+a device-to-device copy returns before it has run, and a host-to-device copy from pageable memory
+returns once the source is staged, not written (CUDA runtime API, "API synchronization behavior").
+Another process reading the arena through its IPC handle has no stream order with ours, so a put
+must not commit, and a demotion must not swap, until the copy has landed.
 
-The stream is non-blocking so that a copy neither waits for nor holds up kernels that other threads
-(an engine's forward pass, say) queued on the legacy default stream: a loader thread pulls chunks
-while the model computes. The order with the caller's own work comes from
-:func:`describe_device_array`, which waits for the stream the caller's array names (a source's
-producer, a destination's pending readers) before the copy is issued.
+The legacy stream is also what orders a copy after the caller's work: it waits for everything
+queued before it on the default stream and on every blocking stream, whichever thread queued it.
+A copy on a non-blocking stream of our own would let a loader thread read while a forward pass
+runs, but nothing would then order it after the kernels that wrote its source or still read its
+destination: the CUDA Array Interface's "stream" names the stream current in the thread that asks
+(cupy), or nothing at all (numba's default stream), never the producer's. That was tried and
+withdrawn (README, "GPU tier, open questions"); overlap needs the caller to name its stream.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: cudaMemcpyDefault
 MEMCPY_DEFAULT = 4
+#: cudaStreamLegacy: the legacy default stream, whatever the caller's per-thread-stream setting.
+STREAM_LEGACY = 1
 BFLOAT16 = "bfloat16"
 #: cudaHostRegisterPortable: the range counts as pinned in every CUDA context of the process.
 HOST_REGISTER_PORTABLE = 1
@@ -219,39 +223,23 @@ def host_pointer(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
 
 
-_per_thread = threading.local()
-
-
-def copy_stream(cupy: Any) -> int:
-    """This thread's copy stream on the current device (a ``cudaStreamNonBlocking`` stream, made on
-    first use and kept for the thread's life): streams are per device, and one per thread keeps
-    concurrent copies of one process from queueing behind each other."""
-    streams: dict[int, Any] | None = getattr(_per_thread, "streams", None)
-    if streams is None:
-        streams = _per_thread.streams = {}
-    device_id = int(cupy.cuda.runtime.getDevice())
-    stream = streams.get(device_id)
-    if stream is None:
-        stream = streams[device_id] = cupy.cuda.Stream(non_blocking=True)
-    return int(stream.ptr)
-
-
 def memcpy(dst_ptr: int, src_ptr: int, nbytes: int, device_id: int | None = None) -> None:
     """Copy ``nbytes`` between any two pointers (host or device) and wait until they have landed.
 
     ``device_id`` is the device that owns the device side of the copy; it is made current for the
-    copy so that the stream waited for is the one the copy ran on. The copy is not ordered after
-    work queued on any other stream, the default one included: callers with device arrays get
-    that order from :func:`describe_device_array`, which waits for the stream the array names."""
+    copy so that the stream waited for is the one the copy ran on."""
     if nbytes <= 0:
         return
     cuda_error = _cuda_error()
     try:
         with _on_device(device_id) as cupy:
             runtime = cupy.cuda.runtime
-            stream = copy_stream(cupy)
-            runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, MEMCPY_DEFAULT, stream)
-            runtime.streamSynchronize(stream)
+            try:
+                runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, MEMCPY_DEFAULT, STREAM_LEGACY)
+            finally:
+                # Waited for even when an exception (a KeyboardInterrupt) lands right after the
+                # copy was issued: callers free, unpin or unmap what it touches once this returns.
+                runtime.streamSynchronize(STREAM_LEGACY)
     except cuda_error as exc:
         raise TransferError(f"CUDA copy of {nbytes} B (0x{src_ptr:x} -> 0x{dst_ptr:x}) failed: {exc}") from None
 

@@ -39,9 +39,6 @@ def test_arena_round_trip_host_and_device(cupy) -> None:  # type: ignore[no-unty
         arena.read_to_host(0, memoryview(floats_back))
         assert np.array_equal(floats_back, floats)
         dev = cupy.asarray(random_bytes(MiB, 1))  # device to device into the arena
-        # memcpy takes raw pointers and copies on a stream of its own: the upload queued on the
-        # default stream is ours to wait for (the store's callers describe arrays, which waits).
-        cupy.cuda.Stream.null.synchronize()
         arena.copy_within(8 * MiB, int(dev.data.ptr), MiB)
         out = np.empty(MiB, np.uint8)
         arena.read_to_host(8 * MiB, memoryview(out))
@@ -88,7 +85,6 @@ def test_ipc_from_another_process_both_ways() -> None:
             memcpy(int(dev.data.ptr), seg.pointer(0, out.nbytes), out.nbytes, 0)
             same = bool(np.array_equal(cupy.asnumpy(dev), out))
             mine = cupy.asarray(np.full({MiB}, 7, np.uint8))
-            cupy.cuda.Stream.null.synchronize()  # memcpy's stream is not ordered after this upload
             memcpy(seg.pointer({4 * MiB}, {MiB}), int(mine.data.ptr), {MiB}, 0)
             seg.close()
             sys.stdout.write(f"{{int(out.view(np.uint32).sum(dtype=np.uint64))}} {{same}}")

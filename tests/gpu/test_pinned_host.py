@@ -39,14 +39,12 @@ def test_arena_pins_copies_and_unpins_before_unmap(cupy) -> None:  # type: ignor
             assert memory_type(cupy, base) == REGISTERED_HOST
             data = np.random.default_rng(round_).integers(0, 256, 3 * MiB, dtype=np.uint8)
             dev = cupy.asarray(data)
-            # memcpy takes raw pointers and copies on a stream of its own: work the caller queued
-            # on the default stream (this upload, the memset below) is the caller's to wait for.
-            cupy.cuda.Stream.null.synchronize()
             with arena.device_view(MiB, 3 * MiB) as view:  # device to pinned host
                 memcpy(host_pointer(view), int(dev.data.ptr), 3 * MiB, 0)
                 assert np.array_equal(np.frombuffer(view, np.uint8), data)
+            # A memset queued on the default stream: the copy must land after it. (On a non-blocking
+            # stream of its own, as the copies once ran, it did not: this failed on an H200.)
             back = cupy.zeros(3 * MiB, dtype=cupy.uint8)
-            cupy.cuda.Stream.null.synchronize()
             with arena.device_view(MiB, 3 * MiB) as view:  # and pinned host to device
                 memcpy(int(back.data.ptr), host_pointer(view), 3 * MiB, 0)
             assert np.array_equal(cupy.asnumpy(back), data)
