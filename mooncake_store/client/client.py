@@ -22,7 +22,7 @@ from mooncake_store.errors import (
     ObjectPinned,
 )
 from mooncake_store.index import RedisIndex
-from mooncake_store.tiers.gpu_arrays import is_device_array
+from mooncake_store.tiers.gpu_arrays import describe_device_array, is_device_array
 from mooncake_store.transport.shm import ShmTransport, local_host_id
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import (
@@ -308,12 +308,27 @@ class Client:
         return self._submit(self.get, key)
 
     def get_into_async(self, key: str, out: object) -> Future[int]:
+        _wait_for_callers_stream(out)
         return self._submit(self.get_into, key, out)
 
     def put_async(
         self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None
     ) -> Future[None]:
+        _wait_for_callers_stream(value)
         return self._submit(self.put, key, value, replicas=replicas, preferred_node=preferred_node)
+
+
+def _wait_for_callers_stream(value: object) -> None:
+    """A device array handed to a worker thread: wait here, in the caller's thread, for the stream
+    the array names. The CUDA Array Interface names the asking thread's current stream (and torch,
+    its current stream), so asked from a worker it would name the worker's, and a caller's side
+    stream still writing the source, or reading the destination, would go unwaited for. A bad array
+    is left for the worker to refuse, through the future, as before."""
+    if is_device_array(value):
+        try:
+            describe_device_array(value)
+        except MooncakeError:
+            pass
 
 
 def connect(
