@@ -173,6 +173,7 @@ class _Mapping:
             # A mapping dropped without close() is unpinned when collected, before its slots (the
             # mmap) go: the pages must never be unmapped while registered.
             self._unpin = weakref.finalize(self, pin.close)
+            self._unpin.atexit = False  # at exit the registration ends with the process
             return True
 
     @contextlib.contextmanager
