@@ -28,6 +28,7 @@ from typing import IO, Self
 import redis
 
 from mooncake_store.errors import ServerError
+from mooncake_store.watchdog import start_time
 
 _SERVER_ENV = "MOONCAKE_REDIS_SERVER"
 _PORT_ATTEMPTS = 5  # only when the port is picked here: another process may take it before we bind
@@ -127,7 +128,10 @@ class EmbeddedServer:
         binary: str | Path | None = None,
         startup_timeout_s: float = 10.0,
         log_file: str | Path | None = None,
+        exit_with_parent: bool = False,
     ) -> None:
+        """``exit_with_parent``: a watchdog process (mooncake_store/watchdog.py) stops the server,
+        and removes its temp dir, once this process is gone without stopping it (SIGKILL)."""
         if not 0 <= port <= 65535:
             raise ServerError(f"port={port}: not in 0..65535")
         if startup_timeout_s <= 0:
@@ -149,6 +153,8 @@ class EmbeddedServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._output: IO[bytes] | None = None
         self._lock = threading.Lock()
+        self._exit_with_parent = exit_with_parent
+        self._watchdog: subprocess.Popen[bytes] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -172,11 +178,33 @@ class EmbeddedServer:
                     port = _free_port(self.host) if pick_port else self._requested_port
                     if self._launch(port, last_attempt=attempt == attempts):
                         break
+                if self._exit_with_parent:
+                    self._start_watchdog()
             except BaseException:
                 self._cleanup(timeout_s=2.0)
                 raise
             _LIVE.add(self)
             return self
+
+    def _start_watchdog(self) -> None:
+        started = start_time(self.pid)
+        if started is None:
+            raise ServerError(f"{self.binary} (pid {self.pid}) exited right after it started")
+        # Run by path: the watchdog imports nothing of the package (see its docstring).
+        self._watchdog = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("watchdog.py")),
+                "--parent", str(os.getpid()),
+                "--child", str(self.pid),
+                "--child-start", str(started),
+                "--remove-dir", str(self.temp_dir),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C in our terminal is ours to handle, not the watchdog's
+        )  # fmt: skip
 
     def _command(self, port: int) -> list[str]:
         assert self.temp_dir is not None and self.log_file is not None
@@ -269,6 +297,15 @@ class EmbeddedServer:
             _LIVE.discard(self)
 
     def _cleanup(self, *, timeout_s: float) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:  # first: it must not be left watching a server we stop ourselves
+            if watchdog.poll() is None:
+                watchdog.terminate()  # by its PID (Popen's own)
+            try:
+                watchdog.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                watchdog.kill()
+                watchdog.wait(timeout=timeout_s)
         self._terminate(timeout_s=timeout_s)
         if self.temp_dir is not None:
             # Only our own temp dir: a persist_dir belongs to the caller and must survive.

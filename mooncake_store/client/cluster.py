@@ -121,7 +121,9 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         try:
             if not self._external_url:
-                self.server = EmbeddedServer().start()
+                # Killed without a chance to stop it (SIGKILL), this process must not leave the
+                # server running either: a watchdog stops it (the agents watch for themselves).
+                self.server = EmbeddedServer(exit_with_parent=True).start()
             for i in range(self.num_agents):
                 self.add_agent(node_id=f"agent-{i}", zone=self.zones[i % len(self.zones)] if self.zones else None)
         except BaseException:

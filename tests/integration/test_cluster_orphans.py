@@ -56,3 +56,51 @@ def test_agents_stop_when_their_launcher_is_killed(redis_url: str) -> None:
             launcher.wait(timeout=10)
         if agent_pid and running(agent_pid):
             os.kill(agent_pid, signal.SIGKILL)  # by its PID: the test started it, through the launcher
+
+
+SERVER_LAUNCHER = textwrap.dedent(
+    """
+    import time
+    from mooncake_store import LocalCluster
+    cluster = LocalCluster(0).start()  # its own private server
+    print(cluster.server.pid, cluster.server.temp_dir, cluster.server._watchdog.pid, flush=True)
+    time.sleep(120)  # killed long before
+    """
+)
+
+
+def test_the_private_server_stops_when_its_launcher_is_killed() -> None:
+    launcher = subprocess.Popen([sys.executable, "-c", SERVER_LAUNCHER], stdout=subprocess.PIPE)
+    server_pid = watchdog_pid = 0
+    try:
+        assert launcher.stdout is not None
+        ready, _, _ = select.select([launcher.stdout], [], [], 60)
+        assert ready, "the launcher did not start its cluster within 60 s"
+        pid_text, temp_dir, watchdog_text = launcher.stdout.readline().decode().split()
+        server_pid, watchdog_pid = int(pid_text), int(watchdog_text)
+        assert running(server_pid) and running(watchdog_pid) and Path(temp_dir).is_dir()
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        assert wait_until(lambda: not running(server_pid), 15), "the server outlived its killed launcher"
+        assert wait_until(lambda: not running(watchdog_pid), 10), "the watchdog did not end after the server"
+        assert not Path(temp_dir).exists(), "the server's temp dir was left behind"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=10)
+        for pid in (server_pid, watchdog_pid):  # by PID: the test started them, through the launcher
+            if pid and running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stopped_cluster_leaves_no_watchdog() -> None:
+    from mooncake_store import LocalCluster
+
+    cluster = LocalCluster(0).start()
+    try:
+        assert cluster.server is not None and cluster.server._watchdog is not None
+        server_pid, watchdog_pid = cluster.server.pid, cluster.server._watchdog.pid
+        assert running(watchdog_pid)
+    finally:
+        cluster.stop()
+    assert not running(server_pid) and not running(watchdog_pid)

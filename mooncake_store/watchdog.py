@@ -1,0 +1,81 @@
+"""Stops a process once the process that started it is gone: the private Redis-compatible server
+of a LocalCluster (or any EmbeddedServer made with ``exit_with_parent``) must not outlive a
+launcher killed with SIGKILL, which runs no cleanup. The agents watch their launcher themselves
+(``--exit-with-parent``); a Valkey server cannot, so this small process watches for it.
+
+    python mooncake_store/watchdog.py --parent PID --child PID --child-start TICKS [--remove-dir DIR]
+
+Run by path, not with ``-m``: importing the package would load numpy and redis into a process
+that only polls. It checks once every POLL_S:
+
+- the child has ended (or its pid now names another process: ``--child-start`` is its start time,
+  field 22 of /proc/PID/stat): nothing left to guard, exit;
+- this process's parent is no longer ``--parent`` (the launcher died and we were re-parented):
+  SIGTERM the child, SIGKILL it after STOP_GRACE_S, remove ``--remove-dir`` (the server's private
+  temp dir), exit.
+
+SIGINT is ignored (a Ctrl-C in the launcher's terminal is the launcher's to handle); SIGTERM, which
+the launcher sends when it stops the server itself, ends the watch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import time
+
+POLL_S = 1.0
+STOP_GRACE_S = 5.0
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks, or None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":  # exited, waiting for its parent to reap it
+        return None
+    return int(fields[19])  # field 22 of the whole line: the comm and pid come before ")"
+
+
+def stop_child(child: int, child_start: int) -> None:
+    """SIGTERM, then SIGKILL after STOP_GRACE_S; only while ``child`` is still the process we watch."""
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
+        if start_time(child) != child_start:
+            return
+        try:
+            os.kill(child, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and start_time(child) == child_start:
+            time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="watchdog.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parent", type=int, required=True, help="the launcher's pid")
+    parser.add_argument("--child", type=int, required=True, help="the pid of the process to stop")
+    parser.add_argument("--child-start", type=int, required=True, help="the child's start time (clock ticks)")
+    parser.add_argument("--remove-dir", default=None, help="a private directory to remove after the child")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        if start_time(args.child) != args.child_start:
+            return 0
+        if os.getppid() != args.parent:
+            stop_child(args.child, args.child_start)
+            if args.remove_dir:
+                shutil.rmtree(args.remove_dir, ignore_errors=True)
+            return 0
+        time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

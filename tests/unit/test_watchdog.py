@@ -1,0 +1,60 @@
+"""mooncake_store/watchdog.py against real processes: it stops its child once the launcher is gone,
+and never a process whose pid merely matches (a different start time)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mooncake_store import watchdog
+
+WATCHDOG = Path(watchdog.__file__)
+
+
+def run_watchdog(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, str(WATCHDOG), *args], capture_output=True, timeout=30)
+
+
+def test_a_gone_parent_means_the_child_is_stopped_and_its_dir_removed(tmp_path: Path) -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    private = tmp_path / "private"
+    private.mkdir()
+    try:
+        started = watchdog.start_time(child.pid)
+        assert started is not None
+        # --parent names a process that is not the watchdog's parent (this test is): as if re-parented.
+        got = run_watchdog("--parent", "1", "--child", str(child.pid), "--child-start", str(started),
+                           "--remove-dir", str(private))  # fmt: skip
+        assert got.returncode == 0, got.stderr
+        assert child.wait(timeout=10) == -15  # SIGTERM
+        assert not private.exists()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+
+
+def test_a_pid_with_another_start_time_is_left_alone(tmp_path: Path) -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        started = watchdog.start_time(child.pid)
+        assert started is not None
+        got = run_watchdog("--parent", "1", "--child", str(child.pid), "--child-start", str(started + 1),
+                           "--remove-dir", str(tmp_path))  # fmt: skip
+        assert got.returncode == 0, got.stderr
+        assert child.poll() is None  # not the process it was told to guard: untouched
+        assert tmp_path.exists()
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def test_start_time_of_a_zombie_or_a_missing_pid_is_none() -> None:
+    child = subprocess.Popen(["true"])
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped: a zombie
+    assert watchdog.start_time(child.pid) is None
+    child.wait(timeout=10)
+    assert watchdog.start_time(child.pid) is None
+    assert watchdog.start_time(os.getpid()) is not None
