@@ -189,7 +189,9 @@ class EmbeddedServer:
     def _start_watchdog(self) -> None:
         started = start_time(self.pid)
         if started is None:
-            raise ServerError(f"{self.binary} (pid {self.pid}) exited right after it started")
+            if not self.running:
+                raise ServerError(f"{self.binary} (pid {self.pid}) exited right after it started")
+            return  # no /proc to tell the server from a process reusing its pid: nothing can guard it
         # Run by path: the watchdog imports nothing of the package (see its docstring).
         self._watchdog = subprocess.Popen(
             [
