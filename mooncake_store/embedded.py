@@ -112,6 +112,17 @@ def _stop_all() -> None:
         server.stop(timeout_s=2.0)
 
 
+def _stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
+    """SIGTERM one process we started (Popen signals its own pid), SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+
+
 class EmbeddedServer:
     """One private Redis-compatible server process.
 
@@ -301,13 +312,7 @@ class EmbeddedServer:
     def _cleanup(self, *, timeout_s: float) -> None:
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:  # first: it must not be left watching a server we stop ourselves
-            if watchdog.poll() is None:
-                watchdog.terminate()  # by its PID (Popen's own)
-            try:
-                watchdog.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                watchdog.kill()
-                watchdog.wait(timeout=timeout_s)
+            _stop_process(watchdog, timeout_s=timeout_s)
         self._terminate(timeout_s=timeout_s)
         if self.temp_dir is not None:
             # Only our own temp dir: a persist_dir belongs to the caller and must survive.
@@ -315,17 +320,8 @@ class EmbeddedServer:
             self.temp_dir = None
 
     def _terminate(self, *, timeout_s: float) -> None:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGTERM)  # by PID: never touch servers we did not start
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=timeout_s)
+        if self._proc is not None:
+            _stop_process(self._proc, timeout_s=timeout_s)  # by PID: never servers we did not start
         self._reap()
 
     def _reap(self) -> None:

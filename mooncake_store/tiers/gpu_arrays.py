@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -265,25 +264,22 @@ class PinnedHost:
         self.nbytes = nbytes
         self.device_id = device_id
         self._registered = True
-        self._lock = threading.Lock()
 
     @property
     def registered(self) -> bool:
         return self._registered
 
     def close(self) -> None:
-        """Unregister (once). A failure is logged: it means CUDA's context is gone (the process is
-        exiting; the registration went with it) or CUDA itself failed, and either way the caller
-        unmaps next."""
-        with self._lock:
-            if not self._registered:
-                return
-            self._registered = False
-            try:
-                with _on_device(self.device_id) as cupy:
-                    cupy.cuda.runtime.hostUnregister(self.pointer)
-            except Exception as exc:
-                log.warning("unpinning %d B at 0x%x failed: %s", self.nbytes, self.pointer, exc)
+        """Unregister. Called once, by the owner's ``weakref.finalize`` (which runs its function at
+        most once, from close() or from collection). A failure is logged: it means CUDA's context is
+        gone (the process is exiting; the registration went with it) or CUDA itself failed, and
+        either way the caller unmaps next."""
+        self._registered = False
+        try:
+            with _on_device(self.device_id) as cupy:
+                cupy.cuda.runtime.hostUnregister(self.pointer)
+        except Exception as exc:
+            log.warning("unpinning %d B at 0x%x failed: %s", self.nbytes, self.pointer, exc)
 
 
 def empty_device_array(nbytes: int, device: str | int) -> Any:
