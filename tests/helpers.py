@@ -172,6 +172,19 @@ def held_fences(agent: Any) -> int:
     return sum(len(s) for s in list(agent.server._fences.values()))
 
 
+def run_for(seconds: float, threads: list[threading.Thread], stop: threading.Event, timeout_s: float = 30.0) -> None:
+    """Start ``threads``, let them run ``seconds``, then set ``stop`` and join them. Fails if one is
+    still running ``timeout_s`` after the stop (a hang)."""
+    for th in threads:
+        th.start()
+    stop.wait(seconds)
+    stop.set()
+    deadline = time.monotonic() + timeout_s
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    assert not any(th.is_alive() for th in threads), f"a thread was still running {timeout_s} s after the stop"
+
+
 def run_in_threads(work: Callable[[int], None], count: int, timeout_s: float = 60.0) -> list[BaseException]:
     """``work(0)`` .. ``work(count - 1)`` on threads of their own, all at once; the errors they
     raised. Fails if one is still running after ``timeout_s`` (a hang)."""

@@ -31,6 +31,16 @@ def cupy():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
+def cuda_torch():  # type: ignore[no-untyped-def]
+    """torch, where its build reaches the CUDA device; a skip saying so where it does not."""
+    import torch  # a test requirement: its absence is a failure, not a skip
+
+    if not torch.cuda.is_available():  # capability: this torch build cannot reach the device
+        pytest.skip(f"torch {torch.__version__} sees no CUDA device (a CPU build?): no CUDA tensors to test")
+    return torch
+
+
+@pytest.fixture
 def gpu_cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     """One agent with a 32 MiB GPU tier and a 64 MiB host arena."""
     cluster = make_cluster(0)

@@ -7,21 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pytest
 
 from mooncake_store import Client, LocalCluster
 
 MiB = 1 << 20
 #: Matrix products queued on the side stream before the late write: far longer than a put or get.
 PRODUCTS = 20
-
-
-def cuda_torch() -> Any:
-    import torch  # a test requirement: its absence is a failure, not a skip
-
-    if not torch.cuda.is_available():  # capability: this torch build cannot reach the device
-        pytest.skip(f"torch {torch.__version__} sees no CUDA device (a CPU build?): no CUDA tensors to test")
-    return torch
 
 
 def late_fill_on_a_side_stream(torch: Any, tensor: Any, value: int) -> Any:
@@ -37,8 +28,8 @@ def late_fill_on_a_side_stream(torch: Any, tensor: Any, value: int) -> Any:
     return side
 
 
-def test_put_async_waits_for_the_callers_side_stream(gpu_cluster: LocalCluster, make_client) -> None:  # type: ignore[no-untyped-def]
-    torch = cuda_torch()
+def test_put_async_waits_for_the_callers_side_stream(cuda_torch, gpu_cluster: LocalCluster, make_client) -> None:  # type: ignore[no-untyped-def]
+    torch = cuda_torch
     client: Client = make_client(gpu_cluster)
     source = torch.zeros(4 * MiB, dtype=torch.uint8, device="cuda:0")
     side = late_fill_on_a_side_stream(torch, source, 7)
@@ -48,9 +39,9 @@ def test_put_async_waits_for_the_callers_side_stream(gpu_cluster: LocalCluster, 
     assert np.array_equal(client.get("side-written"), np.full(4 * MiB, 7, np.uint8))
 
 
-def test_get_into_async_waits_for_the_callers_side_stream(gpu_cluster: LocalCluster, make_client) -> None:  # type: ignore[no-untyped-def]
+def test_get_into_async_waits_for_the_callers_side_stream(cuda_torch, gpu_cluster: LocalCluster, make_client) -> None:  # type: ignore[no-untyped-def]
     """The destination is still being written on the caller's side stream: the read lands after."""
-    torch = cuda_torch()
+    torch = cuda_torch
     client: Client = make_client(gpu_cluster)
     value = np.random.default_rng(3).integers(0, 256, 4 * MiB, dtype=np.uint8)
     client.put("to-read", value)

@@ -177,11 +177,8 @@ def test_agent_in_the_client_process(cupy, make_inproc_agent, redis_url) -> None
         assert np.array_equal(cupy.asnumpy(client.get("here", device=0)), host_x)
 
 
-def test_cuda_torch_tensors_bfloat16_included(gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
-    import torch  # a test requirement: its absence is a failure, not a skip
-
-    if not torch.cuda.is_available():  # capability: this torch build cannot reach the device
-        pytest.skip(f"torch {torch.__version__} sees no CUDA device (a CPU build?): no CUDA tensors to test")
+def test_cuda_torch_tensors_bfloat16_included(cuda_torch, gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
+    torch = cuda_torch
     client: Client = make_client(gpu_cluster)
     x = torch.randn(32, 256, device="cuda:0", dtype=torch.bfloat16)
     client.put("bf16", x)

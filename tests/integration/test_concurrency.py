@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import run_for
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, ObjectPinned, connect
 
@@ -129,11 +130,6 @@ def test_remove_and_replace_race_with_gets(
 
     readers = [make_client(cluster, transports=(transport,), lease_ms=100) for _ in range(2)]
     threads = [threading.Thread(target=mutate)] + [threading.Thread(target=read, args=(c,)) for c in readers]
-    for t in threads:
-        t.start()
-    time.sleep(4.0)
-    stop.set()
-    for t in threads:
-        t.join(timeout=30)
+    run_for(4.0, threads, stop)
     assert not failures, failures[:3]
     assert reads[0] > 0

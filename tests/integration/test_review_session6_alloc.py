@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from helpers import wait_until
+from helpers import run_for, wait_until
 
 from mooncake_store import Client
 from mooncake_store.agent.allocations import AllocationTable, AllocState
@@ -190,13 +190,7 @@ def test_counts_survive_every_transition_from_many_threads() -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
-    for thread in threads:
-        thread.start()
-    stop.wait(2.0)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=30)
+    run_for(2.0, [threading.Thread(target=worker, args=(seed,)) for seed in range(8)], stop)
     assert not errors, errors[:3]
     assert_consistent(table, "after the threads")
     table.free(sorted(table.known_ids()))
@@ -365,12 +359,7 @@ def test_syncs_racing_puts_reads_and_removes_leave_no_drift_and_no_leak(
 
     threads = [threading.Thread(target=syncer)]
     threads += [threading.Thread(target=writer, args=(s, t)) for s, t in ((1, ("shm", "tcp")), (2, ("tcp",)))]
-    for thread in threads:
-        thread.start()
-    stop.wait(3.0)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=30)
+    run_for(3.0, threads, stop)
     assert not errors, errors[:3]
 
     index = agent.index

@@ -49,6 +49,15 @@ def put_chain(client: Client, keys: list[str], node: str) -> None:
     )
 
 
+def cold_chain_then_warmer(client: Client, agent: Agent, chain: list[str], others: list[str]) -> None:
+    """A 5-chunk chain put first (the coldest), then loose objects, all on ``agent``, synced."""
+    put_chain(client, chain, agent.node_id)
+    time.sleep(0.01)  # the loose objects are strictly warmer
+    for k in others:
+        client.put(k, chunk(k), preferred_node=agent.node_id)
+    agent.sync_once()
+
+
 def drain_host(agent: Agent) -> None:
     """What PressureManager.run does for the host tier after a wake."""
     for _ in range(MAX_PASSES):
@@ -94,12 +103,8 @@ def test_a_read_chain_leaf_does_not_make_a_pass_with_movable_victims_move_nothin
     agent = make_agent(host_bytes=4 * MiB)
     client = clients(agent, timeout_s=10)
     chain = [f"cold/{i}" for i in range(5)]
-    put_chain(client, chain, agent.node_id)
-    time.sleep(0.01)
     warm = [f"warm{i}" for i in range(10)]
-    for k in warm:
-        client.put(k, chunk(k), preferred_node=agent.node_id)
-    agent.sync_once()
+    cold_chain_then_warmer(client, agent, chain, warm)
     capacity = agent.table.capacity_bytes
     assert used(agent) > agent.config.high_watermark * capacity
     read_after_sample(agent, [[chain[-1]]], lease_ms=60_000)
@@ -167,12 +172,8 @@ def test_a_failed_leaf_keeps_its_optimistically_freed_parent_and_counts_stay_exa
     agent = make_agent(host_bytes=4 * MiB)
     client = clients(agent, timeout_s=10)
     chain = [f"c/{i}" for i in range(5)]
-    put_chain(client, chain, agent.node_id)
-    time.sleep(0.01)
     loose = [f"l{i}" for i in range(10)]
-    for k in loose:
-        client.put(k, chunk(k), preferred_node=agent.node_id)
-    agent.sync_once()
+    cold_chain_then_warmer(client, agent, chain, loose)
     stats_before = int(agent.index.redis.hget(agent.index.prefix + "stats", "evictions") or 0)
     read_after_sample(agent, [[chain[-1]]], lease_ms=60_000)
     drain_host(agent)

@@ -106,6 +106,20 @@ def test_reservation_freed_before_put_start_is_never_committed(make_inproc_agent
     assert np.array_equal(got, value)
 
 
+def put_placed_twice_and_whole(c: Client, agent: Agent, calls: list[int], why: str) -> None:
+    """Put "x" through a stalled first attempt (``calls`` counts the attempts): it is placed again,
+    names a live reservation, keeps its bytes when the next object takes the freed block, and
+    leaves no fence and no dirty pooled connection behind."""
+    value = np.full(64 * KiB, 0x5A, np.uint8)
+    c.put("x", value)
+    assert len(calls) == 2, why
+    assert object_alloc_held(c, agent, "x")
+    c.put("y", np.full(64 * KiB, 0x33, np.uint8))
+    assert np.array_equal(c.get("x"), value)
+    assert held_fences(agent) == 0
+    assert_pool_clean(c, agent)
+
+
 def test_reservation_revoked_after_put_start_makes_the_put_retry(make_inproc_agent, clients, monkeypatch) -> None:
     """The "R" half of the argument, which does hold: the sync revokes the pending record while the
     fence is held; the copy goes into the doomed (not yet freed) block, put_commit says EXPIRED and
@@ -125,14 +139,7 @@ def test_reservation_revoked_after_put_start_makes_the_put_retry(make_inproc_age
         return out
 
     monkeypatch.setattr(c.index, "put_start", put_start_then_stall)
-    value = np.full(64 * KiB, 0x5A, np.uint8)
-    c.put("x", value)
-    assert len(calls) == 2, "the put was not placed again after its reservation was revoked"
-    assert object_alloc_held(c, agent, "x")
-    c.put("y", np.full(64 * KiB, 0x33, np.uint8))
-    assert np.array_equal(c.get("x"), value)
-    assert held_fences(agent) == 0
-    assert_pool_clean(c, agent)
+    put_placed_twice_and_whole(c, agent, calls, "the put was not placed again after its reservation was revoked")
 
 
 def test_reservation_freed_before_the_fence_makes_the_put_retry(make_inproc_agent, clients, monkeypatch) -> None:
@@ -154,14 +161,7 @@ def test_reservation_freed_before_the_fence_makes_the_put_retry(make_inproc_agen
         return real_fence(*args, **kwargs)
 
     monkeypatch.setattr(puts, "_fence", stalled_fence)
-    value = np.full(64 * KiB, 0x5A, np.uint8)
-    c.put("x", value)
-    assert len(calls) == 2, "the put was not placed again after its FENCE was refused"
-    assert object_alloc_held(c, agent, "x")
-    c.put("y", np.full(64 * KiB, 0x33, np.uint8))
-    assert np.array_equal(c.get("x"), value)
-    assert held_fences(agent) == 0
-    assert_pool_clean(c, agent)
+    put_placed_twice_and_whole(c, agent, calls, "the put was not placed again after its FENCE was refused")
 
 
 # ---- error paths between FENCE and its reply, and around put_commit -----------------------------
