@@ -25,13 +25,18 @@ class CountMove(Protocol):
     def __call__(self, tier: TierKind, name: str, n: int = 1) -> None: ...
 
 
+#: A move's counter: (tier, name), counted once the index is known to name the move's target.
+Counted = tuple[TierKind, str]
+
+
 class LocalMoves:
     def __init__(self, agent: Agent, count: CountMove) -> None:
         self.agent = agent
         self.count = count
         #: Move targets kept because the index could not say whether a swap named them, by alloc
-        #: id: (key, tier). settle() asks again and frees those it does not name.
-        self._unsure: dict[int, tuple[str, TierKind]] = {}
+        #: id: (key, tier, the counter the move adds to once it is known to have landed). settle()
+        #: asks again, frees those it does not name and counts those it does.
+        self._unsure: dict[int, tuple[str, TierKind, Counted]] = {}
         self._lock = threading.Lock()
 
     def demote_to_disk(self, victim: EvictionCandidate, offset: int) -> bool:
@@ -50,6 +55,7 @@ class LocalMoves:
             view.release()
         # Known before the swap: a sync that frees the file (as a grave) must find it.
         agent.disk_keys[disk_id] = victim.key
+        counted = (TierKind.HOST, "demotions")
         try:
             swapped = self._swap(
                 victim.key,
@@ -60,18 +66,22 @@ class LocalMoves:
                 size_bytes=victim.size_bytes,
                 alloc_id=disk_id,
             )
+            if swapped:
+                self.count(*counted)
         except MooncakeError:
             # Unknown whether the swap landed: keep the file if the index names it, else drop it.
-            swapped = self._index_names(victim.key, disk_id, TierKind.DISK)
+            swapped = self._index_names(victim.key, disk_id, TierKind.DISK, counted)
         if not swapped:
             self._drop_target(disk_id, TierKind.DISK)
             return False
-        self.count(TierKind.HOST, "demotions")
         return True
 
-    def _swap_to_host_block(self, key: str, old_alloc_id: int, offset: int, alloc_id: int, size_bytes: int) -> bool:
+    def _swap_to_host_block(
+        self, key: str, old_alloc_id: int, offset: int, alloc_id: int, size_bytes: int, counted: Counted
+    ) -> bool:
         """Swap an object of this agent into a host block it already filled (and committed); the
-        block is freed unless the index names it afterwards, whatever the swap raised."""
+        block is freed unless the index names it afterwards, whatever the swap raised. The move
+        is counted (``counted``) once the index is known to name the block."""
         agent = self.agent
         try:
             swapped = self._swap(
@@ -83,21 +93,26 @@ class LocalMoves:
                 size_bytes=size_bytes,
                 alloc_id=alloc_id,
             )
+            if swapped:
+                self.count(*counted)
         except MooncakeError:
-            swapped = self._index_names(key, alloc_id, TierKind.HOST)
+            swapped = self._index_names(key, alloc_id, TierKind.HOST, counted)
         if not swapped:
             self._drop_target(alloc_id, TierKind.HOST)
         return swapped
 
-    def _index_names(self, key: str, alloc_id: int, tier: TierKind) -> bool:
-        """Whether the move's target ``alloc_id`` must be kept (see _keep). When the index cannot
-        say, True, and the target is remembered for settle(): dropping it under a live replica
-        would lose data, keeping it for nothing would leak it."""
+    def _index_names(self, key: str, alloc_id: int, tier: TierKind, counted: Counted) -> bool:
+        """Whether the move's target ``alloc_id`` must be kept (see _keep), the move counted if so.
+        When the index cannot say, True, and the target is remembered for settle(): dropping it
+        under a live replica would lose data, keeping it for nothing would leak it; it is counted
+        only once settle() learns that the move landed."""
         keep = self._keep({alloc_id: key})
         if alloc_id in keep:
+            if keep[alloc_id]:
+                self.count(*counted)
             return keep[alloc_id]
         with self._lock:
-            self._unsure[alloc_id] = (key, tier)
+            self._unsure[alloc_id] = (key, tier, counted)
         return True
 
     def _keep(self, targets: dict[int, str]) -> dict[int, bool]:
@@ -151,11 +166,14 @@ class LocalMoves:
         if not unsure:
             return 0
         freed = 0
-        for alloc_id, keep in self._keep({a: key for a, (key, _) in unsure.items()}).items():
+        for alloc_id, keep in self._keep({a: key for a, (key, _, _) in unsure.items()}).items():
             with self._lock:
                 self._unsure.pop(alloc_id, None)
-            if not keep:
-                self._drop_target(alloc_id, unsure[alloc_id][1])
+            _, tier, counted = unsure[alloc_id]
+            if keep:
+                self.count(*counted)
+            else:
+                self._drop_target(alloc_id, tier)
                 freed += 1
         return freed
 
@@ -204,10 +222,9 @@ class LocalMoves:
         except Exception:
             agent.table.free([alloc.alloc_id])
             raise
-        if not self._swap_to_host_block(victim.key, victim.alloc_id, alloc.offset, alloc.alloc_id, victim.size_bytes):
-            return False
-        self.count(TierKind.GPU, "demotions")
-        return True
+        return self._swap_to_host_block(
+            victim.key, victim.alloc_id, alloc.offset, alloc.alloc_id, victim.size_bytes, (TierKind.GPU, "demotions")
+        )
 
     # ---- promotion --------------------------------------------------------------------------
     def promote(self, disk_id: int, data: bytearray) -> bool:
@@ -230,7 +247,6 @@ class LocalMoves:
             view[:] = data
         finally:
             view.release()
-        if not self._swap_to_host_block(key, disk_id, alloc.offset, alloc.alloc_id, len(data)):
-            return False
-        self.count(TierKind.DISK, "promotions")
-        return True
+        return self._swap_to_host_block(
+            key, disk_id, alloc.offset, alloc.alloc_id, len(data), (TierKind.DISK, "promotions")
+        )

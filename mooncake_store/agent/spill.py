@@ -16,7 +16,8 @@ DESIGN.md §3.4 wants a single move:
    whose write or swap did not succeed is expired on the peer in one FREE frame.
 
 A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
-batches not sent are handed back, to be placed elsewhere (pressure.py decides where).
+batch under way (none of it swapped, not even what the peer acked before it broke) and the batches
+not sent are handed back, to be placed elsewhere (pressure.py decides where).
 
 A peer on this host (same host id, shm among its transports) gets a host batch by memcpy into its
 shared arena instead of WRITEs (``agent.spill_shm``; DESIGN.md §4: shm before tcp), under the
@@ -102,7 +103,7 @@ class _Reserved:
 @dataclass(slots=True)
 class SpillResult:
     moved: list[SpillJob] = field(default_factory=list)
-    #: Not sent: the peer refused or broke first. These may go to another peer.
+    #: Not moved: the peer refused, or broke before their batch was swapped. These may go elsewhere.
     unsent: list[SpillJob] = field(default_factory=list)
     #: The peer refused a reservation or its connection broke: skip it for the rest of the pass.
     refused: bool = False
@@ -185,11 +186,12 @@ class Spiller:
                     if not reserved.batch:
                         continue  # nothing in it could be read: it stays where it is
                     written, broken = self._send(peer_node, reserved, tier)
-                    swaps.append(
-                        self._swapper.submit(
-                            self._swap, peer_node, reserved.batch, reserved.reservations, written, tier
+                    if not broken:
+                        swaps.append(
+                            self._swapper.submit(
+                                self._swap, peer_node, reserved.batch, reserved.reservations, written, tier
+                            )
                         )
-                    )
                 except BaseException:
                     # Not a transfer error (those come back as ``broken``): a bug, or the agent
                     # closing the spiller mid-batch (no more work can be scheduled). The batch's
@@ -199,9 +201,12 @@ class Spiller:
                         self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
                     raise
                 if broken:
-                    unwritten = [job for job, ok in zip(reserved.batch, written, strict=True) if not ok]
+                    # Nothing of a batch whose peer broke mid-way is swapped, not even what it
+                    # acked: a peer that died would take those objects' only copies with it once
+                    # its heartbeat lapsed. The whole batch stays here, to be placed again.
+                    self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
                     result.refused = True
-                    result.unsent = unwritten + [job for rest in batches[i + 1 :] for job in rest]
+                    result.unsent = [job for rest in batches[i:] for job in rest]
                     break
         finally:
             if ahead is not None:

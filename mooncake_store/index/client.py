@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +120,14 @@ def in_batches(items: Sequence[Any], size: int = BATCH_LIMIT) -> Iterator[Sequen
 class RedisIndex:
     """The index of one namespace. Thread-safe (redis-py pools its connections)."""
 
+    #: Scripts whose second run, should a retry repeat a call whose reply was lost, answers as the
+    #: first did: reads, lease grants and pins (the same member again), heartbeats, and swaps
+    #: (swap_replica answers OK for a location it already holds). The rest run with a token
+    #: (index/scripts.py): at most once per call.
+    REPLAY_SAFE = frozenset(
+        {"lookup", "victims", "node_heartbeat", "move_replica", "move_replicas", "prefix_match", "prefix_refcount"}
+    )
+
     def __init__(self, url: str, *, namespace: str = "default", timeout_s: float = 10.0) -> None:
         self.url = url
         self.namespace = namespace
@@ -142,9 +151,14 @@ class RedisIndex:
         Lua script itself costs 15-25 µs. So each script call sends and reads on a connection
         taken from the pool once and kept. A NOSCRIPT (server restarted or SCRIPT FLUSH) loads
         the script and runs it again; a broken connection is dropped and the call retried once
-        on a fresh one, as redis-py's default retry did."""
+        on a fresh one, as redis-py's default retry did. The reply of a first run lost with the
+        connection comes back to the retry instead of a second run (REPLAY_SAFE, scripts.py)."""
         script = (scripts or self._scripts)[name]
-        command = ("EVALSHA", script.sha, 0, self.prefix, *args)
+        if name in self.REPLAY_SAFE:
+            command: tuple[Any, ...] = ("EVALSHA", script.sha, 0, self.prefix, *args)
+        else:  # the retry below must not run it twice (index/scripts.py)
+            token = self.prefix + "once:" + uuid.uuid4().hex
+            command = ("EVALSHA", script.sha, 1, token, self.prefix, *args)
         if self._script_pid != os.getpid():  # a forked child must not share its parent's sockets
             self._script_conns, self._script_pid = [], os.getpid()
         for attempt in (0, 1):
@@ -451,7 +465,10 @@ class RedisIndex:
         return {node: decode_node(raw, deadline_of.get(node, 0)) for node, raw in records.items()}
 
     def server_time_ms(self) -> int:
-        seconds, micros = self.redis.time()
+        try:
+            seconds, micros = self.redis.time()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the server time from {self.url}: {exc}") from None
         return int(seconds) * 1000 + int(micros) // 1000
 
     def counts(self, node_ids: Sequence[str]) -> tuple[int, dict[str, int], dict[str, int]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from mooncake_store.errors import InvalidValue
 from mooncake_store.index.client import RedisIndex, in_batches
-from mooncake_store.index.scripts import read_script
+from mooncake_store.index.scripts import build_script, read_script
 
 SCRIPT_NAMES = (
     "prefix_match",
@@ -46,8 +46,8 @@ class PrefixIndex:
     def __init__(self, index: RedisIndex) -> None:
         self.index = index
         self.prefix = index.prefix
-        prelude = read_script("prelude") + "\n" + read_script("prefix_prelude")
-        self._scripts = {n: index.redis.register_script(prelude + "\n" + read_script(n)) for n in SCRIPT_NAMES}
+        preludes = (read_script("prelude"), read_script("prefix_prelude"))
+        self._scripts = {n: build_script(index.redis, *preludes, read_script(n)) for n in SCRIPT_NAMES}
 
     def _run(self, name: str, *args: Any) -> Any:
         # The index's own fast path: a kept connection and a cached sha (see RedisIndex._run).
