@@ -38,6 +38,8 @@ def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
 
     if tensor.device.type != "cpu":
         raise InvalidValue(f"torch tensor on {tensor.device}; only CPU tensors are supported here")
+    if tensor.layout != torch.strided:  # sparse layouts have no flat buffer (nor is_contiguous)
+        raise InvalidValue(f"torch tensor of layout {tensor.layout} has no flat buffer; call .to_dense() first")
     if not tensor.is_contiguous():
         raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
     if tensor.dtype == torch.bfloat16:

@@ -9,6 +9,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+import numpy as np
+
 from mooncake_store.client.buffers import as_destination, to_array
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.puts import PutPath
@@ -167,6 +169,10 @@ class Client:
         atomically: concurrent readers see the old object or the new one, never a mix, and the old
         bytes are freed only after every read lease on them has run out. Raises NoCapacity when no
         node has room, ObjectPinned when the key is pinned.
+
+        The value is read in place, not copied first: it must not change until the call returns
+        (its checksum is taken before its bytes are copied, so a change meanwhile stores an object
+        whose checksum fails on a verifying read).
         """
         self.put_many({key: value}, replicas=replicas, preferred_node=preferred_node)
 
@@ -256,8 +262,12 @@ class Client:
     def get_many_into(self, keys: Sequence[str], outs: Sequence[object]) -> list[int]:
         """Like get_into for a batch; returns bytes written per key (KeyNotFound if any is missing)."""
         checked = check_keys(keys)
-        if not is_collection_not_text(outs):  # a list of buffers, or one array with a row per key
-            raise InvalidValue(f"outs must be buffers, one per key, got {type(outs).__name__}")
+        # A list of buffers, or one array with a row per key (a flat array's items are scalars).
+        if not is_collection_not_text(outs) or (isinstance(outs, np.ndarray) and outs.ndim < 2):
+            raise InvalidValue(
+                f"outs must be buffers, one per key, or an array with a row per key, got {type(outs).__name__}"
+                + (f" of shape {outs.shape}" if isinstance(outs, np.ndarray) else "")
+            )
         dests = [as_destination(o) for o in outs]  # type: ignore[attr-defined]
         if len(checked) != len(dests):
             raise InvalidValue(f"{len(checked)} keys but {len(dests)} output buffers")
@@ -286,7 +296,12 @@ class Client:
         statuses = self.index.remove(checked)
         pinned = [k for k, s in zip(checked, statuses, strict=True) if s == "PINNED"]
         if pinned:
-            raise ObjectPinned(f"key(s) {pinned[:5]!r} are pinned; release their pins first")
+            # The unpinned keys of the batch are gone all the same: say which.
+            removed = [k for k, s in zip(checked, statuses, strict=True) if s == 1]
+            raise ObjectPinned(
+                f"key(s) {pinned[:5]!r} are pinned; release their pins first"
+                + (f"; removed the other {len(removed)} key(s): {removed[:5]!r}" if removed else "")
+            )
         return [s == 1 for s in statuses]
 
     def stat(self) -> ClusterStats:
@@ -298,8 +313,10 @@ class Client:
 
     # ---- futures ----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        self._check_open()
+        # Checked under the lock that close() sets it under: a call racing close() gets "client is
+        # closed", not the pool's own RuntimeError, and no pool is made after close() returned.
         with self._pool_lock:
+            self._check_open()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="mc-io")
             return self._pool.submit(fn, *args, **kwargs)
@@ -314,6 +331,7 @@ class Client:
     def put_async(
         self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None
     ) -> Future[None]:
+        """:meth:`put` on a worker thread. The value must not change until the future is done."""
         _wait_for_callers_stream(value)
         return self._submit(self.put, key, value, replicas=replicas, preferred_node=preferred_node)
 

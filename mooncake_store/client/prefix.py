@@ -301,8 +301,8 @@ class PrefixCache:
 
     def load_async(self, token_ids: Any = None, **kwargs: Any) -> Future[PrefixHit]:
         """:meth:`load` on a worker thread."""
-        self._check_open()
-        with self._lock:
+        with self._lock:  # close() sets _closed under it: no submit to a pool shut down meanwhile
+            self._check_open()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=self._io_threads, thread_name_prefix="mc-prefix")
             return self._pool.submit(self.load, token_ids, **kwargs)
@@ -349,13 +349,13 @@ class PrefixCache:
 
     def close(self) -> None:
         """Release every hit still held and stop the worker threads (the client stays open)."""
-        if self._closed:
-            return
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # under the lock load_async checks it under
             hits = list(self._held.values())
         for hit in hits:
             hit.release()
-        self._closed = True
         self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -261,7 +261,12 @@ class PutPath:
             self.abandon([p for p, _ in failed], nodes, started=True)
             pinned = [p.key for p, s in failed if s == "PINNED"]
             if pinned:
-                raise ObjectPinned(f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first")
+                # The batch's other puts did land: say which, so that a retry need not write them again.
+                stored = [p.key for p, s in zip(plans, statuses, strict=True) if s == "OK"]
+                raise ObjectPinned(
+                    f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first"
+                    + (f"; stored the other {len(stored)} key(s): {stored[:5]!r}" if stored else "")
+                )
             raise ReservationExpired(
                 f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed "
                 f"(first key {failed[0][0].key!r})"
