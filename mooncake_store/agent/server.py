@@ -36,12 +36,39 @@ TIER_DISK = 2
 SPILL_FLAG = 1
 #: Pause before accepting again after accept() failed (out of descriptors, say).
 ACCEPT_RETRY_S = 0.1
-#: Connections served at once (one thread each); more are closed as they arrive.
+#: Connections served at once (one thread each); more are closed as they arrive. Fewer where the
+#: process may not open that many descriptors (connection_limit).
 MAX_CONNECTIONS = 4096
+#: Descriptors left out of the connection limit: the arena, chunk files, Redis connections, logs.
+FD_RESERVE = 64
 #: A connection idle this long is closed (clients retire pooled ones sooner: tcp.POOL_IDLE_S).
 IDLE_CLOSE_S = 600.0
 #: Chunk for draining the payload of a refused WRITE.
 DRAIN_BYTES = 1 << 20
+
+
+def connection_limit() -> int:
+    """MAX_CONNECTIONS, or fewer where the descriptor limit is lower: past it accept() fails, and a
+    new connection would wait in the listen backlog, neither served nor turned away, until its
+    client timed out. The soft limit is raised to the hard one first (as far as MAX_CONNECTIONS
+    needs): the common soft limit of 1024 is a default, not a decision."""
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return MAX_CONNECTIONS
+    wanted = MAX_CONNECTIONS + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if raised > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+                soft = raised
+            except (ValueError, OSError) as exc:
+                log.info("cannot raise the descriptor limit from %d to %d: %s", soft, raised, exc)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, soft - FD_RESERVE))
 
 
 class AgentHooks(Protocol):
@@ -112,6 +139,7 @@ class AgentServer:
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
         self._conns: set[socket.socket] = set()
+        self.max_connections = connection_limit()
         self._full_logged_at = 0.0
         #: FENCEd alloc ids per connection (only its own thread touches its set).
         self._fences: dict[socket.socket, set[int]] = {}
@@ -153,13 +181,13 @@ class AgentServer:
                 self._stop.wait(ACCEPT_RETRY_S)
                 continue
             with self._lock:
-                full = len(self._conns) >= MAX_CONNECTIONS
+                full = len(self._conns) >= self.max_connections
             if full:
                 # One thread per connection: a client that opens connections without end must not
                 # exhaust the agent's threads and descriptors. Pools hold a few per peer.
                 if time.monotonic() - self._full_logged_at > 1.0:  # once a second, not per connection
                     self._full_logged_at = time.monotonic()
-                    log.warning("%d connections open, the limit; closing new ones", MAX_CONNECTIONS)
+                    log.warning("%d connections open, the limit; closing new ones", self.max_connections)
                 conn.close()
                 continue
             try:
@@ -198,7 +226,11 @@ class AgentServer:
                     header = frames.recv_exact(conn, frames.HEADER_BYTES)
                 except TransferError:
                     return  # the client closed the connection
-                op, arg, a, b, c = frames.unpack(header)
+                try:
+                    op, arg, a, b, c = frames.unpack(header)
+                except ProtocolError:
+                    self._refuse_frame(conn, header)
+                    raise
                 if not self._dispatch(conn, op, arg, a, b, c):
                     return
         except (ProtocolError, OSError, MooncakeError) as exc:
@@ -213,6 +245,15 @@ class AgentServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
+
+    def _refuse_frame(self, conn: socket.socket, header: bytes) -> None:
+        """Before closing on a frame of another protocol version: a BAD_REQUEST reply in this
+        agent's version (a = that version), so that the peer's unpack says which versions differ
+        instead of "peer closed the connection". Not for a stream without our magic at all."""
+        if header[: len(frames.MAGIC)] == frames.MAGIC:
+            with contextlib.suppress(OSError):
+                op = header[len(frames.MAGIC) + 1] & ~frames.REPLY_BIT
+                conn.sendall(frames.pack(op | frames.REPLY_BIT, Status.BAD_REQUEST, frames.VERSION))
 
     def _reply(self, conn: socket.socket, op: Op, status: Status, a: int = 0, b: int = 0, c: int = 0) -> None:
         conn.sendall(frames.pack(op | frames.REPLY_BIT, status, a, b, c))
@@ -235,6 +276,8 @@ class AgentServer:
             self._reply(conn, Op.PING, Status.OK, frames.VERSION)
             return True
         log.warning("unknown op %d; closing the connection", op)
+        with contextlib.suppress(OSError):  # told, a newer client knows this agent lacks the op
+            conn.sendall(frames.pack((op & ~frames.REPLY_BIT) | frames.REPLY_BIT, Status.BAD_REQUEST, frames.VERSION))
         return False
 
     def _in_arena(self, offset: int, length: int) -> bool:
@@ -300,7 +343,11 @@ class AgentServer:
             self._reply(conn, Op.WRITE, Status.OK if ok else Status.STALE)
             return True
         if length > self._arena.size_bytes:
-            return False  # not worth draining: no such write can ever be valid
+            # Not worth draining: no such write can ever be valid. STALE as for any write that no
+            # reservation covers, then the close (the payload, if sent, is not read).
+            with contextlib.suppress(OSError):
+                self._reply(conn, Op.WRITE, Status.STALE)
+            return False
         remaining = length
         sink = bytearray(min(DRAIN_BYTES, max(1, length)))
         while remaining:
