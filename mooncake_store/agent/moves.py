@@ -55,50 +55,41 @@ class LocalMoves:
             view.release()
         # Known before the swap: a sync that frees the file (as a grave) must find it.
         agent.disk_keys[disk_id] = victim.key
-        counted = (TierKind.HOST, "demotions")
-        try:
-            swapped = self._swap(
-                victim.key,
-                old_alloc_id=victim.alloc_id,
-                node_id=agent.node_id,
-                tier=TierKind.DISK,
-                offset=0,
-                size_bytes=victim.size_bytes,
-                alloc_id=disk_id,
-            )
-            if swapped:
-                self.count(*counted)
-        except MooncakeError:
-            # Unknown whether the swap landed: keep the file if the index names it, else drop it.
-            swapped = self._index_names(victim.key, disk_id, TierKind.DISK, counted)
-        if not swapped:
-            self._drop_target(disk_id, TierKind.DISK)
-            return False
-        return True
+        # A disk allocation is read whole, from its file: offsets count from its start.
+        return self._swap_into(
+            victim.key, victim.alloc_id, TierKind.DISK, 0, disk_id, victim.size_bytes, (TierKind.HOST, "demotions")
+        )
 
-    def _swap_to_host_block(
-        self, key: str, old_alloc_id: int, offset: int, alloc_id: int, size_bytes: int, counted: Counted
+    def _swap_into(
+        self,
+        key: str,
+        old_alloc_id: int,
+        tier: TierKind,
+        offset: int,
+        alloc_id: int,
+        size_bytes: int,
+        counted: Counted,
     ) -> bool:
-        """Swap an object of this agent into a host block it already filled (and committed); the
-        block is freed unless the index names it afterwards, whatever the swap raised. The move
-        is counted (``counted``) once the index is known to name the block."""
-        agent = self.agent
+        """Swap an object of this agent into a target of ``tier`` here that it already filled (a
+        committed host block, a chunk file); the target is dropped unless the index names it
+        afterwards, whatever the swap raised. The move is counted (``counted``) once the index is
+        known to name the target."""
         try:
             swapped = self._swap(
                 key,
                 old_alloc_id=old_alloc_id,
-                node_id=agent.node_id,
-                tier=TierKind.HOST,
+                node_id=self.agent.node_id,
+                tier=tier,
                 offset=offset,
                 size_bytes=size_bytes,
                 alloc_id=alloc_id,
             )
             if swapped:
                 self.count(*counted)
-        except MooncakeError:
-            swapped = self._index_names(key, alloc_id, TierKind.HOST, counted)
+        except MooncakeError:  # unknown whether the swap landed: ask the index (or settle() will)
+            swapped = self._index_names(key, alloc_id, tier, counted)
         if not swapped:
-            self._drop_target(alloc_id, TierKind.HOST)
+            self._drop_target(alloc_id, tier)
         return swapped
 
     def _index_names(self, key: str, alloc_id: int, tier: TierKind, counted: Counted) -> bool:
@@ -222,8 +213,14 @@ class LocalMoves:
         except Exception:
             agent.table.free([alloc.alloc_id])
             raise
-        return self._swap_to_host_block(
-            victim.key, victim.alloc_id, alloc.offset, alloc.alloc_id, victim.size_bytes, (TierKind.GPU, "demotions")
+        return self._swap_into(
+            victim.key,
+            victim.alloc_id,
+            TierKind.HOST,
+            alloc.offset,
+            alloc.alloc_id,
+            victim.size_bytes,
+            (TierKind.GPU, "demotions"),
         )
 
     # ---- promotion --------------------------------------------------------------------------
@@ -247,6 +244,6 @@ class LocalMoves:
             view[:] = data
         finally:
             view.release()
-        return self._swap_to_host_block(
-            key, disk_id, alloc.offset, alloc.alloc_id, len(data), (TierKind.DISK, "promotions")
+        return self._swap_into(
+            key, disk_id, TierKind.HOST, alloc.offset, alloc.alloc_id, len(data), (TierKind.DISK, "promotions")
         )

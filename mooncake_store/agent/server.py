@@ -229,7 +229,8 @@ class AgentServer:
                 try:
                     op, arg, a, b, c = frames.unpack(header)
                 except ProtocolError:
-                    self._refuse_frame(conn, header)
+                    if header[: len(frames.MAGIC)] == frames.MAGIC:  # ours, in another version
+                        self._bad_request(conn, header[len(frames.MAGIC) + 1])
                     raise
                 if not self._dispatch(conn, op, arg, a, b, c):
                     return
@@ -246,14 +247,13 @@ class AgentServer:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
 
-    def _refuse_frame(self, conn: socket.socket, header: bytes) -> None:
-        """Before closing on a frame of another protocol version: a BAD_REQUEST reply in this
-        agent's version (a = that version), so that the peer's unpack says which versions differ
-        instead of "peer closed the connection". Not for a stream without our magic at all."""
-        if header[: len(frames.MAGIC)] == frames.MAGIC:
-            with contextlib.suppress(OSError):
-                op = header[len(frames.MAGIC) + 1] & ~frames.REPLY_BIT
-                conn.sendall(frames.pack(op | frames.REPLY_BIT, Status.BAD_REQUEST, frames.VERSION))
+    def _bad_request(self, conn: socket.socket, op: int) -> None:
+        """Before closing on a frame of another protocol version or an op this agent lacks: a
+        BAD_REQUEST reply in this agent's version (a = that version), so that the peer's unpack
+        names both versions, or a newer client sees the op refused, instead of "peer closed the
+        connection". A stream without our magic at all gets no reply."""
+        with contextlib.suppress(OSError):
+            conn.sendall(frames.pack(op | frames.REPLY_BIT, Status.BAD_REQUEST, frames.VERSION))
 
     def _reply(self, conn: socket.socket, op: Op, status: Status, a: int = 0, b: int = 0, c: int = 0) -> None:
         conn.sendall(frames.pack(op | frames.REPLY_BIT, status, a, b, c))
@@ -276,8 +276,7 @@ class AgentServer:
             self._reply(conn, Op.PING, Status.OK, frames.VERSION)
             return True
         log.warning("unknown op %d; closing the connection", op)
-        with contextlib.suppress(OSError):  # told, a newer client knows this agent lacks the op
-            conn.sendall(frames.pack((op & ~frames.REPLY_BIT) | frames.REPLY_BIT, Status.BAD_REQUEST, frames.VERSION))
+        self._bad_request(conn, op)
         return False
 
     def _in_arena(self, offset: int, length: int) -> bool:

@@ -107,7 +107,7 @@ def test_a_demotion_whose_answer_is_lost_keeps_a_file_buried_under_a_live_lease(
     (agent/moves.py:87-96) reads "not named" and _drop_target deletes the file at once: the reader,
     within its lease, gets STALE instead of the bytes (DESIGN.md §3.3). settle() asks the graveyard
     for exactly this case (cba3bab); the immediate path does not. The same path frees a promotion's
-    or a GPU demotion's host block under a live lease (_swap_to_host_block)."""
+    or a GPU demotion's host block under a live lease (_swap_into)."""
     lease_ms = 2000
     agent = make_disk_agent()
     key = f"buried-{uuid.uuid4().hex[:6]}"

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,6 +40,42 @@ def _classify(exc: BaseException | None) -> str:
     if isinstance(exc, MooncakeError):
         return "mooncake"
     return f"RAW {type(exc).__name__}: {exc}"
+
+
+def _race_close(
+    submits: list[Callable[[], Future[Any]]], close: Callable[[], None], outcomes: dict[str, int], max_calls: int
+) -> list[Future[Any]]:
+    """One thread per ``submits`` entry calls it over and over (at most ``max_calls`` times) while
+    ``close`` runs 20 ms in; each thread stops at its first call that raised. Every outcome is
+    counted by _classify's kind ('ok', 'mooncake', 'RAW <type>'); returns the futures accepted."""
+    stop = threading.Event()
+    lock = threading.Lock()
+    futures: list[Future[Any]] = []
+
+    def spam(submit: Callable[[], Future[Any]]) -> None:
+        for _ in range(max_calls):
+            if stop.is_set():
+                return
+            try:
+                futures.append(submit())
+                outcome = "ok"
+            except BaseException as exc:
+                outcome = _classify(exc).split(":")[0]
+            with lock:
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            if outcome != "ok":
+                return
+
+    threads = [threading.Thread(target=spam, args=(submit,)) for submit in submits]
+    for th in threads:
+        th.start()
+    time.sleep(0.02)
+    close()
+    stop.set()
+    for th in threads:
+        th.join(30)
+    assert not any(th.is_alive() for th in threads), "a submitting thread hung after close()"
+    return futures
 
 
 @pytest.fixture
@@ -75,39 +112,19 @@ def test_async_calls_racing_close_get_a_mooncake_error_not_a_raw_runtime_error(o
     with connect(one_agent.redis_url, namespace=one_agent.namespace) as setup:
         setup.put("rv8-race", b"abc")
     outcomes: dict[str, int] = {}
-    lock = threading.Lock()
     deadline = time.monotonic() + 15
     for trial in range(12):
         if time.monotonic() > deadline:
             break
         client = connect(one_agent.redis_url, namespace=one_agent.namespace)
-        stop = threading.Event()
-        futures: list[Future[object]] = []
 
-        def spam(op: int, client: Client = client, stop: threading.Event = stop, futures: list = futures) -> None:
-            for _ in range(20_000):
-                if stop.is_set():
-                    return
-                try:
-                    fut = client.get_async("rv8-race") if op == 0 else client.put_async("rv8-race", b"abc")
-                    futures.append(fut)
-                    outcome = "ok"
-                except BaseException as exc:
-                    outcome = _classify(exc)
-                with lock:
-                    outcomes[outcome.split(":")[0]] = outcomes.get(outcome.split(":")[0], 0) + 1
-                if outcome != "ok":
-                    return
+        def get(client: Client = client) -> Future[Any]:
+            return client.get_async("rv8-race")
 
-        threads = [threading.Thread(target=spam, args=(i % 2,)) for i in range(4)]
-        for th in threads:
-            th.start()
-        time.sleep(0.02)
-        client.close()
-        stop.set()
-        for th in threads:
-            th.join(30)
-        assert not any(th.is_alive() for th in threads), "a submitting thread hung after close()"
+        def put(client: Client = client) -> Future[Any]:
+            return client.put_async("rv8-race", b"abc")
+
+        futures = _race_close([get, put, get, put], client.close, outcomes, max_calls=20_000)
         for fut in futures:  # futures that were accepted end with a result or a MooncakeError
             err = fut.exception(timeout=30)
             assert err is None or isinstance(err, MooncakeError), f"future of trial {trial}: {err!r}"
@@ -203,40 +220,17 @@ def test_prefix_cache_load_async_racing_close_gets_a_mooncake_error(one_agent: L
     MooncakeError('PrefixCache is closed')."""
     client = connect(one_agent.redis_url, namespace=one_agent.namespace)
     outcomes: dict[str, int] = {}
-    lock = threading.Lock()
     try:
         tokens = list(range(8))
         with PrefixCache(client, "rv8-pc", chunk_tokens=4) as writer:
             writer.store(tokens, [np.zeros(4, np.float32), np.ones(4, np.float32)])
         for _ in range(5):
             cache = PrefixCache(client, "rv8-pc", chunk_tokens=4)
-            stop = threading.Event()
-            futures: list[Future[object]] = []
 
-            def spam(cache: PrefixCache = cache, stop: threading.Event = stop, futures: list = futures) -> None:
-                for _ in range(5_000):
-                    if stop.is_set():
-                        return
-                    try:
-                        futures.append(cache.load_async(tokens))
-                        outcome = "ok"
-                    except BaseException as exc:
-                        outcome = _classify(exc).split(":")[0]
-                    with lock:
-                        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-                    if outcome != "ok":
-                        return
+            def load(cache: PrefixCache = cache) -> Future[Any]:
+                return cache.load_async(tokens)
 
-            threads = [threading.Thread(target=spam) for _ in range(3)]
-            for th in threads:
-                th.start()
-            time.sleep(0.02)
-            cache.close()
-            stop.set()
-            for th in threads:
-                th.join(30)
-            assert not any(th.is_alive() for th in threads)
-            for fut in futures:
+            for fut in _race_close([load] * 3, cache.close, outcomes, max_calls=5_000):
                 if fut.exception(timeout=30) is None:
                     fut.result().release()  # type: ignore[attr-defined]
     finally:
@@ -547,7 +541,8 @@ def test_a_sparse_torch_tensor_is_refused_with_invalid_value_that_says_to_densif
     with 'not contiguous; call .contiguous()', advice that itself raises RuntimeError
     ('unsupported memory format option Contiguous'). Both should be InvalidValue naming the
     layout, pointing at .to_dense()."""
-    torch = pytest.importorskip("torch")
+    import torch  # a test requirement (pyproject test extra): its absence is a failure
+
     tensor = getattr(torch.eye(4), f"to_{layout}")()
     key = _key("sparse")
     calls: dict[str, Callable[[], object]] = {
@@ -604,7 +599,8 @@ def test_every_call_on_a_closed_client_says_closed(one_agent: LocalCluster) -> N
 def test_bfloat16_round_trips_through_the_async_api(shared_client: Client) -> None:
     """A CPU bfloat16 tensor put with put_async comes back from get_async as a bfloat16 torch
     tensor of its shape (README), and get_into_async fills a bfloat16 tensor bit-exact."""
-    torch = pytest.importorskip("torch")
+    import torch  # a test requirement (pyproject test extra): its absence is a failure
+
     value = torch.arange(24, dtype=torch.float32).reshape(4, 6).to(torch.bfloat16)
     key = _key("bf16")
     shared_client.put_async(key, value).result(timeout=30)
