@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from mooncake_store.errors import MooncakeError
@@ -29,14 +30,27 @@ class CountMove(Protocol):
 Counted = tuple[TierKind, str]
 
 
+@dataclass(frozen=True, slots=True)
+class MoveTarget:
+    """Where a move put an object's new copy: allocation ``alloc_id`` of node ``node_id`` (this
+    agent for a local move, the peer for a spill) in ``tier``; ``counted`` is what the move adds
+    to once the index is known to name it."""
+
+    key: str
+    node_id: str
+    alloc_id: int
+    tier: TierKind
+    counted: Counted
+
+
 class LocalMoves:
     def __init__(self, agent: Agent, count: CountMove) -> None:
         self.agent = agent
         self.count = count
-        #: Move targets kept because the index could not say whether a swap named them, by alloc
-        #: id: (key, tier, the counter the move adds to once it is known to have landed). settle()
-        #: asks again, frees those it does not name and counts those it does.
-        self._unsure: dict[int, tuple[str, TierKind, Counted]] = {}
+        #: Move targets whose swap's outcome the index could not tell, by (node id, alloc id):
+        #: settle() asks again and counts those it names; of the rest it frees this agent's own
+        #: (a spill's target on a peer is the peer's to free: its sync finds no ack for it).
+        self._unsure: dict[tuple[str, int], MoveTarget] = {}
         self._lock = threading.Lock()
 
     def demote_to_disk(self, victim: EvictionCandidate, offset: int) -> bool:
@@ -87,55 +101,63 @@ class LocalMoves:
             if swapped:
                 self.count(*counted)
         except MooncakeError:  # unknown whether the swap landed: ask the index (or settle() will)
-            swapped = self._index_names(key, alloc_id, tier, counted)
+            target = MoveTarget(key, self.agent.node_id, alloc_id, tier, counted)
+            swapped = self.resolve([target]).get(target, True)
         if not swapped:
             self._drop_target(alloc_id, tier)
         return swapped
 
-    def _index_names(self, key: str, alloc_id: int, tier: TierKind, counted: Counted) -> bool:
-        """Whether the move's target ``alloc_id`` must be kept (see _keep), the move counted if so.
-        When the index cannot say, True, and the target is remembered for settle(): dropping it
-        under a live replica would lose data, keeping it for nothing would leak it; it is counted
-        only once settle() learns that the move landed."""
-        keep = self._keep({alloc_id: key})
-        if alloc_id in keep:
-            if keep[alloc_id]:
-                self.count(*counted)
-            return keep[alloc_id]
+    def resolve(self, targets: list[MoveTarget]) -> dict[MoveTarget, bool]:
+        """For move targets whose swap's outcome is unknown (its call and the retry failed):
+        whether each landed (see _keep), and those that did are counted. A target the index cannot
+        answer for now is left out of the answer and remembered for settle(), which counts it once
+        it learns that the move landed. A caller keeps its own target while unsure: dropping it
+        under a live replica would lose data, keeping it for nothing only leaks it until then."""
+        landed = self._keep(targets)
+        for target, keep in landed.items():
+            if keep:
+                self.count(*target.counted)
         with self._lock:
-            self._unsure[alloc_id] = (key, tier, counted)
-        return True
+            for target in targets:
+                if target not in landed:
+                    self._unsure[(target.node_id, target.alloc_id)] = target
+        return landed
 
-    def _keep(self, targets: dict[int, str]) -> dict[int, bool]:
-        """For move targets (alloc id -> key) whose swap's outcome is unknown, whether each must be
-        kept: its key's record lists it (an object's replica like any other), or it is in this
-        node's graveyard (the swap landed and the object was removed or replaced since, perhaps
-        under a reader's lease: the sync frees it when the leases end). Neither: the swap never
-        landed, and nothing else will free it. Only the targets the index could answer for; the
-        questions go first, then the graveyard, so that a burial between the two reads is seen."""
-        named: dict[int, bool] = {}
-        for alloc_id, key in targets.items():
-            answer = self._ask_index(key, alloc_id)
+    def _keep(self, targets: list[MoveTarget]) -> dict[MoveTarget, bool]:
+        """For move targets whose swap's outcome is unknown, whether each landed and must be kept:
+        its key's record lists it (an object's replica like any other), or it is in its node's
+        graveyard (the swap landed and the object was removed or replaced since, perhaps under a
+        reader's lease: that node's sync frees it when the leases end). Neither: the swap never
+        landed. Only the targets the index could answer for; the questions go first, then the
+        graveyards, so that a burial between the two reads is seen."""
+        named: dict[MoveTarget, bool] = {}
+        for target in targets:
+            answer = self._ask_index(target)
             if answer is None:
                 break  # unreachable: the rest wait for the next time
-            named[alloc_id] = answer
-        agent = self.agent
+            named[target] = answer
+        unnamed: dict[str, list[int]] = {}
+        for target, answer in named.items():
+            if not answer:
+                unnamed.setdefault(target.node_id, []).append(target.alloc_id)
+        buried: set[tuple[str, int]] = set()
         try:
-            buried = agent.index.buried(agent.node_id, [a for a, n in named.items() if not n])
+            for node_id, alloc_ids in unnamed.items():
+                buried.update((node_id, a) for a in self.agent.index.buried(node_id, alloc_ids))
         except MooncakeError:
             return {}
-        return {alloc_id: n or alloc_id in buried for alloc_id, n in named.items()}
+        return {t: n or (t.node_id, t.alloc_id) in buried for t, n in named.items()}
 
-    def _ask_index(self, key: str, alloc_id: int) -> bool | None:
-        """Whether ``key`` lists this agent's ``alloc_id``; None when the index cannot be asked.
-        The record itself, not a lookup: a lookup leaves out nodes past their heartbeat deadline,
-        which this one may be right after the outage that made the question necessary."""
+    def _ask_index(self, target: MoveTarget) -> bool | None:
+        """Whether the target's key lists it; None when the index cannot be asked. The record
+        itself, not a lookup: a lookup leaves out nodes past their heartbeat deadline, which this
+        one may be right after the outage that made the question necessary."""
         try:
-            replicas = self.agent.index.replicas_listed(key)
+            replicas = self.agent.index.replicas_listed(target.key)
         except MooncakeError:
             return None
         return replicas is not None and any(
-            r.node_id == self.agent.node_id and r.alloc_id == alloc_id for r in replicas
+            r.node_id == target.node_id and r.alloc_id == target.alloc_id for r in replicas
         )
 
     def _drop_target(self, alloc_id: int, tier: TierKind) -> None:
@@ -149,22 +171,21 @@ class LocalMoves:
             agent.table.free([alloc_id])
 
     def settle(self) -> int:
-        """Ask the index again about targets kept while it could not answer, and free those it
-        says to drop (_keep). Returns how many were freed. The pressure loop calls this before
-        each pass."""
+        """Ask the index again about targets kept while it could not answer: count those it names,
+        free this agent's own that it does not (_keep). Returns how many were freed. The pressure
+        loop calls this before each pass."""
         with self._lock:
-            unsure = dict(self._unsure)
+            unsure = list(self._unsure.values())
         if not unsure:
             return 0
         freed = 0
-        for alloc_id, keep in self._keep({a: key for a, (key, _, _) in unsure.items()}).items():
+        for target, keep in self._keep(unsure).items():
             with self._lock:
-                self._unsure.pop(alloc_id, None)
-            _, tier, counted = unsure[alloc_id]
+                self._unsure.pop((target.node_id, target.alloc_id), None)
             if keep:
-                self.count(*counted)
-            else:
-                self._drop_target(alloc_id, tier)
+                self.count(*target.counted)
+            elif target.node_id == self.agent.node_id:
+                self._drop_target(target.alloc_id, target.tier)
                 freed += 1
         return freed
 

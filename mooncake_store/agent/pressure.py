@@ -351,6 +351,10 @@ class PressureManager:
                 moved += sum(job.wire_bytes for job in result.moved)
                 if result.moved:
                     self.count(tier, "spills_out", len(result.moved))
+                if result.unknown:
+                    # Swaps whose answer was lost may have landed: counted once the index says so,
+                    # now or at a later settle() (the old copies are then in the graveyard).
+                    self.moves.resolve([target for _, target in result.unknown])
                 if result.error is not None:
                     raise result.error  # the index failed: end the pass (run() logs it)
                 if result.refused:

@@ -45,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.errors import MooncakeError
 from mooncake_store.policy.transport_choice import choose_transport
@@ -101,13 +102,27 @@ class _Reserved:
 
 
 @dataclass(slots=True)
+class _Swapped:
+    """What one batch's compare-and-swap did."""
+
+    moved: list[SpillJob] = field(default_factory=list)
+    #: Jobs whose swap call failed (its retry too): whether each landed is for the index to say.
+    unknown: list[tuple[SpillJob, MoveTarget]] = field(default_factory=list)
+    error: MooncakeError | None = None
+
+
+@dataclass(slots=True)
 class SpillResult:
     moved: list[SpillJob] = field(default_factory=list)
     #: Not moved: the peer refused, or broke before their batch was swapped. These may go elsewhere.
     unsent: list[SpillJob] = field(default_factory=list)
     #: The peer refused a reservation or its connection broke: skip it for the rest of the pass.
     refused: bool = False
-    #: A swap failed in the index (whether it happened is unknown; its reservations were expired).
+    #: Written jobs of batches whose swap failed in the index, with the peer's copy: whether each
+    #: swap landed is unknown (their reservations were expired: the peer keeps those it was told
+    #: of, and frees the rest). The caller asks the index (LocalMoves.resolve).
+    unknown: list[tuple[SpillJob, MoveTarget]] = field(default_factory=list)
+    #: Why those swaps failed.
     error: MooncakeError | None = None
 
 
@@ -167,7 +182,7 @@ class Spiller:
             # ~0.1 s per GiB, which reservations already granted would spend ageing.
             self._peer_segment(peer_node, tier)
         batches = batches_of(jobs, max_bytes=self._batch_bytes)
-        swaps: list[Future[list[SpillJob]]] = []
+        swaps: list[Future[_Swapped]] = []
         ahead: Future[_Reserved | None] | None = None
         try:
             if batches:
@@ -212,10 +227,10 @@ class Spiller:
             if ahead is not None:
                 self._give_back(peer_node, ahead)
             for fut in swaps:
-                try:
-                    result.moved.extend(fut.result())
-                except MooncakeError as exc:
-                    result.error = result.error or exc
+                swapped = fut.result()
+                result.moved.extend(swapped.moved)
+                result.unknown.extend(swapped.unknown)
+                result.error = result.error or swapped.error
         return result
 
     @property
@@ -361,10 +376,10 @@ class Spiller:
         reservations: list[Reservation],
         written: list[bool],
         tier: TierKind,
-    ) -> list[SpillJob]:
+    ) -> _Swapped:
         """One compare-and-swap of the written jobs; every reservation not swapped is expired on the
         peer. Returns the jobs that moved (a job written but not swapped is dropped: its object
-        changed meanwhile)."""
+        changed meanwhile), or, when the swap call failed, the written jobs with their targets."""
         moves = [
             (
                 job.victim.key,
@@ -386,11 +401,16 @@ class Spiller:
         ]
         try:
             statuses = self.agent.index.move_replicas(moves, old_node=self.agent.node_id) if moves else []
-        except MooncakeError:
+        except MooncakeError as exc:
             # Whether the swap happened is unknown: expiring is still safe, since the peer keeps a
             # reservation whose swap reached the index (its ack list says so) and frees the rest.
             self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reservations])
-            raise
+            unknown = [
+                (job, MoveTarget(job.victim.key, peer_node.node_id, res.alloc_id, tier, (tier, "spills_out")))
+                for job, res, ok in zip(batch, reservations, written, strict=True)
+                if ok
+            ]
+            return _Swapped(unknown=unknown, error=exc)
         swapped = iter(statuses)
         moved: list[SpillJob] = []
         leftover: list[int] = []
@@ -401,7 +421,7 @@ class Spiller:
                 leftover.append(res.alloc_id)
         if leftover:
             self._expire(peer_node.tcp_endpoint, leftover)
-        return moved
+        return _Swapped(moved=moved)
 
     def _write_all(
         self, peer: PeerConnections, batch: list[SpillJob], reservations: list[Reservation], tier: TierKind

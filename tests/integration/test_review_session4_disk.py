@@ -104,7 +104,7 @@ def test_a_demotion_whose_answer_is_lost_keeps_a_file_buried_under_a_live_lease(
     """demote_to_disk's swap lands but its answer is lost; before the agent asks the index again, a
     reader looks the object up (a lease on the new disk location) and the object is removed (its
     file goes to the graveyard, due when that lease ends). LocalMoves._index_names()
-    (agent/moves.py:87-96) reads "not named" and _drop_target deletes the file at once: the reader,
+    (since folded into LocalMoves.resolve) read "not named" and _drop_target deletes the file at once: the reader,
     within its lease, gets STALE instead of the bytes (DESIGN.md §3.3). settle() asks the graveyard
     for exactly this case (cba3bab); the immediate path does not. The same path frees a promotion's
     or a GPU demotion's host block under a live lease (_swap_into)."""
