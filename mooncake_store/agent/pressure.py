@@ -74,8 +74,8 @@ class PressureManager:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.counters: dict[TierKind, Counter[str]] = {t: Counter() for t in TierKind}
-        self._wanted_bytes = 0
-        self._wanted_gpu_bytes = 0
+        #: Per arena tier, the largest reservation that did not fit since the last pass began.
+        self._wanted: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
         #: Until then (monotonic s) reservations do not wake the loop: its last pass moved nothing.
@@ -96,12 +96,24 @@ class PressureManager:
         table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
         if table is None or size_bytes > table.capacity_bytes:
             return
-        with self._lock:
-            if tier == TierKind.GPU:
-                self._wanted_gpu_bytes = max(self._wanted_gpu_bytes, size_bytes)
-            else:
-                self._wanted_bytes = max(self._wanted_bytes, size_bytes)
+        self._note_wanted(tier, size_bytes)
         self._wake.set()
+
+    def _note_wanted(self, tier: TierKind, size_bytes: int) -> None:
+        with self._lock:
+            self._wanted[tier] = max(self._wanted[tier], size_bytes)
+
+    def _relieve_arena(self, tier: TierKind, table: AllocationTable, job_of: JobOf) -> int:
+        """A pass over an arena tier (host or GPU), sized for the reservations waiting for room."""
+        with self._lock:
+            wanted, self._wanted[tier] = self._wanted[tier], 0
+        try:
+            return self._relieve(tier, self._arena_need(tier, table, wanted), job_of)
+        except BaseException:
+            # A failed pass made no room: the writer is still waiting, and the next pass must
+            # know it before that writer's next refused RESERVE tells it again.
+            self._note_wanted(tier, wanted)
+            raise
 
     def wake(self) -> None:
         """A reservation took the tier past its high watermark. Right after a pass that found
@@ -146,9 +158,7 @@ class PressureManager:
 
     def relieve_host(self) -> int:
         """One pass over the host tier; returns the bytes moved away."""
-        with self._lock:
-            wanted, self._wanted_bytes = self._wanted_bytes, 0
-        return self._relieve(TierKind.HOST, self._arena_need(TierKind.HOST, self.agent.table, wanted), self._host_job)
+        return self._relieve_arena(TierKind.HOST, self.agent.table, self._host_job)
 
     def _arena_need(self, tier: TierKind, table: AllocationTable, wanted: int) -> Callable[[Returning], int]:
         """What must leave an arena tier (host or GPU), with ``wanted`` bytes of a reservation that
@@ -387,9 +397,7 @@ class PressureManager:
         table = agent.gpu_table
         if table is None or agent.gpu is None:
             return 0
-        with self._lock:
-            wanted, self._wanted_gpu_bytes = self._wanted_gpu_bytes, 0
-        return self._relieve(TierKind.GPU, self._arena_need(TierKind.GPU, table, wanted), self._gpu_job)
+        return self._relieve_arena(TierKind.GPU, table, self._gpu_job)
 
     def _gpu_job(self, victim: EvictionCandidate) -> SpillJob | None:
         table = self.agent.gpu_table

@@ -498,6 +498,37 @@ def test_a_spill_swap_the_index_cannot_confirm_yet_is_counted_by_settle_once_it_
     assert not b.table.reserved_deadlines(), "reservations left on the peer"
 
 
+def test_a_writer_waiting_for_room_is_still_served_after_a_pass_that_failed(
+    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, ns: str
+) -> None:
+    """A reservation that does not fit asks for room (want_room); the pass it wakes fails (the
+    index goes down after the victim sample). The pass had already taken the request: the next
+    pass, with the index back, found the tier under its high watermark and moved nothing, so the
+    writer waited for its own next refused RESERVE. Now a failed pass hands the request back."""
+    agent = proxied_agent(ns)
+    client = client_of(ns)
+    values = fill(client, agent, n=10)  # 2.5 MiB of 4: under the high watermark
+    wanted = 3 * MiB
+    used, _, largest_free, _ = agent.table.usage()
+    assert largest_free < wanted
+    agent.pressure.want_room(wanted)
+    proxy.down_after_reply_of(sha(agent, "victims"))
+    with pytest.raises(MooncakeError):
+        agent.pressure.relieve_host()
+    proxy.up()
+    drain_host(agent)
+    # The pass frees what the request lacks (in bytes: whether they are contiguous is the
+    # writer's next RESERVE's to find out, which asks again if not).
+    freed = used - agent.table.usage()[0]
+    assert freed >= wanted - largest_free, (
+        f"{freed} B freed for a {wanted} B request with {largest_free} B free: the failed pass "
+        "forgot the waiting writer's request"
+    )
+    gone = counter(agent, TierKind.HOST, "evictions")
+    still = [k for k, v in values.items() if readable(client, k, v)]
+    assert len(still) == len(values) - gone, "an object not evicted became unreadable"
+
+
 # ---- agent_sync.lua replayed by RedisIndex._run -------------------------------------------------
 def test_a_sync_reply_lost_on_a_broken_connection_does_not_free_a_spilled_in_object(
     proxied_agent: Callable[..., Agent],
