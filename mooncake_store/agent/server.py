@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.config import split_host_port
-from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError
+from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError, TransferTimeout
 from mooncake_store.tiers.disk import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
@@ -45,6 +45,13 @@ FD_RESERVE = 64
 IDLE_CLOSE_S = 600.0
 #: Chunk for draining the payload of a refused WRITE.
 DRAIN_BYTES = 1 << 20
+#: The slowest a request's bytes may arrive (and a READ's reply leave), beyond the first
+#: timeout_s: a request must be done by timeout_s + its length / MIN_RATE_BPS from its header's
+#: first byte. timeout_s bounds each recv and send only, so a peer sending a byte per timeout
+#: would hold a WRITE's reservation (or a READ's allocation) and a thread for ever. 1 MiB/s is
+#: about a thousandth of a 10 Gb/s link, far below what even a writer sharing one with dozens of
+#: streams gets, and still cuts a trickled 1 GiB WRITE off within 18 minutes.
+MIN_RATE_BPS = 1 << 20
 
 
 def connection_limit() -> int:
@@ -191,8 +198,9 @@ class AgentServer:
                 conn.close()
                 continue
             try:
-                # A request under way must go on promptly (each recv and send is bounded); idle
-                # pooled connections wait for their next request in poll(), as long as they like.
+                # A request under way must go on promptly (each recv and send is bounded, and the
+                # request as a whole: MIN_RATE_BPS); idle pooled connections wait for their next
+                # request in poll(), up to IDLE_CLOSE_S.
                 frames.kernel_timeouts(conn, self._timeout_s)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -222,8 +230,12 @@ class AgentServer:
                 holding = bool(self._fences.get(conn))
                 if not idle.poll(None if holding else int(IDLE_CLOSE_S * 1000)):
                     return
+                started = time.monotonic()  # the request's deadline counts from here (_by)
+                header = bytearray(frames.HEADER_BYTES)
                 try:
-                    header = frames.recv_exact(conn, frames.HEADER_BYTES)
+                    frames.recv_into_by(conn, memoryview(header), self._by(started, 0), self._timeout_s)
+                except TransferTimeout:
+                    raise
                 except TransferError:
                     return  # the client closed the connection
                 try:
@@ -232,7 +244,7 @@ class AgentServer:
                     if header[: len(frames.MAGIC)] == frames.MAGIC:  # ours, in another version
                         self._bad_request(conn, header[len(frames.MAGIC) + 1])
                     raise
-                if not self._dispatch(conn, op, arg, a, b, c):
+                if not self._dispatch(conn, started, op, arg, a, b, c):
                     return
         except (ProtocolError, OSError, MooncakeError) as exc:
             log.info("closing connection: %s", exc)
@@ -258,20 +270,35 @@ class AgentServer:
     def _reply(self, conn: socket.socket, op: Op, status: Status, a: int = 0, b: int = 0, c: int = 0) -> None:
         conn.sendall(frames.pack(op | frames.REPLY_BIT, status, a, b, c))
 
-    def _dispatch(self, conn: socket.socket, op: int, arg: int, a: int, b: int, c: int) -> bool:
-        """Serve one request; False closes the connection (its stream can no longer be trusted)."""
+    def _by(self, started: float, length: int) -> float:
+        """The deadline of a request that began at ``started`` and moves ``length`` bytes of
+        payload (MIN_RATE_BPS)."""
+        return started + self._timeout_s + length / MIN_RATE_BPS
+
+    def _recv(self, conn: socket.socket, length: int, started: float) -> bytearray:
+        buf = bytearray(length)
+        frames.recv_into_by(conn, memoryview(buf), self._by(started, length), self._timeout_s)
+        return buf
+
+    def _send(self, conn: socket.socket, started: float, header: bytes, payload: bytes | bytearray) -> None:
+        """A reply with a payload, by the request's deadline (the reader must keep up too)."""
+        frames.send_all_by(conn, header, memoryview(payload), self._by(started, len(payload)), self._timeout_s)
+
+    def _dispatch(self, conn: socket.socket, started: float, op: int, arg: int, a: int, b: int, c: int) -> bool:
+        """Serve one request (begun at ``started``); False closes the connection (its stream can no
+        longer be trusted)."""
         if op == Op.READ:
-            return self._read(conn, a, b, c)
+            return self._read(conn, started, a, b, c)
         if op == Op.WRITE:
-            return self._write(conn, a, b, c)
+            return self._write(conn, started, a, b, c)
         if op == Op.RESERVE:
-            return self._reserve(conn, arg, a, b)
+            return self._reserve(conn, started, arg, a, b)
         if op == Op.FREE:
-            return self._free(conn, arg)
+            return self._free(conn, started, arg)
         if op == Op.FENCE:
-            return self._fence(conn, arg)
+            return self._fence(conn, started, arg)
         if op == Op.UNFENCE:
-            return self._unfence(conn, arg)
+            return self._unfence(conn, started, arg)
         if op == Op.PING:
             self._reply(conn, Op.PING, Status.OK, frames.VERSION)
             return True
@@ -282,15 +309,16 @@ class AgentServer:
     def _in_arena(self, offset: int, length: int) -> bool:
         return offset >= 0 and length >= 0 and offset + length <= self._arena.size_bytes
 
-    def _read(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
+    def _read(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
         if not self._in_arena(offset, length) or not self._table.begin_read(alloc_id, offset, length):
-            return self._read_other_tier(conn, alloc_id, offset, length)
+            return self._read_other_tier(conn, started, alloc_id, offset, length)
         try:
             # Counted before the reply goes: a client that has its bytes sees the read in stat().
             self._hooks.host_read(length)
             view = self._arena.view(offset, length)
             try:
-                frames.send_all(conn, frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length), view)
+                header = frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length)
+                frames.send_all_by(conn, header, view, self._by(started, length), self._timeout_s)
             finally:
                 view.release()
         finally:
@@ -299,7 +327,7 @@ class AgentServer:
         self.counters["read_bytes"] += length
         return True
 
-    def _read_other_tier(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
+    def _read_other_tier(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
         try:
             got = self._hooks.read_other_tier(alloc_id)
         except MooncakeError as exc:
@@ -311,19 +339,25 @@ class AgentServer:
             self._reply(conn, Op.READ, Status.STALE)
             return True
         view = memoryview(data)[start : start + length]
-        frames.send_all(conn, frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length), view)
-        view.release()
+        header = frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length)
+        try:
+            frames.send_all_by(conn, header, view, self._by(started, length), self._timeout_s)
+        finally:
+            view.release()
         self.counters["reads"] += 1
         self.counters["read_bytes"] += length
         self._hooks.after_other_tier_read(alloc_id, data)
         return True
 
-    def _write(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
+    def _write(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
+        # Past its deadline a WRITE ends as one whose writer died: the fence is lifted, the
+        # reservation stays until it is freed or expires, the connection closes.
+        deadline = self._by(started, length)
         if self._in_arena(offset, length) and self._table.begin_write(alloc_id, offset, length):
             # Fenced: a free while the payload arrives waits, and voids the write (STALE).
             view = self._arena.view(offset, length)
             try:
-                frames.recv_into_exact(conn, view)
+                frames.recv_into_by(conn, view, deadline, self._timeout_s)
             finally:
                 view.release()
                 still_reserved = self._table.end_write(alloc_id)
@@ -335,7 +369,7 @@ class AgentServer:
         if staging is not None:
             received = False
             try:
-                frames.recv_into_exact(conn, memoryview(staging))
+                frames.recv_into_by(conn, memoryview(staging), deadline, self._timeout_s)
                 received = True
             finally:
                 ok = self._hooks.other_tier_written(alloc_id, offset, staging if received else None)
@@ -348,20 +382,19 @@ class AgentServer:
                 self._reply(conn, Op.WRITE, Status.STALE)
             return False
         remaining = length
-        sink = bytearray(min(DRAIN_BYTES, max(1, length)))
+        sink = memoryview(bytearray(min(DRAIN_BYTES, max(1, length))))
         while remaining:
-            n = conn.recv_into(sink, min(len(sink), remaining))
-            if n == 0:
-                return False
+            n = min(len(sink), remaining)
+            frames.recv_into_by(conn, sink[:n], deadline, self._timeout_s)
             remaining -= n
         self._reply(conn, Op.WRITE, Status.STALE)
         return True
 
-    def _reserve(self, conn: socket.socket, count: int, tier: int, flags: int) -> bool:
+    def _reserve(self, conn: socket.socket, started: float, count: int, tier: int, flags: int) -> bool:
         if not 0 < count <= frames.MAX_BATCH or tier not in (TIER_HOST, TIER_GPU, TIER_DISK):
             self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
             return False
-        raw = frames.recv_exact(conn, frames.RESERVE_ENTRY.size * count)
+        raw = self._recv(conn, frames.RESERVE_ENTRY.size * count, started)
         requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
         if tier == TIER_DISK and any(size < DISK_HEADER.size for size, _ in requests):
             # No chunk file is shorter than its header: such entries could only fill the inbox with
@@ -377,7 +410,7 @@ class AgentServer:
             if flags & SPILL_FLAG:
                 self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)
             payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
-            frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
+            self._send(conn, started, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), payload)
             return True
         allocs = self._table.reserve(requests)
         if allocs is None:
@@ -395,15 +428,15 @@ class AgentServer:
             self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)
         self._hooks.reserved()
         payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
-        frames.send_all(conn, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), memoryview(payload))
+        self._send(conn, started, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), payload)
         return True
 
-    def _fence(self, conn: socket.socket, count: int) -> bool:
+    def _fence(self, conn: socket.socket, started: float, count: int) -> bool:
         """Fence host-tier reservations for a writer that copies into the shared arena itself (a
         same-host peer's spill): the reply names this arena (its digest) and says per id whether it
         is fenced (a live reservation, not being freed). Fences last until UNFENCE on this
         connection, or its close."""
-        ids = self._ids(conn, Op.FENCE, count)
+        ids = self._ids(conn, started, Op.FENCE, count)
         if ids is None:
             return False
         fenced = self._fences.setdefault(conn, set())
@@ -413,13 +446,13 @@ class AgentServer:
             if alloc_id not in fenced and location is not None and self._table.begin_write(alloc_id, *location):
                 fenced.add(alloc_id)
                 ok[i] = 1
-        self._reply_flags(conn, Op.FENCE, ok, segment_digest(self._arena.name))
+        self._reply_flags(conn, started, Op.FENCE, ok, segment_digest(self._arena.name))
         return True
 
-    def _unfence(self, conn: socket.socket, count: int) -> bool:
+    def _unfence(self, conn: socket.socket, started: float, count: int) -> bool:
         """Lift fences this connection holds; per id whether the reservation is still live (False:
         freed meanwhile, so what was copied into it is void)."""
-        ids = self._ids(conn, Op.UNFENCE, count)
+        ids = self._ids(conn, started, Op.UNFENCE, count)
         if ids is None:
             return False
         fenced = self._fences.get(conn, set())
@@ -428,22 +461,22 @@ class AgentServer:
             if alloc_id in fenced:
                 fenced.discard(alloc_id)
                 ok[i] = self._table.end_write(alloc_id)
-        self._reply_flags(conn, Op.UNFENCE, ok)
+        self._reply_flags(conn, started, Op.UNFENCE, ok)
         return True
 
-    def _reply_flags(self, conn: socket.socket, op: Op, flags: bytearray, a: int = 0) -> None:
+    def _reply_flags(self, conn: socket.socket, started: float, op: Op, flags: bytearray, a: int = 0) -> None:
         """OK with one byte per id of the request (b = their count) after the header."""
-        frames.send_all(conn, frames.pack(op | frames.REPLY_BIT, Status.OK, a, len(flags)), memoryview(flags))
+        self._send(conn, started, frames.pack(op | frames.REPLY_BIT, Status.OK, a, len(flags)), flags)
 
-    def _ids(self, conn: socket.socket, op: Op, count: int) -> list[int] | None:
-        """The alloc ids of a FENCE or UNFENCE frame; None (BAD_REQUEST sent) for a bad count."""
+    def _ids(self, conn: socket.socket, started: float, op: Op, count: int) -> list[int] | None:
+        """The alloc ids of a FREE, FENCE or UNFENCE frame; None (BAD_REQUEST sent) for a bad count."""
         if not 0 < count <= frames.MAX_BATCH:
             self._reply(conn, op, Status.BAD_REQUEST)
             return None
-        return frames.unpack_ids(frames.recv_exact(conn, frames.U64.size * count))
+        return frames.unpack_ids(self._recv(conn, frames.U64.size * count, started))
 
-    def _free(self, conn: socket.socket, count: int) -> bool:
-        ids = self._ids(conn, Op.FREE, count)
+    def _free(self, conn: socket.socket, started: float, count: int) -> bool:
+        ids = self._ids(conn, started, Op.FREE, count)
         if ids is None:
             return False
         freed = self._table.expire_now(ids) + self._hooks.expire_other_tiers(ids)

@@ -35,17 +35,23 @@ FENCE     arg = count, payload count x u64     OK, a = digest of the host arena'
 UNFENCE   arg = count, payload count x u64     OK, b = count, payload count x u8 (1: still live, the
                                                copy counts; 0: freed meanwhile, the copy is void)
 ========  ===================================  ========================================================
+
+An agent bounds each request as a whole, not only each recv and send: its bytes must arrive (and a
+READ's reply leave) within the agent's timeout plus their length at a minimum rate
+(agent/server.py MIN_RATE_BPS), or the connection is closed as if the peer had died.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from enum import IntEnum
 
-from mooncake_store.errors import InvalidValue, ProtocolError, TransferError
+from mooncake_store.errors import InvalidValue, ProtocolError, TransferError, TransferTimeout
 
 MAGIC = b"MC"
 VERSION = 1
@@ -124,11 +130,15 @@ def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     system calls per chunk of a large transfer, and MSG_WAITALL has no effect. SO_RCVTIMEO and
     SO_SNDTIMEO bound each call just the same; one that runs out raises BlockingIOError (EAGAIN)."""
     sock.settimeout(None)
-    # Whole microseconds, rounded up: a timeval of zero means "never time out" to the kernel.
-    usec = max(1, math.ceil(timeout_s * 1_000_000))
-    timeval = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
+    timeval = _timeval(timeout_s)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _timeval(timeout_s: float) -> bytes:
+    # Whole microseconds, rounded up: a timeval of zero means "never time out" to the kernel.
+    usec = max(1, math.ceil(timeout_s * 1_000_000))
+    return struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -162,3 +172,66 @@ def send_all(sock: socket.socket, header: bytes, payload: memoryview | None = No
         sent = len(header)
     if sent - len(header) < len(payload):
         sock.sendall(payload[sent - len(header) :])
+
+
+def recv_into_by(sock: socket.socket, view: memoryview, deadline: float, timeout_s: float) -> None:
+    """recv_into_exact, bounded as a whole by ``deadline`` (time.monotonic()) on a socket set up by
+    kernel_timeouts(sock, timeout_s). SO_RCVTIMEO bounds each recv only: a recv that got a byte
+    before its timer ran out returns it, and the next starts a fresh timer, so a peer that sends a
+    byte per timeout would keep one request going for ever.
+
+    A blocking recv with MSG_WAITALL comes back short only when its timer ran out (or a signal
+    came), so a transfer that keeps up is one call with no check at all: the deadline is looked at
+    only after a short one, and once it is nearer than timeout_s the timer is cut to what is left
+    (and set back to timeout_s at the end). Raises TransferTimeout past the deadline."""
+    total = len(view)
+    got = 0
+    shortened = False
+    try:
+        while got < total:
+            n = sock.recv_into(view[got:] if got else view, total - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise TransferError(f"peer closed the connection after {got} of {total} B")
+            got += n
+            if got < total:
+                progress = f"{got} of {total} B arrived"
+                shortened = _cut_timer(sock, socket.SO_RCVTIMEO, deadline, timeout_s, progress) or shortened
+    finally:
+        if shortened:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
+
+
+def send_all_by(
+    sock: socket.socket, header: bytes, payload: memoryview | None, deadline: float, timeout_s: float
+) -> None:
+    """send_all, bounded as a whole by ``deadline`` as recv_into_by is: a peer that takes a few
+    bytes per timeout would otherwise keep one reply (and what it holds: a READ's allocation, which
+    a free then only dooms) going for ever. A blocking send comes back short only when its timer
+    ran out, so a reply that goes out at once is one sendmsg with no check."""
+    parts = [memoryview(header)] if payload is None or len(payload) == 0 else [memoryview(header), payload]
+    total = sum(len(p) for p in parts)
+    sent = sock.sendmsg(parts)
+    shortened = False
+    try:
+        while sent < total:
+            progress = f"{sent} of {total} B went out"
+            shortened = _cut_timer(sock, socket.SO_SNDTIMEO, deadline, timeout_s, progress) or shortened
+            head = len(header)
+            sent += sock.sendmsg([parts[0][sent:], *parts[1:]] if sent < head else [parts[1][sent - head :]])
+    finally:
+        if shortened:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
+
+
+def _cut_timer(sock: socket.socket, option: int, deadline: float, timeout_s: float, progress: str) -> bool:
+    """After a short recv or send: TransferTimeout past the deadline, else whether the kernel timer
+    was cut to the time left (it was nearer than timeout_s)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeout(f"request not done by its deadline: {progress}")
+    if left < timeout_s:
+        sock.setsockopt(socket.SOL_SOCKET, option, _timeval(left))
+        return True
+    return False

@@ -3,9 +3,10 @@ agent/server.py, agent/allocations.py and transport/frames.py, driven over real 
 against real agent subprocesses.
 
 Agents run as their own processes (LocalCluster's command line, through ``python -c``): a few
-module constants of agent/server.py (MAX_CONNECTIONS, IDLE_CLOSE_S, the server's per-call timeout)
-and the process's descriptor limit are set in that process before ``main()`` runs, so that limits
-are reached in seconds instead of minutes. Nothing of the component under test is replaced.
+module constants of agent/server.py (MAX_CONNECTIONS, IDLE_CLOSE_S, MIN_RATE_BPS, its socket
+buffer size, the server's per-call timeout) and the process's descriptor limit are set in that
+process before ``main()`` runs, so that limits are reached in seconds instead of minutes. Nothing
+of the component under test is replaced.
 
 Tests that fail on the code as reviewed (each docstring says why):
 - test_a_client_turned_away_at_the_connection_limit_is_told_the_limit
@@ -27,6 +28,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -52,7 +54,7 @@ _PATCHED_MAIN = """
 import json, resource, sys
 patch = json.loads(sys.argv[1])
 from mooncake_store.agent import server
-for name in ("MAX_CONNECTIONS", "IDLE_CLOSE_S"):
+for name in ("MAX_CONNECTIONS", "IDLE_CLOSE_S", "MIN_RATE_BPS", "SOCKET_BUFFER_BYTES"):
     if name in patch:
         setattr(server, name, patch[name])
 if "timeout_s" in patch:
@@ -311,24 +313,18 @@ def test_connections_past_the_descriptor_limit_are_refused_not_left_hanging(
 
 
 # ---- stalled requests -----------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known defect, left open (issue 5 note): the server's timeout bounds each recv, not the "
-        "request, so a WRITE trickled one byte per timeout keeps its reservation fenced"
-    ),
-)
 def test_a_write_trickled_one_byte_per_timeout_does_not_hold_its_reservation_forever(
     start_agent: Callable[..., LocalCluster], make_client: Callable[..., Client]
 ) -> None:
-    """The server bounds each recv() by its timeout (SO_RCVTIMEO), not the request: with
+    """The server bounded each recv() by its timeout (SO_RCVTIMEO), not the request: with
     MSG_WAITALL a recv that got some bytes when the timer runs out returns them, and
-    recv_into_exact starts the next recv with a fresh timer. A writer that sends one byte per
-    timeout therefore keeps a 1 MiB WRITE going for 2**20 timeouts (a year at the agent's 30 s),
-    its reservation fenced: when the reservation times out the sync only dooms it, and its memory
-    stays used while the connection lives. Here the server's timeout is 0.5 s and the reservation's
-    1 s; after 8 s of a byte every 0.25 s (16 timeouts, 32 B of 1 MiB) the agent must have dropped
-    the request and had the reservation's memory back."""
+    recv_into_exact started the next recv with a fresh timer. A writer that sent one byte per
+    timeout therefore kept a 1 MiB WRITE going for 2**20 timeouts (a year at the agent's 30 s),
+    its reservation fenced: when the reservation timed out the sync only doomed it, and its memory
+    stayed used while the connection lived. Now a request must be done by the timeout plus its
+    length at MIN_RATE_BPS (1 MiB/s: 1.5 s here). The server's timeout is 0.5 s and the
+    reservation's 1 s; after 8 s of a byte every 0.25 s (16 timeouts, 32 B of 1 MiB) the agent
+    must have dropped the request and had the reservation's memory back."""
     cluster = start_agent({"timeout_s": 0.5}, reserve_timeout_s=1.0)
     client = make_client(cluster, transports=("tcp",))
     peer = _peer(cluster)
@@ -360,6 +356,61 @@ def test_a_write_trickled_one_byte_per_timeout_does_not_hold_its_reservation_for
     )
     assert _used_becomes(client, baseline)
     _healthy(client, 2)
+
+
+def test_a_read_whose_reader_trickles_does_not_hold_its_allocation_forever(
+    start_agent: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """The mirror image on the send side: SO_SNDTIMEO bounds each send, so a reader that took a
+    little of a READ's reply per timeout kept the READ going, and with it the allocation it reads
+    (which a free then only dooms), for as long as it liked. A reply must leave by the timeout
+    plus its length at MIN_RATE_BPS: here 0.5 s + 16 MiB at 4 MiB/s, 4.5 s. The reader takes
+    128 KiB every 0.2 s (the whole reply would take 25 s) and the allocation is freed meanwhile:
+    its memory must be back within 12 s. (The agent's socket buffers are 64 KiB, so that the
+    reply cannot go into them whole.)"""
+    cluster = start_agent(
+        {"timeout_s": 0.5, "MIN_RATE_BPS": 4 * MiB, "SOCKET_BUFFER_BYTES": 64 * KiB}, host_bytes=64 * MiB
+    )
+    client = make_client(cluster, transports=("tcp",))
+    baseline = _host_used(client)
+    size = 16 * MiB
+    peer = _peer(cluster)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    stop = threading.Event()
+    reader: threading.Thread | None = None
+    try:
+        (res,) = peer.reserve([(size, uuid.uuid4().bytes)], node_id=cluster.agents[0].node_id)
+        peer.write(res.alloc_id, res.offset, memoryview(np.ones(size, np.uint8)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * KiB)  # before connect: the window
+        sock.settimeout(5)
+        sock.connect(_address(cluster))
+        sock.sendall(frames.pack(Op.READ, 0, res.alloc_id, res.offset, size))
+        assert _reply(sock)[1] == Status.OK
+        started = time.monotonic()
+
+        def trickle() -> None:
+            sink = bytearray(128 * KiB)
+            while not stop.is_set() and time.monotonic() - started < 30:  # bounded either way
+                try:
+                    if sock.recv_into(sink) == 0:
+                        return
+                except OSError:
+                    return
+                stop.wait(0.2)
+
+        reader = threading.Thread(target=trickle, name="trickle", daemon=True)
+        reader.start()
+        assert peer.free([res.alloc_id]) == 1
+        freed = _used_becomes(client, baseline, timeout_s=12.0)
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        if reader is not None:
+            reader.join(timeout=10)
+        sock.close()
+        peer.close()
+    assert freed, f"a READ trickled out at 640 KiB/s still held its freed allocation after {elapsed:.1f} s"
+    _healthy(client, 8)
 
 
 # ---- malformed frames -----------------------------------------------------------------------------
