@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import select
 import socket
 import threading
@@ -36,9 +37,24 @@ TIER_DISK = 2
 SPILL_FLAG = 1
 #: Pause before accepting again after accept() failed (out of descriptors, say).
 ACCEPT_RETRY_S = 0.1
-#: Connections served at once (one thread each); more are closed as they arrive. Fewer where the
-#: process may not open that many descriptors (connection_limit).
+#: Longest wait of the accept loop's poll: how soon it sees stop().
+ACCEPT_POLL_S = 0.5
+#: Connections taken from the backlog per wake of the accept loop, before it looks at the
+#: connections it is turning away again.
+ACCEPT_BATCH = 64
+#: Connections served at once (one thread each); more are turned away as they arrive (BUSY, then
+#: the close). Fewer where the process may not open that many descriptors (connection_limit).
 MAX_CONNECTIONS = 4096
+#: A connection past the limit has this long to send its first request header, which is answered
+#: BUSY with the limit; a client sends it right after connecting.
+REFUSE_WAIT_S = 1.0
+#: ... and then this long to read the reply and close. What it sends meanwhile (a WRITE's payload)
+#: is read and dropped: closed with unread bytes, the connection would be reset, and a client
+#: still sending would see the reset instead of the reply.
+REFUSE_LINGER_S = 1.0
+#: Connections turned away at once (each holds a descriptor beyond the limit, out of FD_RESERVE);
+#: more are closed without a reply.
+MAX_REFUSALS = 16
 #: Descriptors left out of the connection limit: the arena, chunk files, Redis connections, logs.
 FD_RESERVE = 64
 #: A connection idle this long is closed (clients retire pooled ones sooner: tcp.POOL_IDLE_S).
@@ -139,7 +155,8 @@ class AgentServer:
             self._sock = socket.create_server((host, port), family=family, backlog=256, reuse_port=False)
         except OSError as exc:
             raise ConnectError(f"agent cannot listen on {listen}: {exc}") from None
-        self._sock.settimeout(0.5)
+        # The accept loop polls it with the connections it turns away (_accept_loop).
+        self._sock.setblocking(False)
         bound_port = self._sock.getsockname()[1]
         # Bracketed, an IPv6 endpoint still splits at its last colon (parse_endpoint strips them).
         self.endpoint = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
@@ -174,47 +191,102 @@ class AgentServer:
             thread.join(timeout=2)
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
+        # One poll over the listening socket and the connections being turned away: a refusal
+        # (waiting for the request, answering BUSY, reading what follows) never holds up accept()
+        # for the next connection, and costs no thread.
+        poller = select.poll()
+        listen_fd = self._sock.fileno()
+        poller.register(listen_fd, select.POLLIN)
+        refusals: dict[int, _Refusal] = {}
+        try:
+            while not self._stop.is_set():
+                wait_s = ACCEPT_POLL_S
+                if refusals:
+                    soonest = min(r.deadline for r in refusals.values())
+                    wait_s = min(wait_s, max(0.0, soonest - time.monotonic()))
+                for fd, _events in poller.poll(math.ceil(wait_s * 1000)):
+                    if fd == listen_fd:
+                        if not self._accept_ready(poller, refusals):
+                            return
+                    elif (refusal := refusals.get(fd)) is not None and not refusal.step():
+                        self._end_refusal(poller, refusals, fd)
+                now = time.monotonic()
+                for fd in [fd for fd, r in refusals.items() if r.deadline <= now]:
+                    self._end_refusal(poller, refusals, fd)
+        finally:
+            for fd in list(refusals):
+                self._end_refusal(poller, refusals, fd)
+
+    def _accept_ready(self, poller: select.poll, refusals: dict[int, _Refusal]) -> bool:
+        """Take what the backlog holds (ACCEPT_BATCH at most); False once stop() ran."""
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
+            except BlockingIOError:
+                return True  # the backlog is empty
             except OSError as exc:
                 if self._stop.is_set():
-                    return  # stop() shut the listening socket down
+                    return False  # stop() shut the listening socket down
                 # Out of descriptors (EMFILE, ENFILE) or memory is a passing condition: serving
                 # nobody ever again would be the worse outcome.
                 log.warning("accept failed: %s; retrying", exc)
                 self._stop.wait(ACCEPT_RETRY_S)
-                continue
+                return True
+            self._admit(conn, poller, refusals)
+        return True
+
+    def _admit(self, conn: socket.socket, poller: select.poll, refusals: dict[int, _Refusal]) -> None:
+        with self._lock:
+            full = len(self._conns) >= self.max_connections
+        if full:
+            # One thread per connection: a client that opens connections without end must not
+            # exhaust the agent's threads and descriptors. Pools hold a few per peer.
+            self._refuse(conn, poller, refusals)
+            return
+        try:
+            # A request under way must go on promptly (each recv and send is bounded, and the
+            # request as a whole: MIN_RATE_BPS); idle pooled connections wait for their next
+            # request in poll(), up to IDLE_CLOSE_S.
+            frames.kernel_timeouts(conn, self._timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+            thread = threading.Thread(target=self._serve, args=(conn,), name="mc-conn", daemon=True)
             with self._lock:
-                full = len(self._conns) >= self.max_connections
-            if full:
-                # One thread per connection: a client that opens connections without end must not
-                # exhaust the agent's threads and descriptors. Pools hold a few per peer.
-                if time.monotonic() - self._full_logged_at > 1.0:  # once a second, not per connection
-                    self._full_logged_at = time.monotonic()
-                    log.warning("%d connections open, the limit; closing new ones", self.max_connections)
-                conn.close()
-                continue
-            try:
-                # A request under way must go on promptly (each recv and send is bounded, and the
-                # request as a whole: MIN_RATE_BPS); idle pooled connections wait for their next
-                # request in poll(), up to IDLE_CLOSE_S.
-                frames.kernel_timeouts(conn, self._timeout_s)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-                thread = threading.Thread(target=self._serve, args=(conn,), name="mc-conn", daemon=True)
-                with self._lock:
-                    self._conns.add(conn)
-                    self._threads.add(thread)
-                thread.start()
-            except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
-                log.warning("cannot serve a new connection: %s", exc)
-                with self._lock:
-                    self._conns.discard(conn)
-                conn.close()
+                self._conns.add(conn)
+                self._threads.add(thread)
+            thread.start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+            log.warning("cannot serve a new connection: %s", exc)
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _refuse(self, conn: socket.socket, poller: select.poll, refusals: dict[int, _Refusal]) -> None:
+        """Turn a connection past the limit away with a BUSY reply naming the limit (_Refusal), so
+        that its client is told the agent is full instead of seeing a reset."""
+        if time.monotonic() - self._full_logged_at > 1.0:  # once a second, not per connection
+            self._full_logged_at = time.monotonic()
+            log.warning("%d connections open, the limit; turning new ones away", self.max_connections)
+        if len(refusals) >= MAX_REFUSALS:
+            conn.close()  # a flood of them: the descriptors matter more than the courtesy
+            return
+        try:
+            conn.setblocking(False)
+            fd = conn.fileno()
+            poller.register(fd, select.POLLIN)
+        except OSError:
+            conn.close()
+            return
+        refusals[fd] = _Refusal(conn, self.max_connections)
+
+    @staticmethod
+    def _end_refusal(poller: select.poll, refusals: dict[int, _Refusal], fd: int) -> None:
+        with contextlib.suppress(KeyError, OSError):
+            poller.unregister(fd)  # before the close: the number may be reused at once
+        refusal = refusals.pop(fd, None)
+        if refusal is not None:
+            refusal.sock.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -481,4 +553,49 @@ class AgentServer:
             return False
         freed = self._table.expire_now(ids) + self._hooks.expire_other_tiers(ids)
         self._reply(conn, Op.FREE, Status.OK, freed)
+        return True
+
+
+class _Refusal:
+    """A connection past the limit, served on the accept thread's poll without blocking: its first
+    request header is read, answered BUSY (a = the limit) in the request's op, and the connection
+    is closed once the client has closed its end or the time is up (REFUSE_WAIT_S, then
+    REFUSE_LINGER_S). A stream that is not ours gets no reply, as in _serve."""
+
+    __slots__ = ("deadline", "header", "limit", "replied", "sock")
+
+    #: What a refused client sends after its header (a WRITE's payload), read and dropped. Only
+    #: the accept thread uses it.
+    _sink = memoryview(bytearray(64 << 10))
+
+    def __init__(self, sock: socket.socket, limit: int) -> None:
+        self.sock = sock
+        self.limit = limit
+        self.header = bytearray()
+        self.deadline = time.monotonic() + REFUSE_WAIT_S
+        self.replied = False
+
+    def step(self) -> bool:
+        """Serve what poll() said is ready; False when the connection is done with (close it)."""
+        try:
+            if self.replied:
+                return self.sock.recv_into(self._sink) > 0  # 0: the client closed its end
+            chunk = self.sock.recv(frames.HEADER_BYTES - len(self.header))
+            if not chunk:
+                return False
+            self.header += chunk
+            if len(self.header) < frames.HEADER_BYTES:
+                return True
+            if self.header[: len(frames.MAGIC)] != frames.MAGIC:
+                return False
+            op = self.header[len(frames.MAGIC) + 1]
+            # 32 bytes into the empty send buffer of a new connection: never short.
+            self.sock.send(frames.pack(op | frames.REPLY_BIT, Status.BUSY, self.limit))
+            self.sock.shutdown(socket.SHUT_WR)
+        except BlockingIOError:
+            return True  # woken for nothing after all
+        except OSError:
+            return False
+        self.replied = True
+        self.deadline = time.monotonic() + REFUSE_LINGER_S
         return True

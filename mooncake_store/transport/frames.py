@@ -34,6 +34,8 @@ FENCE     arg = count, payload count x u64     OK, a = digest of the host arena'
                                                this connection, or its close: never on a timer)
 UNFENCE   arg = count, payload count x u64     OK, b = count, payload count x u8 (1: still live, the
                                                copy counts; 0: freed meanwhile, the copy is void)
+any       the first request on a connection    BUSY, a = the agent's connection limit, then the close:
+          past the agent's connection limit    the agent serves that many connections at once
 ========  ===================================  ========================================================
 
 An agent bounds each request as a whole, not only each recv and send: its bytes must arrive (and a
@@ -83,6 +85,12 @@ class Status(IntEnum):
     STALE = 2
     BAD_REQUEST = 3
     INTERNAL = 4
+    #: The agent is at its connection limit (a = the limit) and closes this connection. No version
+    #: bump: it is sent only where an agent used to close without a word, as the first reply on a
+    #: connection, and a bump would make every agent and client of another build refuse each other
+    #: outright. A client of an earlier build reads it as an unknown status (or, in PING and FREE,
+    #: which ignore the status, the limit as a version or count) where it used to see a reset.
+    BUSY = 5
 
 
 def pack(op: int, arg: int = 0, a: int = 0, b: int = 0, c: int = 0) -> bytes:

@@ -159,6 +159,14 @@ class PeerConnections:
         rop, status, a, b, c = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
         if rop != op | frames.REPLY_BIT:
             raise ProtocolError(f"agent at {self.endpoint} answered op {rop} to op {int(op)}")
+        if status == Status.BUSY:
+            # The first reply on a connection past the agent's limit, for any op: the agent is up
+            # but full, which callers treat as they treat one they cannot reach (other replicas,
+            # other nodes), and an operator should read as a limit, not a crash.
+            raise ConnectError(
+                f"agent at {self.endpoint} turned the connection away: it is at its connection limit "
+                f"of {a} connections at once (MAX_CONNECTIONS, or fewer under its descriptor limit)"
+            )
         return status, a, b, c
 
     # ---- control ------------------------------------------------------------------------------

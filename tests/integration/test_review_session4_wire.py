@@ -151,8 +151,9 @@ def test_disk_reservations_shorter_than_a_chunk_file_header_are_refused(
 def test_connections_past_the_limit_are_closed_and_the_agent_keeps_serving(
     make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One thread per connection: past MAX_CONNECTIONS a new connection is closed at once; once one
-    of the open ones goes, new connections are served again."""
+    """One thread per connection: past MAX_CONNECTIONS a new connection is not served (one that
+    sends nothing is closed after REFUSE_WAIT_S; a request would get BUSY first); once one of the
+    open ones goes, new connections are served again."""
     monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 4)
     agent = make_inproc_agent()
     address = parse_endpoint(agent.server.endpoint)

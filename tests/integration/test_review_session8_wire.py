@@ -8,11 +8,13 @@ buffer size, the server's per-call timeout) and the process's descriptor limit a
 process before ``main()`` runs, so that limits are reached in seconds instead of minutes. Nothing
 of the component under test is replaced.
 
-Tests that fail on the code as reviewed (each docstring says why):
+Tests that failed on the code as reviewed (each docstring says why):
 - test_a_client_turned_away_at_the_connection_limit_is_told_the_limit
 - test_connections_past_the_descriptor_limit_are_refused_not_left_hanging
 - test_a_write_trickled_one_byte_per_timeout_does_not_hold_its_reservation_forever
 - test_a_peer_speaking_another_version_or_op_is_told_before_the_close
+and, added with the fixes of the first and the third: a WRITE turned away at the limit still gets
+its reply; a READ whose reader trickles its reply out is cut off too.
 
 The others guard behaviour worth keeping: refused, idle and half-open connections leak no thread
 or socket; a torn WRITE, a cut RESERVE and an unread RESERVE reply leave the arena as it was; a READ
@@ -39,7 +41,7 @@ import pytest
 from helpers import wait_until
 
 from mooncake_store import Client, LocalCluster
-from mooncake_store.errors import MooncakeError
+from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.tiers.host import segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
@@ -201,21 +203,17 @@ def _read(peer: PeerConnections, alloc_id: int, offset: int, length: int) -> byt
 
 
 # ---- the connection limit -------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known defect, left open (issue 5 note): a connection past the limit is closed without a "
-        "reply, so the client sees a reset or an early close, not the limit"
-    ),
-)
 def test_a_client_turned_away_at_the_connection_limit_is_told_the_limit(
     start_agent: Callable[..., LocalCluster],
 ) -> None:
     """DESIGN.md §3.6: bad input gets a MooncakeError whose message names the value and the limit.
-    Past MAX_CONNECTIONS the accept loop closes the new connection without a word
-    (server.py _accept_loop, conn.close()), so the client's request dies with "peer closed the
-    connection after 0 of 32 B" (or a reset): nothing says the agent is full, let alone at what
-    limit, and an operator looks for a crashed or misbehaving agent instead."""
+    Past MAX_CONNECTIONS the accept loop closed the new connection without a word, so the client's
+    request died with "peer closed the connection after 0 of 32 B" (or a reset): nothing said the
+    agent was full, let alone at what limit, and an operator looked for a crashed or misbehaving
+    agent instead. Now the agent reads the request and answers BUSY with the limit, and the client
+    raises ConnectError naming the agent and the limit. A WRITE whose payload is larger than the
+    socket buffers gets it too: the agent reads and drops the payload until the client has read
+    the reply, instead of closing on unread bytes (a reset, which the client would see instead)."""
     cluster = start_agent({"MAX_CONNECTIONS": 4})
     held: list[socket.socket] = []
     peer = _peer(cluster)
@@ -231,6 +229,10 @@ def test_a_client_turned_away_at_the_connection_limit_is_told_the_limit(
         assert re.search(r"\blimit\b", message) and re.search(r"\b4\b", message), (
             f"a client past the agent's 4-connection limit was told only: {message!r}"
         )
+        assert isinstance(info.value, ConnectError) and cluster.agents[0].endpoint in message
+        payload = np.zeros(32 * MiB, np.uint8)  # more than the client's and the agent's buffers hold
+        with pytest.raises(ConnectError, match=r"connection limit of 4\b"):
+            peer.write(12345, 0, memoryview(payload))
     finally:
         peer.close()
         for sock in held:
@@ -238,8 +240,8 @@ def test_a_client_turned_away_at_the_connection_limit_is_told_the_limit(
 
 
 def test_refused_idle_and_half_open_connections_leak_nothing(start_agent: Callable[..., LocalCluster]) -> None:
-    """Connections refused at the limit are closed at once and cost no thread; idle ones are
-    closed after IDLE_CLOSE_S, and one that sent half a header after the server's timeout, so a
+    """Connections refused at the limit are answered BUSY and closed at once, and cost no thread;
+    idle ones are closed after IDLE_CLOSE_S, and one that sent half a header after the server's timeout, so a
     client that opened the limit's worth and went quiet starves others only until then. Once all
     are gone, the agent's thread count and its connections are back to where they started."""
     cluster = start_agent({"MAX_CONNECTIONS": 4, "IDLE_CLOSE_S": 1.0, "timeout_s": 1.0})
@@ -257,6 +259,7 @@ def test_refused_idle_and_half_open_connections_leak_nothing(start_agent: Callab
         for _ in range(30):  # each turned away at once
             with _connect(cluster) as extra:
                 extra.sendall(frames.pack(Op.PING))
+                assert _reply(extra)[:3] == (Op.PING | frames.REPLY_BIT, Status.BUSY, 4)
                 assert _closed_by_agent(extra)
         # The idle ones (1 s) and the half-open one (the server's 1 s timeout) are closed by the agent.
         for sock in held:
@@ -292,13 +295,13 @@ def test_connections_past_the_descriptor_limit_are_refused_not_left_hanging(
             held.append(sock)
             sock.sendall(frames.pack(Op.PING))
             try:
-                answered = sock.recv(frames.HEADER_BYTES)
+                answered = sock.recv(frames.HEADER_BYTES, socket.MSG_WAITALL)
             except ConnectionResetError:
                 answered = b""
             except TimeoutError:
                 hung_at = i
                 break
-            if answered == b"":
+            if answered == b"" or frames.unpack(answered)[1] == Status.BUSY:
                 break  # turned away: the right outcome once the agent is full
     finally:
         for sock in held:
