@@ -56,6 +56,15 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+#: READ requests one connection has out at once (read_many). The agent answers them in order and
+#: stops reading requests while its replies do not fit the socket buffers: a client that sent
+#: every request of a long train before reading a reply blocked in its send while the agent
+#: blocked in its own, both until the timeout. Requests are 32 B: this many (32 KiB) fit the
+#: client's send buffer many times over even where the kernel caps SOCKET_BUFFER_BYTES
+#: (net.core.wmem_max, 208 KiB by default), so its send never waits for the agent to read, while
+#: hundreds in flight keep both sides busy.
+READ_WINDOW = 1024
+
 #: RESERVE's tier field, for messages.
 TIER_NAMES = {0: "host", 1: "gpu", 2: "disk"}
 
@@ -278,14 +287,20 @@ class PeerConnections:
             return None
         return [f and d and still.get(x, False) for x, f, d in zip(fence.ids, fenced, done, strict=True)]
 
-    def read_many(self, requests: Sequence[ReadRequest]) -> None:
-        """Pipelined reads on one connection: all requests go out, then the replies land in order,
-        each straight into its destination."""
+    def read_many(self, requests: Sequence[ReadRequest], *, window: int = READ_WINDOW) -> None:
+        """Pipelined reads on one connection: up to ``window`` requests are out at once and the
+        replies land in order, each straight into its destination. Requests go out in batches of
+        half the window (one send each) as the replies of the previous half come in."""
 
         def run(sock: socket.socket) -> None:
-            sock.sendall(b"".join(frames.pack(Op.READ, 0, r.alloc_id, r.offset, len(r.dest)) for r in requests))
+            most = max(1, window)
+            sent = 0
             stale: StaleLocation | None = None
-            for r in requests:
+            for done, r in enumerate(requests):
+                if sent - done <= most // 2 and sent < len(requests):
+                    batch = requests[sent : done + most]
+                    sock.sendall(b"".join(frames.pack(Op.READ, 0, x.alloc_id, x.offset, len(x.dest)) for x in batch))
+                    sent += len(batch)
                 status, _, _, length = self._reply(sock, Op.READ)
                 if status == Status.STALE:
                     stale = StaleLocation(f"agent at {self.endpoint} no longer holds allocation {r.alloc_id}")

@@ -13,8 +13,9 @@ Tests that failed on the code as reviewed (each docstring says why):
 - test_connections_past_the_descriptor_limit_are_refused_not_left_hanging
 - test_a_write_trickled_one_byte_per_timeout_does_not_hold_its_reservation_forever
 - test_a_peer_speaking_another_version_or_op_is_told_before_the_close
-and, added with the fixes of the first and the third: a WRITE turned away at the limit still gets
-its reply; a READ whose reader trickles its reply out is cut off too.
+and, added with the fixes: a WRITE turned away at the limit still gets its reply; a READ whose
+reader trickles its reply out is cut off too; a long train of small READs on one connection
+(read_many) does not deadlock on full socket buffers.
 
 The others guard behaviour worth keeping: refused, idle and half-open connections leak no thread
 or socket; a torn WRITE, a cut RESERVE and an unread RESERVE reply leave the arena as it was; a READ
@@ -43,7 +44,7 @@ from helpers import wait_until
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.tiers.host import segment_digest
-from mooncake_store.transport import frames
+from mooncake_store.transport import frames, tcp
 from mooncake_store.transport.frames import Op, Status
 from mooncake_store.transport.tcp import PeerConnections, ReadRequest, parse_endpoint
 
@@ -414,6 +415,38 @@ def test_a_read_whose_reader_trickles_does_not_hold_its_allocation_forever(
         peer.close()
     assert freed, f"a READ trickled out at 640 KiB/s still held its freed allocation after {elapsed:.1f} s"
     _healthy(client, 8)
+
+
+def test_a_long_train_of_small_reads_on_one_connection_does_not_deadlock(
+    start_agent: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """read_many sent every READ header of a train before reading any reply. The agent answers in
+    order and stops reading requests while its replies do not fit the socket buffers, so once the
+    replies filled the client's receive buffer and the agent's send buffer, and the headers the
+    agent's receive buffer and the client's send buffer, both sides blocked in send until the
+    client's timeout. With the socket buffers at 64 KiB on both sides (the agent's, and the
+    client's, set in this process) a train of 20480 reads of 512 B did so (TransferTimeout after
+    5 s); windowed, every read lands in its own destination."""
+    monkeypatch.setattr(tcp, "SOCKET_BUFFER_BYTES", 64 * KiB)
+    cluster = start_agent({"SOCKET_BUFFER_BYTES": 64 * KiB})
+    peer = _peer(cluster)
+    piece, rounds = 512, 40
+    source = np.random.default_rng(9).integers(0, 256, 256 * KiB, dtype=np.uint8)
+    slots = source.nbytes // piece
+    out = bytearray(rounds * source.nbytes)
+    view = memoryview(out)
+    try:
+        (res,) = peer.reserve([(source.nbytes, uuid.uuid4().bytes)], node_id=cluster.agents[0].node_id)
+        peer.write(res.alloc_id, res.offset, memoryview(source))
+        requests = [
+            ReadRequest(alloc_id=res.alloc_id, offset=res.offset + i % slots * piece, dest=view[i * piece :][:piece])
+            for i in range(rounds * slots)
+        ]
+        peer.read_many(requests)
+        assert out == source.tobytes() * rounds
+        assert peer.ping() == frames.VERSION  # the connection is still in step
+    finally:
+        peer.close()
 
 
 # ---- malformed frames -----------------------------------------------------------------------------
