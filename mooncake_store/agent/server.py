@@ -298,10 +298,15 @@ class AgentServer:
                 # fences waits as long as it likes: its writer may still be copying (a stalled but
                 # live writer holding memory is the safe failure; lifting the fence on a timer let a
                 # late copy land in a block handed to another object), and if the writer dies the
-                # kernel closes its socket, which lifts them.
-                holding = bool(self._fences.get(conn))
-                if not idle.poll(None if holding else int(IDLE_CLOSE_S * 1000)):
-                    return
+                # kernel closes its socket, which lifts them. Such a connection holds a slot of
+                # the limit as long as its writer is stuck, so it is named in the log.
+                if not idle.poll(int(IDLE_CLOSE_S * 1000)):
+                    held = len(self._fences.get(conn, ()))
+                    if not held:
+                        return
+                    self._log_stalled_fences(conn, held)
+                    if not idle.poll(None):
+                        return
                 started = time.monotonic()  # the request's deadline counts from here (_by)
                 header = bytearray(frames.HEADER_BYTES)
                 try:
@@ -330,6 +335,24 @@ class AgentServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
+
+    def _log_stalled_fences(self, conn: socket.socket, held: int) -> None:
+        """A connection that holds fences has sent nothing for IDLE_CLOSE_S: kept, but not in
+        silence, so that an operator can find the stuck writer behind the memory and the slot."""
+        try:
+            host, port = conn.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "a peer"
+        log.warning(
+            "connection from %s holds %d fence(s) and has sent nothing for %g s: its writer is stalled; "
+            "kept, with the fenced memory and one of the %d connection slots, until it unfences or "
+            "closes (a late copy must not land in a re-granted block)",
+            peer,
+            held,
+            IDLE_CLOSE_S,
+            self.max_connections,
+        )
 
     def _bad_request(self, conn: socket.socket, op: int) -> None:
         """Before closing on a frame of another protocol version or an op this agent lacks: a

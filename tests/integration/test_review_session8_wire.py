@@ -627,8 +627,10 @@ def test_fences_are_per_connection_and_end_with_it(
     """FENCE fences only live reservations (not committed objects, not unknown ids, not twice on one
     connection); UNFENCE of an id another connection fenced lifts nothing; a FREE of a fenced
     reservation dooms it (READ is STALE) but its memory stays while the fence does, even past the
-    reservation timeout and IDLE_CLOSE_S (the documented choice); the fence holder's UNFENCE then
-    says the copy is void, and the memory comes back."""
+    reservation timeout and IDLE_CLOSE_S (the documented choice), and the agent's log names the
+    connection that holds it past IDLE_CLOSE_S (it holds a slot of the connection limit as long as
+    its writer is stuck); the fence holder's UNFENCE then says the copy is void, and the memory
+    comes back."""
     cluster = start_agent({"IDLE_CLOSE_S": 1.0}, reserve_timeout_s=1.0)
     client = make_client(cluster, transports=("tcp",))
     client.put("committed", np.ones(4096, np.uint8))
@@ -654,6 +656,10 @@ def test_fences_are_per_connection_and_end_with_it(
             assert wait_until(lambda: _stale(peer, res.alloc_id, res.offset), 5)
             time.sleep(1.5)  # past the reservation timeout and IDLE_CLOSE_S
             assert _host_used(client) > baseline, "a fenced reservation's memory was reused"
+            holder_port = holder.getsockname()[1]
+            assert wait_until(
+                lambda: bool(re.search(rf":{holder_port} holds 1 fence\(s\)", cluster.agents[0].log_tail(20_000))), 3
+            ), "the agent kept a stalled fence holder past IDLE_CLOSE_S without a word"
             holder.sendall(frames.pack(Op.UNFENCE, 1) + frames.pack_ids([res.alloc_id]))
             assert _reply(holder)[3] == 1 and list(frames.recv_exact(holder, 1)) == [0]
         assert _used_becomes(client, baseline)
