@@ -18,6 +18,7 @@ import time
 from typing import Any, Protocol
 
 from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.agent.refusals import Refusals
 from mooncake_store.config import split_host_port
 from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError, TransferTimeout
 from mooncake_store.tiers.disk import HEADER as DISK_HEADER
@@ -45,16 +46,6 @@ ACCEPT_BATCH = 64
 #: Connections served at once (one thread each); more are turned away as they arrive (BUSY, then
 #: the close). Fewer where the process may not open that many descriptors (connection_limit).
 MAX_CONNECTIONS = 4096
-#: A connection past the limit has this long to send its first request header, which is answered
-#: BUSY with the limit; a client sends it right after connecting.
-REFUSE_WAIT_S = 1.0
-#: ... and then this long to read the reply and close. What it sends meanwhile (a WRITE's payload)
-#: is read and dropped: closed with unread bytes, the connection would be reset, and a client
-#: still sending would see the reset instead of the reply.
-REFUSE_LINGER_S = 1.0
-#: Connections turned away at once (each holds a descriptor beyond the limit, out of FD_RESERVE);
-#: more are closed without a reply.
-MAX_REFUSALS = 16
 #: Descriptors left out of the connection limit: the arena, chunk files, Redis connections, logs.
 FD_RESERVE = 64
 #: A connection idle this long is closed (clients retire pooled ones sooner: tcp.POOL_IDLE_S).
@@ -197,27 +188,20 @@ class AgentServer:
         poller = select.poll()
         listen_fd = self._sock.fileno()
         poller.register(listen_fd, select.POLLIN)
-        refusals: dict[int, _Refusal] = {}
+        refusals = Refusals(poller, self.max_connections)
         try:
             while not self._stop.is_set():
-                wait_s = ACCEPT_POLL_S
-                if refusals:
-                    soonest = min(r.deadline for r in refusals.values())
-                    wait_s = min(wait_s, max(0.0, soonest - time.monotonic()))
-                for fd, _events in poller.poll(math.ceil(wait_s * 1000)):
+                for fd, _events in poller.poll(math.ceil(refusals.wait_s(ACCEPT_POLL_S) * 1000)):
                     if fd == listen_fd:
-                        if not self._accept_ready(poller, refusals):
+                        if not self._accept_ready(refusals):
                             return
-                    elif (refusal := refusals.get(fd)) is not None and not refusal.step():
-                        self._end_refusal(poller, refusals, fd)
-                now = time.monotonic()
-                for fd in [fd for fd, r in refusals.items() if r.deadline <= now]:
-                    self._end_refusal(poller, refusals, fd)
+                    else:
+                        refusals.step(fd)
+                refusals.expire()
         finally:
-            for fd in list(refusals):
-                self._end_refusal(poller, refusals, fd)
+            refusals.close()
 
-    def _accept_ready(self, poller: select.poll, refusals: dict[int, _Refusal]) -> bool:
+    def _accept_ready(self, refusals: Refusals) -> bool:
         """Take what the backlog holds (ACCEPT_BATCH at most); False once stop() ran."""
         for _ in range(ACCEPT_BATCH):
             try:
@@ -232,16 +216,19 @@ class AgentServer:
                 log.warning("accept failed: %s; retrying", exc)
                 self._stop.wait(ACCEPT_RETRY_S)
                 return True
-            self._admit(conn, poller, refusals)
+            self._admit(conn, refusals)
         return True
 
-    def _admit(self, conn: socket.socket, poller: select.poll, refusals: dict[int, _Refusal]) -> None:
+    def _admit(self, conn: socket.socket, refusals: Refusals) -> None:
         with self._lock:
             full = len(self._conns) >= self.max_connections
         if full:
             # One thread per connection: a client that opens connections without end must not
             # exhaust the agent's threads and descriptors. Pools hold a few per peer.
-            self._refuse(conn, poller, refusals)
+            if time.monotonic() - self._full_logged_at > 1.0:  # once a second, not per connection
+                self._full_logged_at = time.monotonic()
+                log.warning("%d connections open, the limit; turning new ones away", self.max_connections)
+            refusals.add(conn)
             return
         try:
             # A request under way must go on promptly (each recv and send is bounded, and the
@@ -261,32 +248,6 @@ class AgentServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
-
-    def _refuse(self, conn: socket.socket, poller: select.poll, refusals: dict[int, _Refusal]) -> None:
-        """Turn a connection past the limit away with a BUSY reply naming the limit (_Refusal), so
-        that its client is told the agent is full instead of seeing a reset."""
-        if time.monotonic() - self._full_logged_at > 1.0:  # once a second, not per connection
-            self._full_logged_at = time.monotonic()
-            log.warning("%d connections open, the limit; turning new ones away", self.max_connections)
-        if len(refusals) >= MAX_REFUSALS:
-            conn.close()  # a flood of them: the descriptors matter more than the courtesy
-            return
-        try:
-            conn.setblocking(False)
-            fd = conn.fileno()
-            poller.register(fd, select.POLLIN)
-        except OSError:
-            conn.close()
-            return
-        refusals[fd] = _Refusal(conn, self.max_connections)
-
-    @staticmethod
-    def _end_refusal(poller: select.poll, refusals: dict[int, _Refusal], fd: int) -> None:
-        with contextlib.suppress(KeyError, OSError):
-            poller.unregister(fd)  # before the close: the number may be reused at once
-        refusal = refusals.pop(fd, None)
-        if refusal is not None:
-            refusal.sock.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -576,49 +537,4 @@ class AgentServer:
             return False
         freed = self._table.expire_now(ids) + self._hooks.expire_other_tiers(ids)
         self._reply(conn, Op.FREE, Status.OK, freed)
-        return True
-
-
-class _Refusal:
-    """A connection past the limit, served on the accept thread's poll without blocking: its first
-    request header is read, answered BUSY (a = the limit) in the request's op, and the connection
-    is closed once the client has closed its end or the time is up (REFUSE_WAIT_S, then
-    REFUSE_LINGER_S). A stream that is not ours gets no reply, as in _serve."""
-
-    __slots__ = ("deadline", "header", "limit", "replied", "sock")
-
-    #: What a refused client sends after its header (a WRITE's payload), read and dropped. Only
-    #: the accept thread uses it.
-    _sink = memoryview(bytearray(64 << 10))
-
-    def __init__(self, sock: socket.socket, limit: int) -> None:
-        self.sock = sock
-        self.limit = limit
-        self.header = bytearray()
-        self.deadline = time.monotonic() + REFUSE_WAIT_S
-        self.replied = False
-
-    def step(self) -> bool:
-        """Serve what poll() said is ready; False when the connection is done with (close it)."""
-        try:
-            if self.replied:
-                return self.sock.recv_into(self._sink) > 0  # 0: the client closed its end
-            chunk = self.sock.recv(frames.HEADER_BYTES - len(self.header))
-            if not chunk:
-                return False
-            self.header += chunk
-            if len(self.header) < frames.HEADER_BYTES:
-                return True
-            if self.header[: len(frames.MAGIC)] != frames.MAGIC:
-                return False
-            op = self.header[len(frames.MAGIC) + 1]
-            # 32 bytes into the empty send buffer of a new connection: never short.
-            self.sock.send(frames.pack(op | frames.REPLY_BIT, Status.BUSY, self.limit))
-            self.sock.shutdown(socket.SHUT_WR)
-        except BlockingIOError:
-            return True  # woken for nothing after all
-        except OSError:
-            return False
-        self.replied = True
-        self.deadline = time.monotonic() + REFUSE_LINGER_S
         return True
