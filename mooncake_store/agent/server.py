@@ -1,5 +1,5 @@
 """The agent's TCP server: the control ops (reserve, free, fence, unfence) and the data ops (read,
-write).
+write, digest).
 
 One thread per connection: the socket calls release the GIL, and clients keep a handful of
 connections per agent. Every frame is checked before a byte of payload is read; a malformed
@@ -16,6 +16,8 @@ import socket
 import threading
 import time
 from typing import Any, Protocol
+
+import xxhash
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.refusals import Refusals
@@ -355,6 +357,8 @@ class AgentServer:
             return self._fence(conn, started, arg)
         if op == Op.UNFENCE:
             return self._unfence(conn, started, arg)
+        if op == Op.DIGEST:
+            return self._digest(conn, a, b, c)
         if op == Op.PING:
             self._reply(conn, Op.PING, Status.OK, frames.VERSION)
             return True
@@ -444,6 +448,26 @@ class AgentServer:
             frames.recv_into_by(conn, sink[:n], deadline, self._timeout_s)
             remaining -= n
         self._reply(conn, Op.WRITE, Status.STALE)
+        return True
+
+    def _digest(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
+        """The checksum a TCP writer commits, taken here of the bytes as they landed: its source may
+        have changed while it was sent, and a checksum taken there would then describe bytes that
+        were never stored. The writer sends this right behind its WRITE, while the bytes are likely
+        still in cache; it no longer hashes its source, so the put makes one pass over them either way. The
+        range is fenced while it is hashed, as for a WRITE: a free meanwhile voids it (STALE)."""
+        if not (self._in_arena(offset, length) and self._table.begin_write(alloc_id, offset, length)):
+            self._reply(conn, Op.DIGEST, Status.STALE)
+            return True
+        try:
+            view = self._arena.view(offset, length)
+            try:
+                checksum = xxhash.xxh3_64_intdigest(view)
+            finally:
+                view.release()
+        finally:
+            still_reserved = self._table.end_write(alloc_id)
+        self._reply(conn, Op.DIGEST, *((Status.OK, checksum) if still_reserved else (Status.STALE,)))
         return True
 
     def _reserve(self, conn: socket.socket, started: float, count: int, tier: int, flags: int) -> bool:

@@ -170,9 +170,11 @@ class Client:
         bytes are freed only after every read lease on them has run out. Raises NoCapacity when no
         node has room, ObjectPinned when the key is pinned.
 
-        The value is read in place, not copied first: it must not change until the call returns
-        (its checksum is taken before its bytes are copied, so a change meanwhile stores an object
-        whose checksum fails on a verifying read).
+        The value is read in place, not copied first: it must not change until the call returns.
+        If it does, the object stored holds its old bytes, its new ones or a mix, with the
+        checksum of what was stored (taken where the bytes landed), so verifying reads accept it;
+        with several replicas that received different bytes the put raises InvalidValue and
+        stores nothing.
         """
         self.put_many({key: value}, replicas=replicas, preferred_node=preferred_node)
 
@@ -331,7 +333,8 @@ class Client:
     def put_async(
         self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None
     ) -> Future[None]:
-        """:meth:`put` on a worker thread. The value must not change until the future is done."""
+        """:meth:`put` on a worker thread. The value must not change until the future is done
+        (what happens if it does: :meth:`put`)."""
         _wait_for_callers_stream(value)
         return self._submit(self.put, key, value, replicas=replicas, preferred_node=preferred_node)
 

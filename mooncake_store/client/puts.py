@@ -4,6 +4,17 @@ reserve on the chosen agents (one RESERVE frame per agent) → PENDING records (
 trip) → bytes (a memcpy into a same-host arena, a device-to-device copy into a same-host GPU tier,
 or TCP) → commit (one index round trip). Anything that fails after the reservation is undone by
 :meth:`PutPath.abandon`, which can never free a live object.
+
+The checksum a put commits is taken of its bytes where they landed, not of the caller's value:
+the value is read in place, and a caller that changes it while the put runs must still get an
+object that every verifying read accepts (its old bytes, its new ones, or a mix of both), never
+one whose checksum describes bytes that were not stored. A same-host copy hashes the arena piece
+by piece right after copying it (transport/shm.py copy_and_hash); over TCP the agent hashes what
+it received (DIGEST, sent behind the WRITE). Hashing each piece before sending it would leave a
+change between the hash and the send undetected, and sending from a copy of the value would add a
+pass over the data; either way the put makes one hashing pass over its bytes, as when it hashed
+its source. Replicas written from a value that changed between their copies differ, and no single
+checksum describes them: that put fails (InvalidValue) and stores nothing.
 """
 
 from __future__ import annotations
@@ -55,12 +66,31 @@ class PlannedPut:
     key: str
     source: Source | DeviceSource
     put_id: bytes
-    checksum: int  # 0 for device sources: hashing would cost a device-to-host copy
     replicas: list[Replica] = field(default_factory=list)
     chain_pos: int | None = None
     chain_parent: str | None = None
     tier: TierKind = TierKind.HOST
     assigned: set[str] = field(default_factory=set)  # nodes this attempt placed a replica on
+    landed: list[int] = field(default_factory=list)  # checksum of each replica's bytes as they landed
+
+    def checksum(self) -> int:
+        """The checksum to commit: that of the bytes as they landed, the same for every replica.
+        0 for device sources (hashing would cost a device-to-host copy). InvalidValue when the
+        replicas differ: the value changed between their copies."""
+        src = self.source
+        if not isinstance(src, Source):
+            return 0
+        if not src.view:
+            return checksum_of(src.view)  # nothing was written: nothing could change
+        sums = set(self.landed)
+        if len(sums) > 1:
+            raise InvalidValue(
+                f"the value of key {self.key!r} changed while it was put: its {len(self.replicas)} replicas "
+                f"landed with different bytes (checksums {sorted(sums)}), so nothing was stored; a value "
+                "must not change until put returns or put_async's future is done"
+            )
+        assert len(self.landed) == len(self.replicas), "a replica was committed with no checksum"
+        return sums.pop()
 
     @property
     def size_bytes(self) -> int:
@@ -76,14 +106,15 @@ class PlannedPut:
         return self.source.shape
 
     def pending(self) -> PendingPut:
-        """The index record of this put between reserve and commit."""
+        """The index record of this put between reserve and commit. Its checksum is 0: the bytes
+        have not landed yet, and put_commit carries theirs."""
         return PendingPut(
             put_id=self.put_id.hex(),
             key=self.key,
             size_bytes=self.size_bytes,
             dtype=self.dtype,
             shape=self.shape,
-            checksum=self.checksum,
+            checksum=0,
             replicas=tuple(self.replicas),
             chain_pos=self.chain_pos,
             chain_parent=self.chain_parent,
@@ -177,7 +208,6 @@ class PutPath:
                     key=key,
                     source=source,
                     put_id=uuid.uuid4().bytes,
-                    checksum=checksum_of(source.view) if isinstance(source, Source) else 0,
                     chain_pos=(chain_pos or {}).get(key),
                     chain_parent=(chain_parent or {}).get(key),
                     tier=tier,
@@ -212,6 +242,7 @@ class PutPath:
                 plan.put_id = uuid.uuid4().bytes
                 plan.replicas = []
                 plan.assigned = set()
+                plan.landed = []
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:
@@ -250,7 +281,8 @@ class PutPath:
             # freed the reservation, and the pending record written after it is then committed.
             for part in fences:
                 self._check_landed(part)
-            statuses = client.index.put_commit([p.put_id.hex() for p in plans])
+            checksums = [p.checksum() for p in plans]
+            statuses = client.index.put_commit([p.put_id.hex() for p in plans], checksums=checksums)
         except BaseException:
             for part in fences:
                 part.fence.abort()  # closing the connection lifts its fences
@@ -443,8 +475,7 @@ class PutPath:
             # that reaches another agent's namesake): its own transport, TCP, still is.
             log.warning("agent %s does not own segment %s; writing over TCP", node.node_id, node.shm_name)
             for replica, plan in part.puts:
-                view = plan.source.view  # type: ignore[union-attr]  # a Source: checked by the caller
-                client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, view)
+                self._write_tcp(node, replica, plan, plan.source.view)  # type: ignore[union-attr]  # a Source
             return
         if not all(fenced):
             raise ReservationExpired(
@@ -454,7 +485,9 @@ class PutPath:
         for replica, plan in part.puts:
             view = plan.source.view  # type: ignore[union-attr]
             try:
-                client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, view)
+                plan.landed.append(
+                    client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, view)
+                )
             except OSError as exc:  # the segment could not be mapped again (unmapped meanwhile)
                 raise TransferError(f"copy of {plan.key!r} into {node.shm_name} failed: {exc}") from None
 
@@ -478,7 +511,17 @@ class PutPath:
         else:
             # Over TCP the agent fences the reservation while the payload arrives (same-host writes
             # into its shared arena go through _fence and _copy_fenced).
-            client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, src.view)
+            self._write_tcp(node, replica, plan, src.view)
+
+    def _write_tcp(self, node: NodeInfo, replica: Replica, plan: PlannedPut, view: memoryview) -> None:
+        """Send a host source over TCP; the agent hashes what landed (DIGEST, behind the WRITE)."""
+        checksum = self.client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, view, digest=True)
+        if checksum is None:
+            # An agent that predates DIGEST: the source's hash after the send, right if the value
+            # was left alone as documented (what every put committed before DIGEST).
+            log.info("agent %s does not take DIGEST; hashing the source of %s", node.node_id, plan.key)
+            checksum = checksum_of(view)
+        plan.landed.append(checksum)
 
     def abandon(self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:
         """Undo puts that will not commit: drop their pending records, then ask the agents to expire

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from mooncake_store.config import redact_url
-from mooncake_store.errors import ConnectError, MooncakeError
+from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError
 from mooncake_store.index.schema import (
     decode_node,
     decode_object,
@@ -219,9 +219,20 @@ class RedisIndex:
             ]
             self._run("put_start", ttl_ms, json.dumps(entries))
 
-    def put_commit(self, put_ids: Sequence[str]) -> list[str]:
+    def put_commit(self, put_ids: Sequence[str], *, checksums: Sequence[int] | None = None) -> list[str]:
+        """Commit pending puts; one status per id (put_commit.lua). ``checksums``, one per id, are
+        those of the bytes as they landed and replace the pending records' own."""
+        if checksums is None:
+            args: list[str] = list(put_ids)
+        else:
+            if len(checksums) != len(put_ids):
+                raise InvalidValue(f"{len(put_ids)} put ids but {len(checksums)} checksums")
+            bad = [c for c in checksums if type(c) is not int or not 0 <= c < 1 << 64]
+            if bad:
+                raise InvalidValue(f"checksums must be ints in 0..2**64-1, got {bad[0]!r:.80}")
+            args = [f"{put_id}={checksum}" for put_id, checksum in zip(put_ids, checksums, strict=True)]
         out: list[str] = []
-        for chunk in in_batches(put_ids):
+        for chunk in in_batches(args):
             out.extend(self._run("put_commit", *chunk))
         return out
 

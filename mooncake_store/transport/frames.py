@@ -34,6 +34,9 @@ FENCE     arg = count, payload count x u64     OK, a = digest of the host arena'
                                                this connection, or its close: never on a timer)
 UNFENCE   arg = count, payload count x u64     OK, b = count, payload count x u8 (1: still live, the
                                                copy counts; 0: freed meanwhile, the copy is void)
+DIGEST    a = alloc_id, b = offset, c = len    OK, a = xxh3-64 of the len bytes at offset as they are
+          (a TCP writer's checksum of what     in the arena; STALE when the allocation is not a live
+          landed, sent behind its WRITE)       host-tier reservation covering the range
 any       the first request on a connection    BUSY, a = the agent's connection limit, then the close:
           past the agent's connection limit    the agent serves that many connections at once
 ========  ===================================  ========================================================
@@ -77,6 +80,9 @@ class Op(IntEnum):
     #: same-host peer): until UNFENCE on the same connection, or its close, a free only dooms them.
     FENCE = 6
     UNFENCE = 7
+    #: The checksum of a reservation's bytes as they landed, taken by the agent: what a TCP writer
+    #: commits, so a source changed while it was sent is still stored with its own checksum.
+    DIGEST = 8
 
 
 class Status(IntEnum):

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.host import SHM_DIR, SharedSegment
@@ -26,8 +27,30 @@ def local_host_id() -> str:
     return f"{os.uname().nodename}/{boot_id}"
 
 
+#: Piece of a copy that is hashed right after it lands: small enough to be still in L2 then, so
+#: the hash reads cache, not memory, and costs little next to the copy.
+HASH_PIECE_BYTES = 512 << 10
+
+
 def copy_bytes(dest: memoryview, src: memoryview) -> None:
     np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def copy_and_hash(dest: memoryview, src: memoryview) -> int:
+    """Copy ``src`` into ``dest`` and return the xxh3-64 of ``dest``: of the bytes as they landed,
+    which a source changed during the copy makes differ from any hash of the source taken before
+    or after it. Piece by piece, each hashed while still in cache: one pass over memory, as
+    hashing the source first was."""
+    out, inp = np.frombuffer(dest, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
+    if len(dest) <= HASH_PIECE_BYTES:
+        np.copyto(out, inp)
+        return xxhash.xxh3_64_intdigest(dest)
+    state = xxhash.xxh3_64()  # its digest equals the one-shot xxh3_64 of the whole
+    for start in range(0, len(dest), HASH_PIECE_BYTES):
+        end = start + HASH_PIECE_BYTES
+        np.copyto(out[start:end], inp[start:end])
+        state.update(dest[start:end])
+    return state.intdigest()
 
 
 class ShmTransport:
@@ -65,8 +88,10 @@ class ShmTransport:
     def read_into(self, shm_name: str, arena_bytes: int, offset: int, dest: memoryview) -> None:
         copy_bytes(dest, self.segment(shm_name, arena_bytes).view(offset, len(dest)))
 
-    def write_from(self, shm_name: str, arena_bytes: int, offset: int, src: memoryview) -> None:
-        copy_bytes(self.segment(shm_name, arena_bytes).view(offset, len(src)), src)
+    def write_from(self, shm_name: str, arena_bytes: int, offset: int, src: memoryview) -> int:
+        """Copy ``src`` into the arena at ``offset``; returns the xxh3-64 of the bytes as they
+        landed there (copy_and_hash)."""
+        return copy_and_hash(self.segment(shm_name, arena_bytes).view(offset, len(src)), src)
 
     def retain(self, shm_names: set[str]) -> None:
         """Unmap the segments not named in ``shm_names`` (agents that left the node table): a

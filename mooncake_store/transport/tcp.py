@@ -239,9 +239,54 @@ class PeerConnections:
         return total
 
     # ---- data ---------------------------------------------------------------------------------
-    def write(self, alloc_id: int, offset: int, src: memoryview) -> None:
-        if not self.write_many([(alloc_id, offset, src)])[0]:
+    def write(self, alloc_id: int, offset: int, src: memoryview, *, digest: bool = False) -> int | None:
+        """One WRITE; StaleLocation when the reservation is gone. With ``digest``, a DIGEST of the
+        same range follows it on the connection before either reply is read (so it costs no round
+        trip of its own), and the xxh3-64 the agent took of the bytes as they landed is returned
+        (None from an agent that predates DIGEST)."""
+        if not digest:
+            if not self.write_many([(alloc_id, offset, src)])[0]:
+                raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
+            return None
+
+        def run(sock: socket.socket) -> tuple[bool, int | None]:
+            frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, len(src)), src)
+            sock.sendall(frames.pack(Op.DIGEST, 0, alloc_id, offset, len(src)))
+            status, _, _, _ = self._reply(sock, Op.WRITE)
+            if status not in (Status.OK, Status.STALE):
+                raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
+            if status == Status.STALE:
+                self._reply(sock, Op.DIGEST)  # STALE as well: read to keep the stream in step
+                return False, None
+            return True, self._digest_reply(sock, alloc_id)
+
+        landed, checksum = self._call(run)
+        if not landed:
             raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
+        return checksum
+
+    def digest(self, alloc_id: int, offset: int, length: int) -> int | None:
+        """The xxh3-64 of ``length`` bytes at ``offset`` of a host-tier reservation, taken by the
+        agent (None from an agent that predates DIGEST); StaleLocation when the reservation is gone."""
+
+        def run(sock: socket.socket) -> int | None:
+            frames.send_all(sock, frames.pack(Op.DIGEST, 0, alloc_id, offset, length))
+            return self._digest_reply(sock, alloc_id)
+
+        result: int | None = self._call(run)
+        return result
+
+    def _digest_reply(self, sock: socket.socket, alloc_id: int) -> int | None:
+        status, checksum, _, _ = self._reply(sock, Op.DIGEST)
+        if status == Status.BAD_REQUEST:
+            # An agent older than the op answers so and closes the connection: dropped from the
+            # pool by _acquire's readable() check.
+            return None
+        if status == Status.STALE:
+            raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
+        if status != Status.OK:
+            raise ProtocolError(f"agent at {self.endpoint} refused DIGEST with status {status}")
+        return checksum
 
     def write_many(self, requests: Sequence[tuple[int, int, memoryview]], *, window: int = 4) -> list[bool]:
         """Pipelined writes on one connection, each (alloc_id, offset, bytes): up to ``window``
@@ -442,9 +487,18 @@ class TcpTransport:
             lambda s, n: peer.read_many([ReadRequest(alloc_id=alloc_id, offset=offset + s, dest=dest[s : s + n])]),
         )
 
-    def write_from(self, endpoint: str, alloc_id: int, offset: int, src: memoryview) -> None:
+    def write_from(
+        self, endpoint: str, alloc_id: int, offset: int, src: memoryview, *, digest: bool = False
+    ) -> int | None:
+        """Write ``src`` into a reservation. With ``digest``, returns the xxh3-64 the agent took of
+        the bytes as they landed (None from an agent that predates DIGEST): behind the WRITE on its
+        connection for an object of one stripe, after every stripe landed for a striped one (one
+        round trip more, small next to several stripes' bytes)."""
         peer = self.peer(endpoint)
+        if len(self._stripes_of(len(src))) == 1:
+            return peer.write(alloc_id, offset, src, digest=digest)
         self._fan_out(len(src), lambda s, n: peer.write(alloc_id, offset + s, src[s : s + n]))
+        return peer.digest(alloc_id, offset, len(src)) if digest else None
 
     def _fan_out(self, length: int, transfer: Callable[[int, int], None]) -> None:
         """Run ``transfer(start, length)`` per stripe: the first on this thread, the rest on the

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ProtocolError, StaleLocation, TransferError
@@ -113,6 +114,32 @@ def test_pipelined_writes_land_in_order_and_a_refused_one_spoils_nothing(one_age
             assert (bytes(got) == p.tobytes()) == ok
         assert peer.ping() == frames.VERSION  # the connection is still in step
         assert peer.free([r.alloc_id for r in reservations]) == len(sizes)
+    finally:
+        peer.close()
+
+
+def test_digest_is_the_checksum_of_what_landed_and_stale_outside_a_live_reservation(one_agent: LocalCluster) -> None:
+    """DIGEST (what a TCP writer commits as its checksum) hashes the reservation's bytes as they are
+    in the arena; behind a WRITE on the same connection it answers after the WRITE's ack. It is
+    STALE for an unknown allocation, a range past the reservation's end, and a refused WRITE, and
+    the connection stays in step after each."""
+    peer = PeerConnections(one_agent.agents[0].endpoint, timeout_s=5, max_idle=2)
+    try:
+        size = (1 << 20) + 64
+        (res,) = peer.reserve([(size, b"d" * 16)], node_id="agent-0")
+        payload = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+        landed = peer.write(res.alloc_id, res.offset, memoryview(payload), digest=True)
+        assert landed == xxhash.xxh3_64_intdigest(payload)
+        assert peer.digest(res.alloc_id, res.offset, size) == landed
+        assert peer.digest(res.alloc_id, res.offset + 64, 4096) == xxhash.xxh3_64_intdigest(payload[64 : 64 + 4096])
+        with pytest.raises(StaleLocation):  # no such allocation
+            peer.digest(res.alloc_id + 12345, res.offset, 16)
+        with pytest.raises(StaleLocation):  # past the end of the reservation
+            peer.digest(res.alloc_id, res.offset + size - 8, 16)
+        with pytest.raises(StaleLocation):  # a refused WRITE: its DIGEST is read and refused too
+            peer.write(res.alloc_id + 12345, res.offset, memoryview(payload[:4096]), digest=True)
+        assert peer.ping() == frames.VERSION  # the connection is still in step
+        assert peer.free([res.alloc_id]) == 1
     finally:
         peer.close()
 

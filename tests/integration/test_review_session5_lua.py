@@ -168,6 +168,25 @@ def test_put_commit_of_a_malformed_pending_entry_leaves_no_half_written_object(
     assert not problems, f"after {errors or 'no error'}: index left inconsistent: {problems}"
 
 
+def test_put_commit_stores_the_checksums_it_carries_and_refuses_a_malformed_one_whole(index: RedisIndex) -> None:
+    """The SDK commits the checksum of the bytes as they landed (taken after put_start), which
+    replaces the pending entry's; a u64 keeps every digit (never a Lua number). A malformed one in a
+    batch commits nothing of the batch; an id without one keeps the pending entry's checksum."""
+    _register(index, "A")
+    keys = [f"k-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    puts = [_pending(key, "A", 10 + i) for i, key in enumerate(keys)]
+    index.put_start(puts, ttl_ms=TTL_MS)
+    bad = [f"{puts[0].put_id}={2**64 - 1}", f"{puts[1].put_id}=12x"]
+    with pytest.raises(MooncakeError, match="malformed checksum"):
+        index._run("put_commit", *bad)
+    assert index.lookup(keys, lease_ms=0).objects == [None, None, None], "a refused batch committed a put"
+    assert index.put_commit([p.put_id for p in puts[:2]], checksums=[2**64 - 1, 0]) == ["OK", "OK"]
+    assert index.put_commit([puts[2].put_id]) == ["OK"]
+    metas = index.lookup(keys, lease_ms=0).objects
+    assert [m.checksum if m else None for m in metas] == [2**64 - 1, 0, 7]
+    assert not _audit(index)
+
+
 # ---- 2. numbers above 14 significant digits ---------------------------------------------------
 
 

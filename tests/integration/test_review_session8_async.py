@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 
 from mooncake_store import MAX_KEY_BYTES, Client, InvalidKey, InvalidValue, LocalCluster, MooncakeError, connect
 from mooncake_store.client.prefix import PrefixCache
@@ -242,24 +243,28 @@ def test_prefix_cache_load_async_racing_close_gets_a_mooncake_error(one_agent: L
 # ---- sources changed while a put is in flight ------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known defect, left open (issue 5 note): the checksum is taken before the copy, so a source"
-        " changed during the put commits an object whose checksum fails; put and put_async document"
-        " that the buffer must not change until they complete"
-    ),
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param({}, id="shm"),
+        pytest.param({"transports": ("tcp",)}, id="tcp"),
+        pytest.param({"transports": ("tcp",), "stripe_bytes": MiB}, id="tcp-striped"),
+    ],
 )
-def test_a_source_changed_during_put_async_never_commits_an_unreadable_object(one_agent: LocalCluster) -> None:
-    """put_async takes the caller's buffer without a copy (DESIGN.md invariant 5) and its docs say
-    nothing about leaving it alone until the future is done. PutPath.plan hashes the source
-    (checksum_of) long before _copy_fenced / write_from copies it, with the index round trips in
-    between, so a caller that reuses its buffer meanwhile gets a successful put whose recorded
-    checksum does not describe the stored bytes: exists() is True, and every get() by a client
-    with verify_checksum fails with 'checksum mismatch' forever, as if the store corrupted it.
-    A put must either store an object whose checksum matches its bytes, or fail."""
-    client = connect(one_agent.redis_url, namespace=one_agent.namespace, verify_checksum=True)
+def test_a_source_changed_during_put_async_never_commits_an_unreadable_object(
+    one_agent: LocalCluster, path: dict[str, Any]
+) -> None:
+    """put_async takes the caller's buffer without a copy (DESIGN.md invariant 5). PutPath.plan
+    hashed the source (checksum_of) long before _copy_fenced / write_from copied it, with the index
+    round trips in between, so a caller that reused its buffer meanwhile got a successful put whose
+    recorded checksum did not describe the stored bytes: exists() was True, and every get() by a
+    client with verify_checksum failed with 'checksum mismatch' forever, as if the store corrupted
+    it. The checksum committed is now that of the bytes where they landed (the arena copy on the
+    same host; the agent's DIGEST over TCP, striped or not). A put must either store an object
+    whose checksum matches its bytes, or fail."""
+    client = connect(one_agent.redis_url, namespace=one_agent.namespace, verify_checksum=True, **path)
     unreadable: list[str] = []
+    stored = 0
     try:
         for trial in range(3):
             key = f"rv8-mut-{trial}"
@@ -274,6 +279,7 @@ def test_a_source_changed_during_put_async_never_commits_an_unreadable_object(on
                 fut.result(timeout=30)
             except MooncakeError:
                 continue  # refusing the put is a correct answer
+            stored += 1
             try:
                 client.get(key)
             except MooncakeError as exc:
@@ -281,6 +287,50 @@ def test_a_source_changed_during_put_async_never_commits_an_unreadable_object(on
     finally:
         client.close()
     assert not unreadable, f"puts that succeeded stored objects no verifying reader can read: {unreadable}"
+    assert stored, "every put was refused: with one replica the bytes that landed are always consistent"
+
+
+@pytest.mark.parametrize("transports", [("shm", "tcp"), ("tcp",)], ids=["shm", "tcp"])
+def test_replicas_of_a_source_changed_during_put_async_all_match_the_committed_checksum(
+    make_cluster: Callable[..., LocalCluster], transports: tuple[str, ...]
+) -> None:
+    """With two replicas, each is copied from the caller's buffer in turn, so a buffer changed
+    between the copies leaves replicas with different bytes, and one checksum cannot describe both.
+    Such a put must fail with InvalidValue and store nothing; a put that succeeds must have every
+    replica match the checksum it committed (a reader may be sent to either one)."""
+    cluster = make_cluster(2, host_bytes=32 * MiB)
+    client = connect(cluster.redis_url, namespace=cluster.namespace, transports=transports)
+    outcomes: dict[str, int] = {}
+    mismatched: list[str] = []
+    try:
+        for trial in range(4):
+            key = f"rv8-mut2-{trial}"
+            source = np.zeros(2 * MiB, np.uint8)
+            fut = client.put_async(key, source, replicas=2)
+            i = 0
+            deadline = time.monotonic() + 20
+            while not fut.done() and i < 2_000_000 and time.monotonic() < deadline:
+                source[i % source.size] = i % 255 + 1
+                i += 1
+            exc = fut.exception(timeout=30)
+            if exc is not None:
+                assert isinstance(exc, InvalidValue) and "changed while it was put" in str(exc), repr(exc)
+                assert not client.exists(key), f"{key}: a put refused for differing replicas stored something"
+                outcomes["refused"] = outcomes.get("refused", 0) + 1
+                continue
+            outcomes["stored"] = outcomes.get("stored", 0) + 1
+            meta = client.object_meta(key)
+            assert meta is not None and len(meta.replicas) == 2
+            nodes = client._node_table(refresh=True)
+            for replica in meta.replicas:  # each replica on its own, not just the one a get picks
+                got = bytearray(meta.size_bytes)
+                endpoint = nodes[replica.node_id].tcp_endpoint
+                client._tcp.read_into(endpoint, replica.alloc_id, replica.offset, memoryview(got))
+                if xxhash.xxh3_64_intdigest(got) != meta.checksum:
+                    mismatched.append(f"{key} on {replica.node_id}")
+    finally:
+        client.close()
+    assert not mismatched, f"replicas whose bytes fail the committed checksum: {mismatched} ({outcomes})"
 
 
 def test_put_async_keeps_its_source_alive_when_the_caller_drops_it(one_agent: LocalCluster) -> None:

@@ -469,7 +469,7 @@ def test_a_peer_speaking_another_version_or_op_is_told_before_the_close(
             frames.HEADER.pack(frames.MAGIC, frames.VERSION + 1, Op.PING, 0, 0, 0, 0),
             {Status.BAD_REQUEST},
         ),
-        "unknown op 8": (frames.pack(8), {Status.BAD_REQUEST}),
+        "an unknown op": (frames.pack(max(Op) + 1), {Status.BAD_REQUEST}),
         "WRITE of arena + 1 B into no reservation": (
             frames.pack(Op.WRITE, 0, 12345, 0, cluster.host_bytes + 1),
             {Status.STALE, Status.BAD_REQUEST},

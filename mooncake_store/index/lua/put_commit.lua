@@ -1,6 +1,7 @@
 -- put_commit: make a batch of pending puts visible, each atomically (phase two).
 -- KEYS: none
--- ARGV: [1] prefix, [2..n] put ids
+-- ARGV: [1] prefix, [2..n] put ids, each as "<put id>" or "<put id>=<checksum>" (decimal u64: the
+-- checksum of the bytes as they landed, which replaces the pending entry's)
 -- Returns: one status per put id, in order: "OK", "EXPIRED" (the pending record is gone: revoked or
 -- reclaimed, the bytes may already be freed; or a replica's node has left the node table, is past
 -- its heartbeat deadline, or restarted since the reservation) or "PINNED" (the key exists and holds live pins, so it
@@ -8,13 +9,25 @@
 -- to their agents' graveyards, to be freed once every read lease granted on it has expired.
 local now = now_ms()
 local out = {}
+-- All or nothing: every argument is checked before the first put is committed.
+local ids, sums = {}, {}
 for i = 2, #ARGV do
-  local pk = P .. 'pend:' .. ARGV[i]
+  local id, sum = string.match(ARGV[i], '^([^=]+)=(.*)$')
+  if id == nil then
+    id = ARGV[i]
+  elseif not is_digits(sum) or #sum > 20 then
+    return redis.error_reply('BAD_ENTRY put_commit argument ' .. (i - 1) .. ' has a malformed checksum')
+  end
+  ids[i - 1], sums[i - 1] = id, sum
+end
+for i, put_id in ipairs(ids) do
+  local pk = P .. 'pend:' .. put_id
   local raw = redis.call('HGET', pk, 'entry')
   if not raw then
     table.insert(out, 'EXPIRED')
   else
     local e = cjson.decode(raw)
+    if sums[i] then e.checksum = sums[i] end
     local ok = P .. 'o:' .. e.key
     local old = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent')
     -- A replica on a node that left the node table (reaped, deregistered), or reserved from an
