@@ -19,14 +19,16 @@ from mooncake_store.config import ClientConfig, load_config
 from mooncake_store.errors import (
     ConfigError,
     ConnectError,
+    InvalidKey,
     InvalidValue,
+    KeyNotFound,
     MooncakeError,
     ObjectPinned,
 )
 from mooncake_store.index import RedisIndex
 from mooncake_store.tiers.gpu_arrays import describe_device_array, is_device_array
 from mooncake_store.transport.shm import ShmTransport, local_host_id
-from mooncake_store.transport.tcp import TcpTransport
+from mooncake_store.transport.tcp import TcpTransport, current_cancel
 from mooncake_store.types import (
     NodeInfo,
     ObjectMeta,
@@ -45,6 +47,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 #: How long a cached copy of the node table is trusted before a put re-reads it.
 NODE_TABLE_TTL_S = 1.0
+#: Errors that answer the call whatever close() did meanwhile: about the caller's input or the
+#: data itself, not about a transfer that close() may have cut.
+STANDING_ERRORS = (InvalidKey, InvalidValue, KeyNotFound, ObjectPinned)
 
 
 class Client:
@@ -92,28 +97,40 @@ class Client:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # set with _closed: cuts a put's wait for room short
 
     # ---- life cycle -------------------------------------------------------------------------
     def close(self) -> None:
         """Release connections, mappings and threads. Idempotent; may be called from any thread,
         a done-callback of this client's own futures included. Operations still under way in
-        other threads end with MooncakeError("client is closed")."""
+        other threads end at once with MooncakeError("client is closed"), even those waiting on
+        a stalled agent: close() shuts down their connections first."""
         with self._pool_lock:
             if self._closed:
                 return
             self._closed = True
+            self._closing.set()
             pool = self._pool
         try:
-            if pool is not None:
-                # A callback of one of our futures runs on a pool thread, which cannot join itself.
-                own_thread = threading.current_thread() in getattr(pool, "_threads", ())
-                pool.shutdown(wait=not own_thread)
-        finally:
+            # The transports before the wait for the pool: an operation waiting on an agent (up to
+            # timeout_s on a stalled one) fails at once, and its retry loop, which sees _closed,
+            # ends it with "client is closed". A put cut short this way is abandoned as any failed
+            # put is: its pending record is revoked (the index stays open until the pool drained)
+            # and its reservations, which no agent can be asked to free any more, are reclaimed by
+            # their agents at the reservation timeout, as a dead writer's are. Nothing is committed
+            # after its bytes were cut short: the commit follows only writes that all landed.
             self._tcp.close()
             self._shm.close()
-            if self._gpu is not None:
-                self._gpu.close()
-            self.index.close()
+        finally:
+            try:
+                if pool is not None:
+                    # A callback of one of our futures runs on a pool thread, which cannot join itself.
+                    own_thread = threading.current_thread() in getattr(pool, "_threads", ())
+                    pool.shutdown(wait=not own_thread)
+            finally:
+                if self._gpu is not None:
+                    self._gpu.close()
+                self.index.close()
 
     def __reduce__(self) -> NoReturn:
         raise TypeError(
@@ -128,9 +145,30 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_open(self) -> None:
+    def _interrupted(self) -> MooncakeError | None:
+        """The error that ends a call cut short: "client is closed" after close(), or the message
+        of the Cancel the calling thread runs under (a closed PrefixCache's) once it was cancelled;
+        None while neither happened."""
         if self._closed:
-            raise MooncakeError("client is closed")
+            return MooncakeError("client is closed")
+        cancel = current_cancel()
+        if cancel is not None and cancel.cancelled:
+            return MooncakeError(cancel.message)
+        return None
+
+    def _check_open(self) -> None:
+        error = self._interrupted()
+        if error is not None:
+            raise error
+
+    def _raise_if_interrupted(self, exc: BaseException) -> None:
+        """For a call's error path: when close() (or the call's Cancel) cut the call short, raise
+        that instead of ``exc``, the transfer error it caused. STANDING_ERRORS stand."""
+        if isinstance(exc, STANDING_ERRORS):
+            return
+        error = self._interrupted()
+        if error is not None:
+            raise error from exc
 
     # ---- node table -------------------------------------------------------------------------
     def _node_table(self, *, refresh: bool = False) -> dict[str, NodeInfo]:

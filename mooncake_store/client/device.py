@@ -195,12 +195,21 @@ def read_to_device(
     Same rules as host reads: one lookup with a lease, the cheapest replica first, and a read that
     outlived its lease is re-checked against the index before it counts."""
     client._check_open()
+    try:
+        return _read_to_device(client, key, out=out, device=device)
+    except MooncakeError as exc:
+        client._raise_if_interrupted(exc)  # cut short by close(): "client is closed"
+        raise
+
+
+def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | None) -> tuple[ObjectMeta, Any]:
     if out is None and device is not None:
         parse_device(device)  # a bad device is InvalidValue whether or not the key exists
     config = client.config
     last_error: MooncakeError | None = None
     target: Any = None
     for attempt in range(config.max_retries + 1):
+        client._check_open()  # a retry after close() cut this read short: none
         started = time.monotonic()
         result = client.index.lookup([key], lease_ms=config.lease_ms)
         meta = result.objects[0]

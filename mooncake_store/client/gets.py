@@ -41,7 +41,16 @@ class GetPath:
     def get_batch(
         self, keys: list[str], dests: list[memoryview] | None, *, missing_ok: bool
     ) -> tuple[list[ObjectMeta | None], list[np.ndarray]]:
-        self.client._check_open()
+        try:
+            return self._get_batch(keys, dests, missing_ok=missing_ok)
+        except MooncakeError as exc:
+            # Cut short by close(): "client is closed", not the transfer error the close caused.
+            self.client._raise_if_interrupted(exc)
+            raise
+
+    def _get_batch(
+        self, keys: list[str], dests: list[memoryview] | None, *, missing_ok: bool
+    ) -> tuple[list[ObjectMeta | None], list[np.ndarray]]:
         last_error: MooncakeError | None = None
         pending = list(range(len(keys)))
         metas: list[ObjectMeta | None] = [None] * len(keys)
@@ -51,6 +60,7 @@ class GetPath:
         # so a stalled agent costs the batch one timeout, not one per key and attempt.
         failing: set[str] = set()
         for attempt in range(self.client.config.max_retries + 1):
+            self.client._check_open()  # a retry after close() cut this call's reads short: none
             started = time.monotonic()
             result = self.client.index.lookup([keys[i] for i in pending], lease_ms=self.client.config.lease_ms)
             # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter

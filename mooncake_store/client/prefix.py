@@ -39,6 +39,7 @@ from mooncake_store.client.prefix_hash import (
 )
 from mooncake_store.errors import InvalidValue, MooncakeError
 from mooncake_store.index.prefix import PrefixIndex
+from mooncake_store.transport.tcp import Cancel
 
 #: A sequence of chunk arrays, or a function from chunk index to the array (called only for the
 #: chunks that have to be written, so callers need not materialize chunks that are stored already).
@@ -131,6 +132,8 @@ class PrefixCache:
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        #: Loads and stores run under it: close() cuts their transfers short, the client staying open.
+        self._ops = Cancel("PrefixCache is closed")
 
     # ---- keys -------------------------------------------------------------------------------
     def keys(
@@ -215,14 +218,15 @@ class PrefixCache:
             return 0
         try:
             get = chunks if callable(chunks) else chunks.__getitem__
-            self.client.put_many(
-                {keys[i]: get(i) for i in mine},
-                replicas=self.replicas if replicas is None else replicas,
-                preferred_node=preferred_node,
-                # Eviction takes only chunks with no stored children, so chains stay prefix-closed.
-                chain_pos={keys[i]: i for i in mine},
-                chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
-            )
+            with self._ops.active():
+                self.client.put_many(
+                    {keys[i]: get(i) for i in mine},
+                    replicas=self.replicas if replicas is None else replicas,
+                    preferred_node=preferred_node,
+                    # Eviction takes only chunks with no stored children, so chains stay prefix-closed.
+                    chain_pos={keys[i]: i for i in mine},
+                    chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
+                )
         finally:
             self.index.release([keys[i] for i in mine], writer_id=writer)
         return len(mine)
@@ -257,9 +261,11 @@ class PrefixCache:
                 dests = list(outs(found) if callable(outs) else outs[:found])
                 if len(dests) < found:
                     raise InvalidValue(f"{found} chunk(s) matched but {len(dests)} output buffer(s) given")
-                chunks: list[Any] = self._read(matched, dests[:found])
+                with self._ops.active():
+                    chunks: list[Any] = self._read(matched, dests[:found])
             else:
-                chunks = self._read(matched, None)
+                with self._ops.active():
+                    chunks = self._read(matched, None)
             usable = next((i for i, c in enumerate(chunks) if c is None), len(chunks))
             if usable < found:
                 self.index.unpin(matched[usable:], pin_id=pin_id)
@@ -283,7 +289,9 @@ class PrefixCache:
             return dests
         except InvalidValue:
             raise  # the caller's buffers are wrong (too small, bad dtype): an error, not a miss
-        except MooncakeError:
+        except MooncakeError as exc:
+            # Cut short by a close (the client's or this cache's): that error, not a miss.
+            client._raise_if_interrupted(exc)
             # Some chunk went away between match and read (a node died): keep the readable run.
             out: list[Any] = []
             for i, key in enumerate(keys):
@@ -295,7 +303,8 @@ class PrefixCache:
                         out.append(dests[i])
                 except InvalidValue:
                     raise
-                except MooncakeError:
+                except MooncakeError as exc:
+                    client._raise_if_interrupted(exc)
                     break
             return out + [None] * (len(keys) - len(out))
 
@@ -348,12 +357,16 @@ class PrefixCache:
             raise MooncakeError("PrefixCache is closed")
 
     def close(self) -> None:
-        """Release every hit still held and stop the worker threads (the client stays open)."""
+        """Release every hit still held and stop the worker threads (the client stays open).
+        Loads and stores under way in other threads end at once with MooncakeError("PrefixCache
+        is closed"), even those waiting on a stalled agent: their connections are shut down."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True  # under the lock load_async checks it under
             hits = list(self._held.values())
+        # Before the wait for the pool, which would otherwise last as long as a stalled transfer.
+        self._ops.cancel()
         for hit in hits:
             hit.release()
         self._stop.set()

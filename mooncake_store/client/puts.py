@@ -228,16 +228,21 @@ class PutPath:
             try:
                 self._put_once(plans, replicas, preferred_node)
                 return
-            except ReservationExpired:
-                expired_tries += 1
-                if expired_tries > config.max_retries:
+            except MooncakeError as exc:
+                # Cut short by close(): "client is closed", not the transfer error the close caused
+                # (the attempt was abandoned, as every failed one is, before this saw it).
+                self.client._raise_if_interrupted(exc)
+                if isinstance(exc, ReservationExpired):
+                    expired_tries += 1
+                    if expired_tries > config.max_retries:
+                        raise
+                elif isinstance(exc, NoCapacity) and not exc.permanent and time.monotonic() + delay_s <= deadline:
+                    if self.client._closing.wait(delay_s):  # close() ends the wait for room too
+                        self.client._check_open()
+                    delay_s = min(delay_s * 2, 1.0)
+                    self.client._node_table(refresh=True)
+                else:
                     raise
-            except NoCapacity as exc:
-                if exc.permanent or time.monotonic() + delay_s > deadline:
-                    raise
-                time.sleep(delay_s)
-                delay_s = min(delay_s * 2, 1.0)
-                self.client._node_table(refresh=True)
             for plan in plans:
                 plan.put_id = uuid.uuid4().bytes
                 plan.replicas = []

@@ -12,7 +12,8 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -74,6 +75,75 @@ TIER_NAMES = {0: "host", 1: "gpu", 2: "disk"}
 POOL_IDLE_S = 300.0
 
 
+def _shut(sock: socket.socket) -> None:
+    """Shut down both directions of a connection another thread may be waiting on: its recv sees
+    the end of the stream and its send a broken pipe at once, whatever the peer does. The owner
+    still closes it (closing it from here could let the descriptor be reused under its call)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class Cancel:
+    """Lets operations be cut short from another thread. The connections that operations run
+    under it take (``with cancel.active():`` in the thread that runs one; a striped transfer
+    carries it to its stripe threads) are shut down by :meth:`cancel`, so a transfer waiting on a
+    stalled agent fails at once instead of at timeout_s, and later ones are refused with
+    ``MooncakeError(message)``. A PrefixCache cuts its operations in flight this way when it is
+    closed while its client stays open."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self._lock = threading.Lock()
+        self._held: set[socket.socket] = set()
+        self._cancelled = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with _running_under(self):
+            yield
+
+    def cancel(self) -> None:
+        # Under the lock: a holder lets go of a connection (under it) before it closes it, so no
+        # descriptor is shut down after its close.
+        with self._lock:
+            self._cancelled = True
+            for sock in self._held:
+                _shut(sock)
+
+    def _hold(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise MooncakeError(self.message)
+            self._held.add(sock)
+
+    def _let_go(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._held.discard(sock)
+
+
+_current = threading.local()
+
+
+def current_cancel() -> Cancel | None:
+    """The Cancel the calling thread runs under, if any."""
+    cancel: Cancel | None = getattr(_current, "cancel", None)
+    return cancel
+
+
+@contextlib.contextmanager
+def _running_under(cancel: Cancel | None) -> Iterator[None]:
+    outer = current_cancel()
+    _current.cancel = cancel
+    try:
+        yield
+    finally:
+        _current.cancel = outer
+
+
 def _readable(sock: socket.socket) -> bool:
     """An idle pooled connection with something to read has been closed or reset by the agent (a
     reply is never pending between requests)."""
@@ -91,8 +161,12 @@ class PeerConnections:
         self._timeout_s = timeout_s
         self._max_idle = max_idle
         self._idle: list[tuple[socket.socket, float]] = []  # (connection, when it went idle), newest last
+        #: Connections taken by calls under way, with the Cancel each call runs under: abort() and
+        #: Cancel.cancel() shut them down.
+        self._busy: dict[socket.socket, Cancel | None] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._aborted = False
 
     def _connect(self) -> socket.socket:
         try:
@@ -122,9 +196,41 @@ class PeerConnections:
                 break
         for dead in stale:
             dead.close()
-        return sock if sock is not None else self._connect()
+        sock = sock if sock is not None else self._connect()
+        self._take(sock)
+        return sock
+
+    def _take(self, sock: socket.socket) -> None:
+        """Count ``sock`` as in use by the calling thread's call (and its Cancel), so that abort()
+        or a cancel() can cut it; refused (closed, MooncakeError) once either has run."""
+        cancel = current_cancel()
+        with self._lock:
+            refused = self._aborted
+            if not refused:
+                self._busy[sock] = cancel
+        if refused:
+            sock.close()
+            raise MooncakeError(f"TCP transport is closed (asked for {self.endpoint})")
+        if cancel is not None:
+            try:
+                cancel._hold(sock)
+            except BaseException:
+                self._drop(sock)
+                raise
+
+    def _untake(self, sock: socket.socket) -> None:
+        with self._lock:
+            cancel = self._busy.pop(sock, None)
+        if cancel is not None:
+            cancel._let_go(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        """Close a connection taken by a call (its stream may be mid-frame)."""
+        self._untake(sock)
+        sock.close()
 
     def _release(self, sock: socket.socket) -> None:
+        self._untake(sock)
         with self._lock:
             if not self._closed and len(self._idle) < self._max_idle:
                 self._idle.append((sock, time.monotonic()))
@@ -132,11 +238,21 @@ class PeerConnections:
         sock.close()
 
     def close(self) -> None:
+        """Close the idle connections and pool no more; calls under way finish on theirs."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
         for sock, _ in idle:
             sock.close()
+
+    def abort(self) -> None:
+        """close(), and also cut the connections of calls under way (they fail at once, with
+        TransferError) and refuse new ones: what a client's close() does to its transfers."""
+        with self._lock:
+            self._aborted = True
+            for sock in self._busy:
+                _shut(sock)  # under the lock: a call lets go of it (under it) before closing it
+        self.close()
 
     def _call(self, func, *args):  # type: ignore[no-untyped-def]
         """Run ``func(sock, *args)`` on a pooled connection; a connection that saw an error is dropped,
@@ -152,7 +268,7 @@ class PeerConnections:
         try:
             return func(sock, *args)
         except (OSError, TransferError, ProtocolError) as exc:
-            sock.close()
+            self._drop(sock)
             if isinstance(exc, TransferError | ProtocolError):
                 raise
             if isinstance(exc, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
@@ -161,7 +277,7 @@ class PeerConnections:
                 ) from None
             raise TransferError(f"transfer with agent at {self.endpoint} failed: {exc}") from None
         except BaseException:
-            sock.close()
+            self._drop(sock)
             raise
 
     def _reply(self, sock: socket.socket, op: Op) -> tuple[int, int, int, int]:
@@ -406,7 +522,7 @@ class Fence:
         """Close the connection: the agent lifts every fence it held. Safe to call at any point."""
         sock, self._sock = self._sock, None
         if sock is not None:
-            sock.close()
+            self._peer._drop(sock)
 
     def _send(self, op: Op, ids: list[int]) -> None:
         self._use(frames.send_all, frames.pack(op, len(ids)), memoryview(frames.pack_ids(ids)))
@@ -442,6 +558,8 @@ class TcpTransport:
         self._connections = connections_per_peer
         self._stripe_bytes = stripe_bytes
         self._peers: dict[str, PeerConnections] = {}
+        #: Every pool made, dropped ones included while a call still uses one: close() cuts them all.
+        self._made: weakref.WeakSet[PeerConnections] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._stripes = ThreadPoolExecutor(max_workers=max(1, connections_per_peer), thread_name_prefix="mc-stripe")
         self._closed = False
@@ -454,6 +572,7 @@ class TcpTransport:
             if peer is None:
                 peer = PeerConnections(endpoint, timeout_s=self._timeout_s, max_idle=self._connections * 2)
                 self._peers[endpoint] = peer
+                self._made.add(peer)
             return peer
 
     def drop_peer(self, endpoint: str) -> None:
@@ -463,13 +582,15 @@ class TcpTransport:
             peer.close()
 
     def close(self) -> None:
-        """Close every pooled connection; a transfer still under way (or started later) ends with
-        MooncakeError instead of opening new ones."""
+        """Close every connection: pooled ones, and those of transfers under way, which fail at
+        once (TransferError) rather than wait on their agent up to timeout_s. A transfer started
+        later ends with MooncakeError instead of opening new ones."""
         with self._lock:
             self._closed = True
-            peers, self._peers = list(self._peers.values()), {}
+            self._peers = {}
+            peers = list(self._made)
         for peer in peers:
-            peer.close()
+            peer.abort()
         self._stripes.shutdown(wait=False, cancel_futures=True)
 
     def _stripes_of(self, length: int) -> list[tuple[int, int]]:
@@ -507,9 +628,15 @@ class TcpTransport:
         closed = MooncakeError("TCP transport is closed")
         futures: list[Future[None]] = []
         first_error: BaseException | None = None
+        cancel = current_cancel()
+
+        def stripe(s: int, n: int) -> None:
+            with _running_under(cancel):  # the caller's Cancel cuts its stripes' connections too
+                transfer(s, n)
+
         try:
             for s, n in stripes[1:]:
-                futures.append(self._stripes.submit(transfer, s, n))
+                futures.append(self._stripes.submit(stripe, s, n))
         except RuntimeError:  # the pool was shut down: close() ran meanwhile
             first_error = closed
         if first_error is None:

@@ -172,22 +172,16 @@ def test_an_async_call_that_raced_close_does_not_start_a_new_pool_after_close(on
     assert leaked == 0, f"{leaked}/6 closed clients were left with a live thread pool created after close()"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known defect, left open (issue 5 note): close() waits for operations in flight, which end "
-        "only at their own timeout, with the agent's error rather than 'client is closed'"
-    ),
-)
 def test_close_ends_async_operations_in_flight_promptly_with_a_closed_error(
     one_agent: LocalCluster, stopped_agent: Callable[[], None]
 ) -> None:
-    """close() calls pool.shutdown(wait=True) *before* it closes the TCP transport and the index,
-    and nothing in the read or put path checks _closed again once started. So with a get_async and
-    a put_async blocked on a stalled agent, close() (and a `with` block's exit) blocks until those
-    transfers time out (timeout_s, more with retries or several replicas), and their futures end
-    with TransferError/NoCapacity about the agent, not the MooncakeError('client is closed') the
-    README promises for operations under way. close() should end them at once."""
+    """close() called pool.shutdown(wait=True) *before* it closed the TCP transport and the index,
+    and nothing in the read or put path checked _closed again once started. So with a get_async
+    and a put_async blocked on a stalled agent, close() (and a `with` block's exit) blocked until
+    those transfers timed out (timeout_s, more with retries or several replicas), and their
+    futures ended with TransferError/NoCapacity about the agent, not the MooncakeError('client is
+    closed') the README promises for operations under way. close() now shuts down the connections
+    of operations in flight first, and their retry loops end them with 'client is closed'."""
     timeout_s = 4.0
     with connect(one_agent.redis_url, namespace=one_agent.namespace) as setup:
         setup.put("rv8-stall", np.arange(1000, dtype=np.int64))
@@ -212,6 +206,134 @@ def test_close_ends_async_operations_in_flight_promptly_with_a_closed_error(
         f"(timeout_s={timeout_s}); futures ended with {outcomes}"
     )
     assert all("closed" in o for o in outcomes.values()), outcomes
+
+
+def _outcome(fut: Future[Any], timeout_s: float) -> str:
+    exc = fut.exception(timeout=timeout_s)
+    return "ok" if exc is None else f"{type(exc).__name__}: {exc}"
+
+
+def _published_host_used(client: Client, timeout_s: float = 6.0) -> int:
+    """Used bytes of the only agent's host tier, from a heartbeat sent after this call began."""
+    start = time.monotonic()
+    while True:
+        (node,) = client.stat().nodes
+        used = next(t.used_bytes for t in node.tiers if t.tier == "host")
+        if node.heartbeat_age_s < time.monotonic() - start - 0.05 or time.monotonic() - start > timeout_s:
+            return used
+        time.sleep(0.1)
+
+
+def test_a_put_cut_short_by_close_commits_nothing_and_its_reservation_is_reclaimed(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """The agent stalls (SIGSTOP) while a 24 MiB TCP put is under way, once its pending record is
+    written (so its reservation is made and its bytes are on their way), and the client is closed.
+    The put ends at once with 'client is closed' and is abandoned like any failed put: no object,
+    no pending record, and its reservation, which the agent can no longer be asked to free, is
+    reclaimed at the agent's reservation timeout. Should the put have finished before the stall,
+    its object must be whole."""
+    cluster = make_cluster(1, host_bytes=64 * MiB, reserve_timeout_s=2.0)
+    pid = cluster.agents[0].pid
+    observer = connect(cluster.redis_url, namespace=cluster.namespace)
+    writer = connect(cluster.redis_url, namespace=cluster.namespace, transports=("tcp",), timeout_s=10.0)
+    value = np.random.default_rng(5).integers(0, 256, 24 * MiB, dtype=np.uint8)
+    pending = observer.index.prefix + "pend:*"
+    stopped = False
+    try:
+        baseline = _published_host_used(observer)
+        writer.put("rv8-cut-warm", b"x")  # connections and node table in place
+        baseline = _published_host_used(observer)
+        fut = writer.put_async("rv8-cut", value)
+        deadline = time.monotonic() + 10
+        while not fut.done() and not observer.index.redis.keys(pending) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = True
+        time.sleep(0.3)
+        started = time.monotonic()
+        writer.close()
+        took = time.monotonic() - started
+        outcome = _outcome(fut, 20)
+        os.kill(pid, signal.SIGCONT)
+        stopped = False
+    finally:
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        writer.close()
+    try:
+        assert took < 5.0, f"close() took {took:.1f} s with a put in flight ({outcome})"
+        if outcome == "ok":  # it finished before the stall: whole, and nothing to reclaim
+            assert bytes(observer.get("rv8-cut").tobytes()) == value.tobytes()
+            return
+        assert outcome == "MooncakeError: client is closed", outcome
+        assert not observer.exists("rv8-cut"), "a put cut short by close() was committed"
+        assert not observer.index.redis.keys(pending), "a put cut short by close() left its pending record"
+        settled = time.monotonic() + cluster.reserve_timeout_s + 10
+        while _published_host_used(observer) != baseline and time.monotonic() < settled:
+            time.sleep(0.2)
+        assert _published_host_used(observer) == baseline, "the cut put's reservation was never reclaimed"
+    finally:
+        observer.close()
+
+
+def test_prefix_cache_close_ends_its_loads_in_flight_promptly_and_leaves_the_client_open(
+    one_agent: LocalCluster, stopped_agent: Callable[[], None]
+) -> None:
+    """PrefixCache.close() waited for its pool like the client's close() did: a load_async reading
+    from a stalled agent held it until timeout_s. Now it shuts down the connections of its own
+    loads in flight (the client's others are left alone): the load ends at once with
+    'PrefixCache is closed', its pins are released, and the client goes on working."""
+    timeout_s = 4.0
+    client = connect(one_agent.redis_url, namespace=one_agent.namespace, transports=("tcp",), timeout_s=timeout_s)
+    tokens = list(range(8))
+    try:
+        with PrefixCache(client, "rv8-pcs", chunk_tokens=4) as writer:
+            writer.store(tokens, [np.zeros(4, np.float32), np.ones(4, np.float32)])
+        cache = PrefixCache(client, "rv8-pcs", chunk_tokens=4)
+        client.get(cache.keys(tokens)[0])  # a pooled connection to the agent
+        stopped_agent()
+        loading = cache.load_async(tokens)
+        time.sleep(0.3)  # matched and pinned; its read waits on the stalled agent
+        started = time.monotonic()
+        cache.close()
+        took = time.monotonic() - started
+        outcome = _outcome(loading, 4 * timeout_s)
+        os.kill(one_agent.agents[0].pid, signal.SIGCONT)
+        assert took < timeout_s / 2, f"PrefixCache.close() took {took:.1f} s; the load ended with {outcome}"
+        assert outcome == "MooncakeError: PrefixCache is closed", outcome
+        assert cache.refcounts(tokens) == [0, 0], "the cut load left its chunks pinned"
+        got = client.get(cache.keys(tokens)[1])  # the client was not closed with the cache
+        assert got.tolist() == [1.0] * 4
+    finally:
+        client.close()
+
+
+def test_client_close_ends_a_prefix_load_in_flight_with_a_closed_error_not_a_miss(
+    one_agent: LocalCluster, stopped_agent: Callable[[], None]
+) -> None:
+    """A PrefixCache load reads through the client; cut short by the client's close(), its reads
+    fail, and load() took any failed read for a chunk gone missing: the hit ended there, so the
+    caller saw a miss (0 tokens) instead of the error. It ends with 'client is closed' now."""
+    timeout_s = 4.0
+    client = connect(one_agent.redis_url, namespace=one_agent.namespace, transports=("tcp",), timeout_s=timeout_s)
+    tokens = list(range(8))
+    cache = PrefixCache(client, "rv8-pcc", chunk_tokens=4)
+    try:
+        cache.store(tokens, [np.zeros(4, np.float32), np.ones(4, np.float32)])
+        client.get(cache.keys(tokens)[0])
+        stopped_agent()
+        loading = cache.load_async(tokens)
+        time.sleep(0.3)
+        started = time.monotonic()
+        client.close()
+        took = time.monotonic() - started
+        outcome = _outcome(loading, 4 * timeout_s)
+    finally:
+        cache.close()
+        client.close()
+    assert took < timeout_s / 2, f"close() took {took:.1f} s; the load ended with {outcome}"
+    assert outcome == "MooncakeError: client is closed", outcome
 
 
 def test_prefix_cache_load_async_racing_close_gets_a_mooncake_error(one_agent: LocalCluster) -> None:
