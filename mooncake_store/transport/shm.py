@@ -27,9 +27,12 @@ def local_host_id() -> str:
     return f"{os.uname().nodename}/{boot_id}"
 
 
-#: Piece of a copy that is hashed right after it lands: small enough to be still in L2 then, so
-#: the hash reads cache, not memory, and costs little next to the copy.
-HASH_PIECE_BYTES = 512 << 10
+#: Piece of a copy that is hashed right after it lands: small enough to be still in cache then,
+#: so the hash reads cache, not memory; large enough for the copy to keep the speed of a large
+#: memcpy (pieces of 512 KiB made a 4 MiB copy 20% slower here). With 1 MiB pieces a put of a
+#: cold 32 MiB value took 12% less than hashing the value and then copying it, and the same at
+#: 4 MiB; copying whole and then hashing took 9% more at 32 MiB (the arena copy was out of cache).
+HASH_PIECE_BYTES = 1 << 20
 
 
 def copy_bytes(dest: memoryview, src: memoryview) -> None:
