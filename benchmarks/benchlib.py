@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -259,15 +260,39 @@ def _serve_raw(conn: socket.socket, view: memoryview) -> None:
                 conn.sendall(b"\x01")
 
 
+def shared_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of shared memory, touched: an anonymous MAP_SHARED mapping, which the kernel
+    backs as it backs an agent's arena (shmem, the memory of /dev/shm). Private anonymous memory
+    (numpy's) gets transparent huge pages where the kernel allows them for anonymous memory, and
+    shared memory only where it allows them for shmem (often not: shmem_enabled=never by default),
+    so a copy in or out of shared memory may walk 512 times as many pages. A raw baseline for a
+    transfer between two agents' arenas copies out of and into this kind of memory."""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED)
+    view = memoryview(mm)
+    view[:] = b"\x01" * nbytes
+    return view
+
+
+def raw_buffer(nbytes: int, *, shared: bool) -> memoryview:
+    """``nbytes`` of touched memory for a raw baseline: shared (shared_buffer) or private (numpy)."""
+    return shared_buffer(nbytes) if shared else memoryview(np.ones(nbytes, dtype=np.uint8)).cast("B")
+
+
 def _raw_server(
-    listener: socket.socket, max_bytes: int, buffer_bytes: int, stop: threading.Event, parent_pid: int | None = None
+    listener: socket.socket,
+    max_bytes: int,
+    buffer_bytes: int,
+    stop: threading.Event,
+    parent_pid: int | None = None,
+    *,
+    shared: bool = False,
 ) -> None:
     """Accept connections until ``stop`` is set or, with ``parent_pid``, until the parent is gone
     (this process was re-parented: a benchmark killed with SIGKILL cannot stop it by its PID). The
-    connection threads are daemons: they end with the process."""
+    connection threads are daemons: they end with the process. ``shared``: puts land in shared
+    memory (shared_buffer), as in an agent's arena."""
     # Touched (no zero-page reads) and large enough for every size's rotation (footprint_slots).
-    buf = np.ones(max(FOOTPRINT_BYTES, 2 * max_bytes) + max_bytes, dtype=np.uint8)
-    view = memoryview(buf).cast("B")
+    view = raw_buffer(max(FOOTPRINT_BYTES, 2 * max_bytes) + max_bytes, shared=shared)
     listener.settimeout(RAW_PARENT_CHECK_S)
     while not stop.is_set() and (parent_pid is None or os.getppid() == parent_pid):
         try:
@@ -281,14 +306,14 @@ def _raw_server(
         threading.Thread(target=_serve_raw, args=(conn, view), daemon=True).start()
 
 
-def raw_server_main(port_pipe: Any, max_bytes: int, buffer_bytes: int) -> None:
+def raw_server_main(port_pipe: Any, max_bytes: int, buffer_bytes: int, shared: bool = False) -> None:
     """Child process: a plain threaded socket server (a thread per connection); it ends by itself
     once its parent is gone."""
     parent_pid = os.getppid()
     listener = socket.create_server(("127.0.0.1", 0), backlog=64)
     port_pipe.send(listener.getsockname()[1])
     port_pipe.close()
-    _raw_server(listener, max_bytes, buffer_bytes, threading.Event(), parent_pid)
+    _raw_server(listener, max_bytes, buffer_bytes, threading.Event(), parent_pid, shared=shared)
 
 
 def stripes_of(length: int, connections: int, stripe_bytes: int) -> list[tuple[int, int]]:
@@ -402,13 +427,14 @@ class RawClient:
 
 
 @contextlib.contextmanager
-def raw_tcp_server(max_bytes: int, buffer_bytes: int | None = None):  # type: ignore[no-untyped-def]
+def raw_tcp_server(max_bytes: int, buffer_bytes: int | None = None, *, shared: bool = False):  # type: ignore[no-untyped-def]
     """A raw socket server in a spawned child process; yields its port; stops it by PID. Its
-    sockets get ``buffer_bytes`` (default: the store's SOCKET_BUFFER_BYTES)."""
+    sockets get ``buffer_bytes`` (default: the store's SOCKET_BUFFER_BYTES); ``shared``: puts land
+    in shared memory (shared_buffer)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     size = store_socket_buffer_bytes() if buffer_bytes is None else buffer_bytes
-    proc = ctx.Process(target=raw_server_main, args=(child, max_bytes, size), daemon=True)
+    proc = ctx.Process(target=raw_server_main, args=(child, max_bytes, size, shared), daemon=True)
     proc.start()
     try:
         if not parent.poll(30):
@@ -501,6 +527,7 @@ def measure_raw_tcp(
     trials: int | None = None,
     trial_s: float | None = None,
     whole_objects: bool = False,
+    shared: bool = False,
 ) -> dict[str, Any]:
     """Raw loopback TCP over ``connections``: gets (server -> client) and puts (client -> server).
 
@@ -508,7 +535,8 @@ def measure_raw_tcp(
     client does (smaller ones use one connection), and puts send one buffer over and over, as the
     store's benchmark puts one value; with ``whole_objects`` every connection carries whole objects
     at the same time and puts send from sources rotating over FOOTPRINT_BYTES, as an agent's spill
-    streams send objects out of its arena.
+    streams send objects out of its arena; ``shared`` takes those sources from shared memory
+    (shared_buffer), the memory an arena is.
 
     Returns ``{"get": {size: GB/s}, "put": {size: GB/s}, "trials": ...}``: the figure per size is
     the best trial of the request/response and the stream loops; ``trials[op][loop][size]`` lists
@@ -524,7 +552,7 @@ def measure_raw_tcp(
     sources: dict[int, list[memoryview]] = {}
     if whole_objects:
         for size in sizes:
-            pool = memoryview(np.ones(footprint_slots(size) * size, dtype=np.uint8)).cast("B")
+            pool = raw_buffer(footprint_slots(size) * size, shared=shared)
             sources[size] = [pool[k * size : (k + 1) * size] for k in range(footprint_slots(size))]
     try:
         for _ in range(trials):
@@ -592,10 +620,13 @@ def raw_tcp_worker(port: int, sizes: tuple[int, ...], connections: int, quick: b
         queue.put(("error", repr(exc)))
 
 
-def raw_tcp_objects_worker(port: int, sizes: tuple[int, ...], connections: int, quick: bool, queue: Any) -> None:
-    """As raw_tcp_worker, with whole objects on every connection at once (``whole_objects``)."""
+def raw_tcp_objects_worker(
+    port: int, sizes: tuple[int, ...], connections: int, quick: bool, shared: bool, queue: Any
+) -> None:
+    """As raw_tcp_worker, with whole objects on every connection at once (``whole_objects``), from
+    shared memory with ``shared`` (the server must then receive into it too)."""
     try:
-        queue.put(("ok", measure_raw_tcp(port, sizes, connections, quick=quick, whole_objects=True)))
+        queue.put(("ok", measure_raw_tcp(port, sizes, connections, quick=quick, whole_objects=True, shared=shared)))
     except BaseException as exc:
         queue.put(("error", repr(exc)))
 
