@@ -13,6 +13,7 @@ import numpy as np
 
 from mooncake_store.client.buffers import as_destination, to_array
 from mooncake_store.client.gets import GetPath
+from mooncake_store.client.in_flight import InFlight
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
 from mooncake_store.config import ClientConfig, load_config
@@ -98,6 +99,8 @@ class Client:
         self._pool_lock = threading.Lock()
         self._closed = False
         self._closing = threading.Event()  # set with _closed: cuts a put's wait for room short
+        #: Puts between their first and last index write: close() waits for them (in_flight.py).
+        self._in_flight = InFlight(self._interrupted)
 
     # ---- life cycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -127,6 +130,9 @@ class Client:
                     # A callback of one of our futures runs on a pool thread, which cannot join itself.
                     own_thread = threading.current_thread() in getattr(pool, "_threads", ())
                     pool.shutdown(wait=not own_thread)
+                # Puts in other threads: each is cut, or past its transfers and committing; none
+                # commits after this, and none reopens the index's connections once it is closed.
+                self._in_flight.drain(self.config.timeout_s)
             finally:
                 if self._gpu is not None:
                     self._gpu.close()

@@ -367,6 +367,9 @@ class PrefixCache:
             hits = list(self._held.values())
         # Before the wait for the pool, which would otherwise last as long as a stalled transfer.
         self._ops.cancel()
+        # A store past its transfers is committing: it ends before close() returns, and none
+        # starts after (client/in_flight.py).
+        self.client._in_flight.drain(self.client.config.timeout_s, cancel=self._ops)
         for hit in hits:
             hit.release()
         self._stop.set()

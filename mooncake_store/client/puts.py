@@ -19,6 +19,7 @@ checksum describes them: that put fails (InvalidValue) and stores nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -257,6 +258,17 @@ class PutPath:
         nodes = client._nodes_for(
             (r for p in plans for r in p.replicas), self._reserve(plans, replicas, preferred_node)
         )
+        with contextlib.ExitStack() as counted:
+            try:
+                counted.enter_context(client._in_flight.entered())  # close() waits for its index work
+            except MooncakeError:
+                self.abandon(plans, nodes, started=False)  # closed meanwhile: its room goes back
+                raise
+            self._put_started(plans, nodes, client)
+
+    def _put_started(self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], client: Client) -> None:
+        """The rest of one attempt, from put_start to the commit (or the revoke of what it
+        abandoned), counted in by _put_once."""
         started = False
         fences: list[_FencedPart] = []
         try:
@@ -287,6 +299,9 @@ class PutPath:
             for part in fences:
                 self._check_landed(part)
             checksums = [p.checksum() for p in plans]
+            # Not after close(): it cut the transfers of others, and this one must not be the
+            # exception because its bytes were already out (client/in_flight.py).
+            client._in_flight.check()
             statuses = client.index.put_commit([p.put_id.hex() for p in plans], checksums=checksums)
         except BaseException:
             for part in fences:

@@ -152,6 +152,15 @@ def _readable(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
+class _NoDigest(ProtocolError):
+    """An agent of a build without DIGEST answered it with BAD_REQUEST (and closed the connection);
+    ``landed``: whether the WRITE before it landed."""
+
+    def __init__(self, message: str, *, landed: bool = True) -> None:
+        super().__init__(message)
+        self.landed = landed
+
+
 class PeerConnections:
     """Connections to one agent. Thread-safe: each call takes a connection of its own."""
 
@@ -167,6 +176,9 @@ class PeerConnections:
         self._lock = threading.Lock()
         self._closed = False
         self._aborted = False
+        #: The agent answered DIGEST with BAD_REQUEST (an older build): writes skip it from then on,
+        #: rather than cost a connection each (the agent closes the one that asked).
+        self._no_digest = False
 
     def _connect(self) -> socket.socket:
         try:
@@ -365,6 +377,9 @@ class PeerConnections:
                 raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
             return None
 
+        if self._no_digest:
+            return self.write(alloc_id, offset, src)
+
         def run(sock: socket.socket) -> tuple[bool, int | None]:
             frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, len(src)), src)
             sock.sendall(frames.pack(Op.DIGEST, 0, alloc_id, offset, len(src)))
@@ -372,11 +387,18 @@ class PeerConnections:
             if status not in (Status.OK, Status.STALE):
                 raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
             if status == Status.STALE:
-                self._reply(sock, Op.DIGEST)  # STALE as well: read to keep the stream in step
+                # STALE as well (read to keep the stream in step), or BAD_REQUEST from an older agent
+                digest_status, _, _, _ = self._reply(sock, Op.DIGEST)
+                if digest_status == Status.BAD_REQUEST:
+                    raise _NoDigest(f"agent at {self.endpoint} does not take DIGEST", landed=False)
                 return False, None
             return True, self._digest_reply(sock, alloc_id)
 
-        landed, checksum = self._call(run)
+        try:
+            landed, checksum = self._call(run)
+        except _NoDigest as exc:  # the connection was dropped; the WRITE's reply came first
+            self._no_digest = True
+            landed, checksum = exc.landed, None
         if not landed:
             raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
         return checksum
@@ -385,19 +407,27 @@ class PeerConnections:
         """The xxh3-64 of ``length`` bytes at ``offset`` of a host-tier reservation, taken by the
         agent (None from an agent that predates DIGEST); StaleLocation when the reservation is gone."""
 
-        def run(sock: socket.socket) -> int | None:
+        if self._no_digest:
+            return None
+
+        def run(sock: socket.socket) -> int:
             frames.send_all(sock, frames.pack(Op.DIGEST, 0, alloc_id, offset, length))
             return self._digest_reply(sock, alloc_id)
 
-        result: int | None = self._call(run)
+        try:
+            result: int = self._call(run)
+        except _NoDigest:
+            self._no_digest = True
+            return None
         return result
 
-    def _digest_reply(self, sock: socket.socket, alloc_id: int) -> int | None:
+    def _digest_reply(self, sock: socket.socket, alloc_id: int) -> int:
         status, checksum, _, _ = self._reply(sock, Op.DIGEST)
         if status == Status.BAD_REQUEST:
-            # An agent older than the op answers so and closes the connection: dropped from the
-            # pool by _acquire's readable() check.
-            return None
+            # An agent older than the op answers so and closes the connection. Raised, so that
+            # _call drops the connection rather than pool it for the next call, which would find
+            # it reset (a pooled connection's close may not be seen yet when it is taken again).
+            raise _NoDigest(f"agent at {self.endpoint} does not take DIGEST")
         if status == Status.STALE:
             raise StaleLocation(f"agent at {self.endpoint} no longer holds reservation {alloc_id}")
         if status != Status.OK:
