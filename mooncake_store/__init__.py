@@ -12,6 +12,7 @@ from mooncake_store.client.cluster import LocalCluster
 from mooncake_store.client.prefix import PrefixCache, PrefixHit
 from mooncake_store.client.stats import ClusterStats, NodeStats
 from mooncake_store.errors import (
+    AgentBusy,
     ConfigError,
     ConnectError,
     InvalidKey,
@@ -31,6 +32,7 @@ from mooncake_store.types import MAX_KEY_BYTES
 
 __all__ = [
     "MAX_KEY_BYTES",
+    "AgentBusy",
     "Client",
     "ClusterStats",
     "ConfigError",

@@ -10,6 +10,7 @@
     ├── NoCapacity             no node (or tier) has room; message names the sizes
     ├── ObjectPinned           remove/replace of an object whose refcount is above zero
     ├── ConnectError           Redis or an agent cannot be reached
+    │   └── AgentBusy          the agent is up but at its connection limit (it answered BUSY)
     ├── ProtocolError          a malformed or unexpected frame on the wire
     ├── TransferError          a peer failed or died mid-transfer
     │   └── StaleLocation      the replica's generation no longer matches (freed or moved); retry
@@ -61,6 +62,10 @@ class ObjectPinned(MooncakeError):
 
 class ConnectError(MooncakeError):
     """Redis or an agent could not be reached."""
+
+
+class AgentBusy(ConnectError):
+    """An agent is up but at its connection limit: it answered BUSY and closed the connection."""
 
 
 class ProtocolError(MooncakeError):

@@ -13,15 +13,18 @@ import select
 import socket
 import time
 
+from mooncake_store.errors import ProtocolError
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Status
 
 #: A connection past the limit has this long to send its first request header, which is answered
 #: BUSY with the limit; a client sends it right after connecting.
 REFUSE_WAIT_S = 1.0
-#: ... and then this long to read the reply and close. What it sends meanwhile (a WRITE's payload)
-#: is read and dropped: closed with unread bytes, the connection would be reset, and a client
-#: still sending would see the reset instead of the reply.
+#: ... and then this long to read the reply and close, plus a WRITE's length at the slowest rate a
+#: served request may go (the server's MIN_RATE_BPS). What it sends meanwhile (the WRITE's payload,
+#: which a client sends whole before it reads a reply) is read and dropped: closed with unread
+#: bytes, the connection would be reset, and a client still sending would see the reset instead
+#: of the reply.
 REFUSE_LINGER_S = 1.0
 #: Connections turned away at once (each holds a descriptor beyond the limit, out of FD_RESERVE);
 #: more are closed without a reply.
@@ -31,9 +34,10 @@ MAX_REFUSALS = 16
 class Refusals:
     """The connections being turned away, registered on the accept loop's ``poller``."""
 
-    def __init__(self, poller: select.poll, limit: int) -> None:
+    def __init__(self, poller: select.poll, limit: int, *, min_rate_bps: float) -> None:
         self._poller = poller
         self._limit = limit
+        self._min_rate_bps = min_rate_bps
         self._by_fd: dict[int, _Refusal] = {}
 
     def add(self, conn: socket.socket) -> None:
@@ -49,7 +53,7 @@ class Refusals:
         except OSError:
             conn.close()
             return
-        self._by_fd[fd] = _Refusal(conn, self._limit)
+        self._by_fd[fd] = _Refusal(conn, self._limit, self._min_rate_bps)
 
     def wait_s(self, longest: float) -> float:
         """How long the poll may wait: ``longest``, or less when a refusal is due sooner."""
@@ -88,15 +92,16 @@ class _Refusal:
     is closed once the client has closed its end or the time is up (REFUSE_WAIT_S, then
     REFUSE_LINGER_S). A stream that is not ours gets no reply, as in _serve."""
 
-    __slots__ = ("deadline", "header", "limit", "replied", "sock")
+    __slots__ = ("deadline", "header", "limit", "min_rate_bps", "replied", "sock")
 
     #: What a refused client sends after its header (a WRITE's payload), read and dropped. Only
     #: the accept thread uses it.
     _sink = memoryview(bytearray(64 << 10))
 
-    def __init__(self, sock: socket.socket, limit: int) -> None:
+    def __init__(self, sock: socket.socket, limit: int, min_rate_bps: float) -> None:
         self.sock = sock
         self.limit = limit
+        self.min_rate_bps = min_rate_bps
         self.header = bytearray()
         self.deadline = time.monotonic() + REFUSE_WAIT_S
         self.replied = False
@@ -115,6 +120,12 @@ class _Refusal:
             if self.header[: len(frames.MAGIC)] != frames.MAGIC:
                 return False
             op = self.header[len(frames.MAGIC) + 1]
+            payload = 0
+            if op == frames.Op.WRITE:
+                try:
+                    payload = frames.unpack(bytes(self.header))[4]
+                except ProtocolError:
+                    pass  # another version's frame: the reply names the limit, the drain stays short
             # 32 bytes into the empty send buffer of a new connection: never short.
             self.sock.send(frames.pack(op | frames.REPLY_BIT, Status.BUSY, self.limit))
             self.sock.shutdown(socket.SHUT_WR)
@@ -123,5 +134,5 @@ class _Refusal:
         except OSError:
             return False
         self.replied = True
-        self.deadline = time.monotonic() + REFUSE_LINGER_S
+        self.deadline = time.monotonic() + REFUSE_LINGER_S + payload / self.min_rate_bps
         return True

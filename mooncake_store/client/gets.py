@@ -14,6 +14,7 @@ import numpy as np
 
 from mooncake_store.client.puts import checksum_of
 from mooncake_store.errors import (
+    AgentBusy,
     ConnectError,
     InvalidValue,
     KeyNotFound,
@@ -58,7 +59,7 @@ class GetPath:
         buffers: list[np.ndarray] = [np.empty(0, np.uint8)] * len(keys)
         # Agent endpoints that failed (timed out, refused) during this call: not asked again by it,
         # so a stalled agent costs the batch one timeout, not one per key and attempt.
-        failing: set[str] = set()
+        failing: dict[str, MooncakeError] = {}  # endpoint -> what it answered
         for attempt in range(self.client.config.max_retries + 1):
             self.client._check_open()  # a retry after close() cut this call's reads short: none
             started = time.monotonic()
@@ -100,7 +101,7 @@ class GetPath:
         used: dict[int, Replica | None],
         *,
         refresh_nodes: bool,
-        failing: set[str],
+        failing: dict[str, MooncakeError],
     ) -> tuple[list[int], MooncakeError | None]:
         """Read every target; returns the indexes to retry and the last error.
 
@@ -148,8 +149,8 @@ class GetPath:
                 except (TransferError, ConnectError) as exc:
                     # Some object of the train moved or its agent failed: read those one by one,
                     # which tries every replica of each.
-                    if isinstance(exc, TransferTimeout):
-                        failing.add(endpoint)
+                    if isinstance(exc, TransferTimeout | AgentBusy):
+                        failing[endpoint] = exc
                     singles.extend((i, *by_index[i], None) for i, _, _ in train)
         for i, meta, dest, best in singles:
             try:
@@ -284,7 +285,7 @@ class GetPath:
         *,
         refresh_nodes: bool,
         best: tuple[Replica, NodeInfo, TransportKind] | None = None,
-        failing: set[str] | None = None,
+        failing: dict[str, MooncakeError] | None = None,
     ) -> Replica | None:
         """Copy the object into ``dest`` from the cheapest replica that answers; returns that replica.
         ``best``, from _best_replica, spares ranking a single replica a second time. ``failing``:
@@ -300,10 +301,13 @@ class GetPath:
             skipped = [r for r in ordered if r[2] != TransportKind.SHM and r[1].tcp_endpoint in failing]
             ordered = [r for r in ordered if r not in skipped]
             if not ordered and skipped:
-                raise TransferError(
-                    f"every replica of {meta.key!r} is on an agent that failed earlier in this call "
-                    f"({', '.join(sorted({r[1].node_id for r in skipped}))})"
-                )
+                causes = {r[1].node_id: failing[r[1].tcp_endpoint] for r in skipped}
+                why = "; ".join(f"{node_id}: {exc}" for node_id, exc in sorted(causes.items()))
+                message = f"every replica of {meta.key!r} is on an agent that failed earlier in this call: {why}"
+                # Agents that are merely full of connections are no failed transfer: say so by type.
+                if all(isinstance(exc, AgentBusy) for exc in causes.values()):
+                    raise AgentBusy(message)
+                raise TransferError(message)
         if not ordered:
             raise TransferError(
                 f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches a replica of "
@@ -327,6 +331,8 @@ class GetPath:
                 errors.append(f"{node.node_id} via {kind}: {exc}")
                 if isinstance(exc, ConnectError):
                     self.client._tcp.drop_peer(node.tcp_endpoint)
-                if failing is not None and kind != TransportKind.SHM and isinstance(exc, TransferTimeout):
-                    failing.add(node.tcp_endpoint)
+                # An agent that timed out, or turned us away at its connection limit, is not asked
+                # again for the rest of the call: each key would cost it another accept and refusal.
+                if failing is not None and kind != TransportKind.SHM and isinstance(exc, TransferTimeout | AgentBusy):
+                    failing[node.tcp_endpoint] = exc
         raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors))

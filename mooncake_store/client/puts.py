@@ -31,6 +31,7 @@ import xxhash
 
 from mooncake_store.client.buffers import Source, as_source
 from mooncake_store.errors import (
+    AgentBusy,
     ConnectError,
     InvalidKey,
     InvalidValue,
@@ -393,7 +394,7 @@ class PutPath:
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     if not isinstance(exc, NoCapacity):
                         client._tcp.drop_peer(node.tcp_endpoint)
-                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node, refusal=str(exc))
+                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node, refusal=exc)
                     continue
                 for plan, res in zip(group, got, strict=True):
                     plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
@@ -410,14 +411,18 @@ class PutPath:
         replicas: int,
         preferred_node: str | None,
         *,
-        refusal: str,
+        refusal: MooncakeError,
     ) -> None:
         """One object at a time on the remaining candidates, after a node turned a batch down
         (``refusal``: what it said). The preferred node's replica has no other candidate: NoCapacity,
-        and the put waits for that node to make room."""
+        and the put waits for that node to make room. An agent at its connection limit (AgentBusy)
+        is no node without room: when that is all that stood in the way the put fails at once with
+        it, rather than wait out timeout_s for room and then blame a lack of it."""
         client = self.client
         now = client._server_now_ms()
         if failed_node == preferred_node:
+            if isinstance(refusal, AgentBusy):
+                raise AgentBusy(f"preferred_node {preferred_node!r}: {refusal}") from refusal
             raise NoCapacity(
                 f"preferred_node {preferred_node!r} has no room for {len(group)} object(s) "
                 f"(first key {group[0].key!r}): {refusal}"
@@ -425,7 +430,7 @@ class PutPath:
         for plan in group:
             # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
             taken = {r.node_id for r in plan.replicas} | plan.assigned | {failed_node}
-            errors: list[str] = [refusal]
+            errors: list[MooncakeError] = [refusal]
             candidates = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas)
             for node in candidates:
                 if node.node_id in taken:
@@ -435,15 +440,18 @@ class PutPath:
                         [(plan.size_bytes, plan.put_id)], node_id=node.node_id, tier=WIRE_TIER[plan.tier]
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
-                    errors.append(str(exc))
+                    errors.append(exc)
                     continue
                 plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
                 plan.assigned.add(node.node_id)
                 break
             else:
+                why = "; ".join(str(e) for e in errors)
+                busy = any(isinstance(e, AgentBusy) for e in errors)
+                if busy and not any(isinstance(e, NoCapacity) for e in errors):
+                    raise AgentBusy(f"no node could take key {plan.key!r} (replicas={replicas}): {why}")
                 raise NoCapacity(
-                    f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): "
-                    + "; ".join(errors)
+                    f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
                 )
 
     @staticmethod

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from mooncake_store.config import is_ascii_digits
 from mooncake_store.errors import (
+    AgentBusy,
     ConnectError,
     InvalidValue,
     MooncakeError,
@@ -300,7 +301,7 @@ class PeerConnections:
             # The first reply on a connection past the agent's limit, for any op: the agent is up
             # but full, which callers treat as they treat one they cannot reach (other replicas,
             # other nodes), and an operator should read as a limit, not a crash.
-            raise ConnectError(
+            raise AgentBusy(
                 f"agent at {self.endpoint} turned the connection away: it is at its connection limit "
                 f"of {a} connections at once (MAX_CONNECTIONS, or fewer under its descriptor limit)"
             )
