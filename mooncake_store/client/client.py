@@ -28,8 +28,9 @@ from mooncake_store.errors import (
 )
 from mooncake_store.index import RedisIndex
 from mooncake_store.tiers.gpu_arrays import describe_device_array, is_device_array
+from mooncake_store.transport.cancel import current_cancel
 from mooncake_store.transport.shm import ShmTransport, local_host_id
-from mooncake_store.transport.tcp import TcpTransport, current_cancel
+from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import (
     NodeInfo,
     ObjectMeta,

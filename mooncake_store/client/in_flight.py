@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from mooncake_store.errors import MooncakeError
-from mooncake_store.transport.tcp import Cancel, current_cancel
+from mooncake_store.transport.cancel import Cancel, current_cancel
 
 
 class InFlight:

@@ -39,7 +39,7 @@ from mooncake_store.client.prefix_hash import (
 )
 from mooncake_store.errors import InvalidValue, MooncakeError
 from mooncake_store.index.prefix import PrefixIndex
-from mooncake_store.transport.tcp import Cancel
+from mooncake_store.transport.cancel import Cancel
 
 #: A sequence of chunk arrays, or a function from chunk index to the array (called only for the
 #: chunks that have to be written, so callers need not materialize chunks that are stored already).

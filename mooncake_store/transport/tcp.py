@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ from mooncake_store.errors import (
 )
 from mooncake_store.tiers.host import segment_digest
 from mooncake_store.transport import frames
+from mooncake_store.transport.cancel import Cancel, current_cancel, running_under, shut_down
 from mooncake_store.transport.frames import Op, Status
 
 SOCKET_BUFFER_BYTES = 4 << 20
@@ -74,75 +75,6 @@ TIER_NAMES = {0: "host", 1: "gpu", 2: "disk"}
 #: Pooled connections idle longer than this are not reused (the agent closes them after its own,
 #: longer, limit: agent/server.py IDLE_CLOSE_S).
 POOL_IDLE_S = 300.0
-
-
-def _shut(sock: socket.socket) -> None:
-    """Shut down both directions of a connection another thread may be waiting on: its recv sees
-    the end of the stream and its send a broken pipe at once, whatever the peer does. The owner
-    still closes it (closing it from here could let the descriptor be reused under its call)."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-
-
-class Cancel:
-    """Lets operations be cut short from another thread. The connections that operations run
-    under it take (``with cancel.active():`` in the thread that runs one; a striped transfer
-    carries it to its stripe threads) are shut down by :meth:`cancel`, so a transfer waiting on a
-    stalled agent fails at once instead of at timeout_s, and later ones are refused with
-    ``MooncakeError(message)``. A PrefixCache cuts its operations in flight this way when it is
-    closed while its client stays open."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-        self._lock = threading.Lock()
-        self._held: set[socket.socket] = set()
-        self._cancelled = False
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        with _running_under(self):
-            yield
-
-    def cancel(self) -> None:
-        # Under the lock: a holder lets go of a connection (under it) before it closes it, so no
-        # descriptor is shut down after its close.
-        with self._lock:
-            self._cancelled = True
-            for sock in self._held:
-                _shut(sock)
-
-    def _hold(self, sock: socket.socket) -> None:
-        with self._lock:
-            if self._cancelled:
-                raise MooncakeError(self.message)
-            self._held.add(sock)
-
-    def _let_go(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._held.discard(sock)
-
-
-_current = threading.local()
-
-
-def current_cancel() -> Cancel | None:
-    """The Cancel the calling thread runs under, if any."""
-    cancel: Cancel | None = getattr(_current, "cancel", None)
-    return cancel
-
-
-@contextlib.contextmanager
-def _running_under(cancel: Cancel | None) -> Iterator[None]:
-    outer = current_cancel()
-    _current.cancel = cancel
-    try:
-        yield
-    finally:
-        _current.cancel = outer
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -226,7 +158,7 @@ class PeerConnections:
             raise MooncakeError(f"TCP transport is closed (asked for {self.endpoint})")
         if cancel is not None:
             try:
-                cancel._hold(sock)
+                cancel.hold(sock)
             except BaseException:
                 self._drop(sock)
                 raise
@@ -235,7 +167,7 @@ class PeerConnections:
         with self._lock:
             cancel = self._busy.pop(sock, None)
         if cancel is not None:
-            cancel._let_go(sock)
+            cancel.let_go(sock)
 
     def _drop(self, sock: socket.socket) -> None:
         """Close a connection taken by a call (its stream may be mid-frame)."""
@@ -264,7 +196,7 @@ class PeerConnections:
         with self._lock:
             self._aborted = True
             for sock in self._busy:
-                _shut(sock)  # under the lock: a call lets go of it (under it) before closing it
+                shut_down(sock)  # under the lock: a call lets go of it (under it) before closing it
         self.close()
 
     def _call(self, func, *args):  # type: ignore[no-untyped-def]
@@ -662,7 +594,7 @@ class TcpTransport:
         cancel = current_cancel()
 
         def stripe(s: int, n: int) -> None:
-            with _running_under(cancel):  # the caller's Cancel cuts its stripes' connections too
+            with running_under(cancel):  # the caller's Cancel cuts its stripes' connections too
                 transfer(s, n)
 
         try:
