@@ -34,10 +34,11 @@ MAX_REFUSALS = 16
 class Refusals:
     """The connections being turned away, registered on the accept loop's ``poller``."""
 
-    def __init__(self, poller: select.poll, limit: int, *, min_rate_bps: float) -> None:
+    def __init__(self, poller: select.poll, limit: int, *, min_rate_bps: float, idle_s: float) -> None:
         self._poller = poller
         self._limit = limit
         self._min_rate_bps = min_rate_bps
+        self._idle_s = idle_s
         self._by_fd: dict[int, _Refusal] = {}
 
     def add(self, conn: socket.socket) -> None:
@@ -53,7 +54,7 @@ class Refusals:
         except OSError:
             conn.close()
             return
-        self._by_fd[fd] = _Refusal(conn, self._limit, self._min_rate_bps)
+        self._by_fd[fd] = _Refusal(conn, self._limit, self._min_rate_bps, self._idle_s)
 
     def wait_s(self, longest: float) -> float:
         """How long the poll may wait: ``longest``, or less when a refusal is due sooner."""
@@ -90,26 +91,37 @@ class _Refusal:
     """A connection past the limit, served on the accept thread's poll without blocking: its first
     request header is read, answered BUSY (a = the limit) in the request's op, and the connection
     is closed once the client has closed its end or the time is up (REFUSE_WAIT_S, then
-    REFUSE_LINGER_S). A stream that is not ours gets no reply, as in _serve."""
+    REFUSE_LINGER_S and the WRITE's length at ``min_rate_bps``, and never longer than ``idle_s``
+    after the client last sent a byte: a header may declare any length, and one that declares a
+    terabyte and sends nothing must not hold a refusal for days). A stream that is not ours gets
+    no reply, as in _serve."""
 
-    __slots__ = ("deadline", "header", "limit", "min_rate_bps", "replied", "sock")
+    __slots__ = ("header", "idle_s", "last_seen", "limit", "linger_until", "min_rate_bps", "replied", "sock")
 
     #: What a refused client sends after its header (a WRITE's payload), read and dropped. Only
     #: the accept thread uses it.
     _sink = memoryview(bytearray(64 << 10))
 
-    def __init__(self, sock: socket.socket, limit: int, min_rate_bps: float) -> None:
+    def __init__(self, sock: socket.socket, limit: int, min_rate_bps: float, idle_s: float) -> None:
         self.sock = sock
         self.limit = limit
         self.min_rate_bps = min_rate_bps
+        self.idle_s = idle_s
         self.header = bytearray()
-        self.deadline = time.monotonic() + REFUSE_WAIT_S
+        self.linger_until = time.monotonic() + REFUSE_WAIT_S
+        self.last_seen = time.monotonic()
         self.replied = False
+
+    @property
+    def deadline(self) -> float:
+        """When to close it: the end of its linger, or ``idle_s`` after its last byte if sooner."""
+        return min(self.linger_until, self.last_seen + self.idle_s)
 
     def step(self) -> bool:
         """Serve what poll() said is ready; False when the connection is done with (close it)."""
         try:
             if self.replied:
+                self.last_seen = time.monotonic()
                 return self.sock.recv_into(self._sink) > 0  # 0: the client closed its end
             chunk = self.sock.recv(frames.HEADER_BYTES - len(self.header))
             if not chunk:
@@ -134,5 +146,6 @@ class _Refusal:
         except OSError:
             return False
         self.replied = True
-        self.deadline = time.monotonic() + REFUSE_LINGER_S + payload / self.min_rate_bps
+        self.last_seen = time.monotonic()
+        self.linger_until = self.last_seen + REFUSE_LINGER_S + payload / self.min_rate_bps
         return True

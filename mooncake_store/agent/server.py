@@ -190,7 +190,8 @@ class AgentServer:
         poller = select.poll()
         listen_fd = self._sock.fileno()
         poller.register(listen_fd, select.POLLIN)
-        refusals = Refusals(poller, self.max_connections, min_rate_bps=MIN_RATE_BPS)
+        # A refused writer may pause between bytes as long as a served one may (one recv's timeout).
+        refusals = Refusals(poller, self.max_connections, min_rate_bps=MIN_RATE_BPS, idle_s=self._timeout_s)
         try:
             while not self._stop.is_set():
                 for fd, _events in poller.poll(math.ceil(refusals.wait_s(ACCEPT_POLL_S) * 1000)):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes, ti
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.transport import frames
+from mooncake_store.transport.cancel import current_cancel, running_under
 from mooncake_store.transport.tcp import Fence
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
@@ -556,16 +558,30 @@ class PutPath:
         the reservations now. Each agent frees them at its next sync unless a commit did reach the
         index (the writer may have lost only the reply), so this can never free a live object."""
         client = self.client
+        by_node: dict[str, list[int]] = {}
+        for plan in plans:
+            for replica in plan.replicas:
+                by_node.setdefault(replica.node_id, []).append(replica.alloc_id)
         try:
             if started:
                 client.index.put_revoke([p.put_id.hex() for p in plans])
-            by_node: dict[str, list[int]] = {}
-            for plan in plans:
-                for replica in plan.replicas:
-                    by_node.setdefault(replica.node_id, []).append(replica.alloc_id)
-            for node_id, ids in by_node.items():
-                node = nodes.get(node_id)
-                if node is not None:
-                    client._tcp.peer(node.tcp_endpoint).free(ids)
         except MooncakeError:
             pass  # best effort: the agents reclaim by timeout anyway
+        endpoints = {nodes[n].tcp_endpoint: ids for n, ids in by_node.items() if n in nodes}
+        cancel = current_cancel()
+        if cancel is not None and cancel.cancelled:
+            # A closed PrefixCache cut this put; the client is open and its agents can still be
+            # asked, but not on connections the cancelled Cancel would refuse, and not on this
+            # thread, which owes its caller the "closed" error at once (an agent may be stalled).
+            threading.Thread(target=self._free, args=(endpoints,), name="mc-abandon", daemon=True).start()
+        else:
+            self._free(endpoints)
+
+    def _free(self, endpoints: dict[str, list[int]]) -> None:
+        """Expire reservations now (best effort: the agents reclaim them by timeout anyway)."""
+        with running_under(None):
+            for endpoint, ids in endpoints.items():
+                try:
+                    self.client._tcp.peer(endpoint).free(ids)
+                except MooncakeError:
+                    pass
