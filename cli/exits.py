@@ -24,7 +24,7 @@ class ExitCode(IntEnum):
     ERROR = 1  # the operation failed (agent or server would not start, transfer failed, ...)
     USAGE = 2  # bad option, size, URL, key or local file: fix the command line
     NOT_FOUND = 3  # a key does not exist
-    CANNOT_CONNECT = 4  # no Redis at the URL, or no cluster running / recorded
+    CANNOT_CONNECT = 4  # no Redis at the URL, an agent unreachable or busy, or no cluster running / recorded
     NO_CAPACITY = 5  # no node has room for the object
     INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
@@ -34,7 +34,7 @@ EXIT_CODE_HELP: tuple[tuple[ExitCode, str], ...] = (
     (ExitCode.ERROR, "error: the operation failed (doctor: a check failed)"),
     (ExitCode.USAGE, "usage or bad input: option, size, URL, key, local file"),
     (ExitCode.NOT_FOUND, "key not found"),
-    (ExitCode.CANNOT_CONNECT, "cannot connect: Redis unreachable, or no cluster running"),
+    (ExitCode.CANNOT_CONNECT, "cannot connect: Redis or an agent unreachable or busy, or no cluster running"),
     (ExitCode.NO_CAPACITY, "no node has room for the object"),
     (ExitCode.INTERRUPTED, "interrupted (Ctrl-C)"),
 )
