@@ -29,7 +29,8 @@ class InFlight:
     def __init__(self, interrupted: Callable[[], MooncakeError | None]) -> None:
         self._interrupted = interrupted
         self._cond = threading.Condition()
-        self._under_way: dict[int, Cancel | None] = {}
+        #: token -> (the Cancel the put runs under, the thread it runs on)
+        self._under_way: dict[int, tuple[Cancel | None, int]] = {}
         self._next = 0
 
     @contextlib.contextmanager
@@ -43,7 +44,7 @@ class InFlight:
                 raise error
             token = self._next
             self._next += 1
-            self._under_way[token] = current_cancel()
+            self._under_way[token] = (current_cancel(), threading.get_ident())
         try:
             yield
         finally:
@@ -60,11 +61,14 @@ class InFlight:
 
     def drain(self, timeout_s: float, *, cancel: Cancel | None = None) -> bool:
         """Wait until no put is under way (only those under ``cancel`` when given), at most
-        ``timeout_s``: a put's index calls are bounded by their own timeouts. True if none is."""
+        ``timeout_s``: a put's index calls are bounded by their own timeouts. True if none is.
+        A put of the calling thread itself (close() from a signal handler that interrupted it) is
+        not waited for: it cannot go on until this returns."""
         deadline = time.monotonic() + timeout_s
+        me = threading.get_ident()
 
         def idle() -> bool:
-            return not any(cancel is None or c is cancel for c in self._under_way.values())
+            return not any((cancel is None or c is cancel) and t != me for c, t in self._under_way.values())
 
         with self._cond:
             return self._cond.wait_for(idle, max(0.0, deadline - time.monotonic()))

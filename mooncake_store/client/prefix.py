@@ -374,7 +374,9 @@ class PrefixCache:
             hit.release()
         self._stop.set()
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            # A callback of one of the cache's futures runs on a pool thread, which cannot join itself.
+            own_thread = threading.current_thread() in getattr(self._pool, "_threads", ())
+            self._pool.shutdown(wait=not own_thread)
         if self._renewer is not None:
             self._renewer.join(timeout=5)
 

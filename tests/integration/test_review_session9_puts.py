@@ -307,3 +307,37 @@ def test_digest_is_stale_for_a_freed_reservation_and_for_a_range_outside_it(
     agent.table.free([res.alloc_id])
     with pytest.raises(StaleLocation):
         peer.digest(res.alloc_id, res.offset, 4096)
+
+
+# ---- close() from a callback of the cache's own futures ---------------------------------------------
+def test_prefix_cache_close_from_a_load_async_callback_closes_it(
+    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    """A done-callback of load_async runs on the cache's worker thread; PrefixCache.close() there
+    joined its own pool, which raises "cannot join current thread" (swallowed by the future's
+    callback machinery, the cache left half closed). It closes now, as Client.close() does from a
+    callback of its own futures."""
+    agent = _quiet_agent(make_inproc_agent)
+    client = clients(agent)
+    cache = PrefixCache(client, "rv9-callback", chunk_tokens=4)
+    tokens = list(range(8))
+    cache.store(tokens, [np.full(64, i, np.uint8) for i in range(2)])
+    outcome: list[BaseException | None] = []
+    closed = threading.Event()
+
+    def close_here(_future: object) -> None:
+        try:
+            cache.close()
+            outcome.append(None)
+        except BaseException as exc:  # recorded: the future's machinery would swallow it
+            outcome.append(exc)
+        finally:
+            closed.set()
+
+    future = cache.load_async(tokens)
+    future.add_done_callback(close_here)
+    assert closed.wait(10), "close() from the callback hung"
+    assert outcome == [None], f"close() from a load_async callback raised {outcome[0]!r}"
+    assert future.result().num_tokens == 8
+    with pytest.raises(MooncakeError, match="PrefixCache is closed"):
+        cache.load(tokens)
