@@ -30,6 +30,16 @@ import redis
 from mooncake_store.errors import ServerError
 from mooncake_store.watchdog import start_time
 
+
+def watchdog_command() -> list[str]:
+    """How to start the watchdog: by path (it imports nothing of the package: see its docstring),
+    with -P, so that its own folder does not go first on sys.path. Run by path without it, the
+    package's types.py took the standard library's place: in an install that was not editable
+    (whose .pth had not imported the real one first) the watchdog died at its first import, and a
+    launcher killed with SIGKILL left its server running."""
+    return [sys.executable, "-P", str(Path(__file__).with_name("watchdog.py"))]
+
+
 _SERVER_ENV = "MOONCAKE_REDIS_SERVER"
 _PORT_ATTEMPTS = 5  # only when the port is picked here: another process may take it before we bind
 _LOG_TAIL_LINES = 20
@@ -203,11 +213,9 @@ class EmbeddedServer:
             if not self.running:
                 raise ServerError(f"{self.binary} (pid {self.pid}) exited right after it started")
             return  # no /proc to tell the server from a process reusing its pid: nothing can guard it
-        # Run by path: the watchdog imports nothing of the package (see its docstring).
         self._watchdog = subprocess.Popen(
             [
-                sys.executable,
-                str(Path(__file__).with_name("watchdog.py")),
+                *watchdog_command(),
                 "--parent", str(os.getpid()),
                 "--child", str(self.pid),
                 "--child-start", str(started),

@@ -13,7 +13,8 @@
     │   └── AgentBusy          the agent is up but at its connection limit (it answered BUSY)
     ├── ProtocolError          a malformed or unexpected frame on the wire
     ├── TransferError          a peer failed or died mid-transfer
-    │   └── StaleLocation      the replica's generation no longer matches (freed or moved); retry
+    │   ├── StaleLocation      the replica's generation no longer matches (freed or moved); retry
+    │   └── TransferTimeout    a peer took longer than the timeout (each recv or send)
     ├── ReservationExpired     a put took longer than the agent's reservation timeout
     └── ServerError            the embedded Redis-compatible server failed to start or stop
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from types import FrameType
@@ -11,9 +12,10 @@ from typing import Annotated
 import typer
 from mooncake_cli.context import NamespaceOpt, RedisUrlOpt, err, globals_of, out
 from mooncake_cli.exits import CliError, ExitCode
+from mooncake_cli.state import load_state
 
 from mooncake_store.agent.node import Agent
-from mooncake_store.config import agent_flag_overrides, format_size, load_config, redact_url
+from mooncake_store.config import Config, agent_flag_overrides, format_size, load_config, redact_url
 
 
 def agent(
@@ -78,32 +80,46 @@ def agent(
     deregisters and removes its shared-memory segment.
     """
     g = globals_of(ctx)
-    config = load_config(
-        file=config_file,
-        overrides=agent_flag_overrides(
-            redis_url=redis_url or g.redis_url,
-            namespace=namespace or g.namespace,
-            host_bytes=host_mem,
-            node_id=node_id,
-            listen=listen,
-            zone=zone,
-            advertise=advertise,
-            disk=disk,
-            disk_mem=disk_mem,
-            gpu_mem=gpu_mem,
-            gpu_id=gpu_id,
-            high_watermark=high_watermark,
-            low_watermark=low_watermark,
-            heartbeat_ttl_s=heartbeat_ttl_s,
-            reserve_timeout_s=reserve_timeout_s,
-            no_prefault=no_prefault,
-            no_spill=no_spill,
-            no_spill_shm=no_spill_shm,
-        ),
-    )
+
+    def load(redis_url: str | None, namespace: str | None) -> Config:
+        return load_config(
+            file=config_file,
+            overrides=agent_flag_overrides(
+                redis_url=redis_url,
+                namespace=namespace,
+                host_bytes=host_mem,
+                node_id=node_id,
+                listen=listen,
+                zone=zone,
+                advertise=advertise,
+                disk=disk,
+                disk_mem=disk_mem,
+                gpu_mem=gpu_mem,
+                gpu_id=gpu_id,
+                high_watermark=high_watermark,
+                low_watermark=low_watermark,
+                heartbeat_ttl_s=heartbeat_ttl_s,
+                reserve_timeout_s=reserve_timeout_s,
+                no_prefault=no_prefault,
+                no_spill=no_spill,
+                no_spill_shm=no_spill_shm,
+            ),
+        )
+
+    config = load(redis_url or g.redis_url, namespace or g.namespace)
     if not config.redis_url:
-        # An agent never falls back to the state file: a node must say which cluster it joins.
-        raise CliError("an agent needs a cluster: pass --redis-url or set MOONCAKE_REDIS_URL", ExitCode.USAGE)
+        # No cluster named anywhere (flag, env, config file): join the one `mooncake up` recorded
+        # here, if it runs, as the other commands find it (the banner below says which it joined).
+        state = load_state()
+        if state is not None and state.running():
+            named_ns = namespace or g.namespace or os.environ.get("MOONCAKE_NAMESPACE")
+            config = load(state.redis_url, named_ns or state.namespace)
+    if not config.redis_url:
+        raise CliError(
+            "an agent needs a cluster: pass --redis-url, set MOONCAKE_REDIS_URL, or start one here with "
+            "`mooncake up --detach`",
+            ExitCode.USAGE,
+        )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -417,7 +417,8 @@ def connect(
     config = load_config(file=config_file, overrides=overrides)
     if not config.redis_url:
         raise ConnectError(
-            "no cluster to connect to: pass a Redis URL to connect(), set MOONCAKE_REDIS_URL, or start "
-            "one with `mooncake up` or `with LocalCluster() as cluster: connect(cluster.redis_url)`"
+            "no cluster to connect to: pass a Redis URL to connect() (`mooncake stat --json` shows the "
+            "one `mooncake up` runs here: connect() does not read its state file), set MOONCAKE_REDIS_URL, "
+            "or start one with `mooncake up` or `with LocalCluster() as cluster: connect(cluster.redis_url)`"
         )
     return Client(config.redis_url, namespace=config.namespace, config=config.client)

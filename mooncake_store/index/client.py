@@ -105,7 +105,7 @@ def connect_redis(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
         raise ConnectError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
     except redis.RedisError as exc:
         raise ConnectError(
-            f"cannot reach Redis at {redact_url(url)}: {exc}. Start a cluster with `mooncake up` or "
+            f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}. Start a cluster with `mooncake up` or "
             "mooncake_store.LocalCluster, or point MOONCAKE_REDIS_URL at a running server."
         ) from None
     return client

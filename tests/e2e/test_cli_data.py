@@ -113,3 +113,24 @@ def test_agent_command_joins_and_leaves(cluster_cli: Mooncake) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_agent_command_without_a_url_joins_the_recorded_cluster(cluster_cli: Mooncake) -> None:
+    """`mooncake stat` on a cluster without agents says "start one with `mooncake agent`": with
+    no URL given anywhere, the agent joins the cluster `mooncake up` recorded (it used to exit 2,
+    "an agent needs a cluster"), in that cluster's namespace."""
+    before = {n["node_id"] for n in json.loads(cluster_cli.ok("stat", "--json").stdout)["nodes"]}
+    proc = cluster_cli.popen("agent", "--host-mem", "16MiB", "--node-id", "joined", "--ready-json")
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        line = proc.stdout.readline().decode() if ready else ""
+        assert line.startswith("READY "), (line, proc.poll(), proc.stderr.read().decode() if proc.poll() else "")
+        nodes = {n["node_id"] for n in json.loads(cluster_cli.ok("stat", "--json").stdout)["nodes"]}
+        assert nodes == before | {"joined"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -5,16 +5,29 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from mooncake_store import watchdog
+from mooncake_store.embedded import watchdog_command
 
 WATCHDOG = Path(watchdog.__file__)
 
 
 def run_watchdog(*args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, str(WATCHDOG), *args], capture_output=True, timeout=30)
+    """The watchdog started as a LocalCluster starts it (embedded.watchdog_command)."""
+    return subprocess.run([*watchdog_command(), *args], capture_output=True, timeout=30)
+
+
+def test_the_watchdog_starts_where_the_package_is_not_preloaded() -> None:
+    """Run by path, the script's folder goes first on sys.path, and mooncake_store/types.py took
+    the standard library's place: in an installed (not editable) package, whose .pth had not
+    imported the real module first, the watchdog died at its first import and a LocalCluster's
+    server outlived a launcher killed with SIGKILL. -S leaves site (and the editable .pth) out, as
+    such an install has nothing to preload; watchdog_command() must still start it."""
+    python, *rest = watchdog_command()
+    got = subprocess.run([python, "-S", *rest, "--help"], capture_output=True, timeout=30, cwd="/")
+    assert got.returncode == 0, got.stderr.decode(errors="replace")[-400:]
+    assert b"--child-start" in got.stdout
 
 
 def test_a_gone_parent_means_the_child_is_stopped_and_its_dir_removed(tmp_path: Path) -> None:
