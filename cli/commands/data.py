@@ -206,8 +206,11 @@ def ls(
     """List keys with size, dtype, tier, node and age (sorted by key)."""
     target = resolve_target(ctx, redis_url, namespace)
     with open_client(target) as client:
-        listing = client.index.list_keys(pattern, limit=limit)
+        # One more than shown: whether the limit cut the listing short, not merely met it.
+        listing = client.index.list_keys(pattern, limit=limit + 1)
         now_ms = client.index.server_time_ms()
+    cut = len(listing) > limit
+    listing = listing[:limit]
     if as_json:
         rows = [
             {
@@ -239,5 +242,5 @@ def ls(
             age(max(0, now_ms - k.created_ms) / 1000),
         )
     out.print(table)
-    suffix = f" (limit {limit} reached)" if len(listing) >= limit else ""
+    suffix = f" (limit {limit} reached: more keys match)" if cut else ""
     err.print(f"[dim]{len(listing)} key(s){suffix}[/dim]")

@@ -60,6 +60,10 @@ def test_ls_and_rm(cluster_cli: Mooncake) -> None:
     assert listing[0]["replicas"][0]["node_id"] in ("agent-0", "agent-1")
     table = cluster_cli.ok("ls", "ls-*").stdout.decode()
     assert "ls-a" in table and "100 B" in table and "host" in table
+    # "limit reached" only when the limit cut the listing short, not when it was met exactly.
+    assert "limit" not in cluster_cli.ok("ls", "ls-*", "--limit", "2").stderr.decode()
+    cut = cluster_cli.ok("ls", "ls-*", "--limit", "1")
+    assert "limit 1 reached" in cut.stderr.decode() and cut.stdout.decode().count("ls-") == 1
 
     cluster_cli.ok("rm", "ls-a", "ls-b")
     assert json.loads(cluster_cli.ok("ls", "ls-*", "--json").stdout) == []
