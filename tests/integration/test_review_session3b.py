@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -268,6 +269,13 @@ def test_a_frozen_agent_is_a_bounded_error_and_its_late_reply_never_reaches_a_la
     pid = cluster.agents[0].pid
     os.kill(pid, signal.SIGSTOP)
     try:
+        # Every thread of it stopped (state T), not merely the signal sent: on a loaded machine a
+        # thread still running would answer the get below before it stops.
+        def stopped() -> bool:
+            tasks = Path(f"/proc/{pid}/task")
+            return all((tasks / t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in os.listdir(tasks))
+
+        assert wait_until(stopped, 5), "the agent did not stop"
         started = time.monotonic()
         finished, result = _in_thread(lambda: client.get("a"), timeout_s=10)
         assert finished, "get() on a frozen agent still blocks after 10 s"
