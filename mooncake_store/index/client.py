@@ -89,6 +89,18 @@ class KeyListing:
     last_access_ms: int
 
 
+class _ClosedPool(redis.ConnectionPool):
+    """The pool of a closed RedisIndex: every command fails at once (redis.ConnectionError, which
+    the index's calls turn into ConnectError) and none opens a connection."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self._closed_url = url
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError(f"the index client for {self._closed_url} is closed")
+
+
 def connect_redis(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
     """A redis-py client for ``url`` that has answered a PING, else :class:`ConnectError`."""
     try:
@@ -136,12 +148,20 @@ class RedisIndex:
         self._scripts = load_scripts(self.redis)
         # Connections that scripts run on directly (see _run), taken from redis-py's pool once.
         self._script_conns: list[Any] = []
+        self._closed = False
         self._script_pid = os.getpid()
         self._decoded: dict[tuple[Any, ...], ObjectMeta] = {}  # see lookup
 
     def close(self) -> None:
-        self._script_conns.clear()
-        self.redis.close()  # disconnects every connection of the pool, ours included
+        """Disconnect, for good: a call racing close() (or made after it) fails with ConnectError
+        rather than open a new connection that nothing would close. redis-py reconnects a closed
+        pool's connections on demand, so the client gets a pool that refuses them."""
+        self._closed = True
+        conns, self._script_conns = self._script_conns, []
+        pool, self.redis.connection_pool = self.redis.connection_pool, _ClosedPool(self.url)
+        for conn in conns:
+            conn.disconnect()
+        pool.disconnect()  # every connection of the old pool, those of calls under way included
 
     def _run(self, name: str, *args: Any, scripts: Mapping[str, Any] | None = None) -> Any:
         """EVALSHA of one script on a connection of our own.
@@ -153,6 +173,8 @@ class RedisIndex:
         the script and runs it again; a broken connection is dropped and the call retried once
         on a fresh one, as redis-py's default retry did. The reply of a first run lost with the
         connection comes back to the retry instead of a second run (REPLAY_SAFE, scripts.py)."""
+        if self._closed:
+            raise ConnectError(f"the index client for {self.url} is closed")
         script = (scripts or self._scripts)[name]
         if name in self.REPLAY_SAFE:
             command: tuple[Any, ...] = ("EVALSHA", script.sha, 0, self.prefix, *args)
@@ -186,14 +208,21 @@ class RedisIndex:
                 self._drop_conn(conn)
                 raise ConnectError(f"Redis at {self.url} did not answer {name}: {exc}") from None
             except redis.ResponseError as exc:
-                self._script_conns.append(conn)  # the reply was read whole: the connection is fine
+                self._keep_conn(conn)  # the reply was read whole: the connection is fine
                 raise MooncakeError(f"index script {name} failed on {self.url}: {exc}") from None
             except BaseException:
                 self._drop_conn(conn)  # interrupted mid-reply: the stream may be out of step
                 raise
-            self._script_conns.append(conn)
+            self._keep_conn(conn)
             return reply
         raise AssertionError("unreachable")
+
+    def _keep_conn(self, conn: Any) -> None:
+        """Keep a script connection for the next call, unless close() ran meanwhile."""
+        if self._closed:
+            conn.disconnect()
+        else:
+            self._script_conns.append(conn)
 
     def _drop_conn(self, conn: Any) -> None:
         if conn is not None:
