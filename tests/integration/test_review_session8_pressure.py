@@ -23,25 +23,21 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
-import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-import redis
 from helpers import wait_until
+from redis_proxy import RedisProxy
 
-from mooncake_store import Client, LocalCluster, connect
+from mooncake_store import Client, LocalCluster
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.pressure import MAX_PASSES
-from mooncake_store.config import AgentConfig
 from mooncake_store.errors import MooncakeError
 from mooncake_store.types import TierKind
 
@@ -52,251 +48,6 @@ CHUNK = 256 * KiB
 #: is 12 chunks, so a pass must move exactly 3.
 FILL = 15
 NEED = 3
-
-
-# ---- a TCP proxy in front of the real server ----------------------------------------------------
-@dataclass
-class _Rule:
-    sha: str
-    times: int
-    after: str | None = None
-    hits: int = 0
-
-
-@dataclass
-class _Pair:
-    client: socket.socket
-    server: socket.socket
-    drop_next: bool = False
-    down_after_reply: bool = False
-
-
-class RedisProxy:
-    """Forwards one agent's Redis connections to the real server; can lose a reply after the server
-    ran the command, or go down after a given reply (see the module docstring)."""
-
-    def __init__(self, upstream_url: str) -> None:
-        parsed = urllib.parse.urlparse(upstream_url)
-        self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 6379)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
-        self._lock = threading.Lock()
-        self._rules: list[_Rule] = []
-        self._seen: set[str] = set()
-        self._watch: set[str] = set()
-        self._down = False
-        self._down_after: str | None = None
-        self._pairs: list[_Pair] = []
-        self._closed = False
-        self._threads: list[threading.Thread] = []
-        self._spawn(self._accept_loop)
-
-    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
-        th = threading.Thread(target=target, args=args, daemon=True)
-        th.start()
-        self._threads.append(th)
-
-    def drop_reply(self, sha: str, *, times: int = 1, after: str | None = None) -> _Rule:
-        """The next ``times`` requests that name script ``sha`` reach the server, and their replies
-        are lost with the connection; with ``after``, only once a request naming ``after`` went by."""
-        rule = _Rule(sha=sha, times=times, after=after)
-        with self._lock:
-            self._rules.append(rule)
-            if after:
-                self._watch.add(after)
-        return rule
-
-    def down_after_reply_of(self, sha: str) -> None:
-        with self._lock:
-            self._down_after = sha
-
-    def up(self) -> None:
-        with self._lock:
-            self._down = False
-            self._down_after = None
-            for rule in self._rules:
-                rule.times = 0
-
-    def _go_down(self) -> None:
-        with self._lock:
-            self._down = True
-            pairs, self._pairs = self._pairs, []
-        for p in pairs:
-            self._close(p)
-
-    @staticmethod
-    def _close(p: _Pair) -> None:
-        for s in (p.client, p.server):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                c, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                refuse = self._down or self._closed
-            if refuse:
-                c.close()
-                continue
-            try:
-                s = socket.create_connection(self._upstream, timeout=5)
-                s.settimeout(None)
-            except OSError:
-                c.close()
-                continue
-            pair = _Pair(client=c, server=s)
-            with self._lock:
-                self._pairs.append(pair)
-            self._spawn(self._to_server, pair)
-            self._spawn(self._to_client, pair)
-
-    def _to_server(self, p: _Pair) -> None:
-        tail = b""
-        while True:
-            try:
-                data = p.client.recv(1 << 16)
-            except OSError:
-                data = b""
-            if not data:
-                self._close(p)
-                return
-            window = (tail + data).decode("latin-1")
-            with self._lock:
-                for sha in self._watch:
-                    if sha in window:
-                        self._seen.add(sha)
-                for rule in self._rules:
-                    if rule.times > 0 and rule.sha in window and (rule.after is None or rule.after in self._seen):
-                        rule.times -= 1
-                        rule.hits += 1
-                        p.drop_next = True
-                if self._down_after and self._down_after in window:
-                    p.down_after_reply = True
-            tail = (tail + data)[-128:]
-            try:
-                p.server.sendall(data)
-            except OSError:
-                self._close(p)
-                return
-
-    def _to_client(self, p: _Pair) -> None:
-        while True:
-            try:
-                data = p.server.recv(1 << 16)
-            except OSError:
-                data = b""
-            if not data or p.drop_next:
-                self._close(p)  # the server ran the command; its reply is lost with the connection
-                if p.drop_next and p.down_after_reply:
-                    self._go_down()  # and the index stays out of reach: the outcome stays unknown
-                return
-            try:
-                p.client.sendall(data)
-            except OSError:
-                self._close(p)
-                return
-            if p.down_after_reply:
-                p.down_after_reply = False
-                self._go_down()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            pairs, self._pairs = self._pairs, []
-        self._listener.close()
-        for p in pairs:
-            self._close(p)
-        for th in self._threads:
-            th.join(timeout=2)
-
-
-# ---- fixtures and helpers ---------------------------------------------------------------------
-def _idle_pressure(agent: Agent) -> None:
-    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-
-
-#: In-process agents whose passes and syncs run only when a test calls them.
-QUIET: dict[str, Any] = {
-    "host_bytes": 4 * MiB,
-    "sync_interval_s": 3600.0,
-    "heartbeat_interval_s": 600.0,
-    "heartbeat_ttl_s": 1200.0,
-    "reserve_timeout_s": 30.0,
-    "prefault": False,
-    "spill_to_peers": False,
-}
-
-
-@pytest.fixture
-def ns() -> str:
-    return f"t-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def proxy(redis_url: str) -> Iterator[RedisProxy]:
-    px = RedisProxy(redis_url)
-    try:
-        yield px
-    finally:
-        px.close()
-
-
-@pytest.fixture
-def proxied_agent(redis_url: str, proxy: RedisProxy) -> Iterator[Callable[..., Agent]]:
-    """In-process Agents whose index connections go through ``proxy``; stopped at the end (with the
-    proxy up again, so that they deregister)."""
-    made: list[Agent] = []
-
-    def make(namespace: str, **overrides: Any) -> Agent:
-        settings = {**QUIET, "node_id": f"px-{uuid.uuid4().hex[:6]}", **overrides}
-        agent = Agent(AgentConfig(**settings), redis_url=proxy.url, namespace=namespace)
-        _idle_pressure(agent)
-        made.append(agent)
-        agent.start()
-        direct = redis.Redis.from_url(redis_url)
-        try:  # a NOSCRIPT round trip must not absorb an injected fault
-            for script in agent.index._scripts.values():
-                direct.script_load(script.script)
-        finally:
-            direct.close()
-        return agent
-
-    yield make
-    proxy.up()
-    for agent in made:
-        agent.stop()
-
-
-@pytest.fixture
-def direct_agent(make_inproc_agent: Callable[..., Agent]) -> Callable[..., Agent]:
-    """In-process Agents on the real server (no proxy), quiet like the proxied ones."""
-
-    def make(namespace: str, **overrides: Any) -> Agent:
-        settings = {**QUIET, "node_id": f"dx-{uuid.uuid4().hex[:6]}", **overrides}
-        return make_inproc_agent(namespace=namespace, prepare=_idle_pressure, **settings)
-
-    return make
-
-
-@pytest.fixture
-def client_of(redis_url: str) -> Iterator[Callable[[str], Client]]:
-    """Clients straight to the real server (never through the proxy), closed at the end."""
-    made: list[Client] = []
-
-    def make(namespace: str) -> Client:
-        c = connect(redis_url, namespace=namespace, timeout_s=20.0)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
 
 
 def value_of(i: int) -> np.ndarray:

@@ -25,7 +25,6 @@ limits are refused cleanly.
 
 from __future__ import annotations
 
-import json
 import re
 import select
 import socket
@@ -34,8 +33,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -51,65 +49,6 @@ from mooncake_store.transport.tcp import PeerConnections, ReadRequest, parse_end
 KiB = 1 << 10
 MiB = 1 << 20
 U64_MAX = (1 << 64) - 1
-
-#: Runs the agent's own main() after setting, in the agent process, what the JSON in argv[1] asks.
-_PATCHED_MAIN = """
-import json, resource, sys
-patch = json.loads(sys.argv[1])
-from mooncake_store.agent import server
-for name in ("MAX_CONNECTIONS", "IDLE_CLOSE_S", "MIN_RATE_BPS", "SOCKET_BUFFER_BYTES"):
-    if name in patch:
-        setattr(server, name, patch[name])
-if "timeout_s" in patch:
-    _init = server.AgentServer.__init__
-    def _patched(self, *args, **kwargs):
-        kwargs["timeout_s"] = patch["timeout_s"]
-        _init(self, *args, **kwargs)
-    server.AgentServer.__init__ = _patched
-if "nofile" in patch:
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (patch["nofile"], hard))
-from mooncake_store.agent.__main__ import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
-class _PatchedCluster(LocalCluster):
-    """One agent subprocess, started through _PATCHED_MAIN with ``patch``."""
-
-    def __init__(self, patch: dict[str, Any], **kwargs: Any) -> None:
-        super().__init__(1, **kwargs)
-        self.patch = patch
-
-    def agent_command(self, node_id: str, zone: str | None, extra: list[str]) -> list[str]:
-        cmd = super().agent_command(node_id, zone, extra)
-        assert cmd[1:3] == ["-m", "mooncake_store.agent"], cmd[:3]
-        return [cmd[0], "-c", _PATCHED_MAIN, json.dumps(self.patch), *cmd[3:]]
-
-
-@pytest.fixture
-def start_agent(redis_url: str) -> Iterator[Callable[..., LocalCluster]]:
-    """``start_agent(patch, reserve_timeout_s=..., host_bytes=...)``: one agent process in a
-    namespace of its own; every one started is stopped (by PID, segment removed) at the end."""
-    started: list[LocalCluster] = []
-
-    def start(
-        patch: dict[str, Any] | None = None, *, reserve_timeout_s: float = 30.0, host_bytes: int = 16 * MiB
-    ) -> LocalCluster:
-        cluster = _PatchedCluster(
-            patch or {},
-            redis_url=redis_url,
-            namespace=f"t-{uuid.uuid4().hex[:10]}",
-            host_bytes=host_bytes,
-            reserve_timeout_s=reserve_timeout_s,
-            agent_args=["--no-prefault", "--no-spill"],
-        )
-        started.append(cluster)
-        return cluster.start()
-
-    yield start
-    for cluster in started:
-        cluster.stop()
 
 
 # ---- helpers --------------------------------------------------------------------------------------

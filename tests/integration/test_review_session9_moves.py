@@ -16,25 +16,22 @@ with the defect it shows.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
-import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
+from redis_proxy import QUIET, RedisProxy, idle_pressure
 
 from mooncake_store import Client, LocalCluster, MooncakeError, connect
 from mooncake_store.agent.node import Agent
 from mooncake_store.client.prefix import PrefixCache
-from mooncake_store.config import AgentConfig
 from mooncake_store.errors import AgentBusy
 from mooncake_store.index.schema import decode_replicas
 from mooncake_store.transport import frames
@@ -49,238 +46,6 @@ CHUNK = 256 * KiB
 #: is 12 chunks, so a pass must move exactly 3.
 FILL = 15
 NEED = 3
-
-
-# ---- a TCP proxy in front of the real server (from test_review_session8_pressure.py) -------------
-@dataclass
-class _Rule:
-    sha: str
-    times: int
-    hits: int = 0
-
-
-@dataclass
-class _Pair:
-    client: socket.socket
-    server: socket.socket
-    drop_next: bool = False
-    down_after_reply: bool = False
-
-
-class RedisProxy:
-    """Forwards one agent's Redis connections to the real server. It can let a request naming a
-    script reach the server and lose its reply with the connection, and then stay down (every
-    connection closed, new ones closed at once) until up()."""
-
-    def __init__(self, upstream_url: str) -> None:
-        parsed = urllib.parse.urlparse(upstream_url)
-        self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 6379)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
-        self._lock = threading.Lock()
-        self._rules: list[_Rule] = []
-        self._down = False
-        self._down_after: str | None = None
-        self._pairs: list[_Pair] = []
-        self._closed = False
-        self._threads: list[threading.Thread] = []
-        self._spawn(self._accept_loop)
-
-    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
-        th = threading.Thread(target=target, args=args, daemon=True)
-        th.start()
-        self._threads.append(th)
-
-    def drop_reply(self, sha: str, *, times: int = 1) -> _Rule:
-        rule = _Rule(sha=sha, times=times)
-        with self._lock:
-            self._rules.append(rule)
-        return rule
-
-    def down_after_reply_of(self, sha: str) -> None:
-        with self._lock:
-            self._down_after = sha
-
-    def up(self) -> None:
-        with self._lock:
-            self._down = False
-            self._down_after = None
-            for rule in self._rules:
-                rule.times = 0
-
-    def _go_down(self) -> None:
-        with self._lock:
-            self._down = True
-            pairs, self._pairs = self._pairs, []
-        for p in pairs:
-            self._close(p)
-
-    @staticmethod
-    def _close(p: _Pair) -> None:
-        for s in (p.client, p.server):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                c, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                refuse = self._down or self._closed
-            if refuse:
-                c.close()
-                continue
-            try:
-                s = socket.create_connection(self._upstream, timeout=5)
-                s.settimeout(None)
-            except OSError:
-                c.close()
-                continue
-            pair = _Pair(client=c, server=s)
-            with self._lock:
-                self._pairs.append(pair)
-            self._spawn(self._to_server, pair)
-            self._spawn(self._to_client, pair)
-
-    def _to_server(self, p: _Pair) -> None:
-        tail = b""
-        while True:
-            try:
-                data = p.client.recv(1 << 16)
-            except OSError:
-                data = b""
-            if not data:
-                self._close(p)
-                return
-            window = (tail + data).decode("latin-1")
-            with self._lock:
-                for rule in self._rules:
-                    if rule.times > 0 and rule.sha in window:
-                        rule.times -= 1
-                        rule.hits += 1
-                        p.drop_next = True
-                if self._down_after and self._down_after in window:
-                    p.down_after_reply = True
-            tail = (tail + data)[-128:]
-            try:
-                p.server.sendall(data)
-            except OSError:
-                self._close(p)
-                return
-
-    def _to_client(self, p: _Pair) -> None:
-        while True:
-            try:
-                data = p.server.recv(1 << 16)
-            except OSError:
-                data = b""
-            if not data or p.drop_next:
-                self._close(p)  # the server ran the command; its reply is lost with the connection
-                if p.drop_next and p.down_after_reply:
-                    self._go_down()  # and the index stays out of reach: the outcome stays unknown
-                return
-            try:
-                p.client.sendall(data)
-            except OSError:
-                self._close(p)
-                return
-            if p.down_after_reply:
-                p.down_after_reply = False
-                self._go_down()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            pairs, self._pairs = self._pairs, []
-        self._listener.close()
-        for p in pairs:
-            self._close(p)
-        for th in self._threads:
-            th.join(timeout=2)
-
-
-def _idle_pressure(agent: Agent) -> None:
-    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-
-
-#: In-process agents whose passes and syncs run only when a test calls them.
-QUIET: dict[str, Any] = {
-    "host_bytes": 4 * MiB,
-    "sync_interval_s": 3600.0,
-    "heartbeat_interval_s": 600.0,
-    "heartbeat_ttl_s": 1200.0,
-    "reserve_timeout_s": 30.0,
-    "prefault": False,
-    "spill_to_peers": False,
-}
-
-
-@pytest.fixture
-def ns() -> str:
-    return f"t-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def proxy(redis_url: str) -> Iterator[RedisProxy]:
-    px = RedisProxy(redis_url)
-    try:
-        yield px
-    finally:
-        px.close()
-
-
-@pytest.fixture
-def proxied_agent(redis_url: str, proxy: RedisProxy) -> Iterator[Callable[..., Agent]]:
-    """In-process Agents whose index connections go through ``proxy``; stopped at the end (with the
-    proxy up again, so that they deregister)."""
-    made: list[Agent] = []
-
-    def make(namespace: str, **overrides: Any) -> Agent:
-        settings = {**QUIET, "node_id": f"px-{uuid.uuid4().hex[:6]}", **overrides}
-        agent = Agent(AgentConfig(**settings), redis_url=proxy.url, namespace=namespace)
-        _idle_pressure(agent)
-        made.append(agent)
-        agent.start()
-        direct = redis.Redis.from_url(redis_url)
-        try:  # a NOSCRIPT round trip must not absorb an injected fault
-            for script in agent.index._scripts.values():
-                direct.script_load(script.script)
-        finally:
-            direct.close()
-        return agent
-
-    yield make
-    proxy.up()
-    for agent in made:
-        agent.stop()
-
-
-@pytest.fixture
-def direct_agent(make_inproc_agent: Callable[..., Agent]) -> Callable[..., Agent]:
-    def make(namespace: str, **overrides: Any) -> Agent:
-        settings = {**QUIET, "node_id": f"dx-{uuid.uuid4().hex[:6]}", **overrides}
-        return make_inproc_agent(namespace=namespace, prepare=_idle_pressure, **settings)
-
-    return make
-
-
-@pytest.fixture
-def client_of(redis_url: str) -> Iterator[Callable[[str], Client]]:
-    made: list[Client] = []
-
-    def make(namespace: str) -> Client:
-        c = connect(redis_url, namespace=namespace, timeout_s=20.0)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
 
 
 def fill(client: Client, agent: Agent, prefix: str = "k", n: int = FILL) -> dict[str, np.ndarray]:
@@ -423,7 +188,7 @@ def test_a_prefix_store_refused_at_count_in_gives_its_room_back(
     On a full node other writers wait for that room meanwhile. The close is placed by a wrapper
     around the client's PeerConnections.reserve that calls the real one and then closes the cache
     on another thread."""
-    agent = make_inproc_agent(prepare=_idle_pressure, **{**QUIET, "host_bytes": 16 * MiB})
+    agent = make_inproc_agent(prepare=idle_pressure, **{**QUIET, "host_bytes": 16 * MiB})
     client = clients(agent, transports=("tcp",))
     client.put(f"warm-{uuid.uuid4().hex[:6]}", b"x")  # node table and the agent's pool in place
     agent.sync_once()
@@ -461,62 +226,6 @@ def test_a_prefix_store_refused_at_count_in_gives_its_room_back(
         f"held until its reserve timeout ({agent.config.reserve_timeout_s:g} s) though the client is open: "
         "the FREE of abandon() was refused by the PrefixCache's cancelled Cancel"
     )
-
-
-# ---- f4d044d: refused connections past the limit -------------------------------------------------
-#: Runs the agent's own main() after setting, in the agent process, what the JSON in argv[1] asks
-#: (module constants of agent/server.py and agent/refusals.py, the server's timeout).
-_PATCHED_MAIN = """
-import json, sys
-patch = json.loads(sys.argv[1])
-from mooncake_store.agent import refusals, server
-for name in ("MAX_CONNECTIONS", "MIN_RATE_BPS"):
-    if name in patch:
-        setattr(server, name, patch[name])
-for name in ("REFUSE_WAIT_S", "REFUSE_LINGER_S", "MAX_REFUSALS"):
-    if name in patch:
-        setattr(refusals, name, patch[name])
-if "timeout_s" in patch:
-    _init = server.AgentServer.__init__
-    def _patched(self, *args, **kwargs):
-        kwargs["timeout_s"] = patch["timeout_s"]
-        _init(self, *args, **kwargs)
-    server.AgentServer.__init__ = _patched
-from mooncake_store.agent.__main__ import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
-class _PatchedCluster(LocalCluster):
-    def __init__(self, patch: dict[str, Any], **kwargs: Any) -> None:
-        super().__init__(1, **kwargs)
-        self.patch = patch
-
-    def agent_command(self, node_id: str, zone: str | None, extra: list[str]) -> list[str]:
-        cmd = super().agent_command(node_id, zone, extra)
-        assert cmd[1:3] == ["-m", "mooncake_store.agent"], cmd[:3]
-        return [cmd[0], "-c", _PATCHED_MAIN, json.dumps(self.patch), *cmd[3:]]
-
-
-@pytest.fixture
-def start_agent(redis_url: str) -> Iterator[Callable[..., LocalCluster]]:
-    started: list[LocalCluster] = []
-
-    def start(patch: dict[str, Any]) -> LocalCluster:
-        cluster = _PatchedCluster(
-            patch,
-            redis_url=redis_url,
-            namespace=f"t-{uuid.uuid4().hex[:10]}",
-            host_bytes=16 * MiB,
-            reserve_timeout_s=30.0,
-            agent_args=["--no-prefault", "--no-spill"],
-        )
-        started.append(cluster)
-        return cluster.start()
-
-    yield start
-    for cluster in started:
-        cluster.stop()
 
 
 def _connect(cluster: LocalCluster, timeout_s: float = 5.0) -> socket.socket:

@@ -1,0 +1,51 @@
+"""Agent processes with some of their module constants set in that process before the agent's
+own main() runs (the connection limit, timeouts, socket buffers, the refusal limits, the
+descriptor limit), so that limits are reached in seconds instead of minutes. Nothing of the agent
+is replaced: its real server runs with other numbers. The fixture ``start_agent`` is in
+tests/integration/conftest.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mooncake_store import LocalCluster
+
+#: Runs the agent's own main() after setting, in the agent process, what the JSON in argv[1] asks:
+#: constants of agent/server.py and agent/refusals.py, the server's timeout (``timeout_s``) and
+#: the soft descriptor limit (``nofile``).
+PATCHED_MAIN = """
+import json, resource, sys
+patch = json.loads(sys.argv[1])
+from mooncake_store.agent import refusals, server
+for name in ("MAX_CONNECTIONS", "IDLE_CLOSE_S", "MIN_RATE_BPS", "SOCKET_BUFFER_BYTES"):
+    if name in patch:
+        setattr(server, name, patch[name])
+for name in ("REFUSE_WAIT_S", "REFUSE_LINGER_S", "MAX_REFUSALS"):
+    if name in patch:
+        setattr(refusals, name, patch[name])
+if "timeout_s" in patch:
+    _init = server.AgentServer.__init__
+    def _patched(self, *args, **kwargs):
+        kwargs["timeout_s"] = patch["timeout_s"]
+        _init(self, *args, **kwargs)
+    server.AgentServer.__init__ = _patched
+if "nofile" in patch:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (patch["nofile"], hard))
+from mooncake_store.agent.__main__ import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+class PatchedCluster(LocalCluster):
+    """One agent subprocess, started through PATCHED_MAIN with ``patch``."""
+
+    def __init__(self, patch: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(1, **kwargs)
+        self.patch = patch
+
+    def agent_command(self, node_id: str, zone: str | None, extra: list[str]) -> list[str]:
+        cmd = super().agent_command(node_id, zone, extra)
+        assert cmd[1:3] == ["-m", "mooncake_store.agent"], cmd[:3]
+        return [cmd[0], "-c", PATCHED_MAIN, json.dumps(self.patch), *cmd[3:]]

@@ -1,0 +1,196 @@
+"""A TCP proxy in front of the real Redis-compatible server, for review tests that break an
+agent's index connection at a chosen point: it forwards bytes both ways; when told to, it lets a
+request naming a script reach the server and loses the reply with the connection (what a reset, a
+failover or a NAT timeout does after the server ran the command), or goes "down" right after a
+given reply (every connection closed, new ones closed at once) until up(). Fixtures that use it
+are in tests/integration/conftest.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.node import Agent
+
+
+@dataclass
+class _Rule:
+    sha: str
+    times: int
+    after: str | None = None
+    hits: int = 0
+
+
+@dataclass
+class _Pair:
+    client: socket.socket
+    server: socket.socket
+    drop_next: bool = False
+    down_after_reply: bool = False
+
+
+class RedisProxy:
+    """Forwards one agent's Redis connections to the real server; can lose a reply after the server
+    ran the command, or go down after a given reply (see the module docstring)."""
+
+    def __init__(self, upstream_url: str) -> None:
+        parsed = urllib.parse.urlparse(upstream_url)
+        self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 6379)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
+        self._lock = threading.Lock()
+        self._rules: list[_Rule] = []
+        self._seen: set[str] = set()
+        self._watch: set[str] = set()
+        self._down = False
+        self._down_after: str | None = None
+        self._pairs: list[_Pair] = []
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._spawn(self._accept_loop)
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        th = threading.Thread(target=target, args=args, daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    def drop_reply(self, sha: str, *, times: int = 1, after: str | None = None) -> _Rule:
+        """The next ``times`` requests that name script ``sha`` reach the server, and their replies
+        are lost with the connection; with ``after``, only once a request naming ``after`` went by."""
+        rule = _Rule(sha=sha, times=times, after=after)
+        with self._lock:
+            self._rules.append(rule)
+            if after:
+                self._watch.add(after)
+        return rule
+
+    def down_after_reply_of(self, sha: str) -> None:
+        with self._lock:
+            self._down_after = sha
+
+    def up(self) -> None:
+        with self._lock:
+            self._down = False
+            self._down_after = None
+            for rule in self._rules:
+                rule.times = 0
+
+    def _go_down(self) -> None:
+        with self._lock:
+            self._down = True
+            pairs, self._pairs = self._pairs, []
+        for p in pairs:
+            self._close(p)
+
+    @staticmethod
+    def _close(p: _Pair) -> None:
+        for s in (p.client, p.server):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                c, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                refuse = self._down or self._closed
+            if refuse:
+                c.close()
+                continue
+            try:
+                s = socket.create_connection(self._upstream, timeout=5)
+                s.settimeout(None)
+            except OSError:
+                c.close()
+                continue
+            pair = _Pair(client=c, server=s)
+            with self._lock:
+                self._pairs.append(pair)
+            self._spawn(self._to_server, pair)
+            self._spawn(self._to_client, pair)
+
+    def _to_server(self, p: _Pair) -> None:
+        tail = b""
+        while True:
+            try:
+                data = p.client.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                self._close(p)
+                return
+            window = (tail + data).decode("latin-1")
+            with self._lock:
+                for sha in self._watch:
+                    if sha in window:
+                        self._seen.add(sha)
+                for rule in self._rules:
+                    if rule.times > 0 and rule.sha in window and (rule.after is None or rule.after in self._seen):
+                        rule.times -= 1
+                        rule.hits += 1
+                        p.drop_next = True
+                if self._down_after and self._down_after in window:
+                    p.down_after_reply = True
+            tail = (tail + data)[-128:]
+            try:
+                p.server.sendall(data)
+            except OSError:
+                self._close(p)
+                return
+
+    def _to_client(self, p: _Pair) -> None:
+        while True:
+            try:
+                data = p.server.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data or p.drop_next:
+                self._close(p)  # the server ran the command; its reply is lost with the connection
+                if p.drop_next and p.down_after_reply:
+                    self._go_down()  # and the index stays out of reach: the outcome stays unknown
+                return
+            try:
+                p.client.sendall(data)
+            except OSError:
+                self._close(p)
+                return
+            if p.down_after_reply:
+                p.down_after_reply = False
+                self._go_down()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pairs, self._pairs = self._pairs, []
+        self._listener.close()
+        for p in pairs:
+            self._close(p)
+        for th in self._threads:
+            th.join(timeout=2)
+
+
+def idle_pressure(agent: Agent) -> None:
+    """Stub an in-process agent's pressure loop: its passes run only when a test calls them."""
+    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+
+#: In-process agents whose passes and syncs run only when a test calls them.
+QUIET: dict[str, Any] = {
+    "host_bytes": 4 << 20,
+    "sync_interval_s": 3600.0,
+    "heartbeat_interval_s": 600.0,
+    "heartbeat_ttl_s": 1200.0,
+    "reserve_timeout_s": 30.0,
+    "prefault": False,
+    "spill_to_peers": False,
+}
