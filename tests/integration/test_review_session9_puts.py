@@ -3,8 +3,10 @@ DIGEST op, put_commit's "<put id>=<checksum>" arguments, the fallback for agents
 close() cutting transfers in flight (TcpTransport.close, Cancel, PrefixCache.close), against a real
 index server and real agents (in-process ones where an interleaving must be placed exactly).
 
-Each test asserts the behaviour the README and the docstrings promise; a failing one is marked
-strict xfail with the defect it shows. Tests that pass guard behaviour worth keeping.
+Each test asserts the behaviour the README and the docstrings promise. The defects the pass found
+(a put committed after close() returned, the same for a PrefixCache store, put_many to an agent
+without DIGEST) were fixed in the same session; their tests say how. The others guard behaviour
+worth keeping.
 """
 
 from __future__ import annotations
