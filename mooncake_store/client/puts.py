@@ -75,6 +75,10 @@ class PlannedPut:
     chain_parent: str | None = None
     tier: TierKind = TierKind.HOST
     assigned: set[str] = field(default_factory=set)  # nodes this attempt placed a replica on
+    #: Nodes whose agent failed a write of this put (died or broke after its RESERVE): later
+    #: attempts place the replica elsewhere, since the node table lists a dead node until its
+    #: heartbeat deadline.
+    avoid: set[str] = field(default_factory=set)
     landed: list[int] = field(default_factory=list)  # checksum of each replica's bytes as they landed
 
     def checksum(self) -> int:
@@ -158,6 +162,16 @@ def check_chain_meta(items: object, chain_pos: object, chain_parent: object) -> 
             raise InvalidKey(f"chain_parent of {key!r:.80}: {exc}") from None
 
 
+class _ReplicaWriteFailed(Exception):
+    """A replica's write failed at its agent (``error``): PutPath.run places the put again without
+    ``node_id``. Never seen outside this module."""
+
+    def __init__(self, node_id: str, error: MooncakeError) -> None:
+        super().__init__(f"{node_id}: {error}")
+        self.node_id = node_id
+        self.error = error
+
+
 class PutPath:
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -226,12 +240,28 @@ class PutPath:
         # full cluster is worth waiting for, up to timeout_s; an object larger than every arena is not.
         config = self.client.config
         deadline = time.monotonic() + config.timeout_s
-        expired_tries = 0
+        expired_tries = failed_writes = 0
         delay_s = 0.05
         while True:
             try:
                 self._put_once(plans, replicas, preferred_node)
                 return
+            except _ReplicaWriteFailed as failed:
+                # The attempt was abandoned; its agent died or broke after granting the room. Place
+                # the put again without that node, as often as max_retries allows; never without
+                # the node the caller pinned it to.
+                self.client._raise_if_interrupted(failed.error)
+                failed_writes += 1
+                if failed.node_id == preferred_node or failed_writes > config.max_retries:
+                    raise failed.error from None
+                for plan in plans:
+                    plan.avoid.add(failed.node_id)
+                others = [n for n in self.client._node_table(refresh=True) if n not in plans[0].avoid]
+                if len(others) < replicas:  # nowhere else to go: the failure is the answer
+                    raise failed.error from None
+                log.info(
+                    "put of %s: %s failed a write (%s); placing it again", plans[0].key, failed.node_id, failed.error
+                )
             except MooncakeError as exc:
                 # Cut short by close(): "client is closed", not the transfer error the close caused
                 # (the attempt was abandoned, as every failed one is, before this saw it).
@@ -290,7 +320,10 @@ class PutPath:
             client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))
             started = True
             for replica, plan in elsewhere:
-                self._write_replica(nodes[replica.node_id], replica, plan)
+                try:
+                    self._write_replica(nodes[replica.node_id], replica, plan)
+                except (TransferError, ConnectError) as exc:
+                    raise _ReplicaWriteFailed(replica.node_id, exc) from exc
             for part in fences:
                 self._copy_fenced(part)
                 part.fence.unfence()
@@ -340,7 +373,7 @@ class PutPath:
         """Nodes for the plan's replicas, best first. ``preferred_node`` takes the first replica
         (and with one replica it is the only candidate: the put waits for its room); further
         replicas go where the ranking puts them."""
-        pool = list(nodes.values())
+        pool = [n for n in nodes.values() if n.node_id not in plan.avoid]
         if plan.tier == TierKind.GPU:
             pool = [n for n in pool if gpu_ipc_node(n, self.client.host_id)]
 

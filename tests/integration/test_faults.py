@@ -157,3 +157,38 @@ def test_agent_that_cannot_listen_exits_and_leaves_no_segment(make_cluster: Call
         with pytest.raises(MooncakeError, match=f"cannot listen on 127.0.0.1:{port}"):
             cluster.add_agent(node_id="busy", extra_args=["--listen", f"127.0.0.1:{port}"])
     assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(f"mooncake.{cluster.namespace}.busy.")]
+
+
+def test_a_put_whose_agent_dies_after_its_reserve_lands_on_another_node(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """The agent that granted a put's room dies before the bytes arrive (SIGKILL by its PID between
+    RESERVE and WRITE, placed by a wrapper around the client's TCP write that kills first and then
+    calls the real write). The node table still lists it until its heartbeat deadline; the put
+    used to fail with the transfer error. It now places the object on the other node, and what is
+    stored reads back whole; a put pinned to the dead node still fails with the transfer error."""
+    cluster = make_cluster(2, heartbeat_ttl_s=30.0)
+    client = make_client(cluster, transports=("tcp",), timeout_s=3.0)
+    value = np.random.default_rng(5).integers(0, 255, 1 << 20, dtype=np.uint8)
+    client.put("warm", b"x")  # the node table and the connections in place
+    tcp = client._tcp
+    real_write = tcp.write_from
+    killed: list[str] = []
+
+    def kill_then_write(endpoint: str, *args: object, **kwargs: object) -> object:
+        if not killed:
+            victim = next(a for a in cluster.agents if a.endpoint == endpoint)
+            killed.append(victim.node_id)
+            victim.kill()
+        return real_write(endpoint, *args, **kwargs)  # type: ignore[arg-type]
+
+    tcp.write_from = kill_then_write  # type: ignore[method-assign]
+    client.put("moved-on", value)
+    assert killed, "the put never wrote over TCP"
+    meta = client.object_meta("moved-on")
+    assert meta is not None and [r.node_id for r in meta.replicas] != killed
+    assert np.array_equal(client.get("moved-on"), value)
+    # Pinned to the node that is gone: nowhere else to go, the transfer error is the answer.
+    with pytest.raises(MooncakeError):
+        client.put("pinned-to-the-dead", value, preferred_node=killed[0])
+    assert not client.exists("pinned-to-the-dead")
