@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import redis
 import xxhash
+from helpers import wait_until
 
 from mooncake_store import Client, MooncakeError
 from mooncake_store.agent.node import Agent
@@ -77,27 +78,30 @@ def _quiet_agent(make_inproc_agent: Callable[..., Agent], **overrides: Any) -> A
     return make_inproc_agent(prepare=prepare, **settings)
 
 
-def _hold_at_commit(r: redis.Redis, prefix: str, runner: _Runner, pause_ms: int) -> bool:
-    """Once a put's pending record is written (its reservation made, its bytes on their way), pause
-    the index server's script calls for ``pause_ms`` (CLIENT PAUSE WRITE): the put's transfers go
-    on, since they need no index, and its put_commit then waits on the server. True once the put
-    is waiting there (the server counts it blocked) with nothing committed yet."""
-    objects = len(r.keys(prefix + "o:*"))
-    deadline = time.monotonic() + 10
-    while not runner.done.is_set() and time.monotonic() < deadline:
-        if r.keys(prefix + "pend:*"):
+def _hold_on_the_server(client: Client, call: str, r: redis.Redis, pause_ms: int) -> threading.Event:
+    """Make the client's next index ``call`` (put_start, put_commit) wait on the server: just
+    before it goes out, the index server's writes are paused for ``pause_ms`` (CLIENT PAUSE WRITE,
+    sent on the observer's connection ``r``), then the real call runs and blocks there. The
+    returned event is set once the pause is in force."""
+    real = getattr(client.index, call)
+    paused = threading.Event()
+
+    def pause_then_call(*args: Any, **kwargs: Any) -> Any:
+        if not paused.is_set():
             r.execute_command("CLIENT", "PAUSE", str(pause_ms), "WRITE")
-            break
-        time.sleep(0.0005)
-    else:
-        return False
-    if len(r.keys(prefix + "o:*")) != objects:
-        return False  # its commit ran before the pause
-    while time.monotonic() < deadline - 5 and not runner.done.is_set():
-        if r.info("clients")["blocked_clients"] >= 1:
-            return True
-        time.sleep(0.002)
-    return False
+            paused.set()
+        return real(*args, **kwargs)
+
+    setattr(client.index, call, pause_then_call)
+    return paused
+
+
+def _wait_blocked(r: redis.Redis, paused: threading.Event, runner: _Runner) -> None:
+    """Until the held call waits on the server (the server counts a blocked client)."""
+    assert paused.wait(10) or runner.done.is_set(), "the held call was never made"
+    assert not runner.done.is_set(), f"the operation ended before its call was held: {runner.outcome(0)}"
+    reached = wait_until(lambda: r.info("clients")["blocked_clients"] >= 1, 1.0)
+    assert reached, "the held call never reached the server"
 
 
 def _live_index_connections(client: Client) -> int:
@@ -118,7 +122,8 @@ def test_a_put_past_its_transfers_is_not_committed_after_close_returned(
     index and returns, and the put then reopens an index connection, commits and returns None: an
     object appears, and a write reports success, after close() returned. The connection it
     reopened stays open in a closed client (a leak). Here the index server holds the put's
-    put_commit for 1.5 s (CLIENT PAUSE WRITE) to place close() in that window.
+    put_commit for 1.5 s (CLIENT PAUSE WRITE, issued just before the call) to place close() in
+    that window.
 
     Fixed (client/in_flight.py): a put counts itself in from put_start to its commit or revoke,
     a commit does not start once the client is closed, and close() waits for the puts counted in
@@ -128,22 +133,15 @@ def test_a_put_past_its_transfers_is_not_committed_after_close_returned(
     index connection is open afterwards."""
     agent = _quiet_agent(make_inproc_agent)
     observer = clients(agent)
-    r, prefix = observer.index.redis, observer.index.prefix
+    r = observer.index.redis
     value = np.random.default_rng(9).integers(0, 256, 24 * MiB, dtype=np.uint8)
-    held: tuple[str, _Runner, Client] | None = None
-    for _ in range(4):  # each try needs the pause to land between put_start and put_commit
-        client = clients(agent, transports=("tcp",))
-        client.put(_key("warm"), b"x")  # node table and connections in place
-        key = _key("late")
-        runner = _Runner(lambda client=client, key=key: client.put(key, value))
-        if _hold_at_commit(r, prefix, runner, 1500):
-            held = (key, runner, client)
-            break
-        runner.outcome(30)
-        time.sleep(1.6)  # let a pause that came too late run out
-    if held is None:
-        pytest.skip("never caught a put between its transfers and its commit")
-    key, runner, client = held
+    client = clients(agent, transports=("tcp",))
+    client.put(_key("warm"), b"x")  # node table and connections in place
+    key = _key("late")
+    paused = _hold_on_the_server(client, "put_commit", r, 1500)
+    runner = _Runner(lambda: client.put(key, value))
+    _wait_blocked(r, paused, runner)
+    assert not r.exists(observer.index.prefix + "o:" + key), "committed before the hold"
     client.close()
     stored_at_close = observer.exists(key)
     outcome = runner.outcome(30)
@@ -171,19 +169,48 @@ def test_a_put_whose_put_start_waits_on_the_index_at_close_stores_nothing_and_sa
     client.put(_key("warm"), b"x")
     key = _key("early")
     value = np.random.default_rng(3).integers(0, 256, 8 * MiB, dtype=np.uint8)
-    r.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+    paused = _hold_on_the_server(client, "put_start", r, 1500)
     runner = _Runner(lambda: client.put(key, value))
-    deadline = time.monotonic() + 1.2
-    while r.info("clients")["blocked_clients"] < 1 and time.monotonic() < deadline and not runner.done.is_set():
-        time.sleep(0.002)
-    if r.info("clients")["blocked_clients"] < 1:
-        pytest.skip("never caught the put waiting on its put_start")
+    _wait_blocked(r, paused, runner)
     client.close()
     outcome = runner.outcome(30)
     assert outcome == "MooncakeError: client is closed", outcome
     assert not observer.exists(key)
     assert not r.keys(prefix + "pend:*"), "the cut put's pending record was left behind"
     assert _live_index_connections(client) == 0
+
+
+def test_close_waits_for_a_cut_put_to_revoke_its_pending_record(
+    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    """close() cuts a put's transfers and then waits for the put's index work (client/in_flight.py):
+    the cut put revokes its pending record before the index is closed. Without that wait the
+    index closed first and the record stayed until its TTL (3 x timeout_s), naming a reservation
+    no put would commit. The put's write is held (a wrapper that waits for close() to begin, and
+    a little longer, then calls the real write, which the close has cut)."""
+    agent = _quiet_agent(make_inproc_agent)
+    observer = clients(agent)
+    r, prefix = observer.index.redis, observer.index.prefix
+    client = clients(agent, transports=("tcp",))
+    client.put(_key("warm"), b"x")
+    real_write = client._tcp.write_from
+    writing = threading.Event()
+
+    def write_after_close(*args: Any, **kwargs: Any) -> Any:
+        writing.set()
+        assert wait_until(lambda: client._closed, 10)
+        time.sleep(0.3)  # close() would be done by now, had it not waited for this put
+        return real_write(*args, **kwargs)
+
+    client._tcp.write_from = write_after_close  # type: ignore[method-assign]
+    key = _key("cut")
+    runner = _Runner(lambda: client.put(key, np.ones(MiB, np.uint8)))
+    assert writing.wait(10), "the put never wrote"
+    assert r.keys(prefix + "pend:*"), "no pending record while the put writes"
+    client.close()
+    assert runner.outcome(10) == "MooncakeError: client is closed"
+    assert not r.keys(prefix + "pend:*"), "close() closed the index before the cut put revoked its record"
+    assert not observer.exists(key)
 
 
 def test_a_prefix_store_past_its_transfers_is_not_committed_after_cache_close_returned(
@@ -198,24 +225,16 @@ def test_a_prefix_store_past_its_transfers_is_not_committed_after_cache_close_re
     before PrefixCache.close() returns, and the store's outcome matches what is stored then."""
     agent = _quiet_agent(make_inproc_agent)
     observer = clients(agent)
-    r, prefix = observer.index.redis, observer.index.prefix
+    r = observer.index.redis
     client = clients(agent, transports=("tcp",))
     client.put(_key("warm"), b"x")
     chunks = [np.full(4 * MiB, i, np.uint8) for i in range(4)]
     tokens = list(range(16))
-    held = None
-    for trial in range(4):
-        cache = PrefixCache(client, f"rv9-late-{trial}", chunk_tokens=4)
-        runner = _Runner(lambda cache=cache: cache.store(tokens, chunks))
-        if _hold_at_commit(r, prefix, runner, 1500):
-            held = (cache, runner)
-            break
-        runner.outcome(30)
-        cache.close()
-        time.sleep(1.6)
-    if held is None:
-        pytest.skip("never caught a store between its transfers and its commit")
-    cache, runner = held
+    cache = PrefixCache(client, "rv9-late", chunk_tokens=4)
+    paused = _hold_on_the_server(client, "put_commit", r, 1500)
+    runner = _Runner(lambda: cache.store(tokens, chunks))
+    _wait_blocked(r, paused, runner)
+    assert not any(r.exists(observer.index.prefix + "o:" + k) for k in cache.keys(tokens))  # plain reads: not paused
     cache.close()
     stored_at_close = [observer.exists(k) for k in cache.keys(tokens)]
     outcome = runner.outcome(30)
