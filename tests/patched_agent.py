@@ -7,9 +7,12 @@ tests/integration/conftest.py."""
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 from mooncake_store import LocalCluster
+from mooncake_store.transport import frames
+from mooncake_store.transport.tcp import parse_endpoint
 
 #: Runs the agent's own main() after setting, in the agent process, what the JSON in argv[1] asks:
 #: constants of agent/server.py and agent/refusals.py, the server's timeout (``timeout_s``) and
@@ -49,3 +52,18 @@ class PatchedCluster(LocalCluster):
         cmd = super().agent_command(node_id, zone, extra)
         assert cmd[1:3] == ["-m", "mooncake_store.agent"], cmd[:3]
         return [cmd[0], "-c", PATCHED_MAIN, json.dumps(self.patch), *cmd[3:]]
+
+
+def agent_address(cluster: LocalCluster) -> tuple[str, int]:
+    """(host, port) of the cluster's first agent."""
+    return parse_endpoint(cluster.agents[0].endpoint)
+
+
+def connect_raw(cluster: LocalCluster, timeout_s: float = 5.0) -> socket.socket:
+    """A plain socket to the first agent, for frames written by hand."""
+    return socket.create_connection(agent_address(cluster), timeout=timeout_s)
+
+
+def read_reply(sock: socket.socket) -> tuple[int, int, int, int, int]:
+    """One reply header: (op, status, a, b, c)."""
+    return frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))

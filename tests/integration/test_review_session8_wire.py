@@ -38,13 +38,14 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from helpers import wait_until
+from patched_agent import agent_address, connect_raw, read_reply
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.tiers.host import segment_digest
 from mooncake_store.transport import frames, tcp
 from mooncake_store.transport.frames import Op, Status
-from mooncake_store.transport.tcp import PeerConnections, ReadRequest, parse_endpoint
+from mooncake_store.transport.tcp import PeerConnections, ReadRequest
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -52,16 +53,6 @@ U64_MAX = (1 << 64) - 1
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-def _address(cluster: LocalCluster) -> tuple[str, int]:
-    return parse_endpoint(cluster.agents[0].endpoint)
-
-
-def _connect(cluster: LocalCluster, timeout_s: float = 5.0) -> socket.socket:
-    return socket.create_connection(_address(cluster), timeout=timeout_s)
-
-
-def _reply(sock: socket.socket) -> tuple[int, int, int, int, int]:
-    return frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
 
 
 def _closed_by_agent(sock: socket.socket) -> bool:
@@ -83,7 +74,7 @@ def _agent_threads(cluster: LocalCluster) -> int:
 def _agent_side_connections(cluster: LocalCluster) -> int:
     """TCP connections whose local end is the agent's port, ESTABLISHED or CLOSE_WAIT (a socket
     the peer closed and the agent has not): the agent's served connections, leaked or not."""
-    port = _address(cluster)[1]
+    port = agent_address(cluster)[1]
     count = 0
     with open("/proc/net/tcp") as table:
         next(table)
@@ -159,10 +150,10 @@ def test_a_client_turned_away_at_the_connection_limit_is_told_the_limit(
     peer = _peer(cluster)
     try:
         for _ in range(4):
-            sock = _connect(cluster)
+            sock = connect_raw(cluster)
             held.append(sock)
             sock.sendall(frames.pack(Op.PING))
-            assert _reply(sock)[1] == Status.OK  # served: it counts against the limit
+            assert read_reply(sock)[1] == Status.OK  # served: it counts against the limit
         with pytest.raises(MooncakeError) as info:
             peer.ping()
         message = str(info.value)
@@ -189,17 +180,17 @@ def test_refused_idle_and_half_open_connections_leak_nothing(start_agent: Callab
     held: list[socket.socket] = []
     try:
         for i in range(4):
-            sock = _connect(cluster)
+            sock = connect_raw(cluster)
             held.append(sock)
             if i == 0:
                 sock.sendall(frames.pack(Op.PING)[:10])  # half a header, then silence
             else:
                 sock.sendall(frames.pack(Op.PING))
-                assert _reply(sock)[1] == Status.OK
+                assert read_reply(sock)[1] == Status.OK
         for _ in range(30):  # each turned away at once
-            with _connect(cluster) as extra:
+            with connect_raw(cluster) as extra:
                 extra.sendall(frames.pack(Op.PING))
-                assert _reply(extra)[:3] == (Op.PING | frames.REPLY_BIT, Status.BUSY, 4)
+                assert read_reply(extra)[:3] == (Op.PING | frames.REPLY_BIT, Status.BUSY, 4)
                 assert _closed_by_agent(extra)
         # The idle ones (1 s) and the half-open one (the server's 1 s timeout) are closed by the agent.
         for sock in held:
@@ -231,7 +222,7 @@ def test_connections_past_the_descriptor_limit_are_refused_not_left_hanging(
     hung_at: int | None = None
     try:
         for i in range(130):  # bounded: past 96 descriptors, whatever the agent had open before
-            sock = _connect(cluster, timeout_s=3.0)
+            sock = connect_raw(cluster, timeout_s=3.0)
             held.append(sock)
             sock.sendall(frames.pack(Op.PING))
             try:
@@ -276,7 +267,7 @@ def test_a_write_trickled_one_byte_per_timeout_does_not_hold_its_reservation_for
     used_while_trickling = baseline
     try:
         (res,) = peer.reserve([(1 * MiB, uuid.uuid4().bytes)], node_id=cluster.agents[0].node_id)
-        with _connect(cluster) as sock:
+        with connect_raw(cluster) as sock:
             sock.sendall(frames.pack(Op.WRITE, 0, res.alloc_id, res.offset, 1 * MiB))
             started = time.monotonic()
             while time.monotonic() - started < 8.0:
@@ -326,9 +317,9 @@ def test_a_read_whose_reader_trickles_does_not_hold_its_allocation_forever(
         peer.write(res.alloc_id, res.offset, memoryview(np.ones(size, np.uint8)))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * KiB)  # before connect: the window
         sock.settimeout(5)
-        sock.connect(_address(cluster))
+        sock.connect(agent_address(cluster))
         sock.sendall(frames.pack(Op.READ, 0, res.alloc_id, res.offset, size))
-        assert _reply(sock)[1] == Status.OK
+        assert read_reply(sock)[1] == Status.OK
         started = time.monotonic()
 
         def trickle() -> None:
@@ -416,7 +407,7 @@ def test_a_peer_speaking_another_version_or_op_is_told_before_the_close(
     }
     silent: list[str] = []
     for name, (frame, statuses) in cases.items():
-        with _connect(cluster) as sock:
+        with connect_raw(cluster) as sock:
             sock.sendall(frame)
             try:
                 raw = sock.recv(frames.HEADER_BYTES)
@@ -446,26 +437,26 @@ def test_u64_fields_at_and_past_their_limits_are_refused_cleanly(
     client = make_client(cluster, transports=("tcp",))
     baseline = _host_used(client)
     arena = cluster.host_bytes
-    with _connect(cluster) as sock:
+    with connect_raw(cluster) as sock:
         for a, b, c in ((U64_MAX, U64_MAX, U64_MAX), (1, U64_MAX, 2), (1, arena - 1, 2), (1, 0, arena + 1)):
             sock.sendall(frames.pack(Op.READ, 0, a, b, c))
-            assert _reply(sock)[:2] == (Op.READ | frames.REPLY_BIT, Status.STALE), (a, b, c)
+            assert read_reply(sock)[:2] == (Op.READ | frames.REPLY_BIT, Status.STALE), (a, b, c)
         # A WRITE into no reservation, inside the arena: drained, then STALE.
         sock.sendall(frames.pack(Op.WRITE, 0, 12345, 64, 4096) + b"\x01" * 4096)
-        assert _reply(sock)[:2] == (Op.WRITE | frames.REPLY_BIT, Status.STALE)
+        assert read_reply(sock)[:2] == (Op.WRITE | frames.REPLY_BIT, Status.STALE)
         entries = b"".join(frames.RESERVE_ENTRY.pack(U64_MAX, b"h" * 16) for _ in range(frames.MAX_BATCH))
         sock.sendall(frames.pack(Op.RESERVE, frames.MAX_BATCH, 0, 0) + entries)
-        _, status, _, _, capacity = _reply(sock)
+        _, status, _, _, capacity = read_reply(sock)
         assert (status, capacity) == (Status.NO_CAPACITY, arena)
         entries = b"".join(frames.RESERVE_ENTRY.pack(0, b"z%015d" % i) for i in range(frames.MAX_BATCH))
         sock.sendall(frames.pack(Op.RESERVE, frames.MAX_BATCH, 0, 0) + entries)
-        assert _reply(sock)[1] == Status.OK
+        assert read_reply(sock)[1] == Status.OK
         ids = [alloc for _, alloc in frames.RESERVE_REPLY.iter_unpack(frames.recv_exact(sock, 16 * frames.MAX_BATCH))]
         assert len(set(ids)) == frames.MAX_BATCH
         sock.sendall(frames.pack(Op.FREE, frames.MAX_BATCH) + frames.pack_ids(ids))
-        assert _reply(sock)[2] == frames.MAX_BATCH
+        assert read_reply(sock)[2] == frames.MAX_BATCH
         sock.sendall(frames.pack(Op.PING))
-        assert _reply(sock)[:3] == (Op.PING | frames.REPLY_BIT, Status.OK, frames.VERSION)
+        assert read_reply(sock)[:3] == (Op.PING | frames.REPLY_BIT, Status.OK, frames.VERSION)
     assert _used_becomes(client, baseline)
     _healthy(client, 3)
 
@@ -487,13 +478,13 @@ def test_a_torn_write_a_cut_reserve_and_an_unread_reply_leave_the_arena_as_it_wa
     peer = _peer(cluster)
     try:
         (res,) = peer.reserve([(1 * MiB, uuid.uuid4().bytes)], node_id=cluster.agents[0].node_id)
-        with _connect(cluster) as sock:
+        with connect_raw(cluster) as sock:
             sock.sendall(frames.pack(Op.WRITE, 0, res.alloc_id, res.offset, 1 * MiB) + b"\xee" * (300 * KiB))
-        with _connect(cluster) as sock:  # two entries announced, one sent
+        with connect_raw(cluster) as sock:  # two entries announced, one sent
             sock.sendall(frames.pack(Op.RESERVE, 2, 0, 0) + frames.RESERVE_ENTRY.pack(4096, b"c" * 16))
-        with _connect(cluster) as sock:  # granted, never read
+        with connect_raw(cluster) as sock:  # granted, never read
             sock.sendall(frames.pack(Op.RESERVE, 1, 0, 0) + frames.RESERVE_ENTRY.pack(2 * MiB, b"u" * 16))
-            assert _reply(sock)[1] == Status.OK
+            assert read_reply(sock)[1] == Status.OK
         assert _used_becomes(client, baseline), "abandoned reservations were not reclaimed"
         with pytest.raises(MooncakeError):
             _read(peer, res.alloc_id, res.offset, 16)
@@ -527,9 +518,9 @@ def test_a_read_under_way_keeps_its_bytes_through_a_concurrent_free(
         peer.write(res.alloc_id, res.offset, memoryview(original))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * KiB)  # before connect: a small window
         sock.settimeout(10)
-        sock.connect(_address(cluster))
+        sock.connect(agent_address(cluster))
         sock.sendall(frames.pack(Op.READ, 0, res.alloc_id, res.offset, size))
-        assert _reply(sock)[1] == Status.OK
+        assert read_reply(sock)[1] == Status.OK
         got = bytearray(size)
         view = memoryview(got)
         frames.recv_into_exact(sock, view[: 1 * MiB])
@@ -541,7 +532,7 @@ def test_a_read_under_way_keeps_its_bytes_through_a_concurrent_free(
         assert bytes(got) == original.tobytes(), "a READ under way saw its bytes reused"
         view.release()
         sock.sendall(frames.pack(Op.PING))
-        assert _reply(sock)[1] == Status.OK
+        assert read_reply(sock)[1] == Status.OK
         sock.close()
         assert peer.free([res2.alloc_id]) == 1
         assert _used_becomes(client, baseline), "the doomed allocation was not released after its READ"
@@ -581,17 +572,17 @@ def test_fences_are_per_connection_and_end_with_it(
     peer = _peer(cluster)
     try:
         (res,) = peer.reserve([(64 * KiB, uuid.uuid4().bytes)], node_id=cluster.agents[0].node_id)
-        with _connect(cluster) as holder, _connect(cluster) as other:
+        with connect_raw(cluster) as holder, connect_raw(cluster) as other:
             ids = [res.alloc_id, committed_id, res.alloc_id + 777_777, res.alloc_id]
             holder.sendall(frames.pack(Op.FENCE, len(ids)) + frames.pack_ids(ids))
-            _, status, digest, count, _ = _reply(holder)
+            _, status, digest, count, _ = read_reply(holder)
             assert (status, count) == (Status.OK, len(ids))
             assert digest == segment_digest(cluster.agents[0].shm_name)
             assert list(frames.recv_exact(holder, count)) == [1, 0, 0, 0]
             other.sendall(frames.pack(Op.UNFENCE, 1) + frames.pack_ids([res.alloc_id]))
-            assert _reply(other)[3] == 1 and list(frames.recv_exact(other, 1)) == [0]
+            assert read_reply(other)[3] == 1 and list(frames.recv_exact(other, 1)) == [0]
             other.sendall(frames.pack(Op.FREE, 1) + frames.pack_ids([res.alloc_id]))
-            assert _reply(other)[2] == 1
+            assert read_reply(other)[2] == 1
             assert wait_until(lambda: _stale(peer, res.alloc_id, res.offset), 5)
             time.sleep(1.5)  # past the reservation timeout and IDLE_CLOSE_S
             assert _host_used(client) > baseline, "a fenced reservation's memory was reused"
@@ -600,7 +591,7 @@ def test_fences_are_per_connection_and_end_with_it(
                 lambda: bool(re.search(rf":{holder_port} holds 1 fence\(s\)", cluster.agents[0].log_tail(20_000))), 3
             ), "the agent kept a stalled fence holder past IDLE_CLOSE_S without a word"
             holder.sendall(frames.pack(Op.UNFENCE, 1) + frames.pack_ids([res.alloc_id]))
-            assert _reply(holder)[3] == 1 and list(frames.recv_exact(holder, 1)) == [0]
+            assert read_reply(holder)[3] == 1 and list(frames.recv_exact(holder, 1)) == [0]
         assert _used_becomes(client, baseline)
     finally:
         peer.close()
@@ -622,9 +613,9 @@ def test_a_fence_holder_that_dies_gives_its_reservations_back(
             [(256 * KiB, uuid.uuid4().bytes) for _ in range(4)], node_id=cluster.agents[0].node_id
         )
         ids = [r.alloc_id for r in reservations]
-        with _connect(cluster) as holder:
+        with connect_raw(cluster) as holder:
             holder.sendall(frames.pack(Op.FENCE, len(ids)) + frames.pack_ids(ids))
-            assert _reply(holder)[3] == len(ids) and list(frames.recv_exact(holder, len(ids))) == [1] * 4
+            assert read_reply(holder)[3] == len(ids) and list(frames.recv_exact(holder, len(ids))) == [1] * 4
             # Dies with an UNFENCE half sent.
             holder.sendall(frames.pack(Op.UNFENCE, len(ids)) + frames.pack_ids(ids)[:12])
         assert _used_becomes(client, baseline), "fences of a closed connection kept their memory"

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from patched_agent import connect_raw, read_reply
 from redis_proxy import QUIET, RedisProxy, idle_pressure
 
 from mooncake_store import Client, LocalCluster, MooncakeError, connect
@@ -36,7 +37,7 @@ from mooncake_store.errors import AgentBusy
 from mooncake_store.index.schema import decode_replicas
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
-from mooncake_store.transport.tcp import PeerConnections, parse_endpoint
+from mooncake_store.transport.tcp import PeerConnections
 from mooncake_store.types import TierKind
 
 KiB = 1 << 10
@@ -228,14 +229,6 @@ def test_a_prefix_store_refused_at_count_in_gives_its_room_back(
     )
 
 
-def _connect(cluster: LocalCluster, timeout_s: float = 5.0) -> socket.socket:
-    return socket.create_connection(parse_endpoint(cluster.agents[0].endpoint), timeout=timeout_s)
-
-
-def _reply(sock: socket.socket) -> tuple[int, int, int, int, int]:
-    return frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
-
-
 def _agent_fds(cluster: LocalCluster) -> int:
     return len(os.listdir(f"/proc/{cluster.agents[0].pid}/fd"))
 
@@ -253,18 +246,18 @@ def test_a_refused_write_that_declares_a_huge_length_and_sends_nothing_does_not_
     the limit is closed without a reply, so PeerConnections raises a TransferError instead of
     AgentBusy, and the two descriptors stay open in the agent."""
     cluster = start_agent({"MAX_CONNECTIONS": 1, "MAX_REFUSALS": 2, "timeout_s": 2.0})
-    held = _connect(cluster)
+    held = connect_raw(cluster)
     held.sendall(frames.pack(Op.PING))
-    assert _reply(held)[1] == Status.OK
+    assert read_reply(held)[1] == Status.OK
     fds_before = _agent_fds(cluster)
     silent: list[socket.socket] = []
     peer = PeerConnections(cluster.agents[0].endpoint, timeout_s=5, max_idle=1)
     try:
         for _ in range(2):
-            sock = _connect(cluster)
+            sock = connect_raw(cluster)
             silent.append(sock)
             sock.sendall(frames.pack(Op.WRITE, 0, 12345, 0, 1 << 40))  # and not one payload byte
-            assert _reply(sock)[:3] == (Op.WRITE | frames.REPLY_BIT, Status.BUSY, 1)
+            assert read_reply(sock)[:3] == (Op.WRITE | frames.REPLY_BIT, Status.BUSY, 1)
         # Past REFUSE_LINGER_S (1 s) and the server's own timeout (2 s) for a silent request.
         time.sleep(4.5)
         fds_after = _agent_fds(cluster)
@@ -304,10 +297,10 @@ def test_a_get_with_replicas_on_a_busy_agent_and_a_healthy_one_reads_the_healthy
     finally:
         writer.close()
     reader = connect(redis_url, namespace=ns, transports=("tcp",), timeout_s=5.0)
-    held = _connect(busy)
+    held = connect_raw(busy)
     try:
         held.sendall(frames.pack(Op.PING))
-        assert _reply(held)[1] == Status.OK
+        assert read_reply(held)[1] == Status.OK
         got = reader.get_many(list(both))
         assert all(np.array_equal(g, v) for g, v in zip(got, both.values(), strict=True))
         assert np.array_equal(reader.get("both-0"), both["both-0"])

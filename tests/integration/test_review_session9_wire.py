@@ -31,44 +31,33 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from helpers import wait_until
+from patched_agent import agent_address, connect_raw, read_reply
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity, StaleLocation
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
-from mooncake_store.transport.tcp import PeerConnections, ReadRequest, parse_endpoint
+from mooncake_store.transport.tcp import PeerConnections, ReadRequest
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-
-def _address(cluster: LocalCluster) -> tuple[str, int]:
-    return parse_endpoint(cluster.agents[0].endpoint)
-
-
-def _connect(cluster: LocalCluster, timeout_s: float = 5.0) -> socket.socket:
-    return socket.create_connection(_address(cluster), timeout=timeout_s)
-
-
-def _reply(sock: socket.socket) -> tuple[int, int, int, int, int]:
-    return frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
 
 
 def _fill(cluster: LocalCluster, count: int) -> list[socket.socket]:
     """``count`` served connections (each answered a PING), held open by the caller."""
     held: list[socket.socket] = []
     for _ in range(count):
-        sock = _connect(cluster)
+        sock = connect_raw(cluster)
         held.append(sock)
         sock.sendall(frames.pack(Op.PING))
-        assert _reply(sock)[1] == Status.OK
+        assert read_reply(sock)[1] == Status.OK
     return held
 
 
 def _agent_side(cluster: LocalCluster, states: tuple[str, ...]) -> int:
     """TCP sockets whose local end is the agent's port, in ``states`` (/proc/net/tcp codes:
     01 ESTABLISHED, 06 TIME_WAIT, 08 CLOSE_WAIT)."""
-    port = _address(cluster)[1]
+    port = agent_address(cluster)[1]
     count = 0
     with open("/proc/net/tcp") as table:
         next(table)
@@ -83,7 +72,7 @@ def _agent_fds(cluster: LocalCluster) -> int:
     """Descriptors the agent holds for TCP sockets on its own port (the served and refused
     connections and the listener): counted by socket inode, so that a Redis connection the agent
     opens or closes meanwhile on its own (its pool, under load) does not count."""
-    port = _address(cluster)[1]
+    port = agent_address(cluster)[1]
     inodes: set[str] = set()
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(FileNotFoundError), open(name) as table:
@@ -127,7 +116,7 @@ def test_a_refused_write_whose_payload_takes_over_a_second_is_still_told_busy(
     send_error: OSError | None = None
     reply: tuple[int, ...] | None = None
     try:
-        with _connect(cluster, timeout_s=10.0) as sock:
+        with connect_raw(cluster, timeout_s=10.0) as sock:
             sock.sendall(frames.pack(Op.WRITE, 0, 12345, 0, size))
             chunk = bytes(256 * KiB)
             started = time.monotonic()
@@ -139,7 +128,7 @@ def test_a_refused_write_whose_payload_takes_over_a_second_is_still_told_busy(
             except OSError as exc:
                 send_error = exc
             try:
-                reply = _reply(sock)
+                reply = read_reply(sock)
             except (OSError, MooncakeError):
                 reply = None
     finally:
@@ -234,7 +223,7 @@ def test_a_flood_of_refused_connections_leaks_nothing_and_does_not_hold_up_stop(
     answered: list[tuple[int, ...]] = []
     try:
         for i in range(40):
-            sock = _connect(cluster)
+            sock = connect_raw(cluster)
             flood.append(sock)
             kind = i % 5
             # Past MAX_REFUSALS the agent closes at once, and may have by now (EPIPE, ECONNRESET,
@@ -281,7 +270,7 @@ def test_a_flood_of_refused_connections_leaks_nothing_and_does_not_hold_up_stop(
     assert wait_until(slots_free, 6)
     # stop() while refusals are pending: the agent exits at once, cleanly.
     filler = _fill(cluster, 2)
-    pending = [_connect(cluster) for _ in range(10)]
+    pending = [connect_raw(cluster) for _ in range(10)]
     try:
         time.sleep(0.2)
         process = cluster.agents[0].process
