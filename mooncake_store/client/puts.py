@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,7 @@ from mooncake_store.errors import (
     NoCapacity,
     ObjectPinned,
     ReservationExpired,
+    StaleLocation,
     TransferError,
 )
 from mooncake_store.index.client import PendingPut
@@ -170,6 +171,19 @@ class _ReplicaWriteFailed(Exception):
         super().__init__(f"{node_id}: {error}")
         self.node_id = node_id
         self.error = error
+
+
+@contextlib.contextmanager
+def _failing_node(node_id: str) -> Iterator[None]:
+    """A replica write (or its fence's reply) that fails at its agent, which died or broke after
+    granting the room, as _ReplicaWriteFailed naming the node. A reservation the agent no longer
+    holds (StaleLocation, ReservationExpired) is no failure of the node: it stays as it is."""
+    try:
+        yield
+    except StaleLocation:
+        raise
+    except (TransferError, ConnectError) as exc:
+        raise _ReplicaWriteFailed(node_id, exc) from exc
 
 
 class PutPath:
@@ -320,20 +334,20 @@ class PutPath:
             client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))
             started = True
             for replica, plan in elsewhere:
-                try:
+                with _failing_node(replica.node_id):
                     self._write_replica(nodes[replica.node_id], replica, plan)
-                except (TransferError, ConnectError) as exc:
-                    raise _ReplicaWriteFailed(replica.node_id, exc) from exc
             for part in fences:
-                self._copy_fenced(part)
-                part.fence.unfence()
+                with _failing_node(part.node.node_id):
+                    self._copy_fenced(part)
+                    part.fence.unfence()
             # Every UNFENCE is out before the first reply is read (agents answer in parallel), and
             # every reply is read before put_commit: a reservation the agent freed while it was
             # fenced must not be committed. The index alone would not refuse it: a sync that ran
             # before put_start (a writer that stalled) found no pending record to revoke ("G") and
             # freed the reservation, and the pending record written after it is then committed.
             for part in fences:
-                self._check_landed(part)
+                with _failing_node(part.node.node_id):
+                    self._check_landed(part)
             checksums = [p.checksum() for p in plans]
             # Not after close(): it cut the transfers of others, and this one must not be the
             # exception because its bytes were already out (client/in_flight.py).
