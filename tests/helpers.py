@@ -155,10 +155,10 @@ def count_read_requests(peer: Any) -> list[int]:
 def write_fenced(puts: Any, node: Any, group: list[Any]) -> None:
     """A writer's same-host copies of ``group`` ((replica, plan) pairs) into ``node``'s arena as
     a put makes them (FENCE, copy, UNFENCE), without the index steps around them."""
-    parts = puts._fence(node, group)
+    parts = puts.writes.fence(node, group)
     try:
         for part in parts:
-            puts._copy_fenced(part)
+            puts.writes.copy_fenced(part)
             part.fence.unfence()
         for part in parts:
             part.fence.finish()

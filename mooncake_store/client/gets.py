@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mooncake_store.client.puts import checksum_of
+from mooncake_store.client.replica_writes import checksum_of
 from mooncake_store.errors import (
     AgentBusy,
     ConnectError,

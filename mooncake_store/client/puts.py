@@ -3,7 +3,8 @@
 reserve on the chosen agents (one RESERVE frame per agent) → PENDING records (one index round
 trip) → bytes (a memcpy into a same-host arena, a device-to-device copy into a same-host GPU tier,
 or TCP) → commit (one index round trip). Anything that fails after the reservation is undone by
-:meth:`PutPath.abandon`, which can never free a live object.
+:meth:`PutPath.abandon`, which can never free a live object. The bytes are moved by
+client/replica_writes.py.
 
 The checksum a put commits is taken of its bytes where they landed, not of the caller's value:
 the value is read in place, and a caller that changes it while the put runs must still get an
@@ -24,13 +25,18 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import xxhash
-
 from mooncake_store.client.buffers import Source, as_source
+from mooncake_store.client.replica_writes import (
+    FencedPart,
+    ReplicaWriteFailed,
+    ReplicaWriter,
+    checksum_of,
+    failing_node,
+)
 from mooncake_store.errors import (
     AgentBusy,
     ConnectError,
@@ -40,16 +46,13 @@ from mooncake_store.errors import (
     NoCapacity,
     ObjectPinned,
     ReservationExpired,
-    StaleLocation,
     TransferError,
 )
 from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes, tier_capacity
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
-from mooncake_store.transport import frames
 from mooncake_store.transport.cancel import current_cancel, running_under
-from mooncake_store.transport.tcp import Fence
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
 if TYPE_CHECKING:
@@ -60,10 +63,6 @@ log = logging.getLogger("mooncake.client")
 
 #: RESERVE tier numbers on the wire (transport/frames.py).
 WIRE_TIER = {TierKind.HOST: 0, TierKind.GPU: 1}
-
-
-def checksum_of(view: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(view)
 
 
 @dataclass(slots=True)
@@ -130,15 +129,6 @@ class PlannedPut:
         )
 
 
-@dataclass(slots=True)
-class _FencedPart:
-    """Same-host puts into one agent's arena, with the Fence that covers their copies."""
-
-    node: NodeInfo
-    puts: list[tuple[Replica, PlannedPut]]
-    fence: Fence
-
-
 #: Largest chain position: the index's scripts print numbers with 14 significant digits.
 MAX_CHAIN_POS = 10**14 - 1
 
@@ -163,32 +153,10 @@ def check_chain_meta(items: object, chain_pos: object, chain_parent: object) -> 
             raise InvalidKey(f"chain_parent of {key!r:.80}: {exc}") from None
 
 
-class _ReplicaWriteFailed(Exception):
-    """A replica's write failed at its agent (``error``): PutPath.run places the put again without
-    ``node_id``. Never seen outside this module."""
-
-    def __init__(self, node_id: str, error: MooncakeError) -> None:
-        super().__init__(f"{node_id}: {error}")
-        self.node_id = node_id
-        self.error = error
-
-
-@contextlib.contextmanager
-def _failing_node(node_id: str) -> Iterator[None]:
-    """A replica write (or its fence's reply) that fails at its agent, which died or broke after
-    granting the room, as _ReplicaWriteFailed naming the node. A reservation the agent no longer
-    holds (StaleLocation, ReservationExpired) is no failure of the node: it stays as it is."""
-    try:
-        yield
-    except StaleLocation:
-        raise
-    except (TransferError, ConnectError) as exc:
-        raise _ReplicaWriteFailed(node_id, exc) from exc
-
-
 class PutPath:
     def __init__(self, client: Client) -> None:
         self.client = client
+        self.writes = ReplicaWriter(client)
 
     # ---- planning ---------------------------------------------------------------------------
     def plan(
@@ -260,7 +228,7 @@ class PutPath:
             try:
                 self._put_once(plans, replicas, preferred_node)
                 return
-            except _ReplicaWriteFailed as failed:
+            except ReplicaWriteFailed as failed:
                 # The attempt was abandoned; its agent died or broke after granting the room. Place
                 # the put again without that node, as often as max_retries allows; never without
                 # the node the caller pinned it to.
@@ -317,7 +285,7 @@ class PutPath:
         """The rest of one attempt, from put_start to the commit (or the revoke of what it
         abandoned), counted in by _put_once."""
         started = False
-        fences: list[_FencedPart] = []
+        fences: list[FencedPart] = []
         try:
             same_host: dict[str, list[tuple[Replica, PlannedPut]]] = {}
             elsewhere: list[tuple[Replica, PlannedPut]] = []
@@ -330,15 +298,15 @@ class PutPath:
                         elsewhere.append((replica, plan))
             # The FENCEs go out first and their replies are read after put_start's round trip.
             for node_id, group in same_host.items():
-                fences += self._fence(nodes[node_id], group)
+                fences += self.writes.fence(nodes[node_id], group)
             client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))
             started = True
             for replica, plan in elsewhere:
-                with _failing_node(replica.node_id):
-                    self._write_replica(nodes[replica.node_id], replica, plan)
+                with failing_node(replica.node_id):
+                    self.writes.write_replica(nodes[replica.node_id], replica, plan)
             for part in fences:
-                with _failing_node(part.node.node_id):
-                    self._copy_fenced(part)
+                with failing_node(part.node.node_id):
+                    self.writes.copy_fenced(part)
                     part.fence.unfence()
             # Every UNFENCE is out before the first reply is read (agents answer in parallel), and
             # every reply is read before put_commit: a reservation the agent freed while it was
@@ -346,8 +314,8 @@ class PutPath:
             # before put_start (a writer that stalled) found no pending record to revoke ("G") and
             # freed the reservation, and the pending record written after it is then committed.
             for part in fences:
-                with _failing_node(part.node.node_id):
-                    self._check_landed(part)
+                with failing_node(part.node.node_id):
+                    self.writes.check_landed(part)
             checksums = [p.checksum() for p in plans]
             # Not after close(): it cut the transfers of others, and this one must not be the
             # exception because its bytes were already out (client/in_flight.py).
@@ -508,97 +476,6 @@ class PutPath:
         return Replica(
             node_id=node_id, tier=tier, offset=offset, size_bytes=size, alloc_id=alloc_id, state=ReplicaState.PENDING
         )
-
-    def _fence(self, node: NodeInfo, group: list[tuple[Replica, PlannedPut]]) -> list[_FencedPart]:
-        """Send the FENCEs of same-host puts into one agent's shared arena (one per MAX_BATCH of
-        them, each on a connection of its own); _copy_fenced reads each reply and copies. The
-        arena is mapped first: mapping a large one must not happen while fences are held."""
-        client = self.client
-        client._shm.segment(node.shm_name, client._arena_bytes(node))
-        peer = client._tcp.peer(node.tcp_endpoint)
-        parts: list[_FencedPart] = []
-        try:
-            for start in range(0, len(group), frames.MAX_BATCH):
-                part = group[start : start + frames.MAX_BATCH]
-                parts.append(_FencedPart(node, part, Fence(peer, [r.alloc_id for r, _ in part], node.shm_name)))
-        except BaseException:
-            for made in parts:
-                made.fence.abort()
-            raise
-        return parts
-
-    @staticmethod
-    def _check_landed(part: _FencedPart) -> None:
-        """Read a part's UNFENCE reply; ReservationExpired (the put is placed again) when the agent
-        freed one of its reservations while it was fenced (what was copied into it is void)."""
-        still = part.fence.finish()
-        gone = [plan.key for replica, plan in part.puts if not still.get(replica.alloc_id, True)]
-        if gone:
-            raise ReservationExpired(
-                f"{len(gone)} reservation(s) on {part.node.node_id} were freed while their bytes were "
-                f"copied (first key {gone[0]!r})"
-            )
-
-    def _copy_fenced(self, part: _FencedPart) -> None:
-        """Same-host puts, each one memcpy into the agent's arena, into the reservations the agent
-        fenced: one it freed meanwhile (this writer stalled past its timeout, or the agent was
-        reaped and let its reservations go) is not written, so the bytes never land in a block
-        handed to another object. Raises ReservationExpired (the put is placed again) when a
-        reservation was gone."""
-        client, node = self.client, part.node
-        fenced = part.fence.fenced()
-        if fenced is None:
-            # The agent and the segment its row names are not the same (say, an advertise address
-            # that reaches another agent's namesake): its own transport, TCP, still is.
-            log.warning("agent %s does not own segment %s; writing over TCP", node.node_id, node.shm_name)
-            for replica, plan in part.puts:
-                self._write_tcp(node, replica, plan, plan.source.view)  # type: ignore[union-attr]  # a Source
-            return
-        if not all(fenced):
-            raise ReservationExpired(
-                f"{fenced.count(False)} reservation(s) on {node.node_id} were gone before their bytes landed "
-                f"(first key {part.puts[fenced.index(False)][1].key!r})"
-            )
-        for replica, plan in part.puts:
-            view = plan.source.view  # type: ignore[union-attr]
-            try:
-                plan.landed.append(
-                    client._shm.write_from(node.shm_name, client._arena_bytes(node), replica.offset, view)
-                )
-            except OSError as exc:  # the segment could not be mapped again (unmapped meanwhile)
-                raise TransferError(f"copy of {plan.key!r} into {node.shm_name} failed: {exc}") from None
-
-    def _write_replica(self, node: NodeInfo, replica: Replica, plan: PlannedPut) -> None:
-        client = self.client
-        if plan.size_bytes == 0:
-            return
-        src = plan.source
-        if not isinstance(src, Source):
-            try:
-                client._gpu_segments().write(node, replica, src.pointer, src.size_bytes)
-                return
-            except TransferError as exc:
-                # The IPC mapping failed (GpuSegments remembers it): the agent takes the bytes over
-                # TCP into its GPU reservation instead, staged through host memory once.
-                from mooncake_store.client.device import to_host_bytes
-
-                log.info("device put of %s through CUDA IPC failed (%s); sending it over TCP", plan.key, exc)
-                staged = memoryview(to_host_bytes(src))
-                client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, staged)
-        else:
-            # Over TCP the agent fences the reservation while the payload arrives (same-host writes
-            # into its shared arena go through _fence and _copy_fenced).
-            self._write_tcp(node, replica, plan, src.view)
-
-    def _write_tcp(self, node: NodeInfo, replica: Replica, plan: PlannedPut, view: memoryview) -> None:
-        """Send a host source over TCP; the agent hashes what landed (DIGEST, behind the WRITE)."""
-        checksum = self.client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, view, digest=True)
-        if checksum is None:
-            # An agent that predates DIGEST: the source's hash after the send, right if the value
-            # was left alone as documented (what every put committed before DIGEST).
-            log.info("agent %s does not take DIGEST; hashing the source of %s", node.node_id, plan.key)
-            checksum = checksum_of(view)
-        plan.landed.append(checksum)
 
     def abandon(self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:
         """Undo puts that will not commit: drop their pending records, then ask the agents to expire

@@ -31,7 +31,7 @@ WRITER = textwrap.dedent(
     nodes = client._puts._reserve([plan], 1, None)
     client.index.put_start([plan.pending()], ttl_ms=60000)
     for r in plan.replicas:
-        client._puts._write_replica(nodes[r.node_id], r, plan)
+        client._puts.writes.write_replica(nodes[r.node_id], r, plan)
     print("RESERVED", flush=True)
     time.sleep(600)
     """

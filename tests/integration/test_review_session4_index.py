@@ -40,7 +40,7 @@ def test_a_put_reserved_on_a_dead_incarnation_cannot_commit_onto_its_successor(
         (plan,) = puts.plan({ghost: np.full(SIZE, 0xAA, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
         nodes = puts._reserve([plan], 1, None)
         client.index.put_start([plan.pending()], ttl_ms=60_000)
-        puts._write_replica(nodes[node_id], plan.replicas[0], plan)
+        puts.writes.write_replica(nodes[node_id], plan.replicas[0], plan)
         first.stop()  # the node goes away (crash or restart) between the write and the commit
         make_inproc_agent(namespace=namespace, node_id=node_id)  # ... and comes back under its id
         statuses = client.index.put_commit([plan.put_id.hex()])

@@ -56,7 +56,7 @@ def test_put_commit_onto_a_node_past_its_deadline_is_not_reported_stored(
     assert [r.node_id for r in plan.replicas] == ["agent-1"]
     client.index.put_start([plan.pending()], ttl_ms=60_000)
     for replica in plan.replicas:
-        puts._write_replica(nodes[replica.node_id], replica, plan)
+        puts.writes.write_replica(nodes[replica.node_id], replica, plan)
     cluster.agent("agent-1").kill()
     _wait_dead_not_reaped(client, "agent-1")
     (status,) = client.index.put_commit([plan.put_id.hex()])

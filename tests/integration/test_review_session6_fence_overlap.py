@@ -1,7 +1,7 @@
 """Review of 315b880: same-host puts overlapped FENCE with put_start and UNFENCE with put_commit, and
 no longer used the UNFENCE verdict, which let a reservation freed before put_start be committed
 (fixed: the verdict is read again, before put_commit; the FENCE overlap stays) (client/puts.py
-_put_once, _fence, _copy_fenced, _check_landed; transport/tcp.py
+_put_once; client/replica_writes.py fence, copy_fenced, check_landed; transport/tcp.py
 Fence, PeerConnections.fenced). Real in-process Agents (their sync runs when the test says), real
 sockets, real shm, the real index; faults are injected around the component, never instead of it."""
 
@@ -150,7 +150,7 @@ def test_reservation_freed_before_the_fence_makes_the_put_retry(make_inproc_agen
     c = clients(agent, transports=("shm", "tcp"))
     c.put("warm", np.ones(4 * KiB, np.uint8))
     puts = c._puts
-    real_fence = puts._fence
+    real_fence = puts.writes.fence
     calls: list[int] = []
 
     def stalled_fence(*args: Any, **kwargs: Any) -> Any:
@@ -160,7 +160,7 @@ def test_reservation_freed_before_the_fence_makes_the_put_retry(make_inproc_agen
             agent.sync_once()
         return real_fence(*args, **kwargs)
 
-    monkeypatch.setattr(puts, "_fence", stalled_fence)
+    monkeypatch.setattr(puts.writes, "fence", stalled_fence)
     put_placed_twice_and_whole(c, agent, calls, "the put was not placed again after its FENCE was refused")
 
 

@@ -377,7 +377,7 @@ def test_a_source_changed_during_put_async_never_commits_an_unreadable_object(
     one_agent: LocalCluster, path: dict[str, Any]
 ) -> None:
     """put_async takes the caller's buffer without a copy (DESIGN.md invariant 5). PutPath.plan
-    hashed the source (checksum_of) long before _copy_fenced / write_from copied it, with the index
+    hashed the source (checksum_of) long before copy_fenced / write_from copied it, with the index
     round trips in between, so a caller that reused its buffer meanwhile got a successful put whose
     recorded checksum did not describe the stored bytes: exists() was True, and every get() by a
     client with verify_checksum failed with 'checksum mismatch' forever, as if the store corrupted
