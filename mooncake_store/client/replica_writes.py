@@ -19,7 +19,7 @@ import xxhash
 from mooncake_store.client.buffers import Source
 from mooncake_store.errors import ConnectError, MooncakeError, ReservationExpired, StaleLocation, TransferError
 from mooncake_store.transport import frames
-from mooncake_store.transport.tcp import Fence
+from mooncake_store.transport.fence import Fence
 from mooncake_store.types import NodeInfo, Replica
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """Review of 315b880: same-host puts overlapped FENCE with put_start and UNFENCE with put_commit, and
 no longer used the UNFENCE verdict, which let a reservation freed before put_start be committed
 (fixed: the verdict is read again, before put_commit; the FENCE overlap stays) (client/puts.py
-_put_once; client/replica_writes.py fence, copy_fenced, check_landed; transport/tcp.py
-Fence, PeerConnections.fenced). Real in-process Agents (their sync runs when the test says), real
+_put_once; client/replica_writes.py fence, copy_fenced, check_landed; transport/fence.py
+Fence, transport/tcp.py PeerConnections.fenced). Real in-process Agents (their sync runs when the test says), real
 sockets, real shm, the real index; faults are injected around the component, never instead of it."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from helpers import held_fences, run_in_threads, wait_until
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
 from mooncake_store.errors import ConnectError, MooncakeError, TransferError
-from mooncake_store.transport import tcp as tcp_module
+from mooncake_store.transport import fence as fence_module
 from mooncake_store.transport.tcp import PeerConnections, TcpTransport, _readable
 
 KiB = 1 << 10
@@ -228,7 +228,7 @@ def test_fence_connection_breaking_before_the_reply_fails_the_put_cleanly(
     c.put("warm", np.ones(4 * KiB, np.uint8))
     real_put_start = c.index.put_start
     made: list[Any] = []
-    real_init = tcp_module.Fence.__init__
+    real_init = fence_module.Fence.__init__
 
     def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
         real_init(self, *args, **kwargs)
@@ -239,7 +239,7 @@ def test_fence_connection_breaking_before_the_reply_fails_the_put_cleanly(
             fence._sock.shutdown(socket.SHUT_RDWR)
         return real_put_start(*args, **kwargs)
 
-    monkeypatch.setattr(tcp_module.Fence, "__init__", recording_init)
+    monkeypatch.setattr(fence_module.Fence, "__init__", recording_init)
     monkeypatch.setattr(c.index, "put_start", breaking_put_start)
     with pytest.raises(MooncakeError):
         c.put("x", np.full(64 * KiB, 7, np.uint8))
@@ -258,7 +258,7 @@ def test_agent_that_does_not_own_the_segment_gets_the_bytes_over_tcp(make_inproc
     is lifted, and the pool is clean."""
     agent = make_inproc_agent(host_bytes=4 * MiB, reserve_timeout_s=30.0)
     c = clients(agent, transports=("shm", "tcp"))
-    monkeypatch.setattr(tcp_module, "segment_digest", lambda name: 12345)
+    monkeypatch.setattr(fence_module, "segment_digest", lambda name: 12345)
     values = {f"k{i}": np.full(16 * KiB + i, i + 1, np.uint8) for i in range(5)}
     c.put_many(values)
     for k, v in values.items():
