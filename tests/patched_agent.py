@@ -15,18 +15,18 @@ from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import parse_endpoint
 
 #: Runs the agent's own main() after setting, in the agent process, what the JSON in argv[1] asks:
-#: constants of agent/server.py and agent/refusals.py, the server's timeout (``timeout_s``) and
+#: constants of agent/server.py, agent/ops.py and agent/refusals.py, the server's timeout (``timeout_s``) and
 #: the soft descriptor limit (``nofile``).
 PATCHED_MAIN = """
 import json, resource, sys
 patch = json.loads(sys.argv[1])
-from mooncake_store.agent import refusals, server
-for name in ("MAX_CONNECTIONS", "IDLE_CLOSE_S", "MIN_RATE_BPS", "SOCKET_BUFFER_BYTES"):
-    if name in patch:
-        setattr(server, name, patch[name])
-for name in ("REFUSE_WAIT_S", "REFUSE_LINGER_S", "MAX_REFUSALS"):
-    if name in patch:
-        setattr(refusals, name, patch[name])
+from mooncake_store.agent import ops, refusals, server
+for name, value in patch.items():
+    # Every module that holds the constant: MIN_RATE_BPS is both the ops' (deadlines) and the
+    # accept loop's (refused writes).
+    for module in (server, ops, refusals):
+        if hasattr(module, name):
+            setattr(module, name, value)
 if "timeout_s" in patch:
     _init = server.AgentServer.__init__
     def _patched(self, *args, **kwargs):

@@ -19,8 +19,9 @@ import numpy as np
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.inbox import DiskInbox
+from mooncake_store.agent.ops import TIER_DISK, TIER_GPU
 from mooncake_store.agent.pressure import PressureManager
-from mooncake_store.agent.server import TIER_DISK, TIER_GPU, AgentServer
+from mooncake_store.agent.server import AgentServer
 from mooncake_store.config import AgentConfig, is_wildcard_host, split_host_port
 from mooncake_store.errors import ConfigError, ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex

@@ -1,5 +1,6 @@
-"""The agent's TCP server: the control ops (reserve, free, fence, unfence) and the data ops (read,
-write, digest).
+"""The agent's TCP server: the listening socket, the accept loop (the connection limit, and BUSY
+for connections past it: agent/refusals.py) and a thread per connection that reads each request's
+header and hands it to the ops (agent/ops.py: reserve, free, fence, unfence, read, write, digest).
 
 One thread per connection: the socket calls release the GIL, and clients keep a handful of
 connections per agent. Every frame is checked before a byte of payload is read; a malformed
@@ -15,29 +16,18 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Protocol
-
-import xxhash
 
 from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.agent.ops import MIN_RATE_BPS, AgentHooks, AgentOps
 from mooncake_store.agent.refusals import Refusals
 from mooncake_store.config import split_host_port
 from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError, TransferTimeout
-from mooncake_store.tiers.disk import HEADER as DISK_HEADER
-from mooncake_store.tiers.host import HostArena, segment_digest
+from mooncake_store.tiers.host import HostArena
 from mooncake_store.transport import frames
-from mooncake_store.transport.frames import Op, Status
 from mooncake_store.transport.tcp import SOCKET_BUFFER_BYTES
 
 log = logging.getLogger("mooncake.agent")
 
-#: RESERVE tiers (header field a).
-TIER_HOST = 0
-TIER_GPU = 1
-#: Spills from a peer's disk tier only: each reservation receives one whole chunk file.
-TIER_DISK = 2
-#: RESERVE flag: the reservation is a spill from a peer agent.
-SPILL_FLAG = 1
 #: Pause before accepting again after accept() failed (out of descriptors, say).
 ACCEPT_RETRY_S = 0.1
 #: Longest wait of the accept loop's poll: how soon it sees stop().
@@ -52,15 +42,6 @@ MAX_CONNECTIONS = 4096
 FD_RESERVE = 64
 #: A connection idle this long is closed (clients retire pooled ones sooner: tcp.POOL_IDLE_S).
 IDLE_CLOSE_S = 600.0
-#: Chunk for draining the payload of a refused WRITE.
-DRAIN_BYTES = 1 << 20
-#: The slowest a request's bytes may arrive (and a READ's reply leave), beyond the first
-#: timeout_s: a request must be done by timeout_s + its length / MIN_RATE_BPS from its header's
-#: first byte. timeout_s bounds each recv and send only, so a peer sending a byte per timeout
-#: would hold a WRITE's reservation (or a READ's allocation) and a thread for ever. 1 MiB/s is
-#: about a thousandth of a 10 Gb/s link, far below what even a writer sharing one with dozens of
-#: streams gets, and still cuts a trickled 1 GiB WRITE off within 18 minutes.
-MIN_RATE_BPS = 1 << 20
 
 
 def connection_limit() -> int:
@@ -87,53 +68,10 @@ def connection_limit() -> int:
     return max(1, min(MAX_CONNECTIONS, soft - FD_RESERVE))
 
 
-class AgentHooks(Protocol):
-    """What the server asks of the agent beyond the host arena."""
+class AgentServer(AgentOps):
+    """The listening socket, its accept loop (with the connection limit and the refusals past it)
+    and one thread per connection reading request headers; the ops themselves are AgentOps'."""
 
-    def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
-        """The whole object of an alloc id that lives in another tier (GPU, disk) and the offset
-        its first byte has in READ's terms (its place in the GPU arena; 0 on disk), or None."""
-
-    def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
-        """Called once the reply is sent (promotion happens here)."""
-
-    def host_read(self, length: int) -> None:
-        """A READ of the host arena is being served (counted with the host tier's activity)."""
-
-    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
-        """Reservations in tier ``tier`` (1: GPU, 2: disk, for spills only); None when the agent has
-        no room or no such tier."""
-
-    def other_tier_room(self, tier: int, *, spill: bool) -> tuple[int, int, int]:
-        """(free bytes, largest free block, capacity) of tier ``tier`` here, for a refusal's reply
-        (zeros when there is no such tier, or it takes no such reservation)."""
-
-    def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
-        """A host buffer to receive a WRITE into an allocation of another tier (which is fenced
-        against frees until other_tier_written), or None."""
-
-    def other_tier_written(self, alloc_id: int, offset: int, data: bytearray | None) -> bool:
-        """Move a received WRITE (None: it broke off) into the other tier and lift the fence;
-        False when the reservation was freed meanwhile (the write is void)."""
-
-    def reserved(self) -> None:
-        """A reservation was granted (the agent checks its watermark: relief starts early)."""
-
-    def reclaim_now(self) -> None:
-        """Free what is already due (graveyard entries past their lease, abandoned reservations)."""
-
-    def no_room(self, size_bytes: int) -> None:
-        """A reservation did not fit even after reclaim_now."""
-
-    def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
-        """Reservations flagged as spills from a peer were granted in ``tier`` (counted as spills
-        in once their swaps land)."""
-
-    def expire_other_tiers(self, alloc_ids: list[int]) -> int:
-        """A FREE's share outside the host arena: reservations in other tiers that expire now."""
-
-
-class AgentServer:
     def __init__(
         self, listen: str, arena: HostArena, table: AllocationTable, *, timeout_s: float, hooks: AgentHooks
     ) -> None:
@@ -317,249 +255,3 @@ class AgentServer:
             IDLE_CLOSE_S,
             self.max_connections,
         )
-
-    def _bad_request(self, conn: socket.socket, op: int) -> None:
-        """Before closing on a frame of another protocol version or an op this agent lacks: a
-        BAD_REQUEST reply in this agent's version (a = that version), so that the peer's unpack
-        names both versions, or a newer client sees the op refused, instead of "peer closed the
-        connection". A stream without our magic at all gets no reply."""
-        with contextlib.suppress(OSError):
-            conn.sendall(frames.pack(op | frames.REPLY_BIT, Status.BAD_REQUEST, frames.VERSION))
-
-    def _reply(self, conn: socket.socket, op: Op, status: Status, a: int = 0, b: int = 0, c: int = 0) -> None:
-        conn.sendall(frames.pack(op | frames.REPLY_BIT, status, a, b, c))
-
-    def _by(self, started: float, length: int) -> float:
-        """The deadline of a request that began at ``started`` and moves ``length`` bytes of
-        payload (MIN_RATE_BPS)."""
-        return started + self._timeout_s + length / MIN_RATE_BPS
-
-    def _recv(self, conn: socket.socket, length: int, started: float) -> bytearray:
-        buf = bytearray(length)
-        frames.recv_into_by(conn, memoryview(buf), self._by(started, length), self._timeout_s)
-        return buf
-
-    def _send(self, conn: socket.socket, started: float, header: bytes, payload: bytes | bytearray) -> None:
-        """A reply with a payload, by the request's deadline (the reader must keep up too)."""
-        frames.send_all_by(conn, header, memoryview(payload), self._by(started, len(payload)), self._timeout_s)
-
-    def _dispatch(self, conn: socket.socket, started: float, op: int, arg: int, a: int, b: int, c: int) -> bool:
-        """Serve one request (begun at ``started``); False closes the connection (its stream can no
-        longer be trusted)."""
-        if op == Op.READ:
-            return self._read(conn, started, a, b, c)
-        if op == Op.WRITE:
-            return self._write(conn, started, a, b, c)
-        if op == Op.RESERVE:
-            return self._reserve(conn, started, arg, a, b)
-        if op == Op.FREE:
-            return self._free(conn, started, arg)
-        if op == Op.FENCE:
-            return self._fence(conn, started, arg)
-        if op == Op.UNFENCE:
-            return self._unfence(conn, started, arg)
-        if op == Op.DIGEST:
-            return self._digest(conn, a, b, c)
-        if op == Op.PING:
-            self._reply(conn, Op.PING, Status.OK, frames.VERSION)
-            return True
-        log.warning("unknown op %d; closing the connection", op)
-        self._bad_request(conn, op)
-        return False
-
-    def _in_arena(self, offset: int, length: int) -> bool:
-        return offset >= 0 and length >= 0 and offset + length <= self._arena.size_bytes
-
-    def _read(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
-        if not self._in_arena(offset, length) or not self._table.begin_read(alloc_id, offset, length):
-            return self._read_other_tier(conn, started, alloc_id, offset, length)
-        try:
-            # Counted before the reply goes: a client that has its bytes sees the read in stat().
-            self._hooks.host_read(length)
-            view = self._arena.view(offset, length)
-            try:
-                header = frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length)
-                frames.send_all_by(conn, header, view, self._by(started, length), self._timeout_s)
-            finally:
-                view.release()
-        finally:
-            self._table.end_read(alloc_id)
-        self.counters["reads"] += 1
-        self.counters["read_bytes"] += length
-        return True
-
-    def _read_other_tier(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
-        try:
-            got = self._hooks.read_other_tier(alloc_id)
-        except MooncakeError as exc:
-            log.warning("read of allocation %d failed: %s", alloc_id, exc)
-            got = None
-        data, base = got if got is not None else (bytearray(), 0)
-        start = offset - base
-        if got is None or start < 0 or length < 0 or start + length > len(data):
-            self._reply(conn, Op.READ, Status.STALE)
-            return True
-        view = memoryview(data)[start : start + length]
-        header = frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length)
-        try:
-            frames.send_all_by(conn, header, view, self._by(started, length), self._timeout_s)
-        finally:
-            view.release()
-        self.counters["reads"] += 1
-        self.counters["read_bytes"] += length
-        self._hooks.after_other_tier_read(alloc_id, data)
-        return True
-
-    def _write(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
-        # Past its deadline a WRITE ends as one whose writer died: the fence is lifted, the
-        # reservation stays until it is freed or expires, the connection closes.
-        deadline = self._by(started, length)
-        if self._in_arena(offset, length) and self._table.begin_write(alloc_id, offset, length):
-            # Fenced: a free while the payload arrives waits, and voids the write (STALE).
-            view = self._arena.view(offset, length)
-            try:
-                frames.recv_into_by(conn, view, deadline, self._timeout_s)
-            finally:
-                view.release()
-                still_reserved = self._table.end_write(alloc_id)
-            self.counters["writes"] += 1
-            self.counters["write_bytes"] += length
-            self._reply(conn, Op.WRITE, Status.OK if still_reserved else Status.STALE)
-            return True
-        staging = self._hooks.other_tier_staging(alloc_id, offset, length)
-        if staging is not None:
-            received = False
-            try:
-                frames.recv_into_by(conn, memoryview(staging), deadline, self._timeout_s)
-                received = True
-            finally:
-                ok = self._hooks.other_tier_written(alloc_id, offset, staging if received else None)
-            self._reply(conn, Op.WRITE, Status.OK if ok else Status.STALE)
-            return True
-        if length > self._arena.size_bytes:
-            # Not worth draining: no such write can ever be valid. STALE as for any write that no
-            # reservation covers, then the close (the payload, if sent, is not read).
-            with contextlib.suppress(OSError):
-                self._reply(conn, Op.WRITE, Status.STALE)
-            return False
-        remaining = length
-        sink = memoryview(bytearray(min(DRAIN_BYTES, max(1, length))))
-        while remaining:
-            n = min(len(sink), remaining)
-            frames.recv_into_by(conn, sink[:n], deadline, self._timeout_s)
-            remaining -= n
-        self._reply(conn, Op.WRITE, Status.STALE)
-        return True
-
-    def _digest(self, conn: socket.socket, alloc_id: int, offset: int, length: int) -> bool:
-        """The checksum a TCP writer commits, taken here of the bytes as they landed: its source may
-        have changed while it was sent, and a checksum taken there would then describe bytes that
-        were never stored. The writer sends this right behind its WRITE, while the bytes are likely
-        still in cache; it no longer hashes its source, so the put makes one pass over them either way. The
-        range is fenced while it is hashed, as for a WRITE: a free meanwhile voids it (STALE)."""
-        if not (self._in_arena(offset, length) and self._table.begin_write(alloc_id, offset, length)):
-            self._reply(conn, Op.DIGEST, Status.STALE)
-            return True
-        try:
-            view = self._arena.view(offset, length)
-            try:
-                checksum = xxhash.xxh3_64_intdigest(view)
-            finally:
-                view.release()
-        finally:
-            still_reserved = self._table.end_write(alloc_id)
-        self._reply(conn, Op.DIGEST, *((Status.OK, checksum) if still_reserved else (Status.STALE,)))
-        return True
-
-    def _reserve(self, conn: socket.socket, started: float, count: int, tier: int, flags: int) -> bool:
-        if not 0 < count <= frames.MAX_BATCH or tier not in (TIER_HOST, TIER_GPU, TIER_DISK):
-            self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
-            return False
-        raw = self._recv(conn, frames.RESERVE_ENTRY.size * count, started)
-        requests = [(size, bytes(put_id)) for size, put_id in frames.RESERVE_ENTRY.iter_unpack(raw)]
-        if tier == TIER_DISK and any(size < DISK_HEADER.size for size, _ in requests):
-            # No chunk file is shorter than its header: such entries could only fill the inbox with
-            # reservations (8192 per frame) that nothing will ever write.
-            self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
-            return True
-        if tier != TIER_HOST:
-            allocs = self._hooks.reserve_other_tier(tier, requests, spill=bool(flags & SPILL_FLAG))
-            if allocs is None:
-                free, largest, capacity = self._hooks.other_tier_room(tier, spill=bool(flags & SPILL_FLAG))
-                self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, capacity)
-                return True
-            if flags & SPILL_FLAG:
-                self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)
-            payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
-            self._send(conn, started, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), payload)
-            return True
-        allocs = self._table.reserve(requests)
-        if allocs is None:
-            # Space whose leases ran out since the last sync is free for the asking: a writer that
-            # replaces objects quickly should not wait for the next sync tick.
-            self._hooks.reclaim_now()
-            allocs = self._table.reserve(requests)
-        if allocs is None:
-            _used, free, largest, _ = self._table.usage()
-            self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
-            if not flags & SPILL_FLAG:  # a refused spill goes to another peer: no room is made for it
-                self._hooks.no_room(sum(size for size, _ in requests))
-            return True
-        if flags & SPILL_FLAG:
-            self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)
-        self._hooks.reserved()
-        payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
-        self._send(conn, started, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), payload)
-        return True
-
-    def _fence(self, conn: socket.socket, started: float, count: int) -> bool:
-        """Fence host-tier reservations for a writer that copies into the shared arena itself (a
-        same-host peer's spill): the reply names this arena (its digest) and says per id whether it
-        is fenced (a live reservation, not being freed). Fences last until UNFENCE on this
-        connection, or its close."""
-        ids = self._ids(conn, started, Op.FENCE, count)
-        if ids is None:
-            return False
-        fenced = self._fences.setdefault(conn, set())
-        ok = bytearray(len(ids))
-        for i, alloc_id in enumerate(ids):
-            location = self._table.offset_of(alloc_id)
-            if alloc_id not in fenced and location is not None and self._table.begin_write(alloc_id, *location):
-                fenced.add(alloc_id)
-                ok[i] = 1
-        self._reply_flags(conn, started, Op.FENCE, ok, segment_digest(self._arena.name))
-        return True
-
-    def _unfence(self, conn: socket.socket, started: float, count: int) -> bool:
-        """Lift fences this connection holds; per id whether the reservation is still live (False:
-        freed meanwhile, so what was copied into it is void)."""
-        ids = self._ids(conn, started, Op.UNFENCE, count)
-        if ids is None:
-            return False
-        fenced = self._fences.get(conn, set())
-        ok = bytearray(len(ids))
-        for i, alloc_id in enumerate(ids):
-            if alloc_id in fenced:
-                fenced.discard(alloc_id)
-                ok[i] = self._table.end_write(alloc_id)
-        self._reply_flags(conn, started, Op.UNFENCE, ok)
-        return True
-
-    def _reply_flags(self, conn: socket.socket, started: float, op: Op, flags: bytearray, a: int = 0) -> None:
-        """OK with one byte per id of the request (b = their count) after the header."""
-        self._send(conn, started, frames.pack(op | frames.REPLY_BIT, Status.OK, a, len(flags)), flags)
-
-    def _ids(self, conn: socket.socket, started: float, op: Op, count: int) -> list[int] | None:
-        """The alloc ids of a FREE, FENCE or UNFENCE frame; None (BAD_REQUEST sent) for a bad count."""
-        if not 0 < count <= frames.MAX_BATCH:
-            self._reply(conn, op, Status.BAD_REQUEST)
-            return None
-        return frames.unpack_ids(self._recv(conn, frames.U64.size * count, started))
-
-    def _free(self, conn: socket.socket, started: float, count: int) -> bool:
-        ids = self._ids(conn, started, Op.FREE, count)
-        if ids is None:
-            return False
-        freed = self._table.expire_now(ids) + self._hooks.expire_other_tiers(ids)
-        self._reply(conn, Op.FREE, Status.OK, freed)
-        return True

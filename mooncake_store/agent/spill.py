@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import MoveTarget
-from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
+from mooncake_store.agent.ops import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.errors import MooncakeError
 from mooncake_store.policy.transport_choice import choose_transport
 from mooncake_store.tiers.host import SharedSegment

@@ -23,7 +23,7 @@ from helpers import wait_until
 from mooncake_store import connect
 from mooncake_store.agent import server as server_module
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.server import SPILL_FLAG, TIER_DISK
+from mooncake_store.agent.ops import SPILL_FLAG, TIER_DISK
 from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport import frames
