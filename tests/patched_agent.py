@@ -22,8 +22,7 @@ import json, resource, sys
 patch = json.loads(sys.argv[1])
 from mooncake_store.agent import ops, refusals, server
 for name, value in patch.items():
-    # Every module that holds the constant: MIN_RATE_BPS is both the ops' (deadlines) and the
-    # accept loop's (refused writes).
+    # Each in the module that holds it (server, ops or refusals).
     for module in (server, ops, refusals):
         if hasattr(module, name):
             setattr(module, name, value)

@@ -17,8 +17,9 @@ import socket
 import threading
 import time
 
+from mooncake_store.agent import ops
 from mooncake_store.agent.allocations import AllocationTable
-from mooncake_store.agent.ops import MIN_RATE_BPS, AgentHooks, AgentOps
+from mooncake_store.agent.ops import AgentHooks, AgentOps
 from mooncake_store.agent.refusals import Refusals
 from mooncake_store.config import split_host_port
 from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError, TransferTimeout
@@ -129,7 +130,7 @@ class AgentServer(AgentOps):
         listen_fd = self._sock.fileno()
         poller.register(listen_fd, select.POLLIN)
         # A refused writer may pause between bytes as long as a served one may (one recv's timeout).
-        refusals = Refusals(poller, self.max_connections, min_rate_bps=MIN_RATE_BPS, idle_s=self._timeout_s)
+        refusals = Refusals(poller, self.max_connections, min_rate_bps=ops.MIN_RATE_BPS, idle_s=self._timeout_s)
         try:
             while not self._stop.is_set():
                 for fd, _events in poller.poll(math.ceil(refusals.wait_s(ACCEPT_POLL_S) * 1000)):

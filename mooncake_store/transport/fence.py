@@ -1,6 +1,6 @@
 """FENCE and UNFENCE on one pooled connection (PeerConnections): how a same-host writer copies into
 an agent's shared arena itself, only into reservations the agent fenced, and learns afterwards
-which of them were still live (agent/server.py answers both; DESIGN.md §3.3)."""
+which of them were still live (agent/ops.py answers both; DESIGN.md §3.3)."""
 
 from __future__ import annotations
 

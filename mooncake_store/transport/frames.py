@@ -43,7 +43,7 @@ any       the first request on a connection    BUSY, a = the agent's connection 
 
 An agent bounds each request as a whole, not only each recv and send: its bytes must arrive (and a
 READ's reply leave) within the agent's timeout plus their length at a minimum rate
-(agent/server.py MIN_RATE_BPS), or the connection is closed as if the peer had died.
+(agent/ops.py MIN_RATE_BPS), or the connection is closed as if the peer had died.
 """
 
 from __future__ import annotations

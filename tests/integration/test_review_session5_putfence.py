@@ -1,6 +1,6 @@
 """Review of a716e88: same-host client puts copy under the agent's FENCE / UNFENCE
-(client/puts.py _put_once, client/replica_writes.py fence, copy_fenced; transport/tcp.py Fence,
-PeerConnections.fenced; agent/server.py _fence, _unfence). Real in-process Agents, real sockets,
+(client/puts.py _put_once, client/replica_writes.py fence, copy_fenced; transport/fence.py Fence,
+transport/tcp.py PeerConnections.fenced; agent/ops.py _fence, _unfence). Real in-process Agents, real sockets,
 real shm, the real client."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ agent/server.py, agent/allocations.py and transport/frames.py, driven over real 
 against real agent subprocesses.
 
 Agents run as their own processes (LocalCluster's command line, through ``python -c``): a few
-module constants of agent/server.py (MAX_CONNECTIONS, IDLE_CLOSE_S, MIN_RATE_BPS, its socket
+module constants of agent/server.py and agent/ops.py (MAX_CONNECTIONS, IDLE_CLOSE_S, MIN_RATE_BPS, its socket
 buffer size, the server's per-call timeout) and the process's descriptor limit are set in that
 process before ``main()`` runs, so that limits are reached in seconds instead of minutes. Nothing
 of the component under test is replaced.

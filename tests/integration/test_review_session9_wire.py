@@ -1,5 +1,5 @@
 """Review of the day's wire changes (session 9): the per-request deadline (frames.recv_into_by,
-send_all_by, _cut_timer; agent/server.py MIN_RATE_BPS), BUSY at the connection limit
+send_all_by, _cut_timer; agent/ops.py MIN_RATE_BPS), BUSY at the connection limit
 (agent/refusals.py, the accept loop, PeerConnections._reply and the SDK paths above it) and
 read_many's window, driven over real loopback sockets against real agent processes.
 
