@@ -7,6 +7,7 @@ are in tests/integration/conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import urllib.parse
@@ -80,10 +81,11 @@ class RedisProxy:
             for rule in self._rules:
                 rule.times = 0
 
-    def _go_down(self) -> None:
+    def _go_down(self, keep: _Pair | None = None) -> None:
+        """Refuse new connections and close the open ones (all but ``keep``)."""
         with self._lock:
             self._down = True
-            pairs, self._pairs = self._pairs, []
+            pairs, self._pairs = [p for p in self._pairs if p is not keep], []
         for p in pairs:
             self._close(p)
 
@@ -159,14 +161,19 @@ class RedisProxy:
                 if p.drop_next and p.down_after_reply:
                     self._go_down()  # and the index stays out of reach: the outcome stays unknown
                 return
+            if p.down_after_reply:
+                # Down before the reply is on its way: a client that sends its next command the
+                # moment the reply arrives must find the index gone, not this connection still up.
+                self._go_down(keep=p)
+                with contextlib.suppress(OSError):
+                    p.client.sendall(data)
+                self._close(p)
+                return
             try:
                 p.client.sendall(data)
             except OSError:
                 self._close(p)
                 return
-            if p.down_after_reply:
-                p.down_after_reply = False
-                self._go_down()
 
     def close(self) -> None:
         with self._lock:
