@@ -137,11 +137,11 @@ class PressureManager:
             if stop.is_set():
                 return
             try:
-                if self._spiller.mapped and time.monotonic() >= next_retain:
+                if self._spiller.arenas.mapped and time.monotonic() >= next_retain:
                     # Same-host peers' arenas stay mapped between passes; one that left must not
                     # keep its memory allocated until this node is under pressure again.
                     next_retain = time.monotonic() + RETAIN_EVERY_S
-                    self._spiller.retain(list(self.agent.index.nodes().values()))
+                    self._spiller.arenas.retain(list(self.agent.index.nodes().values()))
                 self.moves.settle()
                 # Evicting a chain's last chunk makes its parent a leaf only then, so one sample can
                 # free little; sample again while passes make progress.
@@ -235,9 +235,9 @@ class PressureManager:
         # One read of the node table per pass; what this pass sends each peer is counted here.
         peers = list(agent.index.nodes().values()) if agent.config.spill_to_peers else []
         if tier == TierKind.HOST:
-            self._spiller.premap(peers)  # also unmaps peers that left
+            self._spiller.arenas.premap(peers)  # also unmaps peers that left
         else:
-            self._spiller.retain(peers)
+            self._spiller.arenas.retain(peers)
         state = _PassState(peers=peers)
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent

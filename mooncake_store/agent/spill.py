@@ -25,9 +25,9 @@ peer's fence: on one connection, FENCE the batch's reservations (the peer answer
 and the digest of its arena's name, so the bytes go into the arena of the agent that holds them,
 not an earlier incarnation's mapping), copy into the fenced ones, UNFENCE (the peer answers which
 are still live: one freed meanwhile, say by a reaper, was only doomed and is not re-granted until
-then). The peer's arena is mapped on the first spill to it (its page tables populated when the
-peer prefaulted its arena, else not: mapping must not allocate a sparse arena) and unmapped when
-the peer leaves the node table.
+then). The peer's arena is mapped on the first spill to it, or ahead of it (agent/peer_arenas.py:
+its page tables populated when the peer prefaulted its arena, else not: mapping must not allocate
+a sparse arena), and unmapped when the peer leaves the node table.
 
 The disk tier spills the same way into the peer's disk tier (RESERVE on tier 2): what travels is
 the chunk file as stored, compressed and checksummed, which the peer verifies before it answers
@@ -47,11 +47,11 @@ from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.ops import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
+from mooncake_store.agent.peer_arenas import PeerArenas
 from mooncake_store.errors import MooncakeError
-from mooncake_store.policy.transport_choice import choose_transport
 from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport import frames
-from mooncake_store.transport.shm import ShmTransport, copy_bytes, local_host_id
+from mooncake_store.transport.shm import copy_bytes
 from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
 from mooncake_store.types import (
     EvictionCandidate,
@@ -59,7 +59,6 @@ from mooncake_store.types import (
     Replica,
     ReplicaState,
     TierKind,
-    TransportKind,
 )
 
 if TYPE_CHECKING:
@@ -152,22 +151,15 @@ class Spiller:
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
-        self._shm = ShmTransport()
-        self._host_id = local_host_id()
-        #: Maps same-host peers' arenas while this agent is under pressure, before its first batch
-        #: to them: populating a mapping costs ~0.1 s per GiB, a whole burst's worth of copying.
-        self._mapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-map")
-        #: The segment names the node table listed at the last look: a mapping queued before a
-        #: peer left is not made after it left.
-        self._listed: set[str] = set()
+        #: Same-host peers' shared arenas, where host batches to them go by memcpy.
+        self.arenas = PeerArenas(agent)
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, bytes | bytearray] = {}
 
     def close(self) -> None:
         self._transport.close()
-        self._mapper.shutdown(wait=True, cancel_futures=True)  # no mapping is made after the unmap
-        self._shm.close()
+        self.arenas.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
         self._reserver.shutdown(wait=False, cancel_futures=True)
@@ -180,7 +172,7 @@ class Spiller:
         if tier == TierKind.HOST:
             # Map a same-host peer's arena before reserving there: populating a large mapping takes
             # ~0.1 s per GiB, which reservations already granted would spend ageing.
-            self._peer_segment(peer_node, tier)
+            self.arenas.segment(peer_node, tier)
         batches = batches_of(jobs, max_bytes=self._batch_bytes)
         swaps: list[Future[_Swapped]] = []
         ahead: Future[_Reserved | None] | None = None
@@ -232,54 +224,6 @@ class Spiller:
                 result.unknown.extend(swapped.unknown)
                 result.error = result.error or swapped.error
         return result
-
-    @property
-    def mapped(self) -> bool:
-        """Whether any peer's arena is mapped (then the node table is worth a look now and then)."""
-        return self._shm.mapped_any()
-
-    def retain(self, peers: list[NodeInfo]) -> None:
-        """Given the node table: unmap the shared arenas of peers no longer in it (their memory
-        stays allocated while mapped)."""
-        self._listed = {p.shm_name for p in peers if p.shm_name}
-        self._shm.retain(self._listed)
-
-    def premap(self, peers: list[NodeInfo]) -> None:
-        """Under pressure: map, in the background, the arenas of same-host peers not mapped yet, so
-        that the first batch to one does not wait for it. Only then: every mapping costs page
-        tables (2 MiB per GiB) for as long as it lasts."""
-        self.retain(peers)
-        for peer in peers:
-            if peer.node_id != self.agent.node_id and not self._shm.mapped(peer.shm_name) and self._arena_bytes(peer):
-                self._mapper.submit(self._map_if_listed, peer)
-
-    def _map_if_listed(self, peer: NodeInfo) -> None:
-        if peer.shm_name in self._listed and not self._shm.mapped(peer.shm_name):
-            self._peer_segment(peer, TierKind.HOST)
-
-    def _arena_bytes(self, peer_node: NodeInfo) -> int:
-        """The size of the peer's host arena when host batches to it go by memcpy, else 0 (TCP)."""
-        if not self.agent.config.spill_shm:
-            return 0
-        path = choose_transport(
-            peer_node,
-            allowed=(TransportKind.SHM, TransportKind.TCP),
-            host_id=self._host_id,
-            shm_reachable=self._shm.reachable(peer_node.shm_name),
-        )
-        usage = peer_node.tier(TierKind.HOST)
-        return usage.capacity_bytes if path == TransportKind.SHM and usage is not None else 0
-
-    def _peer_segment(self, peer_node: NodeInfo, tier: TierKind) -> SharedSegment | None:
-        """The peer's shared arena when a host batch may go there by memcpy, else None (TCP)."""
-        size = self._arena_bytes(peer_node) if tier == TierKind.HOST else 0
-        if not size:
-            return None
-        try:
-            return self._shm.segment(peer_node.shm_name, size, populate=peer_node.labels.get("prefault") == "1")
-        except (MooncakeError, OSError) as exc:  # gone since the table was read, or no room to map: TCP
-            log.info("spill to %s: cannot map %s (%s); sending over TCP", peer_node.node_id, peer_node.shm_name, exc)
-            return None
 
     def _give_back(self, peer_node: NodeInfo, ahead: Future[_Reserved | None]) -> None:
         """A batch reserved ahead that will not be sent (the pass ended early): its room goes back."""
@@ -348,7 +292,7 @@ class Spiller:
 
     def _send(self, peer_node: NodeInfo, reserved: _Reserved, tier: TierKind) -> tuple[list[bool], bool]:
         """Write a reserved batch to the peer: (written per job, a connection broke)."""
-        segment = self._peer_segment(peer_node, tier)
+        segment = self.arenas.segment(peer_node, tier)
         if segment is not None:
             try:
                 return self._copy_all(segment, peer_node, reserved), False

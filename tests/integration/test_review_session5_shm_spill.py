@@ -1,5 +1,6 @@
-"""Review of the same-host spill path (commit 47ce4ef: agent/spill.py Spiller._copy_all, retain,
-_peer_segment; transport/shm.py retain). Each test names the bug it proves and fails on that code.
+"""Review of the same-host spill path (commit 47ce4ef: agent/spill.py Spiller._copy_all; the
+mapping of peers' arenas, now agent/peer_arenas.py retain, segment; transport/shm.py retain).
+Each test names the bug it proves and fails on that code.
 
 Real Agent objects in this process (real servers, arenas in /dev/shm, index scripts against the
 session's real Valkey), one namespace so that they see one another; their pressure loop is stubbed
@@ -52,7 +53,7 @@ def regrant_then_spill(
     put_on(b, "other", other, tier=TierKind.HOST)
     (replica,) = replicas_of(b, "other")
     assert replica.offset == granted_at, "the allocator did not hand the same block out again"
-    segment = spiller._peer_segment(row, TierKind.HOST)
+    segment = spiller.arenas.segment(row, TierKind.HOST)
     assert segment is not None
     written = spiller._copy_all(segment, row, reserved)
     spiller._swap(row, reserved.batch, reserved.reservations, written, TierKind.HOST)
@@ -136,11 +137,11 @@ def test_bug3_a_departed_peers_arena_stays_mapped_while_there_is_no_pressure(
     a = make_peer_agent(host_bytes=4 * MiB, real_pressure=True, pressure_interval_s=0.02)
     b = make_peer_agent(host_bytes=4 * MiB)
     spiller = a.pressure._spiller
-    assert spiller._peer_segment(a.index.nodes()[b.node_id], TierKind.HOST) is not None  # a spill mapped it
+    assert spiller.arenas.segment(a.index.nodes()[b.node_id], TierKind.HOST) is not None  # a spill mapped it
     name = b.arena.name
     b.stop()  # leaves the node table, unlinks its segment
     assert b.node_id not in a.index.nodes()
-    gone = wait_until(lambda: name not in spiller._shm._segments, 3 * pressure_module.RETAIN_EVERY_S)
+    gone = wait_until(lambda: name not in spiller.arenas.shm._segments, 3 * pressure_module.RETAIN_EVERY_S)
     still = [line for line in _mapped_paths().splitlines() if name in line]
     assert gone and not still, f"the arena of a peer that left is still mapped: {still[:1]}"
 
@@ -157,7 +158,7 @@ def test_bug4_mapping_a_no_prefault_peer_allocates_its_whole_arena(make_peer_age
     assert before < 8 * MiB
     spiller = Spiller(a, streams=1)
     try:
-        assert spiller._peer_segment(a.index.nodes()[b.node_id], TierKind.HOST) is not None
+        assert spiller.arenas.segment(a.index.nodes()[b.node_id], TierKind.HOST) is not None
         after = os.stat(path).st_blocks * 512
     finally:
         spiller.close()

@@ -135,9 +135,9 @@ def test_a_peer_that_left_the_table_is_unmapped(make_peer_agent: Callable[..., A
     spiller = Spiller(a, streams=1)
     try:
         assert len(spiller.spill(a.index.nodes()[b.node_id], jobs, tier=TierKind.HOST).moved) == 1
-        assert list(spiller._shm._segments) == [b.arena.name]
-        spiller.retain([a.node_info()])  # b is not in the table any more
-        assert spiller._shm._segments == {}
+        assert list(spiller.arenas.shm._segments) == [b.arena.name]
+        spiller.arenas.retain([a.node_info()])  # b is not in the table any more
+        assert spiller.arenas.shm._segments == {}
     finally:
         spiller.close()
 
@@ -173,14 +173,14 @@ def test_an_agent_under_pressure_maps_its_same_host_peers_before_it_spills(
     b = make_peer_agent(host_bytes=8 * MiB)
     spiller = a.pressure._spiller
     time.sleep(0.2)
-    assert not spiller._shm.mapped(b.arena.name), "mapped with no pressure"
+    assert not spiller.arenas.shm.mapped(b.arena.name), "mapped with no pressure"
     far = a.index.server_time_ms() + 600_000
     keys = [f"pinned-{i}" for i in range(3)]
     for key in keys:  # pinned first (a pin may name a key before it exists): nothing can move
         a.index.redis.zadd(a.index.prefix + "pins:" + key, {"test": far})
     for i, key in enumerate(keys):
         put_on(a, key, np.full(MiB, i, np.uint8), tier=TierKind.HOST)
-    assert wait_until(lambda: spiller._shm.mapped(b.arena.name), 10), "the same-host peer was not mapped"
+    assert wait_until(lambda: spiller.arenas.shm.mapped(b.arena.name), 10), "the same-host peer was not mapped"
     assert len(b.table) == 0  # nothing was spilled: the mapping came first
 
 
