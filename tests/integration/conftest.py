@@ -19,11 +19,6 @@ from mooncake_store.config import AgentConfig
 
 
 @pytest.fixture
-def ns() -> str:
-    return f"t-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
 def proxy(redis_url: str) -> Iterator[RedisProxy]:
     px = RedisProxy(redis_url)
     try:

@@ -115,7 +115,7 @@ def tier_stat(client: Client, node_id: str, tier: str) -> Any:
 
 # ---- evict.lua replayed by RedisIndex._run ------------------------------------------------------
 def test_an_eviction_batch_whose_reply_was_lost_is_counted_and_not_repeated_elsewhere(
-    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, ns: str
+    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, namespace: str
 ) -> None:
     """DEFECT (wrong counter, over-eviction). RedisIndex._run retries a script once after a broken
     connection. evict.lua is not idempotent: when the connection breaks after the server ran the
@@ -124,8 +124,8 @@ def test_an_eviction_batch_whose_reply_was_lost_is_counted_and_not_repeated_else
     'evictions' counter misses them (the index's stats.evictions has them), the pass subtracts their
     bytes and walks on, evicting as many other objects again. A tier that had to shed 3 chunks loses
     6, and the counter says 3 while 6 objects are gone."""
-    agent = proxied_agent(ns)
-    client = client_of(ns)
+    agent = proxied_agent(namespace)
+    client = client_of(namespace)
     values = fill(client, agent)
     before = index_evictions(agent)
     rule = proxy.drop_reply(sha(agent, "evict"))
@@ -150,15 +150,15 @@ def test_a_spill_swap_whose_reply_was_lost_once_is_answered_by_the_replay(
     direct_agent: Callable[..., Agent],
     client_of: Callable[[str], Client],
     proxy: RedisProxy,
-    ns: str,
+    namespace: str,
 ) -> None:
     """Guard (passes). A spill batch's move_replicas reply is lost after the server swapped; _run's
     replay finds each object already at its new location and answers OK (swap_replica's own retry
     rule), so the spiller counts every move once, the peer commits them at its next sync and counts
     the same number in, and every object reads back whole from the peer."""
-    a = proxied_agent(ns, spill_to_peers=True)
-    b = direct_agent(ns, host_bytes=16 * MiB)
-    client = client_of(ns)
+    a = proxied_agent(namespace, spill_to_peers=True)
+    b = direct_agent(namespace, host_bytes=16 * MiB)
+    client = client_of(namespace)
     values = fill(client, a)
     rule = proxy.drop_reply(sha(a, "move_replicas"))
     drain_host(a)
@@ -177,7 +177,7 @@ def test_a_spill_swap_whose_outcome_is_unknown_is_counted_once_it_landed(
     direct_agent: Callable[..., Agent],
     client_of: Callable[[str], Client],
     proxy: RedisProxy,
-    ns: str,
+    namespace: str,
 ) -> None:
     """DEFECT (wrong counter; fixed: the spiller hands such swaps back as unknown and the pass asks
     the index, LocalMoves.resolve, before it ends). The reply of a spill batch's move_replicas is lost after the server
@@ -189,9 +189,9 @@ def test_a_spill_swap_whose_outcome_is_unknown_is_counted_once_it_landed(
     LocalMoves.settle does for local moves), so Client.stat() shows 0 out and 3 in.
     The test first checks what must hold anyway: no object lost, nothing left reserved on the peer,
     and the next passes bring the tier under its low watermark (the drain state survived the error)."""
-    a = proxied_agent(ns, spill_to_peers=True)
-    b = direct_agent(ns, host_bytes=16 * MiB)
-    client = client_of(ns)
+    a = proxied_agent(namespace, spill_to_peers=True)
+    b = direct_agent(namespace, host_bytes=16 * MiB)
+    client = client_of(namespace)
     values = fill(client, a)
     rule = proxy.drop_reply(sha(a, "move_replicas"), times=2)
     with pytest.raises(MooncakeError):
@@ -222,15 +222,15 @@ def test_a_spill_swap_the_index_cannot_confirm_yet_is_counted_by_settle_once_it_
     direct_agent: Callable[..., Agent],
     client_of: Callable[[str], Client],
     proxy: RedisProxy,
-    ns: str,
+    namespace: str,
 ) -> None:
     """The swap of a spill batch runs on the server, its reply is lost and the index goes out of
     reach at once: the replay fails, and so does the question whether the swap landed. The sender
     cannot count the spill yet (nor free anything: the peer keeps what its ack list names). Once
     the index is back, settle() (the pressure loop's first step) asks again and counts the batch."""
-    a = proxied_agent(ns, spill_to_peers=True)
-    b = direct_agent(ns, host_bytes=16 * MiB)
-    client = client_of(ns)
+    a = proxied_agent(namespace, spill_to_peers=True)
+    b = direct_agent(namespace, host_bytes=16 * MiB)
+    client = client_of(namespace)
     values = fill(client, a)
     rule = proxy.drop_reply(sha(a, "move_replicas"))
     proxy.down_after_reply_of(sha(a, "move_replicas"))
@@ -250,14 +250,14 @@ def test_a_spill_swap_the_index_cannot_confirm_yet_is_counted_by_settle_once_it_
 
 
 def test_a_writer_waiting_for_room_is_still_served_after_a_pass_that_failed(
-    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, ns: str
+    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, namespace: str
 ) -> None:
     """A reservation that does not fit asks for room (want_room); the pass it wakes fails (the
     index goes down after the victim sample). The pass had already taken the request: the next
     pass, with the index back, found the tier under its high watermark and moved nothing, so the
     writer waited for its own next refused RESERVE. Now a failed pass hands the request back."""
-    agent = proxied_agent(ns)
-    client = client_of(ns)
+    agent = proxied_agent(namespace)
+    client = client_of(namespace)
     values = fill(client, agent, n=10)  # 2.5 MiB of 4: under the high watermark
     wanted = 3 * MiB
     used, _, largest_free, _ = agent.table.usage()
@@ -286,7 +286,7 @@ def test_a_sync_reply_lost_on_a_broken_connection_does_not_free_a_spilled_in_obj
     direct_agent: Callable[..., Agent],
     client_of: Callable[[str], Client],
     proxy: RedisProxy,
-    ns: str,
+    namespace: str,
 ) -> None:
     """DEFECT (data loss). The spill's receiving agent learns that a swap landed from its ack list
     (agent_sync.lua). A sync call carries applied_last="1" and the script first deletes what the
@@ -296,9 +296,9 @@ def test_a_sync_reply_lost_on_a_broken_connection_does_not_free_a_spilled_in_obj
     reservations stay RESERVED; at their deadline the next sync finds their guards gone ("G") and no
     ack, and frees them, while the index names them as the objects' only replicas. (The agent-level
     applied_last flag, which guards against a reply lost to a timeout, never sees the replay.)"""
-    a = direct_agent(ns, spill_to_peers=True)
-    b = proxied_agent(ns, host_bytes=16 * MiB, reserve_timeout_s=1.0)
-    client = client_of(ns)
+    a = direct_agent(namespace, spill_to_peers=True)
+    b = proxied_agent(namespace, host_bytes=16 * MiB, reserve_timeout_s=1.0)
+    client = client_of(namespace)
     values = fill(client, a)
     drain_host(a)
     on_b = listed_on(client, list(values), b.node_id)
@@ -319,15 +319,15 @@ def test_a_sync_reply_lost_on_a_broken_connection_does_not_free_a_spilled_in_obj
 
 
 def test_graves_of_an_eviction_pass_survive_a_sync_reply_lost_on_a_broken_connection(
-    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, ns: str
+    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, namespace: str
 ) -> None:
     """DEFECT (memory leak, over-eviction). A pass evicts 3 chunks and then syncs at once
     (reclaim_now(force=True)) to free their graves. The sync's reply is lost after the server ran it;
     _run's replay (applied_last="1" again) deletes gcout, i.e. the graves the lost reply carried. The
     three blocks are never freed: the agent's table holds allocations that no object names, for
     good, and since the tier still looks full the next pass evicts three more objects."""
-    agent = proxied_agent(ns)
-    client = client_of(ns)
+    agent = proxied_agent(namespace)
+    client = client_of(namespace)
     values = fill(client, agent)
     rule = proxy.drop_reply(sha(agent, "agent_sync"), after=sha(agent, "evict"))
     drain_host(agent)
@@ -395,17 +395,17 @@ def test_written_jobs_of_a_batch_whose_peer_died_mid_write_are_not_swapped_to_it
 
 
 def test_a_peer_that_refuses_the_reservation_gets_nothing_and_the_jobs_go_to_the_next_peer(
-    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], ns: str
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
 ) -> None:
     """Guard (passes). The node table says peer B (16 MiB, empty at its last heartbeat) has the most
     room, but B has filled up since: it refuses the batch's RESERVE. The pass leaves B out, places
     the jobs again, and they go to C. Nothing is lost or evicted, nothing stays reserved on B, and
     Client.stat() counts exactly the moves made: spills_out on A and spills_in on C equal the
     objects now on C, B shows none."""
-    a = direct_agent(ns, spill_to_peers=True)
-    b = direct_agent(ns, host_bytes=16 * MiB)
-    c = direct_agent(ns, host_bytes=8 * MiB)
-    client = client_of(ns)
+    a = direct_agent(namespace, spill_to_peers=True)
+    b = direct_agent(namespace, host_bytes=16 * MiB)
+    c = direct_agent(namespace, host_bytes=8 * MiB)
+    client = client_of(namespace)
     values = fill(client, a)
     filler = {f"b{i:02d}": np.full(CHUNK, 0x55, np.uint8) for i in range(63)}
     client.put_many(filler, preferred_node=b.node_id)  # 15.75 of 16 MiB; b's table row still says 0
@@ -427,7 +427,7 @@ def test_a_peer_that_refuses_the_reservation_gets_nothing_and_the_jobs_go_to_the
 
 # ---- a demotion whose swap the index could not confirm ------------------------------------------
 def test_a_demotion_the_index_never_confirmed_is_not_counted(
-    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, ns: str
+    proxied_agent: Callable[..., Agent], client_of: Callable[[str], Client], proxy: RedisProxy, namespace: str
 ) -> None:
     """DEFECT (wrong counter). The index goes down right after the pass took its sample. Each
     demotion's swap fails (it never reached the server) and so does the question whether it
@@ -436,9 +436,9 @@ def test_a_demotion_the_index_never_confirmed_is_not_counted(
     back, settle() learns that no swap named the files and drops them: every object is still on
     the host tier, but the counter (and Client.stat()) says 3 demotions."""
     disk_dir = tempfile.mkdtemp(prefix="rv8-disk-")
-    agent = proxied_agent(ns, disk_path=disk_dir, disk_bytes=16 * MiB)
+    agent = proxied_agent(namespace, disk_path=disk_dir, disk_bytes=16 * MiB)
     try:
-        _demotion_unconfirmed(agent, client_of(ns), proxy)
+        _demotion_unconfirmed(agent, client_of(namespace), proxy)
     finally:
         agent.stop()  # removes its chunk files; the fixture's stop is then a no-op
         shutil.rmtree(disk_dir, ignore_errors=True)
@@ -469,13 +469,13 @@ def _demotion_unconfirmed(agent: Agent, client: Client, proxy: RedisProxy) -> No
 
 
 def test_an_index_outage_at_the_start_of_a_pass_is_a_mooncake_error(
-    proxied_agent: Callable[..., Agent], proxy: RedisProxy, ns: str
+    proxied_agent: Callable[..., Agent], proxy: RedisProxy, namespace: str
 ) -> None:
     """DEFECT (cosmetic). A pass starts with RedisIndex.server_time_ms(), the one index call that
     lets redis-py's ConnectionError through instead of a ConnectError: PressureManager.run then
     logs the outage as a bug ("pressure pass failed unexpectedly", with a traceback) rather than as
     the warning every other index failure gets (DESIGN.md §3.6: errors form one tree)."""
-    agent = proxied_agent(ns)
+    agent = proxied_agent(namespace)
     proxy.down_after_reply_of(sha(agent, "victims"))
     agent.index.victim_candidates(agent.node_id, "host")  # the proxy goes down after this reply
     with pytest.raises(MooncakeError):

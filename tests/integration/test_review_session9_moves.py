@@ -94,7 +94,7 @@ def test_a_landed_spill_whose_object_was_removed_before_settle_is_still_counted(
     direct_agent: Callable[..., Agent],
     client_of: Callable[[str], Client],
     proxy: RedisProxy,
-    ns: str,
+    namespace: str,
 ) -> None:
     """e37edc9 says the sender's spills_out now matches the peer's spills_in also when the swap's
     answer was lost: settle() counts a target 'once the index names it', where naming includes the
@@ -107,9 +107,9 @@ def test_a_landed_spill_whose_object_was_removed_before_settle_is_still_counted(
     takes them for swaps that never landed, and drops them from its list: spills_out stays 0 for
     good while the peer says 3 came in. The same gap (gcout: not asked) applies to a local
     target whose grave this agent's own sync drained before settle() ran."""
-    a = proxied_agent(ns, spill_to_peers=True)
-    b = direct_agent(ns, host_bytes=16 * MiB)
-    client = client_of(ns)
+    a = proxied_agent(namespace, spill_to_peers=True)
+    b = direct_agent(namespace, host_bytes=16 * MiB)
+    client = client_of(namespace)
     values = fill(client, a)
     r, prefix = client.index.redis, client.index.prefix
     rule = proxy.drop_reply(sha(a, "move_replicas"))
@@ -143,15 +143,15 @@ def test_a_landed_spill_whose_object_was_removed_under_a_lease_is_counted_by_set
     direct_agent: Callable[..., Agent],
     client_of: Callable[[str], Client],
     proxy: RedisProxy,
-    ns: str,
+    namespace: str,
 ) -> None:
     """Guard (passes): the graveyard case e37edc9 covers. As above, but a reader looked the
     spilled objects up before they were removed, so their graves on the peer wait for the lease
     and stay in gc:<peer>: settle() finds them there and counts the batch once, frees nothing, and
     every object not removed still reads back whole."""
-    a = proxied_agent(ns, spill_to_peers=True)
-    b = direct_agent(ns, host_bytes=16 * MiB)
-    client = client_of(ns)
+    a = proxied_agent(namespace, spill_to_peers=True)
+    b = direct_agent(namespace, host_bytes=16 * MiB)
+    client = client_of(namespace)
     values = fill(client, a)
     r, prefix = client.index.redis, client.index.prefix
     rule = proxy.drop_reply(sha(a, "move_replicas"))
@@ -286,9 +286,9 @@ def test_a_get_with_replicas_on_a_busy_agent_and_a_healthy_one_reads_the_healthy
     room is read from the latter, alone and in a batch, over TCP; only a key whose every replica is
     on the busy agent fails, with AgentBusy naming the limit."""
     busy = start_agent({"MAX_CONNECTIONS": 1})
-    ns = busy.namespace
-    make_inproc_agent(namespace=ns, host_bytes=16 * MiB, reserve_timeout_s=30.0)
-    writer = connect(redis_url, namespace=ns, transports=("tcp",))
+    namespace = busy.namespace
+    make_inproc_agent(namespace=namespace, host_bytes=16 * MiB, reserve_timeout_s=30.0)
+    writer = connect(redis_url, namespace=namespace, transports=("tcp",))
     try:
         both = {f"both-{i}": np.full(4096, i, np.uint8) for i in range(6)}
         writer.put_many(both, replicas=2)
@@ -296,7 +296,7 @@ def test_a_get_with_replicas_on_a_busy_agent_and_a_healthy_one_reads_the_healthy
         writer.put("only-busy", only, preferred_node=busy.agents[0].node_id)
     finally:
         writer.close()
-    reader = connect(redis_url, namespace=ns, transports=("tcp",), timeout_s=5.0)
+    reader = connect(redis_url, namespace=namespace, transports=("tcp",), timeout_s=5.0)
     held = connect_raw(busy)
     try:
         held.sendall(frames.pack(Op.PING))
