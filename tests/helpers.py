@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
-from mooncake_store.agent.ops import SPILL_FLAG
 from mooncake_store.index.client import PendingPut
+from mooncake_store.transport.frames import SPILL_FLAG
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage, TransportKind
 

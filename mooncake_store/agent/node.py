@@ -19,7 +19,6 @@ import numpy as np
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.inbox import DiskInbox
-from mooncake_store.agent.ops import TIER_DISK, TIER_GPU
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
 from mooncake_store.config import AgentConfig, is_wildcard_host, split_host_port
@@ -30,6 +29,7 @@ from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.gpu import GpuArena
 from mooncake_store.tiers.host import HostArena, segment_name
+from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import ALLOC_TAG_SHIFT, NodeInfo, TierKind, TierUsage, TransportKind
 

@@ -17,17 +17,10 @@ from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.disk import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
-from mooncake_store.transport.frames import Op, Status
+from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST, Op, Status
 
 log = logging.getLogger("mooncake.agent")
 
-#: RESERVE tiers (header field a).
-TIER_HOST = 0
-TIER_GPU = 1
-#: Spills from a peer's disk tier only: each reservation receives one whole chunk file.
-TIER_DISK = 2
-#: RESERVE flag: the reservation is a spill from a peer agent.
-SPILL_FLAG = 1
 #: Chunk for draining the payload of a refused WRITE.
 DRAIN_BYTES = 1 << 20
 #: The slowest a request's bytes may arrive (and a READ's reply leave), beyond the first

@@ -46,11 +46,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import MoveTarget
-from mooncake_store.agent.ops import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.agent.peer_arenas import PeerArenas
 from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport import frames
+from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.transport.shm import copy_bytes
 from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
 from mooncake_store.types import (

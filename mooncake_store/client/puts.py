@@ -52,6 +52,7 @@ from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes, tier_capacity
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
+from mooncake_store.transport import frames
 from mooncake_store.transport.cancel import current_cancel, running_under
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TransportKind, check_key
 
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mooncake.client")
 
 #: RESERVE tier numbers on the wire (transport/frames.py).
-WIRE_TIER = {TierKind.HOST: 0, TierKind.GPU: 1}
+WIRE_TIER = {TierKind.HOST: frames.TIER_HOST, TierKind.GPU: frames.TIER_GPU}
 
 
 @dataclass(slots=True)

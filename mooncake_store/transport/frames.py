@@ -68,6 +68,14 @@ RESERVE_REPLY = struct.Struct("<QQ")
 U64 = struct.Struct("<Q")
 #: Entries in one RESERVE or FREE frame; a larger batch is split by the client.
 MAX_BATCH = 8192
+#: RESERVE's tier (header field a).
+TIER_HOST = 0
+TIER_GPU = 1
+#: Spills from a peer's disk tier only: each reservation receives one whole chunk file.
+TIER_DISK = 2
+TIER_NAMES = {TIER_HOST: "host", TIER_GPU: "gpu", TIER_DISK: "disk"}
+#: RESERVE flag (header field b): the reservation is a spill from a peer agent.
+SPILL_FLAG = 1
 
 
 class Op(IntEnum):

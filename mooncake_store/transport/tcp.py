@@ -67,9 +67,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 #: hundreds in flight keep both sides busy.
 READ_WINDOW = 1024
 
-#: RESERVE's tier field, for messages.
-TIER_NAMES = {0: "host", 1: "gpu", 2: "disk"}
-
 
 #: Pooled connections idle longer than this are not reused (the agent closes them after its own,
 #: longer, limit: agent/server.py IDLE_CLOSE_S).
@@ -258,7 +255,7 @@ class PeerConnections:
             status, a, b, c = self._reply(sock, Op.RESERVE)
             if status == Status.NO_CAPACITY:
                 need = sum(size for size, _ in chunk)
-                where = TIER_NAMES.get(tier, tier)
+                where = frames.TIER_NAMES.get(tier, tier)
                 if c == 0:  # no such tier there, or a disk tier, which takes spills only
                     raise NoCapacity(
                         f"need {need} B in {len(chunk)} object(s) on {where}; node {node_id} takes none "

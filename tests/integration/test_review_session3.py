@@ -25,11 +25,11 @@ from mooncake_store.agent import node as node_module
 from mooncake_store.agent import pressure as pressure_module
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.ops import SPILL_FLAG, TIER_DISK
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import NoCapacity, StaleLocation
 from mooncake_store.tiers.disk import HEADER, DiskTier
 from mooncake_store.transport import frames
+from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK
 from mooncake_store.transport.tcp import PeerConnections
 from mooncake_store.types import Replica, TierKind
 

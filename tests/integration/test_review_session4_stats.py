@@ -19,8 +19,8 @@ from helpers import wait_until
 
 from mooncake_store import connect
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.ops import SPILL_FLAG
 from mooncake_store.client.stats import ClusterStats, TierStats
+from mooncake_store.transport.frames import SPILL_FLAG
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import Replica, ReplicaState, TierKind
 

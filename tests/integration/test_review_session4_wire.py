@@ -23,11 +23,10 @@ from helpers import wait_until
 from mooncake_store import connect
 from mooncake_store.agent import server as server_module
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.ops import SPILL_FLAG, TIER_DISK
 from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport import frames
-from mooncake_store.transport.frames import Op, Status
+from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, Op, Status
 from mooncake_store.transport.tcp import PeerConnections, parse_endpoint
 
 KiB = 1 << 10
