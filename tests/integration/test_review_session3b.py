@@ -197,7 +197,9 @@ def test_a_client_killed_mid_write_frees_its_fence_at_once(make_inproc_agent) ->
     try:
         assert writer.stdout is not None
         assert writer.stdout.readline().strip() == b"sent"
-        assert wait_until(lambda: len(agent.server._threads) >= 1, 3)
+        # The agent has begun the dead writer's WRITE (its fence is on) before the kill: else the
+        # second write could land first and the dead writer's buffered bytes after it.
+        assert wait_until(lambda: agent.table._allocs[res.alloc_id].readers >= 1, 3)
         os.kill(writer.pid, signal.SIGKILL)
         writer.wait(timeout=5)
         payload = np.full(1 * MiB, 9, np.uint8)
