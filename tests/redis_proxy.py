@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mooncake_store.agent.node import Agent
 
+#: A script's sha1, as rules name it: 40 hex digits.
+SHA_CHARS = 40
+
 
 @dataclass
 class _Rule:
@@ -143,7 +146,9 @@ class RedisProxy:
                         p.drop_next = True
                 if self._down_after and self._down_after in window:
                     p.down_after_reply = True
-            tail = (tail + data)[-128:]
+            # A sha split over two reads is still seen, but one seen whole already is not seen
+            # again with the next command on this connection (it would fire a rule installed since).
+            tail = (tail + data)[-(SHA_CHARS - 1) :]
             try:
                 p.server.sendall(data)
             except OSError:
