@@ -50,10 +50,12 @@ JobOf = Callable[[EvictionCandidate], SpillJob | None]
 
 @dataclass(frozen=True, slots=True)
 class Returning:
-    """Bytes of a tier that the graveyard gives back by itself: all of them, and those due soon."""
+    """Bytes of a tier that the graveyard gives back by itself: all of them, and those due soon;
+    and the index's time when it was read (ms)."""
 
     all: int = 0
     soon: int = 0
+    now_ms: int = 0
 
 
 @dataclass(slots=True)
@@ -183,8 +185,9 @@ class PressureManager:
         if need_now(Returning()) <= 0:
             return 0
         self.agent.reclaim_now()
-        need = need_now(self._returning(tier))
-        return self._walk(tier, need, job_of) if need > 0 else 0
+        returning = self._returning(tier)
+        need = need_now(returning)
+        return self._walk(tier, need, job_of, now_ms=returning.now_ms) if need > 0 else 0
 
     def _returning(self, tier: TierKind) -> Returning:
         """Bytes of ``tier`` held by this node's graveyard (still leased: freed when leases end),
@@ -195,6 +198,7 @@ class PressureManager:
         return Returning(
             all=self._bytes_in(tier, [g for g, _ in graves]),
             soon=self._bytes_in(tier, [g for g, due in graves if due <= soon_ms]),
+            now_ms=now_ms,
         )
 
     def _bytes_in(self, tier: TierKind, alloc_ids: list[int]) -> int:
@@ -225,12 +229,11 @@ class PressureManager:
         location = self.agent.table.offset_of(victim.alloc_id)
         return SpillJob(victim=victim, offset=location[0]) if location is not None else None
 
-    def _walk(self, tier: TierKind, need: int, job_of: JobOf) -> int:
+    def _walk(self, tier: TierKind, need: int, job_of: JobOf, *, now_ms: int) -> int:
         """Move the coldest movable objects of ``tier`` until ``need`` bytes are on their way out;
         returns the bytes moved. ``job_of`` locates a victim in the tier (None: freed since the
-        sample was taken)."""
+        sample was taken); ``now_ms``: the index's time as the pass began (read with the graveyard)."""
         agent = self.agent
-        now_ms = agent.index.server_time_ms()
         candidates = agent.index.victim_candidates(agent.node_id, str(tier), sample=SAMPLE)
         # One read of the node table per pass; what this pass sends each peer is counted here.
         peers = list(agent.index.nodes().values()) if agent.config.spill_to_peers else []
