@@ -75,6 +75,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,10 +132,11 @@ INVALID = "INVALID"
 
 # ---- helpers ------------------------------------------------------------------------------------
 def subscribe_arrivals(index: Any, set_key: str) -> Any:
-    """A subscription to the keyspace events of ``set_key`` (one per SADD that added a member), so
-    that the parent learns of each object landing on B as its swap lands, without polling: a SCARD
-    every 2 ms cost this process ~40 us of CPU each (~10 ms a burst, on the two CPUs the spill itself
-    runs on) and the index as many round trips. Returns once the server has the subscription."""
+    """A subscription to the keyspace events of ``set_key`` (one per SADD that added members: a
+    batch's swap adds its objects to B's set in one SADD), so that the parent learns of each batch
+    landing on B as its swap lands, without polling: a SCARD every 2 ms cost this process ~40 us of
+    CPU each (~10 ms a burst, on the two CPUs the spill itself runs on) and the index as many round
+    trips. Returns once the server has the subscription."""
     index.redis.config_set("notify-keyspace-events", "Ks")  # keyspace events of set commands
     db = int(index.redis.connection_pool.connection_kwargs.get("db", 0))
     sub = index.redis.pubsub()
@@ -147,24 +149,31 @@ def subscribe_arrivals(index: Any, set_key: str) -> Any:
     return sub
 
 
-def watch_arrivals(sub: Any, t0: float, *, what: str, limit_s: float = 120.0) -> list[tuple[float, int]]:
+def watch_arrivals(
+    sub: Any, t0: float, count_now: Callable[[], int], *, what: str, limit_s: float = 120.0
+) -> list[tuple[float, int]]:
     """From ``subscribe_arrivals``: (seconds since ``t0``, members added so far) per step, until
-    none has come for SETTLE_S after the first. Events closer than STEP_GAP_S to a step's first
-    are that step (one batch's swap adds its members in one script; their events come together)."""
+    none has come for SETTLE_S after the first. Each event is followed by ``count_now()`` (a SCARD
+    less what was there before), stamped when it returns: never before the members it counts
+    landed. Events closer than STEP_GAP_S to a step's first are that step."""
     points: list[tuple[float, int]] = [(0.0, 0)]
     count = 0
     last = time.perf_counter()
     deadline = last + limit_s
     while True:
         msg = sub.get_message(timeout=SETTLE_S)
-        now = time.perf_counter()
         if msg is None or msg["type"] != "message" or msg["data"] not in ("sadd", b"sadd"):
+            now = time.perf_counter()
             if count and now - last >= SETTLE_S:
                 return points
             if now > deadline:
                 raise RuntimeError(f"{what} did not settle within {limit_s:g} s ({count} arrived)")
             continue
-        count += 1
+        counted = count_now()
+        now = time.perf_counter()
+        if counted <= count:
+            continue  # this event's members were counted with an earlier one
+        count = counted
         last = now
         if len(points) > 1 and now - t0 - points[-1][0] < STEP_GAP_S:
             points[-1] = (points[-1][0], count)
@@ -331,12 +340,13 @@ def spill_case(size: int, a_bytes: int, *, path: str, profile_dir: Path | None) 
                 # waiting up to one pressure interval.
                 arrivals = subscribe_arrivals(index, on_b)
                 pipe = index.redis.pipeline(transaction=False)
-                for key in keys:
-                    pipe.delete(index.prefix + "pins:" + key)
+                pipe.delete(*(index.prefix + "pins:" + key for key in keys))
                 t0 = time.perf_counter()
                 pipe.execute()
                 client.put(TRIGGER_KEY, b"x", preferred_node="A")
-                points = watch_arrivals(arrivals, t0, what=f"spill of {size} B objects")
+                points = watch_arrivals(
+                    arrivals, t0, lambda: int(index.redis.scard(on_b)), what=f"spill of {size} B objects"
+                )
                 arrivals.close()
                 # The events must account for every object on B; if not (one lost, or a swap after
                 # the watch ended), the burst's figure is not trusted (miscounted_bursts: INVALID).

@@ -375,6 +375,9 @@ class Agent:
     def start(self) -> None:
         self.server.start()
         self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
+        # The pressure pass's scripts, compiled now rather than on the first pass, whose first
+        # spill would otherwise wait for them.
+        self.index.preload(("victims", "move_replicas", "evict"))
         duties = (
             ("mc-heartbeat", self._heartbeat_loop),
             ("mc-sync", self._sync_loop),

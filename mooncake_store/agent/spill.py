@@ -5,13 +5,15 @@ compare-and-swap in the index: three waits per object, the pressure thread idle 
 victims of a pass that go to one peer move batch by batch (at most ``BATCH_BYTES``), each batch as
 DESIGN.md §3.4 wants a single move:
 
-1. copy: one RESERVE frame for the whole batch (flag ``SPILL_FLAG``; all or nothing), sent while
-   the batch before it is still being written, then the WRITEs, spread over ``STREAMS``
+1. copy: one guard record in the index and one RESERVE frame for the whole batch (flag
+   ``SPILL_FLAG``; all or nothing; every entry under the batch's put id, which names the guard),
+   sent while the batch before it is still being written, then the WRITEs, spread over ``STREAMS``
    connections to the peer with ``WRITE_WINDOW`` of them in flight on each, so that acks overlap
    bytes;
 2. compare-and-swap: one call of ``move_replicas.lua`` for the batch, a status per object, with
    ``move_replica.lua``'s rules (an object that is gone, replaced, moved or pinned meanwhile keeps
-   its old location);
+   its old location; none moves once the peer's sync has revoked the guard, which it does when any
+   of the batch's reservations times out there);
 3. free: the old copies are in this agent's graveyard (the swap put them there); every reservation
    whose write or swap did not succeed is expired on the peer in one FREE frame.
 
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.peer_arenas import PeerArenas
 from mooncake_store.errors import MooncakeError
+from mooncake_store.index.client import BATCH_LIMIT
 from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
@@ -74,6 +77,9 @@ GUARD_TTL_MS = 300_000
 #: Bytes per batch: bounds what a peer holds reserved for a batch not yet swapped, and how long
 #: the first object of a pass waits for its swap.
 BATCH_BYTES = 32 << 20
+#: Entries per batch: one RESERVE frame's worth, and one move_replicas call's (the batch's guard
+#: is shared by its entries, and a call deletes the guards it used).
+MAX_ENTRIES = min(frames.MAX_BATCH, BATCH_LIMIT)
 #: WRITE frames in flight per stream before their acks are read.
 WRITE_WINDOW = 4
 #: RESERVE's tier field per tier.
@@ -126,13 +132,13 @@ class SpillResult:
 
 
 def batches_of(jobs: list[SpillJob], *, max_bytes: int = BATCH_BYTES) -> list[list[SpillJob]]:
-    """Consecutive runs of ``jobs`` of at most ``max_bytes`` (one object at least) and at most one
-    RESERVE frame's worth of entries."""
+    """Consecutive runs of ``jobs`` of at most ``max_bytes`` (one object at least) and at most
+    MAX_ENTRIES entries."""
     out: list[list[SpillJob]] = []
     cur: list[SpillJob] = []
     size = 0
     for job in jobs:
-        if cur and (size + job.wire_bytes > max_bytes or len(cur) >= frames.MAX_BATCH):
+        if cur and (size + job.wire_bytes > max_bytes or len(cur) >= MAX_ENTRIES):
             out.append(cur)
             cur, size = [], 0
         cur.append(job)
@@ -267,13 +273,16 @@ class Spiller:
             if not batch:
                 return _Reserved(batch=[], reservations=[])
         peer = self._transport.peer(peer_node.tcp_endpoint)
-        put_ids = [uuid.uuid4().bytes for _ in batch]
+        # One put id, and so one guard, for the whole batch: its reservations are made together
+        # and time out together, and one that timed out refuses the batch's swap (move_replicas.lua
+        # looks a shared guard up once). A guard per object cost a uuid, a SET and a DEL each.
+        put_id = uuid.uuid4().bytes
         try:
-            # Guards first: should the copy outlive the peer's reservation timeout, the peer's sync
-            # deletes the guard and the swap is refused rather than naming freed memory.
-            self.agent.index.guard_reservations([p.hex() for p in put_ids], ttl_ms=GUARD_TTL_MS)
+            # The guard first: should the copy outlive the peer's reservation timeout, the peer's
+            # sync deletes the guard and the swap is refused rather than naming freed memory.
+            self.agent.index.guard_reservations([put_id.hex()], ttl_ms=GUARD_TTL_MS)
             reservations = peer.reserve(
-                [(job.wire_bytes, put_id) for job, put_id in zip(batch, put_ids, strict=True)],
+                [(job.wire_bytes, put_id) for job in batch],
                 node_id=peer_node.node_id,
                 flags=SPILL_FLAG,
                 tier=WIRE_TIER[tier],
@@ -284,10 +293,7 @@ class Spiller:
             return None
         return _Reserved(
             batch=batch,
-            reservations=[
-                Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=p)
-                for r, p in zip(reservations, put_ids, strict=True)
-            ],
+            reservations=[Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=put_id) for r in reservations],
         )
 
     def _send(self, peer_node: NodeInfo, reserved: _Reserved, tier: TierKind) -> tuple[list[bool], bool]:
@@ -343,6 +349,7 @@ class Spiller:
             for job, res, ok in zip(batch, reservations, written, strict=True)
             if ok
         ]
+
         try:
             statuses = self.agent.index.move_replicas(moves, old_node=self.agent.node_id) if moves else []
         except MooncakeError as exc:

@@ -163,6 +163,21 @@ class RedisIndex:
             conn.disconnect()
         pool.disconnect()  # every connection of the old pool, those of calls under way included
 
+    def preload(self, names: Sequence[str]) -> None:
+        """Load the named scripts into the server now, those it lacks, in one round trip to ask
+        and one to load: otherwise the first call of each meets NOSCRIPT, and loads (compiles)
+        it then, on the path that waited for it (an agent's first spill, say)."""
+        scripts = [self._scripts[name] for name in names]
+        try:
+            known = self.redis.script_exists(*(s.sha for s in scripts))
+            pipe = self.redis.pipeline(transaction=False)
+            for script, there in zip(scripts, known, strict=True):
+                if not there:
+                    pipe.script_load(script.script)
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot load scripts into Redis at {self.url}: {exc}") from None
+
     def _run(self, name: str, *args: Any, scripts: Mapping[str, Any] | None = None) -> Any:
         """EVALSHA of one script on a connection of our own.
 

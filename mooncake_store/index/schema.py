@@ -7,7 +7,8 @@ on Redis Cluster::
                                   lease_until, last_access, created, refcount (mirror of live pins),
                                   chain_pos, chain_parent (prefix chains, for eviction)
     mc:{ns}:keys           set    every committed key (ls, stat)
-    mc:{ns}:pend:<put_id>  hash   a put between reserve and commit (invisible to readers)
+    mc:{ns}:pend:<put_id>  hash   a put between reserve and commit (invisible to readers); a string
+                                  "guard" for a spill batch's reservations on a peer (one per batch)
     mc:{ns}:pins:<key>     zset   pin id -> expiry ms; refcount = live pins
     mc:{ns}:claim:<key>    string writer id (PX ttl) while one writer stores a missing prefix chunk
     mc:{ns}:children       hash   parent key -> stored chunks naming it (survives the parent's removal)

@@ -25,11 +25,6 @@ local ak, gk = P .. 'acks:' .. node, P .. 'gc:' .. node
 local ako, gko = P .. 'acksout:' .. node, P .. 'gcout:' .. node
 if ARGV[4] == '1' then redis.call('DEL', ako, gko) end
 
-local function chunked(cmd, key, items)
-  for i = 1, #items, 1000 do  -- unpack has a stack limit
-    redis.call(cmd, key, unpack(items, i, math.min(i + 999, #items)))
-  end
-end
 local function append(dst, items) chunked('RPUSH', dst, items) end
 
 append(ako, redis.call('LRANGE', ak, 0, -1))

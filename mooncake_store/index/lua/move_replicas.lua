@@ -3,7 +3,7 @@
 -- KEYS: none
 -- ARGV: [1] prefix, [2] old node, then four per entry: key, old alloc id, new replica JSON
 --       [node, tier, offset, size, alloc_id, state], guard put id of the new location's
---       reservation ("" for none)
+--       reservation ("" for none; entries may share one)
 -- Returns: one status per entry, in order: "OK" the object now lists the new location and the old
 --   one is in its agent's graveyard (freed once the object's read leases have run out); "GONE" the
 --   object no longer holds the old location (removed, replaced or moved meanwhile: drop the new
@@ -13,10 +13,14 @@
 -- The guard is what the target agent's sync deletes when the reservation times out; deleting it
 -- here, in the same atomic step as the swap, decides the race either way.
 -- Each new location's agent is told through its ack list, exactly as for a commit.
+-- Entries may share a guard (a spill batch has one): it is looked up once and deleted at the end,
+-- and what the swaps write to node sets, graveyards and ack lists goes out once per key.
 local old_node = ARGV[2]
 local now = now_ms()
 local out = {}
+local swaps = new_swaps()
 for i = 3, #ARGV - 3, 4 do
-  table.insert(out, swap_replica(ARGV[i], old_node, ARGV[i + 1], cjson.decode(ARGV[i + 2]), ARGV[i + 3], now))
+  table.insert(out, swap_replica(ARGV[i], old_node, ARGV[i + 1], cjson.decode(ARGV[i + 2]), ARGV[i + 3], now, swaps))
 end
+flush_swaps(swaps)
 return out

@@ -145,14 +145,57 @@ local function stale_alloc(node, alloc)
   return math.floor(tonumber(alloc) / 140737488355328) % 65536 ~= tag
 end
 
+-- Run a command once per <= 1000 items (unpack has a stack limit): cmd key item...
+local function chunked(cmd, key, items)
+  for i = 1, #items, 1000 do
+    redis.call(cmd, key, unpack(items, i, math.min(i + 999, #items)))
+  end
+end
+-- What swap_replica writes besides the object record, gathered over one call of move_replicas and
+-- written once per set, list and zset (flush_swaps), not once per object; and the guards it
+-- checked. A guard may be shared by a batch's entries (one spill batch, one guard): it is looked
+-- up once, and deleted when the call ends if it was there. Nothing read by a later swap of the
+-- same call is deferred: each swap reads only its own record, its guard, the node table and pins.
+local function new_swaps()
+  return {guards = {}, sadd = {}, srem = {}, zadd = {}, rpush = {}}
+end
+local function defer(t, key, ...)
+  local list = t[key]
+  if not list then list = {}; t[key] = list end
+  for _, v in ipairs({...}) do table.insert(list, v) end
+end
+local function flush_swaps(swaps)
+  for guard, there in pairs(swaps.guards) do
+    if there then redis.call('DEL', P .. 'pend:' .. guard) end
+  end
+  for key, items in pairs(swaps.srem) do chunked('SREM', key, items) end
+  for key, items in pairs(swaps.zadd) do chunked('ZADD', key, items) end
+  for key, items in pairs(swaps.sadd) do chunked('SADD', key, items) end
+  for key, items in pairs(swaps.rpush) do chunked('RPUSH', key, items) end
+end
+-- Whether the guard of a reservation (its pend: record) is still there: "" has none. On its own
+-- (swaps nil) the guard is deleted here, in the same atomic step as the swap; within a batch it is
+-- looked up once and deleted by flush_swaps.
+local function take_guard(guard, swaps)
+  if guard == '' then return true end
+  if not swaps then return redis.call('DEL', P .. 'pend:' .. guard) == 1 end
+  local there = swaps.guards[guard]
+  if there == nil then
+    there = redis.call('EXISTS', P .. 'pend:' .. guard) == 1
+    swaps.guards[guard] = there
+  end
+  return there
+end
 -- Compare-and-swap one replica of key from (old_node, old_alloc) to new (a decoded replica array)
 -- (DESIGN.md §3.4). guard: "" or the put id of the new location's reservation on another agent,
--- whose record pend:<guard> that agent's sync deletes when the reservation times out. Returns "OK"
+-- whose record pend:<guard> that agent's sync deletes when the reservation times out (one guard
+-- may cover a whole batch of reservations: one expired, the batch's swaps are all refused).
+-- swaps: nil to write at once, else new_swaps(), written by flush_swaps. Returns "OK"
 -- (also for a retry whose first call swapped: the caller must not free a copy the index names),
 -- "GONE", "PINNED", "EXPIRED" (the guard is gone: the new location may already be freed; or the
 -- new node left the node table or is past its heartbeat deadline) or "DUP" (the new node already holds another replica: two copies
 -- on one node would be one), or "INVALID" (the new location is malformed: nothing is written).
-local function swap_replica(key, old_node, old_alloc, new, guard, now)
+local function swap_replica(key, old_node, old_alloc, new, guard, now, swaps)
   if not valid_replica(new) then return 'INVALID' end
   local ok = P .. 'o:' .. key
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
@@ -164,7 +207,7 @@ local function swap_replica(key, old_node, old_alloc, new, guard, now)
     if r[1] == old_node and r[5] == old_alloc and r[6] == 'COMPLETE' then found = i
     elseif r[1] == new[1] then dup = true end
   end
-  if guard ~= '' and redis.call('DEL', P .. 'pend:' .. guard) == 0 then return 'EXPIRED' end
+  if not take_guard(guard, swaps) then return 'EXPIRED' end
   if stale_alloc(new[1], new[5]) then return 'EXPIRED' end
   -- Past its heartbeat deadline the new node is skipped by readers and soon reaped: moving the
   -- object there would hand its good copy to the graveyard for one nobody can read.
@@ -175,18 +218,16 @@ local function swap_replica(key, old_node, old_alloc, new, guard, now)
   new[6] = 'COMPLETE'
   reps[found] = new
   redis.call('HSET', ok, 'replicas', encode_list(reps))
-  redis.call('ZADD', P .. 'gc:' .. old_node, math.max(now, tonumber(f[2] or 0)), old_alloc)
+  local own = swaps or new_swaps()
+  defer(own.zadd, P .. 'gc:' .. old_node, math.max(now, tonumber(f[2] or 0)), old_alloc)
   local still_there = false
   for _, r in ipairs(reps) do if r[1] == old_node then still_there = true end end
-  if not still_there then redis.call('SREM', P .. 'nobj:' .. old_node, key) end
-  redis.call('SADD', P .. 'nobj:' .. new[1], key)
-  if new[2] == 'disk' then
-    -- A chunk file that arrived from a peer: its agent learns the key with the ack (keys hold no
-    -- control characters), so that a read can promote it to host memory.
-    redis.call('RPUSH', P .. 'acks:' .. new[1], new[5] .. '\t' .. key)
-  else
-    redis.call('RPUSH', P .. 'acks:' .. new[1], new[5])
-  end
+  if not still_there then defer(own.srem, P .. 'nobj:' .. old_node, key) end
+  defer(own.sadd, P .. 'nobj:' .. new[1], key)
+  -- A chunk file that arrived from a peer: its agent learns the key with the ack (keys hold no
+  -- control characters), so that a read can promote it to host memory.
+  defer(own.rpush, P .. 'acks:' .. new[1], new[2] == 'disk' and (new[5] .. '\t' .. key) or new[5])
+  if not swaps then flush_swaps(own) end
   return 'OK'
 end
 

@@ -8,10 +8,14 @@
 -- Sampling (SRANDMEMBER) bounds the work per call like Redis's own approximate LRU; the pure policy
 -- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
 -- count) so the policy, not this script, owns the rule.
+-- Read only: live pins are counted (ZCOUNT), not cleaned; the chain counts come in one HMGET at
+-- the end. A call costs two commands per sampled object, which the start of every pressure pass
+-- waits for.
 local node, tier = ARGV[2], ARGV[3]
 local now = now_ms()
 local keys = redis.call('SRANDMEMBER', P .. 'nobj:' .. node, tonumber(ARGV[4]))
 local out = {}
+local listed = {}  -- keys in the order they are in out, for their children counts
 for _, key in ipairs(keys) do
   local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype',
     'chain_parent')
@@ -24,7 +28,7 @@ for _, key in ipairs(keys) do
     end
     for _, r in ipairs(reps) do
       if r[1] == node and r[2] == tier and r[6] == 'COMPLETE' then
-        local pins = live_pins(key, now)
+        local pins = redis.call('ZCOUNT', P .. 'pins:' .. key, now, '+inf')
         table.insert(out, key)
         table.insert(out, f[1])
         table.insert(out, f[2] or 0)
@@ -33,11 +37,16 @@ for _, key in ipairs(keys) do
         table.insert(out, r[5])
         table.insert(out, f[5] or -1)
         table.insert(out, f[6] or '|u1')
-        table.insert(out, children_of(key))
+        table.insert(out, 0)  -- the children count, filled in below
+        table.insert(listed, key)
         table.insert(out, table.concat(others, ','))
         table.insert(out, f[7] or '')
       end
     end
   end
+end
+for first = 1, #listed, 1000 do  -- unpack has a stack limit
+  local counts = redis.call('HMGET', P .. 'children', unpack(listed, first, math.min(first + 999, #listed)))
+  for i, c in ipairs(counts) do out[(first + i - 2) * 11 + 9] = tonumber(c or 0) end
 end
 return out

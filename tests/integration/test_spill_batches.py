@@ -1,0 +1,145 @@
+"""A spill batch moves under one guard, and its swap writes the index once per set and list
+(agent/spill.py, move_replicas.lua); the pressure pass's scripts are loaded when the agent starts;
+victims.lua reads without writing. Real agents in this process (their syncs run when a test calls
+them), a real server, real reservations and WRITEs over TCP."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+from helpers import random_bytes
+
+from mooncake_store import Client, LocalCluster
+from mooncake_store.agent.node import Agent
+from mooncake_store.index.client import RedisIndex
+from mooncake_store.transport.frames import SPILL_FLAG
+from mooncake_store.transport.tcp import TcpTransport
+from mooncake_store.types import Replica, ReplicaState, TierKind
+
+KiB = 1 << 10
+SIZE = 64 * KiB
+KEYS = ("b/0", "b/1", "b/2")
+
+
+def copy_batch(client: Client, a: Agent, b: Agent) -> tuple[list[tuple[str, int, Replica, str]], str]:
+    """Put KEYS on ``a``, then copy them to ``b`` as a's spiller does one batch: one guard for the
+    batch, one RESERVE of every entry under its put id, the WRITEs. Returns the batch's moves for
+    move_replicas (each naming the shared guard) and the guard."""
+    put_id = uuid.uuid4().bytes
+    guard = put_id.hex()
+    for i, key in enumerate(KEYS):
+        client.put(key, random_bytes(SIZE, i), preferred_node=a.node_id)
+    client.index.guard_reservations([guard], ttl_ms=60_000)
+    tcp = TcpTransport(timeout_s=10.0, connections_per_peer=1, stripe_bytes=1 << 30)
+    moves = []
+    try:
+        peer = tcp.peer(b.server.endpoint)
+        reservations = peer.reserve([(SIZE, put_id)] * len(KEYS), node_id=b.node_id, flags=SPILL_FLAG)
+        for i, (key, res) in enumerate(zip(KEYS, reservations, strict=True)):
+            peer.write(res.alloc_id, res.offset, memoryview(random_bytes(SIZE, i)))
+            meta = client.object_meta(key)
+            assert meta is not None and meta.replicas[0].node_id == a.node_id
+            new = Replica(
+                node_id=b.node_id,
+                tier=TierKind.HOST,
+                offset=res.offset,
+                size_bytes=SIZE,
+                alloc_id=res.alloc_id,
+                state=ReplicaState.COMPLETE,
+            )
+            moves.append((key, meta.replicas[0].alloc_id, new, guard))
+    finally:
+        tcp.close()
+    return moves, guard
+
+
+def test_a_batch_under_one_guard_swaps_whole_and_its_peer_commits_every_entry(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    a, b = direct_agent(namespace), direct_agent(namespace)
+    client = client_of(namespace)
+    moves, guard = copy_batch(client, a, b)
+    rds, prefix = client.index.redis, client.index.prefix
+    assert client.index.move_replicas(moves, old_node=a.node_id) == ["OK"] * len(KEYS)
+    assert not rds.exists(prefix + "pend:" + guard), "the swap did not take the batch's guard"
+    # What the swaps wrote once per set and list: every entry, in order.
+    assert rds.lrange(prefix + "acks:" + b.node_id, 0, -1) == [str(m[2].alloc_id) for m in moves]
+    assert rds.smembers(prefix + "nobj:" + b.node_id) == set(KEYS)
+    assert not rds.smembers(prefix + "nobj:" + a.node_id) & set(KEYS)
+    assert {int(x) for x in rds.zrange(prefix + "gc:" + a.node_id, 0, -1)} == {m[1] for m in moves}
+    b.sync_once()  # the acks commit every reservation of the batch, though they share a put id
+    for i, (key, _, new, _) in enumerate(moves):
+        assert b.table.offset_of(new.alloc_id) is not None, key
+        meta = client.object_meta(key)
+        assert meta is not None and [r.node_id for r in meta.replicas] == [b.node_id]
+        assert np.array_equal(client.get(key), random_bytes(SIZE, i)), key
+    # A retry of the call (its reply lost) answers as the first did.
+    assert client.index.move_replicas(moves, old_node=a.node_id) == ["OK"] * len(KEYS)
+
+
+def test_one_reservation_of_a_batch_timing_out_on_its_peer_refuses_the_whole_batch(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """The peer's sync meets the batch's put id once per expired reservation: the first revokes the
+    guard ("R"), the rest find it gone ("G", not acked): all freed. The swap then finds no guard and
+    moves nothing; every object stays readable where it was."""
+    a, b = direct_agent(namespace), direct_agent(namespace, reserve_timeout_s=0.2)
+    client = client_of(namespace)
+    moves, guard = copy_batch(client, a, b)
+    rds, prefix = client.index.redis, client.index.prefix
+    assert len(b.table.reserved_deadlines()) == len(KEYS)
+    time.sleep(0.3)  # past the peer's reservation timeout
+    b.sync_once()
+    assert not rds.exists(prefix + "pend:" + guard), "the peer's sync did not revoke the batch's guard"
+    assert all(b.table.offset_of(m[2].alloc_id) is None for m in moves), "the peer kept expired reservations"
+    assert client.index.move_replicas(moves, old_node=a.node_id) == ["EXPIRED"] * len(KEYS)
+    assert rds.llen(prefix + "acks:" + b.node_id) == 0
+    assert not rds.smembers(prefix + "nobj:" + b.node_id)
+    assert rds.zcard(prefix + "gc:" + a.node_id) == 0
+    for i, key in enumerate(KEYS):
+        meta = client.object_meta(key)
+        assert meta is not None and [r.node_id for r in meta.replicas] == [a.node_id]
+        assert np.array_equal(client.get(key), random_bytes(SIZE, i)), key
+
+
+def test_victims_count_live_pins_and_chain_children_without_writing(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    a = direct_agent(namespace)
+    client = client_of(namespace)
+    client.put_many(
+        {"c/0": random_bytes(SIZE, 0), "c/1": random_bytes(SIZE, 1), "c/1b": random_bytes(SIZE, 2)},
+        chain_pos={"c/0": 0, "c/1": 1, "c/1b": 1},
+        chain_parent={"c/1": "c/0", "c/1b": "c/0"},
+        preferred_node=a.node_id,
+    )
+    client.put("loose", random_bytes(SIZE, 3), preferred_node=a.node_id)
+    rds, prefix = client.index.redis, client.index.prefix
+    now = client.index.server_time_ms()
+    rds.zadd(prefix + "pins:c/1", {"live": now + 60_000, "lapsed": now - 1_000})
+    rds.zadd(prefix + "pins:loose", {"lapsed": now - 1_000})
+    got = {c.key: c for c in a.index.victim_candidates(a.node_id, "host", sample=64)}
+    assert set(got) == {"c/0", "c/1", "c/1b", "loose"}
+    assert (got["c/0"].children, got["c/1"].children, got["loose"].children) == (2, 0, 0)
+    assert (got["c/1"].pins, got["loose"].pins, got["c/0"].pins) == (1, 0, 0)
+    assert got["c/1"].chain_parent == "c/0" and got["c/0"].chain_parent == ""
+    # Read only: the lapsed pins are still there (other scripts drop them as they meet them).
+    assert rds.zcard(prefix + "pins:loose") == 1 and rds.zcard(prefix + "pins:c/1") == 2
+
+
+def test_an_agent_loads_its_pressure_scripts_when_it_starts() -> None:
+    """On a server of its own (no script loaded yet): once the agent is up, the scripts of a pressure
+    pass are there before any pass has run, so a first spill does not wait for their compilation."""
+    with LocalCluster(num_agents=0) as cluster:
+        index = RedisIndex(cluster.redis_url, namespace=cluster.namespace)
+        try:
+            names = ("victims", "move_replicas", "evict")
+            shas = [index._scripts[n].sha for n in names]
+            assert index.redis.script_exists(*shas) == [False] * len(names)
+            cluster.add_agent(node_id="fresh")
+            assert index.redis.script_exists(*shas) == [True] * len(names)
+        finally:
+            index.close()
