@@ -497,7 +497,7 @@ def _objects_rr_trial(client: RawClient, op: str, views: list[memoryview], bound
     return gbps(sum(counts) * len(views[0]), clock() - t0)
 
 
-def _objects_stream(client: RawClient, op: str, views: list[memoryview], count: int) -> None:
+def objects_stream(client: RawClient, op: str, views: list[memoryview], count: int) -> None:
     """Exactly ``count`` whole objects (what _stream_trial credits) dealt over the connections, the
     first ``count % conns`` taking one more, each connection streaming its share (gets into
     ``views[0]``, puts from ``views`` in turn). A connection whose share is nothing sends nothing."""
@@ -566,7 +566,7 @@ def measure_raw_tcp(
                         views = [view] if op == "get" else sources[size]
                         rr = _objects_rr_trial(client, op, views, bound)
                         stream = _stream_trial(
-                            lambda c, o=op, vs=views: _objects_stream(client, o, vs, c), size, trial_s, rr
+                            lambda c, o=op, vs=views: objects_stream(client, o, vs, c), size, trial_s, rr
                         )
                     else:
                         n, secs, _ = timed_loop(lambda _i, f=one, v=view: f(v), bound)

@@ -1,4 +1,4 @@
-"""benchmarks/tiers.py learns of each batch landing on B from keyspace events instead of polling
+"""benchmarks/spill_bench.py learns of each batch landing on B from keyspace events instead of polling
 B's object count: its watcher must count every member a swap adds, once, and time each swap."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-import tiers  # noqa: E402
+import spill_bench  # noqa: E402
 
 #: What move_replicas.lua does to B's object set for one batch: one SADD of all its objects.
 ADD_BATCH = """
@@ -31,7 +31,7 @@ def test_arrivals_are_counted_once_each_and_stamped_per_swap() -> None:
         try:
             on_b = index.prefix + "nobj:B"
             index.redis.sadd(index.prefix + "nobj:A", "elsewhere")
-            sub = tiers.subscribe_arrivals(index, on_b)
+            sub = spill_bench.subscribe_arrivals(index, on_b)
             t0 = time.perf_counter()
             sent: list[float] = []
 
@@ -46,7 +46,7 @@ def test_arrivals_are_counted_once_each_and_stamped_per_swap() -> None:
             writer = threading.Thread(target=swaps)
             writer.start()
             try:
-                points = tiers.watch_arrivals(
+                points = spill_bench.watch_arrivals(
                     sub, t0, lambda: int(index.redis.scard(on_b)), what="test swaps", limit_s=30
                 )
             finally:

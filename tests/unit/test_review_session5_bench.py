@@ -25,7 +25,7 @@ MiB = 1 << 20
 
 # ---- benchlib: the whole-object stream moves the objects it is credited with ---------------------
 class _CountingClient:
-    """RawClient's shape for _objects_stream: ``socks`` and ``each_connection``."""
+    """RawClient's shape for objects_stream: ``socks`` and ``each_connection``."""
 
     def __init__(self, conns: int) -> None:
         self.socks = [object() for _ in range(conns)]
@@ -37,11 +37,11 @@ class _CountingClient:
 
 @pytest.mark.parametrize("count", [3, 5, 23])
 def test_objects_stream_moves_count_objects(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
-    # _stream_trial credits count * size bytes to the stream; _objects_stream must move that many.
+    # _stream_trial credits count * size bytes to the stream; objects_stream must move that many.
     moved = []
     monkeypatch.setattr(benchlib.RawClient, "_get", staticmethod(lambda sock, view, n=1: moved.append(n)))
     views = [memoryview(bytearray(16))]
-    benchlib._objects_stream(_CountingClient(2), "get", views, count)
+    benchlib.objects_stream(_CountingClient(2), "get", views, count)
     assert sum(moved) == count, f"credited {count} objects, moved {sum(moved)}"
 
 
@@ -166,9 +166,9 @@ def test_prefix_layout_check_catches_a_restore_that_wrote_nothing(monkeypatch: p
         prefix.bench_layout(cluster, quick=True)
 
 
-# ---- tiers.py: the disk tier's read-back check covers the read path -------------------------------
+# ---- disk_codec.py (tiers.py): the disk tier's read-back check covers the read path --------------
 def test_tiers_tier_io_check_catches_a_read_that_wrote_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import tiers
+    import disk_codec
 
     from mooncake_store.tiers.disk import DiskTier
 
@@ -176,7 +176,7 @@ def test_tiers_tier_io_check_catches_a_read_that_wrote_nothing(monkeypatch: pyte
     rng = np.random.default_rng(0)
     chunks = [rng.integers(0, 256, 64 << 10, dtype=np.uint8) for _ in range(2)]
     with pytest.raises(RuntimeError):
-        tiers.tier_io(chunks, tmp_path / "tier", 2, "never")
+        disk_codec.tier_io(chunks, tmp_path / "tier", 2, "never")
 
 
 # ---- tiers.py: --tokens below one chunk is a clear argument error --------------------------------
