@@ -57,13 +57,19 @@ WATERMARKS = ("0.5", "0.2")  # the demotion case's
 
 def steady_rate(points: list[tuple[float, int]], size: int, lo: float = 0.1, hi: float = 0.9) -> float:
     """Bytes/s from (time, objects) samples: least-squares slope over the samples between ``lo`` and
-    ``hi`` of the final count (the ramp-up and the tail are left out)."""
-    if not points:
+    ``hi`` of the final count (the ramp-up and the tail are left out). With fewer than three such
+    samples (a quick run's demotions can be over within four polls), the whole run's rate instead:
+    the final count over the time from the last sample before the first object to the first
+    sample at the final count. 0.0 when nothing moved."""
+    if not points or points[-1][1] == 0:
         return 0.0
     final = points[-1][1]
     sel = [(t, n) for t, n in points if lo * final <= n <= hi * final]
     if len(sel) < 3 or sel[-1][0] - sel[0][0] <= 0:
-        return 0.0
+        first = next(i for i, (_, n) in enumerate(points) if n > 0)
+        start = points[max(0, first - 1)][0]
+        end = next(t for t, n in points if n == final)
+        return final * size / (end - start) if end > start else 0.0
     t = np.array([p[0] for p in sel])
     n = np.array([p[1] for p in sel], dtype=float)
     slope = float(np.polyfit(t - t[0], n, 1)[0])

@@ -190,3 +190,16 @@ def test_tiers_tokens_below_one_chunk_is_an_argument_error(monkeypatch: pytest.M
     with pytest.raises(SystemExit) as exc:
         tiers.main(["--tokens", "100", "--no-e2e"])
     assert exc.value.code == 2
+
+
+# ---- tiers.py: the demotion rate of a run over within a few polls --------------------------------
+def test_tiers_steady_rate_of_a_short_run_is_its_whole_rate_not_zero() -> None:
+    import tiers
+
+    # Sampled every 80 ms, 50 objects demoted within three polls: too few samples between 10% and
+    # 90% of the final count for a slope, so the whole run's rate (it read 0.00 GB/s before).
+    short = [(0.0, 0), (0.08, 10), (0.16, 40), (0.24, 50), (0.32, 50)]
+    assert tiers.steady_rate(short, 1) == 50 / 0.24
+    steady = [(float(t), 10 * t) for t in range(6)]
+    assert abs(tiers.steady_rate(steady, 1) - 10.0) < 1e-9
+    assert tiers.steady_rate([(0.0, 0), (0.08, 0)], 1) == 0.0
