@@ -7,9 +7,9 @@ DESIGN.md §3.4 wants a single move:
 
 1. copy: one guard record in the index and one RESERVE frame for the whole batch (flag
    ``SPILL_FLAG``; all or nothing; every entry under the batch's put id, which names the guard),
-   sent while the batch before it is still being written, then the WRITEs, spread over ``STREAMS``
-   connections to the peer with ``WRITE_WINDOW`` of them in flight on each, so that acks overlap
-   bytes;
+   sent while the batch before it is still being written, then the WRITEs, which ``STREAMS``
+   connections to the peer pull as each has room for one (``WRITE_WINDOW`` in flight on each, so
+   that acks overlap bytes; host-tier objects in pieces of up to ``PIECE_BYTES``);
 2. compare-and-swap: one call of ``move_replicas.lua`` for the batch, a status per object, with
    ``move_replica.lua``'s rules (an object that is gone, replaced, moved or pinned meanwhile keeps
    its old location; none moves once the peer's sync has revoked the guard, which it does when any
@@ -41,6 +41,7 @@ host-to-device copy there.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,7 +56,7 @@ from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.transport.shm import copy_bytes
-from mooncake_store.transport.tcp import PeerConnections, Reservation, TcpTransport
+from mooncake_store.transport.tcp import PeerConnections, PulledWrite, Reservation, TcpTransport
 from mooncake_store.types import (
     EvictionCandidate,
     NodeInfo,
@@ -80,6 +81,9 @@ BATCH_BYTES = 32 << 20
 #: Entries per batch: one RESERVE frame's worth, and one move_replicas call's (the batch's guard
 #: is shared by its entries, and a call deletes the guards it used).
 MAX_ENTRIES = min(frames.MAX_BATCH, BATCH_LIMIT)
+#: The most one WRITE of a host-tier spill carries: larger objects go in pieces, which the streams
+#: share out (Spiller._write_all).
+PIECE_BYTES = 2 << 20
 #: WRITE frames in flight per stream before their acks are read.
 WRITE_WINDOW = 4
 #: RESERVE's tier field per tier.
@@ -377,53 +381,70 @@ class Spiller:
     def _write_all(
         self, peer: PeerConnections, batch: list[SpillJob], reservations: list[Reservation], tier: TierKind
     ) -> tuple[list[bool], bool]:
-        """Every job's bytes into its reservation, the jobs dealt round-robin to the streams (one
-        connection each, its writes pipelined: PeerConnections.write_many). Returns (written per
-        job, a connection broke)."""
-        written = [False] * len(batch)
-        broken = [False]
+        """Every job's bytes into its reservation over the streams (one connection each, its writes
+        pipelined). The streams pull the next piece whenever they have room (write_pulled), so a
+        stream that falls behind (a busy CPU, its peer thread descheduled) does not hold the batch
+        back at its end (dealt in equal parts, one of two streams took up to 1.5x as long as the
+        other over its 16 MiB). Host-tier objects go in pieces of up to PIECE_BYTES (a WRITE may
+        cover part of a reservation), so that the last object of a batch is not one stream's alone;
+        a GPU or disk payload goes whole (the peer checks a chunk file as one). Returns (written
+        per job: every piece landed, a connection broke)."""
         arena = self.agent.arena
+        views: list[memoryview] = []
+        pieces: list[PulledWrite] = []
+        expected = [0] * len(batch)
+        for i, (job, res) in enumerate(zip(batch, reservations, strict=True)):
+            if tier == TierKind.HOST:
+                view = arena.view(job.offset, job.wire_bytes)
+            else:  # read just before the batch went (_with_payloads); never from the host arena
+                view = memoryview(self._payloads[job.victim.alloc_id])
+            views.append(view)
+            step = PIECE_BYTES if tier == TierKind.HOST else max(1, job.wire_bytes)
+            for start in range(0, job.wire_bytes, step):
+                pieces.append((i, res.alloc_id, res.offset + start, view[start : start + step]))
+                expected[i] += 1
+        order = iter(pieces)
+        lock = threading.Lock()
 
-        def stream(indices: range) -> None:
-            todo = [i for i in indices if batch[i].wire_bytes > 0]
-            for i in indices:
-                written[i] = batch[i].wire_bytes == 0
-            views: list[memoryview] = []
+        def take() -> PulledWrite | None:
+            with lock:
+                return next(order, None)
+
+        results: list[list[tuple[int, bool]]] = []
+        broken = False
+
+        def stream(_: int) -> None:
             try:
-                for i in todo:
-                    job = batch[i]
-                    if tier == TierKind.HOST:
-                        views.append(arena.view(job.offset, job.wire_bytes))
-                    else:  # read just before the batch went (_with_payloads); never from the host arena
-                        views.append(memoryview(self._payloads[job.victim.alloc_id]))
-                requests = [
-                    (reservations[i].alloc_id, reservations[i].offset, v) for i, v in zip(todo, views, strict=True)
-                ]
-                landed = peer.write_many(requests, window=WRITE_WINDOW) if requests else []
+                results.append(peer.write_pulled(take, window=WRITE_WINDOW))
             except MooncakeError as exc:
+                nonlocal broken
                 log.info("spill to %s failed mid-transfer: %s", peer.endpoint, exc)
-                broken[0] = True
-                return
-            finally:
-                for view in views:
-                    view.release()
-            for i, ok in zip(todo, landed, strict=True):
-                written[i] = ok
-                if not ok:  # that reservation went (timed out); the stream is fine
-                    log.info("spill of %s to %s: reservation gone", batch[i].victim.key, peer.endpoint)
+                broken = True
 
-        if self._over_streams(len(batch), stream):
-            broken[0] = True
-        return written, broken[0]
+        try:
+            if self._on_streams(min(self._streams, len(pieces)), stream):
+                broken = True
+        finally:
+            for _, _, _, piece in pieces:
+                piece.release()
+            for view in views:
+                view.release()
+        landed = [0] * len(batch)
+        for tag, ok in (r for per_stream in results for r in per_stream):
+            if ok:
+                landed[tag] += 1
+            else:  # that reservation went (timed out); the stream is fine
+                log.info("spill of %s to %s: reservation gone", batch[tag].victim.key, peer.endpoint)
+        return [landed[i] == expected[i] for i in range(len(batch))], broken
 
-    def _over_streams(self, count: int, stream: Callable[[range], None]) -> bool:
-        """Run ``stream`` over the jobs ``0..count`` dealt round-robin to the streams: one on this
-        thread, the rest on the pool. Returns whether a stream failed (each failure is logged)."""
-        streams = min(self._streams, count)
-        futures = [self._pool.submit(stream, range(k, count, streams)) for k in range(1, streams)]
+    def _on_streams(self, count: int, stream: Callable[[int], None]) -> bool:
+        """Run ``stream(k)`` for k in 0..count at once: the first on this thread, the rest on the
+        pool. Returns whether one failed (each failure is logged)."""
+        futures = [self._pool.submit(stream, k) for k in range(1, count)]
         failed = False
         try:
-            stream(range(0, count, streams))
+            if count > 0:
+                stream(0)
         finally:
             for fut in futures:
                 exc = fut.exception()
@@ -444,8 +465,10 @@ class Spiller:
         def copy(fenced: list[bool]) -> list[bool]:
             copied = [False] * len(batch)
 
-            def stream(indices: range) -> None:
-                for i in indices:
+            streams = min(self._streams, len(batch))
+
+            def stream(k: int) -> None:
+                for i in range(k, len(batch), streams):
                     if not fenced[i]:
                         continue
                     job, res = batch[i], reservations[i]
@@ -464,7 +487,7 @@ class Spiller:
                             src.release()
                     copied[i] = True
 
-            self._over_streams(len(batch), stream)  # a job whose copy failed stays uncopied
+            self._on_streams(streams, stream)  # a job whose copy failed stays uncopied
             return copied
 
         peer = self._transport.peer(peer_node.tcp_endpoint)

@@ -7,6 +7,7 @@ served by its own agent thread, which keeps both cores busy on a loopback peer.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import select
 import socket
@@ -48,6 +49,10 @@ class ReadRequest:
     alloc_id: int
     offset: int
     dest: memoryview
+
+
+#: A write for PeerConnections.write_pulled: (the caller's tag, alloc id, offset, bytes).
+PulledWrite = tuple[int, int, int, memoryview]
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -366,22 +371,43 @@ class PeerConnections:
     def write_many(self, requests: Sequence[tuple[int, int, memoryview]], *, window: int = 4) -> list[bool]:
         """Pipelined writes on one connection, each (alloc_id, offset, bytes): up to ``window``
         WRITE frames go out before their acks are read, so one write's ack overlaps the next one's
-        bytes. The agent serves a connection in order and drains a refused write before it answers,
-        so the acks come back in order. Returns per write whether it landed (False: STALE)."""
+        bytes. Returns per write whether it landed (False: STALE)."""
+        pending = iter(enumerate(requests))
 
-        def run(sock: socket.socket) -> list[bool]:
-            landed: list[bool] = []
-            sent = 0
-            while len(landed) < len(requests):
-                while sent < len(requests) and sent - len(landed) < max(1, window):
-                    alloc_id, offset, src = requests[sent]
+        def take() -> PulledWrite | None:
+            item = next(pending, None)
+            return None if item is None else (item[0], *item[1])
+
+        return [landed for _, landed in self.write_pulled(take, window=window)]
+
+    def write_pulled(self, take: Callable[[], PulledWrite | None], *, window: int = 4) -> list[tuple[int, bool]]:
+        """Pipelined writes on one connection, each (tag, alloc_id, offset, bytes) taken from
+        ``take`` whenever this connection has room in its window (``window`` WRITE frames out before
+        their acks are read), until ``take`` returns None. Connections that share one ``take``
+        share the work as each keeps up, not in equal parts: none waits at the end for a slower one
+        that was dealt as much. The agent serves a connection in order and drains a refused write
+        before it answers, so the acks come back in order. Returns (tag, landed) per write sent, in
+        order (landed False: STALE, the reservation went)."""
+
+        def run(sock: socket.socket) -> list[tuple[int, bool]]:
+            out: list[tuple[int, bool]] = []
+            in_flight: collections.deque[int] = collections.deque()
+            more = True
+            while True:
+                while more and len(in_flight) < max(1, window):
+                    request = take()
+                    if request is None:
+                        more = False
+                        break
+                    tag, alloc_id, offset, src = request
                     frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, len(src)), src)
-                    sent += 1
+                    in_flight.append(tag)
+                if not in_flight:
+                    return out
                 status, _, _, _ = self._reply(sock, Op.WRITE)
                 if status not in (Status.OK, Status.STALE):
                     raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
-                landed.append(status == Status.OK)
-            return landed
+                out.append((in_flight.popleft(), status == Status.OK))
 
         return list(self._call(run))
 

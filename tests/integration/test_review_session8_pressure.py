@@ -358,7 +358,8 @@ def test_written_jobs_of_a_batch_whose_peer_died_mid_write_are_not_swapped_to_it
     so move_replicas.lua accepts, the local copies go to the graveyard and are freed at once. Once
     the dead peer's deadline passes those objects are unreadable, yet never counted as evicted.
     (A peer that dies after a clean swap loses objects too; here the pass had the evidence first.)
-    The wrapper around write_many only orders the two streams and kills the peer between them."""
+    The wrapper around write_pulled only orders the two streams (the first takes two pieces of the
+    batch, the second the rest) and kills the peer between them."""
     cluster = make_cluster(0, heartbeat_ttl_s=2.0, host_bytes=16 * MiB)
     peer = cluster.add_agent(node_id=f"p-{uuid.uuid4().hex[:4]}")
     a = direct_agent(cluster.namespace, spill_to_peers=True, spill_shm=False)
@@ -366,24 +367,26 @@ def test_written_jobs_of_a_batch_whose_peer_died_mid_write_are_not_swapped_to_it
     values = fill(client, a)
     endpoint = a.index.nodes()[peer.node_id].tcp_endpoint
     conns = a.pressure._spiller._transport.peer(endpoint)
-    real_write_many = conns.write_many
+    real_write_pulled = conns.write_pulled
     order = threading.Lock()
     calls: list[int] = []
 
-    def first_stream_then_kill(requests: Any, **kwargs: Any) -> list[bool]:
+    def first_stream_then_kill(take: Any, **kwargs: Any) -> list[tuple[int, bool]]:
         with order:
             first = not calls
-            calls.append(len(requests))
             if first:
-                out = real_write_many(requests, **kwargs)
+                taken = [take(), take()]
+                calls.append(len(taken))
+                out = real_write_pulled(lambda: taken.pop(0) if taken else None, **kwargs)
                 os.kill(peer.process.pid, signal.SIGKILL)
                 peer.process.wait(timeout=10)
                 return out
-        return real_write_many(requests, **kwargs)
+            calls.append(-1)  # the rest: the peer is dead
+        return real_write_pulled(take, **kwargs)
 
-    conns.write_many = first_stream_then_kill  # type: ignore[method-assign]
+    conns.write_pulled = first_stream_then_kill  # type: ignore[method-assign]
     drain_host(a)
-    assert len(calls) == 2, f"expected one batch on two streams, got write calls {calls}"
+    assert calls == [2, -1], f"expected one batch on two streams, got write calls {calls}"
     nodes = a.index
     assert wait_until(lambda: nodes.nodes()[peer.node_id].heartbeat_deadline_ms < nodes.server_time_ms(), 10.0)
     unreadable = [k for k, v in values.items() if not readable(client, k, v)]
