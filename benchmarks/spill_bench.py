@@ -358,6 +358,9 @@ def spill_case(
                 # tiny put (a reservation on a node past its high watermark does) rather than
                 # waiting up to one pressure interval.
                 arrivals = subscribe_arrivals(index, on_b)
+                # The subscription took the pool's idle connection: open the next one now, so that
+                # the release below does not connect (and handshake) inside the timed burst.
+                index.redis.ping()
                 pipe = index.redis.pipeline(transaction=False)
                 pipe.delete(*(index.prefix + "pins:" + key for key in keys))
                 t0 = time.perf_counter()
