@@ -61,15 +61,20 @@ def guarded_spill_copy(
         tcp.peer(b.endpoint).write(res.alloc_id, res.offset, memoryview(value))
     finally:
         tcp.close()
-    new = Replica(
-        node_id=b.node_id,
+    return meta.replicas[0], host_replica(b.node_id, res, size), put_id.hex()
+
+
+def host_replica(node_id: str, reserved: Any, size: int, state: ReplicaState = ReplicaState.COMPLETE) -> Replica:
+    """The location a reservation in ``node_id``'s host tier makes (``reserved``: a Reservation or
+    an Allocation: its offset and alloc id), as a swap or a put names it."""
+    return Replica(
+        node_id=node_id,
         tier=TierKind.HOST,
-        offset=res.offset,
+        offset=reserved.offset,
         size_bytes=size,
-        alloc_id=res.alloc_id,
-        state=ReplicaState.COMPLETE,
+        alloc_id=reserved.alloc_id,
+        state=state,
     )
-    return meta.replicas[0], new, put_id.hex()
 
 
 def random_bytes(n: int, seed: int) -> np.ndarray:

@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from helpers import wait_until
+from helpers import host_replica, wait_until
 
 from mooncake_store import connect
 from mooncake_store.agent.node import Agent
 from mooncake_store.client.stats import ClusterStats, TierStats
 from mooncake_store.transport.frames import SPILL_FLAG
 from mooncake_store.transport.tcp import TcpTransport
-from mooncake_store.types import Replica, ReplicaState, TierKind
+from mooncake_store.types import TierKind
 
 MiB = 1 << 20
 SIZE = 64 << 10
@@ -85,14 +85,7 @@ def test_spills_in_counts_only_spills_that_landed(make_inproc_agent: Callable[..
             (res,) = peer.reserve([(SIZE, put_id)], node_id=b.node_id, flags=SPILL_FLAG)
             peer.write(res.alloc_id, res.offset, memoryview(value))
             assert client.remove("obj")  # meanwhile the object went
-            new = Replica(
-                node_id=b.node_id,
-                tier=TierKind.HOST,
-                offset=res.offset,
-                size_bytes=SIZE,
-                alloc_id=res.alloc_id,
-                state=ReplicaState.COMPLETE,
-            )
+            new = host_replica(b.node_id, res, SIZE)
             (status,) = client.index.move_replicas([("obj", old.alloc_id, new, put_id.hex())], old_node=a.node_id)
             assert status == "GONE"  # the swap is refused: nothing was spilled
             peer.free([res.alloc_id])  # as Spiller._swap expires every reservation not swapped

@@ -11,14 +11,14 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
-from helpers import random_bytes
+from helpers import host_replica, random_bytes
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.agent.node import Agent
 from mooncake_store.index.client import RedisIndex
 from mooncake_store.transport.frames import SPILL_FLAG
 from mooncake_store.transport.tcp import TcpTransport
-from mooncake_store.types import Replica, ReplicaState, TierKind
+from mooncake_store.types import Replica, TierKind
 
 KiB = 1 << 10
 SIZE = 64 * KiB
@@ -43,15 +43,7 @@ def copy_batch(client: Client, a: Agent, b: Agent) -> tuple[list[tuple[str, int,
             peer.write(res.alloc_id, res.offset, memoryview(random_bytes(SIZE, i)))
             meta = client.object_meta(key)
             assert meta is not None and meta.replicas[0].node_id == a.node_id
-            new = Replica(
-                node_id=b.node_id,
-                tier=TierKind.HOST,
-                offset=res.offset,
-                size_bytes=SIZE,
-                alloc_id=res.alloc_id,
-                state=ReplicaState.COMPLETE,
-            )
-            moves.append((key, meta.replicas[0].alloc_id, new, guard))
+            moves.append((key, meta.replicas[0].alloc_id, host_replica(b.node_id, res, SIZE), guard))
     finally:
         tcp.close()
     return moves, guard
