@@ -219,7 +219,7 @@ def summarize_profile(path: Path, top: int = 12) -> dict[str, Any]:
         "index.nodes() (table read)": "nodes (",
         "choose_move/choose_victims": "choose_",
         "RESERVE round trip": "reserve (",
-        "TCP WRITE + ack": "write (",
+        "TCP WRITE + ack": "write_pulled (",
         "move_replicas.lua (batched CAS)": "move_replicas (",
         "move_replica.lua (CAS)": "move_replica (",
         "FREE of leftovers": "free (",
@@ -238,7 +238,7 @@ def summarize_profile(path: Path, top: int = 12) -> dict[str, Any]:
         n = int(n_s)
         # The pressure pass, or a spill stream thread writing for it (idle pool threads wait in
         # the executor's queue and are left out).
-        if "relieve_host" not in stack and not ("mc-spill" in stack and "write (" in stack):
+        if "relieve_host" not in stack and not ("mc-spill" in stack and "write_pulled (" in stack):
             continue
         total += n
         frames = stack.split(";")

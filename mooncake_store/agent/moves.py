@@ -127,9 +127,12 @@ class LocalMoves:
         """For move targets whose swap's outcome is unknown, whether each landed and must be kept:
         its key's record lists it (an object's replica like any other), or it is in its node's
         graveyard (the swap landed and the object was removed or replaced since, perhaps under a
-        reader's lease: that node's sync frees it when the leases end). Neither: the swap never
+        reader's lease: that node's sync frees it when the leases end), or the index recorded the
+        swap (landed:<this node>, kept LANDED_KEEP_MS: the object removed and its grave freed
+        since; asked only after that window, with the index out of reach longer, such a swap is
+        taken for one that never landed: its counter misses it). None of these: the swap never
         landed. Only the targets the index could answer for; the questions go first, then the
-        graveyards, so that a burial between the two reads is seen."""
+        graveyards and the record of swaps, so that a burial between the reads is seen."""
         named: dict[MoveTarget, bool] = {}
         for target in targets:
             answer = self._ask_index(target)
@@ -144,6 +147,10 @@ class LocalMoves:
         try:
             for node_id, alloc_ids in unnamed.items():
                 buried.update((node_id, a) for a in self.agent.index.buried(node_id, alloc_ids))
+            # Removed and freed since (its grave drained by that node's sync): the index's record
+            # of the swap itself, kept for a while, says it landed.
+            left = [(n, a) for n, ids in unnamed.items() for a in ids if (n, a) not in buried]
+            buried.update(self.agent.index.landed(self.agent.node_id, left))
         except MooncakeError:
             return {}
         return {t: n or (t.node_id, t.alloc_id) in buried for t, n in named.items()}

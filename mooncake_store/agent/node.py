@@ -376,8 +376,12 @@ class Agent:
         self.server.start()
         self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
         # The pressure pass's scripts, compiled now rather than on the first pass, whose first
-        # spill would otherwise wait for them.
-        self.index.preload(("victims", "move_replicas", "evict"))
+        # spill would otherwise wait for them. Only a head start: a call loads a missing script
+        # itself (NOSCRIPT), so a failure here must not stop an agent already registered.
+        try:
+            self.index.preload(("victims", "move_replicas", "evict"))
+        except MooncakeError as exc:
+            log.warning("could not load the pressure scripts ahead (they load on first use): %s", exc)
         duties = (
             ("mc-heartbeat", self._heartbeat_loop),
             ("mc-sync", self._sync_loop),

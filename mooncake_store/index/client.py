@@ -134,7 +134,7 @@ class RedisIndex:
 
     #: Scripts whose second run, should a retry repeat a call whose reply was lost, answers as the
     #: first did: reads, lease grants and pins (the same member again), heartbeats, and swaps
-    #: (swap_replica answers OK for a location it already holds). The rest run with a token
+    #: (plan_swap answers OK for a location it already holds). The rest run with a token
     #: (index/scripts.py): at most once per call.
     REPLAY_SAFE = frozenset(
         {"lookup", "victims", "node_heartbeat", "move_replica", "move_replicas", "prefix_match", "prefix_refcount"}
@@ -404,6 +404,18 @@ class RedisIndex:
         except redis.RedisError as exc:
             raise ConnectError(f"cannot read the graveyard of {node_id} from {self.url}: {exc}") from None
         return {a for a, score in zip(alloc_ids, scores, strict=True) if score is not None}
+
+    def landed(self, mover: str, targets: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Those of ``targets`` (node id, alloc id of a new location) that a swap of ``mover``'s
+        replicas moved an object to within the last LANDED_KEEP_MS (prelude.lua), whatever became
+        of the object since."""
+        if not targets:
+            return set()
+        try:
+            scores = self.redis.zmscore(self.prefix + "landed:" + mover, [f"{n}:{a}" for n, a in targets])
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the landed moves of {mover} from {self.url}: {exc}") from None
+        return {t for t, score in zip(targets, scores, strict=True) if score is not None}
 
     def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:
         """Compare-and-swap a replica's location; "OK", "GONE" or "PINNED"."""

@@ -19,6 +19,8 @@ on Redis Cluster::
     mc:{ns}:acksout:<node> list   acks the last sync delivered, until the agent confirms it applied them
     mc:{ns}:gc:<node>      zset   alloc id -> time after which the agent may free it
     mc:{ns}:gcout:<node>   list   graves the last sync delivered, until the agent confirms them
+    mc:{ns}:landed:<node>  zset   "<node>:<alloc id>" of the swaps that moved the node's replicas
+                                  there -> swap ms (the last 120 s; for a mover whose reply was lost)
     mc:{ns}:purging        set    nodes whose records are being purged (reaped or taken over)
     mc:{ns}:version        string object version counter
     mc:{ns}:stats          hash   hits, misses, evictions, hits:<node>:<tier>

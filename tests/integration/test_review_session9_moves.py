@@ -81,14 +81,6 @@ def replicas_on(r: redis.Redis, prefix: str, keys: list[str], node_id: str) -> d
 
 
 # ---- e37edc9: a spill swap whose answer was lost, settled after the peer freed the object -------
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect, left open (issue 5 note; a counter only, nothing is lost): LocalMoves._keep "
-    "(agent/moves.py) looks for a landed target in its "
-    "node's gc: set only; a peer's sync moves due graves to gcout: and frees them, so a spill that "
-    "landed and whose object was removed before settle() asks is judged 'never landed' and never "
-    "counted in spills_out (the peer counted it in spills_in)",
-)
 def test_a_landed_spill_whose_object_was_removed_before_settle_is_still_counted(
     proxied_agent: Callable[..., Agent],
     direct_agent: Callable[..., Agent],
@@ -106,7 +98,8 @@ def test_a_landed_spill_whose_object_was_removed_before_settle_is_still_counted(
     sender's index is back, settle() finds the targets neither in the records nor in gc:<peer>,
     takes them for swaps that never landed, and drops them from its list: spills_out stays 0 for
     good while the peer says 3 came in. The same gap (gcout: not asked) applies to a local
-    target whose grave this agent's own sync drained before settle() ran."""
+    target whose grave this agent's own sync drained before settle() ran. Fixed: the swap leaves a
+    record (landed:<mover>, kept two minutes) that settle() asks too."""
     a = proxied_agent(namespace, spill_to_peers=True)
     b = direct_agent(namespace, host_bytes=16 * MiB)
     client = client_of(namespace)

@@ -5,17 +5,21 @@ them), a real server, real reservations and WRITEs over TCP."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from collections.abc import Callable
 
 import numpy as np
+import pytest
+import redis
 from helpers import host_replica, random_bytes
 
-from mooncake_store import Client, LocalCluster
+from mooncake_store import Client, LocalCluster, MooncakeError
 from mooncake_store.agent.node import Agent
 from mooncake_store.index.client import RedisIndex
+from mooncake_store.index.schema import encode_replica
 from mooncake_store.transport.frames import SPILL_FLAG
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import Replica, TierKind
@@ -210,3 +214,74 @@ def test_objects_larger_than_a_piece_spill_over_tcp_byte_exact(
     for key in moved:
         assert np.array_equal(client.get(key), values[key]), key
     assert int(a.pressure.counters[TierKind.HOST]["spills_out"]) == len(moved)
+
+
+def test_the_index_remembers_which_swaps_landed_for_a_mover_that_lost_the_reply(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """A swap that lands leaves "<node>:<alloc>" in landed:<mover>, with the batch and with a single
+    move_replica alike; a refused one leaves nothing; the record outlives the object (removed and
+    its grave gone), which is what LocalMoves._keep asks once the index is back."""
+    a, b = direct_agent(namespace), direct_agent(namespace)
+    client = client_of(namespace)
+    moves, _ = copy_batch(client, a, b)
+    refused = (moves[2][0], 999_999, moves[2][2], moves[2][3])  # an old location the object never had
+    statuses = client.index.move_replicas([moves[0], moves[1], refused], old_node=a.node_id)
+    assert statuses == ["OK", "OK", "GONE"]
+    targets = [(m[2].node_id, m[2].alloc_id) for m in moves]
+    assert client.index.landed(a.node_id, targets) == set(targets[:2])
+    # One object alone, as a demotion's swap goes (move_replica.lua).
+    meta = client.object_meta(KEYS[2])
+    assert meta is not None
+    status = client.index.move_replica(
+        KEYS[2], old_node=a.node_id, old_alloc_id=meta.replicas[0].alloc_id, new=moves[2][2]
+    )
+    assert status == "OK"
+    assert client.index.landed(a.node_id, targets) == set(targets)
+    assert client.index.landed(b.node_id, targets) == set()  # recorded under the mover only
+    # Removed, and the peer's graves drained: the record of the swap is what is left.
+    assert client.remove_many(list(KEYS)) == [True] * len(KEYS)
+    b.sync_once()
+    b.sync_once()
+    assert not client.index.buried(b.node_id, [t[1] for t in targets])
+    assert client.index.landed(a.node_id, targets) == set(targets)
+    ttl = client.index.redis.pttl(client.index.prefix + "landed:" + a.node_id)
+    assert 0 < ttl <= 120_000, ttl
+
+
+def test_a_batch_with_a_malformed_entry_writes_nothing(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """Every entry of a move_replicas call is checked before anything is written: when a later one
+    meets an error (a location that is not JSON, a record whose lease is not a number), the call
+    fails and the entries before it have not moved either. Half a batch swapped without its acks,
+    graves and guard would name memory the peer then frees."""
+    a, b = direct_agent(namespace), direct_agent(namespace)
+    client = client_of(namespace)
+    moves, guard = copy_batch(client, a, b)
+    rds, prefix = client.index.redis, client.index.prefix
+    before = {key: rds.hgetall(prefix + "o:" + key) for key in KEYS}
+
+    def unchanged() -> None:
+        assert {key: rds.hgetall(prefix + "o:" + key) for key in KEYS} == before
+        assert rds.exists(prefix + "pend:" + guard), "the guard went with a call that failed"
+        assert rds.llen(prefix + "acks:" + b.node_id) == 0
+        assert rds.zcard(prefix + "gc:" + a.node_id) == 0
+        assert rds.smembers(prefix + "nobj:" + a.node_id) >= set(KEYS)
+        assert not rds.exists(prefix + "landed:" + a.node_id)
+
+    script = client.index._scripts["move_replicas"]
+    args = [prefix, a.node_id]
+    for key, old_alloc, new, g in moves[:2]:
+        args += [key, str(old_alloc), json.dumps(encode_replica(new)), g]
+    args += [moves[2][0], str(moves[2][1]), "{not json", guard]
+    with pytest.raises(redis.ResponseError):
+        script(keys=[], args=args)
+    unchanged()
+    rds.hset(prefix + "o:" + KEYS[2], "lease_until", "soon")
+    before[KEYS[2]]["lease_until"] = "soon"
+    with pytest.raises(MooncakeError):
+        client.index.move_replicas(moves, old_node=a.node_id)
+    unchanged()
+    for i, key in enumerate(KEYS[:2]):
+        assert np.array_equal(client.get(key), random_bytes(SIZE, i)), key

@@ -7,4 +7,7 @@
 --   location (removed, replaced or moved meanwhile: drop the new copy); "PINNED" the object has
 --   live pins and must not move (drop the new copy).
 -- The new location's agent is told through its ack list, exactly as for a commit.
-return swap_replica(ARGV[2], ARGV[3], ARGV[4], cjson.decode(ARGV[5]), '', now_ms())
+local swaps = new_swaps()
+local status = plan_swap(ARGV[2], ARGV[3], ARGV[4], cjson.decode(ARGV[5]), '', now_ms(), swaps)
+write_swaps(swaps)
+return status

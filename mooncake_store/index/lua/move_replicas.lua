@@ -14,13 +14,14 @@
 -- here, in the same atomic step as the swap, decides the race either way.
 -- Each new location's agent is told through its ack list, exactly as for a commit.
 -- Entries may share a guard (a spill batch has one): it is looked up once and deleted at the end,
--- and what the swaps write to node sets, graveyards and ack lists goes out once per key.
+-- and what the swaps write to node sets, graveyards and ack lists goes out once per key. Every
+-- entry is checked before anything is written (prelude.lua: plan_swap, write_swaps).
 local old_node = ARGV[2]
 local now = now_ms()
 local out = {}
 local swaps = new_swaps()
 for i = 3, #ARGV - 3, 4 do
-  table.insert(out, swap_replica(ARGV[i], old_node, ARGV[i + 1], cjson.decode(ARGV[i + 2]), ARGV[i + 3], now, swaps))
+  table.insert(out, plan_swap(ARGV[i], old_node, ARGV[i + 1], cjson.decode(ARGV[i + 2]), ARGV[i + 3], now, swaps))
 end
-flush_swaps(swaps)
+write_swaps(swaps)  -- only once every entry is planned: a call that fails writes nothing
 return out

@@ -118,7 +118,8 @@ local function purge_node(node, max_keys)
   end
   local left = redis.call('SCARD', nk)
   if left == 0 then
-    redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node)
+    redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node,
+      P .. 'landed:' .. node)
     -- Its hit counters too: default node ids carry a pid, so stats would grow with every agent.
     redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':gpu', 'hits:' .. node .. ':host', 'hits:' .. node .. ':disk')
     redis.call('HDEL', P .. 'nodes', node)
@@ -151,20 +152,30 @@ local function chunked(cmd, key, items)
     redis.call(cmd, key, unpack(items, i, math.min(i + 999, #items)))
   end
 end
--- What swap_replica writes besides the object record, gathered over one call of move_replicas and
--- written once per set, list and zset (flush_swaps), not once per object; and the guards it
--- checked. A guard may be shared by a batch's entries (one spill batch, one guard): it is looked
--- up once, and deleted when the call ends if it was there. Nothing read by a later swap of the
--- same call is deferred: each swap reads only its own record, its guard, the node table and pins.
+-- Swaps go in two steps, so that a call that fails (a malformed argument or record meets cjson or
+-- tonumber) has written nothing: Redis keeps what a script wrote before an error, and a batch
+-- half swapped without its acks, graves and guard would name memory its agents then free.
+-- plan_swap reads and checks, and keeps the object records it changes (a later entry of the same
+-- key sees them); write_swaps then writes each changed record, and each node set, graveyard, ack
+-- list and record of landed swaps once, not once per object. A guard may be shared by a batch's
+-- entries (one spill batch, one guard): it is looked up once, and deleted if it was there.
 local function new_swaps()
-  return {guards = {}, sadd = {}, srem = {}, zadd = {}, rpush = {}}
+  return {guards = {}, records = {}, changed = {}, sadd = {}, srem = {}, zadd = {}, rpush = {}, landed = {}}
 end
+-- How long the index remembers a swap that landed, in landed:<old node> (member "<node>:<alloc
+-- id>" of the new location, score the swap's time): a mover whose call and retry both failed asks
+-- later whether its swap landed (LocalMoves._keep), and once the object was removed and its grave
+-- freed, this is the only trace left. Trimmed at every write, and the key expires with the window.
+local LANDED_KEEP_MS = 120000
 local function defer(t, key, ...)
   local list = t[key]
   if not list then list = {}; t[key] = list end
   for _, v in ipairs({...}) do table.insert(list, v) end
 end
-local function flush_swaps(swaps)
+local function write_swaps(swaps)
+  for key in pairs(swaps.changed) do
+    redis.call('HSET', P .. 'o:' .. key, 'replicas', encode_list(swaps.records[key].reps))
+  end
   for guard, there in pairs(swaps.guards) do
     if there then redis.call('DEL', P .. 'pend:' .. guard) end
   end
@@ -172,13 +183,16 @@ local function flush_swaps(swaps)
   for key, items in pairs(swaps.zadd) do chunked('ZADD', key, items) end
   for key, items in pairs(swaps.sadd) do chunked('SADD', key, items) end
   for key, items in pairs(swaps.rpush) do chunked('RPUSH', key, items) end
+  for key, items in pairs(swaps.landed) do
+    chunked('ZADD', key, items)
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', '(' .. (items[1] - LANDED_KEEP_MS))
+    redis.call('PEXPIRE', key, LANDED_KEEP_MS)
+  end
 end
--- Whether the guard of a reservation (its pend: record) is still there: "" has none. On its own
--- (swaps nil) the guard is deleted here, in the same atomic step as the swap; within a batch it is
--- looked up once and deleted by flush_swaps.
+-- Whether the guard of a reservation (its pend: record) is still there ("" has none); write_swaps
+-- deletes it, in the same atomic step as the swap.
 local function take_guard(guard, swaps)
   if guard == '' then return true end
-  if not swaps then return redis.call('DEL', P .. 'pend:' .. guard) == 1 end
   local there = swaps.guards[guard]
   if there == nil then
     there = redis.call('EXISTS', P .. 'pend:' .. guard) == 1
@@ -187,20 +201,26 @@ local function take_guard(guard, swaps)
   return there
 end
 -- Compare-and-swap one replica of key from (old_node, old_alloc) to new (a decoded replica array)
--- (DESIGN.md §3.4). guard: "" or the put id of the new location's reservation on another agent,
--- whose record pend:<guard> that agent's sync deletes when the reservation times out (one guard
--- may cover a whole batch of reservations: one expired, the batch's swaps are all refused).
--- swaps: nil to write at once, else new_swaps(), written by flush_swaps. Returns "OK"
--- (also for a retry whose first call swapped: the caller must not free a copy the index names),
--- "GONE", "PINNED", "EXPIRED" (the guard is gone: the new location may already be freed; or the
--- new node left the node table or is past its heartbeat deadline) or "DUP" (the new node already holds another replica: two copies
--- on one node would be one), or "INVALID" (the new location is malformed: nothing is written).
-local function swap_replica(key, old_node, old_alloc, new, guard, now, swaps)
+-- (DESIGN.md §3.4), planned into swaps (new_swaps(); written by write_swaps). guard: "" or the put
+-- id of the new location's reservation on another agent, whose record pend:<guard> that agent's
+-- sync deletes when the reservation times out (one guard may cover a whole batch of reservations:
+-- one expired, the batch's swaps are all refused). Returns "OK" (also for a retry whose first
+-- call swapped: the caller must not free a copy the index names), "GONE", "PINNED", "EXPIRED" (the
+-- guard is gone: the new location may already be freed; or the new node left the node table or
+-- is past its heartbeat deadline) or "DUP" (the new node already holds another replica: two
+-- copies on one node would be one), or "INVALID" (the new location is malformed).
+local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps)
   if not valid_replica(new) then return 'INVALID' end
-  local ok = P .. 'o:' .. key
-  local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
-  if not f[1] then return 'GONE' end
-  local reps = decode_list(f[1])
+  local rec = swaps.records[key]
+  if rec == nil then
+    local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas', 'lease_until')
+    if not f[1] then return 'GONE' end
+    local lease = tonumber(f[2] or 0)
+    if lease == nil then error('o:' .. key .. ' lease_until is not a number: ' .. tostring(f[2])) end
+    rec = {reps = decode_list(f[1]), lease = lease}
+    swaps.records[key] = rec
+  end
+  local reps = rec.reps
   local found, dup = nil, false
   for i, r in ipairs(reps) do
     if r[1] == new[1] and r[5] == new[5] then return 'OK' end
@@ -214,20 +234,20 @@ local function swap_replica(key, old_node, old_alloc, new, guard, now, swaps)
   if not node_live(new[1], now) then return 'EXPIRED' end
   if not found then return 'GONE' end
   if dup then return 'DUP' end
-  if live_pins(key, now) > 0 then return 'PINNED' end
+  -- Live pins, counted (lapsed ones are dropped by the scripts that write pins).
+  if redis.call('ZCOUNT', P .. 'pins:' .. key, now, '+inf') > 0 then return 'PINNED' end
   new[6] = 'COMPLETE'
   reps[found] = new
-  redis.call('HSET', ok, 'replicas', encode_list(reps))
-  local own = swaps or new_swaps()
-  defer(own.zadd, P .. 'gc:' .. old_node, math.max(now, tonumber(f[2] or 0)), old_alloc)
+  swaps.changed[key] = true
+  defer(swaps.zadd, P .. 'gc:' .. old_node, math.max(now, rec.lease), old_alloc)
   local still_there = false
   for _, r in ipairs(reps) do if r[1] == old_node then still_there = true end end
-  if not still_there then defer(own.srem, P .. 'nobj:' .. old_node, key) end
-  defer(own.sadd, P .. 'nobj:' .. new[1], key)
+  if not still_there then defer(swaps.srem, P .. 'nobj:' .. old_node, key) end
+  defer(swaps.sadd, P .. 'nobj:' .. new[1], key)
   -- A chunk file that arrived from a peer: its agent learns the key with the ack (keys hold no
   -- control characters), so that a read can promote it to host memory.
-  defer(own.rpush, P .. 'acks:' .. new[1], new[2] == 'disk' and (new[5] .. '\t' .. key) or new[5])
-  if not swaps then flush_swaps(own) end
+  defer(swaps.rpush, P .. 'acks:' .. new[1], new[2] == 'disk' and (new[5] .. '\t' .. key) or new[5])
+  defer(swaps.landed, P .. 'landed:' .. old_node, now, new[1] .. ':' .. new[5])
   return 'OK'
 end
 
