@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.peer_arenas import PeerArenas
 from mooncake_store.errors import MooncakeError
-from mooncake_store.index.client import BATCH_LIMIT
+from mooncake_store.index.schema import BATCH_LIMIT
 from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_store.errors import InvalidValue
-from mooncake_store.index.client import RedisIndex, in_batches
+from mooncake_store.index.client import RedisIndex
+from mooncake_store.index.schema import in_batches
 from mooncake_store.index.scripts import build_script, read_script
 
 SCRIPT_NAMES = (

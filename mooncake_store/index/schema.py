@@ -33,10 +33,21 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mooncake_store.errors import ConfigError, ProtocolError
 from mooncake_store.types import NodeInfo, ObjectMeta, Replica, ReplicaState, TierKind, TierUsage, TransportKind
+
+#: Keys per Lua call in batch operations: bounds the time one script holds the server.
+BATCH_LIMIT = 4096
+
+
+def in_batches(items: Sequence[Any], size: int = BATCH_LIMIT) -> Iterator[Sequence[Any]]:
+    """``items`` in runs of at most ``size``: one Lua call each."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
 
 NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 

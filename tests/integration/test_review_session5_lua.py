@@ -18,9 +18,9 @@ from helpers import node_row
 
 from mooncake_store.client.puts import MAX_CHAIN_POS
 from mooncake_store.errors import MooncakeError
-from mooncake_store.index.client import BATCH_LIMIT, PendingPut, RedisIndex
+from mooncake_store.index.client import PendingPut, RedisIndex
 from mooncake_store.index.prefix import MAX_CHAIN_CHUNKS, PrefixIndex
-from mooncake_store.index.schema import decode_replicas
+from mooncake_store.index.schema import BATCH_LIMIT, decode_replicas
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage
 
 TTL_MS = 600_000

@@ -22,7 +22,7 @@ import pytest
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.pressure import MAX_PASSES
-from mooncake_store.index.client import BATCH_LIMIT
+from mooncake_store.index.schema import BATCH_LIMIT
 from mooncake_store.types import TierKind
 
 KiB = 1 << 10

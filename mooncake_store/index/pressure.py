@@ -1,0 +1,132 @@
+"""The index calls of an agent's memory pressure: the victim sample, the graveyard, the swaps that
+move replicas (DESIGN.md §3.4), evictions, and what a mover asks when a swap's answer was lost.
+RedisIndex (index/client.py) is built on this class; it supplies the connection and the scripts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+
+from mooncake_store.errors import ConnectError
+from mooncake_store.index.schema import decode_replicas, encode_replica, in_batches
+from mooncake_store.types import EvictionCandidate, Replica
+
+
+class PressureCalls:
+    """RedisIndex's calls for a pressure pass."""
+
+    redis: redis.Redis
+    prefix: str
+    url: str
+    #: RedisIndex._run: one script call, with its retry rules.
+    _run: Callable[..., Any]
+
+    def victim_candidates(self, node_id: str, tier: str, *, sample: int = 256) -> list[EvictionCandidate]:
+        flat = self._run("victims", node_id, tier, sample)
+        return [
+            EvictionCandidate(
+                key=flat[i],
+                size_bytes=int(flat[i + 1]),
+                last_access_ms=int(flat[i + 2]),
+                lease_until_ms=int(flat[i + 3]),
+                pins=int(flat[i + 4]),
+                alloc_id=int(flat[i + 5]),
+                chain_pos=int(flat[i + 6]),
+                dtype=flat[i + 7],
+                children=int(flat[i + 8]),
+                other_nodes=tuple(n for n in str(flat[i + 9]).split(",") if n),
+                chain_parent=str(flat[i + 10]),
+            )
+            for i in range(0, len(flat), 11)
+        ]
+
+    def pending_graves(self, node_id: str, *, limit: int = 4096) -> tuple[int, list[tuple[int, int]]]:
+        """The node's graveyard, earliest due first: (server time ms, [(alloc id, due ms)]) of the
+        removed, replaced and moved objects' old locations, freed once their leases run out."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.prefix + "gc:" + node_id, 0, limit - 1, withscores=True)
+        try:
+            (seconds, micros), graves = pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the graveyard of {node_id} from {self.url}: {exc}") from None
+        return int(seconds) * 1000 + int(micros) // 1000, [(int(a), int(due)) for a, due in graves]
+
+    def replicas_listed(self, key: str) -> tuple[Replica, ...] | None:
+        """Every replica ``key``'s record lists, on live nodes or not (lookup leaves out nodes past
+        their heartbeat deadline); None when there is no such object. For an agent asking whether
+        the index names one of its own allocations: after an outage its own heartbeat may lag."""
+        try:
+            raw = self.redis.hget(self.prefix + "o:" + key, "replicas")
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the replicas of {key!r} from {self.url}: {exc}") from None
+        return None if raw is None else decode_replicas(raw)
+
+    def buried(self, node_id: str, alloc_ids: Sequence[int]) -> set[int]:
+        """Those of ``alloc_ids`` that are in the node's graveyard now (any number, unlike
+        pending_graves, which lists the earliest due)."""
+        if not alloc_ids:
+            return set()
+        try:
+            scores = self.redis.zmscore(self.prefix + "gc:" + node_id, [str(a) for a in alloc_ids])
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the graveyard of {node_id} from {self.url}: {exc}") from None
+        return {a for a, score in zip(alloc_ids, scores, strict=True) if score is not None}
+
+    def landed(self, mover: str, targets: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Those of ``targets`` (node id, alloc id of a new location) that a swap of ``mover``'s
+        replicas moved an object to within the last LANDED_KEEP_MS (prelude.lua), whatever became
+        of the object since."""
+        if not targets:
+            return set()
+        try:
+            scores = self.redis.zmscore(self.prefix + "landed:" + mover, [f"{n}:{a}" for n, a in targets])
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the landed moves of {mover} from {self.url}: {exc}") from None
+        return {t for t, score in zip(targets, scores, strict=True) if score is not None}
+
+    def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:
+        """Compare-and-swap a replica's location; "OK", "GONE" or "PINNED"."""
+        return str(self._run("move_replica", key, old_node, str(old_alloc_id), json.dumps(encode_replica(new))))
+
+    def guard_reservations(self, put_ids: Sequence[str], *, ttl_ms: int) -> None:
+        """Guard records for reservations made on another agent: that agent's sync deletes one when
+        its reservation times out, and move_replicas swaps only while it is still there."""
+        pipe = self.redis.pipeline(transaction=False)
+        for put_id in put_ids:
+            pipe.set(self.prefix + "pend:" + put_id, "guard", px=ttl_ms)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot write reservation guards to {self.url}: {exc}") from None
+
+    def move_replicas(self, moves: Sequence[tuple[str, int, Replica, str]], *, old_node: str) -> list[str]:
+        """Compare-and-swap many of ``old_node``'s replicas, each (key, old alloc id, new location,
+        guard put id or "") on its own with move_replica's rules; a status per move ("OK", "GONE",
+        "PINNED", "EXPIRED"), in order. One round trip per BATCH_LIMIT moves."""
+        out: list[str] = []
+        for chunk in in_batches(moves):
+            args: list[str] = []
+            for key, old_alloc_id, new, guard in chunk:
+                args += (key, str(old_alloc_id), json.dumps(encode_replica(new)), guard)
+            out.extend(str(s) for s in self._run("move_replicas", old_node, *args))
+        return out
+
+    def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
+        """Drop one replica (the object too if it was the last); "OK", "GONE", "PINNED", "LEASED"
+        (read since the sample that chose it) or "PARENT" (the last replica of a chunk that stored
+        chunks of its chain hang off)."""
+        return self.evict_many([(key, alloc_id)], node_id=node_id)[0]
+
+    def evict_many(self, victims: Sequence[tuple[str, int]], *, node_id: str) -> list[str]:
+        """Drop ``node_id``'s replicas (key, alloc id), each on its own and in order, with evict's
+        statuses; one round trip per BATCH_LIMIT of them (a pass of small objects used to pay one
+        per object)."""
+        out: list[str] = []
+        for chunk in in_batches(victims):
+            args = [x for key, alloc_id in chunk for x in (key, str(alloc_id))]
+            out.extend(str(s) for s in self._run("evict", node_id, *args))
+        return out
