@@ -49,7 +49,8 @@ from benchlib import (
     stop_process,
 )
 from disk_codec import CHUNK_TOKENS, kv_chunks, measure_disk, measure_shuffle_kernels
-from spill_bench import INVALID, fmt, measure_spill, spill_report
+from spill_bench import INVALID, measure_spill
+from spill_report import fmt, spill_report
 
 A_HOST_BYTES = 64 * MiB  # the end-to-end demotion case's host arena
 WATERMARKS = ("0.5", "0.2")  # the demotion case's
