@@ -516,6 +516,19 @@ def objects_stream(client: RawClient, op: str, views: list[memoryview], count: i
     client.each_connection(move)
 
 
+def objects_rr(client: RawClient, views: list[memoryview], count: int) -> None:
+    """Exactly ``count`` whole objects put request/ack (one in flight per connection), dealt
+    round-robin over the connections (object i on connection i % conns, from ``views`` in turn):
+    objects_stream's count, one ack per object instead of one per share."""
+    conns = len(client.socks)
+
+    def move(k: int, sock: socket.socket) -> None:
+        for i in range(k, count, conns):
+            RawClient._put(sock, views[i % len(views)])
+
+    client.each_connection(move)
+
+
 def measure_raw_tcp(
     port: int,
     sizes: tuple[int, ...],

@@ -81,6 +81,7 @@ from benchlib import (
     footprint_slots,
     measure_memcpy,
     merge_raw_tcp,
+    objects_rr,
     objects_stream,
     raw_buffer,
     raw_tcp_objects_worker,
@@ -277,13 +278,8 @@ class RawBeside:
         views = self._sources[size]
         out: dict[str, float] = {}
         for conns, client in self._clients.items():
-
-            def request_ack(k: int, sock: Any, conns: int = conns) -> None:
-                for i in range(k, count, conns):
-                    RawClient._put(sock, views[i % len(views)])
-
             for loop, run in (
-                ("rr", lambda c=client: c.each_connection(request_ack)),
+                ("rr", lambda c=client: objects_rr(c, views, count)),
                 ("stream", lambda c=client: objects_stream(c, "put", views, count)),
             ):
                 t0 = time.perf_counter()

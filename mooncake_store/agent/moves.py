@@ -143,17 +143,17 @@ class LocalMoves:
         for target, answer in named.items():
             if not answer:
                 unnamed.setdefault(target.node_id, []).append(target.alloc_id)
-        buried: set[tuple[str, int]] = set()
+        landed: set[tuple[str, int]] = set()  # unnamed, but in a graveyard or the record of swaps
         try:
             for node_id, alloc_ids in unnamed.items():
-                buried.update((node_id, a) for a in self.agent.index.buried(node_id, alloc_ids))
+                landed.update((node_id, a) for a in self.agent.index.buried(node_id, alloc_ids))
             # Removed and freed since (its grave drained by that node's sync): the index's record
             # of the swap itself, kept for a while, says it landed.
-            left = [(n, a) for n, ids in unnamed.items() for a in ids if (n, a) not in buried]
-            buried.update(self.agent.index.landed(self.agent.node_id, left))
+            left = [(n, a) for n, ids in unnamed.items() for a in ids if (n, a) not in landed]
+            landed.update(self.agent.index.landed(self.agent.node_id, left))
         except MooncakeError:
             return {}
-        return {t: n or (t.node_id, t.alloc_id) in buried for t, n in named.items()}
+        return {t: n or (t.node_id, t.alloc_id) in landed for t, n in named.items()}
 
     def _ask_index(self, target: MoveTarget) -> bool | None:
         """Whether the target's key lists it; None when the index cannot be asked. The record

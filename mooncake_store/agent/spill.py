@@ -353,7 +353,6 @@ class Spiller:
             for job, res, ok in zip(batch, reservations, written, strict=True)
             if ok
         ]
-
         try:
             statuses = self.agent.index.move_replicas(moves, old_node=self.agent.node_id) if moves else []
         except MooncakeError as exc:
@@ -393,25 +392,13 @@ class Spiller:
         views: list[memoryview] = []
         pieces: list[PulledWrite] = []
         expected = [0] * len(batch)
-        for i, (job, res) in enumerate(zip(batch, reservations, strict=True)):
-            if tier == TierKind.HOST:
-                view = arena.view(job.offset, job.wire_bytes)
-            else:  # read just before the batch went (_with_payloads); never from the host arena
-                view = memoryview(self._payloads[job.victim.alloc_id])
-            views.append(view)
-            step = PIECE_BYTES if tier == TierKind.HOST else max(1, job.wire_bytes)
-            for start in range(0, job.wire_bytes, step):
-                pieces.append((i, res.alloc_id, res.offset + start, view[start : start + step]))
-                expected[i] += 1
-        order = iter(pieces)
+        results: list[list[tuple[int, bool]]] = []
+        broken = False
         lock = threading.Lock()
 
         def take() -> PulledWrite | None:
             with lock:
                 return next(order, None)
-
-        results: list[list[tuple[int, bool]]] = []
-        broken = False
 
         def stream(_: int) -> None:
             try:
@@ -422,6 +409,17 @@ class Spiller:
                 broken = True
 
         try:
+            for i, (job, res) in enumerate(zip(batch, reservations, strict=True)):
+                if tier == TierKind.HOST:
+                    view = arena.view(job.offset, job.wire_bytes)
+                else:  # read just before the batch went (_with_payloads); never from the host arena
+                    view = memoryview(self._payloads[job.victim.alloc_id])
+                views.append(view)
+                step = PIECE_BYTES if tier == TierKind.HOST else max(1, job.wire_bytes)
+                for start in range(0, job.wire_bytes, step):
+                    pieces.append((i, res.alloc_id, res.offset + start, view[start : start + step]))
+                    expected[i] += 1
+            order = iter(pieces)
             if self._on_streams(min(self._streams, len(pieces)), stream):
                 broken = True
         finally:
