@@ -136,6 +136,8 @@ class RedisIndex(PressureCalls):
 
     def __init__(self, url: str, *, namespace: str = "default", timeout_s: float = 10.0) -> None:
         self.url = url
+        #: The URL as messages show it: a password in it stays out of errors and logs.
+        self.where = redact_url(url)
         self.namespace = namespace
         self.prefix = key_prefix(namespace)
         self.redis = connect_redis(url, timeout_s=timeout_s)
@@ -152,7 +154,7 @@ class RedisIndex(PressureCalls):
         pool's connections on demand, so the client gets a pool that refuses them."""
         self._closed = True
         conns, self._script_conns = self._script_conns, []
-        pool, self.redis.connection_pool = self.redis.connection_pool, _ClosedPool(self.url)
+        pool, self.redis.connection_pool = self.redis.connection_pool, _ClosedPool(self.where)
         for conn in conns:
             conn.disconnect()
         pool.disconnect()  # every connection of the old pool, those of calls under way included
@@ -170,7 +172,7 @@ class RedisIndex(PressureCalls):
                     pipe.script_load(script.script)
             pipe.execute()
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot load scripts into Redis at {self.url}: {exc}") from None
+            raise ConnectError(f"cannot load scripts into Redis at {self.where}: {exc}") from None
 
     def _run(self, name: str, *args: Any, scripts: Mapping[str, Any] | None = None) -> Any:
         """EVALSHA of one script on a connection of our own.
@@ -183,7 +185,7 @@ class RedisIndex(PressureCalls):
         on a fresh one, as redis-py's default retry did. The reply of a first run lost with the
         connection comes back to the retry instead of a second run (REPLAY_SAFE, scripts.py)."""
         if self._closed:
-            raise ConnectError(f"the index client for {self.url} is closed")
+            raise ConnectError(f"the index client for {self.where} is closed")
         script = (scripts or self._scripts)[name]
         if name in self.REPLAY_SAFE:
             command: tuple[Any, ...] = ("EVALSHA", script.sha, 0, self.prefix, *args)
@@ -212,13 +214,13 @@ class RedisIndex(PressureCalls):
                 self._drop_conn(conn)
                 if attempt == 0:
                     continue
-                raise ConnectError(f"lost the connection to Redis at {self.url}: {exc}") from None
+                raise ConnectError(f"lost the connection to Redis at {self.where}: {exc}") from None
             except redis.TimeoutError as exc:
                 self._drop_conn(conn)
-                raise ConnectError(f"Redis at {self.url} did not answer {name}: {exc}") from None
+                raise ConnectError(f"Redis at {self.where} did not answer {name}: {exc}") from None
             except redis.ResponseError as exc:
                 self._keep_conn(conn)  # the reply was read whole: the connection is fine
-                raise MooncakeError(f"index script {name} failed on {self.url}: {exc}") from None
+                raise MooncakeError(f"index script {name} failed on {self.where}: {exc}") from None
             except BaseException:
                 self._drop_conn(conn)  # interrupted mid-reply: the stream may be out of step
                 raise
@@ -413,7 +415,7 @@ class RedisIndex(PressureCalls):
         try:
             records, deadlines = pipe.execute()
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot read the node table from {self.url}: {exc}") from None
+            raise ConnectError(f"cannot read the node table from {self.where}: {exc}") from None
         deadline_of = {node: int(score) for node, score in deadlines}
         return {node: decode_node(raw, deadline_of.get(node, 0)) for node, raw in records.items()}
 
@@ -421,7 +423,7 @@ class RedisIndex(PressureCalls):
         try:
             seconds, micros = self.redis.time()
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot read the server time from {self.url}: {exc}") from None
+            raise ConnectError(f"cannot read the server time from {self.where}: {exc}") from None
         return int(seconds) * 1000 + int(micros) // 1000
 
     def counts(self, node_ids: Sequence[str]) -> tuple[int, dict[str, int], dict[str, int]]:

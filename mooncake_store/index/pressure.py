@@ -20,7 +20,8 @@ class PressureCalls:
 
     redis: redis.Redis
     prefix: str
-    url: str
+    #: The URL as messages show it (password redacted).
+    where: str
     #: RedisIndex._run: one script call, with its retry rules.
     _run: Callable[..., Any]
 
@@ -52,7 +53,7 @@ class PressureCalls:
         try:
             (seconds, micros), graves = pipe.execute()
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot read the graveyard of {node_id} from {self.url}: {exc}") from None
+            raise ConnectError(f"cannot read the graveyard of {node_id} from {self.where}: {exc}") from None
         return int(seconds) * 1000 + int(micros) // 1000, [(int(a), int(due)) for a, due in graves]
 
     def replicas_listed(self, key: str) -> tuple[Replica, ...] | None:
@@ -62,7 +63,7 @@ class PressureCalls:
         try:
             raw = self.redis.hget(self.prefix + "o:" + key, "replicas")
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot read the replicas of {key!r} from {self.url}: {exc}") from None
+            raise ConnectError(f"cannot read the replicas of {key!r} from {self.where}: {exc}") from None
         return None if raw is None else decode_replicas(raw)
 
     def buried(self, node_id: str, alloc_ids: Sequence[int]) -> set[int]:
@@ -73,7 +74,7 @@ class PressureCalls:
         try:
             scores = self.redis.zmscore(self.prefix + "gc:" + node_id, [str(a) for a in alloc_ids])
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot read the graveyard of {node_id} from {self.url}: {exc}") from None
+            raise ConnectError(f"cannot read the graveyard of {node_id} from {self.where}: {exc}") from None
         return {a for a, score in zip(alloc_ids, scores, strict=True) if score is not None}
 
     def landed(self, mover: str, targets: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
@@ -85,7 +86,7 @@ class PressureCalls:
         try:
             scores = self.redis.zmscore(self.prefix + "landed:" + mover, [f"{n}:{a}" for n, a in targets])
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot read the landed moves of {mover} from {self.url}: {exc}") from None
+            raise ConnectError(f"cannot read the landed moves of {mover} from {self.where}: {exc}") from None
         return {t for t, score in zip(targets, scores, strict=True) if score is not None}
 
     def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:
@@ -101,7 +102,7 @@ class PressureCalls:
         try:
             pipe.execute()
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot write reservation guards to {self.url}: {exc}") from None
+            raise ConnectError(f"cannot write reservation guards to {self.where}: {exc}") from None
 
     def move_replicas(self, moves: Sequence[tuple[str, int, Replica, str]], *, old_node: str) -> list[str]:
         """Compare-and-swap many of ``old_node``'s replicas, each (key, old alloc id, new location,

@@ -143,3 +143,41 @@ def test_a_chunk_that_names_itself_as_its_chain_parent_is_refused(shared_client:
     with pytest.raises(InvalidValue, match="'self/0' names the key itself"):
         shared_client.put_many({"self/0": b"x"}, chain_pos={"self/0": 0}, chain_parent={"self/0": "self/0"})
     assert not shared_client.exists("self/0")
+
+
+def test_a_password_in_the_index_url_stays_out_of_its_errors() -> None:
+    """The index's errors name the server they could not reach, with the URL's password as ***:
+    they end up in logs and on terminals."""
+    from mooncake_store.embedded import EmbeddedServer
+    from mooncake_store.index.client import RedisIndex
+
+    secret = "hunter2-index"
+    server = EmbeddedServer().start()
+    try:
+        server.client().config_set("requirepass", secret)
+        url = server.url.replace("redis://", f"redis://default:{secret}@", 1)
+        index = RedisIndex(url, namespace="redact")
+        assert index.nodes() == {}  # the password is used to connect ...
+    finally:
+        server.stop()
+    try:
+        errors: list[str] = []
+        calls = (
+            index.nodes,
+            index.server_time_ms,
+            lambda: index.pending_graves("A"),
+            lambda: index.victim_candidates("A", "host"),  # a script call, with its retry
+        )
+        for call in calls:
+            with pytest.raises(ConnectError) as info:
+                call()
+            errors.append(str(info.value))
+        index.close()
+        with pytest.raises(ConnectError) as info:
+            index.nodes()
+        errors.append(str(info.value))
+    finally:
+        index.close()
+    for message in errors:  # ... and never shown
+        assert secret not in message, message
+        assert f"default:***@127.0.0.1:{server.port}" in message, message
