@@ -397,8 +397,10 @@ class Spiller:
         lock = threading.Lock()
 
         def take() -> PulledWrite | None:
+            # Once a stream broke the batch is given up whole (nothing of it is swapped): the
+            # others finish the writes they have in flight and send no more of it.
             with lock:
-                return next(order, None)
+                return None if broken else next(order, None)
 
         def stream(_: int) -> None:
             try:

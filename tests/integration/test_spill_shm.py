@@ -242,3 +242,41 @@ def test_a_same_host_put_to_an_agent_that_does_not_own_the_named_segment_goes_ov
         writer.close()
         reader.close()
         leftover.close()
+
+
+def test_when_one_stream_breaks_the_others_send_no_more_of_its_batch(
+    make_peer_agent: Callable[..., Agent],
+) -> None:
+    """Two streams write one batch over TCP and the peer cuts one of them early (it stays up): the
+    batch is given up whole (nothing swapped, every object still on the sender, byte-exact), so
+    the other stream finishes what it has in flight and takes no more of it, rather than sending
+    the rest of the batch for nothing; the peer frees the batch's reservations at its next sync."""
+    count = 48
+    a = make_peer_agent(host_bytes=(count + 8) * SIZE, spill_shm=False)  # the TCP path
+    b = make_peer_agent(host_bytes=(count + 8) * SIZE)
+    jobs, values = filled(a, count)
+    real_begin_write = b.table.begin_write
+    writes: list[int] = []
+
+    def fifth_write_cuts_its_connection(alloc_id: int, offset: int, length: int) -> bool:
+        writes.append(alloc_id)
+        if len(writes) == 5:
+            raise OSError("connection reset by the test")  # the server closes this connection
+        return real_begin_write(alloc_id, offset, length)
+
+    b.table.begin_write = fifth_write_cuts_its_connection  # type: ignore[method-assign]
+    spiller = Spiller(a, streams=2, batch_bytes=count * SIZE)  # one batch
+    try:
+        result = spiller.spill(a.index.nodes()[b.node_id], jobs, tier=TierKind.HOST)
+    finally:
+        spiller.close()
+    assert result.refused and not result.moved and len(result.unsent) == count
+    # The writes after the cut: the other stream's window, and what it took before the broken one
+    # noticed (its next reply read ends at once); without the stop it wrote all the rest.
+    assert len(writes) < count // 2, f"{len(writes)} of {count} writes reached the peer after one stream broke"
+    b.sync_once()
+    assert len(b.table) == 0, "a reservation of the given-up batch is still held on the peer"
+    for key, value in values.items():
+        (replica,) = replicas_of(a, key)
+        assert replica.node_id == a.node_id
+        assert np.array_equal(np.frombuffer(a.arena.view(replica.offset, SIZE), np.uint8), value), key
