@@ -251,7 +251,7 @@ def test_when_one_stream_breaks_the_others_send_no_more_of_its_batch(
     batch is given up whole (nothing swapped, every object still on the sender, byte-exact), so
     the other stream finishes what it has in flight and takes no more of it, rather than sending
     the rest of the batch for nothing; the peer frees the batch's reservations at its next sync."""
-    count = 48
+    count = 96  # the bound below (half) sits far above what the stop lets through (5-9 of 48)
     a = make_peer_agent(host_bytes=(count + 8) * SIZE, spill_shm=False)  # the TCP path
     b = make_peer_agent(host_bytes=(count + 8) * SIZE)
     jobs, values = filled(a, count)
@@ -272,7 +272,7 @@ def test_when_one_stream_breaks_the_others_send_no_more_of_its_batch(
         spiller.close()
     assert result.refused and not result.moved and len(result.unsent) == count
     # The writes after the cut: the other stream's window, and what it took before the broken one
-    # noticed (its next reply read ends at once); without the stop it wrote all the rest.
+    # noticed (its next reply read ends at once): 5-9 of 48; without the stop it wrote all the rest.
     assert len(writes) < count // 2, f"{len(writes)} of {count} writes reached the peer after one stream broke"
     b.sync_once()
     assert len(b.table) == 0, "a reservation of the given-up batch is still held on the peer"
