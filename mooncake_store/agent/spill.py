@@ -403,10 +403,10 @@ class Spiller:
                 return None if broken else next(order, None)
 
         def stream(_: int) -> None:
+            nonlocal broken
             try:
                 results.append(peer.write_pulled(take, window=WRITE_WINDOW))
             except MooncakeError as exc:
-                nonlocal broken
                 log.info("spill to %s failed mid-transfer: %s", peer.endpoint, exc)
                 broken = True
 

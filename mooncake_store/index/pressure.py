@@ -90,7 +90,8 @@ class PressureCalls:
         return {t for t, score in zip(targets, scores, strict=True) if score is not None}
 
     def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:
-        """Compare-and-swap a replica's location; "OK", "GONE" or "PINNED"."""
+        """Compare-and-swap a replica's location; move_replicas' statuses ("OK", "GONE", "PINNED",
+        "EXPIRED", "DUP", "INVALID")."""
         return str(self._run("move_replica", key, old_node, str(old_alloc_id), json.dumps(encode_replica(new))))
 
     def guard_reservations(self, put_ids: Sequence[str], *, ttl_ms: int) -> None:
@@ -107,7 +108,10 @@ class PressureCalls:
     def move_replicas(self, moves: Sequence[tuple[str, int, Replica, str]], *, old_node: str) -> list[str]:
         """Compare-and-swap many of ``old_node``'s replicas, each (key, old alloc id, new location,
         guard put id or "") on its own with move_replica's rules; a status per move ("OK", "GONE",
-        "PINNED", "EXPIRED"), in order. One round trip per BATCH_LIMIT moves."""
+        "PINNED", "EXPIRED" (the guard is gone, or the new node is), "DUP" (the new node holds
+        another replica), "INVALID" (a malformed location)), in order. One round trip per
+        BATCH_LIMIT moves: moves that share a guard must fit in one (the call that swaps deletes
+        the guard, and a later call finds it gone: EXPIRED), as a spill batch does (MAX_ENTRIES)."""
         out: list[str] = []
         for chunk in in_batches(moves):
             args: list[str] = []
