@@ -41,7 +41,7 @@ ACCEPT_BATCH = 64
 MAX_CONNECTIONS = 4096
 #: Descriptors left out of the connection limit: the arena, chunk files, Redis connections, logs.
 FD_RESERVE = 64
-#: A connection idle this long is closed (clients retire pooled ones sooner: tcp.POOL_IDLE_S).
+#: A connection idle this long is closed (clients retire pooled ones sooner: tcp_pool.POOL_IDLE_S).
 IDLE_CLOSE_S = 600.0
 
 

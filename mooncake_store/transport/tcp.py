@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import select
 import socket
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -26,13 +24,12 @@ from mooncake_store.errors import (
     NoCapacity,
     ProtocolError,
     StaleLocation,
-    TransferError,
-    TransferTimeout,
 )
 from mooncake_store.transport import frames
-from mooncake_store.transport.cancel import Cancel, current_cancel, running_under, shut_down
+from mooncake_store.transport.cancel import current_cancel, running_under
 from mooncake_store.transport.fence import Fence
 from mooncake_store.transport.frames import Op, Status
+from mooncake_store.transport.tcp_pool import ConnectionPool
 
 SOCKET_BUFFER_BYTES = 4 << 20
 
@@ -73,19 +70,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 READ_WINDOW = 1024
 
 
-#: Pooled connections idle longer than this are not reused (the agent closes them after its own,
-#: longer, limit: agent/server.py IDLE_CLOSE_S).
-POOL_IDLE_S = 300.0
-
-
-def _readable(sock: socket.socket) -> bool:
-    """An idle pooled connection with something to read has been closed or reset by the agent (a
-    reply is never pending between requests)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-    return bool(poller.poll(0))
-
-
 class _NoDigest(ProtocolError):
     """An agent of a build without DIGEST answered it with BAD_REQUEST (and closed the connection);
     ``landed``: whether the WRITE before it landed."""
@@ -95,21 +79,12 @@ class _NoDigest(ProtocolError):
         self.landed = landed
 
 
-class PeerConnections:
+class PeerConnections(ConnectionPool):
     """Connections to one agent. Thread-safe: each call takes a connection of its own."""
 
     def __init__(self, endpoint: str, *, timeout_s: float, max_idle: int) -> None:
-        self.endpoint = endpoint
+        super().__init__(endpoint, timeout_s=timeout_s, max_idle=max_idle)
         self._address = parse_endpoint(endpoint)
-        self._timeout_s = timeout_s
-        self._max_idle = max_idle
-        self._idle: list[tuple[socket.socket, float]] = []  # (connection, when it went idle), newest last
-        #: Connections taken by calls under way, with the Cancel each call runs under: abort() and
-        #: Cancel.cancel() shut them down.
-        self._busy: dict[socket.socket, Cancel | None] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._aborted = False
         #: The agent answered DIGEST with BAD_REQUEST (an older build): writes skip it from then on,
         #: rather than cost a connection each (the agent closes the one that asked).
         self._no_digest = False
@@ -124,107 +99,6 @@ class PeerConnections:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         frames.kernel_timeouts(sock, self._timeout_s)  # no poll() per chunk; MSG_WAITALL reads
         return sock
-
-    def _acquire(self) -> socket.socket:
-        """A pooled connection that is still good, else a new one. Connections idle longer than
-        POOL_IDLE_S are retired before the agent closes them (AgentServer closes idle ones after
-        IDLE_CLOSE_S); one the agent closed or reset anyway shows as readable, and is dropped."""
-        stale: list[socket.socket] = []
-        sock: socket.socket | None = None
-        now = time.monotonic()
-        with self._lock:
-            while self._idle:
-                candidate, since = self._idle.pop()
-                if now - since > POOL_IDLE_S or _readable(candidate):
-                    stale.append(candidate)
-                    continue
-                sock = candidate
-                break
-        for dead in stale:
-            dead.close()
-        sock = sock if sock is not None else self._connect()
-        self._take(sock)
-        return sock
-
-    def _take(self, sock: socket.socket) -> None:
-        """Count ``sock`` as in use by the calling thread's call (and its Cancel), so that abort()
-        or a cancel() can cut it; refused (closed, MooncakeError) once either has run."""
-        cancel = current_cancel()
-        with self._lock:
-            refused = self._aborted
-            if not refused:
-                self._busy[sock] = cancel
-        if refused:
-            sock.close()
-            raise MooncakeError(f"TCP transport is closed (asked for {self.endpoint})")
-        if cancel is not None:
-            try:
-                cancel.hold(sock)
-            except BaseException:
-                self._drop(sock)
-                raise
-
-    def _untake(self, sock: socket.socket) -> None:
-        with self._lock:
-            cancel = self._busy.pop(sock, None)
-        if cancel is not None:
-            cancel.let_go(sock)
-
-    def _drop(self, sock: socket.socket) -> None:
-        """Close a connection taken by a call (its stream may be mid-frame)."""
-        self._untake(sock)
-        sock.close()
-
-    def _release(self, sock: socket.socket) -> None:
-        self._untake(sock)
-        with self._lock:
-            if not self._closed and len(self._idle) < self._max_idle:
-                self._idle.append((sock, time.monotonic()))
-                return
-        sock.close()
-
-    def close(self) -> None:
-        """Close the idle connections and pool no more; calls under way finish on theirs."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for sock, _ in idle:
-            sock.close()
-
-    def abort(self) -> None:
-        """close(), and also cut the connections of calls under way (they fail at once, with
-        TransferError) and refuse new ones: what a client's close() does to its transfers."""
-        with self._lock:
-            self._aborted = True
-            for sock in self._busy:
-                shut_down(sock)  # under the lock: a call lets go of it (under it) before closing it
-        self.close()
-
-    def _call(self, func, *args):  # type: ignore[no-untyped-def]
-        """Run ``func(sock, *args)`` on a pooled connection; a connection that saw an error is dropped,
-        since the stream may be mid-frame."""
-        sock = self._acquire()
-        result = self._on(sock, func, *args)
-        self._release(sock)
-        return result
-
-    def _on(self, sock: socket.socket, func, *args):  # type: ignore[no-untyped-def]
-        """``func(sock, *args)`` on a connection already taken; on any error the connection is closed
-        (the stream may be mid-frame) and socket errors become TransferError."""
-        try:
-            return func(sock, *args)
-        except (OSError, TransferError, ProtocolError) as exc:
-            self._drop(sock)
-            if isinstance(exc, TransferError | ProtocolError):
-                raise
-            if isinstance(exc, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
-                raise TransferTimeout(
-                    f"agent at {self.endpoint} made no progress for {self._timeout_s:g} s (timeout_s)"
-                ) from None
-            raise TransferError(f"transfer with agent at {self.endpoint} failed: {exc}") from None
-        except BaseException:
-            self._drop(sock)
-            raise
 
     def _reply(self, sock: socket.socket, op: Op) -> tuple[int, int, int, int]:
         rop, status, a, b, c = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))

@@ -20,7 +20,8 @@ from mooncake_store import Client
 from mooncake_store.agent.node import Agent
 from mooncake_store.errors import ConnectError, MooncakeError, TransferError
 from mooncake_store.transport import fence as fence_module
-from mooncake_store.transport.tcp import PeerConnections, TcpTransport, _readable
+from mooncake_store.transport.tcp import PeerConnections, TcpTransport
+from mooncake_store.transport.tcp_pool import _readable
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -1,0 +1,145 @@
+"""The connection pool under PeerConnections (transport/tcp.py): idle connections kept for reuse
+and retired before the agent closes them, and the connections of calls under way, which abort()
+and a Cancel can cut. The protocol's operations are PeerConnections'; opening a connection too."""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+
+from mooncake_store.errors import MooncakeError, ProtocolError, TransferError, TransferTimeout
+from mooncake_store.transport.cancel import Cancel, current_cancel, shut_down
+
+#: Pooled connections idle longer than this are not reused (the agent closes them after its own,
+#: longer, limit: agent/server.py IDLE_CLOSE_S).
+POOL_IDLE_S = 300.0
+
+
+def _readable(sock: socket.socket) -> bool:
+    """An idle pooled connection with something to read has been closed or reset by the agent (a
+    reply is never pending between requests)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
+
+
+class ConnectionPool:
+    """Connections to one endpoint, each used by one call at a time. ``_connect`` opens one."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float, max_idle: int) -> None:
+        self.endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._max_idle = max_idle
+        self._idle: list[tuple[socket.socket, float]] = []  # (connection, when it went idle), newest last
+        #: Connections taken by calls under way, with the Cancel each call runs under: abort() and
+        #: Cancel.cancel() shut them down.
+        self._busy: dict[socket.socket, Cancel | None] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._aborted = False
+
+    def _connect(self) -> socket.socket:
+        raise NotImplementedError
+
+    def _acquire(self) -> socket.socket:
+        """A pooled connection that is still good, else a new one. Connections idle longer than
+        POOL_IDLE_S are retired before the agent closes them (AgentServer closes idle ones after
+        IDLE_CLOSE_S); one the agent closed or reset anyway shows as readable, and is dropped."""
+        stale: list[socket.socket] = []
+        sock: socket.socket | None = None
+        now = time.monotonic()
+        with self._lock:
+            while self._idle:
+                candidate, since = self._idle.pop()
+                if now - since > POOL_IDLE_S or _readable(candidate):
+                    stale.append(candidate)
+                    continue
+                sock = candidate
+                break
+        for dead in stale:
+            dead.close()
+        sock = sock if sock is not None else self._connect()
+        self._take(sock)
+        return sock
+
+    def _take(self, sock: socket.socket) -> None:
+        """Count ``sock`` as in use by the calling thread's call (and its Cancel), so that abort()
+        or a cancel() can cut it; refused (closed, MooncakeError) once either has run."""
+        cancel = current_cancel()
+        with self._lock:
+            refused = self._aborted
+            if not refused:
+                self._busy[sock] = cancel
+        if refused:
+            sock.close()
+            raise MooncakeError(f"TCP transport is closed (asked for {self.endpoint})")
+        if cancel is not None:
+            try:
+                cancel.hold(sock)
+            except BaseException:
+                self._drop(sock)
+                raise
+
+    def _untake(self, sock: socket.socket) -> None:
+        with self._lock:
+            cancel = self._busy.pop(sock, None)
+        if cancel is not None:
+            cancel.let_go(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        """Close a connection taken by a call (its stream may be mid-frame)."""
+        self._untake(sock)
+        sock.close()
+
+    def _release(self, sock: socket.socket) -> None:
+        self._untake(sock)
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append((sock, time.monotonic()))
+                return
+        sock.close()
+
+    def close(self) -> None:
+        """Close the idle connections and pool no more; calls under way finish on theirs."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock, _ in idle:
+            sock.close()
+
+    def abort(self) -> None:
+        """close(), and also cut the connections of calls under way (they fail at once, with
+        TransferError) and refuse new ones: what a client's close() does to its transfers."""
+        with self._lock:
+            self._aborted = True
+            for sock in self._busy:
+                shut_down(sock)  # under the lock: a call lets go of it (under it) before closing it
+        self.close()
+
+    def _call(self, func, *args):  # type: ignore[no-untyped-def]
+        """Run ``func(sock, *args)`` on a pooled connection; a connection that saw an error is dropped,
+        since the stream may be mid-frame."""
+        sock = self._acquire()
+        result = self._on(sock, func, *args)
+        self._release(sock)
+        return result
+
+    def _on(self, sock: socket.socket, func, *args):  # type: ignore[no-untyped-def]
+        """``func(sock, *args)`` on a connection already taken; on any error the connection is closed
+        (the stream may be mid-frame) and socket errors become TransferError."""
+        try:
+            return func(sock, *args)
+        except (OSError, TransferError, ProtocolError) as exc:
+            self._drop(sock)
+            if isinstance(exc, TransferError | ProtocolError):
+                raise
+            if isinstance(exc, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO ran out
+                raise TransferTimeout(
+                    f"agent at {self.endpoint} made no progress for {self._timeout_s:g} s (timeout_s)"
+                ) from None
+            raise TransferError(f"transfer with agent at {self.endpoint} failed: {exc}") from None
+        except BaseException:
+            self._drop(sock)
+            raise
