@@ -45,25 +45,19 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.peer_arenas import PeerArenas
+from mooncake_store.agent.spill_jobs import Reserved, SpillJob, SpillResult, Swapped, batches_of
 from mooncake_store.errors import MooncakeError
-from mooncake_store.index.schema import BATCH_LIMIT
 from mooncake_store.tiers.host import SharedSegment
-from mooncake_store.transport import frames
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.transport.shm import copy_bytes
 from mooncake_store.transport.tcp import PeerConnections, PulledWrite, Reservation, TcpTransport
-from mooncake_store.types import (
-    EvictionCandidate,
-    NodeInfo,
-    Replica,
-    ReplicaState,
-    TierKind,
-)
+from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind
+
+__all__ = ["SpillJob", "SpillResult", "Spiller"]
 
 if TYPE_CHECKING:
     from mooncake_store.agent.node import Agent
@@ -78,9 +72,6 @@ GUARD_TTL_MS = 300_000
 #: Bytes per batch: bounds what a peer holds reserved for a batch not yet swapped, and how long
 #: the first object of a pass waits for its swap.
 BATCH_BYTES = 32 << 20
-#: Entries per batch: one RESERVE frame's worth, and one move_replicas call's (the batch's guard
-#: is shared by its entries, and a call deletes the guards it used).
-MAX_ENTRIES = min(frames.MAX_BATCH, BATCH_LIMIT)
 #: The most one WRITE of a host-tier spill carries: larger objects go in pieces, which the streams
 #: share out (Spiller._write_all).
 PIECE_BYTES = 2 << 20
@@ -88,68 +79,6 @@ PIECE_BYTES = 2 << 20
 WRITE_WINDOW = 4
 #: RESERVE's tier field per tier.
 WIRE_TIER = {TierKind.HOST: TIER_HOST, TierKind.GPU: TIER_GPU, TierKind.DISK: TIER_DISK}
-
-
-@dataclass(frozen=True, slots=True)
-class SpillJob:
-    victim: EvictionCandidate
-    offset: int  # of the victim in its tier's arena here (host or GPU; 0 on disk)
-    #: A disk-tier victim: the size of its chunk file, which is what travels and what the peer stores.
-    stored_bytes: int | None = None
-
-    @property
-    def wire_bytes(self) -> int:
-        return self.victim.size_bytes if self.stored_bytes is None else self.stored_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class _Reserved:
-    """A batch with its room on the peer (and, from the GPU or disk, its bytes read)."""
-
-    batch: list[SpillJob]
-    reservations: list[Reservation]
-
-
-@dataclass(slots=True)
-class _Swapped:
-    """What one batch's compare-and-swap did."""
-
-    moved: list[SpillJob] = field(default_factory=list)
-    #: Jobs whose swap call failed (its retry too): whether each landed is for the index to say.
-    unknown: list[tuple[SpillJob, MoveTarget]] = field(default_factory=list)
-    error: MooncakeError | None = None
-
-
-@dataclass(slots=True)
-class SpillResult:
-    moved: list[SpillJob] = field(default_factory=list)
-    #: Not moved: the peer refused, or broke before their batch was swapped. These may go elsewhere.
-    unsent: list[SpillJob] = field(default_factory=list)
-    #: The peer refused a reservation or its connection broke: skip it for the rest of the pass.
-    refused: bool = False
-    #: Written jobs of batches whose swap failed in the index, with the peer's copy: whether each
-    #: swap landed is unknown (their reservations were expired: the peer keeps those it was told
-    #: of, and frees the rest). The caller asks the index (LocalMoves.resolve).
-    unknown: list[tuple[SpillJob, MoveTarget]] = field(default_factory=list)
-    #: Why those swaps failed.
-    error: MooncakeError | None = None
-
-
-def batches_of(jobs: list[SpillJob], *, max_bytes: int = BATCH_BYTES) -> list[list[SpillJob]]:
-    """Consecutive runs of ``jobs`` of at most ``max_bytes`` (one object at least) and at most
-    MAX_ENTRIES entries."""
-    out: list[list[SpillJob]] = []
-    cur: list[SpillJob] = []
-    size = 0
-    for job in jobs:
-        if cur and (size + job.wire_bytes > max_bytes or len(cur) >= MAX_ENTRIES):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(job)
-        size += job.wire_bytes
-    if cur:
-        out.append(cur)
-    return out
 
 
 class Spiller:
@@ -183,9 +112,9 @@ class Spiller:
             # Map a same-host peer's arena before reserving there: populating a large mapping takes
             # ~0.1 s per GiB, which reservations already granted would spend ageing.
             self.arenas.segment(peer_node, tier)
-        batches = batches_of(jobs, max_bytes=self._batch_bytes)
-        swaps: list[Future[_Swapped]] = []
-        ahead: Future[_Reserved | None] | None = None
+        batches = batches_of(jobs, self._batch_bytes)
+        swaps: list[Future[Swapped]] = []
+        ahead: Future[Reserved | None] | None = None
         try:
             if batches:
                 ahead = self._reserver.submit(self._reserve, peer_node, batches[0], tier)
@@ -235,7 +164,7 @@ class Spiller:
                 result.error = result.error or swapped.error
         return result
 
-    def _give_back(self, peer_node: NodeInfo, ahead: Future[_Reserved | None]) -> None:
+    def _give_back(self, peer_node: NodeInfo, ahead: Future[Reserved | None]) -> None:
         """A batch reserved ahead that will not be sent (the pass ended early): its room goes back."""
         try:
             extra = ahead.result()
@@ -269,13 +198,13 @@ class Spiller:
             out.append(SpillJob(victim=job.victim, offset=job.offset, stored_bytes=stored))
         return out
 
-    def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind) -> _Reserved | None:
+    def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind) -> Reserved | None:
         """Read what a GPU or disk batch sends, then reserve room for the batch on the peer; None
         when the peer refused (nothing was reserved)."""
         if tier != TierKind.HOST:
             batch = self._with_payloads(batch, tier)  # what cannot be read stays where it is
             if not batch:
-                return _Reserved(batch=[], reservations=[])
+                return Reserved(batch=[], reservations=[])
         peer = self._transport.peer(peer_node.tcp_endpoint)
         # One put id, and so one guard, for the whole batch: its reservations are made together
         # and time out together, and one that timed out refuses the batch's swap (move_replicas.lua
@@ -295,12 +224,12 @@ class Spiller:
             log.info("spill of %d object(s) to %s refused: %s", len(batch), peer_node.node_id, exc)
             self._drop_payloads(batch)
             return None
-        return _Reserved(
+        return Reserved(
             batch=batch,
             reservations=[Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=put_id) for r in reservations],
         )
 
-    def _send(self, peer_node: NodeInfo, reserved: _Reserved, tier: TierKind) -> tuple[list[bool], bool]:
+    def _send(self, peer_node: NodeInfo, reserved: Reserved, tier: TierKind) -> tuple[list[bool], bool]:
         """Write a reserved batch to the peer: (written per job, a connection broke)."""
         segment = self.arenas.segment(peer_node, tier)
         if segment is not None:
@@ -330,7 +259,7 @@ class Spiller:
         reservations: list[Reservation],
         written: list[bool],
         tier: TierKind,
-    ) -> _Swapped:
+    ) -> Swapped:
         """One compare-and-swap of the written jobs; every reservation not swapped is expired on the
         peer. Returns the jobs that moved (a job written but not swapped is dropped: its object
         changed meanwhile), or, when the swap call failed, the written jobs with their targets."""
@@ -364,7 +293,7 @@ class Spiller:
                 for job, res, ok in zip(batch, reservations, written, strict=True)
                 if ok
             ]
-            return _Swapped(unknown=unknown, error=exc)
+            return Swapped(unknown=unknown, error=exc)
         swapped = iter(statuses)
         moved: list[SpillJob] = []
         leftover: list[int] = []
@@ -375,7 +304,7 @@ class Spiller:
                 leftover.append(res.alloc_id)
         if leftover:
             self._expire(peer_node.tcp_endpoint, leftover)
-        return _Swapped(moved=moved)
+        return Swapped(moved=moved)
 
     def _write_all(
         self, peer: PeerConnections, batch: list[SpillJob], reservations: list[Reservation], tier: TierKind
@@ -453,7 +382,7 @@ class Spiller:
                     failed = True
         return failed
 
-    def _copy_all(self, segment: SharedSegment, peer_node: NodeInfo, reserved: _Reserved) -> list[bool]:
+    def _copy_all(self, segment: SharedSegment, peer_node: NodeInfo, reserved: Reserved) -> list[bool]:
         """A host batch into a same-host peer's arena under its fence, one memcpy per job (numpy
         releases the GIL, so the streams copy in parallel). Returns written per job: fenced by the
         peer, copied, and still held by the peer when the fence was lifted. Nothing is copied when

@@ -111,7 +111,7 @@ class PressureCalls:
         "PINNED", "EXPIRED" (the guard is gone, or the new node is), "DUP" (the new node holds
         another replica), "INVALID" (a malformed location)), in order. One round trip per
         BATCH_LIMIT moves: moves that share a guard must fit in one (the call that swaps deletes
-        the guard, and a later call finds it gone: EXPIRED), as a spill batch does (MAX_ENTRIES)."""
+        the guard, and a later call finds it gone: EXPIRED), as a spill batch does (spill_jobs.MAX_ENTRIES)."""
         out: list[str] = []
         for chunk in in_batches(moves):
             args: list[str] = []

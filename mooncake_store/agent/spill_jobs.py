@@ -1,0 +1,80 @@
+"""What a spill handles (agent/spill.py): a victim to move, a batch with its room on the peer, what
+a batch's compare-and-swap did, and what a peer's spill did in all; and how victims are cut into
+batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mooncake_store.agent.moves import MoveTarget
+from mooncake_store.errors import MooncakeError
+from mooncake_store.index.schema import BATCH_LIMIT
+from mooncake_store.transport import frames
+from mooncake_store.transport.tcp import Reservation
+from mooncake_store.types import EvictionCandidate
+
+#: Entries per batch: one RESERVE frame's worth, and one move_replicas call's (the batch's guard
+#: is shared by its entries, and a call deletes the guards it used).
+MAX_ENTRIES = min(frames.MAX_BATCH, BATCH_LIMIT)
+
+
+@dataclass(frozen=True, slots=True)
+class SpillJob:
+    victim: EvictionCandidate
+    offset: int  # of the victim in its tier's arena here (host or GPU; 0 on disk)
+    #: A disk-tier victim: the size of its chunk file, which is what travels and what the peer stores.
+    stored_bytes: int | None = None
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.victim.size_bytes if self.stored_bytes is None else self.stored_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A batch with its room on the peer (and, from the GPU or disk, its bytes read)."""
+
+    batch: list[SpillJob]
+    reservations: list[Reservation]
+
+
+@dataclass(slots=True)
+class Swapped:
+    """What one batch's compare-and-swap did."""
+
+    moved: list[SpillJob] = field(default_factory=list)
+    #: Jobs whose swap call failed (its retry too): whether each landed is for the index to say.
+    unknown: list[tuple[SpillJob, MoveTarget]] = field(default_factory=list)
+    error: MooncakeError | None = None
+
+
+@dataclass(slots=True)
+class SpillResult:
+    moved: list[SpillJob] = field(default_factory=list)
+    #: Not moved: the peer refused, or broke before their batch was swapped. These may go elsewhere.
+    unsent: list[SpillJob] = field(default_factory=list)
+    #: The peer refused a reservation or its connection broke: skip it for the rest of the pass.
+    refused: bool = False
+    #: Written jobs of batches whose swap failed in the index, with the peer's copy: whether each
+    #: swap landed is unknown (their reservations were expired: the peer keeps those it was told
+    #: of, and frees the rest). The caller asks the index (LocalMoves.resolve).
+    unknown: list[tuple[SpillJob, MoveTarget]] = field(default_factory=list)
+    #: Why those swaps failed.
+    error: MooncakeError | None = None
+
+
+def batches_of(jobs: list[SpillJob], max_bytes: int) -> list[list[SpillJob]]:
+    """Consecutive runs of ``jobs`` of at most ``max_bytes`` (one object at least) and at most
+    MAX_ENTRIES entries."""
+    out: list[list[SpillJob]] = []
+    cur: list[SpillJob] = []
+    size = 0
+    for job in jobs:
+        if cur and (size + job.wire_bytes > max_bytes or len(cur) >= MAX_ENTRIES):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(job)
+        size += job.wire_bytes
+    if cur:
+        out.append(cur)
+    return out
