@@ -24,7 +24,7 @@ machine back-to-back raw bursts of 205 MiB moved 4.1-5.7 GB/s on two connections
 and whole minutes ran 1.5x slower than others: a burst held against the best of a dozen trials
 taken minutes before or after it (which the best of three bursts is also shown against) mostly
 measures when each was taken. Beside that, raw loopback TCP puts of the same size measured before
-and after the cases (``benchlib.measure_raw_tcp`` with whole objects from rotating sources on
+and after the cases (``rawtcp.measure_raw_tcp`` with whole objects from rotating sources on
 every connection at once, as A's spill streams send them out of its arena: the best of a few short
 trials of a request/ack loop and a streaming loop, over 1 and ``spill.STREAMS`` connections, the
 better of them; the trials' medians are shown too) give the ratio of the best burst to raw's best
@@ -74,20 +74,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import (
-    GB,
-    MiB,
+from benchlib import GB, MiB, footprint_slots, measure_memcpy, run_in_process, size_label
+from rawtcp import (
     RawClient,
-    footprint_slots,
-    measure_memcpy,
     merge_raw_tcp,
     objects_rr,
     objects_stream,
     raw_buffer,
     raw_tcp_objects_worker,
     raw_tcp_server,
-    run_in_process,
-    size_label,
 )
 
 SPILL_SIZES = (1 * MiB, 8 * MiB)
@@ -274,7 +269,7 @@ class RawBeside:
     def burst(self, size: int, count: int) -> dict[str, float]:
         """GB/s of ``count`` objects of ``size`` (dealt over the connections) per way of sending them:
         "rr xN" one request and its ack at a time on each of N connections, "stream xN" back to back
-        with one ack per connection (benchlib.objects_stream)."""
+        with one ack per connection (rawtcp.objects_stream)."""
         views = self._sources[size]
         out: dict[str, float] = {}
         for conns, client in self._clients.items():

@@ -11,7 +11,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import across_runs, markdown_table, raw_tcp_spread, size_label, spread_cell
+from benchlib import across_runs, markdown_table, size_label, spread_cell
+from rawtcp import raw_tcp_spread
 from spill_bench import (
     COMPLETE_SHARE,
     FILL,

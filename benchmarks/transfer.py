@@ -28,15 +28,12 @@ from benchlib import (
     emit_report,
     exit_on_sigterm,
     markdown_table,
-    measure_limits,
-    merge_raw_tcp,
-    raw_tcp_server,
-    raw_tcp_worker,
     run_in_process,
     size_label,
     spread_cell,
     store_worker,
 )
+from rawtcp import measure_limits, merge_raw_tcp, raw_tcp_server, raw_tcp_worker
 
 #: (transport, tcp_connections) cases measured against the store.
 CASES = (("shm", 4), ("tcp", 1), ("tcp", 4))

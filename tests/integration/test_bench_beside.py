@@ -12,7 +12,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-import benchlib  # noqa: E402
+import rawtcp  # noqa: E402
 import spill_bench  # noqa: E402
 
 KiB = 1 << 10
@@ -25,7 +25,7 @@ def test_raw_bursts_beside_move_every_object_each_way() -> None:
     a burst that sent one object too many or too few would leave a connection out of step with
     the server, and the next request on it would fail or hang (RAW_IO_TIMEOUT_S bounds it)."""
     size, count = 64 * KiB, 7
-    with benchlib.raw_tcp_server(size, shared=True) as port:
+    with rawtcp.raw_tcp_server(size, shared=True) as port:
         beside = spill_bench.RawBeside(port, (1, 2), (size,))
         try:
             rates = beside.burst(size, count)

@@ -18,12 +18,12 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-import benchlib  # noqa: E402
+import rawtcp  # noqa: E402
 
 MiB = 1 << 20
 
 
-# ---- benchlib: the whole-object stream moves the objects it is credited with ---------------------
+# ---- rawtcp: the whole-object stream moves the objects it is credited with ---------------------
 class _CountingClient:
     """RawClient's shape for objects_stream: ``socks`` and ``each_connection``."""
 
@@ -39,9 +39,9 @@ class _CountingClient:
 def test_objects_stream_moves_count_objects(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
     # _stream_trial credits count * size bytes to the stream; objects_stream must move that many.
     moved = []
-    monkeypatch.setattr(benchlib.RawClient, "_get", staticmethod(lambda sock, view, n=1: moved.append(n)))
+    monkeypatch.setattr(rawtcp.RawClient, "_get", staticmethod(lambda sock, view, n=1: moved.append(n)))
     views = [memoryview(bytearray(16))]
-    benchlib.objects_stream(_CountingClient(2), "get", views, count)
+    rawtcp.objects_stream(_CountingClient(2), "get", views, count)
     assert sum(moved) == count, f"credited {count} objects, moved {sum(moved)}"
 
 
