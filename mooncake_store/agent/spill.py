@@ -359,11 +359,14 @@ class Spiller:
             for view in views:
                 view.release()
         landed = [0] * len(batch)
+        gone: set[int] = set()  # jobs with a piece whose reservation went (timed out); the stream is fine
         for tag, ok in (r for per_stream in results for r in per_stream):
             if ok:
                 landed[tag] += 1
-            else:  # that reservation went (timed out); the stream is fine
-                log.info("spill of %s to %s: reservation gone", batch[tag].victim.key, peer.endpoint)
+            else:
+                gone.add(tag)
+        for tag in sorted(gone):  # once per object, not per piece
+            log.info("spill of %s to %s: reservation gone", batch[tag].victim.key, peer.endpoint)
         return [landed[i] == expected[i] for i in range(len(batch))], broken
 
     def _on_streams(self, count: int, stream: Callable[[int], None]) -> bool:

@@ -30,13 +30,12 @@ from mooncake_store.agent.node import Agent
 from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.reclaim import plan_sync
 from mooncake_store.tiers.disk import DiskTier
+from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK
 from mooncake_store.transport.tcp import PeerConnections
 from mooncake_store.types import Replica, ReplicaState, TierKind
 
 KiB = 1 << 10
 MiB = 1 << 20
-TIER_DISK = 2
-SPILL = 1
 
 
 # ---- a scan of the table, the way usage() and reserved_deadlines() used to answer ---------------
@@ -272,7 +271,7 @@ def test_agent_tables_stay_consistent_through_puts_spills_in_and_syncs(
         put_ids = [uuid.uuid4().bytes, uuid.uuid4().bytes]
         agent.index.guard_reservations([p.hex() for p in put_ids], ttl_ms=60_000)
         kept, abandoned = peer.reserve(
-            [(len(blob), p) for p in put_ids], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL
+            [(len(blob), p) for p in put_ids], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG
         )
         for res in (kept, abandoned):
             peer.write(res.alloc_id, res.offset, memoryview(blob))

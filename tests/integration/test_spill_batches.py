@@ -216,6 +216,48 @@ def test_objects_larger_than_a_piece_spill_over_tcp_byte_exact(
     assert int(a.pressure.counters[TierKind.HOST]["spills_out"]) == len(moved)
 
 
+def test_a_large_object_whose_reservation_went_stays_put_and_is_logged_once(
+    direct_agent: Callable[..., Agent],
+    client_of: Callable[[str], Client],
+    namespace: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A host object of three pieces whose reservation timed out on the peer before its WRITEs: every
+    piece comes back refused, the object is not swapped and stays on its node byte-exact, and the
+    spiller says "reservation gone" once for it, not once per piece (it said so three times)."""
+    from mooncake_store.agent.spill import PIECE_BYTES, Spiller, SpillJob
+
+    size = 2 * PIECE_BYTES + 12345  # three pieces
+    a = direct_agent(namespace, host_bytes=4 * size, spill_to_peers=True, spill_shm=False)
+    b = direct_agent(namespace, host_bytes=4 * size)
+    client = client_of(namespace)
+    value = random_bytes(size, 7)
+    client.put("gone/0", value, preferred_node=a.node_id)
+    (victim,) = [c for c in a.index.victim_candidates(a.node_id, "host") if c.key == "gone/0"]
+    location = a.table.offset_of(victim.alloc_id)
+    assert location is not None
+    spiller = Spiller(a)
+    real_write_all = spiller._write_all
+
+    def after_the_reservation_timed_out(*args):  # type: ignore[no-untyped-def]
+        _peer, _batch, reservations, _tier = args
+        assert b.table.expire_now([r.alloc_id for r in reservations]) == 1
+        b.sync_once()  # B frees it (no commit in the index), as its sync does once it times out
+        return real_write_all(*args)
+
+    spiller._write_all = after_the_reservation_timed_out  # type: ignore[method-assign]
+    try:
+        with caplog.at_level("INFO", logger="mooncake.agent"):
+            result = spiller.spill(a.index.nodes()[b.node_id], [SpillJob(victim=victim, offset=location[0])])
+    finally:
+        spiller.close()
+    assert not result.moved and not result.refused and result.error is None
+    gone = [r.getMessage() for r in caplog.records if "reservation gone" in r.getMessage()]
+    assert gone == [f"spill of gone/0 to {b.server.endpoint}: reservation gone"], gone
+    assert [r.node_id for r in client.object_meta("gone/0").replicas] == [a.node_id]  # type: ignore[union-attr]
+    assert np.array_equal(client.get("gone/0"), value)
+
+
 def test_the_index_remembers_which_swaps_landed_for_a_mover_that_lost_the_reply(
     direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
 ) -> None:
