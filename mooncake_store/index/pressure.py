@@ -10,8 +10,8 @@ from typing import Any
 
 import redis
 
-from mooncake_store.errors import ConnectError
-from mooncake_store.index.schema import decode_replicas, encode_replica, in_batches
+from mooncake_store.errors import ConnectError, InvalidValue
+from mooncake_store.index.schema import BATCH_LIMIT, decode_replicas, encode_replica, in_batches
 from mooncake_store.types import EvictionCandidate, Replica
 
 
@@ -110,10 +110,10 @@ class PressureCalls:
         guard put id or "") on its own with move_replica's rules; a status per move ("OK", "GONE",
         "PINNED", "EXPIRED" (the guard is gone, or the new node is), "DUP" (the new node holds
         another replica), "INVALID" (a malformed location)), in order. One round trip per
-        BATCH_LIMIT moves: moves that share a guard must fit in one (the call that swaps deletes
-        the guard, and a later call finds it gone: EXPIRED), as a spill batch does (spill_jobs.MAX_ENTRIES)."""
+        BATCH_LIMIT moves, cut only between guards (guard_batches): the call that swaps deletes the
+        guards it used, so moves sharing a guard go in one call."""
         out: list[str] = []
-        for chunk in in_batches(moves):
+        for chunk in guard_batches(moves):
             args: list[str] = []
             for key, old_alloc_id, new, guard in chunk:
                 args += (key, str(old_alloc_id), json.dumps(encode_replica(new)), guard)
@@ -135,3 +135,40 @@ class PressureCalls:
             args = [x for key, alloc_id in chunk for x in (key, str(alloc_id))]
             out.extend(str(s) for s in self._run("evict", node_id, *args))
         return out
+
+
+def guard_batches(
+    moves: Sequence[tuple[str, int, Replica, str]], size: int = BATCH_LIMIT
+) -> list[Sequence[tuple[str, int, Replica, str]]]:
+    """``moves`` (key, old alloc id, new location, guard) in runs of at most ``size``, one
+    move_replicas call each, cut only where the guard changes (moves without one, "", anywhere):
+    a call deletes the guards it used, so a guard's later moves in another call would come back
+    EXPIRED and never move. Refused (InvalidValue, before anything is sent) when one guard's moves
+    cannot share a call: more of them than ``size``, or not next to each other across a cut."""
+    batches: list[Sequence[tuple[str, int, Replica, str]]] = []
+    start = 0
+    used: set[str] = set()  # guards of the batches already cut
+    cur: set[str] = set()
+    i = 0
+    while i < len(moves):
+        guard = moves[i][3]
+        end = i + 1
+        while guard and end < len(moves) and moves[end][3] == guard:
+            end += 1
+        if end - i > size:
+            raise InvalidValue(f"{end - i} moves share the guard {guard!r}: one call takes at most {size}")
+        if end - start > size:  # the run does not fit beside what is gathered: cut before it
+            batches.append(moves[start:i])
+            used |= cur
+            start, cur = i, set()
+        if guard in used:
+            raise InvalidValue(
+                f"the moves of guard {guard!r} are not next to each other: they would go in two calls "
+                f"of at most {size}, and the first deletes the guard"
+            )
+        if guard:
+            cur.add(guard)
+        i = end
+    if start < len(moves):
+        batches.append(moves[start:])
+    return batches

@@ -258,6 +258,26 @@ def test_a_large_object_whose_reservation_went_stays_put_and_is_logged_once(
     assert np.array_equal(client.get("gone/0"), value)
 
 
+def test_move_replicas_refuses_a_guard_shared_by_more_moves_than_one_call_takes(
+    client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """One call of move_replicas.lua takes BATCH_LIMIT moves and deletes the guards it used: 4097
+    moves under one guard were cut into two calls, the first deleting the guard and the 4097th
+    coming back EXPIRED. Now they are refused (InvalidValue, with the count and the limit) before
+    anything is sent: the guard is still there."""
+    from mooncake_store.errors import InvalidValue
+    from mooncake_store.index.schema import BATCH_LIMIT
+
+    client = client_of(namespace)
+    guard = uuid.uuid4().hex
+    client.index.guard_reservations([guard], ttl_ms=60_000)
+    new = Replica(node_id="nowhere", tier=TierKind.HOST, offset=0, size_bytes=1, alloc_id=1)
+    moves = [(f"absent/{i}", i, new, guard) for i in range(BATCH_LIMIT + 1)]
+    with pytest.raises(InvalidValue, match=rf"{BATCH_LIMIT + 1} moves share the guard .* at most {BATCH_LIMIT}"):
+        client.index.move_replicas(moves, old_node="nobody")
+    assert client.index.redis.get(client.index.prefix + "pend:" + guard) == "guard"
+
+
 def test_the_index_remembers_which_swaps_landed_for_a_mover_that_lost_the_reply(
     direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
 ) -> None:
