@@ -88,13 +88,25 @@ class PrefixHit:
         return f"PrefixHit(num_tokens={self.num_tokens}, num_chunks={self.num_chunks}, released={self._released})"
 
 
+class _Claims:
+    """The chunks one store claimed, renewed while it writes them (a put may outlast the claim's
+    ttl); ``released`` under ``lock``: no renewal after the release (it would claim them again)."""
+
+    def __init__(self, keys: list[str], writer_id: str) -> None:
+        self.keys = keys
+        self.writer_id = writer_id
+        self.lock = threading.Lock()
+        self.released = False
+
+
 class PrefixCache:
     """Prefix-keyed KV chunks on a :class:`~mooncake_store.Client`. Thread-safe.
 
     ``namespace`` names the model and the KV layout (model id, dtype, layers, KV heads, head dim,
     TP rank): chunks are shared only within one namespace. ``chunk_tokens`` tokens make a chunk.
     ``pin_lease_s`` bounds how long a dead client's pins last; live hits are renewed every third
-    of it. ``claim_ttl_s`` bounds how long a dead writer keeps others from writing its chunks.
+    of it. ``claim_ttl_s`` bounds how long a dead writer keeps others from writing its chunks; a
+    live writer's claims are renewed every third of it.
     """
 
     def __init__(
@@ -129,6 +141,8 @@ class PrefixCache:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._held: weakref.WeakValueDictionary[str, PrefixHit] = weakref.WeakValueDictionary()
+        #: Claims of stores under way, by writer id: renewed with the pins of held hits.
+        self._claims: dict[str, _Claims] = {}
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -216,6 +230,8 @@ class PrefixCache:
         mine = [i for i, s in enumerate(statuses) if s == "MINE"]
         if not mine:
             return 0
+        claims = _Claims([keys[i] for i in mine], writer)
+        self._hold_claims(claims)
         try:
             get = chunks if callable(chunks) else chunks.__getitem__
             with self._ops.active():
@@ -228,7 +244,7 @@ class PrefixCache:
                     chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
                 )
         finally:
-            self.index.release([keys[i] for i in mine], writer_id=writer)
+            self._release_claims(claims)
         return len(mine)
 
     # ---- load -------------------------------------------------------------------------------
@@ -324,9 +340,25 @@ class PrefixCache:
     def _hold(self, hit: PrefixHit) -> None:
         with self._lock:
             self._held[hit.pin_id] = hit
-            if self._renewer is None:
-                self._renewer = threading.Thread(target=self._renew_loop, name="mc-prefix-pins", daemon=True)
-                self._renewer.start()
+            self._start_renewer()
+
+    def _hold_claims(self, claims: _Claims) -> None:
+        with self._lock:
+            self._claims[claims.writer_id] = claims
+            self._start_renewer()
+
+    def _release_claims(self, claims: _Claims) -> None:
+        with self._lock:
+            self._claims.pop(claims.writer_id, None)
+        with claims.lock:
+            claims.released = True
+        self.index.release(claims.keys, writer_id=claims.writer_id)
+
+    def _start_renewer(self) -> None:
+        """Under ``_lock``: the thread that renews held hits' pins and stores' claims."""
+        if self._renewer is None:
+            self._renewer = threading.Thread(target=self._renew_loop, name="mc-prefix-renew", daemon=True)
+            self._renewer.start()
 
     def _release(self, hit: PrefixHit) -> None:
         with self._lock:
@@ -339,9 +371,21 @@ class PrefixCache:
                 pass  # the index is unreachable: the pins run out by their lease
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.pin_lease_ms / 3000):
+        """Every third of the shorter of the pin lease and the claim ttl: the pins of the hits held
+        and the claims of the stores under way, so that neither runs out while its owner is alive
+        (a put longer than the claim's ttl let another writer claim and write the same chunks)."""
+        while not self._stop.wait(min(self.pin_lease_ms, self.claim_ttl_ms) / 3000):
             with self._lock:
                 hits = [h for h in self._held.values() if not h.released]
+                stores = list(self._claims.values())
+            for claims in stores:
+                with claims.lock:
+                    if claims.released:
+                        continue  # released since the list was taken: renewing would claim them again
+                    try:
+                        self.index.claim(claims.keys, writer_id=claims.writer_id, ttl_ms=self.claim_ttl_ms)
+                    except MooncakeError:
+                        pass  # Redis unreachable: the claims run out by their ttl, as for a dead writer
             for hit in hits:
                 with hit._pin_lock:
                     if hit.released:

@@ -183,6 +183,33 @@ def test_pins_are_renewed_while_held(
     cache.close()
 
 
+def test_a_store_longer_than_its_claims_keeps_them_from_another_writer(client: Client) -> None:
+    """A store's claims (claim_ttl_s) are renewed while it writes: a store whose chunks take three
+    claim ttls to produce keeps a second writer of the same prompt out (BUSY: it writes nothing).
+    Before, the claims ran out mid-store and the second writer claimed and wrote every chunk again."""
+    first = PrefixCache(client, NS, chunk_tokens=C, claim_ttl_s=0.3)
+    second = PrefixCache(client, NS, chunk_tokens=C, claim_ttl_s=0.3)
+    tokens = ids(4 * C, start=70_000)
+    chunks = chunk_arrays(4, seed=3)
+    rival: list[int] = []
+
+    def slow_chunk(i: int) -> np.ndarray:
+        time.sleep(0.25)  # four chunks: a second, more than three ttls
+        if i == 3:  # the first writer's claims are 1 s old: a rival store of the same prompt
+            rival.append(second.store(tokens, chunk_arrays(4, seed=4)))
+        return chunks[i]
+
+    assert first.store(tokens, slow_chunk) == 4
+    assert rival == [0], "the rival claimed and wrote chunks the first writer held"
+    with first.load(tokens) as hit:  # the first writer's bytes, not the rival's
+        assert hit.num_chunks == 4
+        for got, want in zip(hit.chunks, chunks, strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert second.store(tokens, chunks) == 0  # stored now, and its claims released
+    first.close()
+    second.close()
+
+
 CHILD = textwrap.dedent(
     """
     import sys, time
