@@ -27,6 +27,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from mooncake_store.client.client import Client
@@ -378,22 +379,26 @@ class PrefixCache:
             with self._lock:
                 hits = [h for h in self._held.values() if not h.released]
                 stores = list(self._claims.values())
-            for claims in stores:
-                with claims.lock:
-                    if claims.released:
-                        continue  # released since the list was taken: renewing would claim them again
-                    try:
-                        self.index.claim(claims.keys, writer_id=claims.writer_id, ttl_ms=self.claim_ttl_ms)
-                    except MooncakeError:
-                        pass  # Redis unreachable: the claims run out by their ttl, as for a dead writer
-            for hit in hits:
-                with hit._pin_lock:
-                    if hit.released:
-                        continue  # released since the list was taken: its pins must stay gone
-                    try:
-                        self.index.pin(hit.keys, pin_id=hit.pin_id, lease_ms=self.pin_lease_ms)
-                    except MooncakeError:
-                        pass  # Redis unreachable: the pins run out by their lease, as for a dead client
+            for c in stores:
+                self._renew(
+                    c, c.lock, partial(self.index.claim, c.keys, writer_id=c.writer_id, ttl_ms=self.claim_ttl_ms)
+                )
+            for h in hits:
+                self._renew(
+                    h, h._pin_lock, partial(self.index.pin, h.keys, pin_id=h.pin_id, lease_ms=self.pin_lease_ms)
+                )
+
+    @staticmethod
+    def _renew(owner: _Claims | PrefixHit, lock: threading.Lock, renew: Callable[[], object]) -> None:
+        """``renew()`` under the owner's lock, unless it was released since the list was taken (a
+        renewal then would pin or claim again what its owner let go)."""
+        with lock:
+            if owner.released:
+                return
+            try:
+                renew()
+            except MooncakeError:
+                pass  # Redis unreachable: pins and claims run out by their lease or ttl, as a dead client's do
 
     # ---- life cycle -------------------------------------------------------------------------
     def _check_open(self) -> None:
