@@ -213,8 +213,16 @@ def test_a_prefix_store_refused_at_count_in_gives_its_room_back(
     assert closed.is_set(), "the close was not placed after the RESERVE"
     assert not any(client.exists(k) for k in cache.keys(tokens)), "a chunk was stored after close()"
     assert agent.table.reserved_deadlines(), "nothing was reserved: the interleaving did not happen"
-    agent.sync_once()  # frees what a FREE expired
-    held = agent.table.reserved_deadlines()
+    # abandon() sends that FREE from a thread of its own (the storing thread owes its caller the
+    # error at once), so it may land a moment after store() raised: syncs, each freeing what a FREE
+    # expired, for up to 5 s. A refused FREE leaves the reservations until the 30 s reserve timeout.
+    deadline = time.monotonic() + 5.0
+    while True:
+        agent.sync_once()
+        held = agent.table.reserved_deadlines()
+        if not held or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     used = agent.table.usage()[0]
     assert not held and used == baseline, (
         f"the store refused at count-in left {len(held)} reservation(s) ({used - baseline} B) on the agent, "
