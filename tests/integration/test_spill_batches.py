@@ -127,6 +127,28 @@ def test_victims_count_live_pins_and_chain_children_without_writing(
     assert rds.zcard(prefix + "pins:loose") == 1 and rds.zcard(prefix + "pins:c/1") == 2
 
 
+def test_the_preludes_chunked_returns_every_reply_across_its_runs(
+    client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """victims.lua reads its chain counts with the prelude's ``chunked`` (one HMGET per 1000 fields,
+    unpack's stack limit): its replies come back joined, in order, missing fields as nil, across
+    the runs (2500 fields: three HMGETs)."""
+    from mooncake_store.index.scripts import _read, build_script
+
+    client = client_of(namespace)
+    rds, prefix = client.index.redis, client.index.prefix
+    key = prefix + "chunked-test"
+    rds.hset(key, mapping={f"f{i}": str(i) for i in range(1, 2501) if i % 3})  # every third missing
+    body = """local items = {}
+for i = 1, tonumber(ARGV[3]) do items[i] = 'f' .. i end
+return chunked('HMGET', ARGV[2], items)"""
+    try:
+        got = build_script(rds, _read("prelude"), body)(args=[prefix, key, 2500])
+    finally:
+        rds.delete(key)
+    assert got == [None if i % 3 == 0 else str(i) for i in range(1, 2501)]
+
+
 def test_an_agent_loads_its_pressure_scripts_when_it_starts() -> None:
     """On a server of its own (no script loaded yet): once the agent is up, the scripts of a pressure
     pass are there before any pass has run, so a first spill does not wait for their compilation."""

@@ -146,11 +146,17 @@ local function stale_alloc(node, alloc)
   return math.floor(tonumber(alloc) / 140737488355328) % 65536 ~= tag
 end
 
--- Run a command once per <= 1000 items (unpack has a stack limit): cmd key item...
+-- Run a command once per <= 1000 items (unpack has a stack limit): cmd key item...; returns the
+-- replies of a command that answers one value per item (HMGET), in order.
 local function chunked(cmd, key, items)
+  local replies = {}
   for i = 1, #items, 1000 do
-    redis.call(cmd, key, unpack(items, i, math.min(i + 999, #items)))
+    local r = redis.call(cmd, key, unpack(items, i, math.min(i + 999, #items)))
+    if type(r) == 'table' then
+      for _, v in ipairs(r) do table.insert(replies, v) end  -- a missing field is false, not nil
+    end
   end
+  return replies
 end
 -- Swaps go in two steps, so that a call that fails (a malformed argument or record meets cjson or
 -- tonumber) has written nothing: Redis keeps what a script wrote before an error, and a batch

@@ -45,8 +45,5 @@ for _, key in ipairs(keys) do
     end
   end
 end
-for first = 1, #listed, 1000 do  -- unpack has a stack limit
-  local counts = redis.call('HMGET', P .. 'children', unpack(listed, first, math.min(first + 999, #listed)))
-  for i, c in ipairs(counts) do out[(first + i - 2) * 11 + 9] = tonumber(c or 0) end
-end
+for i, c in ipairs(chunked('HMGET', P .. 'children', listed)) do out[(i - 1) * 11 + 9] = tonumber(c or 0) end
 return out
