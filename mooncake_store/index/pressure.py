@@ -69,25 +69,27 @@ class PressureCalls:
     def buried(self, node_id: str, alloc_ids: Sequence[int]) -> set[int]:
         """Those of ``alloc_ids`` that are in the node's graveyard now (any number, unlike
         pending_graves, which lists the earliest due)."""
-        if not alloc_ids:
-            return set()
-        try:
-            scores = self.redis.zmscore(self.prefix + "gc:" + node_id, [str(a) for a in alloc_ids])
-        except redis.RedisError as exc:
-            raise ConnectError(f"cannot read the graveyard of {node_id} from {self.where}: {exc}") from None
-        return {a for a, score in zip(alloc_ids, scores, strict=True) if score is not None}
+        there = self._in_sorted_set("gc:" + node_id, [str(a) for a in alloc_ids], f"the graveyard of {node_id}")
+        return {a for a, found in zip(alloc_ids, there, strict=True) if found}
 
     def landed(self, mover: str, targets: Sequence[tuple[str, int]]) -> set[tuple[str, int]]:
         """Those of ``targets`` (node id, alloc id of a new location) that a swap of ``mover``'s
         replicas moved an object to within the last LANDED_KEEP_MS (prelude.lua), whatever became
         of the object since."""
-        if not targets:
-            return set()
+        members = [f"{n}:{a}" for n, a in targets]
+        there = self._in_sorted_set("landed:" + mover, members, f"the landed moves of {mover}")
+        return {t for t, found in zip(targets, there, strict=True) if found}
+
+    def _in_sorted_set(self, key: str, members: list[str], what: str) -> list[bool]:
+        """Whether each of ``members`` is in the sorted set ``key`` (one ZMSCORE; none asked, no
+        round trip); ``what`` names the set in an error."""
+        if not members:
+            return []
         try:
-            scores = self.redis.zmscore(self.prefix + "landed:" + mover, [f"{n}:{a}" for n, a in targets])
+            scores = self.redis.zmscore(self.prefix + key, members)
         except redis.RedisError as exc:
-            raise ConnectError(f"cannot read the landed moves of {mover} from {self.where}: {exc}") from None
-        return {t for t, score in zip(targets, scores, strict=True) if score is not None}
+            raise ConnectError(f"cannot read {what} from {self.where}: {exc}") from None
+        return [score is not None for score in scores]
 
     def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:
         """Compare-and-swap a replica's location; move_replicas' statuses ("OK", "GONE", "PINNED",
