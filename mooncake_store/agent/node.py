@@ -13,12 +13,12 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.inbox import DiskInbox
+from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
 from mooncake_store.config import AgentConfig, is_wildcard_host, split_host_port
@@ -60,7 +60,7 @@ def _refuse_wildcard_endpoint(config: AgentConfig) -> None:
         )
 
 
-class Agent:
+class Agent(OtherTierHooks):
     def __init__(self, config: AgentConfig, *, redis_url: str, namespace: str) -> None:
         _refuse_wildcard_endpoint(config)
         self.config = config
@@ -183,91 +183,9 @@ class Agent:
         )
         return (*tiers, disk)
 
-    # ---- hooks of the server (AgentHooks) -----------------------------------------------------
-    def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
-        if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
-            got = self.read_gpu(alloc_id)
-            if got is not None:
-                self.pressure.count(TierKind.GPU, "reads")
-            return got
-        if self.disk is None:
-            return None
-        entry = self.disk.entry(alloc_id)
-        if entry is None:
-            return None
-        data = bytearray(entry.raw_bytes)
-        self.disk.read_into(alloc_id, memoryview(data))
-        self.pressure.count(TierKind.DISK, "reads")
-        return data, 0  # offsets into a disk allocation count from the object's start
-
-    def read_gpu(self, alloc_id: int) -> tuple[bytearray, int] | None:
-        """A GPU-tier object copied to host memory (fenced against frees), with its arena offset."""
-        assert self.gpu is not None and self.gpu_table is not None
-        location = self.gpu_table.offset_of(alloc_id)
-        if location is None:
-            return None
-        offset, length = location
-        if not self.gpu_table.begin_read(alloc_id, offset, length):
-            return None
-        try:
-            data = bytearray(length)
-            self.gpu.read_to_host(offset, memoryview(data))
-        finally:
-            self.gpu_table.end_read(alloc_id)
-        return data, offset  # a GPU replica's offset is its place in the arena
-
-    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
-        if tier == TIER_DISK:
-            return self.inbox.reserve(requests) if self.inbox is not None and spill else None
-        if self.gpu_table is None:
-            return None
-        allocs = self.gpu_table.reserve(requests)
-        if allocs is None and not spill:  # a refused spill goes to another peer: no room is made for it
-            self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
-        return allocs
-
-    def other_tier_room(self, tier: int, *, spill: bool) -> tuple[int, int, int]:
-        if tier == TIER_DISK:
-            if self.disk is None or self.inbox is None or not spill:
-                return 0, 0, 0  # puts never go to disk
-            free = self.inbox.free_bytes()
-            return free, free, self.disk.capacity_bytes  # a file needs no contiguous block
-        if self.gpu_table is None:
-            return 0, 0, 0
-        _, free, largest, _ = self.gpu_table.usage()
-        return free, largest, self.gpu_table.capacity_bytes
-
-    def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
-        if self.inbox is not None and alloc_id in self.inbox:
-            return self.inbox.staging(alloc_id, offset, length)
-        if self.gpu_table is None or not self.gpu_table.begin_write(alloc_id, offset, length):
-            return None
-        try:
-            return bytearray(length)
-        except MemoryError:  # the fence must not outlive a buffer that could not be made
-            self.gpu_table.end_write(alloc_id)
-            return None
-
-    def other_tier_written(self, alloc_id: int, offset: int, data: bytearray | None) -> bool:
-        if self.inbox is not None and alloc_id in self.inbox:
-            return self.inbox.written(alloc_id, data)
-        assert self.gpu is not None and self.gpu_table is not None
-        try:
-            if data is not None:
-                self.gpu.write_from_host(offset, memoryview(data))
-        finally:
-            still_reserved = self.gpu_table.end_write(alloc_id)
-        return data is not None and still_reserved
-
+    # ---- hooks of the server (AgentHooks; the other tiers' in agent/other_tiers.py) -----------
     def host_read(self, length: int) -> None:
         self.pressure.count(TierKind.HOST, "reads")
-
-    def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
-        if self.config.promote_on_read:
-            try:
-                self.pressure.moves.promote(alloc_id, data)
-            except MooncakeError as exc:
-                log.info("promotion of allocation %d failed: %s", alloc_id, exc)
 
     def reserved(self) -> None:
         used, _, _, _ = self.table.usage()

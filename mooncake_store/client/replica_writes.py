@@ -24,7 +24,7 @@ from mooncake_store.types import NodeInfo, Replica
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
-    from mooncake_store.client.puts import PlannedPut
+    from mooncake_store.client.put_plans import PlannedPut
 
 log = logging.getLogger("mooncake.client")
 

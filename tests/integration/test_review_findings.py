@@ -23,7 +23,7 @@ from helpers import guarded_spill_copy, wait_until, write_fenced
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
 from mooncake_store.client.cluster import AgentProcess
-from mooncake_store.client.puts import PlannedPut
+from mooncake_store.client.put_plans import PlannedPut
 from mooncake_store.errors import ConnectError, ReservationExpired
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from helpers import node_row
 
-from mooncake_store.client.puts import MAX_CHAIN_POS
+from mooncake_store.client.put_plans import MAX_CHAIN_POS
 from mooncake_store.errors import MooncakeError
 from mooncake_store.index.client import PendingPut, RedisIndex
 from mooncake_store.index.prefix import MAX_CHAIN_CHUNKS, PrefixIndex
