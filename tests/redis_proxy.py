@@ -120,7 +120,14 @@ class RedisProxy:
                 continue
             pair = _Pair(client=c, server=s)
             with self._lock:
-                self._pairs.append(pair)
+                # Gone down (or closed) while this connection was being made: refused after all,
+                # or it would outlive the _go_down that closed the others.
+                refuse = self._down or self._closed
+                if not refuse:
+                    self._pairs.append(pair)
+            if refuse:
+                self._close(pair)
+                continue
             self._spawn(self._to_server, pair)
             self._spawn(self._to_client, pair)
 
@@ -162,9 +169,12 @@ class RedisProxy:
             except OSError:
                 data = b""
             if not data or p.drop_next:
-                self._close(p)  # the server ran the command; its reply is lost with the connection
                 if p.drop_next and p.down_after_reply:
-                    self._go_down()  # and the index stays out of reach: the outcome stays unknown
+                    # The index stays out of reach, so the outcome stays unknown. Down before this
+                    # connection closes: a client that retries the moment it sees the close must
+                    # find the proxy refusing (closing first let a retry through on a loaded machine).
+                    self._go_down(keep=p)
+                self._close(p)  # the server ran the command; its reply is lost with the connection
                 return
             if p.down_after_reply:
                 # Down before the reply is on its way: a client that sends its next command the
