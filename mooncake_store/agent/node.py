@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +79,7 @@ class Agent(OtherTierHooks):
         try:
             # Every alloc id of this incarnation carries its tag (types.ALLOC_TAG_SHIFT), published
             # in the node table: clients holding a copy of the table from before a restart notice.
-            self.alloc_tag = int(self.incarnation[:4], 16) or 1
+            self.alloc_tag = self._fresh_alloc_tag()
             self.table = AllocationTable(
                 config.host_bytes,
                 reserve_timeout_s=config.reserve_timeout_s,
@@ -88,11 +88,7 @@ class Agent(OtherTierHooks):
             # Each agent gets a directory of its own under disk_path: the disk tier clears what it
             # finds there at start (files of an earlier incarnation that the index no longer lists).
             # expanduser: a "~/kv" from a TOML file or env (no shell to expand it) means the home directory.
-            self.disk = (
-                DiskTier(Path(os.path.expanduser(config.disk_path)) / self.node_id, config.disk_bytes)
-                if config.disk_bytes
-                else None
-            )
+            self.disk = self._disk_tier(config) if config.disk_bytes else None
             self.disk_keys: dict[int, str] = {}  # disk alloc id -> key, for promotion
             # Chunk files that peers spill onto this disk tier, until their swaps are acked.
             self.inbox = (
@@ -135,7 +131,33 @@ class Agent(OtherTierHooks):
         self._threads: list[threading.Thread] = []
         self.started_ms = int(time.time() * 1000)
 
+    def _fresh_alloc_tag(self) -> int:
+        """16 random bits for this incarnation's alloc ids, never those of the incarnation the node
+        table lists under this node id: ids start again at the tag's base, so a predecessor with
+        the same tag handed out the very same ids, and a WRITE of its still on the wire could land
+        in a reservation of this one."""
+        tag = int(self.incarnation[:4], 16) or 1
+        try:
+            previous = self.index.nodes().get(self.node_id)
+        except MooncakeError:
+            return tag  # the index is out of reach: registering will say so
+        if previous is not None and previous.alloc_tag == tag:
+            tag = tag % 0xFFFF + 1
+        return tag
+
     # ---- tiers ------------------------------------------------------------------------------
+    def _disk_tier(self, config: AgentConfig) -> DiskTier:
+        parent = Path(os.path.expanduser(config.disk_path))
+        root = parent / self.node_id
+        # Directories of agents that died without stopping (their lock is free) go first: with the
+        # default node id every incarnation has a directory of its own, and nothing else removes them.
+        if parent.is_dir():
+            for gone in DiskTier.sweep_abandoned(parent, keep=root):
+                log.info("removed the disk tier directory %s of an agent that is gone", gone)
+        # A peer's chunk file may declare no more raw bytes than this agent's largest memory
+        # tier holds: it could never be promoted here, and verifying it takes that much memory.
+        return DiskTier(root, config.disk_bytes, max_blob_raw_bytes=max(config.host_bytes, config.gpu_bytes))
+
     def tier_kinds(self) -> tuple[TierKind, ...]:
         kinds = [TierKind.GPU] if self.gpu is not None else []
         kinds.append(TierKind.HOST)
@@ -322,14 +344,22 @@ class Agent(OtherTierHooks):
             self.index.deregister_node(self.node_id, incarnation=self.incarnation)
         except MooncakeError as exc:
             log.warning("could not deregister %s: %s", self.node_id, exc)
-        self.server.stop()
-        self.pressure.close()
-        self.arena.close(unlink=True)
-        if self.disk is not None:
-            self.disk.close(remove_files=True)
-        if self.gpu is not None:
-            self.gpu.close()
-        self.index.close()
+        disk, gpu = self.disk, self.gpu
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("the server", self.server.stop),
+            ("the pressure thread", self.pressure.close),
+            ("the host arena", lambda: self.arena.close(unlink=True)),
+            *([("the disk tier", lambda: disk.close(remove_files=True))] if disk is not None else []),
+            *([("the GPU arena", gpu.close)] if gpu is not None else []),
+            ("the index connection", self.index.close),
+        ]
+        # Every step runs whatever an earlier one raised: a server that failed to stop must not
+        # leave the arena's segment in /dev/shm, or the disk files, behind the process.
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                log.exception("stopping %s of %s failed", what, self.node_id)
 
     def wait(self) -> None:
         self._stop.wait()

@@ -26,6 +26,10 @@ REFUSE_WAIT_S = 1.0
 #: bytes, the connection would be reset, and a client still sending would see the reset instead
 #: of the reply.
 REFUSE_LINGER_S = 1.0
+#: The most of a refused WRITE's payload that is waited for and drained (its declared length is the
+#: client's word): a client trickling bytes of a WRITE that claims 2**63 B would otherwise hold its
+#: refusal, one of MAX_REFUSALS, for good. A stripe of a put is 4 MiB by default.
+REFUSE_DRAIN_MAX_BYTES = 64 << 20
 #: Connections turned away at once (each holds a descriptor beyond the limit, out of FD_RESERVE);
 #: more are closed without a reply.
 MAX_REFUSALS = 16
@@ -147,5 +151,5 @@ class _Refusal:
             return False
         self.replied = True
         self.last_seen = time.monotonic()
-        self.linger_until = self.last_seen + REFUSE_LINGER_S + payload / self.min_rate_bps
+        self.linger_until = self.last_seen + REFUSE_LINGER_S + min(payload, REFUSE_DRAIN_MAX_BYTES) / self.min_rate_bps
         return True

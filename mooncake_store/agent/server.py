@@ -118,9 +118,11 @@ class AgentServer(AgentOps):
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        self._accept_thread.join(timeout=2)
+        if self._accept_thread.ident is not None:  # stopped before it started: nothing runs
+            self._accept_thread.join(timeout=2)
         for thread in list(self._threads):
-            thread.join(timeout=2)
+            if thread.ident is not None:  # one whose start failed was never running
+                thread.join(timeout=2)
 
     def _accept_loop(self) -> None:
         # One poll over the listening socket and the connections being turned away: a refusal
@@ -180,16 +182,24 @@ class AgentServer(AgentOps):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-            thread = threading.Thread(target=self._serve, args=(conn,), name="mc-conn", daemon=True)
-            with self._lock:
-                self._conns.add(conn)
-                self._threads.add(thread)
-            thread.start()
-        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+        except OSError as exc:
             log.warning("cannot serve a new connection: %s", exc)
+            conn.close()
+            return
+        thread = threading.Thread(target=self._serve, args=(conn,), name="mc-conn", daemon=True)
+        with self._lock:
+            self._conns.add(conn)
+            self._threads.add(thread)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread could be started (a process or memory limit)
+            log.warning("cannot serve a new connection: %s; turning it away as busy", exc)
             with self._lock:
                 self._conns.discard(conn)
-            conn.close()
+                self._threads.discard(thread)
+            # Told BUSY like a connection over the limit (the client backs off and retries), not
+            # reset without a word; the refusal costs no thread.
+            refusals.add(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         try:

@@ -65,6 +65,10 @@ def _check_name(what: str, *, allow_empty: bool = False) -> _Check:
             return None
         if not _NAME_RE.fullmatch(value):
             return f"{what} must be 1..64 characters of A-Z a-z 0-9 _ . -"
+        if value in (".", ".."):
+            # Names become path components (an agent's disk directory is disk_path/node_id): "."
+            # and ".." would put it in disk_path itself or its parent, whose files it clears.
+            return f"{what} cannot be {value!r} (names become directory names)"
         return None
 
     return check

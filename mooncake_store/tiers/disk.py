@@ -15,6 +15,7 @@ verify the checksum, so a corrupted file is an error, never wrong data.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
@@ -80,7 +81,17 @@ class DiskTier:
 
     Thread-safe. Capacity counts stored (compressed) bytes, which is what the disk holds."""
 
-    def __init__(self, root: str | Path, capacity_bytes: int, *, level: int = 3, shuffle: str = "auto") -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        capacity_bytes: int,
+        *,
+        level: int = 3,
+        shuffle: str = "auto",
+        max_blob_raw_bytes: int | None = None,
+    ) -> None:
+        """``max_blob_raw_bytes``: the largest raw size a chunk file from a peer (write_blob) may
+        declare; verifying one takes its raw size in memory (None: any size this process can hold)."""
         if capacity_bytes <= 0:
             raise InvalidValue(f"disk tier capacity must be positive, got {capacity_bytes}")
         if shuffle not in ("auto", "always", "never"):
@@ -94,6 +105,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.level = level
         self.shuffle = shuffle
+        self.max_blob_raw_bytes = max_blob_raw_bytes
         self._entries: dict[int, DiskEntry] = {}
         self._storing: set[int] = set()  # ids whose files are being written
         self._used = 0
@@ -143,9 +155,36 @@ class DiskTier:
     def _clear_leftovers(self) -> None:
         # Files from an earlier incarnation belong to replicas that the index no longer lists (a
         # restarted agent starts empty), and temp files are writes that never finished.
-        for path in self.root.glob("*/*"):
-            if path.suffix in (SUFFIX, ".tmp"):
-                path.unlink(missing_ok=True)
+        _clear_chunk_files(self.root)
+
+    @staticmethod
+    def sweep_abandoned(parent: Path, *, keep: Path) -> list[Path]:
+        """Remove the directories under ``parent`` (but ``keep``) of disk tiers whose owner is gone:
+        their lock file is there and free. An agent that crashed (SIGKILL, OOM) leaves its chunk
+        files behind, and with the default node id (host and pid) its successor gets a directory
+        of its own: nothing else would ever remove them. The files are unreachable (a dead node's
+        replicas leave the index, and a restarted agent starts empty). Only what a tier writes is
+        removed (chunk files, temp files, their subdirectories, the lock); a directory holding
+        anything else stays. Returns the directories removed."""
+        removed: list[Path] = []
+        for lock in sorted(parent.glob(f"*/{LOCK_NAME}")):
+            root = lock.parent
+            if root == keep:
+                continue
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # its agent is alive
+                if _remove_tier_dir(root):
+                    removed.append(root)
+            finally:
+                os.close(fd)
+        return removed
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -265,9 +304,17 @@ class DiskTier:
             raise CorruptChunk(f"{where}: zstd frame is damaged: {exc}") from None
         if content != raw:
             raise CorruptChunk(f"{where}: header says {raw} B, its zstd frame {content} B")
+        # What a peer's file declares is checked before anything that size is made: a few bytes
+        # of frame may claim gigabytes (zeros compress that far, and a header can say anything).
+        limit = self.max_blob_raw_bytes
+        if limit is not None and raw > limit:
+            raise CorruptChunk(
+                f"{where}: declares {raw} B of raw bytes, more than the {limit} B ({format_size(limit)}) "
+                "this agent takes in one chunk file"
+            )
         try:
             dest = bytearray(raw)
-        except MemoryError:
+        except (MemoryError, OverflowError):
             raise CorruptChunk(f"{where}: cannot hold {raw} B to verify it") from None
         self.decode_into(blob, memoryview(dest), where=where)
         return self._store(alloc_id, blob, raw_bytes=raw, checksum=checksum)
@@ -334,9 +381,36 @@ class DiskTier:
         return True
 
     def close(self, *, remove_files: bool = True) -> None:
+        """Release the directory; with ``remove_files``, remove it too (the files and what the tier
+        made around them), as nothing will read them again."""
         if remove_files:
             for alloc_id in list(self._entries):
                 self.remove(alloc_id)
         if self._lock_fd >= 0:  # idempotent; the lock goes with the descriptor
+            if remove_files:
+                _remove_tier_dir(self.root)  # the lock file too, while it is still held
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _clear_chunk_files(root: Path) -> None:
+    for path in root.glob("*/*"):
+        if path.suffix in (SUFFIX, ".tmp"):
+            path.unlink(missing_ok=True)
+
+
+def _remove_tier_dir(root: Path) -> bool:
+    """Remove a disk tier's directory: its chunk and temp files, its subdirectories (when that
+    leaves them empty), its lock file, and itself if nothing else is in it. Whether it went."""
+    _clear_chunk_files(root)
+    with contextlib.suppress(OSError):
+        for sub in root.iterdir():
+            if sub.is_dir() and len(sub.name) == 2:  # path_of's subdirectories
+                with contextlib.suppress(OSError):
+                    sub.rmdir()  # only if empty
+    (root / LOCK_NAME).unlink(missing_ok=True)
+    try:
+        root.rmdir()
+    except OSError:
+        return False  # something else in it: left as it is
+    return True

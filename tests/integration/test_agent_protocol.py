@@ -185,3 +185,35 @@ def test_a_request_that_stalls_midway_is_dropped_and_its_fence_lifted(make_inpro
     finally:
         peer.close()
         server.stop()
+
+
+def test_a_connection_whose_thread_cannot_start_is_told_busy_and_the_agent_still_stops_clean(
+    make_inproc_agent, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Under a process or memory limit (a container's pids.max) starting a connection's thread
+    fails. The server kept the never-started thread in its list: the client got a reset, and at
+    stop() joining it raised, which skipped the rest of Agent.stop(), so the arena's segment
+    stayed in /dev/shm. Now the connection is told BUSY (the client backs off and retries) and the
+    agent stops clean. The failure is the thread start's own RuntimeError, for mc-conn threads."""
+    import threading
+
+    from mooncake_store.tiers.host import SHM_DIR
+
+    agent = make_inproc_agent()
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "mc-conn":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with socket.create_connection(parse_endpoint(agent.server.endpoint), timeout=5) as sock:
+        sock.sendall(frames.pack(Op.PING))
+        op, status, *_ = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
+    assert (op, status) == (Op.PING | frames.REPLY_BIT, Status.BUSY)
+    monkeypatch.undo()
+    segment = SHM_DIR / agent.arena.name
+    assert segment.exists()
+    agent.stop()  # raised RuntimeError: cannot join thread before it is started
+    assert not segment.exists(), f"{segment} left behind by the agent's stop()"

@@ -152,3 +152,28 @@ def test_disk_reservations_follow_the_wire_rules(
         assert client.get("after").tolist() == list(range(10))
     finally:
         peer.close()
+
+
+def test_the_disk_directory_of_a_killed_agent_is_removed_by_the_next_agent_on_the_path(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], tmp_path: Path
+) -> None:
+    """A SIGKILLed agent leaves its chunk files under <disk>/<node id>; with the default node id
+    (host and pid) its successor gets a directory of its own, and the files stayed for good (up to
+    the whole disk tier per crash). The next agent started on the path removes them; a stopped
+    agent removes its own directory."""
+    cluster = make_cluster(0)
+    disk = ["--disk", str(tmp_path), "--disk-mem", "16MiB"]
+    # Watermarks low enough that a few puts demote to disk.
+    marks = ["--high-watermark", "0.5", "--low-watermark", "0.25"]
+    doomed = cluster.add_agent(node_id="doomed", extra_args=["--host-bytes", str(4 * MiB), *disk, *marks])
+    client = make_client(cluster)
+    for i in range(6):
+        client.put(f"gone/{i}", kv_value(f"gone/{i}"), preferred_node="doomed")
+    assert wait_until(lambda: list((tmp_path / "doomed").rglob("*.mcz")), 10), "nothing was demoted to disk"
+    doomed.kill()
+    assert list((tmp_path / "doomed").rglob("*.mcz")), "the killed agent's files went by themselves"
+    survivor = cluster.add_agent(node_id="next", extra_args=[*disk])
+    assert not (tmp_path / "doomed").exists(), sorted(p.name for p in tmp_path.rglob("*"))
+    assert (tmp_path / "next").is_dir()
+    survivor.stop()
+    assert not (tmp_path / "next").exists()

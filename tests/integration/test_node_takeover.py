@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from helpers import wait_until
 
 from mooncake_store import Client, LocalCluster
+from mooncake_store.types import ALLOC_TAG_SHIFT
 
 
 def test_a_stalled_agent_whose_node_id_was_taken_over_stops(
@@ -37,3 +40,34 @@ def test_a_stalled_agent_whose_node_id_was_taken_over_stops(
     assert np.array_equal(client.get("after"), np.arange(1024, dtype=np.uint8))
     (node,) = client.stat().nodes
     assert node.node_id == "x" and node.pid == new.pid
+
+
+def test_a_restarted_agent_never_takes_the_alloc_tag_of_the_incarnation_it_replaces(
+    make_inproc_agent: Callable[..., object], monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """Alloc ids start again at (tag << ALLOC_TAG_SHIFT) + 1 in every incarnation, with 16 random
+    bits of tag: once in 65536 restarts a successor drew its predecessor's tag and handed out the
+    very same ids, so a WRITE of the old incarnation still on the wire could land in a new
+    reservation. The successor now draws another tag. (uuid4 is made to give both incarnations
+    the same first bits: the draw itself is what is under test.)"""
+    from mooncake_store.agent.node import Agent
+    from mooncake_store.config import AgentConfig
+
+    # Two incarnations whose first 16 bits (the tag) agree; the rest differs (the segment's name).
+    draws = iter(uuid.UUID(f"0001{n:04x}-0000-4000-8000-000000000000") for n in range(1, 100))
+    monkeypatch.setattr(uuid, "uuid4", lambda: next(draws))
+    namespace = f"t-{os.getpid()}-tag"
+    first = make_inproc_agent(namespace=namespace, node_id="tagged")
+    assert first.alloc_tag == 1  # type: ignore[attr-defined]
+    # Its successor, built while the node table still lists the first incarnation (as after a
+    # crash, before the reaper): not started, so that the first one is not taken over.
+    second = Agent(
+        AgentConfig(node_id="tagged", host_bytes=4 << 20, prefault=False), redis_url=redis_url, namespace=namespace
+    )
+    try:
+        assert second.incarnation[:4] == first.incarnation[:4]  # type: ignore[attr-defined]
+        assert second.alloc_tag == 2, f"the successor drew tag {second.alloc_tag}, its predecessor's"
+        assert next(second.table.ids) >> ALLOC_TAG_SHIFT == 2
+    finally:
+        second.arena.close(unlink=True)
+        second.index.close()

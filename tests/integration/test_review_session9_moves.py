@@ -281,6 +281,35 @@ def test_a_refused_write_that_declares_a_huge_length_and_sends_nothing_does_not_
     )
 
 
+def test_a_refused_write_that_trickles_its_payload_is_closed_within_the_drain_cap(
+    start_agent: Callable[..., LocalCluster],
+) -> None:
+    """The same slot held another way: a refused WRITE declaring 2**63 B that sends a byte every
+    0.3 s. Each byte renewed its idle deadline and its linger ran for the length it declared, so
+    it held its refusal for good. The drain now waits for at most REFUSE_DRAIN_MAX_BYTES of
+    payload (1 MiB here, at MIN_RATE_BPS 1 MiB/s: closed ~2 s after the reply)."""
+    cluster = start_agent({"MAX_CONNECTIONS": 1, "REFUSE_DRAIN_MAX_BYTES": MiB, "timeout_s": 1.0})
+    held = connect_raw(cluster)
+    try:
+        held.sendall(frames.pack(Op.PING))
+        assert read_reply(held)[1] == Status.OK
+        with connect_raw(cluster) as sock:
+            sock.sendall(frames.pack(Op.WRITE, 0, 12345, 0, (1 << 63) - 1))
+            assert read_reply(sock)[:3] == (Op.WRITE | frames.REPLY_BIT, Status.BUSY, 1)
+            replied = time.monotonic()
+            closed_after = None
+            while time.monotonic() - replied < 8.0:
+                try:
+                    sock.sendall(b"x")
+                except OSError:  # reset: the agent closed it, and a byte arrived after
+                    closed_after = time.monotonic() - replied
+                    break
+                time.sleep(0.3)
+    finally:
+        held.close()
+    assert closed_after is not None, "a refused WRITE trickling its payload held its slot for 8 s"
+
+
 def test_a_get_with_replicas_on_a_busy_agent_and_a_healthy_one_reads_the_healthy_one(
     start_agent: Callable[..., LocalCluster], make_inproc_agent: Callable[..., Agent], redis_url: str
 ) -> None:

@@ -262,6 +262,10 @@ def test_valid_redis_urls(url: str) -> None:
         ("MOONCAKE_AGENT_LISTEN", "127.0.0.1:70000", "not in 0..65535"),
         ("MOONCAKE_AGENT_ZONE", "rack 7", "zone must be"),
         ("MOONCAKE_AGENT_NODE_ID", "a/b", "node_id must be"),
+        # A node's disk directory is disk_path/node_id: ".." put it beside disk_path and cleared files there.
+        ("MOONCAKE_AGENT_NODE_ID", "..", "node_id cannot be '..'"),
+        ("MOONCAKE_AGENT_NODE_ID", ".", "node_id cannot be '.'"),
+        ("MOONCAKE_NAMESPACE", "..", "namespace cannot be '..'"),
         ("MOONCAKE_AGENT_HEARTBEAT_TTL_S", "0.5", "greater than agent.heartbeat_interval_s=1.0"),
         ("MOONCAKE_NAMESPACE", "x" * 65, "namespace must be"),
         ("MOONCAKE_REDIS_URL", "http://localhost:6379", "redis://, rediss:// or unix://"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from pathlib import Path
 
@@ -10,7 +11,15 @@ import numpy as np
 import pytest
 
 from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
-from mooncake_store.tiers.disk import HEADER, CorruptChunk, DiskTier, shuffle_planes, unshuffle_planes
+from mooncake_store.tiers.disk import (
+    FLAG_SHUFFLED,
+    HEADER,
+    MAGIC,
+    CorruptChunk,
+    DiskTier,
+    shuffle_planes,
+    unshuffle_planes,
+)
 
 
 def kv_like(n: int, seed: int = 0) -> np.ndarray:
@@ -216,3 +225,63 @@ def test_a_second_write_of_an_id_while_the_first_is_on_its_way_is_refused(
     assert bytes(out) == b"first" * 100
     assert tier.used_bytes == tier.entry(7).stored_bytes  # type: ignore[union-attr]
     tier.close()
+
+
+def claiming(raw: int) -> bytes:
+    """A chunk file of a few bytes whose header and zstd frame both declare ``raw`` bytes: a frame
+    header with an 8-byte content size, then one empty last block."""
+    frame = struct.pack("<IB", 0xFD2FB528, 0xE0) + struct.pack("<Q", raw) + b"\x01\x00\x00"
+    return HEADER.pack(MAGIC, FLAG_SHUFFLED, 2, 0, raw, 0, len(frame)) + frame
+
+
+def test_a_peer_file_declaring_more_raw_bytes_than_the_limit_is_refused_before_any_allocation(tmp_path: Path) -> None:
+    """write_blob made a buffer of the declared raw size to verify a peer's file: 48 bytes claiming
+    256 MiB cost 256 MiB of memory before the file was found wanting, and a few such WRITEs could
+    get the agent killed. The agent passes its largest memory tier as the limit."""
+    tier = DiskTier(tmp_path / "t", 8 << 20, max_blob_raw_bytes=1 << 20)
+    with pytest.raises(CorruptChunk, match=r"declares 268435456 B of raw bytes, more than the 1048576 B \(1.0 MiB\)"):
+        tier.write_blob(5, claiming(256 << 20))
+    assert tier.objects == 0 and tier.used_bytes == 0
+
+
+def test_a_peer_file_declaring_more_than_memory_can_address_is_a_corrupt_chunk(tmp_path: Path) -> None:
+    """Without a limit, a declared size of 2**63 raised OverflowError (not a MooncakeError: the
+    agent's connection died with a traceback instead of refusing the WRITE)."""
+    tier = DiskTier(tmp_path / "t", 8 << 20)
+    with pytest.raises(CorruptChunk, match=f"cannot hold {1 << 63} B"):
+        tier.write_blob(6, claiming(1 << 63))
+    assert tier.objects == 0 and tier.used_bytes == 0
+
+
+def test_a_sweep_removes_the_directories_of_tiers_whose_owner_is_gone_and_nothing_else(tmp_path: Path) -> None:
+    """An agent that crashed leaves its directory (with the default node id, host and pid, its
+    successor gets another one): the next agent on the disk path removes it. A live tier's
+    directory (its lock held) and a directory that is not a tier's stay."""
+    live = DiskTier(tmp_path / "live", 1 << 20)
+    live.write(1, memoryview(np.zeros(1000, np.uint8)))
+    dead = DiskTier(tmp_path / "dead", 1 << 20)
+    dead.write(2, memoryview(np.ones(1000, np.uint8)))
+    dead.close(remove_files=False)  # its lock goes with its descriptor, as with a process that died
+    assert list((tmp_path / "dead").rglob("*.mcz"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("not a tier's")
+    removed = DiskTier.sweep_abandoned(tmp_path, keep=tmp_path / "mine")
+    assert removed == [tmp_path / "dead"]
+    assert not (tmp_path / "dead").exists()
+    assert (other / "keep.txt").read_text() == "not a tier's"
+    out = np.empty(1000, np.uint8)
+    live.read_into(1, memoryview(out))  # the live tier's file is untouched
+    assert not out.any()
+    live.close()
+
+
+def test_closing_a_tier_with_its_files_removes_its_directory(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "node", 1 << 20)
+    tier.write(1, memoryview(np.zeros(1000, np.uint8)))
+    tier.close()
+    assert not (tmp_path / "node").exists()
+    kept = DiskTier(tmp_path / "kept", 1 << 20)
+    kept.write(1, memoryview(np.zeros(1000, np.uint8)))
+    kept.close(remove_files=False)
+    assert len(list((tmp_path / "kept").rglob("*.mcz"))) == 1
