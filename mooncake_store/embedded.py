@@ -153,10 +153,11 @@ class EmbeddedServer:
     ) -> None:
         """``exit_with_parent``: a watchdog process (mooncake_store/watchdog.py) stops the server,
         and removes its temp dir, once this process is gone without stopping it (SIGKILL)."""
-        if not 0 <= port <= 65535:
-            raise ServerError(f"port={port}: not in 0..65535")
-        if startup_timeout_s <= 0:
-            raise ServerError(f"startup_timeout_s={startup_timeout_s}: must be > 0")
+        if type(port) is not int or not 0 <= port <= 65535:
+            raise ServerError(f"port={port!r:.80}: not an int in 0..65535")
+        timeout_ok = isinstance(startup_timeout_s, int | float) and not isinstance(startup_timeout_s, bool)
+        if not timeout_ok or not startup_timeout_s > 0:
+            raise ServerError(f"startup_timeout_s={startup_timeout_s!r:.80}: must be a number > 0")
         self.host = host
         self.port = port
         self._requested_port = port  # 0 stays "pick one" for every start, even after a restart
@@ -188,10 +189,16 @@ class EmbeddedServer:
                     raise ServerError(f"binary={str(self.binary)!r}: no such executable file")
             else:
                 self.binary = find_server_binary()
+            if self.persist_dir is not None:
+                # Before the temp dir: a persist_dir that cannot be made leaves nothing behind.
+                try:
+                    self.persist_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise ServerError(
+                        f"persist_dir={str(self.persist_dir)!r}: cannot be made a directory: {exc}"
+                    ) from None
             self.temp_dir = Path(tempfile.mkdtemp(prefix="mooncake-redis-"))
             self.log_file = self._log_file_given or self.temp_dir / "server.log"
-            if self.persist_dir is not None:
-                self.persist_dir.mkdir(parents=True, exist_ok=True)
             pick_port = self._requested_port == 0
             attempts = _PORT_ATTEMPTS if pick_port else 1
             try:

@@ -129,8 +129,13 @@ def as_destination(out: object) -> memoryview:
 def to_array(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
     """View raw bytes (a uint8 array) as the stored dtype and shape; bfloat16 comes back as torch."""
     if dtype == BFLOAT16:
-        import torch  # lazy
-
+        try:
+            import torch  # lazy
+        except ImportError:
+            raise InvalidValue(
+                f"a bfloat16 object of shape {shape} comes back as a torch tensor, and torch is not installed: "
+                "install torch, or read its bytes with get_into into a buffer of 2-byte elements"
+            ) from None
         return torch.from_numpy(buffer.view(np.int16).reshape(shape)).view(torch.bfloat16)
     return buffer.view(np.dtype(dtype)).reshape(shape)
 

@@ -14,6 +14,7 @@ import numpy as np
 from mooncake_store.client.buffers import as_destination, to_array
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.in_flight import InFlight
+from mooncake_store.client.put_plans import check_put_options
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
 from mooncake_store.config import ClientConfig, load_config
@@ -72,11 +73,11 @@ class Client:
         for name, value in (("redis_url", redis_url), ("namespace", namespace)):
             if not isinstance(value, str):
                 raise ConfigError(f"{name} must be a str, got {type(value).__name__}: {value!r:.80}")
+        if config is not None and not isinstance(config, ClientConfig):
+            raise ConfigError(f"config must be a ClientConfig, got {type(config).__name__}: {config!r:.80}")
         self.config = config or ClientConfig()
         if transports is not None:
-            # One name is a transport, not a sequence of one-letter ones.
-            names = (transports,) if isinstance(transports, str) else tuple(transports)
-            self.config = replace(self.config, transports=names)
+            self.config = replace(self.config, transports=transport_names(transports))
         self.transports = tuple(TransportKind(t) for t in self.config.transports)
         self.redis_url = redis_url
         self.namespace = namespace
@@ -243,6 +244,7 @@ class Client:
         that no stored chunk hangs off, later and colder ones first, so chains stay prefix-closed.
         """
         self._check_open()
+        check_put_options(replicas, preferred_node)
         plans = self._puts.plan(items, chain_pos=chain_pos, chain_parent=chain_parent, preferred_node=preferred_node)
         if plans:
             self._puts.run(plans, replicas=replicas, preferred_node=preferred_node)
@@ -263,6 +265,11 @@ class Client:
             and node.host_id == self.host_id
             and self._shm.reachable(node.shm_name)
         )
+
+    def _can_write_to(self, node: NodeInfo) -> bool:
+        """Whether a put's bytes may reach ``node``'s host tier by a transport this client allows:
+        shm (same host, its arena mappable here) or tcp."""
+        return (TransportKind.TCP in self.transports and TransportKind.TCP in node.transports) or self._use_shm(node)
 
     @staticmethod
     def _arena_bytes(node: NodeInfo) -> int:
@@ -368,8 +375,8 @@ class Client:
                 self._pool = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="mc-io")
             return self._pool.submit(fn, *args, **kwargs)
 
-    def get_async(self, key: str) -> Future[Any]:
-        return self._submit(self.get, key)
+    def get_async(self, key: str, *, device: str | None = None) -> Future[Any]:
+        return self._submit(self.get, key, device=device)
 
     def get_into_async(self, key: str, out: object) -> Future[int]:
         _wait_for_callers_stream(out)
@@ -397,6 +404,24 @@ def _wait_for_callers_stream(value: object) -> None:
             pass
 
 
+def transport_names(transports: object) -> tuple[str, ...]:
+    """The names in ``transports`` (one name, or an iterable of names), checked for type here
+    (the config check names unknown ones)."""
+    if isinstance(transports, str):
+        return (transports,)  # one name is a transport, not a sequence of one-letter ones
+    try:
+        names = tuple(transports)  # type: ignore[call-overload]
+    except TypeError:
+        raise ConfigError(
+            f"transports must be a name or an iterable of names (shm, tcp, rdma), got "
+            f"{type(transports).__name__}: {transports!r:.80}"
+        ) from None
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise ConfigError(f"transports must be names (shm, tcp, rdma), got {type(bad[0]).__name__}: {bad[0]!r:.80}")
+    return names
+
+
 def connect(
     url: str | None = None,
     *,
@@ -413,7 +438,7 @@ def connect(
     overrides: dict[str, object] = {"redis_url": url, "namespace": namespace}
     overrides.update({f"client.{k}": v for k, v in client_options.items()})
     if transports is not None:
-        overrides["client.transports"] = ",".join(transports) if not isinstance(transports, str) else transports
+        overrides["client.transports"] = ",".join(transport_names(transports))
     config = load_config(file=config_file, overrides=overrides)
     if not config.redis_url:
         raise ConnectError(

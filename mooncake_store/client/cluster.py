@@ -92,8 +92,8 @@ class LocalCluster:
         startup_timeout_s: float = 30.0,
         log_dir: str | Path | None = None,
     ) -> None:
-        if num_agents < 0:
-            raise MooncakeError(f"num_agents must be >= 0, got {num_agents}")
+        if type(num_agents) is not int or num_agents < 0:
+            raise MooncakeError(f"num_agents must be an int >= 0, got {num_agents!r:.80}")
         self.num_agents = num_agents
         self.host_bytes = host_bytes
         # On its own private server the cluster uses the default namespace, so a plain

@@ -220,6 +220,10 @@ class PrefixCache:
         """
         self._check_open()
         keys = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
+        if not callable(chunks) and not isinstance(chunks, Sequence):
+            raise InvalidValue(
+                f"chunks must be a sequence of chunk arrays or a callable chunk(i), got {type(chunks).__name__}"
+            )
         if not callable(chunks) and len(chunks) < len(keys):
             raise InvalidValue(
                 f"{len(keys)} chunk(s) of {self.chunk_tokens} tokens to store but {len(chunks)} chunk array(s) given"
@@ -275,7 +279,7 @@ class PrefixCache:
         self._hold(hit)
         try:
             if outs is not None:
-                dests = list(outs(found) if callable(outs) else outs[:found])
+                dests = _output_buffers(outs, found)
                 if len(dests) < found:
                     raise InvalidValue(f"{found} chunk(s) matched but {len(dests)} output buffer(s) given")
                 with self._ops.active():
@@ -434,3 +438,12 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _output_buffers(outs: object, found: int) -> list[object]:
+    """The first ``found`` buffers of ``outs`` (a sequence, or a callable outs(n) returning one)."""
+    given = outs(found) if callable(outs) else outs
+    if not isinstance(given, Sequence):
+        what = "outs(n) returned" if callable(outs) else "outs is"
+        raise InvalidValue(f"{what} {type(given).__name__}; a sequence of output buffers is wanted")
+    return list(given[:found])

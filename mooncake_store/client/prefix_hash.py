@@ -75,7 +75,10 @@ def check_namespace(namespace: object) -> str:
 def as_token_array(token_ids: Any) -> np.ndarray:
     """``token_ids`` (list, tuple, 1-D numpy array or CPU torch tensor of ints) as int64 little-endian."""
     if hasattr(token_ids, "detach") and hasattr(token_ids, "cpu"):  # torch tensor, without importing torch
-        token_ids = token_ids.detach().cpu().numpy()
+        try:
+            token_ids = token_ids.detach().cpu().numpy()
+        except (RuntimeError, NotImplementedError, TypeError) as exc:  # a meta tensor has no data, say
+            raise InvalidValue(f"token ids on {getattr(token_ids, 'device', '?')} cannot be read: {exc}") from None
     array = np.asarray(token_ids)
     if array.ndim != 1:
         raise InvalidValue(f"token ids must be 1-D, got shape {array.shape}")

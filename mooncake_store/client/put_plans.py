@@ -105,3 +105,41 @@ def check_chain_meta(items: object, chain_pos: object, chain_parent: object) -> 
             check_key(parent)
         except InvalidKey as exc:
             raise InvalidKey(f"chain_parent of {key!r:.80}: {exc}") from None
+
+
+def check_no_loop(chain_parent: Mapping[str, str]) -> None:
+    """Refuse parent links of one batch that loop (a key its own parent, or a -> b -> a): each
+    chunk of a loop counts a stored child, is never a leaf, and could never be evicted. Checked
+    before anything is reserved; put_commit.lua refuses loops through chunks already stored."""
+    done: set[str] = set()  # keys whose walk up the batch's links ended without a loop
+    for start in chain_parent:
+        path: list[str] = []
+        on_path: set[str] = set()
+        key: str | None = start
+        while key is not None and key not in done:
+            if key in on_path:
+                loop = path[path.index(key) :]
+                raise InvalidValue(
+                    f"chain_parent links loop: {' -> '.join(repr(k) for k in [*loop, key])} "
+                    f"(a chunk's parent is the one before it); no chunk of a loop could ever be evicted"
+                )
+            path.append(key)
+            on_path.add(key)
+            key = chain_parent.get(key)
+        done.update(path)
+
+
+#: Replicas a put may ask for.
+MAX_REPLICAS = 16
+
+
+def check_put_options(replicas: object, preferred_node: object) -> None:
+    """A put's options, checked before anything else (an empty batch too: the same call with items
+    must not be the first to say they are wrong)."""
+    if type(replicas) is not int or not 1 <= replicas <= MAX_REPLICAS:
+        raise InvalidValue(f"replicas must be an int in 1..{MAX_REPLICAS}, got {replicas!r:.80}")
+    if preferred_node is not None and not isinstance(preferred_node, str):
+        raise InvalidValue(
+            "preferred_node must be a node id (str) or None, "
+            f"got {type(preferred_node).__name__}: {preferred_node!r:.80}"
+        )

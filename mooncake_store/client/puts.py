@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from mooncake_store.client.buffers import Source, as_source
-from mooncake_store.client.put_plans import PlannedPut, check_chain_meta
+from mooncake_store.client.put_plans import PlannedPut, check_chain_meta, check_no_loop
 from mooncake_store.client.replica_writes import (
     FencedPart,
     ReplicaWriteFailed,
@@ -80,12 +80,7 @@ class PutPath:
         plans = []
         gpu_nodes: list[NodeInfo] | None = None
         check_chain_meta(items, chain_pos, chain_parent)
-        for key, parent in (chain_parent or {}).items():
-            if parent == key:
-                # The key would count itself as a stored child and never be a leaf: never evictable.
-                raise InvalidValue(
-                    f"chain_parent of {key!r} names the key itself; a chunk's parent is the one before it"
-                )
+        check_no_loop(chain_parent or {})
         for key, value in items.items():
             check_key(key)
             tier = TierKind.HOST
@@ -126,8 +121,6 @@ class PutPath:
         return plans
 
     def run(self, plans: list[PlannedPut], *, replicas: int, preferred_node: str | None) -> None:
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 16:
-            raise InvalidValue(f"replicas must be an int in 1..16, got {replicas!r}")
         # Space held by removed or replaced objects comes back once their read leases run out, so a
         # full cluster is worth waiting for, up to timeout_s; an object larger than every arena is not.
         config = self.client.config
@@ -239,14 +232,19 @@ class PutPath:
         failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
         if failed:
             self.abandon([p for p, _ in failed], nodes, started=True)
+            # The batch's other puts did land: say which, so that a retry need not write them again.
+            stored = [p.key for p, s in zip(plans, statuses, strict=True) if s == "OK"]
+            landed = f"; stored the other {len(stored)} key(s): {stored[:5]!r}" if stored else ""
+            loop = next((p for p, s in failed if s == "LOOP"), None)
+            if loop is not None:
+                raise InvalidValue(
+                    f"chain_parent of {loop.key!r} is {loop.chain_parent!r}, which is stored as a chunk after "
+                    f"{loop.key!r} in its chain: the chain would loop, and no chunk of a loop could ever be "
+                    "evicted" + landed
+                )
             pinned = [p.key for p, s in failed if s == "PINNED"]
             if pinned:
-                # The batch's other puts did land: say which, so that a retry need not write them again.
-                stored = [p.key for p, s in zip(plans, statuses, strict=True) if s == "OK"]
-                raise ObjectPinned(
-                    f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first"
-                    + (f"; stored the other {len(stored)} key(s): {stored[:5]!r}" if stored else "")
-                )
+                raise ObjectPinned(f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first" + landed)
             raise ReservationExpired(
                 f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed "
                 f"(first key {failed[0][0].key!r})"
@@ -268,6 +266,18 @@ class PutPath:
         pool = [n for n in nodes.values() if n.node_id not in plan.avoid]
         if plan.tier == TierKind.GPU:
             pool = [n for n in pool if gpu_ipc_node(n, self.client.host_id)]
+        else:
+            # Only where this client's transports can carry the bytes: a put must not store what the
+            # same client could not read back (transports=("shm",) forces the same-host path).
+            reachable = [n for n in pool if self.client._can_write_to(n)]
+            if pool and not reachable:
+                raise TransferError(
+                    f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches an agent "
+                    f"for a put of {plan.key!r}: shm reaches only agents on this host "
+                    f"({', '.join(sorted(n.node_id for n in pool))} are not, or their arenas cannot be "
+                    "mapped here), and tcp is not allowed"
+                )
+            pool = reachable
 
         def ranked(preferred: str | None) -> list[NodeInfo]:
             return rank_nodes(

@@ -20,7 +20,7 @@ from mooncake_store.client.buffers import Source
 from mooncake_store.errors import ConnectError, MooncakeError, ReservationExpired, StaleLocation, TransferError
 from mooncake_store.transport import frames
 from mooncake_store.transport.fence import Fence
-from mooncake_store.types import NodeInfo, Replica
+from mooncake_store.types import NodeInfo, Replica, TransportKind
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -112,6 +112,11 @@ class ReplicaWriter:
         if fenced is None:
             # The agent and the segment its row names are not the same (say, an advertise address
             # that reaches another agent's namesake): its own transport, TCP, still is.
+            if TransportKind.TCP not in client.transports:
+                raise TransferError(
+                    f"agent {node.node_id} does not own segment {node.shm_name}, and this client's transports "
+                    f"{tuple(str(t) for t in client.transports)} do not allow writing to it over tcp"
+                )
             log.warning("agent %s does not own segment %s; writing over TCP", node.node_id, node.shm_name)
             for replica, plan in part.puts:
                 self.write_tcp(node, replica, plan, plan.source.view)  # type: ignore[union-attr]  # a Source
@@ -141,7 +146,9 @@ class ReplicaWriter:
                 return
             except TransferError as exc:
                 # The IPC mapping failed (GpuSegments remembers it): the agent takes the bytes over
-                # TCP into its GPU reservation instead, staged through host memory once.
+                # TCP into its GPU reservation instead, staged through host memory once, if allowed.
+                if TransportKind.TCP not in client.transports:
+                    raise
                 from mooncake_store.client.device import to_host_bytes
 
                 log.info("device put of %s through CUDA IPC failed (%s); sending it over TCP", plan.key, exc)

@@ -15,6 +15,7 @@ from mooncake_store import (
     LocalCluster,
     MooncakeError,
     NoCapacity,
+    TransferError,
     connect,
 )
 
@@ -140,9 +141,54 @@ def test_closed_client_refuses(shared_cluster: LocalCluster) -> None:
 
 
 def test_a_chunk_that_names_itself_as_its_chain_parent_is_refused(shared_client: Client) -> None:
-    with pytest.raises(InvalidValue, match="'self/0' names the key itself"):
+    with pytest.raises(InvalidValue, match="chain_parent links loop: 'self/0' -> 'self/0'"):
         shared_client.put_many({"self/0": b"x"}, chain_pos={"self/0": 0}, chain_parent={"self/0": "self/0"})
     assert not shared_client.exists("self/0")
+
+
+def test_chain_parent_links_that_loop_within_a_batch_are_refused_before_anything_is_stored(
+    shared_client: Client,
+) -> None:
+    """a -> b -> c -> a: every chunk of the loop counts a stored child, so none is ever a leaf and
+    eviction can never take one (a cluster full of them refused every put). Refused whole, before
+    any reservation."""
+    keys = ["loop/a", "loop/b", "loop/c", "loop/d"]
+    parents = {"loop/a": "loop/b", "loop/b": "loop/c", "loop/c": "loop/a", "loop/d": "loop/a"}
+    with pytest.raises(InvalidValue, match="chain_parent links loop: 'loop/a' -> 'loop/b' -> 'loop/c' -> 'loop/a'"):
+        shared_client.put_many(
+            {k: b"x" * 100 for k in keys}, chain_pos={k: i for i, k in enumerate(keys)}, chain_parent=parents
+        )
+    assert [shared_client.exists(k) for k in keys] == [False] * 4
+
+
+@pytest.mark.parametrize("how", ["parent-stored-later", "parent-replaced", "deep"])
+def test_a_chain_parent_that_would_close_a_loop_through_stored_chunks_is_refused(
+    shared_client: Client, how: str
+) -> None:
+    """Loops made across calls, which no check of one batch sees: put_commit.lua refuses the link
+    that closes the loop (status LOOP, InvalidValue here); what was stored stays as it was."""
+    c = shared_client
+    k = [f"xloop-{how}/{i}" for i in range(3)]
+    if how == "parent-stored-later":
+        c.put_many({k[0]: b"a"}, chain_pos={k[0]: 1}, chain_parent={k[0]: k[1]})  # its parent not stored yet
+        closing = {k[1]: k[0]}
+    elif how == "parent-replaced":
+        c.put(k[1], b"root")
+        c.put_many({k[0]: b"a"}, chain_pos={k[0]: 1}, chain_parent={k[0]: k[1]})
+        closing = {k[1]: k[0]}  # the root stored again, now under its own child
+    else:
+        c.put_many(
+            {k[0]: b"0", k[1]: b"1", k[2]: b"2"},
+            chain_pos={k[0]: 0, k[1]: 1, k[2]: 2},
+            chain_parent={k[1]: k[0], k[2]: k[1]},
+        )
+        closing = {k[0]: k[2]}  # the head stored again under the chain's last chunk
+    before = {key: c.object_meta(key) for key in k}
+    (key, parent) = next(iter(closing.items()))
+    with pytest.raises(InvalidValue, match=f"chain_parent of {key!r} is {parent!r}, which is stored as a chunk after"):
+        c.put_many({key: b"new"}, chain_pos={key: 5}, chain_parent=closing)
+    after = {key: c.object_meta(key) for key in k}
+    assert [m.version if m else None for m in after.values()] == [m.version if m else None for m in before.values()]
 
 
 def test_a_password_in_the_index_url_stays_out_of_its_errors() -> None:
@@ -181,3 +227,15 @@ def test_a_password_in_the_index_url_stays_out_of_its_errors() -> None:
     for message in errors:  # ... and never shown
         assert secret not in message, message
         assert f"default:***@127.0.0.1:{server.port}" in message, message
+
+
+def test_a_put_that_no_allowed_transport_can_carry_stores_nothing(shared_cluster: LocalCluster) -> None:
+    """README: transports=... forces a path. A get honoured it, a put did not: a client allowed
+    only rdma (no agent here takes it) sent its bytes over TCP anyway and stored an object it
+    could not read back. Now the put fails, naming the transports, and stores nothing."""
+    with connect(shared_cluster.redis_url, namespace=shared_cluster.namespace, transports=("rdma",)) as client:
+        with pytest.raises(
+            TransferError, match=r"no allowed transport \('rdma',\) reaches an agent for a put of 'rd/0'"
+        ):
+            client.put("rd/0", np.arange(1000, dtype=np.int32))
+        assert not client.exists("rd/0")

@@ -4,11 +4,29 @@
 -- checksum of the bytes as they landed, which replaces the pending entry's)
 -- Returns: one status per put id, in order: "OK", "EXPIRED" (the pending record is gone: revoked or
 -- reclaimed, the bytes may already be freed; or a replica's node has left the node table, is past
--- its heartbeat deadline, or restarted since the reservation) or "PINNED" (the key exists and holds live pins, so it
--- cannot be replaced). On OK an older object under the key is replaced in one step: its replicas go
--- to their agents' graveyards, to be freed once every read lease granted on it has expired.
+-- its heartbeat deadline, or restarted since the reservation), "PINNED" (the key exists and holds live pins, so it
+-- cannot be replaced) or "LOOP" (its chain parent is the key itself or one of the key's stored
+-- descendants: every chunk of the loop would count a stored child, and none could ever be evicted).
+-- On OK an older object under the key is replaced in one step: its replicas go to their agents'
+-- graveyards, to be freed once every read lease granted on it has expired.
 local now = now_ms()
 local out = {}
+-- Whether naming `parent` as the chain parent of `key` closes a loop. Only when `parent` is `key`
+-- or descends from it, and a key without stored children has no descendants: the usual commit
+-- (a new chunk at the end of its chain) costs one HGET. Otherwise the walk goes up from `parent`
+-- through the stored records (the index holds no loop, so it ends; `seen` bounds it regardless).
+local function closes_loop(key, parent)
+  if parent == key then return true end
+  if children_of(key) == 0 then return false end
+  local seen = {}
+  local cur = parent
+  while cur and cur ~= '' and not seen[cur] do
+    if cur == key then return true end
+    seen[cur] = true
+    cur = redis.call('HGET', P .. 'o:' .. cur, 'chain_parent')
+  end
+  return false
+end
 -- All or nothing: every argument is checked before the first put is committed.
 local ids, sums = {}, {}
 for i = 2, #ARGV do
@@ -44,6 +62,8 @@ for i, put_id in ipairs(ids) do
       table.insert(out, 'EXPIRED')
     elseif old[1] and live_pins(e.key, now) > 0 then
       table.insert(out, 'PINNED')
+    elseif e.chain_parent and e.chain_parent ~= '' and closes_loop(e.key, e.chain_parent) then
+      table.insert(out, 'LOOP')
     else
       if old[1] then
         local free_at = math.max(now, tonumber(old[2] or 0))
