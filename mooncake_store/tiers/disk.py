@@ -353,12 +353,18 @@ class DiskTier:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
+        except BaseException as exc:
+            # The claim goes back whatever failed, even when the temp file cannot be removed
+            # either (a filesystem gone read-only refuses both): the room and the id were held
+            # for good, and the raw error ended every pressure pass that tried to demote.
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             with self._lock:
                 self._used -= len(blob)
                 self._storing.discard(alloc_id)
-            raise MooncakeError(f"cannot write {path}: {exc}") from None
+            if isinstance(exc, OSError):
+                raise MooncakeError(f"cannot write {path}: {exc}") from None
+            raise
         entry = DiskEntry(alloc_id=alloc_id, raw_bytes=raw_bytes, stored_bytes=len(blob), checksum=checksum)
         with self._lock:
             self._storing.discard(alloc_id)
@@ -396,7 +402,8 @@ class DiskTier:
 def _clear_chunk_files(root: Path) -> None:
     for path in root.glob("*/*"):
         if path.suffix in (SUFFIX, ".tmp"):
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # one that cannot go stays: the rest still go
+                path.unlink(missing_ok=True)
 
 
 def _remove_tier_dir(root: Path) -> bool:

@@ -285,3 +285,20 @@ def test_closing_a_tier_with_its_files_removes_its_directory(tmp_path: Path) -> 
     kept.write(1, memoryview(np.zeros(1000, np.uint8)))
     kept.close(remove_files=False)
     assert len(list((tmp_path / "kept").rglob("*.mcz"))) == 1
+
+
+def test_a_write_that_fails_gives_its_room_back_even_when_its_temp_file_cannot_be_removed(tmp_path: Path) -> None:
+    """A filesystem gone read-only (ext4's errors=remount-ro) refuses the temp file and its removal
+    alike: the removal's OSError escaped, not a MooncakeError (it ended every pressure pass that
+    tried to demote), and the room claimed for the file and the id being written stayed claimed
+    for good. Here a directory stands where the temp file goes: opening it and unlinking it fail."""
+    tier = DiskTier(tmp_path / "t", 1 << 20)
+    tmp = tier.path_of(7).with_suffix(".tmp")
+    tmp.mkdir(parents=True)
+    with pytest.raises(MooncakeError, match="cannot write"):
+        tier.write(7, memoryview(np.zeros(1000, np.uint8)))
+    assert tier.used_bytes == 0 and tier.objects == 0
+    tmp.rmdir()
+    tier.write(7, memoryview(np.zeros(1000, np.uint8)))  # the id is not left "being written"
+    assert tier.objects == 1
+    tier.close()
