@@ -70,6 +70,9 @@ class _PassState:
     #: Victims to evict, in the order the pass chose them, sent in one index round trip once the
     #: pass has chosen enough (evict.lua takes them in order, so a leaf goes before its parent).
     evictions: list[SpillJob] = field(default_factory=list)
+    #: A demotion failed in this pass (the room below was in pieces, or its writes fail): the
+    #: next tier down counts as full for the rest of it, so victims spill before they are evicted.
+    demote_failed: bool = False
 
 
 class PressureManager:
@@ -85,6 +88,10 @@ class PressureManager:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._spiller = Spiller(agent)
+        #: Peers that failed on the connection (no answer, a reset, a timeout), left out of every
+        #: pass until then (monotonic s): one that heartbeats but does not answer looks the
+        #: emptiest, and each pass would choose it first and wait out its timeout again.
+        self._silent_until: dict[str, float] = {}
         self.moves = LocalMoves(agent, self.count)
 
     def close(self) -> None:
@@ -241,7 +248,7 @@ class PressureManager:
             self._spiller.arenas.premap(peers)  # also unmaps peers that left
         else:
             self._spiller.arenas.retain(peers)
-        state = _PassState(peers=peers)
+        state = _PassState(peers=peers, refused=self._silent_peers())
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (_evict_queued).
@@ -262,12 +269,14 @@ class PressureManager:
             job = job_of(victim)
             if job is None:
                 continue
-            move = self._place(job, now_ms, state, tier)
-            if move.kind == MoveKind.SPILL and move.node_id is not None:
+            move = self._place_demoting(job, now_ms, state, tier)
+            if move.kind == MoveKind.DEMOTE:
+                moved += job.wire_bytes
+            elif move.kind == MoveKind.SPILL and move.node_id is not None:
                 spills.setdefault(move.node_id, []).append(job)
                 state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
                 planned += job.wire_bytes
-            elif self._demote_or_evict(job, move, tier, state):
+            elif self._evict_unless_parent(job, state):
                 moved += job.wire_bytes
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
         moved -= self._evict_queued(state, tier)
@@ -287,7 +296,7 @@ class PressureManager:
         agent = self.agent
         victim = job.victim
         lower = next_tier(tier, agent.tier_kinds())
-        lower_free = self._room_below(lower)
+        lower_free = 0 if state.demote_failed else self._room_below(lower)
         return choose_move(
             job.wire_bytes,
             tier=tier,
@@ -304,6 +313,34 @@ class PressureManager:
             refused=state.refused | set(victim.other_nodes),
         )
 
+    def _silent_peers(self) -> set[str]:
+        now = time.monotonic()
+        for node_id in [n for n, until in self._silent_until.items() if until <= now]:
+            del self._silent_until[node_id]
+        return set(self._silent_until)
+
+    def _note_silent(self, node_ids: set[str]) -> None:
+        """Leave these peers out for a heartbeat TTL: by then a hung one is past its deadline (and
+        left out by the node table), and one cut off for a moment is asked again."""
+        ttl_s = self.agent.config.heartbeat_ttl_s
+        for node_id in node_ids:
+            if node_id not in self._silent_until:
+                log.warning("peer %s did not answer a spill; leaving it out for %.0f s", node_id, ttl_s)
+            self._silent_until[node_id] = time.monotonic() + ttl_s
+
+    def _place_demoting(self, job: SpillJob, now_ms: int, state: _PassState, tier: TierKind) -> Move:
+        """Place a victim and carry out a demotion at once (the others are queued by the caller). A
+        demotion that fails places the victim again without the tier below: on a peer if one has
+        room, else it is evicted, as when the tier below had none."""
+        move = self._place(job, now_ms, state, tier)
+        if move.kind != MoveKind.DEMOTE:
+            return move
+        demote = self.moves.demote_gpu if tier == TierKind.GPU else self.moves.demote_to_disk
+        if demote(job.victim, job.offset):
+            return move
+        state.demote_failed = True
+        return self._place(job, now_ms, state, tier)
+
     def _room_below(self, lower: TierKind | None) -> int:
         """Room in this agent's next tier down: the disk's free bytes, or the host tier's room under
         its high watermark (a demotion from the GPU must not put the host tier under pressure)."""
@@ -316,13 +353,10 @@ class PressureManager:
             return max(0, int(agent.config.high_watermark * agent.table.capacity_bytes) - used)
         return 0
 
-    def _demote_or_evict(self, job: SpillJob, move: Move, tier: TierKind, state: _PassState) -> bool:
+    def _evict_unless_parent(self, job: SpillJob, state: _PassState) -> bool:
+        """Queue a victim for eviction; False when it is the last copy of a chain chunk that
+        stored chunks still hang off (it stays)."""
         victim = job.victim
-        if move.kind == MoveKind.DEMOTE:
-            demote = self.moves.demote_gpu if tier == TierKind.GPU else self.moves.demote_to_disk
-            if demote(victim, job.offset):
-                return True
-            # No block or file fits after all (the room was in pieces): as when there is no room.
         last_replica = not victim.other_nodes
         if last_replica and victim.children - state.children_gone[victim.key] > 0:
             return False  # evicting it would cut its chain's later chunks off from every match
@@ -361,6 +395,7 @@ class PressureManager:
             for node_id, jobs in spills.items():
                 peer = next(p for p in state.peers if p.node_id == node_id)
                 result = self._spiller.spill(peer, jobs, tier=tier)
+                self._note_silent(self._spiller.take_unreachable())
                 moved += sum(job.wire_bytes for job in result.moved)
                 if result.moved:
                     self.count(tier, "spills_out", len(result.moved))
@@ -379,14 +414,16 @@ class PressureManager:
                 job = job_of(unsent.victim)  # located afresh: where it is now, and its size there
                 if job is None:
                     continue  # freed meanwhile
-                move = self._place(job, now_ms, state, tier)
-                if move.kind == MoveKind.SPILL and move.node_id is not None:
-                    if attempt + 1 < PEER_TRIES:
-                        spills.setdefault(move.node_id, []).append(job)
-                        state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
-                        continue
-                    move = Move(kind=MoveKind.EVICT)  # out of peers to ask: as when no peer has room
-                if self._demote_or_evict(job, move, tier, state):
+                move = self._place_demoting(job, now_ms, state, tier)
+                if move.kind == MoveKind.DEMOTE:
+                    moved += job.wire_bytes
+                    continue
+                if move.kind == MoveKind.SPILL and move.node_id is not None and attempt + 1 < PEER_TRIES:
+                    spills.setdefault(move.node_id, []).append(job)
+                    state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
+                    continue
+                # Out of peers to ask, or none has room: evicted.
+                if self._evict_unless_parent(job, state):
                     moved += job.wire_bytes
             if not spills:
                 break

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.peer_arenas import PeerArenas
 from mooncake_store.agent.spill_jobs import Reserved, SpillJob, SpillResult, Swapped, batches_of
-from mooncake_store.errors import MooncakeError
+from mooncake_store.errors import AgentBusy, ConnectError, MooncakeError, TransferError
 from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.transport.shm import copy_bytes
@@ -77,6 +77,8 @@ BATCH_BYTES = 32 << 20
 PIECE_BYTES = 2 << 20
 #: WRITE frames in flight per stream before their acks are read.
 WRITE_WINDOW = 4
+#: Timeout of each call to a peer (and of each recv and send within it).
+TIMEOUT_S = 30.0
 #: RESERVE's tier field per tier.
 WIRE_TIER = {TierKind.HOST: TIER_HOST, TierKind.GPU: TIER_GPU, TierKind.DISK: TIER_DISK}
 
@@ -86,7 +88,7 @@ class Spiller:
         self.agent = agent
         self._streams = max(1, streams)
         self._batch_bytes = batch_bytes
-        self._transport = TcpTransport(timeout_s=30.0, connections_per_peer=self._streams, stripe_bytes=1 << 62)
+        self._transport = TcpTransport(timeout_s=TIMEOUT_S, connections_per_peer=self._streams, stripe_bytes=1 << 62)
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
@@ -95,6 +97,20 @@ class Spiller:
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, bytes | bytearray] = {}
+        #: Peers whose RESERVE or WRITEs failed on the connection (not a refusal: no answer, a
+        #: reset, a timeout) since the caller last took them (take_unreachable).
+        self._unreachable: set[str] = set()
+        self._unreachable_lock = threading.Lock()
+
+    def take_unreachable(self) -> set[str]:
+        """The node ids of peers that failed on the connection since the last call."""
+        with self._unreachable_lock:
+            out, self._unreachable = self._unreachable, set()
+        return out
+
+    def _mark_unreachable(self, node_id: str) -> None:
+        with self._unreachable_lock:
+            self._unreachable.add(node_id)
 
     def close(self) -> None:
         self._transport.close()
@@ -147,6 +163,7 @@ class Spiller:
                         self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
                     raise
                 if broken:
+                    self._mark_unreachable(peer_node.node_id)
                     # Nothing of a batch whose peer broke mid-way is swapped, not even what it
                     # acked: a peer that died would take those objects' only copies with it once
                     # its heartbeat lapsed. The whole batch stays here, to be placed again.
@@ -214,6 +231,11 @@ class Spiller:
             # The guard first: should the copy outlive the peer's reservation timeout, the peer's
             # sync deletes the guard and the swap is refused rather than naming freed memory.
             self.agent.index.guard_reservations([put_id.hex()], ttl_ms=GUARD_TTL_MS)
+        except MooncakeError as exc:  # the index's failure, not the peer's
+            log.info("spill of %d object(s) to %s: no guard: %s", len(batch), peer_node.node_id, exc)
+            self._drop_payloads(batch)
+            return None
+        try:
             reservations = peer.reserve(
                 [(job.wire_bytes, put_id) for job in batch],
                 node_id=peer_node.node_id,
@@ -223,6 +245,10 @@ class Spiller:
         except MooncakeError as exc:
             log.info("spill of %d object(s) to %s refused: %s", len(batch), peer_node.node_id, exc)
             self._drop_payloads(batch)
+            # No answer, a reset or a timeout (not a refusal, nor an agent at its connection
+            # limit, which answered): the caller leaves the peer out for a while.
+            if isinstance(exc, TransferError) or (isinstance(exc, ConnectError) and not isinstance(exc, AgentBusy)):
+                self._mark_unreachable(peer_node.node_id)
             return None
         return Reserved(
             batch=batch,
