@@ -105,12 +105,24 @@ def check_chain_meta(items: object, chain_pos: object, chain_parent: object) -> 
             check_key(parent)
         except InvalidKey as exc:
             raise InvalidKey(f"chain_parent of {key!r:.80}: {exc}") from None
+    check_no_loop(chain_parent or {})  # (a loop is out of order too, but said more plainly)
+    # Positions grow from parent to child (put_commit.lua holds every stored link to it, which is
+    # what keeps chains from looping): checked here within the batch, before anything is reserved.
+    positions: Mapping[str, int] = chain_pos or {}
+    for key, parent in (chain_parent or {}).items():
+        if key not in positions:
+            raise InvalidValue(f"{key!r:.80} has a chain_parent but no chain_pos: a chunk is placed after its parent")
+        if parent in positions and positions[parent] >= positions[key]:
+            raise InvalidValue(
+                f"chain_pos of {key!r:.80} is {positions[key]}, not after that of its parent {parent!r:.80}, "
+                f"{positions[parent]}: positions grow from parent to child"
+            )
 
 
 def check_no_loop(chain_parent: Mapping[str, str]) -> None:
     """Refuse parent links of one batch that loop (a key its own parent, or a -> b -> a): each
-    chunk of a loop counts a stored child, is never a leaf, and could never be evicted. Checked
-    before anything is reserved; put_commit.lua refuses loops through chunks already stored."""
+    chunk of a loop counts a stored child, is never a leaf, and could never be evicted. Loops
+    through chunks already stored are out of order, which put_commit.lua refuses."""
     done: set[str] = set()  # keys whose walk up the batch's links ended without a loop
     for start in chain_parent:
         path: list[str] = []

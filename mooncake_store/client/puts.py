@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from mooncake_store.client.buffers import Source, as_source
-from mooncake_store.client.put_plans import PlannedPut, check_chain_meta, check_no_loop
+from mooncake_store.client.put_plans import PlannedPut, check_chain_meta
 from mooncake_store.client.replica_writes import (
     FencedPart,
     ReplicaWriteFailed,
@@ -80,7 +80,6 @@ class PutPath:
         plans = []
         gpu_nodes: list[NodeInfo] | None = None
         check_chain_meta(items, chain_pos, chain_parent)
-        check_no_loop(chain_parent or {})
         for key, value in items.items():
             check_key(key)
             tier = TierKind.HOST
@@ -238,9 +237,10 @@ class PutPath:
             loop = next((p for p, s in failed if s == "LOOP"), None)
             if loop is not None:
                 raise InvalidValue(
-                    f"chain_parent of {loop.key!r} is {loop.chain_parent!r}, which is stored as a chunk after "
-                    f"{loop.key!r} in its chain: the chain would loop, and no chunk of a loop could ever be "
-                    "evicted" + landed
+                    f"chain_parent of {loop.key!r} is {loop.chain_parent!r}, out of order with the chunks stored: "
+                    f"chain positions grow from parent to child, and {loop.chain_pos} is not after "
+                    f"{loop.chain_parent!r}'s or not before that of a stored child of {loop.key!r} (out of order, "
+                    "links could loop, and no chunk of a loop could ever be evicted)" + landed
                 )
             pinned = [p.key for p, s in failed if s == "PINNED"]
             if pinned:

@@ -76,11 +76,14 @@ end
 -- Prefix chains: a chunk names its parent (chain_parent), and the hash "children" counts, per
 -- parent key, the stored chunks that name it, so eviction takes only leaves and chains stay
 -- prefix-closed across all agents. The count lives apart from the object record, so it survives
--- the parent being removed and stored again while its children stay.
+-- the parent being removed and stored again while its children stay. The hash "minchild" keeps,
+-- per parent key with children, the lowest chain position any child was committed at (never
+-- raised: a stale one is only stricter), which put_commit checks a parent's own position against.
 local function adjust_children(parent, delta)
   if parent and parent ~= '' then
     if redis.call('HINCRBY', P .. 'children', parent, delta) <= 0 then
       redis.call('HDEL', P .. 'children', parent)
+      redis.call('HDEL', P .. 'minchild', parent)
     end
   end
 end

@@ -5,27 +5,26 @@
 -- Returns: one status per put id, in order: "OK", "EXPIRED" (the pending record is gone: revoked or
 -- reclaimed, the bytes may already be freed; or a replica's node has left the node table, is past
 -- its heartbeat deadline, or restarted since the reservation), "PINNED" (the key exists and holds live pins, so it
--- cannot be replaced) or "LOOP" (its chain parent is the key itself or one of the key's stored
--- descendants: every chunk of the loop would count a stored child, and none could ever be evicted).
+-- cannot be replaced) or "LOOP" (its chain link is out of order: see out_of_order below; the
+-- order is what keeps chains from looping).
 -- On OK an older object under the key is replaced in one step: its replicas go to their agents'
 -- graveyards, to be freed once every read lease granted on it has expired.
 local now = now_ms()
 local out = {}
--- Whether naming `parent` as the chain parent of `key` closes a loop. Only when `parent` is `key`
--- or descends from it, and a key without stored children has no descendants: the usual commit
--- (a new chunk at the end of its chain) costs one HGET. Otherwise the walk goes up from `parent`
--- through the stored records (the index holds no loop, so it ends; `seen` bounds it regardless).
-local function closes_loop(key, parent)
-  if parent == key then return true end
-  if children_of(key) == 0 then return false end
-  local seen = {}
-  local cur = parent
-  while cur and cur ~= '' and not seen[cur] do
-    if cur == key then return true end
-    seen[cur] = true
-    cur = redis.call('HGET', P .. 'o:' .. cur, 'chain_parent')
-  end
-  return false
+-- Chain positions grow along every parent link, so no chain can loop (each chunk of a loop would
+-- count a stored child and never be evicted). A link is out of order when its parent is the key
+-- itself, when the entry has no position, when its parent is stored at a position not before the
+-- entry's, or when a chunk committed as the key's child sits at a position not after the entry's
+-- (minchild). Two HGETs per chained entry, whatever the chain's length.
+local function out_of_order(e)
+  local parent = e.chain_parent
+  if not parent or parent == '' then return false end
+  local pos = tonumber(e.chain_pos)
+  if pos == nil or parent == e.key then return true end
+  local parent_pos = tonumber(redis.call('HGET', P .. 'o:' .. parent, 'chain_pos'))
+  if parent_pos ~= nil and parent_pos >= pos then return true end
+  local lowest_child = tonumber(redis.call('HGET', P .. 'minchild', e.key))
+  return lowest_child ~= nil and lowest_child <= pos
 end
 -- All or nothing: every argument is checked before the first put is committed.
 local ids, sums = {}, {}
@@ -62,7 +61,7 @@ for i, put_id in ipairs(ids) do
       table.insert(out, 'EXPIRED')
     elseif old[1] and live_pins(e.key, now) > 0 then
       table.insert(out, 'PINNED')
-    elseif e.chain_parent and e.chain_parent ~= '' and closes_loop(e.key, e.chain_parent) then
+    elseif out_of_order(e) then
       table.insert(out, 'LOOP')
     else
       if old[1] then
@@ -92,6 +91,10 @@ for i, put_id in ipairs(ids) do
       end
       if new_parent ~= '' then
         redis.call('HSET', ok, 'chain_parent', new_parent)
+        local lowest = tonumber(redis.call('HGET', P .. 'minchild', new_parent))
+        if lowest == nil or tonumber(e.chain_pos) < lowest then
+          redis.call('HSET', P .. 'minchild', new_parent, e.chain_pos)
+        end
       else
         redis.call('HDEL', ok, 'chain_parent')
       end
