@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
+import stat
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, BinaryIO
 
 import numpy as np
 import typer
@@ -20,7 +22,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from mooncake_store import Client, InvalidValue, KeyNotFound
+from mooncake_store import Client, InvalidValue
 from mooncake_store.config import format_size
 from mooncake_store.types import check_key
 
@@ -49,11 +51,7 @@ def _progress(total: int, what: str) -> Progress:
 def _source(path: str) -> Iterator[memoryview]:
     """The bytes to put: a file is mapped (no copy before the transfer), stdin is read."""
     if path == "-":
-        data = bytearray()
-        stream = sys.stdin.buffer
-        while chunk := stream.read(IO_CHUNK):
-            data += chunk
-        yield memoryview(data)
+        yield memoryview(_read_all(sys.stdin.buffer))
         return
     file = Path(path)
     try:
@@ -65,7 +63,12 @@ def _source(path: str) -> Iterator[memoryview]:
     except PermissionError:
         raise CliError(f"{path}: permission denied", ExitCode.USAGE) from None
     with fh:
-        size = file.stat().st_size
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            # A pipe, a FIFO, a file of /proc: its size says nothing (0), so it is read to its end.
+            yield memoryview(_read_all(fh))
+            return
+        size = st.st_size
         if size == 0:
             yield memoryview(b"")
             return
@@ -79,6 +82,13 @@ def _source(path: str) -> Iterator[memoryview]:
             with suppress(BufferError):
                 view.release()
                 mm.close()
+
+
+def _read_all(stream: BinaryIO) -> bytearray:
+    data = bytearray()
+    while chunk := stream.read(IO_CHUNK):
+        data += chunk
+    return data
 
 
 def put(
@@ -116,14 +126,15 @@ def _fetch(client: Client, key: str) -> np.ndarray:
     """The object's raw bytes, whatever dtype it was put with, copied once into a fresh buffer."""
     for _ in range(3):
         meta = client.object_meta(key)
-        if meta is None:
-            raise KeyNotFound(f"key {key!r} not found")
-        buf = np.empty(meta.size_bytes, dtype=np.uint8)
+        buf = np.empty(meta.size_bytes if meta is not None else 0, dtype=np.uint8)
         try:
-            client.get_into(key, buf)
-            return buf
+            # A missing key raises KeyNotFound here, from the read, which counts it as a miss in
+            # stat() as any get does (the size lookup counts nothing).
+            written = client.get_into(key, buf)
         except InvalidValue:
             continue  # replaced by a bigger object between the size lookup and the read: look again
+        # Replaced by a smaller one meanwhile: only what the read wrote is the object.
+        return buf[:written]
     raise CliError(f"key {key!r} kept changing size while being read; try again")
 
 
@@ -159,6 +170,14 @@ def get(
                 fh.write(view[start : start + IO_CHUNK])
                 bar.update(task, advance=min(IO_CHUNK, len(view) - start))
             fh.flush()
+        except BrokenPipeError:
+            # `mooncake get k | head -c 10`: the reader left, which is not an error of ours. Said
+            # here: the command line's framework turns an escaping EPIPE into exit status 1.
+            # stdout goes to /dev/null so that the interpreter's own flush at exit is quiet too.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            raise typer.Exit(0) from None
         finally:
             if dest is not None:
                 fh.close()

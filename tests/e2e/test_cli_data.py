@@ -138,3 +138,77 @@ def test_agent_command_without_a_url_joins_the_recorded_cluster(cluster_cli: Moo
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_put_from_a_fifo_stores_what_comes_through_it(cluster_cli: Mooncake, tmp_path: Path) -> None:
+    """The size of a pipe, a FIFO or a /proc file is 0: `put k <(cmd)` stored 0 B and said ✓."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    payload = os.urandom(300_000)
+    proc = cluster_cli.popen("put", "via-fifo", str(fifo))
+    with fifo.open("wb") as w:  # opens once the CLI opens its end
+        w.write(payload)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read().decode() if proc.stderr else ""
+    if proc.stdout:
+        proc.stdout.close()
+    if proc.stderr:
+        proc.stderr.close()
+    assert cluster_cli.ok("get", "via-fifo").stdout == payload
+
+
+def test_a_get_counts_a_miss_and_a_reader_that_leaves_early_is_no_error(cluster_cli: Mooncake) -> None:
+    """`mooncake get` looked the size up first (which counts nothing) and said "not found" itself,
+    so stat() never counted its misses; and `get big | head -c 10` exited 1 (the framework turns
+    an escaping EPIPE into status 1)."""
+
+    before = json.loads(cluster_cli.ok("stat", "--json").stdout)
+    assert_one_line_error(cluster_cli("get", "never-put"), 3, "'never-put'", "not found")
+    after = json.loads(cluster_cli.ok("stat", "--json").stdout)
+    assert after["misses"] == before["misses"] + 1, (before.get("misses"), after.get("misses"))
+    cluster_cli.ok("put", "big-for-head", "-", stdin=os.urandom(8 << 20))
+    proc = cluster_cli.popen("get", "big-for-head")
+    assert proc.stdout is not None and proc.stderr is not None
+    assert len(proc.stdout.read(10)) == 10
+    proc.stdout.close()  # the reader leaves, as head does
+    assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
+    proc.stderr.close()
+
+
+def test_get_returns_one_whole_object_while_the_key_is_replaced_by_smaller_ones(cluster_cli: Mooncake) -> None:
+    """`mooncake get` sized its buffer from a lookup, then read: a key replaced by a smaller object
+    in between came out as the new bytes followed by uninitialised memory, with exit status 0.
+    It now keeps only what the read wrote. (The CLI's fetch, in this process, against a writer
+    alternating a 4 MiB and a 16 B value; bounded in count and time.)"""
+    import threading
+
+    import numpy as np
+    from mooncake_cli.commands.data import _fetch
+
+    from mooncake_store import connect
+
+    big, small = np.full(4 << 20, ord("A"), np.uint8), np.full(16, ord("B"), np.uint8)
+    with connect(cluster_cli.state()["redis_url"]) as client:
+        client.put("race", big)
+        stop = threading.Event()
+
+        def writer() -> None:
+            for i in range(2000):
+                if stop.is_set():
+                    return
+                client.put("race", big if i % 2 else small)
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        wrong = []
+        try:
+            deadline = time.monotonic() + 10
+            for _ in range(300):
+                if time.monotonic() > deadline:
+                    break
+                got = _fetch(client, "race")
+                if not (np.array_equal(got, big) or np.array_equal(got, small)):
+                    wrong.append((len(got), bytes(got[:20])))
+        finally:
+            stop.set()
+            thread.join(30)
+    assert not wrong, f"{len(wrong)} reads were neither value, first {wrong[0]}"
