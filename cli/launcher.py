@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +58,11 @@ class StopReport:
     segments: list[str] = field(default_factory=list)
 
 
+#: The signals that stop `mooncake up`: deferred while a process is spawned and recorded, and
+#: while a failed start is undone.
+_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def check_shm_room(num_agents: int, host_bytes: int) -> None:
     try:
         st = os.statvfs(SHM_DIR)
@@ -69,22 +78,52 @@ def check_shm_room(num_agents: int, host_bytes: int) -> None:
         )
 
 
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """A SIGINT, SIGTERM or SIGHUP that arrives inside is acted on when the block is done: raised in
+    between (the CLI's handlers raise), it left a process spawned but not recorded, or a cleanup
+    half done, running out of `mooncake down`'s reach. The handlers are swapped, not the signal
+    mask: a blocked mask is inherited by the processes spawned, and holds only for the thread
+    that set it, while Python runs its handlers in the main thread whichever thread was signalled."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread, where they also run
+        return
+    arrived: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: arrived.append(signum)) for sig in _HELD}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if arrived:
+            signal.raise_signal(arrived[0])  # to the handler that was there before
+
+
 def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
     out, log = logs / "server.out", logs / "server.log"
     log.write_bytes(b"")
     cmd = [sys.executable, "-m", "mooncake_store.embedded", "--port", str(plan.port)]
-    proc = spawn_detached(cmd, stdout=out, stderr=log)
-    state.servers.append(ref_of(proc.pid))
+    with signals_deferred():
+        proc = spawn_detached(cmd, stdout=out, stderr=log)
+        state.servers.append(ref_of(proc.pid))
     line = wait_for_line(proc, out, "redis://", plan.timeout_s)
     if line is None:
-        tail = log_tail(log) or f"exit code {proc.poll()}"
-        raise CliError(f"the embedded Redis server did not start within {plan.timeout_s:g} s: {tail}")
+        raise CliError(f"the embedded Redis server {_not_up(proc, log, plan.timeout_s)}")
     # The wrapper prints the server's own pid right after the URL; recording it lets `down` stop
     # the server even if the wrapper was killed outright.
     found = wait_for_match(proc, log, _SERVER_PID_RE, 2.0)
     if found:
         state.servers.append(ref_of(int(found.group(1))))
     return line.strip()
+
+
+def _not_up(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:
+    """Why a process did not say it was ready: it exited (with its status), or the time ran out;
+    then the end of its log."""
+    code = proc.poll()
+    why = f"exited with status {code}" if code is not None else f"did not become ready within {timeout_s:g} s"
+    tail = log_tail(log)
+    return f"{why}: {tail}" if tail else why
 
 
 def _agent_env(redis_url: str, namespace: str) -> dict[str, str]:
@@ -106,24 +145,23 @@ def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState) -> None:
         cmd = [sys.executable, "-m", "mooncake_store.agent", "--host-bytes", str(plan.host_bytes), "--node-id", node_id]
         if plan.zone:
             cmd += ["--zone", plan.zone]
-        with out.open("wb") as fo, log.open("ab") as fe:
+        with signals_deferred(), out.open("wb") as fo, log.open("ab") as fe:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe, env=env, start_new_session=True, close_fds=True
             )
-        state.agents.append(
-            AgentRecord(
-                node_id=node_id,
-                proc=ref_of(proc.pid),
-                shm_name=segment_pattern(plan.namespace, node_id, proc.pid),  # its name, once READY says it
-                endpoint="",
+            state.agents.append(
+                AgentRecord(
+                    node_id=node_id,
+                    proc=ref_of(proc.pid),
+                    shm_name=segment_pattern(plan.namespace, node_id, proc.pid),  # its name, once READY says it
+                    endpoint="",
+                )
             )
-        )
         started.append((node_id, proc, out, log))
     for record, (node_id, proc, out, log) in zip(state.agents, started, strict=True):
         line = wait_for_line(proc, out, "READY ", plan.timeout_s)
         if line is None:
-            tail = log_tail(log) or f"exit code {proc.poll()}"
-            raise CliError(f"agent {node_id} did not become ready within {plan.timeout_s:g} s: {tail}")
+            raise CliError(f"agent {node_id} {_not_up(proc, log, plan.timeout_s)}")
         ready = json.loads(line[len("READY ") :])
         record.shm_name = str(ready["shm_name"])
         record.endpoint = str(ready["endpoint"])
@@ -145,9 +183,17 @@ def launch(plan: LaunchPlan, owner: ProcRef | None = None) -> ClusterState:
             state.redis_url = _start_server(plan, logs, state)
         _start_agents(plan, logs, state)
     except BaseException:
-        stop(state, timeout_s=5.0, own=True)
+        stop_uninterrupted(state)
         raise
     return state
+
+
+def stop_uninterrupted(state: ClusterState) -> StopReport:
+    """Stop what a failed start started, with SIGINT, SIGTERM and SIGHUP deferred until it is done:
+    a second Ctrl-C during the cleanup cut it short, and what it had not stopped yet (the embedded
+    server, say) ran on unrecorded, out of `mooncake down`'s reach."""
+    with signals_deferred():
+        return stop(state, timeout_s=5.0, own=True)
 
 
 def stop(state: ClusterState, *, timeout_s: float, own: bool = False) -> StopReport:

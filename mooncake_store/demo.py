@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -114,13 +115,29 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_from(low: int) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``low`` (checked before torch loads, exit status 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mooncake_store.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--doc-tokens", type=int, default=6000, help="document length in tokens (default 6000)")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (default 256)")
-    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per answer (default 8)")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers of the demo model (default 8)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    positive = _int_from(1)
+    p.add_argument("--doc-tokens", type=positive, default=6000, help="document length in tokens (default 6000)")
+    p.add_argument("--chunk-tokens", type=positive, default=256, help="tokens per stored chunk (default 256)")
+    p.add_argument("--new-tokens", type=positive, default=8, help="tokens generated per answer (default 8)")
+    p.add_argument("--layers", type=positive, default=8, help="decoder layers of the demo model (default 8)")
+    p.add_argument("--threads", type=_int_from(0), default=0, help="torch CPU threads (default 0: torch's choice)")
     p.add_argument("--no-check", action="store_true", help="skip the full recompute that checks each answer")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--redis-url", help=argparse.SUPPRESS)

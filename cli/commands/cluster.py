@@ -31,8 +31,20 @@ class _Stop(Exception):
     """Raised by the SIGTERM/SIGHUP handler so the foreground view unwinds like Ctrl-C."""
 
 
-def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
-    raise _Stop()
+class _StopOnce:
+    """The handler of the signals that stop `mooncake up` while it starts or stops a cluster: the
+    first raises (KeyboardInterrupt for SIGINT, _Stop for the others), later ones are ignored. A
+    second Ctrl-C or SIGTERM raised again inside the cleanup the first one began, before it could
+    defer signals, and what it had not stopped yet ran on unrecorded."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.raised:
+            return
+        self.raised = True
+        raise KeyboardInterrupt if signum == signal.SIGINT else _Stop()
 
 
 @contextlib.contextmanager
@@ -142,12 +154,19 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
         where = "the embedded server" if plan.redis_url is None else redact_url(plan.redis_url)
         err.print(f"[dim]starting {plan.num_agents} agent(s) x {format_size(plan.host_bytes)} on {where}...[/dim]")
     if plan.mode == "detached":
-        # A SIGTERM or SIGHUP while starting unwinds launch(), which stops what it started: nothing
-        # is recorded yet, so nothing else could.
-        previous = {sig: signal.signal(sig, _stop_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        # A SIGINT, SIGTERM or SIGHUP while starting unwinds launch(), which stops what it started:
+        # nothing is recorded yet, so nothing else could. Signals after the first are ignored.
+        stop_once = _StopOnce()
+        previous = {sig: signal.signal(sig, stop_once) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             state = launcher.launch(plan)
-            save_state(state)
+            try:
+                save_state(state)
+            except BaseException:
+                # Not recorded, so `mooncake down` could not find it: stopped here (no room on the
+                # disk, a signal, ...), then the error is reported.
+                launcher.stop_uninterrupted(state)
+                raise
         except _Stop:
             raise CliError(
                 "stopped by a signal while starting; everything it started was stopped", ExitCode.ERROR
@@ -175,7 +194,8 @@ def _print_started(state: ClusterState, *, as_json: bool) -> None:
 def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json: bool) -> None:
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then never raises
     # KeyboardInterrupt; the cluster must still stop on Ctrl-C, `kill -INT`, `kill` or a closed terminal.
-    previous = {s: signal.signal(s, _stop_on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stop_once = _StopOnce()
+    previous = {s: signal.signal(s, stop_once) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     state: ClusterState | None = None
     try:
         state = launcher.launch(plan, owner=owner)

@@ -120,6 +120,27 @@ def test_demo_help_lists_the_demo_options(mooncake: Mooncake) -> None:
     assert bad.returncode == 2 and b"--bogus" in bad.stderr and b"Traceback" not in bad.stderr
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "needle"),
+    [
+        ("--doc-tokens", "-5", "-5 is less than 1"),
+        ("--chunk-tokens", "0", "0 is less than 1"),
+        ("--new-tokens", "-1", "-1 is less than 1"),
+        ("--layers", "many", "'many' is not an integer"),
+        ("--threads", "-2", "-2 is less than 0"),
+    ],
+)
+def test_demo_numbers_out_of_range_are_refused_before_anything_runs(
+    mooncake: Mooncake, option: str, value: str, needle: str
+) -> None:
+    """A negative document length reached torch ("internal error: RuntimeError ... negative
+    dimension", exit 1) and --new-tokens -1 ran and exited 0."""
+    result = mooncake("demo", option, value)
+    text = result.stderr.decode()
+    assert result.returncode == 2, text
+    assert f"argument {option}: {needle}" in text and "Traceback" not in text
+
+
 def test_demo_without_torch_says_what_to_install(mooncake: Mooncake, tmp_path: Path) -> None:
     hidden = tmp_path / "no-torch"
     (hidden / "torch").mkdir(parents=True)

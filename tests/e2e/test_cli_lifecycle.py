@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mooncake_cli.procs import start_ticks
@@ -16,6 +18,13 @@ from mooncake_cli.state import STATE_VERSION
 from .conftest import HOST_MEM, Mooncake
 
 SHM = Path("/dev/shm")
+
+
+@contextlib.contextmanager
+def socket_on_a_free_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 def _recorded(state: dict[str, object]) -> tuple[list[int], list[str]]:
@@ -101,3 +110,17 @@ def test_down_never_signals_processes_recorded_in_another_boot(
     finally:
         bystander.terminate()
         bystander.wait(timeout=10)
+
+
+def test_an_agent_that_exits_while_up_waits_for_it_is_reported_as_exited(mooncake: Mooncake) -> None:
+    """An agent that cannot reach Redis exits at once; `up` said it "did not become ready within
+    30 s" (after one second), which sent the reader looking for a hang."""
+    with socket_on_a_free_port() as port:  # bound, not listening: connections are refused
+        result = mooncake(
+            "up", "--detach", "--agents", "1", "--host-mem", "16MiB", "--redis-url", f"redis://127.0.0.1:{port}/0"
+        )
+    text = result.stderr.decode()
+    assert result.returncode != 0, text
+    assert "agent agent-0 exited with status" in text and "within" not in text, text
+    assert f"cannot reach Redis at redis://127.0.0.1:{port}" in text, text
+    assert not (mooncake.state_dir / "cluster.json").exists()

@@ -186,6 +186,36 @@ def test_sigterm_during_detached_up_leaves_nothing(mooncake: Mooncake, procs: Pr
     assert _segments(ns) == []
 
 
+@pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.2])
+def test_two_signals_during_detached_up_leave_nothing_running(
+    mooncake: Mooncake, procs: Procs, namespaces: list[str], gap_s: float
+) -> None:
+    """A second SIGTERM while a failed start was being undone cut the cleanup short (the signal
+    handler raised again inside it), and the embedded server ran on unrecorded, out of `down`'s
+    reach; a signal between a process's spawn and its record left it unknown to the cleanup.
+    Both are deferred now until the block is done."""
+    ns = f"rv13-{uuid.uuid4().hex[:8]}"
+    namespaces.append(ns)
+    up = mooncake.popen("up", "--detach", "--agents", "2", "--host-mem", HOST_MEM, "--namespace", ns)
+    server_out = mooncake.state_dir / "logs" / "server.out"
+
+    def server_started() -> bool:
+        return up.poll() is not None or (server_out.exists() and b"redis://" in server_out.read_bytes())
+
+    _wait_for(server_started, 60, "the embedded server")
+    procs.scan()
+    up.send_signal(signal.SIGTERM)
+    time.sleep(gap_s)
+    if up.poll() is None:
+        up.send_signal(signal.SIGTERM)
+    up.communicate(timeout=60)
+    procs.scan()
+    mooncake("down", "--timeout", "5")  # whatever was recorded, stop it
+    left = procs.settled()
+    assert not left, f"still running after a twice-signalled `mooncake up -d` and `down`: {procs.describe(left)}"
+    assert _segments(ns) == []
+
+
 def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs) -> None:
     # `mooncake demo` runs LocalCluster in a with-block, but SIGTERM's default action ends the
     # process without unwinding it: the embedded server (a session of its own) and both agents go on
