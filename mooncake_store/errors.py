@@ -24,6 +24,8 @@ Messages carry the offending value and the limit it broke, for example
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class MooncakeError(Exception):
     """Base of every error raised by mooncake-store."""
@@ -58,7 +60,13 @@ class NoCapacity(MooncakeError):
 
 
 class ObjectPinned(MooncakeError):
-    """The object is pinned (refcount above zero) and cannot be removed or moved."""
+    """The object is pinned (refcount above zero) and cannot be removed or moved. In a batch,
+    ``pinned`` names the keys refused and ``done`` those of the batch that went through."""
+
+    def __init__(self, message: str, *, pinned: Sequence[str] = (), done: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.pinned = list(pinned)
+        self.done = list(done)
 
 
 class ConnectError(MooncakeError):

@@ -354,7 +354,9 @@ class Client:
             removed = [k for k, s in zip(checked, statuses, strict=True) if s == 1]
             raise ObjectPinned(
                 f"key(s) {pinned[:5]!r} are pinned; release their pins first"
-                + (f"; removed the other {len(removed)} key(s): {removed[:5]!r}" if removed else "")
+                + (f"; removed the other {len(removed)} key(s): {removed[:5]!r}" if removed else ""),
+                pinned=pinned,
+                done=removed,
             )
         return [s == 1 for s in statuses]
 

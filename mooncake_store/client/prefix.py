@@ -22,6 +22,7 @@ thread renews while the hit is held, so a client that dies stops pinning within 
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 import weakref
@@ -38,7 +39,7 @@ from mooncake_store.client.prefix_hash import (
     check_namespace,
     token_chain,
 )
-from mooncake_store.errors import InvalidValue, MooncakeError
+from mooncake_store.errors import InvalidValue, MooncakeError, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.transport.cancel import Cancel
 
@@ -48,6 +49,8 @@ Chunks = Sequence[object] | Callable[[int], object]
 #: Destination buffers for load(): a sequence (one per chunk, at least as many as match), or a
 #: function called with the number of matched chunks that returns that many buffers.
 Outs = Sequence[object] | Callable[[int], Sequence[object]]
+
+log = logging.getLogger("mooncake.client")
 #: Upper bound of pin_lease_s and claim_ttl_s (about 115 days): a lease, not a forever.
 MAX_SECONDS = 10_000_000
 
@@ -248,6 +251,12 @@ class PrefixCache:
                     chain_pos={keys[i]: i for i in mine},
                     chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
                 )
+        except ObjectPinned as exc:
+            # A chunk that another client's hit pins, and whose every copy went with a dead node
+            # (it was claimed as unreadable): it cannot be replaced until those pins go (their
+            # holders read it already) or the reaper drops its record. The rest were stored.
+            log.info("store of %d chunk(s): %d pinned ones not written: %s", len(mine), len(exc.pinned), exc)
+            return len(exc.done)
         finally:
             self._release_claims(claims)
         return len(mine)
@@ -289,6 +298,11 @@ class PrefixCache:
                     chunks = self._read(matched, None)
             usable = next((i for i, c in enumerate(chunks) if c is None), len(chunks))
             if usable < found:
+                # The hit's keys shrink before the tail is unpinned, under the lock its renewal
+                # takes: a renewal that read the whole list would pin the tail again afterwards,
+                # ownerless for a lease.
+                with hit._pin_lock:
+                    hit.keys = matched[:usable]
                 self.index.unpin(matched[usable:], pin_id=pin_id)
             hit.keys, hit.chunks, hit.num_chunks = matched[:usable], chunks[:usable], usable
             hit.num_tokens = self._tokens_of(token_ids, block_hashes, usable, len(keys))
@@ -357,7 +371,11 @@ class PrefixCache:
             self._claims.pop(claims.writer_id, None)
         with claims.lock:
             claims.released = True
-        self.index.release(claims.keys, writer_id=claims.writer_id)
+        try:
+            self.index.release(claims.keys, writer_id=claims.writer_id)
+        except MooncakeError as exc:
+            # The store's own outcome is what its caller must see; the claims run out by their ttl.
+            log.info("claims of %d chunk(s) not released (they expire): %s", len(claims.keys), exc)
 
     def _start_renewer(self) -> None:
         """Under ``_lock``: the thread that renews held hits' pins and stores' claims."""
@@ -388,9 +406,11 @@ class PrefixCache:
                     c, c.lock, partial(self.index.claim, c.keys, writer_id=c.writer_id, ttl_ms=self.claim_ttl_ms)
                 )
             for h in hits:
-                self._renew(
-                    h, h._pin_lock, partial(self.index.pin, h.keys, pin_id=h.pin_id, lease_ms=self.pin_lease_ms)
-                )
+                # The keys are read under the hit's lock, in the renewal: load() may have cut them.
+                self._renew(h, h._pin_lock, partial(self._pin_held, h))
+
+    def _pin_held(self, hit: PrefixHit) -> None:
+        self.index.pin(hit.keys, pin_id=hit.pin_id, lease_ms=self.pin_lease_ms)
 
     @staticmethod
     def _renew(owner: _Claims | PrefixHit, lock: threading.Lock, renew: Callable[[], object]) -> None:

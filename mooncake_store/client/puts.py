@@ -244,7 +244,11 @@ class PutPath:
                 )
             pinned = [p.key for p, s in failed if s == "PINNED"]
             if pinned:
-                raise ObjectPinned(f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first" + landed)
+                raise ObjectPinned(
+                    f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first" + landed,
+                    pinned=pinned,
+                    done=stored,
+                )
             raise ReservationExpired(
                 f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed "
                 f"(first key {failed[0][0].key!r})"

@@ -9,11 +9,13 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
+from redis_proxy import RedisProxy
 
-from mooncake_store import Client, LocalCluster, ObjectPinned, PrefixCache
+from mooncake_store import Client, LocalCluster, ObjectPinned, PrefixCache, connect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -299,3 +301,92 @@ def test_concurrent_requests_store_a_shared_prefix_once(
     time.sleep(2.5)  # the agents publish their arena use with each heartbeat (1 s)
     grown = observer.stat().used_bytes - used_before
     assert one_copy <= grown < one_copy * 1.1, (grown, one_copy)
+
+
+def test_a_store_over_chunks_a_hit_pins_on_a_dead_node_writes_the_rest_and_does_not_raise(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """Client A holds a hit on 8 chunks; the node holding the last 4 dies. Client B's store of the
+    same prompt claims those 4 (unreadable) and writes them, but their records are still pinned by
+    A's hit until the reaper drops them: the commit refused them and store() raised ObjectPinned,
+    failing B's request. It now returns what it wrote; once A lets go, the prompt is whole again."""
+    cluster = make_cluster(2, heartbeat_ttl_s=3.0)
+    holder, writer = (
+        PrefixCache(make_client(cluster), NS, chunk_tokens=C),
+        PrefixCache(make_client(cluster), NS, chunk_tokens=C),
+    )
+    tokens = ids(8 * C)
+    chunks = chunk_arrays(8)
+    assert holder.store(tokens[: 4 * C], chunks, preferred_node="agent-0") == 4
+    assert holder.store(tokens, chunks, preferred_node="agent-1") == 4
+    hit = holder.load(tokens)
+    assert hit.num_chunks == 8
+    cluster.agent("agent-1").kill()
+    deadline = time.monotonic() + 10
+    while writer.match(tokens) != 4 * C and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert writer.match(tokens) == 4 * C
+    written = writer.store(tokens, chunks, preferred_node="agent-0")  # raised ObjectPinned
+    assert 0 <= written <= 4
+    hit.release()
+    deadline = time.monotonic() + 15
+    while writer.match(tokens) != 8 * C and time.monotonic() < deadline:
+        writer.store(tokens, chunks, preferred_node="agent-0")
+        time.sleep(0.1)
+    assert writer.match(tokens) == 8 * C
+    holder.close()
+    writer.close()
+
+
+def test_a_renewal_taken_before_a_load_cut_its_hit_pins_only_what_the_hit_still_holds(client: Client) -> None:
+    """load() cuts a hit short when a chunk cannot be read after all, unpinning the tail. A
+    renewal pass that had read the hit's whole key list before the cut pinned the tail again after
+    the unpin, ownerless for a whole lease (the chunks could not be removed or replaced). The
+    renewal reads the keys when it runs, under the hit's lock, and load() cuts them under it."""
+    cache = PrefixCache(client, NS + "/renew-cut", chunk_tokens=C)
+    tokens = ids(8 * C, start=7000)
+    cache.store(tokens, chunk_arrays(8))
+    hit = cache.load(tokens)
+    renewal = partial(cache._pin_held, hit)  # as the renewal loop takes it, before the cut
+    with hit._pin_lock:  # the cut, as load() makes it
+        hit.keys = hit.keys[:4]
+    cache.index.unpin(cache.keys(tokens)[4:], pin_id=hit.pin_id)
+    cache._renew(hit, hit._pin_lock, renewal)
+    assert cache.refcounts(tokens) == [1, 1, 1, 1, 0, 0, 0, 0]
+    hit.release()
+    assert cache.refcounts(tokens) == [0] * 8
+    cache.close()
+
+
+def test_a_claim_release_that_fails_does_not_hide_a_stored_prompt(
+    client_of: Callable[[str], Client],
+    proxied_agent: Callable[..., object],
+    proxy: RedisProxy,
+    namespace: str,
+    redis_url: str,
+) -> None:
+    """store() released its claims in a finally without catching the index's error: a release
+    that failed (the index out of reach a moment) made a store that had written every chunk raise,
+    or hid the error the store itself had met. The claims run out by their ttl anyway."""
+    proxied_agent(namespace)  # an agent for the chunks (its index link is the proxy's too)
+    client = connect(proxy.url, namespace=namespace, timeout_s=5.0)
+    try:
+        cache = PrefixCache(client, NS, chunk_tokens=C, claim_ttl_s=2.0)
+        tokens = ids(4 * C, start=9000)
+        proxy.drop_reply(str(cache.index._scripts["prefix_release"].sha))
+        proxy.down_after_reply_of(str(cache.index._scripts["prefix_release"].sha))
+        assert cache.store(tokens, chunk_arrays(4)) == 4  # raised: the release's lost reply
+        proxy.up()
+        assert cache.match(tokens) == 4 * C
+        cache.close()
+    finally:
+        client.close()
+
+
+def test_a_match_of_a_chain_longer_than_the_limit_matches_up_to_it(client: Client) -> None:
+    """store() takes a chain of any length, but match() and load() raised for one over 65,536
+    chunks instead of matching its first 65,536."""
+    from mooncake_store.index.prefix import MAX_CHAIN_CHUNKS, PrefixIndex
+
+    keys = [f"never-stored/{i}" for i in range(MAX_CHAIN_CHUNKS + 1)]
+    assert PrefixIndex(client.index).match(keys).num_chunks == 0
