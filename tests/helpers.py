@@ -20,6 +20,7 @@ from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage, TransportKind
 
 if TYPE_CHECKING:
+    from mooncake_store import Client
     from mooncake_store.agent.node import Agent
 
 
@@ -209,3 +210,27 @@ def run_in_threads(work: Callable[[int], None], count: int, timeout_s: float = 6
         th.join(max(0.0, deadline - time.monotonic()))
     assert not any(th.is_alive() for th in threads), f"a thread was still running after {timeout_s} s"
     return errors
+
+
+#: Chunks that take a 4 MiB host tier past its high watermark (90 %): 15 of 256 KiB. Its low
+#: watermark (75 %) is 12 of them, so one pressure pass moves exactly NEED.
+CHUNK = 256 << 10
+FILL = 15
+NEED = 3
+
+
+def fill(client: Client, agent: Agent, prefix: str = "k", n: int = FILL) -> dict[str, np.ndarray]:
+    """``n`` chunks on ``agent``, each strictly colder than the next, synced."""
+    values: dict[str, np.ndarray] = {}
+    for i in range(n):
+        key = f"{prefix}{i:02d}"
+        values[key] = np.full(CHUNK, i + 1, dtype=np.uint8)
+        client.put(key, values[key], preferred_node=agent.node_id)
+        time.sleep(0.002)
+    agent.sync_once()
+    return values
+
+
+def counter(agent: Agent, tier: TierKind, name: str) -> int:
+    """One of an in-process agent's pressure counters (spills_out, evictions, ...) of ``tier``."""
+    return int(agent.pressure.counters[tier][name])

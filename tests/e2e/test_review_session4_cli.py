@@ -144,6 +144,32 @@ def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> Non
         time.sleep(0.02)
 
 
+def _detached_up_once_its_server_runs(mooncake: Mooncake, ns: str, *, agents: int) -> subprocess.Popen[bytes]:
+    """`mooncake up --detach` started, returned once its embedded server said its URL (the agents
+    are starting then) or it ended."""
+    up = mooncake.popen("up", "--detach", "--agents", str(agents), "--host-mem", HOST_MEM, "--namespace", ns)
+    server_out = mooncake.state_dir / "logs" / "server.out"
+
+    def server_started() -> bool:
+        return up.poll() is not None or (server_out.exists() and b"redis://" in server_out.read_bytes())
+
+    _wait_for(server_started, 60, "the embedded server")
+    return up
+
+
+def _nothing_left_after_down(mooncake: Mooncake, procs: Procs, ns: str, up: subprocess.Popen[bytes]) -> None:
+    """Once the signalled `up` ended and `down` stopped whatever it recorded, none of its processes
+    or segments is left."""
+    up.communicate(timeout=60)
+    procs.scan()
+    mooncake("down", "--timeout", "5")
+    left = procs.settled()
+    assert not left, (
+        f"still running after a signalled `mooncake up -d` (exit {up.returncode}) and `down`: {procs.describe(left)}"
+    )
+    assert _segments(ns) == []
+
+
 def test_two_concurrent_detached_ups_leave_nothing_after_down(mooncake: Mooncake, procs: Procs) -> None:
     # _refuse_if_running() reads the state file long before save_state() writes it: two `up`s in the
     # same state dir both start a cluster, the second save overwrites the first, and `down` then
@@ -168,22 +194,11 @@ def test_sigterm_during_detached_up_leaves_nothing(mooncake: Mooncake, procs: Pr
     # leaves the server and the agent running, with nothing recorded for `down` to find.
     ns = f"rv4-{uuid.uuid4().hex[:8]}"
     namespaces.append(ns)
-    up = mooncake.popen("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM, "--namespace", ns)
-    server_out = mooncake.state_dir / "logs" / "server.out"
-
-    def server_started() -> bool:
-        return up.poll() is not None or (server_out.exists() and b"redis://" in server_out.read_bytes())
-
-    _wait_for(server_started, 60, "the embedded server")
+    up = _detached_up_once_its_server_runs(mooncake, ns, agents=1)
     assert up.poll() is None, "up finished before the test could signal it"
     procs.scan()
     up.send_signal(signal.SIGTERM)
-    up.communicate(timeout=60)
-    procs.scan()
-    mooncake("down", "--timeout", "5")  # whatever was recorded, stop it
-    left = procs.settled()
-    assert not left, f"still running after an interrupted `mooncake up -d` and `down`: {procs.describe(left)}"
-    assert _segments(ns) == []
+    _nothing_left_after_down(mooncake, procs, ns, up)
 
 
 @pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.2])
@@ -196,24 +211,13 @@ def test_two_signals_during_detached_up_leave_nothing_running(
     Both are deferred now until the block is done."""
     ns = f"rv13-{uuid.uuid4().hex[:8]}"
     namespaces.append(ns)
-    up = mooncake.popen("up", "--detach", "--agents", "2", "--host-mem", HOST_MEM, "--namespace", ns)
-    server_out = mooncake.state_dir / "logs" / "server.out"
-
-    def server_started() -> bool:
-        return up.poll() is not None or (server_out.exists() and b"redis://" in server_out.read_bytes())
-
-    _wait_for(server_started, 60, "the embedded server")
+    up = _detached_up_once_its_server_runs(mooncake, ns, agents=2)
     procs.scan()
     up.send_signal(signal.SIGTERM)
     time.sleep(gap_s)
     if up.poll() is None:
         up.send_signal(signal.SIGTERM)
-    up.communicate(timeout=60)
-    procs.scan()
-    mooncake("down", "--timeout", "5")  # whatever was recorded, stop it
-    left = procs.settled()
-    assert not left, f"still running after a twice-signalled `mooncake up -d` and `down`: {procs.describe(left)}"
-    assert _segments(ns) == []
+    _nothing_left_after_down(mooncake, procs, ns, up)
 
 
 def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs) -> None:

@@ -7,41 +7,19 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import NEED, counter, fill
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
 from mooncake_store.types import TierKind, TierUsage
 
-KiB = 1 << 10
 MiB = 1 << 20
-CHUNK = 256 * KiB
-#: 15 chunks of 256 KiB in a 4 MiB host tier: past its high watermark (90 %); the low one (75 %)
-#: is 12 chunks, so a pass moves 3.
-FILL = 15
-NEED = 3
-
-
-def fill(client: Client, agent: Agent, prefix: str, n: int = FILL) -> dict[str, np.ndarray]:
-    """``n`` chunks on ``agent``, each strictly colder than the next, synced."""
-    values: dict[str, np.ndarray] = {}
-    for i in range(n):
-        key = f"{prefix}{i:02d}"
-        values[key] = np.full(CHUNK, i + 1, dtype=np.uint8)
-        client.put(key, values[key], preferred_node=agent.node_id)
-        time.sleep(0.002)
-    agent.sync_once()
-    return values
-
-
-def counter(agent: Agent, tier: TierKind, name: str) -> int:
-    return int(agent.pressure.counters[tier][name])
 
 
 def test_a_victim_whose_demotion_fails_spills_to_a_peer_instead_of_being_evicted(

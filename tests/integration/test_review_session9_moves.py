@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from helpers import NEED, counter, fill
 from patched_agent import connect_raw, read_reply
 from redis_proxy import QUIET, RedisProxy, idle_pressure
 
@@ -43,31 +44,10 @@ from mooncake_store.types import TierKind
 
 KiB = 1 << 10
 MiB = 1 << 20
-CHUNK = 256 * KiB
-#: 15 chunks of 256 KiB in a 4 MiB host tier: past the high watermark (90 %); the low one (75 %)
-#: is 12 chunks, so a pass must move exactly 3.
-FILL = 15
-NEED = 3
-
-
-def fill(client: Client, agent: Agent, prefix: str = "k", n: int = FILL) -> dict[str, np.ndarray]:
-    """``n`` chunks on ``agent``, each strictly colder than the next, synced."""
-    values: dict[str, np.ndarray] = {}
-    for i in range(n):
-        key = f"{prefix}{i:02d}"
-        values[key] = np.full(CHUNK, i + 1, dtype=np.uint8)
-        client.put(key, values[key], preferred_node=agent.node_id)
-        time.sleep(0.002)
-    agent.sync_once()
-    return values
 
 
 def sha(agent: Agent, script: str) -> str:
     return str(agent.index._scripts[script].sha)
-
-
-def counter(agent: Agent, tier: TierKind, name: str) -> int:
-    return int(agent.pressure.counters[tier][name])
 
 
 def replicas_on(r: redis.Redis, prefix: str, keys: list[str], node_id: str) -> dict[str, int]:
