@@ -102,7 +102,10 @@ def signals_deferred() -> Iterator[None]:
 def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
     out, log = logs / "server.out", logs / "server.log"
     log.write_bytes(b"")
-    cmd = [sys.executable, "-m", "mooncake_store.embedded", "--port", str(plan.port)]
+    # runpy warns that the package imported the module it is about to run (mooncake_store imports
+    # it for LocalCluster): harmless here, and it showed in every error's log tail.
+    quiet = ["-W", "ignore::RuntimeWarning:runpy"]
+    cmd = [sys.executable, *quiet, "-m", "mooncake_store.embedded", "--port", str(plan.port)]
     with signals_deferred():
         proc = spawn_detached(cmd, stdout=out, stderr=log)
         state.servers.append(ref_of(proc.pid))

@@ -99,7 +99,10 @@ def find_server_binary() -> Path:
 def _free_port(host: str) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, 0))
+        except OSError as exc:  # an unknown name (gaierror), an address not on this host
+            raise ServerError(f"host={host!r}: cannot listen there: {exc}") from None
         return int(sock.getsockname()[1])
 
 

@@ -195,6 +195,7 @@ def rm(
     """Remove KEYS; exits 3 if any did not exist (unless --force), the others are removed anyway."""
     for key in keys:
         check_key(key)
+    keys = list(dict.fromkeys(keys))  # `rm a a` removes a once, and does not call the second one missing
     target = resolve_target(ctx, redis_url, namespace)
     with open_client(target) as client:
         removed = client.remove_many(keys)

@@ -212,3 +212,11 @@ def test_get_returns_one_whole_object_while_the_key_is_replaced_by_smaller_ones(
             stop.set()
             thread.join(30)
     assert not wrong, f"{len(wrong)} reads were neither value, first {wrong[0]}"
+
+
+def test_rm_of_a_key_named_twice_removes_it_once_and_succeeds(cluster_cli: Mooncake) -> None:
+    """`rm a a` said "1 key(s) not found: 'a' (removed 1 other(s))" and exited 3."""
+    cluster_cli.ok("put", "twice", "-", stdin=b"x")
+    result = cluster_cli.ok("rm", "twice", "twice")
+    assert "removed 1 key(s)" in result.stderr.decode()
+    assert_one_line_error(cluster_cli("get", "twice"), 3, "'twice'", "not found")

@@ -128,4 +128,6 @@ def test_embedded_server_arguments_are_server_errors_and_leave_no_temp_dir(tmp_p
     before = set(temp_root.glob("mooncake-redis-*"))
     with pytest.raises(ServerError, match=f"persist_dir='{a_file}': cannot be made a directory"):
         EmbeddedServer(persist_dir=a_file).start()
-    assert set(temp_root.glob("mooncake-redis-*")) - before == set(), "a temp dir left by the failed start"
+    with pytest.raises(ServerError, match=r"host='bad\.invalid': cannot listen there"):  # was socket.gaierror
+        EmbeddedServer(host="bad.invalid").start()
+    assert set(temp_root.glob("mooncake-redis-*")) - before == set(), "a temp dir left by a failed start"
