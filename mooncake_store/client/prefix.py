@@ -398,6 +398,10 @@ class PrefixCache:
         and the claims of the stores under way, so that neither runs out while its owner is alive
         (a put longer than the claim's ttl let another writer claim and write the same chunks)."""
         while not self._stop.wait(min(self.pin_lease_ms, self.claim_ttl_ms) / 3000):
+            if self.client._closing.is_set():
+                # Its client is closed: nothing can be renewed any more (the pins and claims run
+                # out by their leases), and the thread must not outlive the client until close().
+                return
             with self._lock:
                 hits = [h for h in self._held.values() if not h.released]
                 stores = list(self._claims.values())

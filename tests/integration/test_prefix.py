@@ -390,3 +390,20 @@ def test_a_match_of_a_chain_longer_than_the_limit_matches_up_to_it(client: Clien
 
     keys = [f"never-stored/{i}" for i in range(MAX_CHAIN_CHUNKS + 1)]
     assert PrefixIndex(client.index).match(keys).num_chunks == 0
+
+
+def test_the_renewal_thread_ends_with_its_client(cluster: LocalCluster, make_client: Callable[..., Client]) -> None:
+    """A cache's renewal thread ran on after its client was closed (failing every third of a
+    lease) until the cache itself was closed."""
+    client = make_client(cluster)
+    cache = PrefixCache(client, NS + "/renewer", chunk_tokens=C, pin_lease_s=0.6)
+    tokens = ids(2 * C, start=11_000)
+    cache.store(tokens, chunk_arrays(2))
+    hit = cache.load(tokens)
+    renewer = cache._renewer
+    assert renewer is not None and renewer.is_alive()
+    client.close()
+    renewer.join(timeout=5)
+    assert not renewer.is_alive(), "the renewal thread outlived its client"
+    assert hit.num_chunks == 2
+    cache.close()
