@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.errors import MooncakeError
+from mooncake_store.tiers.disk import CorruptChunk
 from mooncake_store.transport.frames import TIER_DISK
 from mooncake_store.types import TierKind
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from mooncake_store.agent.inbox import DiskInbox
     from mooncake_store.agent.pressure import PressureManager
     from mooncake_store.config import AgentConfig
+    from mooncake_store.index import RedisIndex
     from mooncake_store.tiers.disk import DiskTier
     from mooncake_store.tiers.gpu import GpuArena
 
@@ -26,6 +28,9 @@ log = logging.getLogger("mooncake.agent")
 
 class OtherTierHooks:
     config: AgentConfig
+    node_id: str
+    index: RedisIndex
+    disk_keys: dict[int, str]
     gpu: GpuArena | None
     gpu_table: AllocationTable | None
     disk: DiskTier | None
@@ -44,9 +49,27 @@ class OtherTierHooks:
         if entry is None:
             return None
         data = bytearray(entry.raw_bytes)
-        self.disk.read_into(alloc_id, memoryview(data))
+        try:
+            self.disk.read_into(alloc_id, memoryview(data))
+        except CorruptChunk as exc:
+            self._drop_corrupt(alloc_id, exc)
+            return None  # STALE: the reader looks the object up again
         self.pressure.count(TierKind.DISK, "reads")
         return data, 0  # offsets into a disk allocation count from the object's start
+
+    def _drop_corrupt(self, alloc_id: int, exc: CorruptChunk) -> None:
+        """A chunk file failed its checksum: its replica leaves the index, so that readers go to
+        another replica or find no object (a miss) instead of failing on it again and again; the
+        file goes through the graveyard. Counted as "corrupt" in the disk tier's counters."""
+        key = self.disk_keys.get(alloc_id)
+        log.error("disk allocation %d (key %r) is damaged: %s; dropping that replica", alloc_id, key, exc)
+        self.pressure.count(TierKind.DISK, "corrupt")
+        if key is None:
+            return  # a peer's file not yet settled: its swap's ack names it, and the read is refused
+        try:
+            self.index.drop_corrupt(key, alloc_id, node_id=self.node_id)
+        except MooncakeError as err:
+            log.warning("could not drop the damaged replica of %r from the index: %s", key, err)
 
     def read_gpu(self, alloc_id: int) -> tuple[bytearray, int] | None:
         """A GPU-tier object copied to host memory (fenced against frees), with its arena offset."""

@@ -131,7 +131,16 @@ class RedisIndex(PressureCalls):
     #: (plan_swap answers OK for a location it already holds). The rest run with a token
     #: (index/scripts.py): at most once per call.
     REPLAY_SAFE = frozenset(
-        {"lookup", "victims", "node_heartbeat", "move_replica", "move_replicas", "prefix_match", "prefix_refcount"}
+        {
+            "lookup",
+            "victims",
+            "node_heartbeat",
+            "move_replica",
+            "move_replicas",
+            "prefix_match",
+            "prefix_refcount",
+            "drop_corrupt",  # a second run finds the replica gone
+        }
     )
 
     def __init__(self, url: str, *, namespace: str = "default", timeout_s: float = 10.0) -> None:

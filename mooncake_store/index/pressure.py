@@ -128,6 +128,11 @@ class PressureCalls:
         chunks of its chain hang off)."""
         return self.evict_many([(key, alloc_id)], node_id=node_id)[0]
 
+    def drop_corrupt(self, key: str, alloc_id: int, *, node_id: str) -> bool:
+        """Drop ``node_id``'s replica ``alloc_id`` of ``key``, whose bytes failed their checksum
+        there (drop_corrupt.lua); False when the object no longer lists it."""
+        return str(self._run("drop_corrupt", node_id, key, str(alloc_id))) == "OK"
+
     def evict_many(self, victims: Sequence[tuple[str, int]], *, node_id: str) -> list[str]:
         """Drop ``node_id``'s replicas (key, alloc id), each on its own and in order, with evict's
         statuses; one round trip per BATCH_LIMIT of them (a pass of small objects used to pay one

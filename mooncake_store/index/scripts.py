@@ -31,6 +31,7 @@ SCRIPT_NAMES = (
     "move_replica",
     "move_replicas",
     "evict",
+    "drop_corrupt",
 )
 
 

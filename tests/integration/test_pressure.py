@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import node_row, wait_until
 
-from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError, TransferError
+from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError
 
 MiB = 1 << 20
 
@@ -182,8 +182,14 @@ def test_corrupted_disk_file_is_an_error_not_wrong_data(
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= 0x5A
     path.write_bytes(bytes(blob))
-    with pytest.raises(TransferError):
+    # The agent finds the damage (never wrong data) and drops that replica from the index: the
+    # read finds no object, a miss. It used to answer "no longer holds allocation" on every read
+    # while the index listed the replica for good.
+    with pytest.raises(KeyNotFound):
         client.get(victim)
+    assert client.object_meta(victim) is None
+    assert int(client.index.redis.hget(client.index.prefix + "stats", "corrupt") or 0) == 1
+    assert wait_until(lambda: not path.exists(), 10), "the damaged file stayed after its replica went"
     for i in range(16):  # the others are untouched
         key = f"c/{i}"
         if key != victim:

@@ -261,7 +261,10 @@ local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps)
 end
 
 -- Drop one replica of key, (node, alloc), under memory pressure (evict.lua has the statuses).
-local function evict_replica(key, node, alloc, now)
+-- `damaged`: its bytes failed their checksum (drop_corrupt.lua), so it goes whatever keeps a
+-- victim (pins, a read lease, chunks hanging off it): no reader could get its bytes anyway. Its
+-- memory is still freed only once the read leases run out; a loss is counted as "corrupt".
+local function evict_replica(key, node, alloc, now, damaged)
   local ok = P .. 'o:' .. key
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
   if not f[1] then return 'GONE' end
@@ -270,26 +273,27 @@ local function evict_replica(key, node, alloc, now)
     if r[1] == node and r[5] == alloc then found = true else table.insert(keep, r) end
   end
   if not found then return 'GONE' end
-  if live_pins(key, now) > 0 then return 'PINNED' end
+  if not damaged and live_pins(key, now) > 0 then return 'PINNED' end
   -- The last readable copy: none left on a live node (a replica on a node past its deadline is
   -- skipped by readers and soon reaped, so it keeps neither the chain whole nor the object).
   local readable = 0
   for _, r in ipairs(keep) do
     if r[6] == 'COMPLETE' and node_live(r[1], now) then readable = readable + 1 end
   end
-  if readable == 0 and children_of(key) > 0 then return 'PARENT' end
-  if tonumber(f[2] or 0) > now then return 'LEASED' end
+  if not damaged and readable == 0 and children_of(key) > 0 then return 'PARENT' end
+  if not damaged and tonumber(f[2] or 0) > now then return 'LEASED' end
   redis.call('ZADD', P .. 'gc:' .. node, math.max(now, tonumber(f[2] or 0)), alloc)
   local still_there = false
   for _, r in ipairs(keep) do if r[1] == node then still_there = true end end
   if not still_there then redis.call('SREM', P .. 'nobj:' .. node, key) end
+  local lost = damaged and 'corrupt' or 'evictions'
   if #keep == 0 then
     drop_object(key)
-    redis.call('HINCRBY', P .. 'stats', 'evictions', 1)
+    redis.call('HINCRBY', P .. 'stats', lost, 1)
   else
     redis.call('HSET', ok, 'replicas', encode_list(keep))
     -- What is left is on dead nodes only: the object is lost to readers now, which is an eviction.
-    if readable == 0 then redis.call('HINCRBY', P .. 'stats', 'evictions', 1) end
+    if readable == 0 then redis.call('HINCRBY', P .. 'stats', lost, 1) end
   end
   return 'OK'
 end
