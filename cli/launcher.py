@@ -60,7 +60,7 @@ class StopReport:
 
 #: The signals that stop `mooncake up`: deferred while a process is spawned and recorded, and
 #: while a failed start is undone.
-_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def check_shm_room(num_agents: int, host_bytes: int) -> None:
@@ -89,7 +89,7 @@ def signals_deferred() -> Iterator[None]:
         yield  # signal handlers can only be set from the main thread, where they also run
         return
     arrived: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: arrived.append(signum)) for sig in _HELD}
+    previous = {sig: signal.signal(sig, lambda signum, _frame: arrived.append(signum)) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -157,7 +157,7 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
         # A SIGINT, SIGTERM or SIGHUP while starting unwinds launch(), which stops what it started:
         # nothing is recorded yet, so nothing else could. Signals after the first are ignored.
         stop_once = _StopOnce()
-        previous = {sig: signal.signal(sig, stop_once) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        previous = {sig: signal.signal(sig, stop_once) for sig in launcher.STOP_SIGNALS}
         try:
             state = launcher.launch(plan)
             try:
@@ -195,7 +195,7 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then never raises
     # KeyboardInterrupt; the cluster must still stop on Ctrl-C, `kill -INT`, `kill` or a closed terminal.
     stop_once = _StopOnce()
-    previous = {s: signal.signal(s, stop_once) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, stop_once) for s in launcher.STOP_SIGNALS}
     state: ClusterState | None = None
     try:
         state = launcher.launch(plan, owner=owner)

@@ -26,7 +26,8 @@ def test_a_bfloat16_object_read_without_torch_says_what_to_install(
 ) -> None:
     """A bfloat16 object comes back as a torch tensor; a reader without torch (the base install)
     got ModuleNotFoundError from get and lost the whole batch of get_many."""
-    torch = pytest.importorskip("torch", reason="putting a bfloat16 object needs torch")
+    import torch  # a test requirement (the test install's hf extra): its absence is a failure, not a skip
+
     client = make_client(shared_cluster)
     client.put("bf/0", torch.arange(64, dtype=torch.bfloat16))
     reader = f"""
