@@ -117,12 +117,19 @@ class PressureManager:
         with self._lock:
             wanted, self._wanted[tier] = self._wanted[tier], 0
         try:
-            return self._relieve(tier, self._arena_need(tier, table, wanted), job_of)
+            moved = self._relieve(tier, self._arena_need(tier, table, wanted), job_of)
         except BaseException:
             # A failed pass made no room: the writer is still waiting, and the next pass must
             # know it before that writer's next refused RESERVE tells it again.
             self._note_wanted(tier, wanted)
             raise
+        if moved and table.usage()[2] < wanted:
+            # The pass moved less than the writer waits for (its sample ran short of movable
+            # objects): the next pass of this wake must still make room for it, not only drain to
+            # the watermark (one pass per refused RESERVE, each after the writer's back-off).
+            # A pass that moved nothing ends the wake's passes, and with them the request.
+            self._note_wanted(tier, wanted)
+        return moved
 
     def wake(self) -> None:
         """A reservation took the tier past its high watermark. Right after a pass that found

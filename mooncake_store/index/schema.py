@@ -16,6 +16,7 @@ on Redis Cluster::
     mc:{ns}:nodes          hash   node id -> node JSON (endpoints, shm name, zone, tiers, incarnation)
     mc:{ns}:hb             zset   node id -> heartbeat deadline ms
     mc:{ns}:nobj:<node>    set    keys with a replica on the node (reaping, per-node counts)
+    mc:{ns}:tobj:<node>:<tier>  set  keys with a replica on that tier of the node (victim samples)
     mc:{ns}:acks:<node>    list   alloc ids committed since the agent's last sync
     mc:{ns}:acksout:<node> list   acks the last sync delivered, until the agent confirms it applied them
     mc:{ns}:gc:<node>      zset   alloc id -> time after which the agent may free it

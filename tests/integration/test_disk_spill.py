@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import wait_until
+from index_audit import settled_audit
 
 from mooncake_store import Client, LocalCluster, MooncakeError
 from mooncake_store.errors import NoCapacity, ProtocolError, StaleLocation
@@ -110,6 +111,7 @@ def test_cold_chunk_files_spill_to_the_peers_disk_tier(
         ),
         5,
     )
+    assert not settled_audit(writer.index)
     # Removing everything deletes every chunk file on both agents.
     writer.remove_many(keys)
     assert wait_until(lambda: not list(tmp_path.rglob("*.mcz")), 10), list(tmp_path.rglob("*.mcz"))

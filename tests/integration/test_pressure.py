@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import node_row, wait_until
+from index_audit import settled_audit
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError
 
@@ -115,6 +116,7 @@ def test_spill_to_peer_keeps_everything_readable(
         5,  # type: ignore[attr-defined]
     ), host_stats()
     assert host_stats()["agent-0"].evictions == 0  # type: ignore[attr-defined]
+    assert not settled_audit(writer.index)
 
 
 def test_disk_tier_demotes_promotes_and_cleans_up(
@@ -161,6 +163,7 @@ def test_disk_tier_demotes_promotes_and_cleans_up(
     # Removing the rest deletes their files.
     client.remove_many(on_disk[:3])
     assert wait_until(lambda: not list((tmp_path / agent.node_id).rglob("*.mcz")), 5)
+    assert not settled_audit(client.index)
 
 
 def test_corrupted_disk_file_is_an_error_not_wrong_data(
@@ -227,6 +230,7 @@ def test_full_cluster_evicts_cold_chain_tails_never_pins(
         for k, ok in zip(keys, present[c], strict=True):
             if ok:
                 assert np.array_equal(client.get(k), value_for(k))
+    assert not settled_audit(client.index)
 
 
 def redis_exists(client: Client, suffix: str) -> bool:

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 from helpers import node_row
+from index_audit import audit_index
 
 from mooncake_store.client.put_plans import MAX_CHAIN_POS
 from mooncake_store.errors import MooncakeError
 from mooncake_store.index.client import PendingPut, RedisIndex
 from mooncake_store.index.prefix import MAX_CHAIN_CHUNKS, PrefixIndex
-from mooncake_store.index.schema import BATCH_LIMIT, decode_replicas
+from mooncake_store.index.schema import BATCH_LIMIT
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage
 
 TTL_MS = 600_000
@@ -64,57 +65,6 @@ def _commit(index: RedisIndex, put: PendingPut) -> str:
     index.put_start([put], ttl_ms=TTL_MS)
     (status,) = index.put_commit([put.put_id])
     return str(status)
-
-
-def _scan(index: RedisIndex, what: str) -> list[str]:
-    return [k[len(index.prefix) :] for k in index.redis.scan_iter(match=index.prefix + what, count=1000)]
-
-
-def _audit(index: RedisIndex) -> list[str]:
-    """Every bookkeeping rule the scripts keep between them, checked over the whole namespace:
-    the keys set, nobj:<node>, gc:<node>, acks:<node>, the children counts and pending records."""
-    r, p = index.redis, index.prefix
-    problems: list[str] = []
-    objects: dict[str, dict[str, str]] = {}
-    for name in _scan(index, "o:*"):
-        objects[name[2:]] = r.hgetall(p + name)
-    keys = set(r.smembers(p + "keys"))
-    if keys != set(objects):
-        problems.append(f"keys set {sorted(keys)} != object records {sorted(objects)}")
-    named: set[tuple[str, str]] = set()
-    parents: dict[str, int] = {}
-    for key, rec in objects.items():
-        for rep in decode_replicas(rec.get("replicas", "[]")):
-            named.add((rep.node_id, str(rep.alloc_id)))
-            if not r.sismember(p + "nobj:" + rep.node_id, key):
-                problems.append(f"{key} has a replica on {rep.node_id} but is not in nobj:{rep.node_id}")
-            if r.zscore(p + "gc:" + rep.node_id, str(rep.alloc_id)) is not None:
-                problems.append(f"{key} names alloc {rep.alloc_id} on {rep.node_id}, which is in its graveyard")
-        if rec.get("chain_parent"):
-            parents[rec["chain_parent"]] = parents.get(rec["chain_parent"], 0) + 1
-    for name in _scan(index, "nobj:*"):
-        node = name[5:]
-        for key in r.smembers(p + name):
-            reps = decode_replicas(objects[key]["replicas"]) if key in objects else ()
-            if not any(rep.node_id == node for rep in reps):
-                problems.append(f"nobj:{node} lists {key}, which has no replica there")
-    for name in _scan(index, "acks:*"):
-        node = name[5:]
-        for ack in r.lrange(p + name, 0, -1):
-            alloc = ack.partition("\t")[0]
-            if (node, alloc) not in named and r.zscore(p + "gc:" + node, alloc) is None:
-                problems.append(f"acks:{node} acks alloc {alloc}, which no object names and no grave holds")
-    children = {k: int(v) for k, v in r.hgetall(p + "children").items()}
-    if children != parents:
-        problems.append(f"children counts {children} != chain parents of the stored objects {parents}")
-    for name in _scan(index, "pend:*"):
-        if r.type(p + name) != "hash":
-            continue  # a move's guard record
-        entry = json.loads(r.hget(p + name, "entry") or "{}")
-        for rep in entry.get("replicas", []):
-            if (rep[0], str(rep[4])) in named:
-                problems.append(f"{name} is still pending although an object names its alloc {rep[4]}")
-    return problems
 
 
 # ---- 1. put_commit writes half an object, then fails ------------------------------------------
@@ -164,7 +114,7 @@ def test_put_commit_of_a_malformed_pending_entry_leaves_no_half_written_object(
         index.put_commit([entry["put_id"]])
     except MooncakeError as exc:
         errors.append(str(exc))
-    problems = _audit(index)
+    problems = audit_index(index)
     assert not problems, f"after {errors or 'no error'}: index left inconsistent: {problems}"
 
 
@@ -184,7 +134,7 @@ def test_put_commit_stores_the_checksums_it_carries_and_refuses_a_malformed_one_
     assert index.put_commit([puts[2].put_id]) == ["OK"]
     metas = index.lookup(keys, lease_ms=0).objects
     assert [m.checksum if m else None for m in metas] == [2**64 - 1, 0, 7]
-    assert not _audit(index)
+    assert not audit_index(index)
 
 
 # ---- 2. numbers above 14 significant digits ---------------------------------------------------

@@ -1,7 +1,7 @@
 -- Shared prelude, prepended to every script by index/scripts.py.
 -- Every key lives under one hash-tagged prefix "mc:{ns}:" (ARGV[1] of every script), so all keys
 -- of a namespace hash to one slot and multi-key scripts stay valid on Redis Cluster. Keys derived
--- here from node ids (nobj:, gc:, acks:) share that tag.
+-- here from node ids (nobj:, tobj:, gc:, acks:) share that tag.
 -- Replica encoding (compact JSON array): [node_id, tier, offset, size, alloc_id (string), state]
 local P = ARGV[1]
 local function now_ms()
@@ -65,12 +65,24 @@ local function live_pins(key, now)
   redis.call('ZREMRANGEBYSCORE', pk, '-inf', '(' .. now)
   return redis.call('ZCARD', pk)
 end
+-- The keys with a replica on one tier of one node: what a pressure pass samples there (nobj: holds
+-- every tier of the node, and a disk tier may list a hundred times the objects of the host tier
+-- above it, so a sample of nobj: found few host candidates). Kept beside nobj: by every script
+-- that adds, moves or drops a replica; the tier is the last part, and no tier holds a colon.
+local TIER_NAMES = {'gpu', 'host', 'disk'}
+local function tier_set(node, tier) return P .. 'tobj:' .. node .. ':' .. tier end
+-- Whether reps hold a replica on that tier of that node.
+local function holds(reps, node, tier)
+  for _, r in ipairs(reps) do if r[1] == node and r[2] == tier then return true end end
+  return false
+end
 -- Hand replicas to their agents' graveyards; each agent frees them once free_at has passed,
 -- which is never before the last read lease granted on the object ran out.
 local function bury(replicas, key, free_at)
   for _, r in ipairs(replicas) do
     redis.call('ZADD', P .. 'gc:' .. r[1], free_at, r[5])
     redis.call('SREM', P .. 'nobj:' .. r[1], key)
+    redis.call('SREM', tier_set(r[1], r[2]), key)
   end
 end
 -- Prefix chains: a chunk names its parent (chain_parent), and the hash "children" counts, per
@@ -110,7 +122,7 @@ local function purge_node(node, max_keys)
     local reps = decode_list(redis.call('HGET', ok, 'replicas'))
     local keep = {}
     for _, r in ipairs(reps) do
-      if r[1] ~= node then table.insert(keep, r) end
+      if r[1] ~= node then table.insert(keep, r) else redis.call('SREM', tier_set(node, r[2]), key) end
     end
     if #keep == 0 then
       drop_object(key)
@@ -123,6 +135,7 @@ local function purge_node(node, max_keys)
   if left == 0 then
     redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node,
       P .. 'landed:' .. node)
+    for _, tier in ipairs(TIER_NAMES) do redis.call('DEL', tier_set(node, tier)) end
     -- Its hit counters too: default node ids carry a pid, so stats would grow with every agent.
     redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':gpu', 'hits:' .. node .. ':host', 'hits:' .. node .. ':disk')
     redis.call('HDEL', P .. 'nodes', node)
@@ -169,7 +182,8 @@ end
 -- list and record of landed swaps once, not once per object. A guard may be shared by a batch's
 -- entries (one spill batch, one guard): it is looked up once, and deleted if it was there.
 local function new_swaps()
-  return {guards = {}, records = {}, changed = {}, sadd = {}, srem = {}, zadd = {}, rpush = {}, landed = {}}
+  return {guards = {}, records = {}, changed = {}, sadd = {}, srem = {}, zadd = {}, rpush = {}, landed = {},
+    tiers = {}}
 end
 -- How long the index remembers a swap that landed, in landed:<old node> (member "<node>:<alloc
 -- id>" of the new location, score the swap's time): a mover whose call and retry both failed asks
@@ -184,6 +198,14 @@ end
 local function write_swaps(swaps)
   for key in pairs(swaps.changed) do
     redis.call('HSET', P .. 'o:' .. key, 'replicas', encode_list(swaps.records[key].reps))
+  end
+  -- The tier sets follow each changed record's final replicas, so that two swaps of one key in a
+  -- batch (host to disk, then back) leave it listed where it ends, whatever order the sets go in.
+  for key, touched in pairs(swaps.tiers) do
+    local reps = swaps.records[key].reps
+    for _, nt in ipairs(touched) do
+      defer(holds(reps, nt[1], nt[2]) and swaps.sadd or swaps.srem, tier_set(nt[1], nt[2]), key)
+    end
   end
   for guard, there in pairs(swaps.guards) do
     if there then redis.call('DEL', P .. 'pend:' .. guard) end
@@ -246,6 +268,7 @@ local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps)
   -- Live pins, counted (lapsed ones are dropped by the scripts that write pins).
   if redis.call('ZCOUNT', P .. 'pins:' .. key, now, '+inf') > 0 then return 'PINNED' end
   new[6] = 'COMPLETE'
+  defer(swaps.tiers, key, {reps[found][1], reps[found][2]}, {new[1], new[2]})
   reps[found] = new
   swaps.changed[key] = true
   defer(swaps.zadd, P .. 'gc:' .. old_node, math.max(now, rec.lease), old_alloc)
@@ -268,9 +291,9 @@ local function evict_replica(key, node, alloc, now, damaged)
   local ok = P .. 'o:' .. key
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
   if not f[1] then return 'GONE' end
-  local keep, found = {}, false
+  local keep, found = {}, nil
   for _, r in ipairs(decode_list(f[1])) do
-    if r[1] == node and r[5] == alloc then found = true else table.insert(keep, r) end
+    if r[1] == node and r[5] == alloc then found = r else table.insert(keep, r) end
   end
   if not found then return 'GONE' end
   if not damaged and live_pins(key, now) > 0 then return 'PINNED' end
@@ -286,6 +309,7 @@ local function evict_replica(key, node, alloc, now, damaged)
   local still_there = false
   for _, r in ipairs(keep) do if r[1] == node then still_there = true end end
   if not still_there then redis.call('SREM', P .. 'nobj:' .. node, key) end
+  if not holds(keep, node, found[2]) then redis.call('SREM', tier_set(node, found[2]), key) end
   local lost = damaged and 'corrupt' or 'evictions'
   if #keep == 0 then
     drop_object(key)

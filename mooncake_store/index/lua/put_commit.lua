@@ -71,6 +71,7 @@ for i, put_id in ipairs(ids) do
       for _, r in ipairs(e.replicas) do
         r[6] = 'COMPLETE'
         redis.call('SADD', P .. 'nobj:' .. r[1], e.key)
+        redis.call('SADD', tier_set(r[1], r[2]), e.key)
         redis.call('RPUSH', P .. 'acks:' .. r[1], r[5])
       end
       local version = redis.call('INCR', P .. 'version')

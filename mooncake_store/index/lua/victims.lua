@@ -5,7 +5,7 @@
 --   key, size, last_access ms, lease_until ms, live pins, alloc id, chain position (-1: none), dtype,
 --   stored children in its prefix chain, the other live nodes holding a replica (comma-separated), the
 --   key of its chain parent ("" for none)
--- Sampling (SRANDMEMBER) bounds the work per call like Redis's own approximate LRU; the pure policy
+-- Sampling (SRANDMEMBER of the tier's own set, tobj:<node>:<tier>) bounds the work per call like Redis's own approximate LRU; the pure policy
 -- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
 -- count) so the policy, not this script, owns the rule.
 -- Read only: live pins are counted (ZCOUNT), not cleaned; the chain counts come in one HMGET at
@@ -13,7 +13,7 @@
 -- waits for.
 local node, tier = ARGV[2], ARGV[3]
 local now = now_ms()
-local keys = redis.call('SRANDMEMBER', P .. 'nobj:' .. node, tonumber(ARGV[4]))
+local keys = redis.call('SRANDMEMBER', tier_set(node, tier), tonumber(ARGV[4]))
 local out = {}
 local listed = {}  -- keys in the order they are in out, for their children counts
 for _, key in ipairs(keys) do
