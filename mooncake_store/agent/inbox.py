@@ -41,12 +41,14 @@ class DiskInbox:
     def reserve(self, requests: list[tuple[int, bytes]]) -> list[Allocation] | None:
         """All or nothing, like the host tier; None when the files would not fit on the disk."""
         with self._lock:  # two concurrent spills must not both count the same free room
-            if sum(size for size, _ in requests) > self.disk.free_bytes - self._on_wire_bytes:
+            # A file takes whole blocks of the disk, which is what its room is counted in.
+            if sum(self.disk.footprint(size) for size, _ in requests) > self.disk.free_bytes - self._on_wire_bytes:
                 return None
             allocs = self.table.reserve(requests)
             for alloc in allocs or []:
-                self._on_wire[alloc.alloc_id] = alloc.length
-                self._on_wire_bytes += alloc.length
+                footprint = self.disk.footprint(alloc.length)
+                self._on_wire[alloc.alloc_id] = footprint
+                self._on_wire_bytes += footprint
             return allocs
 
     def free_bytes(self) -> int:

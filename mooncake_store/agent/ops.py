@@ -35,6 +35,10 @@ MIN_RATE_BPS = 1 << 20
 class AgentHooks(Protocol):
     """What the server asks of the agent beyond the host arena."""
 
+    def other_tier_extent(self, alloc_id: int) -> tuple[int, int] | None:
+        """(offset of its first byte in READ's terms, size) of an object in another tier, found
+        without reading it; None when no other tier holds that alloc id."""
+
     def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
         """The whole object of an alloc id that lives in another tier (GPU, disk) and the offset
         its first byte has in READ's terms (its place in the GPU arena; 0 on disk), or None."""
@@ -160,6 +164,12 @@ class AgentOps:
         return True
 
     def _read_other_tier(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
+        # The range is checked before the object is read: a chunk file is decoded whole (its
+        # checksum covers every byte), and a 1-byte READ past the end of a 1 GiB one cost as much.
+        extent = self._hooks.other_tier_extent(alloc_id)
+        if extent is None or offset < extent[0] or length < 0 or offset - extent[0] + length > extent[1]:
+            self._reply(conn, Op.READ, Status.STALE)
+            return True
         try:
             got = self._hooks.read_other_tier(alloc_id)
         except MooncakeError as exc:

@@ -37,6 +37,12 @@ class OtherTierHooks:
     inbox: DiskInbox | None
     pressure: PressureManager
 
+    def other_tier_extent(self, alloc_id: int) -> tuple[int, int] | None:
+        if self.gpu_table is not None and alloc_id in self.gpu_table:
+            return self.gpu_table.offset_of(alloc_id)  # a GPU replica's offset is its place in the arena
+        entry = self.disk.entry(alloc_id) if self.disk is not None else None
+        return (0, entry.raw_bytes) if entry is not None else None
+
     def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
         if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
             got = self.read_gpu(alloc_id)

@@ -220,7 +220,7 @@ class PressureManager:
         agent = self.agent
         if tier == TierKind.DISK:
             disk = agent.disk
-            return sum(e.stored_bytes for a in alloc_ids if (e := disk.entry(a)) is not None) if disk else 0
+            return sum(e.footprint_bytes for a in alloc_ids if (e := disk.entry(a)) is not None) if disk else 0
         table = agent.gpu_table if tier == TierKind.GPU else agent.table
         return table.bytes_of(alloc_ids) if table is not None else 0
 
@@ -278,13 +278,13 @@ class PressureManager:
                 continue
             move = self._place_demoting(job, now_ms, state, tier)
             if move.kind == MoveKind.DEMOTE:
-                moved += job.wire_bytes
+                moved += job.room_bytes
             elif move.kind == MoveKind.SPILL and move.node_id is not None:
                 spills.setdefault(move.node_id, []).append(job)
                 state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
-                planned += job.wire_bytes
+                planned += job.room_bytes
             elif self._evict_unless_parent(job, state):
-                moved += job.wire_bytes
+                moved += job.room_bytes
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
         moved -= self._evict_queued(state, tier)
         if moved:
@@ -384,7 +384,7 @@ class PressureManager:
         for job in refused:
             if not job.victim.other_nodes and job.victim.chain_parent:
                 state.children_gone[job.victim.chain_parent] -= 1
-        return sum(job.wire_bytes for job in refused)
+        return sum(job.room_bytes for job in refused)
 
     def _carry_out_spills(
         self,
@@ -403,7 +403,7 @@ class PressureManager:
                 peer = next(p for p in state.peers if p.node_id == node_id)
                 result = self._spiller.spill(peer, jobs, tier=tier)
                 self._note_silent(self._spiller.take_unreachable())
-                moved += sum(job.wire_bytes for job in result.moved)
+                moved += sum(job.room_bytes for job in result.moved)
                 if result.moved:
                     self.count(tier, "spills_out", len(result.moved))
                 if result.unknown:
@@ -423,7 +423,7 @@ class PressureManager:
                     continue  # freed meanwhile
                 move = self._place_demoting(job, now_ms, state, tier)
                 if move.kind == MoveKind.DEMOTE:
-                    moved += job.wire_bytes
+                    moved += job.room_bytes
                     continue
                 if move.kind == MoveKind.SPILL and move.node_id is not None and attempt + 1 < PEER_TRIES:
                     spills.setdefault(move.node_id, []).append(job)
@@ -431,7 +431,7 @@ class PressureManager:
                     continue
                 # Out of peers to ask, or none has room: evicted.
                 if self._evict_unless_parent(job, state):
-                    moved += job.wire_bytes
+                    moved += job.room_bytes
             if not spills:
                 break
         return moved
@@ -453,7 +453,8 @@ class PressureManager:
 
     def relieve_disk(self) -> int:
         """One pass over the disk tier: the coldest chunk files go to the peer with the most room on
-        its disk tier (same zone first), else they are evicted. Sizes here are stored bytes."""
+        its disk tier (same zone first), else they are evicted. A file sends its stored bytes and
+        frees the filesystem blocks it takes (DiskTier.footprint)."""
         agent = self.agent
         disk = agent.disk
         if disk is None:
@@ -467,5 +468,7 @@ class PressureManager:
     def _disk_job(self, victim: EvictionCandidate) -> SpillJob | None:
         disk = self.agent.disk
         entry = disk.entry(victim.alloc_id) if disk is not None else None
-        # Sizes on disk are stored (compressed) bytes: what the file takes, and what a spill sends.
-        return SpillJob(victim=victim, offset=0, stored_bytes=entry.stored_bytes) if entry is not None else None
+        # A file sends its stored (compressed) bytes, and its leaving frees the blocks it takes.
+        if entry is None:
+            return None
+        return SpillJob(victim=victim, offset=0, stored_bytes=entry.stored_bytes, footprint_bytes=entry.footprint_bytes)

@@ -212,7 +212,7 @@ class Spiller:
                 continue
             self._payloads[job.victim.alloc_id] = payload
             stored = len(payload) if tier == TierKind.DISK else None
-            out.append(SpillJob(victim=job.victim, offset=job.offset, stored_bytes=stored))
+            out.append(SpillJob(job.victim, job.offset, stored_bytes=stored, footprint_bytes=job.footprint_bytes))
         return out
 
     def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind) -> Reserved | None:

@@ -24,10 +24,17 @@ class SpillJob:
     offset: int  # of the victim in its tier's arena here (host or GPU; 0 on disk)
     #: A disk-tier victim: the size of its chunk file, which is what travels and what the peer stores.
     stored_bytes: int | None = None
+    #: A disk-tier victim: what its file takes on the filesystem (whole blocks).
+    footprint_bytes: int | None = None
 
     @property
     def wire_bytes(self) -> int:
         return self.victim.size_bytes if self.stored_bytes is None else self.stored_bytes
+
+    @property
+    def room_bytes(self) -> int:
+        """The room its leaving makes in its tier here, which is what a pass counts toward its need."""
+        return self.wire_bytes if self.footprint_bytes is None else self.footprint_bytes
 
 
 @dataclass(frozen=True, slots=True)

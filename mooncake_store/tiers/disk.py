@@ -46,8 +46,10 @@ class CorruptChunk(MooncakeError):
 class DiskEntry:
     alloc_id: int
     raw_bytes: int
-    stored_bytes: int
+    stored_bytes: int  # the file's length: what a spill sends
     checksum: int
+    #: What the file takes on the filesystem, whole blocks: what counts against the capacity.
+    footprint_bytes: int
 
 
 def shuffle_planes(data: np.ndarray, itemsize: int) -> np.ndarray:
@@ -79,7 +81,9 @@ def unshuffle_planes(planes: np.ndarray, itemsize: int, out: np.ndarray) -> None
 class DiskTier:
     """Compressed chunk files under ``root``, at most ``capacity_bytes`` of them on disk.
 
-    Thread-safe. Capacity counts stored (compressed) bytes, which is what the disk holds."""
+    Thread-safe. Capacity counts what the files take on the filesystem: their stored (compressed)
+    bytes rounded up to whole blocks (20,000 files of a few hundred bytes counted as 1 MiB took
+    78 MiB). The compression ratio is of the stored bytes."""
 
     def __init__(
         self,
@@ -102,18 +106,34 @@ class DiskTier:
         except OSError as exc:
             raise MooncakeError(f"cannot create the disk tier directory {self.root}: {exc}") from None
         self._check_room(self.root, capacity_bytes)
+        self.block_bytes = self.block_size_of(self.root)
         self.capacity_bytes = capacity_bytes
         self.level = level
         self.shuffle = shuffle
         self.max_blob_raw_bytes = max_blob_raw_bytes
         self._entries: dict[int, DiskEntry] = {}
         self._storing: set[int] = set()  # ids whose files are being written
-        self._used = 0
+        self._used = 0  # footprints
+        self._stored = 0
         self._raw = 0
         self._lock = threading.Lock()
         self._local = threading.local()  # zstd contexts are not thread-safe; one per thread
         self._lock_fd = self._claim(self.root)
         self._clear_leftovers()
+
+    @staticmethod
+    def block_size_of(root: Path) -> int:
+        """The filesystem's allocation unit under ``root`` (4 KiB where it will not say)."""
+        try:
+            size = os.statvfs(root).f_frsize
+        except OSError:
+            size = 0
+        return size if size > 0 else 4096
+
+    def footprint(self, stored_bytes: int) -> int:
+        """What a file of ``stored_bytes`` takes on the filesystem: whole blocks, one at least."""
+        block = self.block_bytes
+        return max(1, -(-stored_bytes // block)) * block
 
     @staticmethod
     def _check_room(root: Path, capacity_bytes: int) -> None:
@@ -205,7 +225,7 @@ class DiskTier:
 
     def compression_ratio(self) -> float:
         """Raw bytes over stored bytes (1.0 when empty)."""
-        return self._raw / self._used if self._used else 1.0
+        return self._raw / self._stored if self._stored else 1.0
 
     def path_of(self, alloc_id: int) -> Path:
         name = f"{alloc_id:016x}"
@@ -338,11 +358,13 @@ class DiskTier:
             # OK while the file holds the second's bytes.
             if alloc_id in self._entries or alloc_id in self._storing:
                 raise InvalidValue(f"disk allocation {alloc_id} already exists")
-            if len(blob) > self.free_bytes:
+            footprint = self.footprint(len(blob))
+            if footprint > self.free_bytes:
                 raise NoCapacity(
-                    f"need {len(blob)} B on disk; {self.free_bytes}/{self.capacity_bytes} B free in {self.root}"
+                    f"need {footprint} B on disk (a {len(blob)} B file in {self.block_bytes} B blocks); "
+                    f"{self.free_bytes}/{self.capacity_bytes} B free in {self.root}"
                 )
-            self._used += len(blob)  # claimed before the write so concurrent writers cannot overshoot
+            self._used += footprint  # claimed before the write so concurrent writers cannot overshoot
             self._storing.add(alloc_id)
         path = self.path_of(alloc_id)
         tmp = path.with_suffix(".tmp")
@@ -360,15 +382,18 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             with self._lock:
-                self._used -= len(blob)
+                self._used -= footprint
                 self._storing.discard(alloc_id)
             if isinstance(exc, OSError):
                 raise MooncakeError(f"cannot write {path}: {exc}") from None
             raise
-        entry = DiskEntry(alloc_id=alloc_id, raw_bytes=raw_bytes, stored_bytes=len(blob), checksum=checksum)
+        entry = DiskEntry(
+            alloc_id=alloc_id, raw_bytes=raw_bytes, stored_bytes=len(blob), checksum=checksum, footprint_bytes=footprint
+        )
         with self._lock:
             self._storing.discard(alloc_id)
             self._entries[alloc_id] = entry
+            self._stored += len(blob)
             self._raw += raw_bytes
         return entry
 
@@ -381,7 +406,8 @@ class DiskTier:
             entry = self._entries.pop(alloc_id, None)
             if entry is None:
                 return False
-            self._used -= entry.stored_bytes
+            self._used -= entry.footprint_bytes
+            self._stored -= entry.stored_bytes
             self._raw -= entry.raw_bytes
         self.path_of(alloc_id).unlink(missing_ok=True)
         return True

@@ -189,7 +189,8 @@ def test_disk_drain_does_not_evict_again_what_the_last_pass_already_evicted(
     rng = np.random.default_rng(7)
     values = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(10)]
     probe = DiskTier(tmp_path / "probe", 8 * MiB)
-    stored = len(probe.encode(memoryview(values[0]), itemsize=1)[0])  # random bytes: all files this size
+    # Random bytes: every file this size, in whole blocks of the filesystem.
+    stored = probe.footprint(len(probe.encode(memoryview(values[0]), itemsize=1)[0]))
     probe.close()
     a = make_agent(disk_bytes=10 * stored + 64, host_bytes=8 * MiB, spill_to_peers=False)
     assert a.disk is not None

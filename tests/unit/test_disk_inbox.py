@@ -25,11 +25,17 @@ def make_inbox(tmp_path: Path, capacity: int = 1 << 20) -> DiskInbox:
     return DiskInbox(DiskTier(tmp_path / "mine", capacity), reserve_timeout_s=5.0, ids=itertools.count(100))
 
 
+def room_of(tmp_path: Path, blob: bytes) -> int:
+    """What ``blob`` takes as a file of the inbox's disk: whole blocks of its filesystem."""
+    return DiskTier.block_size_of(tmp_path) * -(-len(blob) // DiskTier.block_size_of(tmp_path))
+
+
 def test_reservations_count_against_the_disks_free_room(tmp_path: Path, blob: bytes) -> None:
-    inbox = make_inbox(tmp_path, capacity=3 * len(blob))
+    room = room_of(tmp_path, blob)
+    inbox = make_inbox(tmp_path, capacity=3 * room)
     first = inbox.reserve([(len(blob), b"a" * 16), (len(blob), b"b" * 16)])
     assert first is not None and len(first) == 2
-    assert inbox.reserve([(len(blob) + 1, b"c" * 16)]) is None  # all or nothing
+    assert inbox.reserve([(room + 1, b"c" * 16)]) is None  # one block more than is left
     (third,) = inbox.reserve([(len(blob), b"c" * 16)]) or []
     staging = inbox.staging(third.alloc_id, third.offset, third.length)
     assert staging is not None
@@ -88,17 +94,18 @@ def test_a_broken_transfer_stores_nothing(tmp_path: Path, blob: bytes) -> None:
 
 def test_free_bytes_counts_files_on_the_wire_once(tmp_path: Path, blob: bytes) -> None:
     """What a demotion may still use: the disk's free room less the reserved files not yet landed."""
-    inbox = make_inbox(tmp_path, capacity=4 * len(blob))
-    assert inbox.free_bytes() == 4 * len(blob)
+    room = room_of(tmp_path, blob)
+    inbox = make_inbox(tmp_path, capacity=4 * room)
+    assert inbox.free_bytes() == 4 * room
     (res,) = inbox.reserve([(len(blob), b"p" * 16)]) or []
-    assert inbox.free_bytes() == 3 * len(blob)  # on the wire: promised to the peer
+    assert inbox.free_bytes() == 3 * room  # on the wire: promised to the peer
     staging = inbox.staging(res.alloc_id, res.offset, res.length)
     assert staging is not None
     staging[:] = blob
     assert inbox.written(res.alloc_id, staging)
-    assert inbox.free_bytes() == 3 * len(blob)  # landed: counted by the disk, not twice
+    assert inbox.free_bytes() == 3 * room  # landed: counted by the disk, not twice
     inbox.settle([res.alloc_id])
-    assert inbox.free_bytes() == 3 * len(blob)
+    assert inbox.free_bytes() == 3 * room
 
 
 def test_free_room_follows_each_reservation_through_its_life(tmp_path: Path, blob: bytes) -> None:
@@ -106,8 +113,8 @@ def test_free_room_follows_each_reservation_through_its_life(tmp_path: Path, blo
     the file counts in the disk's use) or the reservation goes; a file that fails its check is
     still promised until its reservation goes."""
     inbox = make_inbox(tmp_path, capacity=8 * len(blob))
-    size = len(blob)
-    a, b, c = inbox.reserve([(size, b"a" * 16), (size, b"b" * 16), (size, b"c" * 16)]) or []
+    size = room_of(tmp_path, blob)
+    a, b, c = inbox.reserve([(len(blob), b"a" * 16), (len(blob), b"b" * 16), (len(blob), b"c" * 16)]) or []
     assert inbox.free_bytes() == inbox.disk.free_bytes - 3 * size
 
     def land(res, data: bytes) -> bool:  # type: ignore[no-untyped-def]

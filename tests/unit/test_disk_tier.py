@@ -64,7 +64,9 @@ def test_files_are_named_by_allocation_and_removed(tmp_path: Path) -> None:
     path = tier.path_of(0xABCDEF)
     assert path.exists() and path.name == "0000000000abcdef.mcz"
     assert not list(tmp_path.rglob("*.tmp"))
-    assert tier.objects == 1 and tier.used_bytes == path.stat().st_size
+    # Counted in whole blocks of the filesystem, at least what it says the file takes.
+    assert tier.objects == 1 and tier.used_bytes == tier.footprint(path.stat().st_size)
+    assert tier.used_bytes % tier.block_bytes == 0 and tier.used_bytes >= 512 * path.stat().st_blocks
     assert tier.remove(0xABCDEF)
     assert not path.exists() and tier.used_bytes == 0 and tier.objects == 0
     assert not tier.remove(0xABCDEF)
@@ -90,13 +92,35 @@ def test_corruption_is_detected(tmp_path: Path, damage: str) -> None:
         tier.read_into(5, memoryview(bytearray(50_000)))
 
 
-def test_capacity_counts_stored_bytes(tmp_path: Path) -> None:
+def test_capacity_counts_stored_bytes_in_whole_blocks(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 10_000)
     noise = np.random.default_rng(2).integers(0, 256, 20_000, dtype=np.uint8)
-    with pytest.raises(NoCapacity, match=r"need \d+ B on disk; 10000/10000 B free"):
+    with pytest.raises(NoCapacity, match=r"need \d+ B on disk \(a \d+ B file in \d+ B blocks\); 10000/10000 B free"):
         tier.write(1, memoryview(noise))
     tier.write(2, memoryview(bytes(20_000)))  # zeros compress to almost nothing
-    assert tier.used_bytes < 200 and tier.compression_ratio() > 100
+    stored = tier.entry(2).stored_bytes  # type: ignore[union-attr]
+    assert stored < 200 and tier.used_bytes == tier.block_bytes  # one block on the filesystem
+    assert tier.compression_ratio() == 20_000 / stored  # the ratio is of the stored bytes
+
+
+def test_tiny_files_cannot_take_more_of_the_filesystem_than_the_capacity(tmp_path: Path) -> None:
+    """Capacity counted file lengths: 20,000 files of ~50 B fitted a 1 MiB tier and took 78 MiB of
+    the filesystem. Now each file counts the blocks it takes, and the filesystem agrees."""
+    capacity = 64 << 10
+    tier = DiskTier(tmp_path, capacity)
+    written = 0
+    for alloc_id in range(1, 2001):
+        try:
+            tier.write(alloc_id, memoryview(bytes([alloc_id % 256]) * 64))
+        except NoCapacity:
+            break
+        written += 1
+    assert written == capacity // tier.block_bytes, f"{written} files of ~50 B fitted {capacity} B"
+    on_disk = sum(512 * f.stat().st_blocks for f in tmp_path.rglob("*.mcz"))
+    assert on_disk <= tier.used_bytes <= capacity
+    for alloc_id in range(1, written + 1):
+        assert tier.remove(alloc_id)
+    assert tier.used_bytes == 0
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
@@ -152,7 +176,7 @@ def test_a_chunk_file_moves_whole_between_tiers(tmp_path: Path) -> None:
     assert len(blob) == stored.stored_bytes
     entry = receiver.write_blob(99, blob)
     assert (entry.raw_bytes, entry.stored_bytes, entry.checksum) == (value.nbytes, len(blob), stored.checksum)
-    assert receiver.used_bytes == len(blob) and receiver.raw_bytes == value.nbytes
+    assert receiver.used_bytes == receiver.footprint(len(blob)) and receiver.raw_bytes == value.nbytes
     out = np.empty_like(value)
     receiver.read_into(99, memoryview(out.view(np.uint8)))
     assert np.array_equal(out, value)
@@ -223,7 +247,7 @@ def test_a_second_write_of_an_id_while_the_first_is_on_its_way_is_refused(
     out = bytearray(500)
     tier.read_into(7, memoryview(out))
     assert bytes(out) == b"first" * 100
-    assert tier.used_bytes == tier.entry(7).stored_bytes  # type: ignore[union-attr]
+    assert tier.used_bytes == tier.entry(7).footprint_bytes  # type: ignore[union-attr]
     tier.close()
 
 

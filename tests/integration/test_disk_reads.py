@@ -1,0 +1,68 @@
+"""READs of an object in the disk tier: the range is checked before the chunk file is decoded.
+
+A real in-process agent with a disk tier in a temporary directory, the session's real Redis, a real
+TCP transport sending READ frames; the pressure loop is idle, and the test demotes the object as a
+pressure pass would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import counter
+
+from mooncake_store import connect
+from mooncake_store.agent.node import Agent
+from mooncake_store.errors import StaleLocation
+from mooncake_store.transport.tcp import TcpTransport
+from mooncake_store.types import TierKind
+
+MiB = 1 << 20
+SIZE = 16 * MiB
+
+
+def disk_object(agent: Agent, key: str, value: np.ndarray) -> int:
+    """``value`` stored under ``key`` on ``agent`` and demoted to its disk tier; the disk alloc id."""
+    client = connect(agent.index.url, namespace=agent.namespace)
+    try:
+        client.put(key, value, preferred_node=agent.node_id)
+    finally:
+        client.close()
+    agent.sync_once()
+    (victim,) = [c for c in agent.index.victim_candidates(agent.node_id, "host") if c.key == key]
+    location = agent.table.offset_of(victim.alloc_id)
+    assert location is not None and agent.pressure.moves.demote_to_disk(victim, location[0])
+    meta = agent.index.lookup([key], lease_ms=0).objects[0]
+    assert meta is not None and meta.replicas[0].tier == TierKind.DISK
+    return meta.replicas[0].alloc_id
+
+
+@pytest.mark.parametrize(
+    ("offset", "length"), [(SIZE, 1), (SIZE - 1, 2), (1 << 40, 1)], ids=["at-end", "across", "far"]
+)
+def test_a_read_outside_a_disk_object_is_refused_before_the_file_is_decoded(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, offset: int, length: int
+) -> None:
+    """The agent decoded the whole chunk file (16 MiB here, and its checksum) and only then found
+    the range outside the object: every such READ cost a full decode, which anyone reaching the port
+    could repeat. Now it is refused (STALE) with the file untouched: no disk read is counted."""
+    agent = make_inproc_agent(host_bytes=32 * MiB, disk_path=str(tmp_path), disk_bytes=64 * MiB, prepare=idle)
+    value = np.arange(SIZE, dtype=np.uint8)
+    disk_id = disk_object(agent, "big", value)
+    transport = TcpTransport(timeout_s=5.0, connections_per_peer=1, stripe_bytes=1 << 62)
+    try:
+        with pytest.raises(StaleLocation):
+            transport.read_into(agent.server.endpoint, disk_id, offset, memoryview(bytearray(length)))
+        assert counter(agent, TierKind.DISK, "reads") == 0, "the chunk file was decoded for a READ outside it"
+        last = bytearray(1)
+        transport.read_into(agent.server.endpoint, disk_id, SIZE - 1, memoryview(last))
+        assert last[0] == value[-1] and counter(agent, TierKind.DISK, "reads") == 1
+    finally:
+        transport.close()
+
+
+def idle(agent: Agent) -> None:
+    """No pressure pass of its own: the test demotes the object itself."""
+    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
