@@ -76,8 +76,8 @@ class TierUsage:
     capacity_bytes: int
     used_bytes: int
     objects: int = 0
-    #: hits, misses, demotions, promotions, spills_out, spills_in, evictions; raw_bytes for the
-    #: disk tier (its used_bytes are compressed bytes)
+    #: hits, misses, demotions, promotions, spills_out, spills_in, evictions; raw_bytes and
+    #: stored_bytes for the disk tier (its used_bytes are the whole blocks its files take)
     counters: dict[str, int] = field(default_factory=dict)
 
     @property

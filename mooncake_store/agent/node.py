@@ -201,7 +201,11 @@ class Agent(OtherTierHooks):
             capacity_bytes=self.disk.capacity_bytes,
             used_bytes=self.disk.used_bytes,
             objects=self.disk.objects,
-            counters={**self.pressure.counters[TierKind.DISK], "raw_bytes": self.disk.raw_bytes},
+            counters={
+                **self.pressure.counters[TierKind.DISK],
+                "raw_bytes": self.disk.raw_bytes,
+                "stored_bytes": self.disk.stored_bytes,  # the ratio's denominator (used counts blocks)
+            },
         )
         return (*tiers, disk)
 

@@ -12,7 +12,7 @@ from mooncake_store.types import NodeInfo, TierUsage
 class TierStats:
     tier: str
     capacity_bytes: int
-    used_bytes: int  # for the disk tier: compressed bytes on disk
+    used_bytes: int  # for the disk tier: what its files take on the filesystem (whole blocks)
     objects: int
     hits: int = 0  # lookups answered with a replica in this tier of this node
     reads: int = 0  # reads the agent served itself (TCP, disk); same-host shm reads never reach it
@@ -64,6 +64,7 @@ class ClusterStats:
 def _tier_stats(usage: TierUsage, hits: int) -> TierStats:
     c = usage.counters
     raw = c.get("raw_bytes", 0)
+    stored = c.get("stored_bytes", usage.used_bytes)  # an agent older than the count: its used bytes
     return TierStats(
         tier=str(usage.tier),
         capacity_bytes=usage.capacity_bytes,
@@ -76,7 +77,7 @@ def _tier_stats(usage: TierUsage, hits: int) -> TierStats:
         spills_out=c.get("spills_out", 0),
         spills_in=c.get("spills_in", 0),
         evictions=c.get("evictions", 0),
-        compression_ratio=round(raw / usage.used_bytes, 3) if raw and usage.used_bytes else 1.0,
+        compression_ratio=round(raw / stored, 3) if raw and stored else 1.0,
     )
 
 

@@ -216,6 +216,11 @@ class DiskTier:
         return self._raw
 
     @property
+    def stored_bytes(self) -> int:
+        """The files' compressed bytes (used_bytes counts the blocks they take)."""
+        return self._stored
+
+    @property
     def free_bytes(self) -> int:
         return self.capacity_bytes - self._used
 

@@ -1,4 +1,5 @@
-"""READs of an object in the disk tier: the range is checked before the chunk file is decoded.
+"""The disk tier as the agent serves and reports it: a READ's range is checked before the chunk
+file is decoded, and `stat` shows the blocks the files take and the ratio of their compressed bytes.
 
 A real in-process agent with a disk tier in a temporary directory, the session's real Redis, a real
 TCP transport sending READ frames; the pressure loop is idle, and the test demotes the object as a
@@ -61,6 +62,28 @@ def test_a_read_outside_a_disk_object_is_refused_before_the_file_is_decoded(
         assert last[0] == value[-1] and counter(agent, TierKind.DISK, "reads") == 1
     finally:
         transport.close()
+
+
+def test_stat_shows_the_blocks_files_take_and_the_ratio_of_their_compressed_bytes(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """Once capacity counted whole blocks, stat's compression ratio (raw over used bytes) fell to
+    raw over blocks: 2.5 for 10 KiB of zeros that compress to ~50 B each, not ~200."""
+    agent = make_inproc_agent(host_bytes=32 * MiB, disk_path=str(tmp_path), disk_bytes=64 * MiB, prepare=idle)
+    raw = 10 << 10
+    for i in range(8):
+        disk_object(agent, f"z{i}", np.zeros(raw, np.uint8))
+    assert agent.disk is not None
+    stored = agent.disk.stored_bytes
+    agent.index.heartbeat(agent.node_id, incarnation=agent.incarnation, ttl_ms=agent._ttl_ms, tiers=agent.tiers())
+    client = connect(agent.index.url, namespace=agent.namespace)
+    try:
+        (node,) = client.stat().nodes
+    finally:
+        client.close()
+    disk = next(t for t in node.tiers if t.tier == "disk")
+    assert disk.used_bytes == 8 * agent.disk.block_bytes
+    assert disk.compression_ratio == round(8 * raw / stored, 3) > 100
 
 
 def idle(agent: Agent) -> None:
