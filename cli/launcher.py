@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -36,7 +38,9 @@ from mooncake_cli.state import AgentRecord, ClusterState, clear_state, state_dir
 from mooncake_store.config import format_size, redact_url
 from mooncake_store.tiers.host import SHM_DIR, segment_pattern
 
-_SERVER_PID_RE = re.compile(r", pid (\d+)\s*$", re.MULTILINE)
+_SERVER_PID_RE = re.compile(r", pid (\d+)(?:, temp dir (.+?))?\s*$", re.MULTILINE)
+#: How the embedded server names its temp dir (tempfile.mkdtemp's prefix in mooncake_store.embedded).
+_SERVER_DIR_PREFIX = "mooncake-redis-"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -117,6 +121,7 @@ def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
     found = wait_for_match(proc, log, _SERVER_PID_RE, 2.0)
     if found:
         state.servers.append(ref_of(int(found.group(1))))
+        state.server_dir = found.group(2) or ""
     return line.strip()
 
 
@@ -216,8 +221,23 @@ def stop(state: ClusterState, *, timeout_s: float, own: bool = False) -> StopRep
         if alive(server):
             report.killed += len(terminate([server], timeout_s))
             report.stopped += 1
+    if state.server_dir:
+        _remove_server_dir(Path(state.server_dir))  # a wrapper killed outright left it
     clear_state()
     return report
+
+
+def _remove_server_dir(path: Path) -> None:
+    """The embedded server's temp dir, once its processes are stopped; only a directory named as
+    the server names them and owned by this user (the path comes from the state file)."""
+    if not path.is_absolute() or not path.name.startswith(_SERVER_DIR_PREFIX):
+        return
+    try:
+        info = path.lstat()
+    except OSError:
+        return  # gone already: its wrapper removed it
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def describe(state: ClusterState) -> list[str]:

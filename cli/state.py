@@ -62,6 +62,7 @@ class ClusterState:
     mode: str  # "detached" or "foreground"
     owner: ProcRef | None = None  # the `mooncake up` process of a foreground cluster
     servers: list[ProcRef] = field(default_factory=list)  # embedded server wrapper, then the server itself
+    server_dir: str = ""  # the embedded server's temp dir ("" for an external server)
     agents: list[AgentRecord] = field(default_factory=list)
     log_dir: str = ""
     started_at: float = field(default_factory=time.time)
@@ -87,6 +88,7 @@ class ClusterState:
             "mode": self.mode,
             "owner": self.owner.to_dict() if self.owner else None,
             "servers": [s.to_dict() for s in self.servers],
+            "server_dir": self.server_dir,
             "agents": [a.to_dict() for a in self.agents],
             "shm_segments": self.shm_segments,
             "log_dir": self.log_dir,
@@ -103,6 +105,7 @@ class ClusterState:
             mode=str(data.get("mode", "detached")),
             owner=ProcRef.from_dict(owner) if owner else None,
             servers=[ProcRef.from_dict(s) for s in data.get("servers", [])],
+            server_dir=str(data.get("server_dir", "")),
             agents=[AgentRecord.from_dict(a) for a in data.get("agents", [])],
             log_dir=str(data.get("log_dir", "")),
             started_at=float(data.get("started_at", 0.0)),

@@ -391,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         print(server.url, flush=True)
-        print(f"{server.server_name} {server.version}, pid {server.pid}", file=sys.stderr, flush=True)
+        # The pid and the temp dir let `mooncake down` stop the server and remove its files even
+        # when this wrapper was killed outright (SIGKILL runs no cleanup).
+        where = f", temp dir {server.temp_dir}" if server.temp_dir is not None else ""
+        print(f"{server.server_name} {server.version}, pid {server.pid}{where}", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if not server.running:
                 print(f"error: the server (pid {server.pid}) exited on its own", file=sys.stderr)

@@ -25,6 +25,8 @@ from rich.text import Text
 
 from mooncake_store import ClusterStats, MooncakeError, connect
 from mooncake_store.config import format_size, load_config, redact_url
+from mooncake_store.errors import ConnectError
+from mooncake_store.index.client import connect_redis
 
 
 class _Stop(Exception):
@@ -132,6 +134,8 @@ def up(
             "agent.zone": zone,
         }
     )
+    # What each agent would refuse on its own is refused here, before a server or agent starts.
+    config.agent.check_published_endpoint()
     plan = launcher.LaunchPlan(
         num_agents=agents,
         host_bytes=config.agent.host_bytes,
@@ -150,6 +154,8 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
     """Start the planned cluster; the caller holds the state directory (_only_up)."""
     _refuse_if_running()
     launcher.check_shm_room(plan.num_agents, plan.host_bytes)
+    if plan.redis_url is not None:
+        _check_reachable(plan.redis_url, timeout_s=min(plan.timeout_s, 5.0))
     if not as_json:
         where = "the embedded server" if plan.redis_url is None else redact_url(plan.redis_url)
         err.print(f"[dim]starting {plan.num_agents} agent(s) x {format_size(plan.host_bytes)} on {where}...[/dim]")
@@ -179,6 +185,19 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
     _run_foreground(plan, ref_of(os.getpid()), as_json=as_json)
 
 
+def _check_reachable(redis_url: str, *, timeout_s: float) -> None:
+    """A server at ``redis_url`` answers: each agent would find out on its own and exit, and `up`
+    reported the agents' exits (exit 1) rather than the server it cannot reach (exit 4)."""
+    try:
+        connect_redis(redis_url, timeout_s=timeout_s).close()
+    except ConnectError as exc:
+        reason = str(exc).split(". Start a cluster", 1)[0]  # that advice is for commands other than up
+        raise CliError(
+            f"{reason}; start that server first, or leave out --redis-url for a server of the cluster's own",
+            ExitCode.CANNOT_CONNECT,
+        ) from None
+
+
 def _print_started(state: ClusterState, *, as_json: bool) -> None:
     if as_json:
         out.print_json(json.dumps({**state.to_dict(), "redis_url": redact_url(state.redis_url)}))
@@ -201,7 +220,10 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
         state = launcher.launch(plan, owner=owner)
         save_state(state)
         _print_started(state, as_json=as_json)
-        _live_view(state)
+        if as_json:
+            _wait_quietly(state)  # stdout holds the one JSON document; the tables would follow it there
+        else:
+            _live_view(state)
     except (KeyboardInterrupt, _Stop):
         pass
     finally:
@@ -217,6 +239,18 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
             )
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def _wait_quietly(state: ClusterState) -> None:
+    """The foreground cluster with --json: nothing more on stdout until it stops; an agent process
+    that exits is reported on stderr, once."""
+    reported: set[str] = set()
+    while True:
+        for agent in state.agents:
+            if agent.node_id not in reported and not alive(agent.proc):
+                reported.add(agent.node_id)
+                err.print(f"[red]agent process exited:[/red] {agent.node_id} (see {state.log_dir})")
+        time.sleep(1.0)
 
 
 def _live_view(state: ClusterState) -> None:

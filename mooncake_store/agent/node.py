@@ -21,8 +21,8 @@ from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
-from mooncake_store.config import AgentConfig, is_wildcard_host, split_host_port
-from mooncake_store.errors import ConfigError, ConnectError, MooncakeError
+from mooncake_store.config import AgentConfig
+from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
 from mooncake_store.index.client import NodeIdTaken
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
@@ -44,25 +44,9 @@ def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _refuse_wildcard_endpoint(config: AgentConfig) -> None:
-    """Peers dial the published endpoint, and a wildcard bind address (0.0.0.0, ::) dialled from
-    another host is that host itself: the node would be unreachable, or, with the same fixed port on
-    every node, clients would talk to the wrong agent. Checked here rather than in the config, where a
-    client loading the same file has no use for the agent's endpoint."""
-    if config.advertise:
-        return
-    host, _ = split_host_port(config.listen, what="agent.listen")
-    if is_wildcard_host(host):
-        raise ConfigError(
-            f"agent.listen={config.listen!r} binds every interface, and peers cannot dial {host}: set "
-            "agent.advertise (--advertise HOST:PORT, env MOONCAKE_AGENT_ADVERTISE) to an address of this "
-            "node that peers can reach"
-        )
-
-
 class Agent(OtherTierHooks):
     def __init__(self, config: AgentConfig, *, redis_url: str, namespace: str) -> None:
-        _refuse_wildcard_endpoint(config)
+        config.check_published_endpoint()
         self.config = config
         self.node_id = config.node_id or default_node_id()
         self.namespace = namespace

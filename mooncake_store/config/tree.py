@@ -14,7 +14,7 @@ from mooncake_store.config.fields import _CODE, _build_fields, _Field, _Source
 
 # Re-exported (the redundant alias marks it so): loader.py takes _DEFAULT, like the table, from here.
 from mooncake_store.config.fields import _DEFAULT as _DEFAULT
-from mooncake_store.config.values import redact_url
+from mooncake_store.config.values import is_wildcard_host, redact_url, split_host_port
 from mooncake_store.errors import ConfigError
 
 # --- the tree ---------------------------------------------------------------------------------------
@@ -63,13 +63,29 @@ class AgentConfig:
     # (the shm path, as a same-host client put); false: every spill goes over TCP.
     spill_shm: bool = True
     disk_path: str = ""  # "" -> no disk tier
-    disk_bytes: int = 0  # capacity of the disk tier (compressed bytes on disk)
+    disk_bytes: int = 0  # capacity of the disk tier (what its files take on the filesystem)
     promote_on_read: bool = True  # a read of a disk replica brings the object back to host memory
     gpu_bytes: int = 0  # 0 -> no GPU tier
     gpu_id: int = 0
 
     def __post_init__(self) -> None:
         _validate_instance(self, "agent")
+
+    def check_published_endpoint(self) -> None:
+        """Peers dial the published endpoint, and a wildcard bind address (0.0.0.0, ::) dialled from
+        another host is that host itself: the node would be unreachable, or, with the same fixed
+        port on every node, clients would talk to the wrong agent. Checked by the agent and by
+        `mooncake up` before it starts anything, not when a config is loaded: a client loading the
+        same file has no use for the agent's endpoint."""
+        if self.advertise:
+            return
+        host, _ = split_host_port(self.listen, what="agent.listen")
+        if is_wildcard_host(host):
+            raise ConfigError(
+                f"agent.listen={self.listen!r} binds every interface, and peers cannot dial {host}: set "
+                "agent.advertise (--advertise HOST:PORT, env MOONCAKE_AGENT_ADVERTISE) to an address of this "
+                "node that peers can reach"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -115,14 +115,13 @@ def test_down_never_signals_processes_recorded_in_another_boot(
 
 
 def test_an_agent_that_exits_while_up_waits_for_it_is_reported_as_exited(mooncake: Mooncake) -> None:
-    """An agent that cannot reach Redis exits at once; `up` said it "did not become ready within
-    30 s" (after one second), which sent the reader looking for a hang."""
-    with socket_on_a_free_port() as port:  # bound, not listening: connections are refused
-        result = mooncake(
-            "up", "--detach", "--agents", "1", "--host-mem", "16MiB", "--redis-url", f"redis://127.0.0.1:{port}/0"
-        )
+    """An agent that cannot start exits at once; `up` said it "did not become ready within 30 s"
+    (after one second), which sent the reader looking for a hang. Its disk tier's directory cannot
+    be made (under /proc), which only the agent finds out."""
+    env = {"MOONCAKE_AGENT_DISK_PATH": "/proc/mooncake-cannot-be-here", "MOONCAKE_AGENT_DISK_BYTES": "16MiB"}
+    result = mooncake("up", "--detach", "--agents", "1", "--host-mem", "16MiB", env=env)
     text = result.stderr.decode()
     assert result.returncode != 0, text
     assert "agent agent-0 exited with status" in text and "within" not in text, text
-    assert f"cannot reach Redis at redis://127.0.0.1:{port}" in text, text
+    assert "cannot create the disk tier directory /proc/mooncake-cannot-be-here" in text, text
     assert not (mooncake.state_dir / "cluster.json").exists()

@@ -1,0 +1,87 @@
+"""`mooncake up`: what it checks before it starts anything, what `--json` prints in the
+foreground, and what `down` removes when the embedded server's wrapper was killed outright."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .conftest import HOST_MEM, Mooncake, assert_one_line_error
+from .test_cli_lifecycle import socket_on_a_free_port
+
+
+def _no_processes_started(mooncake: Mooncake) -> None:
+    logs = mooncake.state_dir / "logs"
+    started = sorted(p.name for p in logs.glob("*.log")) if logs.exists() else []
+    assert started == [], f"processes were started before the check failed: {started}"
+    assert not (mooncake.state_dir / "cluster.json").exists()
+
+
+def test_up_with_a_server_it_cannot_reach_is_exit_4_before_any_agent_starts(mooncake: Mooncake) -> None:
+    """Each agent found out on its own, exited, and `up` reported the agents' exits (exit 1)."""
+    with socket_on_a_free_port() as port:  # bound, not listening: connections are refused
+        url = f"redis://127.0.0.1:{port}/0"
+        result = mooncake("up", "--detach", "--agents", "2", "--host-mem", "16MiB", "--redis-url", url)
+    assert_one_line_error(result, 4, f"cannot reach Redis at {url}", "--redis-url")
+    _no_processes_started(mooncake)
+
+
+def test_up_refuses_a_wildcard_listen_without_advertise_before_starting_anything(mooncake: Mooncake) -> None:
+    """The agent refused it (exit 1, after the embedded server and the agents had started)."""
+    result = mooncake(
+        "up", "--detach", "--agents", "1", "--host-mem", "16MiB", env={"MOONCAKE_AGENT_LISTEN": "0.0.0.0:0"}
+    )
+    assert_one_line_error(result, 2, "binds every interface", "agent.advertise")
+    _no_processes_started(mooncake)
+
+
+def test_foreground_up_with_json_prints_one_json_document(mooncake: Mooncake, pid_alive: Callable[[int], bool]) -> None:
+    """The live tables followed the JSON on stdout, which then did not parse."""
+    proc = mooncake.popen("up", "--agents", "1", "--host-mem", HOST_MEM, "--json")
+    state_file = mooncake.state_dir / "cluster.json"
+    try:
+        deadline = time.monotonic() + 30
+        while not state_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state_file.exists(), proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
+        time.sleep(2.5)  # the live view refreshes every second: long enough for it to have printed
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            mooncake("down", "--timeout", "5")
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, stderr.decode(errors="replace")
+    started = json.loads(stdout)  # the whole of stdout is one JSON document
+    assert started["mode"] == "foreground" and [a["node_id"] for a in started["agents"]] == ["agent-0"]
+    assert not any(pid_alive(int(s["pid"])) for s in started["servers"])
+
+
+def _server_dir(server_pid: int) -> Path:
+    """The embedded server's data dir: the server works in it (--dir DIR makes it its cwd)."""
+    return Path(os.readlink(f"/proc/{server_pid}/cwd"))
+
+
+def test_down_removes_the_temp_dir_of_a_server_whose_wrapper_was_killed(
+    mooncake: Mooncake, pid_alive: Callable[[int], bool]
+) -> None:
+    """The wrapper removes the server's temp dir when it stops; killed with SIGKILL it cannot, and
+    `down` stopped the server by its recorded pid but left /tmp/mooncake-redis-* for good."""
+    state = json.loads(mooncake.ok("up", "--detach", "--agents", "0", "--json").stdout)
+    wrapper, server = (int(s["pid"]) for s in state["servers"])
+    try:
+        directory = _server_dir(server)
+        assert directory.name.startswith("mooncake-redis-") and directory.is_dir()
+        os.kill(wrapper, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(wrapper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        down = mooncake("down", "--timeout", "5")
+    assert down.returncode == 0, down.stderr
+    assert not pid_alive(server)
+    assert not directory.exists(), f"{directory} left behind"
