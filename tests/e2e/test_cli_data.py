@@ -178,13 +178,16 @@ def test_get_returns_one_whole_object_while_the_key_is_replaced_by_smaller_ones(
     """`mooncake get` sized its buffer from a lookup, then read: a key replaced by a smaller object
     in between came out as the new bytes followed by uninitialised memory, with exit status 0.
     It now keeps only what the read wrote. (The CLI's fetch, in this process, against a writer
-    alternating a 4 MiB and a 16 B value; bounded in count and time.)"""
+    alternating a 4 MiB and a 16 B value; bounded in count and time.) The replaced values wait in
+    the agents' graveyards for their read leases, so on a loaded machine both arenas fill and a
+    pressure pass may evict the key's current value before the writer's next one lands: this is a
+    cache, and such a read is a miss (KeyNotFound), not a wrong value."""
     import threading
 
     import numpy as np
     from mooncake_cli.commands.data import _fetch
 
-    from mooncake_store import connect
+    from mooncake_store import KeyNotFound, connect
 
     big, small = np.full(4 << 20, ord("A"), np.uint8), np.full(16, ord("B"), np.uint8)
     with connect(cluster_cli.state()["redis_url"]) as client:
@@ -200,18 +203,26 @@ def test_get_returns_one_whole_object_while_the_key_is_replaced_by_smaller_ones(
         thread = threading.Thread(target=writer)
         thread.start()
         wrong = []
+        whole = misses = 0
         try:
             deadline = time.monotonic() + 10
             for _ in range(300):
                 if time.monotonic() > deadline:
                     break
-                got = _fetch(client, "race")
-                if not (np.array_equal(got, big) or np.array_equal(got, small)):
+                try:
+                    got = _fetch(client, "race")
+                except KeyNotFound:
+                    misses += 1
+                    continue
+                if np.array_equal(got, big) or np.array_equal(got, small):
+                    whole += 1
+                else:
                     wrong.append((len(got), bytes(got[:20])))
         finally:
             stop.set()
             thread.join(30)
     assert not wrong, f"{len(wrong)} reads were neither value, first {wrong[0]}"
+    assert whole >= 10, f"{whole} whole reads ({misses} misses): the race was hardly run"
 
 
 def test_rm_of_a_key_named_twice_removes_it_once_and_succeeds(cluster_cli: Mooncake) -> None:
