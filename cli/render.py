@@ -79,6 +79,7 @@ ACTIVITY = (
     ("spill out", "spills_out"),
     ("spill in", "spills_in"),
     ("evicted", "evictions"),
+    ("copied", "copies_out"),
 )
 
 

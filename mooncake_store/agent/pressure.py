@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import LocalMoves
+from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import MooncakeError
 from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
@@ -93,6 +94,8 @@ class PressureManager:
         #: emptiest, and each pass would choose it first and wait out its timeout again.
         self._silent_until: dict[str, float] = {}
         self.moves = LocalMoves(agent, self.count)
+        job_of = {TierKind.HOST: self._host_job, TierKind.GPU: self._gpu_job, TierKind.DISK: self._disk_job}
+        self.repairs = Repairs(agent, self._spiller, job_of, self.count)
 
     def close(self) -> None:
         self._spiller.close()
@@ -146,7 +149,7 @@ class PressureManager:
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         interval = self.agent.config.pressure_interval_s
-        next_retain = 0.0
+        next_retain = next_repair = 0.0
         while not stop.is_set():
             self._wake.wait(interval)
             self._wake.clear()
@@ -165,6 +168,9 @@ class PressureManager:
                     for _ in range(MAX_PASSES):
                         if relieve() == 0:
                             break
+                if time.monotonic() >= next_repair:  # objects a dead node's loss left short of copies
+                    next_repair = time.monotonic() + REPAIR_EVERY_S
+                    self.repairs.run_once(self._silent_peers())
             except MooncakeError as exc:
                 log.warning("pressure pass failed: %s", exc)
             except Exception:

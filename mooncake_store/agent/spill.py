@@ -119,10 +119,14 @@ class Spiller:
         self._swapper.shutdown(wait=False, cancel_futures=True)
         self._reserver.shutdown(wait=False, cancel_futures=True)
 
-    def spill(self, peer_node: NodeInfo, jobs: list[SpillJob], *, tier: TierKind = TierKind.HOST) -> SpillResult:
+    def spill(
+        self, peer_node: NodeInfo, jobs: list[SpillJob], *, tier: TierKind = TierKind.HOST, copy: bool = False
+    ) -> SpillResult:
         """Move ``jobs`` to ``peer_node``'s ``tier`` (the tier they are in here), batch by batch. While
         a batch's bytes go out, the next batch is reserved (reservation thread) and the one before
-        is swapped in the index (swap thread); all swaps are done when this returns."""
+        is swapped in the index (swap thread); all swaps are done when this returns. ``copy``: the
+        objects stay here too, and the index adds the peer's copies as replicas (re-replication,
+        copy_replicas.lua); ``moved`` then lists the jobs copied."""
         result = SpillResult()
         if tier == TierKind.HOST:
             # Map a same-host peer's arena before reserving there: populating a large mapping takes
@@ -151,7 +155,7 @@ class Spiller:
                     if not broken:
                         swaps.append(
                             self._swapper.submit(
-                                self._swap, peer_node, reserved.batch, reserved.reservations, written, tier
+                                self._swap, peer_node, reserved.batch, reserved.reservations, written, tier, copy
                             )
                         )
                 except BaseException:
@@ -285,6 +289,7 @@ class Spiller:
         reservations: list[Reservation],
         written: list[bool],
         tier: TierKind,
+        copy: bool = False,
     ) -> Swapped:
         """One compare-and-swap of the written jobs; every reservation not swapped is expired on the
         peer. Returns the jobs that moved (a job written but not swapped is dropped: its object
@@ -308,12 +313,22 @@ class Spiller:
             for job, res, ok in zip(batch, reservations, written, strict=True)
             if ok
         ]
+        index, me = self.agent.index, self.agent.node_id
         try:
-            statuses = self.agent.index.move_replicas(moves, old_node=self.agent.node_id) if moves else []
+            if not moves:
+                statuses = []
+            elif copy:
+                statuses = index.copy_replicas(moves, src_node=me)
+            else:
+                statuses = index.move_replicas(moves, old_node=me)
         except MooncakeError as exc:
             # Whether the swap happened is unknown: expiring is still safe, since the peer keeps a
             # reservation whose swap reached the index (its ack list says so) and frees the rest.
             self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reservations])
+            if copy:
+                # Nothing here to free or count either way: a copy that landed is seen by the next
+                # repair pass, which finds the object's count restored.
+                return Swapped(error=exc)
             unknown = [
                 (job, MoveTarget(job.victim.key, peer_node.node_id, res.alloc_id, tier, (tier, "spills_out")))
                 for job, res, ok in zip(batch, reservations, written, strict=True)

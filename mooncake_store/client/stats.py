@@ -21,6 +21,7 @@ class TierStats:
     spills_out: int = 0
     spills_in: int = 0
     evictions: int = 0
+    copies_out: int = 0  # objects copied to other nodes to restore their replica count after a node's loss
     compression_ratio: float = 1.0  # raw bytes over stored bytes (disk tier)
 
 
@@ -77,6 +78,7 @@ def _tier_stats(usage: TierUsage, hits: int) -> TierStats:
         spills_out=c.get("spills_out", 0),
         spills_in=c.get("spills_in", 0),
         evictions=c.get("evictions", 0),
+        copies_out=c.get("copies_out", 0),
         compression_ratio=round(raw / stored, 3) if raw and stored else 1.0,
     )
 

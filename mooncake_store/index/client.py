@@ -140,6 +140,8 @@ class RedisIndex(PressureCalls):
             "prefix_match",
             "prefix_refcount",
             "drop_corrupt",  # a second run finds the replica gone
+            "copy_replicas",  # plan_copy answers OK for a copy it already added
+            "repair_candidates",  # a second run lists what the first did
         }
     )
 

@@ -6,13 +6,26 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from mooncake_store.errors import ConnectError, InvalidValue
 from mooncake_store.index.schema import BATCH_LIMIT, decode_replicas, encode_replica, in_batches
-from mooncake_store.types import EvictionCandidate, Replica
+from mooncake_store.types import EvictionCandidate, Replica, TierKind
+
+
+@dataclass(frozen=True, slots=True)
+class RepairCandidate:
+    """An object short of its replicas, with a readable replica on the node asked."""
+
+    key: str
+    size_bytes: int
+    alloc_id: int  # of the replica on the node asked
+    tier: TierKind  # where that replica is
+    missing: int  # replicas to add
+    holders: tuple[str, ...]  # nodes with a replica: none is a target
 
 
 class PressureCalls:
@@ -114,13 +127,38 @@ class PressureCalls:
         another replica), "INVALID" (a malformed location)), in order. One round trip per
         BATCH_LIMIT moves, cut only between guards (guard_batches): the call that swaps deletes the
         guards it used, so moves sharing a guard go in one call."""
+        return self._in_guard_batches("move_replicas", moves, old_node)
+
+    def copy_replicas(self, copies: Sequence[tuple[str, int, Replica, str]], *, src_node: str) -> list[str]:
+        """Add replicas copied from ``src_node``'s (key, its alloc id, new location, guard put id or
+        ""), each on its own (copy_replicas.lua): re-replication after a node's loss. A status per
+        copy ("OK", "GONE", "EXPIRED", "DUP", "INVALID"), in order, one round trip per batch."""
+        return self._in_guard_batches("copy_replicas", copies, src_node)
+
+    def _in_guard_batches(self, script: str, moves: Sequence[tuple[str, int, Replica, str]], node: str) -> list[str]:
         out: list[str] = []
         for chunk in guard_batches(moves):
             args: list[str] = []
             for key, old_alloc_id, new, guard in chunk:
                 args += (key, str(old_alloc_id), json.dumps(encode_replica(new)), guard)
-            out.extend(str(s) for s in self._run("move_replicas", old_node, *args))
+            out.extend(str(s) for s in self._run(script, node, *args))
         return out
+
+    def repair_candidates(self, node_id: str, *, count: int = 256) -> list[RepairCandidate]:
+        """Objects ``node_id`` is to copy to other nodes: short of the replicas they were stored
+        with since a dead node's purge, and holding a readable replica here (repair_candidates.lua)."""
+        flat = self._run("repair_candidates", node_id, count)
+        return [
+            RepairCandidate(
+                key=flat[i],
+                size_bytes=int(flat[i + 1]),
+                alloc_id=int(flat[i + 2]),
+                tier=TierKind(flat[i + 3]),
+                missing=int(flat[i + 4]),
+                holders=tuple(n for n in str(flat[i + 5]).split(",") if n),
+            )
+            for i in range(0, len(flat), 6)
+        ]
 
     def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
         """Drop one replica (the object too if it was the last); "OK", "GONE", "PINNED", "LEASED"

@@ -5,7 +5,8 @@ on Redis Cluster::
 
     mc:{ns}:o:<key>        hash   object record: size, dtype, shape, checksum, version, replicas,
                                   lease_until, last_access, created, refcount (mirror of live pins),
-                                  chain_pos, chain_parent (prefix chains, for eviction)
+                                  chain_pos, chain_parent (prefix chains, for eviction), copies
+                                  (replicas it was stored with: re-replication restores them)
     mc:{ns}:keys           set    every committed key (ls, stat)
     mc:{ns}:pend:<put_id>  hash   a put between reserve and commit (invisible to readers); a string
                                   "guard" for a spill batch's reservations on a peer (one per batch)
@@ -17,6 +18,8 @@ on Redis Cluster::
     mc:{ns}:hb             zset   node id -> heartbeat deadline ms
     mc:{ns}:nobj:<node>    set    keys with a replica on the node (reaping, per-node counts)
     mc:{ns}:tobj:<node>:<tier>  set  keys with a replica on that tier of the node (victim samples)
+    mc:{ns}:repair:<node>  set    keys short of the replicas they were stored with since a node's
+                                  purge, which this node holds and is to copy to another node
     mc:{ns}:acks:<node>    list   alloc ids committed since the agent's last sync
     mc:{ns}:acksout:<node> list   acks the last sync delivered, until the agent confirms it applied them
     mc:{ns}:gc:<node>      zset   alloc id -> time after which the agent may free it

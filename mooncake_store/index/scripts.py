@@ -32,6 +32,8 @@ SCRIPT_NAMES = (
     "move_replicas",
     "evict",
     "drop_corrupt",
+    "copy_replicas",
+    "repair_candidates",
 )
 
 

@@ -108,6 +108,22 @@ local function drop_object(key)
   redis.call('DEL', P .. 'o:' .. key, P .. 'pins:' .. key)
   redis.call('SREM', P .. 'keys', key)
 end
+-- Re-replication: an object records how many replicas it was stored with (copies); one that a
+-- dead node's purge leaves with fewer readable ones is listed in repair:<holder>, the set of the
+-- first live node that still holds a readable replica, whose agent copies it to another node
+-- (repair_candidates.lua, copy_replicas.lua). Evictions under pressure drop replicas on purpose
+-- and list nothing.
+local function readable_nodes(reps, now)
+  local out = {}
+  for _, r in ipairs(reps) do
+    if r[6] == 'COMPLETE' and node_live(r[1], now) then table.insert(out, r[1]) end
+  end
+  return out
+end
+local function note_short(key, reps, copies, now)
+  local readable = readable_nodes(reps, now)
+  if #readable > 0 and #readable < copies then redis.call('SADD', P .. 'repair:' .. readable[1], key) end
+end
 -- Strip a node's replicas from the index; bounded per call so a huge node cannot stall Redis.
 -- Returns the number of keys still to go (0 when the node is gone from the index).
 local function purge_node(node, max_keys)
@@ -117,24 +133,27 @@ local function purge_node(node, max_keys)
   -- agent drops everything and registers again, which finishes the purge first).
   redis.call('SADD', P .. 'purging', node)
   local keys = redis.call('SRANDMEMBER', nk, max_keys)
+  local now = now_ms()
   for _, key in ipairs(keys) do
     local ok = P .. 'o:' .. key
-    local reps = decode_list(redis.call('HGET', ok, 'replicas'))
+    local f = redis.call('HMGET', ok, 'replicas', 'copies')
     local keep = {}
-    for _, r in ipairs(reps) do
+    for _, r in ipairs(decode_list(f[1])) do
       if r[1] ~= node then table.insert(keep, r) else redis.call('SREM', tier_set(node, r[2]), key) end
     end
     if #keep == 0 then
       drop_object(key)
     else
       redis.call('HSET', ok, 'replicas', encode_list(keep))
+      note_short(key, keep, tonumber(f[2] or 0) or 0, now)
     end
     redis.call('SREM', nk, key)
   end
   local left = redis.call('SCARD', nk)
   if left == 0 then
+    -- Its repair set goes too: each key in it had a replica here, so the loop above handed it on.
     redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node,
-      P .. 'landed:' .. node)
+      P .. 'landed:' .. node, P .. 'repair:' .. node)
     for _, tier in ipairs(TIER_NAMES) do redis.call('DEL', tier_set(node, tier)) end
     -- Its hit counters too: default node ids carry a pid, so stats would grow with every agent.
     redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':gpu', 'hits:' .. node .. ':host', 'hits:' .. node .. ':disk')
@@ -231,6 +250,19 @@ local function take_guard(guard, swaps)
   end
   return there
 end
+-- The record of key as a batch of swaps has it so far (read once; nil: no such object).
+local function swap_record(key, swaps)
+  local rec = swaps.records[key]
+  if rec == nil then
+    local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas', 'lease_until')
+    if not f[1] then return nil end
+    local lease = tonumber(f[2] or 0)
+    if lease == nil then error('o:' .. key .. ' lease_until is not a number: ' .. tostring(f[2])) end
+    rec = {reps = decode_list(f[1]), lease = lease}
+    swaps.records[key] = rec
+  end
+  return rec
+end
 -- Compare-and-swap one replica of key from (old_node, old_alloc) to new (a decoded replica array)
 -- (DESIGN.md §3.4), planned into swaps (new_swaps(); written by write_swaps). guard: "" or the put
 -- id of the new location's reservation on another agent, whose record pend:<guard> that agent's
@@ -242,15 +274,8 @@ end
 -- copies on one node would be one), or "INVALID" (the new location is malformed).
 local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps)
   if not valid_replica(new) then return 'INVALID' end
-  local rec = swaps.records[key]
-  if rec == nil then
-    local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas', 'lease_until')
-    if not f[1] then return 'GONE' end
-    local lease = tonumber(f[2] or 0)
-    if lease == nil then error('o:' .. key .. ' lease_until is not a number: ' .. tostring(f[2])) end
-    rec = {reps = decode_list(f[1]), lease = lease}
-    swaps.records[key] = rec
-  end
+  local rec = swap_record(key, swaps)
+  if rec == nil then return 'GONE' end
   local reps = rec.reps
   local found, dup = nil, false
   for i, r in ipairs(reps) do
@@ -280,6 +305,35 @@ local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps)
   -- control characters), so that a read can promote it to host memory.
   defer(swaps.rpush, P .. 'acks:' .. new[1], new[2] == 'disk' and (new[5] .. '\t' .. key) or new[5])
   defer(swaps.landed, P .. 'landed:' .. old_node, now, new[1] .. ':' .. new[5])
+  return 'OK'
+end
+
+-- Add a replica of key at new (a decoded replica array), copied from (src_node, src_alloc), planned
+-- into swaps (written by write_swaps): re-replication after a node's loss. The source stays. Returns
+-- "OK" (also for a retry whose first call added it), "GONE" (the object no longer holds the source:
+-- removed, replaced or moved meanwhile), "EXPIRED", "DUP" (the new node holds a replica already),
+-- or "INVALID", with plan_swap's meanings. Pins do not matter: nothing of the object moves.
+local function plan_copy(key, src_node, src_alloc, new, guard, now, swaps)
+  if not valid_replica(new) then return 'INVALID' end
+  local rec = swap_record(key, swaps)
+  if rec == nil then return 'GONE' end
+  local found, dup = false, new[1] == src_node
+  for _, r in ipairs(rec.reps) do
+    if r[1] == new[1] and r[5] == new[5] then return 'OK' end
+    if r[1] == src_node and r[5] == src_alloc and r[6] == 'COMPLETE' then found = true
+    elseif r[1] == new[1] then dup = true end
+  end
+  if not take_guard(guard, swaps) then return 'EXPIRED' end
+  if stale_alloc(new[1], new[5]) then return 'EXPIRED' end
+  if not node_live(new[1], now) then return 'EXPIRED' end
+  if not found then return 'GONE' end
+  if dup then return 'DUP' end
+  new[6] = 'COMPLETE'
+  table.insert(rec.reps, new)
+  swaps.changed[key] = true
+  defer(swaps.tiers, key, {new[1], new[2]})
+  defer(swaps.sadd, P .. 'nobj:' .. new[1], key)
+  defer(swaps.rpush, P .. 'acks:' .. new[1], new[2] == 'disk' and (new[5] .. '\t' .. key) or new[5])
   return 'OK'
 end
 

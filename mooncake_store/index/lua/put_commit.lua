@@ -77,7 +77,7 @@ for i, put_id in ipairs(ids) do
       local version = redis.call('INCR', P .. 'version')
       redis.call('HSET', ok, 'size', e.size, 'dtype', e.dtype, 'shape', e.shape,
         'checksum', e.checksum, 'version', version, 'replicas', encode_list(e.replicas),
-        'lease_until', 0, 'last_access', now, 'created', now)
+        'lease_until', 0, 'last_access', now, 'created', now, 'copies', #e.replicas)
       if e.chain_pos then
         redis.call('HSET', ok, 'chain_pos', e.chain_pos)
       else

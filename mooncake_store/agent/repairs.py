@@ -1,0 +1,112 @@
+"""Re-replication: objects that a dead node's purge left with fewer readable replicas than they
+were stored with are copied to other nodes until they have their count again.
+
+The index lists such an object in ``repair:<node>`` of the first live node that still holds a
+readable replica (index/lua/prelude.lua: note_short); that node's agent takes its list here, every
+REPAIR_EVERY_S from its pressure loop, and copies each object as a spill does (agent/spill.py:
+a guarded reservation on the peer, the bytes, then one index call for the batch), except that its
+own replica stays and the index adds the peer's copy beside it (copy_replicas.lua). A target is
+chosen as a spill's is (policy/eviction.py: choose_move: a live peer with room under its high
+watermark, same zone first), never a node that holds a replica already. With ``replicas = 2`` a
+node's loss is repaired before the next one: a rolling restart loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from mooncake_store.agent.spill import Spiller, SpillJob
+from mooncake_store.index.pressure import RepairCandidate
+from mooncake_store.policy.eviction import MoveKind, choose_move
+from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.node import Agent
+
+log = logging.getLogger("mooncake.agent")
+
+#: How often an agent asks the index for objects it is to copy (one call, cheap when none).
+REPAIR_EVERY_S = 1.0
+#: Objects taken per call.
+REPAIR_BATCH = 256
+
+JobOf = Callable[[EvictionCandidate], SpillJob | None]
+
+
+class Repairs:
+    def __init__(
+        self, agent: Agent, spiller: Spiller, job_of: Mapping[TierKind, JobOf], count: Callable[..., None]
+    ) -> None:
+        self.agent = agent
+        self._spiller = spiller
+        self._job_of = job_of
+        self._count = count
+
+    def run_once(self, refused: set[str]) -> int:
+        """Copy what this node is to copy now; returns the copies made. ``refused``: peers to leave
+        out (silent ones); a candidate with no peer to go to stays listed for the next call."""
+        agent = self.agent
+        candidates = agent.index.repair_candidates(agent.node_id, count=REPAIR_BATCH)
+        if not candidates:
+            return 0
+        peers = list(agent.index.nodes().values())
+        plan = self._plan(candidates, peers, refused, now_ms=agent.index.server_time_ms())
+        copied = 0
+        for (node_id, tier), jobs in plan.items():
+            peer = next(p for p in peers if p.node_id == node_id)
+            result = self._spiller.spill(peer, jobs, tier=tier, copy=True)
+            if result.moved:
+                copied += len(result.moved)
+                self._count(tier, "copies_out", len(result.moved))
+            if result.error is not None:
+                raise result.error  # the index failed: the rest waits for the next call
+        if copied:
+            log.info("copied %d object(s) short of their replicas to other nodes", copied)
+        return copied
+
+    def _plan(
+        self, candidates: list[RepairCandidate], peers: list[NodeInfo], refused: set[str], *, now_ms: int
+    ) -> dict[tuple[str, TierKind], list[SpillJob]]:
+        """Each candidate's missing copies, one per target node, batched per (node, tier)."""
+        agent = self.agent
+        planned: dict[str, int] = {}
+        plan: dict[tuple[str, TierKind], list[SpillJob]] = {}
+        for cand in candidates:
+            job_of = self._job_of.get(cand.tier)
+            victim = EvictionCandidate(
+                key=cand.key,
+                size_bytes=cand.size_bytes,
+                last_access_ms=0,
+                lease_until_ms=0,
+                pins=0,
+                alloc_id=cand.alloc_id,
+                chain_pos=-1,
+                dtype="",
+                other_nodes=cand.holders,
+            )
+            job = job_of(victim) if job_of is not None else None
+            if job is None:
+                continue  # freed here since the index listed it (moved or removed meanwhile)
+            taken = set(cand.holders) | refused
+            for _ in range(cand.missing):
+                move = choose_move(
+                    job.wire_bytes,
+                    tier=cand.tier,
+                    node_id=agent.node_id,
+                    zone=agent.config.zone,
+                    lower_tier=None,
+                    lower_free_bytes=0,
+                    peers=peers,
+                    now_ms=now_ms,
+                    high_watermark=agent.config.high_watermark,
+                    planned_bytes=planned,
+                    refused=taken,
+                )
+                if move.kind != MoveKind.SPILL or move.node_id is None:
+                    break  # no node has room for it now: it stays listed
+                plan.setdefault((move.node_id, cand.tier), []).append(job)
+                planned[move.node_id] = planned.get(move.node_id, 0) + job.wire_bytes
+                taken.add(move.node_id)
+        return plan

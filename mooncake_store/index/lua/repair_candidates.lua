@@ -1,0 +1,31 @@
+-- repair_candidates: objects one node is to copy to another node, to restore the replica count
+-- they were stored with after a dead node's purge took one (prelude.lua: note_short).
+-- KEYS: none
+-- ARGV: [1] prefix, [2] node id, [3] most candidates
+-- Returns: a flat list, 6 fields per candidate: key, size, alloc id and tier of the node's replica,
+--   replicas still missing, the nodes holding a replica (comma-separated: none is a target).
+-- Keys that need nothing more from this node leave its set here: the object is gone, it has its
+-- count of readable replicas again, or this node holds no readable replica of it (then the next
+-- live holder's set lists it, if it is still short).
+local node = ARGV[2]
+local now = now_ms()
+local set = P .. 'repair:' .. node
+local out = {}
+for _, key in ipairs(redis.call('SRANDMEMBER', set, tonumber(ARGV[3]))) do
+  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'replicas', 'copies')
+  local mine, holders = nil, {}
+  local reps = f[1] and decode_list(f[2]) or {}
+  for _, r in ipairs(reps) do
+    table.insert(holders, r[1])
+    if r[1] == node and r[6] == 'COMPLETE' then mine = r end
+  end
+  local copies = tonumber(f[3] or 0) or 0
+  local missing = copies - #readable_nodes(reps, now)
+  if f[1] and missing > 0 and mine then  -- stays listed until its copies land
+    for _, v in ipairs({key, f[1], mine[5], mine[2], missing, table.concat(holders, ',')}) do table.insert(out, v) end
+  else
+    redis.call('SREM', set, key)
+    if f[1] and missing > 0 then note_short(key, reps, copies, now) end
+  end
+end
+return out
