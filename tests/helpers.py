@@ -116,6 +116,23 @@ def put_on(agent: Agent, key: str, data: np.ndarray, *, tier: TierKind) -> int:
     return alloc.alloc_id
 
 
+def pending_put(key: str, *placed: tuple[str, TierKind, int], size: int = 16) -> PendingPut:
+    """A put of ``size`` bytes under ``key`` with a PENDING replica per (node, tier, alloc id), for
+    the index's scripts alone (no agent holds the bytes)."""
+    return PendingPut(
+        put_id=uuid.uuid4().hex,
+        key=key,
+        size_bytes=size,
+        dtype="|u1",
+        shape=(size,),
+        checksum=7,
+        replicas=tuple(
+            Replica(node_id=node, tier=tier, offset=0, size_bytes=size, alloc_id=alloc, state=ReplicaState.PENDING)
+            for node, tier, alloc in placed
+        ),
+    )
+
+
 def replicas_of(agent: Agent, key: str) -> list[Replica]:
     meta = agent.index.lookup([key], lease_ms=0).objects[0]
     return list(meta.replicas) if meta is not None else []

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from helpers import node_row, wait_until
+from helpers import node_row, pending_put, wait_until
 from index_audit import audit_index
 
 from mooncake_store import Client, LocalCluster
-from mooncake_store.index.client import PendingPut, RedisIndex
+from mooncake_store.index.client import RedisIndex
 from mooncake_store.types import Replica, ReplicaState, TierKind, TierUsage
 
 TTL_MS = 600_000
@@ -35,20 +35,14 @@ def index(redis_url: str) -> Iterator[RedisIndex]:
         idx.close()
 
 
-def replica(node: str, alloc: int, state: ReplicaState = ReplicaState.COMPLETE) -> Replica:
-    return Replica(node_id=node, tier=TierKind.HOST, offset=0, size_bytes=16, alloc_id=alloc, state=state)
+def replica(node: str, alloc: int) -> Replica:
+    return Replica(
+        node_id=node, tier=TierKind.HOST, offset=0, size_bytes=16, alloc_id=alloc, state=ReplicaState.COMPLETE
+    )
 
 
 def commit(index: RedisIndex, key: str, *placed: tuple[str, int]) -> None:
-    put = PendingPut(
-        put_id=uuid.uuid4().hex,
-        key=key,
-        size_bytes=16,
-        dtype="|u1",
-        shape=(16,),
-        checksum=7,
-        replicas=tuple(replica(node, alloc, ReplicaState.PENDING) for node, alloc in placed),
-    )
+    put = pending_put(key, *((node, TierKind.HOST, alloc) for node, alloc in placed))
     index.put_start([put], ttl_ms=TTL_MS)
     assert index.put_commit([put.put_id]) == ["OK"]
 

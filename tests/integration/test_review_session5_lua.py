@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import node_row
+from helpers import node_row, pending_put
 from index_audit import audit_index
 
 from mooncake_store.client.put_plans import MAX_CHAIN_POS
@@ -22,7 +22,7 @@ from mooncake_store.errors import MooncakeError
 from mooncake_store.index.client import PendingPut, RedisIndex
 from mooncake_store.index.prefix import MAX_CHAIN_CHUNKS, PrefixIndex
 from mooncake_store.index.schema import BATCH_LIMIT
-from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage
+from mooncake_store.types import NodeInfo, Replica, TierKind, TierUsage
 
 TTL_MS = 600_000
 
@@ -45,20 +45,7 @@ def _register(index: RedisIndex, node_id: str, **kw: Any) -> None:
 
 
 def _pending(key: str, node: str, alloc: int, **kw: Any) -> PendingPut:
-    return PendingPut(
-        put_id=uuid.uuid4().hex,
-        key=key,
-        size_bytes=16,
-        dtype="|u1",
-        shape=(16,),
-        checksum=7,
-        replicas=(
-            Replica(
-                node_id=node, tier=TierKind.HOST, offset=0, size_bytes=16, alloc_id=alloc, state=ReplicaState.PENDING
-            ),
-        ),
-        **kw,
-    )
+    return dataclasses.replace(pending_put(key, (node, TierKind.HOST, alloc)), **kw)
 
 
 def _commit(index: RedisIndex, put: PendingPut) -> str:

@@ -12,14 +12,14 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from helpers import fill, node_row
+from helpers import fill, node_row, pending_put
 from index_audit import audit_index, settled_audit
 
 from mooncake_store import Client
 from mooncake_store.agent import pressure as pressure_module
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.pressure import MAX_PASSES
-from mooncake_store.index.client import PendingPut, RedisIndex
+from mooncake_store.index.client import RedisIndex
 from mooncake_store.types import Replica, ReplicaState, TierKind, TierUsage
 
 TTL_MS = 600_000
@@ -40,24 +40,13 @@ def index(redis_url: str) -> Iterator[RedisIndex]:
         idx.close()
 
 
-def replica(node: str, tier: TierKind, alloc: int, state: ReplicaState = ReplicaState.COMPLETE) -> Replica:
-    return Replica(node_id=node, tier=tier, offset=0, size_bytes=16, alloc_id=alloc, state=state)
+def replica(node: str, tier: TierKind, alloc: int) -> Replica:
+    return Replica(node_id=node, tier=tier, offset=0, size_bytes=16, alloc_id=alloc, state=ReplicaState.COMPLETE)
 
 
 def commit(index: RedisIndex, placed: dict[str, tuple[str, TierKind, int]]) -> None:
     """Objects of 16 B, each with one replica (node, tier, alloc id), committed."""
-    puts = [
-        PendingPut(
-            put_id=uuid.uuid4().hex,
-            key=key,
-            size_bytes=16,
-            dtype="|u1",
-            shape=(16,),
-            checksum=7,
-            replicas=(replica(node, tier, alloc, ReplicaState.PENDING),),
-        )
-        for key, (node, tier, alloc) in placed.items()
-    ]
+    puts = [pending_put(key, where) for key, where in placed.items()]
     index.put_start(puts, ttl_ms=TTL_MS)
     assert set(index.put_commit([p.put_id for p in puts])) == {"OK"}
 

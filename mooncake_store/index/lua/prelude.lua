@@ -263,6 +263,36 @@ local function swap_record(key, swaps)
   end
   return rec
 end
+-- Why a new location may not be named (nil: it may): its reservation's guard is gone, it carries
+-- another incarnation's tag, or its node is past its heartbeat deadline ("EXPIRED" for each).
+-- Past its deadline the new node is skipped by readers and soon reaped: moving or copying the
+-- object there would add a copy nobody can read.
+local function target_refused(new, guard, now, swaps)
+  if not take_guard(guard, swaps) then return 'EXPIRED' end
+  if stale_alloc(new[1], new[5]) then return 'EXPIRED' end
+  if not node_live(new[1], now) then return 'EXPIRED' end
+  return nil
+end
+-- The checks a swap and a copy share: the new location is well formed and may be named, and the
+-- object still holds the source replica (src_node, src_alloc), COMPLETE; the new node holds no other
+-- replica (for a copy, nor is it the source's node). Returns the status that ends the plan ("OK"
+-- where the new location is there already: a retry), or nil, the record and the source's index.
+local function plan_checks(key, src_node, src_alloc, new, guard, now, swaps, copying)
+  if not valid_replica(new) then return 'INVALID' end
+  local rec = swap_record(key, swaps)
+  if rec == nil then return 'GONE' end
+  local found, dup = nil, copying and new[1] == src_node
+  for i, r in ipairs(rec.reps) do
+    if r[1] == new[1] and r[5] == new[5] then return 'OK' end
+    if r[1] == src_node and r[5] == src_alloc and r[6] == 'COMPLETE' then found = i
+    elseif r[1] == new[1] then dup = true end
+  end
+  local refused = target_refused(new, guard, now, swaps)
+  if refused then return refused end
+  if not found then return 'GONE' end
+  if dup then return 'DUP' end
+  return nil, rec, found
+end
 -- Compare-and-swap one replica of key from (old_node, old_alloc) to new (a decoded replica array)
 -- (DESIGN.md §3.4), planned into swaps (new_swaps(); written by write_swaps). guard: "" or the put
 -- id of the new location's reservation on another agent, whose record pend:<guard> that agent's
@@ -273,23 +303,9 @@ end
 -- is past its heartbeat deadline) or "DUP" (the new node already holds another replica: two
 -- copies on one node would be one), or "INVALID" (the new location is malformed).
 local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps)
-  if not valid_replica(new) then return 'INVALID' end
-  local rec = swap_record(key, swaps)
-  if rec == nil then return 'GONE' end
+  local status, rec, found = plan_checks(key, old_node, old_alloc, new, guard, now, swaps, false)
+  if status then return status end
   local reps = rec.reps
-  local found, dup = nil, false
-  for i, r in ipairs(reps) do
-    if r[1] == new[1] and r[5] == new[5] then return 'OK' end
-    if r[1] == old_node and r[5] == old_alloc and r[6] == 'COMPLETE' then found = i
-    elseif r[1] == new[1] then dup = true end
-  end
-  if not take_guard(guard, swaps) then return 'EXPIRED' end
-  if stale_alloc(new[1], new[5]) then return 'EXPIRED' end
-  -- Past its heartbeat deadline the new node is skipped by readers and soon reaped: moving the
-  -- object there would hand its good copy to the graveyard for one nobody can read.
-  if not node_live(new[1], now) then return 'EXPIRED' end
-  if not found then return 'GONE' end
-  if dup then return 'DUP' end
   -- Live pins, counted (lapsed ones are dropped by the scripts that write pins).
   if redis.call('ZCOUNT', P .. 'pins:' .. key, now, '+inf') > 0 then return 'PINNED' end
   new[6] = 'COMPLETE'
@@ -314,20 +330,8 @@ end
 -- removed, replaced or moved meanwhile), "EXPIRED", "DUP" (the new node holds a replica already),
 -- or "INVALID", with plan_swap's meanings. Pins do not matter: nothing of the object moves.
 local function plan_copy(key, src_node, src_alloc, new, guard, now, swaps)
-  if not valid_replica(new) then return 'INVALID' end
-  local rec = swap_record(key, swaps)
-  if rec == nil then return 'GONE' end
-  local found, dup = false, new[1] == src_node
-  for _, r in ipairs(rec.reps) do
-    if r[1] == new[1] and r[5] == new[5] then return 'OK' end
-    if r[1] == src_node and r[5] == src_alloc and r[6] == 'COMPLETE' then found = true
-    elseif r[1] == new[1] then dup = true end
-  end
-  if not take_guard(guard, swaps) then return 'EXPIRED' end
-  if stale_alloc(new[1], new[5]) then return 'EXPIRED' end
-  if not node_live(new[1], now) then return 'EXPIRED' end
-  if not found then return 'GONE' end
-  if dup then return 'DUP' end
+  local status, rec = plan_checks(key, src_node, src_alloc, new, guard, now, swaps, true)
+  if status then return status end
   new[6] = 'COMPLETE'
   table.insert(rec.reps, new)
   swaps.changed[key] = true
