@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -251,3 +252,37 @@ def fill(client: Client, agent: Agent, prefix: str = "k", n: int = FILL) -> dict
 def counter(agent: Agent, tier: TierKind, name: str) -> int:
     """One of an in-process agent's pressure counters (spills_out, evictions, ...) of ``tier``."""
     return int(agent.pressure.counters[tier][name])
+
+
+class SilentPeer:
+    """A TCP endpoint that accepts connections and never answers: an agent hung, or cut off from
+    its peers while it still reaches the index."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.listener.close()
+        for conn in self.accepted:
+            conn.close()

@@ -95,7 +95,7 @@ class PressureManager:
         self._silent_until: dict[str, float] = {}
         self.moves = LocalMoves(agent, self.count)
         job_of = {TierKind.HOST: self._host_job, TierKind.GPU: self._gpu_job, TierKind.DISK: self._disk_job}
-        self.repairs = Repairs(agent, self._spiller, job_of, self.count)
+        self.repairs = Repairs(agent, self._spiller, job_of, self.count, self._note_silent)
 
     def close(self) -> None:
         self._spiller.close()

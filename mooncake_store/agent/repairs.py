@@ -37,16 +37,26 @@ JobOf = Callable[[EvictionCandidate], SpillJob | None]
 
 class Repairs:
     def __init__(
-        self, agent: Agent, spiller: Spiller, job_of: Mapping[TierKind, JobOf], count: Callable[..., None]
+        self,
+        agent: Agent,
+        spiller: Spiller,
+        job_of: Mapping[TierKind, JobOf],
+        count: Callable[..., None],
+        note_silent: Callable[[set[str]], None],
     ) -> None:
+        """``note_silent``: told of the peers that did not answer a copy (no answer, a reset, a
+        timeout), which the pressure manager then leaves out for a heartbeat TTL, as after a spill:
+        a hung peer that still heartbeats looks the emptiest, and every call would wait it out."""
         self.agent = agent
         self._spiller = spiller
         self._job_of = job_of
         self._count = count
+        self._note_silent = note_silent
 
     def run_once(self, refused: set[str]) -> int:
         """Copy what this node is to copy now; returns the copies made. ``refused``: peers to leave
-        out (silent ones); a candidate with no peer to go to stays listed for the next call."""
+        out (silent ones); a candidate with no peer to go to, or whose peer refused or broke, stays
+        listed for the next call."""
         agent = self.agent
         candidates = agent.index.repair_candidates(agent.node_id, count=REPAIR_BATCH)
         if not candidates:
@@ -54,9 +64,15 @@ class Repairs:
         peers = list(agent.index.nodes().values())
         plan = self._plan(candidates, peers, refused, now_ms=agent.index.server_time_ms())
         copied = 0
+        turned_down: set[str] = set()
         for (node_id, tier), jobs in plan.items():
+            if node_id in turned_down:
+                continue  # refused or broke on another tier in this call: asked again next time
             peer = next(p for p in peers if p.node_id == node_id)
             result = self._spiller.spill(peer, jobs, tier=tier, copy=True)
+            self._note_silent(self._spiller.take_unreachable())
+            if result.refused:
+                turned_down.add(node_id)
             if result.moved:
                 copied += len(result.moved)
                 self._count(tier, "copies_out", len(result.moved))

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+from helpers import SilentPeer
 from patched_agent import PatchedCluster
 from redis_proxy import QUIET, RedisProxy, idle_pressure
 
@@ -102,3 +103,13 @@ def start_agent(redis_url: str) -> Iterator[Callable[..., LocalCluster]]:
     yield start
     for cluster in started:
         cluster.stop()
+
+
+@pytest.fixture
+def silent_peer() -> Iterator[SilentPeer]:
+    """A peer endpoint that accepts connections and never answers; closed at the end."""
+    peer = SilentPeer()
+    try:
+        yield peer
+    finally:
+        peer.close()

@@ -7,15 +7,18 @@ whole of it with real agent processes (LocalCluster) killed with SIGKILL by thei
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from helpers import node_row, pending_put, wait_until
+from helpers import SilentPeer, node_row, pending_put, wait_until
 from index_audit import audit_index
 
 from mooncake_store import Client, LocalCluster
+from mooncake_store.agent.node import Agent
 from mooncake_store.index.client import RedisIndex
 from mooncake_store.types import Replica, ReplicaState, TierKind, TierUsage
 
@@ -91,11 +94,73 @@ def test_a_holder_that_dies_before_it_copies_hands_the_object_on(index: RedisInd
     assert not audit_index(index)
 
 
+def test_a_holder_that_moved_its_replica_away_and_died_hands_the_object_on(index: RedisIndex) -> None:
+    """The purge handed on only the objects the dead node still held: one it was listed to copy
+    but had spilled to C since was in no repair set after its death, short for good."""
+    commit(index, "two", ("A", 1), ("B", 2))
+    reap(index, "A")
+    assert index.move_replicas([("two", 2, replica("C", 30), "")], old_node="B") == ["OK"]
+    reap(index, "B")
+    (cand,) = index.repair_candidates("C")
+    assert (cand.key, cand.missing, cand.holders) == ("two", 1, ("C",))
+    assert not audit_index(index)
+
+
+def test_a_holder_late_with_its_heartbeat_at_the_purge_is_asked_once_back(index: RedisIndex) -> None:
+    """With no holder live at the purge (A two seconds late, not yet reaped), the object was listed
+    nowhere, and A's next heartbeat found nothing to copy."""
+    commit(index, "lag", ("A", 1), ("B", 2))
+    now = index.server_time_ms()
+    index.redis.zadd(index.prefix + "hb", {"A": now - 2000, "B": 1})  # A late, B long dead
+    assert index.reap_dead_nodes(grace_ms=30_000) == ["B"]
+    index.redis.zadd(index.prefix + "hb", {"A": now + TTL_MS})  # A's next heartbeat
+    assert [c.key for c in index.repair_candidates("A")] == ["lag"]
+
+
 def test_an_eviction_under_pressure_lists_nothing(index: RedisIndex) -> None:
     """Pressure drops a replica on purpose (another node holds one): copying it back would undo it."""
     commit(index, "two", ("A", 1), ("B", 2))
     assert index.evict_many([("two", 1)], node_id="A") == ["OK"]
     assert index.repair_candidates("B") == []
+
+
+def test_a_peer_that_does_not_answer_a_copy_is_left_out_of_the_next_calls(
+    direct_agent: Callable[..., Agent],
+    client_of: Callable[[str], Client],
+    silent_peer: SilentPeer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung peer that still heartbeats looks the emptiest: every repair call (each second) chose
+    it and waited out the spill's timeout on its RESERVE (30 s; 1 s here), holding the pressure
+    loop, and writers waiting for room, as long. Now it is left out for a heartbeat TTL."""
+    from mooncake_store.agent import spill
+
+    monkeypatch.setattr(spill, "TIMEOUT_S", 1.0)
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    a = direct_agent(namespace, spill_shm=False)
+    b = direct_agent(namespace)
+    client = client_of(namespace)
+    for i in range(4):
+        client.put(f"s{i}", np.full(64 << 10, i, dtype=np.uint8), replicas=2, preferred_node=a.node_id)
+    a.sync_once()
+    b.sync_once()
+    ghost = dataclasses.replace(
+        b.node_info(),
+        node_id="ghost",
+        tcp_endpoint=silent_peer.endpoint,
+        tiers=(TierUsage(tier=TierKind.HOST, capacity_bytes=1 << 30, used_bytes=0, objects=0),),
+    )
+    b.index.register_node(ghost, incarnation="ghost-1", ttl_ms=60_000)
+    a.index.redis.zadd(a.index.prefix + "hb", {b.node_id: 1})
+    assert b.node_id in a.index.reap_dead_nodes(grace_ms=0)
+    took = []
+    for _ in range(3):
+        started = time.monotonic()
+        assert a.pressure.repairs.run_once(a.pressure._silent_peers()) == 0  # the ghost is the only target
+        took.append(time.monotonic() - started)
+    assert len(silent_peer.accepted) == 1, f"the silent peer was asked again: {took}"
+    assert max(took[1:]) < 0.5, f"repair calls waited on the silent peer: {took}"
+    assert len(a.index.repair_candidates(a.node_id)) == 4  # still listed, for a peer that answers
 
 
 def test_objects_stay_readable_through_the_loss_of_their_nodes_one_after_another(

@@ -5,15 +5,13 @@ process (their passes run when a test calls them), a real server, real disk file
 
 from __future__ import annotations
 
-import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import NEED, counter, fill
+from helpers import NEED, SilentPeer, counter, fill
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
@@ -46,49 +44,6 @@ def test_a_victim_whose_demotion_fails_spills_to_a_peer_instead_of_being_evicted
     assert counter(a, TierKind.HOST, "demotions") == 0
     for key, value in values.items():
         assert np.array_equal(client.get(key), value), key
-
-
-class SilentPeer:
-    """A TCP endpoint that accepts connections and never answers: an agent hung, or cut off from
-    its peers while it still reaches the index."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.2)
-        self.accepted: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.listener.getsockname()[1]}"
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.accepted.append(conn)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.listener.close()
-        for conn in self.accepted:
-            conn.close()
-
-
-@pytest.fixture
-def silent_peer() -> Iterator[SilentPeer]:
-    peer = SilentPeer()
-    try:
-        yield peer
-    finally:
-        peer.close()
 
 
 def test_a_peer_that_stops_answering_is_not_asked_again_in_the_next_passes(

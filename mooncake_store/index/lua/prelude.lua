@@ -122,7 +122,20 @@ local function readable_nodes(reps, now)
 end
 local function note_short(key, reps, copies, now)
   local readable = readable_nodes(reps, now)
-  if #readable > 0 and #readable < copies then redis.call('SADD', P .. 'repair:' .. readable[1], key) end
+  if #readable >= copies then return end
+  local holder = readable[1]
+  if holder == nil then
+    -- No holder is live this moment, but one past its deadline and not yet reaped (a late
+    -- heartbeat) may be back in a second: the first still in the node table and not being purged
+    -- is asked; its own purge hands the object on if it does not come back.
+    for _, r in ipairs(reps) do
+      if holder == nil and r[6] == 'COMPLETE' and redis.call('HEXISTS', P .. 'nodes', r[1]) == 1
+          and redis.call('SISMEMBER', P .. 'purging', r[1]) == 0 then
+        holder = r[1]
+      end
+    end
+  end
+  if holder then redis.call('SADD', P .. 'repair:' .. holder, key) end
 end
 -- Strip a node's replicas from the index; bounded per call so a huge node cannot stall Redis.
 -- Returns the number of keys still to go (0 when the node is gone from the index).
@@ -132,8 +145,21 @@ local function purge_node(node, max_keys)
   -- node back to life with part of its replicas gone (node_heartbeat answers UNKNOWN, and the
   -- agent drops everything and registers again, which finishes the purge first).
   redis.call('SADD', P .. 'purging', node)
-  local keys = redis.call('SRANDMEMBER', nk, max_keys)
   local now = now_ms()
+  -- What this node was to copy is handed on first, whether it still holds a replica or not: it may
+  -- have moved or evicted its replica since the object was listed, and then the loop below, over
+  -- the objects it holds, would not meet the object.
+  for _, key in ipairs(redis.call('SPOP', P .. 'repair:' .. node, max_keys)) do
+    local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas', 'copies')
+    if f[1] then
+      local others = {}
+      for _, r in ipairs(decode_list(f[1])) do
+        if r[1] ~= node then table.insert(others, r) end
+      end
+      note_short(key, others, tonumber(f[2] or 0) or 0, now)
+    end
+  end
+  local keys = redis.call('SRANDMEMBER', nk, max_keys)
   for _, key in ipairs(keys) do
     local ok = P .. 'o:' .. key
     local f = redis.call('HMGET', ok, 'replicas', 'copies')
@@ -149,9 +175,9 @@ local function purge_node(node, max_keys)
     end
     redis.call('SREM', nk, key)
   end
-  local left = redis.call('SCARD', nk)
+  local left = redis.call('SCARD', nk) + redis.call('SCARD', P .. 'repair:' .. node)
   if left == 0 then
-    -- Its repair set goes too: each key in it had a replica here, so the loop above handed it on.
+    -- Its repair set is empty by now: what it listed was handed on above (max_keys a call).
     redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node,
       P .. 'landed:' .. node, P .. 'repair:' .. node)
     for _, tier in ipairs(TIER_NAMES) do redis.call('DEL', tier_set(node, tier)) end
