@@ -118,6 +118,8 @@ def totals_line(stats: ClusterStats) -> Text:
         f"{stats.hits} hit / {stats.misses} miss",
         ("   evicted ", "dim"),
         str(stats.evictions),
+        ("   short ", "dim"),
+        str(stats.short),
     )
 
 

@@ -53,6 +53,9 @@ class ClusterStats:
     hits: int
     misses: int
     evictions: int = 0  # objects the cluster dropped under memory pressure (this is a cache)
+    #: Objects short of the replicas they were stored with since a node's loss, their copies not
+    #: yet made (re-replication): 0 before the next node may go.
+    short: int = 0
 
     @property
     def live_nodes(self) -> tuple[NodeStats, ...]:
@@ -121,4 +124,5 @@ def build_stats(
         hits=counters.get("hits", 0),
         misses=counters.get("misses", 0),
         evictions=counters.get("evictions", 0),
+        short=counters.get("short", 0),
     )

@@ -438,13 +438,17 @@ class RedisIndex(PressureCalls):
         return int(seconds) * 1000 + int(micros) // 1000
 
     def counts(self, node_ids: Sequence[str]) -> tuple[int, dict[str, int], dict[str, int]]:
-        """(objects in the namespace, objects per node, stats counters) in one round trip."""
+        """(objects in the namespace, objects per node, stats counters) in one round trip. The
+        counters hold "short" too: the objects listed for re-replication on these nodes (short of
+        the replicas they were stored with since a node's loss, their copies not yet made)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.scard(self.prefix + "keys")
         for node in node_ids:
             pipe.scard(self.prefix + "nobj:" + node)
+            pipe.scard(self.prefix + "repair:" + node)
         pipe.hgetall(self.prefix + "stats")
         raw = pipe.execute()
-        per_node = {node: int(n) for node, n in zip(node_ids, raw[1:-1], strict=True)}
+        per_node = {node: int(n) for node, n in zip(node_ids, raw[1:-1:2], strict=True)}
         stats = {k: int(v) for k, v in raw[-1].items()}
+        stats["short"] = sum(int(n) for n in raw[2:-1:2])
         return int(raw[0]), per_node, stats

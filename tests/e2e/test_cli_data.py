@@ -45,9 +45,10 @@ def test_stat_json_shows_both_agents(cluster_cli: Mooncake) -> None:
     table = cluster_cli.ok("stat").stdout.decode()
     assert "agent-0" in table and "agent-1" in table and "2/2 alive" in table
     # The activity table: per node and tier, what was served and moved under pressure.
-    for column in ("up", "hits", "reads", "demoted", "promoted", "spill out", "spill in", "evicted", "ratio"):
+    for column in ("up", "hits", "reads", "demoted", "promoted", "spill out", "spill in", "evicted", "copied", "ratio"):
         assert column in table, column
-    assert "evicted 0" in table
+    assert "evicted 0" in table and "short 0" in table
+    assert data["short"] == 0  # objects short of their replicas since a node's loss
     # The counters count from each agent's start, which stat() and --json carry.
     assert all(0 < nodes[n]["started_ms"] <= time.time() * 1000 for n in ("agent-0", "agent-1"))
 

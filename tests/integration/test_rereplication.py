@@ -69,12 +69,14 @@ def test_a_purge_lists_what_it_left_short_and_a_copy_restores_it(index: RedisInd
     assert nodes_of(index, "one") == []
     (cand,) = index.repair_candidates("B")
     assert (cand.key, cand.alloc_id, cand.tier, cand.missing, cand.holders) == ("two", 2, TierKind.HOST, 1, ("B",))
+    assert index.counts(["B", "C", "D"])[2]["short"] == 1  # what stat shows as short
     assert index.repair_candidates("C") == []
     # The copy is added beside the source, which stays; a second call of the same copy is a retry.
     assert index.copy_replicas([("two", 2, replica("C", 20), "")], src_node="B") == ["OK"]
     assert index.copy_replicas([("two", 2, replica("C", 20), "")], src_node="B") == ["OK"]
     assert nodes_of(index, "two") == ["B", "C"]
     assert index.repair_candidates("B") == []  # its count is restored: it leaves the list
+    assert index.counts(["B", "C", "D"])[2]["short"] == 0
     assert not index.redis.exists(index.prefix + "repair:B")
     # A node with a replica already, or the source's own node, is no target; a source gone is GONE.
     assert index.copy_replicas([("two", 2, replica("C", 21), "")], src_node="B") == ["DUP"]
@@ -180,6 +182,7 @@ def test_objects_stay_readable_through_the_loss_of_their_nodes_one_after_another
 
     cluster.agent("agent-0").kill()
     assert wait_until(lambda: restored({"agent-0"}), 20), {k: nodes_of(writer.index, k) for k in values}
+    assert wait_until(lambda: writer.stat().short == 0, 5)  # listed until the next repair call
     # Now the node that held the other first copies: every object still has one elsewhere.
     second = {n for nodes in first.values() for n in nodes} - {"agent-0"}
     for node_id in sorted(second)[:1]:
