@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import sys
@@ -286,3 +287,16 @@ class SilentPeer:
         self.listener.close()
         for conn in self.accepted:
             conn.close()
+
+
+def register_silent_node(agent: Agent, peer: SilentPeer) -> str:
+    """A node in ``agent``'s namespace whose endpoint is ``peer`` (it never answers): ``agent``'s own
+    record under the id "ghost" with a 1 GiB host tier, empty, live for a minute; its node id."""
+    ghost = dataclasses.replace(
+        agent.node_info(),
+        node_id="ghost",
+        tcp_endpoint=peer.endpoint,
+        tiers=(TierUsage(tier=TierKind.HOST, capacity_bytes=1 << 30, used_bytes=0, objects=0),),
+    )
+    agent.index.register_node(ghost, incarnation="ghost-1", ttl_ms=60_000)
+    return ghost.node_id

@@ -25,7 +25,6 @@ from rich.text import Text
 
 from mooncake_store import ClusterStats, MooncakeError, connect
 from mooncake_store.config import format_size, load_config, redact_url
-from mooncake_store.errors import ConnectError
 from mooncake_store.index.client import connect_redis
 
 
@@ -155,7 +154,10 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
     _refuse_if_running()
     launcher.check_shm_room(plan.num_agents, plan.host_bytes)
     if plan.redis_url is not None:
-        _check_reachable(plan.redis_url, timeout_s=min(plan.timeout_s, 5.0))
+        # A server that does not answer is reported as such (ConnectError: exit 4) before any agent
+        # starts: each would find out on its own and exit, and `up` reported their exits (exit 1).
+        advice = "Start that server first, or leave out --redis-url for a server of the cluster's own."
+        connect_redis(plan.redis_url, timeout_s=min(plan.timeout_s, 5.0), advice=advice).close()
     if not as_json:
         where = "the embedded server" if plan.redis_url is None else redact_url(plan.redis_url)
         err.print(f"[dim]starting {plan.num_agents} agent(s) x {format_size(plan.host_bytes)} on {where}...[/dim]")
@@ -183,19 +185,6 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
         _print_started(state, as_json=as_json)
         return
     _run_foreground(plan, ref_of(os.getpid()), as_json=as_json)
-
-
-def _check_reachable(redis_url: str, *, timeout_s: float) -> None:
-    """A server at ``redis_url`` answers: each agent would find out on its own and exit, and `up`
-    reported the agents' exits (exit 1) rather than the server it cannot reach (exit 4)."""
-    try:
-        connect_redis(redis_url, timeout_s=timeout_s).close()
-    except ConnectError as exc:
-        reason = str(exc).split(". Start a cluster", 1)[0]  # that advice is for commands other than up
-        raise CliError(
-            f"{reason}; start that server first, or leave out --redis-url for a server of the cluster's own",
-            ExitCode.CANNOT_CONNECT,
-        ) from None
 
 
 def _print_started(state: ClusterState, *, as_json: bool) -> None:

@@ -101,8 +101,16 @@ class _ClosedPool(redis.ConnectionPool):
         raise redis.ConnectionError(f"the index client for {self._closed_url} is closed")
 
 
-def connect_redis(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
-    """A redis-py client for ``url`` that has answered a PING, else :class:`ConnectError`."""
+#: What a ConnectError for an unreachable server advises, unless the caller says otherwise.
+START_A_CLUSTER = (
+    "Start a cluster with `mooncake up` or mooncake_store.LocalCluster, "
+    "or point MOONCAKE_REDIS_URL at a running server."
+)
+
+
+def connect_redis(url: str, *, timeout_s: float = 10.0, advice: str = START_A_CLUSTER) -> redis.Redis:
+    """A redis-py client for ``url`` that has answered a PING, else :class:`ConnectError`, whose
+    message ends with ``advice`` when the server cannot be reached."""
     try:
         client = redis.Redis.from_url(
             url,
@@ -116,10 +124,7 @@ def connect_redis(url: str, *, timeout_s: float = 10.0) -> redis.Redis:
         # Redacted: the CLI prints these messages, and a password must not reach terminals or logs.
         raise ConnectError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
     except redis.RedisError as exc:
-        raise ConnectError(
-            f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}. Start a cluster with `mooncake up` or "
-            "mooncake_store.LocalCluster, or point MOONCAKE_REDIS_URL at a running server."
-        ) from None
+        raise ConnectError(f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}. {advice}") from None
     return client
 
 

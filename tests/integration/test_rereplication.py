@@ -7,14 +7,13 @@ whole of it with real agent processes (LocalCluster) killed with SIGKILL by thei
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from helpers import SilentPeer, node_row, pending_put, wait_until
+from helpers import SilentPeer, node_row, pending_put, register_silent_node, wait_until
 from index_audit import audit_index
 
 from mooncake_store import Client, LocalCluster
@@ -129,6 +128,7 @@ def test_an_eviction_under_pressure_lists_nothing(index: RedisIndex) -> None:
 def test_a_peer_that_does_not_answer_a_copy_is_left_out_of_the_next_calls(
     direct_agent: Callable[..., Agent],
     client_of: Callable[[str], Client],
+    namespace: str,
     silent_peer: SilentPeer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -138,7 +138,6 @@ def test_a_peer_that_does_not_answer_a_copy_is_left_out_of_the_next_calls(
     from mooncake_store.agent import spill
 
     monkeypatch.setattr(spill, "TIMEOUT_S", 1.0)
-    namespace = f"t-{uuid.uuid4().hex[:10]}"
     a = direct_agent(namespace, spill_shm=False)
     b = direct_agent(namespace)
     client = client_of(namespace)
@@ -146,13 +145,7 @@ def test_a_peer_that_does_not_answer_a_copy_is_left_out_of_the_next_calls(
         client.put(f"s{i}", np.full(64 << 10, i, dtype=np.uint8), replicas=2, preferred_node=a.node_id)
     a.sync_once()
     b.sync_once()
-    ghost = dataclasses.replace(
-        b.node_info(),
-        node_id="ghost",
-        tcp_endpoint=silent_peer.endpoint,
-        tiers=(TierUsage(tier=TierKind.HOST, capacity_bytes=1 << 30, used_bytes=0, objects=0),),
-    )
-    b.index.register_node(ghost, incarnation="ghost-1", ttl_ms=60_000)
+    register_silent_node(b, silent_peer)
     a.index.redis.zadd(a.index.prefix + "hb", {b.node_id: 1})
     assert b.node_id in a.index.reap_dead_nodes(grace_ms=0)
     took = []

@@ -6,16 +6,15 @@ process (their passes run when a test calls them), a real server, real disk file
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import NEED, SilentPeer, counter, fill
+from helpers import NEED, SilentPeer, counter, fill, register_silent_node
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
-from mooncake_store.types import TierKind, TierUsage
+from mooncake_store.types import TierKind
 
 MiB = 1 << 20
 
@@ -64,14 +63,7 @@ def test_a_peer_that_stops_answering_is_not_asked_again_in_the_next_passes(
     a = direct_agent(namespace, spill_to_peers=True, spill_shm=False)
     b = direct_agent(namespace, host_bytes=16 * MiB)
     client = client_of(namespace)
-    # The silent node: B's record with the silent endpoint and far more room, live for a minute.
-    ghost = replace(
-        b.node_info(),
-        node_id="ghost",
-        tcp_endpoint=silent_peer.endpoint,
-        tiers=(TierUsage(tier=TierKind.HOST, capacity_bytes=1 << 30, used_bytes=0, objects=0),),
-    )
-    b.index.register_node(ghost, incarnation="ghost-1", ttl_ms=60_000)
+    register_silent_node(b, silent_peer)  # B's record with the silent endpoint and far more room
     values = fill(client, a, "gh")
     a.pressure.relieve_host()  # asks the ghost first, times out, spills to B
     assert len(silent_peer.accepted) == 1
