@@ -43,6 +43,16 @@ class InvalidValue(MooncakeError, ValueError):
     """A buffer, dtype, shape or output buffer is not acceptable."""
 
 
+class DtypeMismatch(InvalidValue):
+    """``get_into`` was given a typed buffer of another dtype than the object's (``stored``,
+    ``out``: numpy's ``dtype.str``, or ``bfloat16``)."""
+
+    def __init__(self, message: str, *, stored: str, out: str) -> None:
+        super().__init__(message)
+        self.stored = stored
+        self.out = out
+
+
 class KeyNotFound(MooncakeError, KeyError):
     """No readable replica of the key exists."""
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_store.errors import InvalidValue
+from mooncake_store.errors import DtypeMismatch, InvalidValue
 
 BFLOAT16 = "bfloat16"
 #: numpy kinds we store: bool, signed/unsigned ints, floats, complex. Objects, strings and
@@ -96,11 +96,44 @@ def _byte_view(array: np.ndarray) -> memoryview:
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
-def as_destination(out: object) -> memoryview:
-    """A writable, contiguous byte view of ``out``."""
+#: The dtype of raw bytes (bytes, bytearray, a uint8 array): readable into, and from, any dtype.
+RAW_BYTES = "|u1"
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    view: memoryview  # format "B", C-contiguous, writable
+    dtype: str  # numpy's dtype.str, "bfloat16", or RAW_BYTES for an untyped buffer
+
+
+#: The 2-byte integer types that hold bfloat16's bits where nothing names bfloat16 (numpy, cupy):
+#: a bfloat16 object is read into them, and their bits into a bfloat16 tensor, as they are.
+BFLOAT16_BITS = frozenset({"<i2", "<u2"})
+
+
+def check_fill_dtype(key: str, stored: str, out: str) -> None:
+    """A typed destination must have the stored dtype: float16 bytes read into a float32 array
+    would come out as other numbers without a word. Raw bytes on either side are bytes."""
+    if out == stored or RAW_BYTES in (out, stored):
+        return
+    if BFLOAT16 in (out, stored) and {out, stored} - {BFLOAT16} <= BFLOAT16_BITS:
+        return
+    raise DtypeMismatch(
+        f"key {key!r} holds {stored} but out has dtype {out}: get_into copies the bytes as they are; "
+        f"pass an array of {stored}, or a uint8 view of out for the raw bytes",
+        stored=stored,
+        out=out,
+    )
+
+
+def as_destination(out: object) -> Destination:
+    """A writable, contiguous byte view of ``out``, and its dtype."""
+    dtype = RAW_BYTES
     if _is_torch(out):
-        array, _ = _torch_to_numpy(out)
+        array, dtype = _torch_to_numpy(out)
         out = array
+    elif isinstance(out, np.ndarray):
+        dtype = out.dtype.str
     if isinstance(out, np.ndarray) and (
         out.dtype.kind not in ALLOWED_KINDS or out.dtype.fields is not None or out.dtype.subdtype is not None
     ):
@@ -121,9 +154,16 @@ def as_destination(out: object) -> memoryview:
         raise InvalidValue(f"out ({type(out).__name__}) is read-only")
     if not view.c_contiguous:
         raise InvalidValue(f"out ({type(out).__name__}, shape {view.shape}) is not C-contiguous")
+    if dtype == RAW_BYTES and not isinstance(out, np.ndarray):
+        try:  # a typed buffer (array.array("f"), a cast memoryview) is filled as its type
+            typed = np.asarray(view).dtype
+        except (TypeError, ValueError, NotImplementedError):
+            typed = None  # a format numpy cannot name: its bytes are taken as they are
+        if typed is not None and typed.kind in ALLOWED_KINDS:
+            dtype = typed.str  # else chars or records (a ctypes string buffer's "<c"): raw bytes
     if view.nbytes == 0:
-        return memoryview(bytearray(0))
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        return Destination(memoryview(bytearray(0)), dtype)
+    return Destination(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype)
 
 
 def to_array(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
@@ -134,7 +174,7 @@ def to_array(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
         except ImportError:
             raise InvalidValue(
                 f"a bfloat16 object of shape {shape} comes back as a torch tensor, and torch is not installed: "
-                "install torch, or read its bytes with get_into into a buffer of 2-byte elements"
+                "install torch, or read its bits with get_into into an int16, uint16 or uint8 buffer"
             ) from None
         return torch.from_numpy(buffer.view(np.int16).reshape(shape)).view(torch.bfloat16)
     return buffer.view(np.dtype(dtype)).reshape(shape)

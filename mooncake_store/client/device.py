@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mooncake_store.client.buffers import BFLOAT16, check_dtype
+from mooncake_store.client.buffers import BFLOAT16, check_dtype, check_fill_dtype
 from mooncake_store.client.gets import LEASE_SAFETY
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
 from mooncake_store.policy.transport_choice import order_replicas
@@ -224,6 +224,7 @@ def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | N
         elif target is None or target.nbytes != meta.size_bytes:  # the key may be replaced between attempts
             target = empty_device_array(meta.size_bytes, device if device is not None else 0)
         dest = describe_device_array(target)
+        check_fill_dtype(key, meta.dtype, dest.dtype)
         if dest.nbytes < meta.size_bytes:
             raise InvalidValue(f"out holds {dest.nbytes} B but key {key!r} is {meta.size_bytes} B")
         nodes = client._nodes_for(meta.replicas, client._node_table(refresh=attempt > 0))

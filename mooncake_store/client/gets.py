@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mooncake_store.client.buffers import Destination, check_fill_dtype
 from mooncake_store.client.replica_writes import checksum_of
 from mooncake_store.errors import (
     AgentBusy,
@@ -40,7 +41,7 @@ class GetPath:
         self._cuda_here: bool | None = None  # whether this process can use CUDA (asked once)
 
     def get_batch(
-        self, keys: list[str], dests: list[memoryview] | None, *, missing_ok: bool
+        self, keys: list[str], dests: list[Destination] | None, *, missing_ok: bool
     ) -> tuple[list[ObjectMeta | None], list[np.ndarray]]:
         try:
             return self._get_batch(keys, dests, missing_ok=missing_ok)
@@ -50,7 +51,7 @@ class GetPath:
             raise
 
     def _get_batch(
-        self, keys: list[str], dests: list[memoryview] | None, *, missing_ok: bool
+        self, keys: list[str], dests: list[Destination] | None, *, missing_ok: bool
     ) -> tuple[list[ObjectMeta | None], list[np.ndarray]]:
         last_error: MooncakeError | None = None
         pending = list(range(len(keys)))
@@ -75,9 +76,11 @@ class GetPath:
                         raise KeyNotFound(f"key {keys[i]!r} not found (no complete replica on a live node)")
                     continue
                 if dests is not None:
-                    if len(dests[i]) < meta.size_bytes:
-                        raise InvalidValue(f"out holds {len(dests[i])} B but key {keys[i]!r} is {meta.size_bytes} B")
-                    dest = dests[i][: meta.size_bytes]
+                    out = dests[i]
+                    check_fill_dtype(keys[i], meta.dtype, out.dtype)
+                    if len(out.view) < meta.size_bytes:
+                        raise InvalidValue(f"out holds {len(out.view)} B but key {keys[i]!r} is {meta.size_bytes} B")
+                    dest = out.view[: meta.size_bytes]
                 else:
                     buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
                     dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))

@@ -45,7 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the demo's message
 
 from mooncake_store.client.buffers import as_source
 from mooncake_store.client.prefix import PrefixCache
-from mooncake_store.errors import InvalidValue
+from mooncake_store.errors import DtypeMismatch, InvalidValue
 
 __all__ = ["cache_kwargs", "kv_layout", "kv_namespace", "load_prefix", "output_cache", "save_prefix"]
 
@@ -152,9 +152,10 @@ def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int
 
 
 def _check_stored_layout(cache: PrefixCache, key: str, chunk: Any) -> None:
-    """get_into fills a buffer at least as large as the object with its raw bytes: a chunk saved
-    as float16 read into float32 staging would restore garbage without a word. The stored dtype
-    and size must be the staging chunk's."""
+    """get_into fills a buffer at least as large as the object: a chunk saved for a smaller
+    config would fill part of the staging chunk and restore garbage without a word (a wrong
+    dtype get_into refuses itself, DtypeMismatch). The stored size must be the staging chunk's,
+    and the error says what to pass."""
     meta = cache.client.object_meta(key)
     want = as_source(chunk)
     if meta is not None and (meta.dtype != want.dtype or meta.size_bytes != want.view.nbytes):
@@ -202,10 +203,16 @@ def load_prefix(
         staging.append(torch.empty((n, layers, 2, kv_heads, size, head_dim), dtype=dtype))
         return list(staging[0].unbind(0))
 
-    with cache.load(ids, outs=outs, include_tail=False, max_tokens=limit) as hit:
-        n = hit.num_chunks
-        if n:
-            _check_stored_layout(cache, hit.keys[0], staging[0][0])
+    try:
+        with cache.load(ids, outs=outs, include_tail=False, max_tokens=limit) as hit:
+            n = hit.num_chunks
+            if n:
+                _check_stored_layout(cache, hit.keys[0], staging[0][0])
+    except DtypeMismatch as exc:  # refused by get_into before any byte landed
+        raise InvalidValue(
+            f"the stored KV chunks are {exc.stored}, but this load asked for {exc.out} chunks: pass the model, "
+            "or the dtype= and config= they were saved with"
+        ) from None
     if n == 0:
         return 0, None
     data = staging[0][:n]

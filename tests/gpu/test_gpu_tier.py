@@ -156,6 +156,13 @@ def test_host_object_to_device_in_one_copy(cupy, gpu_cluster, make_client) -> No
     assert str(client.object_meta("host-obj").replicas[0].tier) == "host"  # type: ignore[union-attr]
     got = client.get("host-obj", device=0)
     assert np.array_equal(cupy.asnumpy(got), value)
+    wrong = cupy.full(MiB // 2, 7, dtype=cupy.float16)  # as many bytes, another dtype: refused, untouched
+    with pytest.raises(MooncakeError, match="holds <f4 but out has dtype <f2"):
+        client.get_into("host-obj", wrong)
+    assert bool((wrong == 7).all())
+    raw = cupy.zeros(MiB, dtype=cupy.uint8)  # raw bytes take any dtype
+    assert client.get_into("host-obj", raw) == MiB
+    assert cupy.asnumpy(raw).tobytes() == value.tobytes()
 
 
 def test_device_put_without_gpu_tier_is_staged_to_host(cupy, make_cluster, make_client) -> None:  # type: ignore[no-untyped-def]

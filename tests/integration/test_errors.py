@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import array
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -9,6 +12,7 @@ from mooncake_store import (
     MAX_KEY_BYTES,
     Client,
     ConnectError,
+    DtypeMismatch,
     InvalidKey,
     InvalidValue,
     KeyNotFound,
@@ -103,6 +107,53 @@ def test_get_into_wrong_out(shared_client: Client) -> None:
     big = np.zeros(100, np.int64)
     assert shared_client.get_into("ten", big) == 80  # larger buffers are fine: the byte count says how much
     assert big[:10].tolist() == list(range(10))
+
+
+def test_get_into_a_typed_buffer_of_another_dtype_is_refused_and_writes_nothing(shared_client: Client) -> None:
+    """get_into copies bytes as they are: float32 bytes in a float16 array would read as other
+    numbers without a word. A typed destination must have the stored dtype; raw bytes on either
+    side (a bytearray, a uint8 array, bytes stored) are bytes."""
+    values = np.linspace(-1, 1, 16, dtype=np.float32)
+    shared_client.put("f32", values)
+    shared_client.put("raw", values.tobytes())
+    wrong = np.full(32, 7, np.float16)
+    with pytest.raises(InvalidValue, match="key 'f32' holds <f4 but out has dtype <f2"):
+        shared_client.get_into("f32", wrong)
+    assert (wrong == 7).all(), "a refused get_into wrote into its buffer"
+    with pytest.raises(InvalidValue, match="holds <f4 but out has dtype <i4"):
+        shared_client.get_into("f32", array.array("i", bytes(64)))  # a typed buffer that is not numpy
+    others = [np.zeros(16, np.float32), np.full(32, 7, np.int16)]
+    with pytest.raises(InvalidValue, match="holds <f4 but out has dtype <i2"):
+        shared_client.get_many_into(["f32", "f32"], others)
+    assert (others[1] == 7).all() and not others[0].any(), "a refused batch wrote into its buffers"
+    raw = np.zeros(64, np.uint8)
+    assert shared_client.get_into("f32", raw) == 64 and raw.tobytes() == values.tobytes()
+    typed = np.zeros(16, np.float32)
+    assert shared_client.get_into("raw", typed) == 64 and (typed == values).all()
+    same = array.array("f", bytes(64))
+    assert shared_client.get_into("f32", same) == 64 and list(same) == values.tolist()
+    chars = ctypes.create_string_buffer(64)  # a ctypes string buffer (format "<c") is raw bytes
+    assert shared_client.get_into("f32", chars) == 64 and chars.raw == values.tobytes()
+
+
+def test_get_into_a_bfloat16_object_takes_a_bfloat16_tensor_its_bits_or_raw_bytes(shared_client: Client) -> None:
+    """Where nothing names bfloat16 (numpy, cupy) its bits live in 2-byte integers, both ways."""
+    torch = pytest.importorskip("torch", reason="torch (the test extra) stores bfloat16 tensors")
+    stored = torch.linspace(-2, 2, 8, dtype=torch.bfloat16)
+    bits = stored.view(torch.int16).numpy()
+    shared_client.put("bf16", stored)
+    with pytest.raises(DtypeMismatch, match="holds bfloat16 but out has dtype <f2") as info:
+        shared_client.get_into("bf16", torch.zeros(8, dtype=torch.float16))
+    assert (info.value.stored, info.value.out) == ("bfloat16", "<f2")
+    with pytest.raises(InvalidValue, match="holds bfloat16 but out has dtype <i4"):
+        shared_client.get_into("bf16", np.zeros(4, np.int32))
+    out = torch.zeros(8, dtype=torch.bfloat16)
+    assert shared_client.get_into("bf16", out) == 16 and torch.equal(out, stored)
+    for container in (np.zeros(8, np.int16), np.zeros(8, np.uint16), bytearray(16)):
+        assert shared_client.get_into("bf16", container) == 16 and bytes(container) == bits.tobytes()
+    shared_client.put("bits", bits.view(np.uint16))  # bfloat16 stored from numpy, as its bits
+    back = torch.zeros(8, dtype=torch.bfloat16)
+    assert shared_client.get_into("bits", back) == 16 and torch.equal(back, stored)
 
 
 def test_bad_replicas_argument(shared_client: Client) -> None:

@@ -41,8 +41,8 @@ with connect({shared_cluster.redis_url!r}, namespace={shared_cluster.namespace!r
             print("no error")
         except InvalidValue as exc:
             print("InvalidValue:", exc)
-    out = bytearray(128)
-    print("get_into", c.get_into("bf/0", out))
+    import numpy
+    print("get_into", c.get_into("bf/0", numpy.zeros(64, numpy.int16)), c.get_into("bf/0", bytearray(128)))
 """
     done = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -50,8 +50,8 @@ with connect({shared_cluster.redis_url!r}, namespace={shared_cluster.namespace!r
     assert len(lines) == 3, done.stdout
     for line in lines[:2]:
         assert line.startswith("InvalidValue: a bfloat16 object of shape (64,) comes back as a torch tensor"), line
-        assert "install torch, or read its bytes with get_into" in line
-    assert lines[2].startswith("get_into 128"), lines[2]  # the way the message points to works
+        assert "install torch, or read its bits with get_into into an int16, uint16 or uint8 buffer" in line
+    assert lines[2] == "get_into 128 128", lines[2]  # the ways the message points to work
 
 
 def test_prefix_cache_arguments_of_the_wrong_kind_are_refused_by_name(shared_client: Client) -> None:

@@ -135,13 +135,16 @@ def test_load_into_buffers_too_small_is_an_error_not_a_silent_miss(shared_client
     cache = PrefixCache(shared_client, fresh_ns(), chunk_tokens=C)
     tokens = ids(3 * C)
     cache.store(tokens, chunk_arrays(3))  # float32 chunks, 8 KiB each
-    staging = np.empty((3, 2, C, 64), np.float16)  # half the bytes: e.g. the model's dtype was wrong
+    # Half the bytes: the model's dtype was wrong (refused for its dtype), or raw staging too small.
+    wrong_dtype = np.empty((3, 2, C, 64), np.float16)
+    too_small = np.empty((3, chunk_arrays(1)[0].nbytes // 2), np.uint8)
     try:
-        with pytest.raises(InvalidValue, match=str(chunk_arrays(1)[0].nbytes)):
-            hit = cache.load(tokens, outs=list(staging))
-            hit.release()
-            pytest.fail(f"load into too-small buffers returned {hit!r} instead of raising")
-        assert cache.refcounts(tokens) == [0, 0, 0]
+        for staging, says in ((wrong_dtype, "holds <f4 but out has dtype <f2"), (too_small, "8192")):
+            with pytest.raises(InvalidValue, match=says):
+                hit = cache.load(tokens, outs=list(staging))
+                hit.release()
+                pytest.fail(f"load into too-small buffers returned {hit!r} instead of raising")
+            assert cache.refcounts(tokens) == [0, 0, 0]
     finally:
         cache.close()
 

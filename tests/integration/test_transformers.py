@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from mooncake_store import Client, LocalCluster, PrefixCache
+from mooncake_store import Client, InvalidValue, LocalCluster, PrefixCache
 from mooncake_store.integrations.transformers import (
     cache_kwargs,
     kv_namespace,
@@ -152,6 +152,23 @@ def test_nothing_matches_and_nothing_rewritten(client: Client) -> None:
     assert load_prefix(cache, ids, model)[0] == 2 * CHUNK
     assert load_prefix(cache, torch.cat([ids, ids[:1]])[None], model)[0] == 3 * CHUNK
     assert load_prefix(cache, ids[: CHUNK - 1], model) == (0, None)
+    cache.close()
+
+
+def test_a_load_with_another_dtype_than_saved_says_what_to_pass(client: Client) -> None:
+    """get_into refuses staging of another dtype than the chunks' before any byte lands; the load
+    says so in the model's terms, and leaves nothing pinned."""
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    ids = document(2 * CHUNK + 1)
+    with torch.no_grad():
+        save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
+    with pytest.raises(
+        InvalidValue, match="stored KV chunks are <f4, but this load asked for <f2 chunks: pass the model"
+    ):
+        load_prefix(cache, ids, model, dtype=torch.float16)
+    assert cache.refcounts(ids)[:2] == [0, 0]
+    assert load_prefix(cache, ids, model)[0] == 2 * CHUNK
     cache.close()
 
 
