@@ -57,6 +57,7 @@ class Returning:
     all: int = 0
     soon: int = 0
     now_ms: int = 0
+    due: int = 0  # of those, due already (their leases over): a reclaim frees them now
 
 
 @dataclass(slots=True)
@@ -207,6 +208,11 @@ class PressureManager:
         self.agent.reclaim_now()
         returning = self._returning(tier)
         need = need_now(returning)
+        if need <= 0 and returning.due:
+            # The room is in graves due now, which the reclaim above left (it runs at most once
+            # per RECLAIM_MIN_INTERVAL_S unforced): free them now, not at the next sync, so that
+            # a waiting writer finds its room.
+            self.agent.reclaim_now(force=True)
         return self._walk(tier, need, job_of, now_ms=returning.now_ms) if need > 0 else 0
 
     def _returning(self, tier: TierKind) -> Returning:
@@ -219,6 +225,7 @@ class PressureManager:
             all=self._bytes_in(tier, [g for g, _ in graves]),
             soon=self._bytes_in(tier, [g for g, due in graves if due <= soon_ms]),
             now_ms=now_ms,
+            due=self._bytes_in(tier, [g for g, due in graves if due <= now_ms]),
         )
 
     def _bytes_in(self, tier: TierKind, alloc_ids: list[int]) -> int:
