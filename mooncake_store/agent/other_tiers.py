@@ -49,19 +49,38 @@ class OtherTierHooks:
             if got is not None:
                 self.pressure.count(TierKind.GPU, "reads")
             return got
-        if self.disk is None:
-            return None
-        entry = self.disk.entry(alloc_id)
+        data = self._read_disk(alloc_id)
+        if data is None:
+            return None  # STALE: the reader looks the object up again
+        self.pressure.count(TierKind.DISK, "reads")
+        return data, 0  # offsets into a disk allocation count from the object's start
+
+    def _read_disk(self, alloc_id: int) -> bytearray | None:
+        """A disk object's bytes, checked; None when there is no such file or it is damaged (then
+        its replica is dropped)."""
+        entry = self.disk.entry(alloc_id) if self.disk is not None else None
         if entry is None:
             return None
+        assert self.disk is not None
         data = bytearray(entry.raw_bytes)
         try:
             self.disk.read_into(alloc_id, memoryview(data))
         except CorruptChunk as exc:
-            self._drop_corrupt(alloc_id, exc)
-            return None  # STALE: the reader looks the object up again
-        self.pressure.count(TierKind.DISK, "reads")
-        return data, 0  # offsets into a disk allocation count from the object's start
+            # A file freed while it was read (a spill victim holds no read lease) went with its
+            # entry, which goes first (DiskTier.remove): that is no damage.
+            if self.disk.entry(alloc_id) is not None:
+                self._drop_corrupt(alloc_id, exc)
+            return None
+        except MooncakeError:  # freed between the entry and the read
+            return None
+        return data
+
+    def check_disk_replica(self, alloc_id: int) -> bool:
+        """Decode a chunk file here, after a peer refused it when it was spilled or copied: a
+        spill sends the file as stored, unchecked (the peer decodes it whole), so a damaged one
+        would be sent again at every pass. A damaged file's replica is dropped, as a read's is.
+        Returns whether the file is sound."""
+        return self._read_disk(alloc_id) is not None
 
     def _drop_corrupt(self, alloc_id: int, exc: CorruptChunk) -> None:
         """A chunk file failed its checksum: its replica leaves the index, so that readers go to

@@ -276,6 +276,10 @@ class Spiller:
             self._drop_payloads(reserved.batch)
         if broken:
             self._transport.drop_peer(peer_node.tcp_endpoint)
+        elif tier == TierKind.DISK:
+            for job, ok in zip(reserved.batch, written, strict=True):
+                if not ok:  # refused by the peer, whose check may have found the file damaged
+                    self.agent.check_disk_replica(job.victim.alloc_id)
         return written, broken
 
     def _drop_payloads(self, batch: list[SpillJob]) -> None:

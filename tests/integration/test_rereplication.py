@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,6 +53,11 @@ def commit(index: RedisIndex, key: str, *placed: tuple[str, int]) -> None:
 def reap(index: RedisIndex, node: str) -> None:
     index.redis.zadd(index.prefix + "hb", {node: 1})  # its heartbeat deadline long past
     assert index.reap_dead_nodes(grace_ms=0) == [node]
+
+
+def replicas_of(client: Client, key: str) -> list[tuple[str, str]]:
+    meta = client.object_meta(key)
+    return [(r.node_id, str(r.tier)) for r in meta.replicas] if meta is not None else []
 
 
 def nodes_of(index: RedisIndex, key: str) -> list[str]:
@@ -125,6 +131,17 @@ def test_an_eviction_under_pressure_lists_nothing(index: RedisIndex) -> None:
     assert index.repair_candidates("B") == []
 
 
+def test_a_damaged_replica_dropped_lists_the_object_with_a_sound_holder(index: RedisIndex) -> None:
+    """A replica whose bytes failed their checksum is lost like a dead node's: dropping it left the
+    object one copy short for good, with nothing listed."""
+    commit(index, "two", ("A", 1), ("B", 2))
+    assert index.drop_corrupt("two", 1, node_id="A")
+    (cand,) = index.repair_candidates("B")
+    assert (cand.key, cand.alloc_id, cand.missing, cand.holders) == ("two", 2, 1, ("B",))
+    assert index.repair_candidates("A") == []
+    assert not audit_index(index)
+
+
 def test_a_peer_that_does_not_answer_a_copy_is_left_out_of_the_next_calls(
     direct_agent: Callable[..., Agent],
     client_of: Callable[[str], Client],
@@ -188,3 +205,46 @@ def test_objects_stay_readable_through_the_loss_of_their_nodes_one_after_another
         return sum(t.copies_out for n in writer.stat().nodes if n.alive for t in n.tiers)
 
     assert wait_until(lambda: copied() >= len(values), 5), f"{copied()} copies counted for {len(values)} objects"
+
+
+def test_a_damaged_chunk_file_at_the_repair_source_is_dropped_not_sent_every_second(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], tmp_path: Path
+) -> None:
+    """A repair (like a spill) sends a chunk file as stored, and the peer decodes it whole: a damaged
+    file was refused by the peer and sent again every second for good, while the index listed the
+    damaged replica as readable. The source now checks a refused file, and a damaged one leaves
+    the index as a read's would."""
+    cluster = make_cluster(0, heartbeat_ttl_s=1.5)
+    disk = ["--disk", str(tmp_path), "--disk-mem", str(64 * MiB)]
+    cluster.add_agent(node_id="agent-0", extra_args=["--host-bytes", str(8 * MiB), *disk])
+    for node_id in ("agent-1", "agent-2"):
+        cluster.add_agent(node_id=node_id, extra_args=["--host-bytes", str(64 * MiB), *disk])
+    client = make_client(cluster, lease_ms=300, timeout_s=10.0)
+    values = {f"dd/{i:02d}": np.random.default_rng(i).integers(0, 255, MiB, dtype=np.uint8) for i in range(16)}
+    for key, value in values.items():  # twice agent-0's host tier: its coldest go to its disk
+        client.put(key, value, replicas=2, preferred_node="agent-0")
+
+    def on_agent0_disk() -> list[str]:
+        return [k for k in values if ("agent-0", "disk") in replicas_of(client, k)]
+
+    assert wait_until(lambda: bool(on_agent0_disk()), 20), {k: replicas_of(client, k) for k in values}
+    victim = on_agent0_disk()[0]
+    meta = client.object_meta(victim)
+    assert meta is not None
+    (mine,) = (r for r in meta.replicas if r.node_id == "agent-0")
+    (other,) = (r.node_id for r in meta.replicas if r.node_id != "agent-0")
+    path = next((tmp_path / "agent-0").rglob(f"{mine.alloc_id:016x}.mcz"))
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x5A
+    path.write_bytes(bytes(blob))
+    cluster.agent(other).kill()  # agent-0 is to copy the victim, from its damaged file, to the last node
+    stats = client.index.prefix + "stats"
+    assert wait_until(lambda: int(client.index.redis.hget(stats, "corrupt") or 0) == 1, 20), client.stat()
+    assert client.object_meta(victim) is None  # its one sound copy died with the other node: a loss
+    assert wait_until(lambda: not path.exists(), 10), "the damaged file stayed after its replica went"
+    live = {"agent-0", "agent-1", "agent-2"} - {other}
+    assert wait_until(lambda: client.stat().short == 0, 20), client.stat()
+    for key, value in values.items():
+        if key != victim:
+            assert len({n for n, _ in replicas_of(client, key)} & live) == 2, (key, replicas_of(client, key))
+            assert np.array_equal(client.get(key), value), key

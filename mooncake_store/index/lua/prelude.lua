@@ -373,7 +373,7 @@ end
 -- memory is still freed only once the read leases run out; a loss is counted as "corrupt".
 local function evict_replica(key, node, alloc, now, damaged)
   local ok = P .. 'o:' .. key
-  local f = redis.call('HMGET', ok, 'replicas', 'lease_until')
+  local f = redis.call('HMGET', ok, 'replicas', 'lease_until', 'copies')
   if not f[1] then return 'GONE' end
   local keep, found = {}, nil
   for _, r in ipairs(decode_list(f[1])) do
@@ -402,6 +402,9 @@ local function evict_replica(key, node, alloc, now, damaged)
     redis.call('HSET', ok, 'replicas', encode_list(keep))
     -- What is left is on dead nodes only: the object is lost to readers now, which is an eviction.
     if readable == 0 then redis.call('HINCRBY', P .. 'stats', lost, 1) end
+    -- A damaged replica is a loss like a dead node's: the object is copied again from a sound one
+    -- (an eviction under pressure drops a replica on purpose and lists nothing).
+    if damaged then note_short(key, keep, tonumber(f[3] or 0) or 0, now) end
   end
   return 'OK'
 end
