@@ -294,7 +294,7 @@ class PressureManager:
                 moved += job.room_bytes
             elif move.kind == MoveKind.SPILL and move.node_id is not None:
                 spills.setdefault(move.node_id, []).append(job)
-                state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
+                state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.room_bytes
                 planned += job.room_bytes
             elif self._evict_unless_parent(job, state):
                 moved += job.room_bytes
@@ -318,7 +318,7 @@ class PressureManager:
         lower = next_tier(tier, agent.tier_kinds())
         lower_free = 0 if state.demote_failed else self._room_below(lower)
         return choose_move(
-            job.wire_bytes,
+            job.room_bytes,
             tier=tier,
             node_id=agent.node_id,
             zone=agent.config.zone,
@@ -427,7 +427,7 @@ class PressureManager:
                     raise result.error  # the index failed: end the pass (run() logs it)
                 if result.refused:
                     state.refused.add(node_id)
-                    state.planned[node_id] -= sum(job.wire_bytes for job in result.unsent)
+                    state.planned[node_id] -= sum(job.room_bytes for job in result.unsent)
                     retry.extend(result.unsent)
             spills = {}
             for unsent in retry:
@@ -440,7 +440,7 @@ class PressureManager:
                     continue
                 if move.kind == MoveKind.SPILL and move.node_id is not None and attempt + 1 < PEER_TRIES:
                     spills.setdefault(move.node_id, []).append(job)
-                    state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.wire_bytes
+                    state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.room_bytes
                     continue
                 # Out of peers to ask, or none has room: evicted.
                 if self._evict_unless_parent(job, state):

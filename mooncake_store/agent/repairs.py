@@ -108,7 +108,7 @@ class Repairs:
             taken = set(cand.holders) | refused
             for _ in range(cand.missing):
                 move = choose_move(
-                    job.wire_bytes,
+                    job.room_bytes,
                     tier=cand.tier,
                     node_id=agent.node_id,
                     zone=agent.config.zone,
@@ -123,6 +123,6 @@ class Repairs:
                 if move.kind != MoveKind.SPILL or move.node_id is None:
                     break  # no node has room for it now: it stays listed
                 plan.setdefault((move.node_id, cand.tier), []).append(job)
-                planned[move.node_id] = planned.get(move.node_id, 0) + job.wire_bytes
+                planned[move.node_id] = planned.get(move.node_id, 0) + job.room_bytes
                 taken.add(move.node_id)
         return plan

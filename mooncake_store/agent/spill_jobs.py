@@ -33,7 +33,10 @@ class SpillJob:
 
     @property
     def room_bytes(self) -> int:
-        """The room its leaving makes in its tier here, which is what a pass counts toward its need."""
+        """The room its leaving makes in its tier here, which is what a pass counts toward its need;
+        also what it is planned to take in a peer's tier. A peer's disk inbox counts a chunk file's
+        whole blocks, all or nothing per batch: planned by the file's length, a batch of small files
+        that fitted by bytes was refused whole. The peer's block size is taken to be this node's."""
         return self.wire_bytes if self.footprint_bytes is None else self.footprint_bytes
 
 

@@ -7,8 +7,10 @@ pressure pass would."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from helpers import counter
 from mooncake_store import connect
 from mooncake_store.agent.node import Agent
 from mooncake_store.errors import StaleLocation
+from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import TierKind
 
@@ -89,3 +92,27 @@ def test_stat_shows_the_blocks_files_take_and_the_ratio_of_their_compressed_byte
 def idle(agent: Agent) -> None:
     """No pressure pass of its own: the test demotes the object itself."""
     agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+
+def test_a_spill_of_small_chunk_files_is_planned_by_the_blocks_they_take_on_the_peer(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """The pass planned a peer's disk room by the files' lengths (~100 B each) while the peer's
+    inbox counts whole blocks, all or nothing per batch: a peer with room for three files was
+    planned for all the pass moved, refused the batch whole, and every file was evicted instead.
+    Planned by blocks, the peer gets what it has room for and the rest goes elsewhere."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    block = DiskTier.block_size_of(tmp_path)
+    files = 20
+    settings: dict[str, Any] = {"namespace": namespace, "host_bytes": 32 * MiB, "spill_to_peers": True, "prepare": idle}
+    a = make_inproc_agent(disk_path=str(tmp_path / "a"), disk_bytes=files * block, **settings)
+    b = make_inproc_agent(disk_path=str(tmp_path / "b"), disk_bytes=4 * block, **settings)
+    keys = [f"tiny{i:02d}" for i in range(files)]
+    for key in keys:
+        disk_object(a, key, np.full(64, len(key), np.uint8))
+    assert a.disk is not None and a.disk.used_bytes == files * block  # past its high watermark
+    a.pressure.relieve_disk()
+    on_b = [k for k in keys if (m := a.index.lookup([k], lease_ms=0).objects[0]) and m.replicas[0].node_id == b.node_id]
+    room = int(b.config.high_watermark * 4 * block) // block  # whole files under b's high watermark
+    assert 1 <= len(on_b) <= room, f"{len(on_b)} of a's files landed on b, which has room for {room}"
+    assert b.disk is not None and b.disk.objects == len(on_b)
