@@ -1,15 +1,19 @@
 """Best-fit offset allocator for one arena (host DRAM segment, GPU buffer, disk file).
 
 The allocator hands out offsets only; it never touches memory, so the same class serves every tier.
-Free space is kept in three views that always describe the same set of free blocks:
+Free space is kept in views that always describe the same set of free blocks:
 
-* ``_free``: offset -> size, to find a block by its start;
-* ``_by_size``: sorted ``(size, offset)``, so best fit is one ``bisect`` (smallest block that fits,
-  lowest offset among equal sizes, which keeps allocations packed towards the start);
-* ``_offsets``: sorted free offsets, so the neighbours of a freed block are one ``bisect`` away.
+* ``_free``: start -> size, and ``_free_end``: end -> start, so a freed block's neighbours are one
+  dict lookup away on either side;
+* ``_sizes``: the sorted distinct sizes of free blocks, so best fit is one ``bisect`` (the smallest
+  size that fits), and ``_at_size``: size -> a heap of the starts of free blocks of that size (the
+  lowest offset among equal sizes, which keeps allocations packed towards the start), which also
+  removes a block that merges away.
 
-Lookups are O(log n); list insertion/removal is a ``memmove`` of the tail, which for the block counts
-an arena sees (thousands, not millions) is far cheaper than a balanced tree in pure Python.
+An operation is O(log n), plus a ``memmove`` of the distinct sizes when a size appears or goes.
+Sorted lists of every block cost a ``memmove`` of the whole list per operation instead: ~70 us at
+100,000 free blocks and ~350 us at 400,000 (an arena of many small objects freed out of order);
+benchmarks/allocator.py measures both the mean and the slowest operation.
 """
 
 from __future__ import annotations
@@ -26,6 +30,66 @@ def _check_int(name: str, value: object) -> int:
     return value
 
 
+class _OffsetHeap:
+    """A min-heap of distinct offsets that also removes any one of them in O(log n): each offset's
+    place in the list is kept in ``_pos``, so a block that merges away leaves no entry behind."""
+
+    __slots__ = ("_items", "_pos")
+
+    def __init__(self) -> None:
+        self._items: list[int] = []
+        self._pos: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def lowest(self) -> int:
+        return self._items[0]
+
+    def push(self, offset: int) -> None:
+        self._items.append(offset)
+        self._sift_up(len(self._items) - 1, offset)
+
+    def remove(self, offset: int) -> None:
+        i = self._pos.pop(offset)
+        last = self._items.pop()
+        if i < len(self._items):  # the last entry fills the hole, then moves up or down
+            self._sift_up(i, last)
+            if self._items[i] == last:
+                self._sift_down(i, last)
+
+    def _sift_up(self, i: int, offset: int) -> None:
+        items, pos = self._items, self._pos
+        while i > 0:
+            parent = (i - 1) >> 1
+            above = items[parent]
+            if above <= offset:
+                break
+            items[i] = above
+            pos[above] = i
+            i = parent
+        items[i] = offset
+        pos[offset] = i
+
+    def _sift_down(self, i: int, offset: int) -> None:
+        items, pos = self._items, self._pos
+        n = len(items)
+        while True:
+            child = 2 * i + 1
+            if child >= n:
+                break
+            if child + 1 < n and items[child + 1] < items[child]:
+                child += 1
+            below = items[child]
+            if offset <= below:
+                break
+            items[i] = below
+            pos[below] = i
+            i = child
+        items[i] = offset
+        pos[offset] = i
+
+
 class OffsetAllocator:
     """Best-fit offset allocator over [0, capacity) with alignment and coalescing. Not thread-safe (the
     agent holds a lock).
@@ -36,7 +100,7 @@ class OffsetAllocator:
     handed out (no request is smaller than one unit).
     """
 
-    __slots__ = ("_alignment", "_by_size", "_capacity", "_free", "_free_total", "_live", "_offsets")
+    __slots__ = ("_alignment", "_at_size", "_capacity", "_free", "_free_end", "_free_total", "_live", "_sizes")
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 64) -> None:
         capacity_bytes = _check_int("capacity_bytes", capacity_bytes)
@@ -47,26 +111,34 @@ class OffsetAllocator:
             raise InvalidValue(f"alignment must be a power of two, got {alignment}")
         self._capacity = capacity_bytes
         self._alignment = alignment
-        self._free: dict[int, int] = {0: capacity_bytes}
-        self._by_size: list[tuple[int, int]] = [(capacity_bytes, 0)]
-        self._offsets: list[int] = [0]
+        self._free: dict[int, int] = {}
+        self._free_end: dict[int, int] = {}
+        self._sizes: list[int] = []
+        self._at_size: dict[int, _OffsetHeap] = {}
         self._live: dict[int, int] = {}
         # Kept as a running total so used/free/fragmentation are O(1) for stats and heartbeats.
         self._free_total = capacity_bytes
+        self._add_free(0, capacity_bytes)
 
-    # -- free-block bookkeeping (all three views change together) --------------------------------
+    # -- free-block bookkeeping (all views change together) ---------------------------------------
 
     def _add_free(self, offset: int, size: int) -> None:
         self._free[offset] = size
-        insort(self._by_size, (size, offset))
-        insort(self._offsets, offset)
+        self._free_end[offset + size] = offset
+        heap = self._at_size.get(size)
+        if heap is None:
+            heap = self._at_size[size] = _OffsetHeap()
+            insort(self._sizes, size)
+        heap.push(offset)
 
     def _remove_free(self, offset: int) -> int:
         size = self._free.pop(offset)
-        i = bisect_left(self._by_size, (size, offset))
-        del self._by_size[i]
-        j = bisect_left(self._offsets, offset)
-        del self._offsets[j]
+        del self._free_end[offset + size]
+        heap = self._at_size[size]
+        heap.remove(offset)
+        if not heap:
+            del self._at_size[size]
+            del self._sizes[bisect_left(self._sizes, size)]
         return size
 
     # -- public API -----------------------------------------------------------------------------
@@ -79,11 +151,11 @@ class OffsetAllocator:
             raise InvalidValue(f"size_bytes must be >= 0, got {size_bytes}")
         unit = self._alignment
         need = max(unit, (size_bytes + unit - 1) // unit * unit)
-        # (need, -1) sorts before every (need, offset>=0): the smallest fitting block, lowest offset.
-        i = bisect_left(self._by_size, (need, -1))
-        if i == len(self._by_size):
+        i = bisect_left(self._sizes, need)  # the smallest size that fits; its lowest offset
+        if i == len(self._sizes):
             return None
-        block_size, offset = self._by_size[i]
+        block_size = self._sizes[i]
+        offset = self._at_size[block_size].lowest()
         self._remove_free(offset)
         if block_size > need:
             self._add_free(offset + need, block_size - need)
@@ -102,13 +174,11 @@ class OffsetAllocator:
             raise InvalidValue(f"offset {offset} is not the start of a live allocation")
         self._free_total += size
         start, end = offset, offset + size
-        i = bisect_left(self._offsets, offset)
-        # Left neighbour: the free block just below must end exactly where this one starts.
-        if i > 0:
-            left = self._offsets[i - 1]
-            if left + self._free[left] == start:
-                self._remove_free(left)
-                start = left
+        # Left neighbour: a free block ending exactly where this one starts.
+        left = self._free_end.get(start)
+        if left is not None:
+            self._remove_free(left)
+            start = left
         # Right neighbour: a free block starting exactly at our end.
         right_size = self._free.get(end)
         if right_size is not None:
@@ -126,12 +196,8 @@ class OffsetAllocator:
         return size
 
     def _containing_free_block(self, offset: int) -> int | None:
-        i = bisect_left(self._offsets, offset + 1) - 1
-        if i >= 0:
-            start = self._offsets[i]
-            if offset < start + self._free[start]:
-                return start
-        return None
+        # A walk over the free blocks: only a refused free() asks, to say what it was.
+        return next((start for start, size in self._free.items() if start <= offset < start + size), None)
 
     @property
     def capacity_bytes(self) -> int:
@@ -151,7 +217,7 @@ class OffsetAllocator:
 
     @property
     def largest_free_bytes(self) -> int:
-        return self._by_size[-1][0] if self._by_size else 0
+        return self._sizes[-1] if self._sizes else 0
 
     @property
     def num_allocations(self) -> int:
@@ -166,7 +232,7 @@ class OffsetAllocator:
 
     def free_blocks(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every free block in address order; for stats and tests."""
-        return [(off, self._free[off]) for off in self._offsets]
+        return sorted(self._free.items())
 
     def allocations(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every live allocation in address order; for stats and tests."""

@@ -237,3 +237,83 @@ def test_fragmentation_scenario() -> None:
     assert alloc.fragmentation() == 0.0
     assert alloc.free_blocks() == [(0, 64 * 32)]
     check_invariants(alloc)
+
+
+class ListBestFit:
+    """The rule the allocator keeps, the slow way: the smallest free block that fits, the lowest
+    offset among equal sizes, and a freed block merged with free neighbours on both sides."""
+
+    def __init__(self, capacity: int, alignment: int) -> None:
+        self.alignment = alignment
+        self.free: list[tuple[int, int]] = [(0, capacity)]  # (offset, size), by offset
+        self.live: dict[int, int] = {}
+
+    def allocate(self, size: int) -> int | None:
+        need = max(self.alignment, -(-size // self.alignment) * self.alignment)
+        fits = [(s, o) for o, s in self.free if s >= need]
+        if not fits:
+            return None
+        block, offset = min(fits)
+        self.free.remove((offset, block))
+        if block > need:
+            self.free.append((offset + need, block - need))
+            self.free.sort()
+        self.live[offset] = need
+        return offset
+
+    def free_at(self, offset: int) -> None:
+        start, end = offset, offset + self.live.pop(offset)
+        for o, s in list(self.free):
+            if o + s == start or o == end:
+                self.free.remove((o, s))
+                start, end = min(start, o), max(end, o + s)
+        self.free.append((start, end - start))
+        self.free.sort()
+
+
+@pytest.mark.parametrize("sizes", ["one-size", "few-sizes", "any-size"])
+def test_every_choice_matches_the_best_fit_rule_under_churn(sizes: str) -> None:
+    """Blocks of one size freed out of order, then taken again (a heap entry per block, most of
+    them left behind by merges), checked step by step against ListBestFit."""
+    rng = random.Random(sizes)
+    alloc, model = OffsetAllocator(1 << 20, alignment=64), ListBestFit(1 << 20, 64)
+    pick = {
+        "one-size": lambda: 4096,
+        "few-sizes": lambda: rng.choice((1000, 4096, 5000, 64)),
+        "any-size": lambda: rng.randrange(1, 20_000),
+    }[sizes]
+    for step in range(3000):
+        if model.live and (rng.random() < 0.5 or step % 400 > 300):
+            off = rng.choice(sorted(model.live))
+            model.free_at(off)
+            alloc.free(off)
+        else:
+            size = pick()
+            assert alloc.allocate(size) == model.allocate(size), f"step {step}: allocate({size})"
+        assert alloc.free_blocks() == model.free, f"step {step}"
+    check_invariants(alloc)
+
+
+def test_blocks_that_merge_away_leave_their_size_heap_and_choices_stay_best_fit() -> None:
+    """100 one-unit holes, then the blocks between them freed from the top: each free merges two
+    holes away. Their heap entries go with them (no heap holds more entries than free blocks of
+    its size), and every choice still follows the rule."""
+    alloc, model = OffsetAllocator(64 * 200, alignment=64), ListBestFit(64 * 200, 64)
+    offsets = [alloc.allocate(64) for _ in range(200)]
+    assert offsets == [model.allocate(64) for _ in range(200)]
+    for off in offsets[::2]:
+        alloc.free(off)
+        model.free_at(off)
+    for off in reversed(offsets[1::2][40:]):  # 60 merges of three blocks into one
+        alloc.free(off)
+        model.free_at(off)
+        sizes = [s for _, s in alloc.free_blocks()]
+        assert {size: len(heap) for size, heap in alloc._at_size.items()} == {s: sizes.count(s) for s in set(sizes)}
+    for _ in range(50):  # take the lowest hole and give it back
+        off = alloc.allocate(64)
+        assert off == model.allocate(64) == 0
+        alloc.free(off)
+        model.free_at(off)
+    assert len(alloc._at_size[64]) == 40
+    assert alloc.free_blocks() == model.free
+    check_invariants(alloc)
