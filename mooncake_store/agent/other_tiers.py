@@ -58,29 +58,28 @@ class OtherTierHooks:
     def _read_disk(self, alloc_id: int) -> bytearray | None:
         """A disk object's bytes, checked; None when there is no such file or it is damaged (then
         its replica is dropped)."""
-        entry = self.disk.entry(alloc_id) if self.disk is not None else None
-        if entry is None:
+        disk = self.disk
+        entry = disk.entry(alloc_id) if disk is not None else None
+        if disk is None or entry is None:
             return None
-        assert self.disk is not None
         data = bytearray(entry.raw_bytes)
         try:
-            self.disk.read_into(alloc_id, memoryview(data))
+            disk.read_into(alloc_id, memoryview(data))
         except CorruptChunk as exc:
             # A file freed while it was read (a spill victim holds no read lease) went with its
             # entry, which goes first (DiskTier.remove): that is no damage.
-            if self.disk.entry(alloc_id) is not None:
+            if disk.entry(alloc_id) is not None:
                 self._drop_corrupt(alloc_id, exc)
             return None
         except MooncakeError:  # freed between the entry and the read
             return None
         return data
 
-    def check_disk_replica(self, alloc_id: int) -> bool:
+    def check_disk_replica(self, alloc_id: int) -> None:
         """Decode a chunk file here, after a peer refused it when it was spilled or copied: a
         spill sends the file as stored, unchecked (the peer decodes it whole), so a damaged one
-        would be sent again at every pass. A damaged file's replica is dropped, as a read's is.
-        Returns whether the file is sound."""
-        return self._read_disk(alloc_id) is not None
+        would be sent again at every pass. A damaged file's replica is dropped, as a read's is."""
+        self._read_disk(alloc_id)
 
     def _drop_corrupt(self, alloc_id: int, exc: CorruptChunk) -> None:
         """A chunk file failed its checksum: its replica leaves the index, so that readers go to

@@ -154,7 +154,7 @@ def as_destination(out: object) -> Destination:
         raise InvalidValue(f"out ({type(out).__name__}) is read-only")
     if not view.c_contiguous:
         raise InvalidValue(f"out ({type(out).__name__}, shape {view.shape}) is not C-contiguous")
-    if dtype == RAW_BYTES and not isinstance(out, np.ndarray):
+    if dtype == RAW_BYTES and view.format != "B" and not isinstance(out, np.ndarray):
         try:  # a typed buffer (array.array("f"), a cast memoryview) is filled as its type
             typed = np.asarray(view).dtype
         except (TypeError, ValueError, NotImplementedError):

@@ -151,18 +151,20 @@ def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int
     return cache.store(ids, chunk)
 
 
-def _check_stored_layout(cache: PrefixCache, key: str, chunk: Any) -> None:
+#: What a load whose staging does not fit the stored chunks is told to pass.
+_PASS_WHAT_WAS_SAVED = "pass the model, or the dtype= and config= they were saved with"
+
+
+def _check_stored_size(cache: PrefixCache, key: str, chunk: Any) -> None:
     """get_into fills a buffer at least as large as the object: a chunk saved for a smaller
-    config would fill part of the staging chunk and restore garbage without a word (a wrong
-    dtype get_into refuses itself, DtypeMismatch). The stored size must be the staging chunk's,
-    and the error says what to pass."""
+    config would fill part of the staging chunk and restore garbage without a word. (A chunk of
+    another dtype get_into refuses itself: DtypeMismatch, turned into this advice by load_prefix.)"""
     meta = cache.client.object_meta(key)
     want = as_source(chunk)
-    if meta is not None and (meta.dtype != want.dtype or meta.size_bytes != want.view.nbytes):
+    if meta is not None and meta.size_bytes != want.view.nbytes:
         raise InvalidValue(
             f"the stored KV chunks are {meta.dtype}, {meta.size_bytes} B each, but this load asked for "
-            f"{chunk.dtype} chunks of shape {tuple(chunk.shape)} ({want.view.nbytes} B): pass the model, "
-            "or the dtype= and config= they were saved with"
+            f"{chunk.dtype} chunks of shape {tuple(chunk.shape)} ({want.view.nbytes} B): {_PASS_WHAT_WAS_SAVED}"
         )
 
 
@@ -207,11 +209,10 @@ def load_prefix(
         with cache.load(ids, outs=outs, include_tail=False, max_tokens=limit) as hit:
             n = hit.num_chunks
             if n:
-                _check_stored_layout(cache, hit.keys[0], staging[0][0])
+                _check_stored_size(cache, hit.keys[0], staging[0][0])
     except DtypeMismatch as exc:  # refused by get_into before any byte landed
         raise InvalidValue(
-            f"the stored KV chunks are {exc.stored}, but this load asked for {exc.out} chunks: pass the model, "
-            "or the dtype= and config= they were saved with"
+            f"the stored KV chunks are {exc.stored}, but this load asked for {exc.out} chunks: {_PASS_WHAT_WAS_SAVED}"
         ) from None
     if n == 0:
         return 0, None
