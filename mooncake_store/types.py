@@ -79,10 +79,20 @@ class TierUsage:
     #: hits, misses, demotions, promotions, spills_out, spills_in, evictions; raw_bytes and
     #: stored_bytes for the disk tier (its used_bytes are the whole blocks its files take)
     counters: dict[str, int] = field(default_factory=dict)
+    #: The unit a file takes whole units of (the disk tier: its filesystem's block size); 0 where
+    #: the tier does not say (an arena tier, or an agent older than this field).
+    block_bytes: int = 0
 
     @property
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes
+
+    def room_for(self, stored_bytes: int, *, otherwise: int) -> int:
+        """What a chunk file of ``stored_bytes`` takes in this tier: whole blocks, one at least;
+        ``otherwise`` where the tier publishes no block size."""
+        if self.block_bytes <= 0:
+            return otherwise
+        return max(1, -(-stored_bytes // self.block_bytes)) * self.block_bytes
 
 
 #: Alloc ids carry, in bits 47..62, a tag of the agent incarnation that handed them out, which the

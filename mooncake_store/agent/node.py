@@ -185,6 +185,7 @@ class Agent(OtherTierHooks):
             capacity_bytes=self.disk.capacity_bytes,
             used_bytes=self.disk.used_bytes,
             objects=self.disk.objects,
+            block_bytes=self.disk.block_bytes,  # peers plan their spills here in these blocks
             counters={
                 **self.pressure.counters[TierKind.DISK],
                 "raw_bytes": self.disk.raw_bytes,

@@ -75,6 +75,15 @@ class _PassState:
     #: A demotion failed in this pass (the room below was in pieces, or its writes fail): the
     #: next tier down counts as full for the rest of it, so victims spill before they are evicted.
     demote_failed: bool = False
+    by_id: dict[str, NodeInfo] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_id = {peer.node_id: peer for peer in self.peers}
+
+    def plan(self, node_id: str, jobs: list[SpillJob], tier: TierKind, sign: int = 1) -> None:
+        """Count ``jobs`` as sent to a peer (``sign`` -1: taken back), in the room they take there."""
+        usage = self.by_id[node_id].tier(tier)
+        self.planned[node_id] = self.planned.get(node_id, 0) + sign * sum(job.room_on(usage) for job in jobs)
 
 
 class PressureManager:
@@ -294,7 +303,7 @@ class PressureManager:
                 moved += job.room_bytes
             elif move.kind == MoveKind.SPILL and move.node_id is not None:
                 spills.setdefault(move.node_id, []).append(job)
-                state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.room_bytes
+                state.plan(move.node_id, [job], tier)
                 planned += job.room_bytes
             elif self._evict_unless_parent(job, state):
                 moved += job.room_bytes
@@ -331,6 +340,7 @@ class PressureManager:
             planned_bytes=state.planned,
             # A node that holds another replica is no destination: two copies on one node are one.
             refused=state.refused | set(victim.other_nodes),
+            stored_bytes=job.stored_bytes,
         )
 
     def _silent_peers(self) -> set[str]:
@@ -413,8 +423,7 @@ class PressureManager:
         for attempt in range(PEER_TRIES):
             retry: list[SpillJob] = []
             for node_id, jobs in spills.items():
-                peer = next(p for p in state.peers if p.node_id == node_id)
-                result = self._spiller.spill(peer, jobs, tier=tier)
+                result = self._spiller.spill(state.by_id[node_id], jobs, tier=tier)
                 self._note_silent(self._spiller.take_unreachable())
                 moved += sum(job.room_bytes for job in result.moved)
                 if result.moved:
@@ -427,7 +436,7 @@ class PressureManager:
                     raise result.error  # the index failed: end the pass (run() logs it)
                 if result.refused:
                     state.refused.add(node_id)
-                    state.planned[node_id] -= sum(job.room_bytes for job in result.unsent)
+                    state.plan(node_id, result.unsent, tier, sign=-1)
                     retry.extend(result.unsent)
             spills = {}
             for unsent in retry:
@@ -440,7 +449,7 @@ class PressureManager:
                     continue
                 if move.kind == MoveKind.SPILL and move.node_id is not None and attempt + 1 < PEER_TRIES:
                     spills.setdefault(move.node_id, []).append(job)
-                    state.planned[move.node_id] = state.planned.get(move.node_id, 0) + job.room_bytes
+                    state.plan(move.node_id, [job], tier)
                     continue
                 # Out of peers to ask, or none has room: evicted.
                 if self._evict_unless_parent(job, state):

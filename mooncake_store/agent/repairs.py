@@ -87,7 +87,9 @@ class Repairs:
     ) -> dict[tuple[str, TierKind], list[SpillJob]]:
         """Each candidate's missing copies, one per target node, batched per (node, tier)."""
         agent = self.agent
-        planned: dict[str, int] = {}
+        by_id = {peer.node_id: peer for peer in peers}
+        # Planned per tier: a node's host and disk tiers fill apart.
+        planned: dict[TierKind, dict[str, int]] = {}
         plan: dict[tuple[str, TierKind], list[SpillJob]] = {}
         for cand in candidates:
             job_of = self._job_of.get(cand.tier)
@@ -117,12 +119,14 @@ class Repairs:
                     peers=peers,
                     now_ms=now_ms,
                     high_watermark=agent.config.high_watermark,
-                    planned_bytes=planned,
+                    planned_bytes=planned.setdefault(cand.tier, {}),
                     refused=taken,
+                    stored_bytes=job.stored_bytes,
                 )
                 if move.kind != MoveKind.SPILL or move.node_id is None:
                     break  # no node has room for it now: it stays listed
                 plan.setdefault((move.node_id, cand.tier), []).append(job)
-                planned[move.node_id] = planned.get(move.node_id, 0) + job.room_bytes
+                on_tier = planned[cand.tier]
+                on_tier[move.node_id] = on_tier.get(move.node_id, 0) + job.room_on(by_id[move.node_id].tier(cand.tier))
                 taken.add(move.node_id)
         return plan

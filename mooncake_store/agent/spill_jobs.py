@@ -11,7 +11,7 @@ from mooncake_store.errors import MooncakeError
 from mooncake_store.index.schema import BATCH_LIMIT
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import Reservation
-from mooncake_store.types import EvictionCandidate
+from mooncake_store.types import EvictionCandidate, TierUsage
 
 #: Entries per batch: one RESERVE frame's worth, and one move_replicas call's (the batch's guard
 #: is shared by its entries, and a call deletes the guards it used).
@@ -33,11 +33,18 @@ class SpillJob:
 
     @property
     def room_bytes(self) -> int:
-        """The room its leaving makes in its tier here, which is what a pass counts toward its need;
-        also what it is planned to take in a peer's tier. A peer's disk inbox counts a chunk file's
-        whole blocks, all or nothing per batch: planned by the file's length, a batch of small files
-        that fitted by bytes was refused whole. The peer's block size is taken to be this node's."""
+        """The room its leaving makes in its tier here, which is what a pass counts toward its need."""
         return self.wire_bytes if self.footprint_bytes is None else self.footprint_bytes
+
+    def room_on(self, usage: TierUsage | None) -> int:
+        """What it is planned to take in a peer's tier (``usage``, from the node table). A peer's
+        disk inbox counts a chunk file's whole blocks of its own filesystem, all or nothing per
+        batch: planned by the file's length, or in this node's smaller blocks, a batch that fitted
+        on paper was refused whole. A peer that publishes no block size is taken to have this
+        node's."""
+        if self.stored_bytes is None or usage is None:
+            return self.room_bytes
+        return usage.room_for(self.stored_bytes, otherwise=self.room_bytes)
 
 
 @dataclass(frozen=True, slots=True)

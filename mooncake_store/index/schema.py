@@ -147,6 +147,7 @@ def encode_tiers(tiers: tuple[TierUsage, ...]) -> list[dict[str, Any]]:
             "capacity": str(t.capacity_bytes),
             "used": str(t.used_bytes),
             "objects": str(t.objects),
+            **({"block": str(t.block_bytes)} if t.block_bytes else {}),
             **({"counters": {k: str(v) for k, v in t.counters.items()}} if t.counters else {}),
         }
         for t in tiers
@@ -171,6 +172,7 @@ def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
                     capacity_bytes=int(t["capacity"]),
                     used_bytes=int(t["used"]),
                     objects=int(t.get("objects", 0)),
+                    block_bytes=int(t.get("block", 0)),
                     counters={k: int(v) for k, v in (t.get("counters") or {}).items()}
                     if isinstance(t.get("counters"), dict)
                     else {},

@@ -95,11 +95,14 @@ def choose_move(
     spill: bool = True,
     planned_bytes: Mapping[str, int] | None = None,
     refused: Collection[str] = (),
+    stored_bytes: int | None = None,
 ) -> Move:
     """Where one victim of ``size_bytes`` goes. A peer qualifies only if taking the object keeps it
     under the high watermark, so that spilling never pushes a peer into pressure of its own.
     ``planned_bytes`` is what this pass already sent each peer (the table's use is a heartbeat
-    old); peers in ``refused`` turned a reservation down in this pass."""
+    old); peers in ``refused`` turned a reservation down in this pass. A chunk file of
+    ``stored_bytes`` (a disk victim; ``size_bytes`` is what it takes here) takes whole blocks of
+    each peer's own filesystem there (TierUsage.room_for)."""
     if lower_tier is not None and lower_free_bytes >= size_bytes:
         return Move(kind=MoveKind.DEMOTE, tier=lower_tier)
     if spill:
@@ -111,9 +114,10 @@ def choose_move(
             if usage is None:
                 continue
             used = usage.used_bytes + (planned_bytes or {}).get(peer.node_id, 0)
+            takes = size_bytes if stored_bytes is None else usage.room_for(stored_bytes, otherwise=size_bytes)
             # The peer's own watermark when it publishes one, else the caller's.
             peer_high = float(peer.labels.get("high_watermark", high_watermark))
-            if used + size_bytes > peer_high * usage.capacity_bytes:
+            if used + takes > peer_high * usage.capacity_bytes:
                 continue
             key = (0 if peer.zone == zone else 1, used - usage.capacity_bytes, peer.node_id)
             if best is None or key < best:

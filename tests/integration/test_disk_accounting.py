@@ -94,25 +94,84 @@ def idle(agent: Agent) -> None:
     agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
 
 
+@pytest.mark.parametrize("peer_blocks", [1, 4], ids=["same-blocks", "peer-blocks-4x"])
 def test_a_spill_of_small_chunk_files_is_planned_by_the_blocks_they_take_on_the_peer(
-    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, peer_blocks: int
 ) -> None:
     """The pass planned a peer's disk room by the files' lengths (~100 B each) while the peer's
     inbox counts whole blocks, all or nothing per batch: a peer with room for three files was
     planned for all the pass moved, refused the batch whole, and every file was evicted instead.
-    Planned by blocks, the peer gets what it has room for and the rest goes elsewhere."""
+    Planned by blocks, the peer gets what it has room for and the rest goes elsewhere. A peer whose
+    filesystem has larger blocks (4x here) publishes its block size: planned in this node's blocks,
+    its batch was refused whole again."""
     namespace = f"t-{uuid.uuid4().hex[:10]}"
     block = DiskTier.block_size_of(tmp_path)
+    peer_block = peer_blocks * block
+
+    def larger_blocks(agent: Agent) -> None:
+        idle(agent)
+        assert agent.disk is not None
+        agent.disk.block_bytes = peer_block  # what a filesystem of larger blocks reports
+
     files = 20
-    settings: dict[str, Any] = {"namespace": namespace, "host_bytes": 32 * MiB, "spill_to_peers": True, "prepare": idle}
-    a = make_inproc_agent(disk_path=str(tmp_path / "a"), disk_bytes=files * block, **settings)
-    b = make_inproc_agent(disk_path=str(tmp_path / "b"), disk_bytes=4 * block, **settings)
+    settings: dict[str, Any] = {"namespace": namespace, "host_bytes": 32 * MiB, "spill_to_peers": True}
+    a = make_inproc_agent(disk_path=str(tmp_path / "a"), disk_bytes=files * block, prepare=idle, **settings)
+    b = make_inproc_agent(disk_path=str(tmp_path / "b"), disk_bytes=4 * peer_block, prepare=larger_blocks, **settings)
     keys = [f"tiny{i:02d}" for i in range(files)]
     for key in keys:
         disk_object(a, key, np.full(64, len(key), np.uint8))
     assert a.disk is not None and a.disk.used_bytes == files * block  # past its high watermark
     a.pressure.relieve_disk()
     on_b = [k for k in keys if (m := a.index.lookup([k], lease_ms=0).objects[0]) and m.replicas[0].node_id == b.node_id]
-    room = int(b.config.high_watermark * 4 * block) // block  # whole files under b's high watermark
+    room = int(b.config.high_watermark * 4 * peer_block) // peer_block  # whole files under b's high watermark
     assert 1 <= len(on_b) <= room, f"{len(on_b)} of a's files landed on b, which has room for {room}"
-    assert b.disk is not None and b.disk.objects == len(on_b)
+    assert b.disk is not None and b.disk.objects == len(on_b) and b.disk.used_bytes == len(on_b) * peer_block
+
+
+def test_repairs_plan_a_peer_s_host_and_disk_tiers_apart(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """The repairs' plan counted what it sent a node in one sum for all its tiers: host copies
+    planned onto a peer's host tier left its empty disk tier looking full, and the chunk files
+    that were to go there waited for a later call."""
+    from mooncake_store.index.pressure import RepairCandidate
+    from mooncake_store.types import NodeInfo, TierUsage, TransportKind
+
+    a = make_inproc_agent(host_bytes=32 * MiB, disk_path=str(tmp_path), disk_bytes=64 * MiB, prepare=idle)
+    block = a.disk.block_bytes if a.disk is not None else 4096
+    host_values = {f"h{i}": np.full(MiB, i, np.uint8) for i in range(6)}
+    client = connect(a.index.url, namespace=a.namespace)
+    try:
+        client.put_many(host_values, preferred_node=a.node_id)
+    finally:
+        client.close()
+    a.sync_once()
+    disk_ids = {key: disk_object(a, key, np.full(64, 7, np.uint8)) for key in ("d0", "d1")}
+    host_ids = {c.key: c.alloc_id for c in a.index.victim_candidates(a.node_id, "host") if c.key in host_values}
+    held = (a.node_id,)
+    candidates = [
+        RepairCandidate(key=k, size_bytes=MiB, alloc_id=host_ids[k], tier=TierKind.HOST, missing=1, holders=held)
+        for k in host_values
+    ] + [
+        RepairCandidate(key=k, size_bytes=64, alloc_id=d, tier=TierKind.DISK, missing=1, holders=held)
+        for k, d in disk_ids.items()
+    ]
+    now_ms = a.index.server_time_ms()
+    peer = NodeInfo(
+        node_id="roomy",
+        host="h",
+        host_id="other-host",
+        zone=a.config.zone,
+        pid=1,
+        tcp_endpoint="127.0.0.1:1",
+        shm_name="s",
+        transports=(TransportKind.TCP,),
+        tiers=(
+            TierUsage(tier=TierKind.HOST, capacity_bytes=8 * MiB, used_bytes=0),  # room for six of 1 MiB
+            TierUsage(tier=TierKind.DISK, capacity_bytes=8 * block, used_bytes=0),
+        ),
+        heartbeat_deadline_ms=now_ms + 60_000,
+    )
+    plan = a.pressure.repairs._plan(candidates, [peer], set(), now_ms=now_ms)
+    assert sorted(j.victim.key for j in plan.get(("roomy", TierKind.HOST), [])) == sorted(host_values)
+    assert sorted(j.victim.key for j in plan.get(("roomy", TierKind.DISK), [])) == ["d0", "d1"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
@@ -120,3 +121,43 @@ def test_a_peer_is_judged_by_its_own_published_watermark() -> None:
     roomy_rule.labels["high_watermark"] = "0.95"
     move = move_of([roomy_rule], high_watermark=0.5)
     assert move.kind == MoveKind.SPILL  # 61 MiB is under the peer's 95 %, though over our 50 %
+
+
+def disk_peer(node_id: str, *, used: int, capacity: int, block: int) -> NodeInfo:
+    usage = TierUsage(tier=TierKind.DISK, capacity_bytes=capacity, used_bytes=used, block_bytes=block)
+    return dataclasses.replace(peer(node_id, used=0), tiers=(usage,))
+
+
+def test_a_chunk_file_is_planned_in_the_peer_s_own_blocks() -> None:
+    """A 100 B chunk file takes one 4 KiB block here and one 64 KiB block on a peer whose
+    filesystem has those: the peer is judged by what the file takes there, not here."""
+    kib = 1 << 10
+    big_blocks = disk_peer("big", used=0, capacity=100 * kib, block=64 * kib)  # 90 KiB under its mark
+    small_blocks = disk_peer("small", used=0, capacity=10 * kib, block=4 * kib)  # 9 KiB under its mark
+    args: dict[str, Any] = {"tier": TierKind.DISK, "node_id": "me", "zone": "z1", "lower_tier": None}
+    args |= {"lower_free_bytes": 0, "now_ms": NOW, "high_watermark": 0.9}
+    # One file already planned onto "big" takes 64 KiB there: a second has no room, though by this
+    # node's blocks (4 KiB each) it would have.
+    assert choose_move(4 * kib, peers=[big_blocks], stored_bytes=100, **args).node_id == "big"
+    planned = {"big": 64 * kib}
+    assert choose_move(4 * kib, peers=[big_blocks], stored_bytes=100, planned_bytes=planned, **args).kind == (
+        MoveKind.EVICT
+    )
+    too_small = disk_peer("tight", used=0, capacity=50 * kib, block=64 * kib)  # one block is past its mark
+    assert choose_move(4 * kib, peers=[too_small], stored_bytes=100, **args).kind == MoveKind.EVICT
+    assert choose_move(4 * kib, peers=[small_blocks], stored_bytes=100, **args).node_id == "small"
+    # A peer that publishes no block size (an older agent) is judged by this node's footprint.
+    silent = disk_peer("old", used=0, capacity=5 * kib, block=0)
+    assert choose_move(4 * kib, peers=[silent], stored_bytes=100, **args).node_id == "old"
+    assert choose_move(8 * kib, peers=[silent], stored_bytes=100, **args).kind == MoveKind.EVICT
+
+
+def test_the_node_table_carries_a_disk_tier_s_block_size() -> None:
+    from mooncake_store.index.schema import decode_node, encode_node
+
+    row = disk_peer("d", used=4096, capacity=1 << 20, block=65536)
+    disk = decode_node(encode_node(row, "inc"), 0).tier(TierKind.DISK)
+    assert disk is not None and disk.block_bytes == 65536
+    assert disk.room_for(1, otherwise=7) == 65536 and disk.room_for(65537, otherwise=7) == 131072
+    host = decode_node(encode_node(peer("h", used=0), "inc"), 0).tier(TierKind.HOST)
+    assert host is not None and host.block_bytes == 0 and host.room_for(100, otherwise=7) == 7
