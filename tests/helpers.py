@@ -300,3 +300,29 @@ def register_silent_node(agent: Agent, peer: SilentPeer) -> str:
     )
     agent.index.register_node(ghost, incarnation="ghost-1", ttl_ms=60_000)
     return ghost.node_id
+
+
+class DarkPeer:
+    """A loopback endpoint whose connects neither complete nor fail: a listener that accepts none,
+    its queue filled, so the kernel drops every further SYN, as a host gone dark does (the caller
+    retries the SYN until its own timeout)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(0)
+        self._fillers: list[socket.socket] = []
+        for _ in range(3):  # the queue holds one; the others wait in SYN_SENT, as the next will
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(self.listener.getsockname())
+            self._fillers.append(filler)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def close(self) -> None:
+        for filler in self._fillers:
+            filler.close()
+        self.listener.close()

@@ -90,15 +90,32 @@ class PeerConnections(ConnectionPool):
         self._no_digest = False
 
     def _connect(self) -> socket.socket:
+        """As socket.create_connection (each address of the name in turn), with each socket taken
+        by the call before its connect (ConnectionPool._connect says why)."""
+        host, port = self._address
         try:
-            sock = socket.create_connection(self._address, timeout=self._timeout_s)
+            addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
             raise ConnectError(f"cannot connect to agent at {self.endpoint}: {exc}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-        frames.kernel_timeouts(sock, self._timeout_s)  # no poll() per chunk; MSG_WAITALL reads
-        return sock
+        failure: OSError | None = None
+        for family, kind, proto, _, address in addresses:
+            sock = socket.socket(family, kind, proto)
+            self._take(sock)
+            try:
+                self._connect_taken(sock, address)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+                frames.kernel_timeouts(sock, self._timeout_s)  # no poll() per chunk; MSG_WAITALL reads
+                return sock
+            except OSError as exc:
+                self._drop(sock)
+                self.raise_if_cut()
+                failure = exc
+            except BaseException:  # cut (raise_if_cut), or interrupted
+                self._drop(sock)
+                raise
+        raise ConnectError(f"cannot connect to agent at {self.endpoint}: {failure or 'no address'}") from None
 
     def _reply(self, sock: socket.socket, op: Op) -> tuple[int, int, int, int]:
         rop, status, a, b, c = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))

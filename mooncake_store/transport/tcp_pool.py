@@ -4,6 +4,8 @@ and a Cancel can cut. The protocol's operations are PeerConnections'; opening a 
 
 from __future__ import annotations
 
+import errno
+import os
 import select
 import socket
 import threading
@@ -15,6 +17,9 @@ from mooncake_store.transport.cancel import Cancel, current_cancel, shut_down
 #: Pooled connections idle longer than this are not reused (the agent closes them after its own,
 #: longer, limit: agent/server.py IDLE_CLOSE_S).
 POOL_IDLE_S = 300.0
+#: A connect under way looks this often (s) whether its transport was closed or its call cancelled
+#: just before it began.
+CUT_CHECK_S = 0.05
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -41,6 +46,9 @@ class ConnectionPool:
         self._aborted = False
 
     def _connect(self) -> socket.socket:
+        """A new connection, taken by the calling call (:meth:`_take`) from before its connect, so
+        that abort() or a Cancel cuts a connect under way too: to an agent whose host went dark it
+        would otherwise wait out timeout_s, and a client's close() with it."""
         raise NotImplementedError
 
     def _acquire(self) -> socket.socket:
@@ -60,7 +68,8 @@ class ConnectionPool:
                 break
         for dead in stale:
             dead.close()
-        sock = sock if sock is not None else self._connect()
+        if sock is None:
+            return self._connect()  # taken already
         self._take(sock)
         return sock
 
@@ -74,13 +83,49 @@ class ConnectionPool:
                 self._busy[sock] = cancel
         if refused:
             sock.close()
-            raise MooncakeError(f"TCP transport is closed (asked for {self.endpoint})")
+            raise self._closed_error()
         if cancel is not None:
             try:
                 cancel.hold(sock)
             except BaseException:
                 self._drop(sock)
                 raise
+
+    def _closed_error(self) -> MooncakeError:
+        return MooncakeError(f"TCP transport is closed (asked for {self.endpoint})")
+
+    def raise_if_cut(self) -> None:
+        """Raise what the call's failure really was when abort() or its Cancel cut it (a connect
+        cut short fails as a reset, which is no news about the agent)."""
+        cancel = current_cancel()
+        if cancel is not None and cancel.cancelled:
+            raise MooncakeError(cancel.message)
+        if self._aborted:
+            raise self._closed_error()
+
+    def _connect_taken(self, sock: socket.socket, address: object) -> None:
+        """Connect ``sock``, taken already, within timeout_s; raises OSError (socket.timeout when it
+        ran out). Non-blocking, in slices of CUT_CHECK_S: abort() or a Cancel shuts a connect under
+        way down at once, and one they ran just before it began (a shutdown before a connect does
+        not stop the connect) is seen at the next slice."""
+        sock.setblocking(False)
+        code = sock.connect_ex(address)  # type: ignore[arg-type]
+        if code not in (0, errno.EINPROGRESS):
+            raise OSError(code, os.strerror(code))
+        deadline = time.monotonic() + self._timeout_s
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        while code == errno.EINPROGRESS:
+            self.raise_if_cut()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            if poller.poll(1000 * min(left, CUT_CHECK_S)):
+                self.raise_if_cut()  # a connect shut down is no answer from the agent
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, os.strerror(code))
+        sock.setblocking(True)
 
     def _untake(self, sock: socket.socket) -> None:
         with self._lock:
