@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -35,6 +35,9 @@ class Allocation:
     deadline: float  # monotonic seconds; meaningful while RESERVED
     readers: int = 0  # TCP reads and writes in progress, and fences: a free waits for them
     doomed: bool = False
+    #: Monotonic s: a doomed allocation is not freed before then (read leases granted before a
+    #: reap of the node still run; drop_after_reap).
+    held_until: float = 0.0
 
 
 class AllocationTable:
@@ -54,6 +57,8 @@ class AllocationTable:
         #: Allocations in state RESERVED: the sync scans their deadlines five times a second, and
         #: they are the puts in flight, not every object.
         self._reserved: dict[int, Allocation] = {}
+        #: Doomed allocations held past their last reader until held_until (release_held frees them).
+        self._held: dict[int, Allocation] = {}
         self._lock = threading.Lock()
         self._reserve_timeout_s = reserve_timeout_s
         # Start alloc ids from the clock so that a restarted agent never reissues an id that an old
@@ -156,13 +161,14 @@ class AllocationTable:
     def free(self, alloc_ids: list[int] | tuple[int, ...]) -> int:
         """Release allocations (decided by a sync); returns how many were released or doomed."""
         count = 0
+        now = time.monotonic()
         with self._lock:
             for alloc_id in alloc_ids:
                 alloc = self._allocs.get(alloc_id)
                 if alloc is None:
                     continue
                 count += 1
-                if alloc.readers > 0:
+                if alloc.readers > 0 or alloc.held_until > now:
                     alloc.doomed = True
                 else:
                     self._release(alloc)
@@ -183,20 +189,51 @@ class AllocationTable:
         return count
 
     def drop_after_reap(self) -> None:
-        """After the node was reaped, in one step: committed objects are gone from the index, so
-        their memory is freed (or doomed while read); reservations of puts in flight only expire,
-        so the next sync revokes their pending records before freeing them."""
+        """After the node was reaped, in one step: committed objects are gone from the index, but
+        same-host readers may still copy them from the arena under read leases granted before the
+        purge, which this table never sees: their memory is doomed and held until hold_reaped()
+        says how long those leases run (the purge's answer; until then, for good). Reservations of
+        puts in flight only expire, so the next sync revokes their pending records before freeing
+        them."""
         now = time.monotonic()
         with self._lock:
             for alloc in list(self._allocs.values()):
                 if alloc.state == AllocState.RESERVED:
                     alloc.deadline = min(alloc.deadline, now)
-                elif alloc.readers > 0:
+                elif not alloc.doomed:
                     alloc.doomed = True
-                else:
-                    self._release(alloc)
+                    alloc.held_until = float("inf")
+                    self._held[alloc.alloc_id] = alloc
+
+    def hold_reaped(self, held_ms: Mapping[int, int]) -> None:
+        """The reaped objects' memory (drop_after_reap) is held for as long as ``held_ms`` says per
+        alloc id (the read leases on it), and the rest freed now."""
+        now = time.monotonic()
+        with self._lock:
+            for alloc_id in held_ms:
+                alloc = self._allocs.get(alloc_id)
+                if alloc is not None and alloc_id not in self._held:
+                    # Committed in the index but not yet here (the sync that drains its ack had not
+                    # run): a reservation, which its sync would free at once; readers have it too.
+                    alloc.doomed = True
+                    alloc.held_until = float("inf")
+                    self._held[alloc_id] = alloc
+            for alloc in self._held.values():
+                alloc.held_until = min(alloc.held_until, now + max(0, held_ms.get(alloc.alloc_id, 0)) / 1000)
+        self.release_held()
+
+    def release_held(self) -> int:
+        """Free the held allocations whose hold is over and that no TCP read moves; returns how many."""
+        now = time.monotonic()
+        freed = 0
+        with self._lock:
+            for alloc in [a for a in self._held.values() if a.held_until <= now and a.readers == 0]:
+                self._release(alloc)
+                freed += 1
+        return freed
 
     def _release(self, alloc: Allocation) -> None:
+        self._held.pop(alloc.alloc_id, None)
         del self._allocs[alloc.alloc_id]
         if alloc.state == AllocState.COMMITTED:
             self._committed -= 1
@@ -229,7 +266,7 @@ class AllocationTable:
             if alloc is None:
                 return False
             alloc.readers -= 1
-            if alloc.readers == 0 and alloc.doomed:
+            if alloc.readers == 0 and alloc.doomed and alloc.held_until <= time.monotonic():
                 self._release(alloc)
                 return False
             return not alloc.doomed
@@ -252,5 +289,5 @@ class AllocationTable:
             if alloc is None:
                 return
             alloc.readers -= 1
-            if alloc.readers == 0 and alloc.doomed:
+            if alloc.readers == 0 and alloc.doomed and alloc.held_until <= time.monotonic():
                 self._release(alloc)

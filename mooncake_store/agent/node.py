@@ -366,15 +366,7 @@ class Agent(OtherTierHooks):
         next_reap = 0.0
         while not self._stop.wait(interval):
             try:
-                ok = self.index.heartbeat(
-                    self.node_id, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tiers=self.tiers()
-                )
-                if not ok:
-                    # Reaped while stalled: its replicas are gone from the index, so its memory
-                    # holds nothing readable. Start clean under the same incarnation rules.
-                    log.warning("node record of %s vanished; registering again", self.node_id)
-                    self._drop_everything()
-                    self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
+                self.heartbeat_once()
                 now = time.monotonic()
                 if now >= next_reap:
                     # Every agent reaps; the Lua script is atomic, so concurrent reapers are harmless.
@@ -399,10 +391,26 @@ class Agent(OtherTierHooks):
             except Exception:
                 log.exception("heartbeat failed unexpectedly")
 
+    def heartbeat_once(self) -> None:
+        """Extend this node's deadline and publish its use. Reaped while stalled, it finds its
+        record gone: its replicas are gone from the index, so its memory holds nothing readable
+        once the read leases on them end. It starts clean under the same incarnation rules."""
+        ok = self.index.heartbeat(self.node_id, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tiers=self.tiers())
+        if ok:
+            return
+        log.warning("node record of %s vanished; registering again", self.node_id)
+        self._drop_everything()
+        registered = self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
+        # The purge is finished now: each replica it took is held while a lease on it runs.
+        for table in self._tables():
+            table.hold_reaped(registered.held_ms)
+
     def _drop_everything(self) -> None:
-        """After being reaped: committed objects are gone from the index, so their memory is free.
-        Reservations of puts in flight are only expired: the next sync revokes their pending records
-        (a late commit then fails) before freeing them, so no commit can land on reused memory."""
+        """After being reaped: committed objects are gone from the index, so their memory is free
+        once the read leases on them end (held until register_node says when; see
+        AllocationTable.drop_after_reap). Reservations of puts in flight are only expired: the next
+        sync revokes their pending records (a late commit then fails) before freeing them, so no
+        commit can land on reused memory."""
         with self._sync_lock:  # never between a sync's drained acks and its commits
             for table in self._tables():
                 table.drop_after_reap()
@@ -441,6 +449,8 @@ class Agent(OtherTierHooks):
 
     def _sync_once(self) -> None:
         tables = self._tables()
+        for table in tables:
+            table.release_held()  # a reaped node's memory, once the leases on it ran out
         deadlines: dict[int, float] = {}
         for table in tables:
             deadlines.update(table.reserved_deadlines())

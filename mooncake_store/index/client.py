@@ -69,6 +69,15 @@ class SyncResult:
     acked_keys: dict[int, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Registered:
+    deadline_ms: int
+    #: By alloc id, how long (ms) read leases still run on replicas that a purge of this node took
+    #: from the index: an agent reaped while it stalled keeps their memory that long, since
+    #: same-host readers copy from its arena under those leases (empty: none).
+    held_ms: dict[int, int] = field(default_factory=dict)
+
+
 class NodeIdTaken(MooncakeError):
     """Registration refused: a live agent of another incarnation holds the node id."""
 
@@ -365,7 +374,7 @@ class RedisIndex(PressureCalls):
         return sorted(out, key=lambda k: k.key)
 
     # ---- node table -----------------------------------------------------------------------
-    def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int) -> int:
+    def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int) -> Registered:
         for _ in range(100_000):  # each call purges a bounded slice of a dead incarnation's keys
             status = self._run("node_register", info.node_id, encode_node(info, incarnation), ttl_ms)
             if status[0] != "PURGING":
@@ -376,7 +385,8 @@ class RedisIndex(PressureCalls):
                 f"node id {info.node_id!r} is held by a live agent (pid {other.get('pid')} on "
                 f"{other.get('host')}); pick another --node-id or stop that agent"
             )
-        return int(status[1])
+        rows = status[2] if len(status) > 2 else []
+        return Registered(int(status[1]), {int(rows[i]): int(rows[i + 1]) for i in range(0, len(rows), 2)})
 
     def heartbeat(self, node_id: str, *, incarnation: str, ttl_ms: int, tiers: tuple[TierUsage, ...]) -> bool:
         """Extend the deadline; False when the record is gone (the agent must register again)."""

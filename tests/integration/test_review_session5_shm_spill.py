@@ -108,9 +108,7 @@ def test_bug2_a_reaped_peer_has_a_regranted_block_overwritten(make_peer_agent: C
         b.index.redis.zadd(b.index.prefix + "hb", {b.node_id: 1})
         assert b.node_id in a.index.reap_dead_nodes(grace_ms=0)
         # b's heartbeat step, as its loop runs it: record gone -> drop everything, register again.
-        assert not b.index.heartbeat(b.node_id, incarnation=b.incarnation, ttl_ms=b._ttl_ms, tiers=b.tiers())
-        b._drop_everything()
-        b.index.register_node(b.node_info(), incarnation=b.incarnation, ttl_ms=b._ttl_ms)
+        b.heartbeat_once()
         b.sync_once()  # frees the expired reservation
         assert len(b.table) == 0
         row = a.index.nodes()[b.node_id]  # a fresh row: same arena, same tag

@@ -102,6 +102,7 @@ def test_counts_follow_fences_writes_doomed_commits_and_rollbacks() -> None:
             table.expire_now(rng.sample(ids, min(len(ids), 3)))
         elif op < 0.97:
             table.drop_after_reap()
+            table.hold_reaped({})  # registered again, no read lease running on any of them
         assert_consistent(table, f"step {step}")
     for alloc_id in readers:
         table.end_read(alloc_id)
@@ -135,6 +136,7 @@ def test_drop_after_reap_keeps_reservations_and_dooms_read_objects() -> None:
     table.commit([a.alloc_id, b.alloc_id])
     assert table.begin_read(b.alloc_id, b.offset, b.length)
     table.drop_after_reap()
+    table.hold_reaped({})  # registered again, no read lease running on any of them
     assert_consistent(table, "after the reap")
     assert table.usage()[3] == 1  # b, doomed behind its reader; a released
     assert set(table.reserved_deadlines()) == {c.alloc_id}

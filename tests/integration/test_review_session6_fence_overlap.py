@@ -51,14 +51,13 @@ def object_alloc_held(c: Client, agent: Agent, key: str) -> bool:
 
 
 def reap_and_rejoin(agent: Agent) -> None:
-    """What a peer's reaper and the agent's next heartbeat do to a stalled agent (node.py
-    _heartbeat_loop), in place: the record is purged, the agent drops everything (its reservations
-    only expire) and registers again under the same incarnation."""
+    """What a peer's reaper and the agent's next heartbeat do to a stalled agent, in place: the
+    record is purged, the agent drops everything (its reservations only expire) and registers again
+    under the same incarnation (Agent.heartbeat_once)."""
     index = agent.index
     index.redis.zadd(index.prefix + "hb", {agent.node_id: 0})
     assert agent.node_id in index.reap_dead_nodes(grace_ms=0)
-    agent._drop_everything()
-    index.register_node(agent.node_info(), incarnation=agent.incarnation, ttl_ms=agent._ttl_ms)
+    agent.heartbeat_once()
 
 
 # ---- the safety argument: "the agent frees a reservation only after a revoke" ------------------

@@ -38,6 +38,7 @@ def test_committed_count_follows_every_transition() -> None:
             table.expire_now(rng.sample(ids, min(len(ids), 2)))
         else:
             table.drop_after_reap()
+            table.hold_reaped({})  # no lease runs on any of them: freed, or when their reads end
         assert table.usage()[3] == committed_by_scan(table), f"step {step}: running count drifted"
     for alloc_id in reading:
         table.end_read(alloc_id)
@@ -52,3 +53,30 @@ def test_reserve_that_does_not_fit_leaves_the_count_alone() -> None:
     table.commit([first.alloc_id])
     assert table.reserve([(1024, b"b"), (1 << 20, b"c")]) is None  # all or nothing: rolled back
     assert table.usage()[3] == 1 == committed_by_scan(table)
+
+
+def test_after_a_reap_memory_is_held_while_read_leases_on_it_run() -> None:
+    """drop_after_reap holds every object's memory until hold_reaped says how long the read leases
+    on each run (same-host readers copy under them, unseen here); an object with no lease left is
+    freed then, or when its TCP read ends; a reservation the index had committed is held too."""
+    import time
+
+    table = AllocationTable(1 << 20, reserve_timeout_s=60.0, alignment=64)
+    a, b, c, d = (x.alloc_id for x in table.reserve([(4096, b"p")] * 4))  # type: ignore[union-attr]
+    table.commit([a, b, c])  # d: committed in the index, its ack not yet drained here
+    assert table.begin_read(c, *table.offset_of(c))  # type: ignore[misc]
+    table.drop_after_reap()
+    assert all(x in table for x in (a, b, c, d))  # nothing freed before the purge's answer
+    assert table.free([a, b]) == 2 and a in table and b in table  # a grave for a held one waits too
+    table.hold_reaped({b: 300, d: 300})
+    assert a not in table  # no lease on it: freed
+    assert b in table and d in table  # leased: held
+    assert c in table  # no lease, but a TCP read moves it
+    table.end_read(c)
+    assert c not in table
+    assert not table.begin_read(b, *table.offset_of(b))  # type: ignore[misc]  # held memory serves no read
+    table.free([d])  # the sync frees the expired reservation: still held
+    assert d in table and table.release_held() == 0
+    time.sleep(0.35)
+    assert table.release_held() == 2 and b not in table and d not in table
+    assert table.usage()[0] == 0 and committed_by_scan(table) == table.usage()[3] == 0

@@ -1,8 +1,10 @@
 -- node_register: add an agent to the node table, or take over the record of a dead incarnation.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms
--- Returns: {"OK", deadline_ms}, {"IN_USE", other_incarnation_json} when a live agent holds the id,
--- or {"PURGING", keys_left}: call again. The replicas of an earlier, dead incarnation point into
+-- Returns: {"OK", deadline_ms, held}, {"IN_USE", other_incarnation_json} when a live agent holds
+-- the id, or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
+-- purge of this node took from the index while read leases on them still run (an agent reaped while
+-- it stalled keeps their memory that long). The replicas of an earlier, dead incarnation point into
 -- memory that no longer exists, so they are purged first, in bounded steps; until the last step the
 -- node stays past its deadline, so no reader takes an old replica for one in the new arena.
 local node, info, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
@@ -29,4 +31,10 @@ end
 rec.last_heartbeat_ms = now
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)
-return {'OK', now + ttl}
+local held = {}
+local rows = redis.call('ZRANGEBYSCORE', P .. 'held:' .. node, '(' .. now, '+inf', 'WITHSCORES')
+for i = 1, #rows, 2 do
+  table.insert(held, rows[i])
+  table.insert(held, tostring(tonumber(rows[i + 1]) - now))
+end
+return {'OK', now + ttl, held}

@@ -160,12 +160,26 @@ local function purge_node(node, max_keys)
     end
   end
   local keys = redis.call('SRANDMEMBER', nk, max_keys)
+  -- Replicas that leave here while a read lease on their object runs, by alloc id, scored by the
+  -- lease's end: same-host readers copy straight from the node's arena under their lease, so an
+  -- agent that comes back (stalled, not dead) must not reuse that memory before then
+  -- (node_register tells it; see AllocationTable.drop_after_reap).
+  local hk, held = P .. 'held:' .. node, 0
   for _, key in ipairs(keys) do
     local ok = P .. 'o:' .. key
-    local f = redis.call('HMGET', ok, 'replicas', 'copies')
+    local f = redis.call('HMGET', ok, 'replicas', 'copies', 'lease_until')
+    local lease = tonumber(f[3] or 0) or 0
     local keep = {}
     for _, r in ipairs(decode_list(f[1])) do
-      if r[1] ~= node then table.insert(keep, r) else redis.call('SREM', tier_set(node, r[2]), key) end
+      if r[1] ~= node then
+        table.insert(keep, r)
+      else
+        redis.call('SREM', tier_set(node, r[2]), key)
+        if lease > now then
+          redis.call('ZADD', hk, lease, tostring(r[5]))
+          held = math.max(held, lease)
+        end
+      end
     end
     if #keep == 0 then
       drop_object(key)
@@ -174,6 +188,10 @@ local function purge_node(node, max_keys)
       note_short(key, keep, tonumber(f[2] or 0) or 0, now)
     end
     redis.call('SREM', nk, key)
+  end
+  if held > 0 then  -- the set goes once no lease it stands for runs
+    local top = redis.call('ZREVRANGE', hk, 0, 0, 'WITHSCORES')
+    redis.call('PEXPIREAT', hk, math.max(held, tonumber(top[2])))
   end
   local left = redis.call('SCARD', nk) + redis.call('SCARD', P .. 'repair:' .. node)
   if left == 0 then
