@@ -346,6 +346,7 @@ class PressureManager:
             # A node that holds another replica is no destination: two copies on one node are one.
             refused=state.refused | set(victim.other_nodes),
             stored_bytes=job.stored_bytes,
+            holders=[state.by_id[n] for n in victim.other_nodes if n in state.by_id],
         )
 
     def _silent_peers(self) -> set[str]:

@@ -7,7 +7,8 @@ REPAIR_EVERY_S from its pressure loop, and copies each object as a spill does (a
 a guarded reservation on the peer, the bytes, then one index call for the batch), except that its
 own replica stays and the index adds the peer's copy beside it (copy_replicas.lua). A target is
 chosen as a spill's is (policy/eviction.py: choose_move: a live peer with room under its high
-watermark, same zone first), never a node that holds a replica already. With ``replicas = 2`` a
+watermark, on a host and then in a zone that no copy of the object is on, then same zone first),
+never a node that holds a replica already. With ``replicas = 2`` a
 node's loss is repaired before the next one: a rolling restart loses nothing.
 """
 
@@ -108,6 +109,7 @@ class Repairs:
             if job is None:
                 continue  # freed here since the index listed it (moved or removed meanwhile)
             taken = set(cand.holders) | refused
+            spread = [by_id[n] for n in cand.holders if n in by_id]  # where its copies are, planned ones too
             for _ in range(cand.missing):
                 move = choose_move(
                     job.room_bytes,
@@ -122,6 +124,7 @@ class Repairs:
                     planned_bytes=planned.setdefault(cand.tier, {}),
                     refused=taken,
                     stored_bytes=job.stored_bytes,
+                    holders=spread,
                 )
                 if move.kind != MoveKind.SPILL or move.node_id is None:
                     break  # no node has room for it now: it stays listed
@@ -129,4 +132,5 @@ class Repairs:
                 on_tier = planned[cand.tier]
                 on_tier[move.node_id] = on_tier.get(move.node_id, 0) + job.room_on(by_id[move.node_id].tier(cand.tier))
                 taken.add(move.node_id)
+                spread.append(by_id[move.node_id])
         return plan

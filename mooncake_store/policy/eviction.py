@@ -118,17 +118,23 @@ def choose_move(
     planned_bytes: Mapping[str, int] | None = None,
     refused: Collection[str] = (),
     stored_bytes: int | None = None,
+    holders: Collection[NodeInfo] = (),
 ) -> Move:
     """Where one victim of ``size_bytes`` goes. A peer qualifies only if taking the object keeps it
     under the high watermark, so that spilling never pushes a peer into pressure of its own.
     ``planned_bytes`` is what this pass already sent each peer (the table's use is a heartbeat
     old); peers in ``refused`` turned a reservation down in this pass. A chunk file of
     ``stored_bytes`` (a disk victim; ``size_bytes`` is what it takes here) takes whole blocks of
-    each peer's own filesystem there (TierUsage.room_for)."""
+    each peer's own filesystem there (TierUsage.room_for). ``holders``: the nodes that hold the
+    object's other copies (for a repair, those planned too): a peer on a host none of them is on
+    goes first, then one in a zone none of them is in, as placement spreads a put's replicas (two
+    copies on one host, or in one zone, are lost together); then the same zone as this node."""
     if lower_tier is not None and lower_free_bytes >= size_bytes:
         return Move(kind=MoveKind.DEMOTE, tier=lower_tier)
     if spill:
-        best: tuple[int, int, str] | None = None
+        hosts = {h.host_id for h in holders}
+        zones = {h.zone for h in holders}
+        best: tuple[bool, bool, int, int, str] | None = None
         for peer in peers:
             if peer.node_id == node_id or peer.heartbeat_deadline_ms < now_ms or peer.node_id in refused:
                 continue
@@ -141,9 +147,15 @@ def choose_move(
             peer_high = float(peer.labels.get("high_watermark", high_watermark))
             if used + takes > peer_high * usage.capacity_bytes:
                 continue
-            key = (0 if peer.zone == zone else 1, used - usage.capacity_bytes, peer.node_id)
+            key = (
+                peer.host_id in hosts,
+                peer.zone in zones,
+                0 if peer.zone == zone else 1,
+                used - usage.capacity_bytes,
+                peer.node_id,
+            )
             if best is None or key < best:
                 best = key
         if best is not None:
-            return Move(kind=MoveKind.SPILL, tier=tier, node_id=best[2])
+            return Move(kind=MoveKind.SPILL, tier=tier, node_id=best[-1])
     return Move(kind=MoveKind.EVICT)

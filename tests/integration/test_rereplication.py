@@ -248,3 +248,29 @@ def test_a_damaged_chunk_file_at_the_repair_source_is_dropped_not_sent_every_sec
         if key != victim:
             assert len({n for n, _ in replicas_of(client, key)} & live) == 2, (key, replicas_of(client, key))
             assert np.array_equal(client.get(key), value), key
+
+
+def test_a_repair_keeps_a_zone_spread_object_in_two_zones(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A put spreads replicas=2 over zones; a repair after one node's loss chose the source's zone
+    first (as a spill does, for speed), so both copies sat in one zone and that zone's loss took
+    the object. The copy goes to a zone that holds none."""
+    cluster = make_cluster(0, heartbeat_ttl_s=1.5)
+    zones = {"agent-0": "z1", "agent-1": "z1", "agent-2": "z2", "agent-3": "z2"}
+    for node_id, zone in zones.items():
+        cluster.add_agent(node_id=node_id, zone=zone)
+    client = make_client(cluster, timeout_s=10.0)
+    values = {f"zs/{i:02d}": np.random.default_rng(i).integers(0, 255, 64 << 10, dtype=np.uint8) for i in range(12)}
+    client.put_many(values, replicas=2, preferred_node="agent-0")
+    first = {k: nodes_of(client.index, k) for k in values}
+    assert all(sorted(zones[n] for n in nodes) == ["z1", "z2"] for nodes in first.values()), first
+    lost = sorted({n for nodes in first.values() for n in nodes} - {"agent-0"})[0]  # a z2 node
+    cluster.agent(lost).kill()
+
+    def repaired() -> bool:
+        return all(len(set(nodes_of(client.index, k)) - {lost}) == 2 for k in values) and client.stat().short == 0
+
+    assert wait_until(repaired, 30), {k: nodes_of(client.index, k) for k in values}
+    after = {k: sorted(zones[n] for n in set(nodes_of(client.index, k)) - {lost}) for k in values}
+    assert all(z == ["z1", "z2"] for z in after.values()), after

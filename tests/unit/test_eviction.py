@@ -161,3 +161,25 @@ def test_the_node_table_carries_a_disk_tier_s_block_size() -> None:
     assert disk.room_for(1, otherwise=7) == 65536 and disk.room_for(65537, otherwise=7) == 131072
     host = decode_node(encode_node(peer("h", used=0), "inc"), 0).tier(TierKind.HOST)
     assert host is not None and host.block_bytes == 0 and host.room_for(100, otherwise=7) == 7
+
+
+def on_host(node: NodeInfo, host_id: str) -> NodeInfo:
+    return dataclasses.replace(node, host_id=host_id)
+
+
+def test_a_copy_goes_to_a_host_then_a_zone_that_its_other_copies_are_not_on() -> None:
+    """A repair's source holds the object in z1: the copy it makes goes to z2, though a z1 peer has
+    more room and z1 is the source's zone (two copies in one zone are lost with it)."""
+    source = on_host(peer("me", used=0, zone="z1"), "h-me")
+    roomy_same_zone = on_host(peer("z1-roomy", used=0, zone="z1"), "h-a")
+    other_zone = on_host(peer("z2", used=50 * MiB, zone="z2"), "h-b")
+    assert move_of([roomy_same_zone, other_zone]).node_id == "z1-roomy"  # no other copy: same zone first
+    assert move_of([roomy_same_zone, other_zone], holders=[source]).node_id == "z2"
+    # Another host first, even in a zone that holds a copy: one host's loss takes every copy on it.
+    shared_host = on_host(peer("z2-shared", used=0, zone="z2"), "h-me")
+    assert move_of([shared_host, roomy_same_zone], holders=[source]).node_id == "z1-roomy"
+    # A spill of a copy whose twin is in z2 stays in this node's zone (z1), the twin's zone last.
+    twin = on_host(peer("twin", used=0, zone="z2"), "h-t")
+    assert move_of([other_zone, roomy_same_zone], holders=[twin]).node_id == "z1-roomy"
+    # With nowhere else, a held host or zone still beats eviction.
+    assert move_of([shared_host], holders=[source]).node_id == "z2-shared"
