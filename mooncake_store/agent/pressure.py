@@ -183,6 +183,9 @@ class PressureManager:
                 if time.monotonic() >= next_repair:  # objects a dead node's loss left short of copies
                     next_repair = time.monotonic() + REPAIR_EVERY_S
                     self.repairs.run_once(self._silent_peers())
+                    if self.repairs.more:
+                        next_repair = 0.0
+                        self._wake.set()
             except MooncakeError as exc:
                 log.warning("pressure pass failed: %s", exc)
             except Exception:

@@ -53,12 +53,17 @@ class Repairs:
         self._job_of = job_of
         self._count = count
         self._note_silent = note_silent
+        #: The last call took a full batch and copied some of it: its list likely holds more, and
+        #: the next call comes at the pressure loop's next turn rather than REPAIR_EVERY_S later
+        #: (256 a second held a node's thousands of small objects one loss from gone for minutes).
+        self.more = False
 
     def run_once(self, refused: set[str]) -> int:
         """Copy what this node is to copy now; returns the copies made. ``refused``: peers to leave
         out (silent ones); a candidate with no peer to go to, or whose peer refused or broke, stays
         listed for the next call."""
         agent = self.agent
+        self.more = False
         candidates = agent.index.repair_candidates(agent.node_id, count=REPAIR_BATCH)
         if not candidates:
             return 0
@@ -81,6 +86,7 @@ class Repairs:
                 raise result.error  # the index failed: the rest waits for the next call
         if copied:
             log.info("copied %d object(s) short of their replicas to other nodes", copied)
+        self.more = copied > 0 and len(candidates) >= REPAIR_BATCH
         return copied
 
     def _plan(

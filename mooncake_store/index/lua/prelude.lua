@@ -379,6 +379,10 @@ local function plan_copy(key, src_node, src_alloc, new, guard, now, swaps)
   new[6] = 'COMPLETE'
   table.insert(rec.reps, new)
   swaps.changed[key] = true
+  -- Whole again: off the source's list now, not when a later sample of it meets the key (that list
+  -- is sampled a batch at a time, and done keys took the places of short ones).
+  local copies = tonumber(redis.call('HGET', P .. 'o:' .. key, 'copies') or 0) or 0
+  if #readable_nodes(rec.reps, now) >= copies then defer(swaps.srem, P .. 'repair:' .. src_node, key) end
   defer(swaps.tiers, key, {new[1], new[2]})
   defer(swaps.sadd, P .. 'nobj:' .. new[1], key)
   defer(swaps.rpush, P .. 'acks:' .. new[1], new[2] == 'disk' and (new[5] .. '\t' .. key) or new[5])
