@@ -28,7 +28,7 @@ from mooncake_store.index.client import NodeIdTaken
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.gpu import GpuArena
-from mooncake_store.tiers.host import HostArena, segment_name
+from mooncake_store.tiers.host import HostArena, segment_name, sweep_abandoned_segments
 from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import ALLOC_TAG_SHIFT, NodeInfo, TierKind, TierUsage, TransportKind
@@ -304,6 +304,9 @@ class Agent(OtherTierHooks):
     def start(self) -> None:
         self.server.start()
         self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
+        # The node id is this agent's now: arenas earlier agents of it left behind go.
+        for name in sweep_abandoned_segments(self.namespace, self.node_id, keep=self.arena.name):
+            log.warning("removed the shared-memory arena %s, left by an earlier agent of %s", name, self.node_id)
         # The pressure pass's scripts, compiled now rather than on the first pass, whose first
         # spill would otherwise wait for them. Only a head start: a call loads a missing script
         # itself (NOSCRIPT), so a failure here must not stop an agent already registered.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -72,6 +73,40 @@ def segment_pattern(namespace: str, node_id: str, pid: int) -> str:
     """A glob matching the segment an agent of ``pid`` names, whatever its incarnation: for
     removing the segment of an agent that died before it said its name."""
     return segment_name(namespace, node_id, pid=pid, incarnation="*")
+
+
+#: The suffix segment_name puts on a name: ``.<pid>-<incarnation>``.
+_SUFFIX = re.compile(r"\.(\d+)-([A-Za-z0-9._]+)$")
+
+
+def sweep_abandoned_segments(namespace: str, node_id: str, *, keep: str) -> list[str]:
+    """Remove the segments of earlier agents of ``node_id`` in ``namespace`` that no process holds
+    (an agent holds a lock on its segment for as long as it maps it: HostArena.create): an agent
+    killed without its stop left its arena in /dev/shm, and an agent restarted after each crash,
+    under a new name each time, leaked one arena's memory per crash. ``keep``: the caller's own.
+    Returns the names removed. Call it once the node id is this agent's (registered): a live agent
+    of the id holds its lock, and is skipped in any case."""
+    removed = []
+    for path in SHM_DIR.glob("mooncake.*"):
+        match = _SUFFIX.search(path.name)
+        if path.name == keep or match is None:
+            continue
+        if segment_name(namespace, node_id, pid=int(match[1]), incarnation=match[2]) != path.name:
+            continue  # another node's (or namespace's), whatever its name shares with this one
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its agent is alive
+        else:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _check_name(name: object) -> str:
@@ -292,6 +327,11 @@ class HostArena(_Mapping):
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
+        # Held while the mapping lives (mmap keeps a duplicate of the descriptor, and the lock is
+        # the open file's), and let go when this process dies however it dies: a later agent of
+        # this node removes a segment no lock holds (sweep_abandoned_segments).
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # mmap keeps its own duplicate of the descriptor; ours is no longer needed.
         os.close(fd)
         return cls(name, path, size_bytes, mm)
