@@ -24,10 +24,20 @@ from mooncake_store.config import load_config, redact_url
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
+
+def _given_url(value: str | None) -> str | None:
+    # An empty URL in the environment means "not set" (config/checks.py); given as a flag it is a
+    # mistake (an unset shell variable), not a reason to talk to another cluster than the one named.
+    if value == "":
+        raise typer.BadParameter("is empty: give a Redis URL (redis://HOST:PORT/DB), or leave the option out")
+    return value
+
+
 RedisUrlOpt = Annotated[
     str | None,
     typer.Option(
         "--redis-url",
+        callback=_given_url,
         help="Redis URL of the cluster's index (redis://HOST:PORT/DB). Default: env MOONCAKE_REDIS_URL, "
         "then the config file, then the cluster recorded by `mooncake up`.",
         show_default=False,
@@ -73,8 +83,8 @@ class Target:
 
 def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: str | None = None) -> Target:
     g = globals_of(ctx)
-    redis_url = redis_url or g.redis_url
-    namespace = namespace or g.namespace
+    redis_url = g.redis_url if redis_url is None else redis_url  # "" is a value (refused), not "not given"
+    namespace = g.namespace if namespace is None else namespace
     config = load_config(overrides={"redis_url": redis_url, "namespace": namespace})
     if config.redis_url:
         if redis_url:
@@ -97,7 +107,7 @@ def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: 
             f"the cluster recorded in {path} is no longer running; run `mooncake down` to clean up, then `mooncake up`",
             ExitCode.CANNOT_CONNECT,
         )
-    ns = namespace or os.environ.get("MOONCAKE_NAMESPACE") or state.namespace
+    ns = namespace if namespace is not None else os.environ.get("MOONCAKE_NAMESPACE") or state.namespace
     return Target(redis_url=state.redis_url, namespace=ns, source=f"state file {path}", state=state)
 
 

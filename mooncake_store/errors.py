@@ -107,5 +107,9 @@ class ReservationExpired(MooncakeError):
     """The agent reclaimed a reservation before the put committed."""
 
 
+class GpuUnavailable(MooncakeError):
+    """No usable CUDA device (cupy missing, no driver, or no such device)."""
+
+
 class ServerError(MooncakeError):
     """The embedded Redis-compatible server could not be started or stopped."""

@@ -106,7 +106,7 @@ def agent(
             ),
         )
 
-    config = load(redis_url or g.redis_url, namespace or g.namespace)
+    config = load(g.redis_url if redis_url is None else redis_url, g.namespace if namespace is None else namespace)
     if not config.redis_url:
         # No cluster named anywhere (flag, env, config file): join the one `mooncake up` recorded
         # here, if it runs, as the other commands find it (the banner below says which it joined).

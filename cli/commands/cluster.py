@@ -127,8 +127,8 @@ def up(
     # (None) leaves env and config file standing.
     config = load_config(
         overrides={
-            "redis_url": redis_url or g.redis_url,
-            "namespace": namespace or g.namespace,
+            "redis_url": g.redis_url if redis_url is None else redis_url,  # "" is refused, not skipped
+            "namespace": g.namespace if namespace is None else namespace,
             "agent.host_bytes": host_mem,
             "agent.zone": zone,
         }

@@ -40,6 +40,10 @@ def _unknown(where: str, name: str, candidates: list[str]) -> ConfigError:
 def _resolve_file(file: str | Path | None, env: Mapping[str, str]) -> tuple[Path | None, str]:
     """The config file to read, and how to name it in an error if it cannot be read."""
     if file is not None:
+        if not isinstance(file, str | os.PathLike):
+            raise ConfigError(
+                f"config_file must be a path (str or os.PathLike), got {type(file).__name__} {file!r:.80}"
+            )
         path = Path(file).expanduser()
         if not path.is_file():
             raise ConfigError(f"file {path}: does not exist or is not a file")

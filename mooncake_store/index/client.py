@@ -132,6 +132,12 @@ def connect_redis(url: str, *, timeout_s: float = 10.0, advice: str = START_A_CL
     except (ValueError, TypeError) as exc:  # TypeError: a URL option redis-py does not know (?foo=1)
         # Redacted: the CLI prints these messages, and a password must not reach terminals or logs.
         raise ConnectError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
+    except redis.AuthenticationError as exc:
+        # Reached, and refused: advice to start a cluster would send the user the wrong way.
+        raise ConnectError(
+            f"Redis at {redact_url(url)} refused the credentials: {str(exc).rstrip('.')} (check the user "
+            "and password in the URL, redis://USER:PASSWORD@HOST:PORT/DB, against the server's ACL)"
+        ) from None
     except redis.RedisError as exc:
         raise ConnectError(f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}. {advice}") from None
     return client

@@ -101,11 +101,20 @@ class DiskTier:
         if shuffle not in ("auto", "always", "never"):
             raise InvalidValue(f"shuffle must be auto, always or never, got {shuffle!r}")
         self.root = Path(root)
+        made = [d for d in (self.root, *self.root.parents) if not d.exists()]
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise MooncakeError(f"cannot create the disk tier directory {self.root}: {exc}") from None
-        self._check_room(self.root, capacity_bytes)
+        try:
+            self._check_room(self.root, capacity_bytes)
+        except MooncakeError:
+            # A start refused for its capacity left an empty directory (no lock file in it), which
+            # no later sweep of abandoned tiers would remove: what this made goes.
+            for directory in made:  # deepest first
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            raise
         self.block_bytes = self.block_size_of(self.root)
         self.capacity_bytes = capacity_bytes
         self.level = level

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity, TransferError
+from mooncake_store.errors import GpuUnavailable, InvalidValue, NoCapacity, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +49,6 @@ STREAM_LEGACY = 1
 BFLOAT16 = "bfloat16"
 #: cudaHostRegisterPortable: the range counts as pinned in every CUDA context of the process.
 HOST_REGISTER_PORTABLE = 1
-
-
-class GpuUnavailable(MooncakeError):
-    """No usable CUDA device (cupy missing, no driver, or no such device)."""
 
 
 @functools.cache

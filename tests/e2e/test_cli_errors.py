@@ -23,6 +23,11 @@ def _closed_port() -> int:
         (["up", "--agents", "abc"], 2, "--agents"),
         (["--redis-url", "http://example.com", "stat"], 2, "scheme"),
         (["stat", "--redis-url", "redis://127.0.0.1:notaport/0"], 2, "redis_url"),
+        (["stat", "--redis-url", "redis://127.0.0.1:70000/0"], 2, "port must be 1..65535, got 70000"),
+        # An empty value is a value, refused: `up` started a cluster in the default namespace.
+        (["up", "--namespace", "", "--agents", "1"], 2, "namespace must be 1..64 characters"),
+        (["--redis-url", "", "stat"], 2, "is empty"),
+        (["stat", "--redis-url", ""], 2, "is empty"),
         (["put", "k", "/nonexistent/file"], 2, "no such file"),
         (["put", "bad\x01key", "-"], 2, "control character"),
         (["get", "x" * 1100], 2, "1024"),
