@@ -79,7 +79,13 @@ class Registered:
 
 
 class NodeIdTaken(MooncakeError):
-    """Registration refused: a live agent of another incarnation holds the node id."""
+    """Registration refused: a live agent of another incarnation holds the node id. ``holder``:
+    its node record; ``left_ms``: how long until its heartbeat deadline (0: unknown)."""
+
+    def __init__(self, message: str, *, holder: dict[str, Any] | None = None, left_ms: int = 0) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
+        self.left_ms = left_ms
 
 
 class NodeSuperseded(MooncakeError):
@@ -387,9 +393,13 @@ class RedisIndex(PressureCalls):
                 break
         if status[0] == "IN_USE":
             other = json.loads(status[1])
+            left_ms = int(status[2]) - int(status[3]) if len(status) > 3 else 0
             raise NodeIdTaken(
                 f"node id {info.node_id!r} is held by a live agent (pid {other.get('pid')} on "
-                f"{other.get('host')}); pick another --node-id or stop that agent"
+                f"{other.get('host')}, heartbeat deadline in {max(0, left_ms) / 1000:.1f} s); pick another "
+                "--node-id or stop that agent",
+                holder=other,
+                left_ms=max(0, left_ms),
             )
         rows = status[2] if len(status) > 2 else []
         return Registered(int(status[1]), {int(rows[i]): int(rows[i + 1]) for i in range(0, len(rows), 2)})

@@ -71,3 +71,20 @@ def test_a_restarted_agent_never_takes_the_alloc_tag_of_the_incarnation_it_repla
     finally:
         second.arena.close(unlink=True)
         second.index.close()
+
+
+def test_an_agent_restarted_at_once_after_a_crash_waits_for_the_dead_one_s_deadline(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A supervisor restarting a crashed agent at once met "node id 'y' is held by a live agent
+    (pid N ...)", about a pid that no longer ran, and the start failed; it succeeded only once the
+    dead record's deadline had passed. An agent of this host that is gone is waited for."""
+    cluster = make_cluster(0, heartbeat_ttl_s=1.5)
+    crashed = cluster.add_agent(node_id="y")
+    crashed.kill()
+    again = cluster.add_agent(node_id="y")  # failed before: the dead agent's record was live still
+    assert again.alive()
+    assert f"still held by pid {crashed.pid} of this host, which is gone" in again.log_tail(), again.log_tail()
+    client = make_client(cluster)
+    client.put("after", np.arange(64, dtype=np.uint8), preferred_node="y")
+    assert np.array_equal(client.get("after"), np.arange(64, dtype=np.uint8))

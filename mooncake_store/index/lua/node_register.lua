@@ -1,8 +1,8 @@
 -- node_register: add an agent to the node table, or take over the record of a dead incarnation.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms
--- Returns: {"OK", deadline_ms, held}, {"IN_USE", other_incarnation_json} when a live agent holds
--- the id, or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
+-- Returns: {"OK", deadline_ms, held}, {"IN_USE", other_incarnation_json, its deadline_ms, now_ms}
+-- when a live agent holds the id, or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
 -- purge of this node took from the index while read leases on them still run (an agent reaped while
 -- it stalled keeps their memory that long). The replicas of an earlier, dead incarnation point into
 -- memory that no longer exists, so they are purged first, in bounded steps; until the last step the
@@ -15,7 +15,7 @@ if old then
   local inc = cjson.decode(info).incarnation
   local old_inc = cjson.decode(old).incarnation
   if d and tonumber(d) >= now and old_inc ~= inc then
-    return {'IN_USE', old}
+    return {'IN_USE', old, tostring(d), tostring(now)}
   end
   local left = purge_node(node, 20000)
   if left > 0 then
