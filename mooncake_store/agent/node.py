@@ -219,8 +219,8 @@ class Agent(OtherTierHooks):
         except MooncakeError as exc:
             log.info("reclaim before refusing a reservation failed: %s", exc)
 
-    def no_room(self, sizes: list[int]) -> None:
-        self.pressure.want_room(*sizes)
+    def no_room(self, size_bytes: int) -> None:
+        self.pressure.want_room(size_bytes)
 
     def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
         kind = TierKind.DISK if tier == TIER_DISK else TierKind.GPU if tier == TIER_GPU else TierKind.HOST

@@ -71,8 +71,8 @@ class AgentHooks(Protocol):
     def reclaim_now(self) -> None:
         """Free what is already due (graveyard entries past their lease, abandoned reservations)."""
 
-    def no_room(self, sizes: list[int]) -> None:
-        """A reservation of objects of ``sizes`` (all or nothing) did not fit even after reclaim_now."""
+    def no_room(self, size_bytes: int) -> None:
+        """A reservation did not fit even after reclaim_now."""
 
     def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
         """Reservations flagged as spills from a peer were granted in ``tier`` (counted as spills
@@ -284,7 +284,7 @@ class AgentOps:
             _used, free, largest, _ = self._table.usage()
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
             if not flags & SPILL_FLAG:  # a refused spill goes to another peer: no room is made for it
-                self._hooks.no_room([size for size, _ in requests])
+                self._hooks.no_room(sum(size for size, _ in requests))
             return True
         if flags & SPILL_FLAG:
             self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)

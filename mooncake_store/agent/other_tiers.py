@@ -118,7 +118,7 @@ class OtherTierHooks:
             return None
         allocs = self.gpu_table.reserve(requests)
         if allocs is None and not spill:  # a refused spill goes to another peer: no room is made for it
-            self.pressure.want_room(*(size for size, _ in requests), tier=TierKind.GPU)
+            self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
         return allocs
 
     def other_tier_room(self, tier: int, *, spill: bool) -> tuple[int, int, int]:

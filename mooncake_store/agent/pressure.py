@@ -21,7 +21,7 @@ from mooncake_store.agent.moves import LocalMoves
 from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import MooncakeError
-from mooncake_store.policy.eviction import Move, MoveKind, Wanted, bytes_to_free, choose_move, choose_victims, next_tier
+from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
 from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class PressureManager:
         self.agent = agent
         self.counters: dict[TierKind, Counter[str]] = {t: Counter() for t in TierKind}
         #: Per arena tier, the largest reservation that did not fit since the last pass began.
-        self._wanted: dict[TierKind, Wanted] = {TierKind.HOST: Wanted(), TierKind.GPU: Wanted()}
+        self._wanted: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
         #: Until then (monotonic s) reservations do not wake the loop: its last pass moved nothing.
@@ -111,26 +111,24 @@ class PressureManager:
         self._spiller.close()
 
     # ---- signals from the server ------------------------------------------------------------
-    def want_room(self, *sizes: int, tier: TierKind = TierKind.HOST) -> None:
-        """A reservation of objects of ``sizes`` (all or nothing) did not fit: make room now rather
-        than at the next pass. One larger than the whole tier can never fit, and makes none: a pass
-        sized by it would move or evict everything there (one hostile RESERVE frame would empty
-        the node)."""
+    def want_room(self, size_bytes: int, *, tier: TierKind = TierKind.HOST) -> None:
+        """A reservation of ``size_bytes`` did not fit: make room now rather than at the next pass.
+        One larger than the whole tier can never fit, and makes none: a pass sized by it would move
+        or evict everything there (one hostile RESERVE frame would empty the node)."""
         table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
-        wanted = Wanted.of(sizes)
-        if table is None or wanted.total > table.capacity_bytes:
+        if table is None or size_bytes > table.capacity_bytes:
             return
-        self._note_wanted(tier, wanted)
+        self._note_wanted(tier, size_bytes)
         self._wake.set()
 
-    def _note_wanted(self, tier: TierKind, wanted: Wanted) -> None:
+    def _note_wanted(self, tier: TierKind, size_bytes: int) -> None:
         with self._lock:
-            self._wanted[tier] = self._wanted[tier].merge(wanted)
+            self._wanted[tier] = max(self._wanted[tier], size_bytes)
 
     def _relieve_arena(self, tier: TierKind, table: AllocationTable, job_of: JobOf) -> int:
         """A pass over an arena tier (host or GPU), sized for the reservations waiting for room."""
         with self._lock:
-            wanted, self._wanted[tier] = self._wanted[tier], Wanted()
+            wanted, self._wanted[tier] = self._wanted[tier], 0
         try:
             moved = self._relieve(tier, self._arena_need(tier, table, wanted), job_of)
         except BaseException:
@@ -138,7 +136,7 @@ class PressureManager:
             # know it before that writer's next refused RESERVE tells it again.
             self._note_wanted(tier, wanted)
             raise
-        if moved and not wanted.fits(*table.usage()[1:3]):
+        if moved and table.usage()[2] < wanted:
             # The pass moved less than the writer waits for (its sample ran short of movable
             # objects): the next pass of this wake must still make room for it, not only drain to
             # the watermark (one pass per refused RESERVE, each after the writer's back-off).
@@ -197,21 +195,18 @@ class PressureManager:
         """One pass over the host tier; returns the bytes moved away."""
         return self._relieve_arena(TierKind.HOST, self.agent.table, self._host_job)
 
-    def _arena_need(self, tier: TierKind, table: AllocationTable, wanted: Wanted) -> Callable[[Returning], int]:
-        """What must leave an arena tier (host or GPU), with ``wanted``, a reservation that did not
-        fit, waiting for room."""
+    def _arena_need(self, tier: TierKind, table: AllocationTable, wanted: int) -> Callable[[Returning], int]:
+        """What must leave an arena tier (host or GPU), with ``wanted`` bytes of a reservation that
+        did not fit waiting for room."""
 
         def need_now(returning: Returning) -> int:
-            used, free, largest_free, _ = table.usage()
-            waiting = Wanted() if wanted.fits(free, largest_free) else wanted  # room for it appeared meanwhile
-            need = self._need(tier, used - returning.all, table.capacity_bytes, waiting.total)
-            # The free space may be in pieces too small for the waiting reservation's largest
-            # object; a batch's others take pieces of their own (sized as one block, a batch of
-            # small objects in a fragmented arena moved out up to its whole size more than it
-            # needed). A writer waits a few seconds at most: only graves due by the next pass count
-            # as room for it (a long read lease on a removed object must not leave it waiting
-            # while others could move).
-            return max(need, waiting.largest - largest_free - returning.soon) if waiting.total else need
+            used, _, largest_free, _ = table.usage()
+            waiting = 0 if largest_free >= wanted else wanted  # 0: room for it appeared meanwhile
+            need = self._need(tier, used - returning.all, table.capacity_bytes, waiting)
+            # The free space may be in pieces too small for the waiting reservation. A writer waits
+            # a few seconds at most: only graves due by the next pass count as room for it (a long
+            # read lease on a removed object must not leave it waiting while others could move).
+            return max(need, waiting - largest_free - returning.soon) if waiting else need
 
         return need_now
 

@@ -35,28 +35,6 @@ class Move:
     node_id: str | None = None  # destination node (spill)
 
 
-@dataclass(frozen=True, slots=True)
-class Wanted:
-    """A reservation waiting for room: its objects' total and its largest (0, 0: none)."""
-
-    total: int = 0
-    largest: int = 0
-
-    @classmethod
-    def of(cls, sizes: Iterable[int]) -> Wanted:
-        sizes = list(sizes)
-        return cls(total=sum(sizes), largest=max(sizes, default=0))
-
-    def merge(self, other: Wanted) -> Wanted:
-        """Room for the larger of two requests in each measure."""
-        return Wanted(total=max(self.total, other.total), largest=max(self.largest, other.largest))
-
-    def fits(self, free_bytes: int, largest_free_bytes: int) -> bool:
-        """Whether the room looks enough: every byte, and a piece for its largest object (the
-        others' pieces may still be missing: the writer's next refusal then asks again)."""
-        return self.total <= free_bytes and self.largest <= largest_free_bytes
-
-
 def bytes_to_free(
     used_bytes: int,
     capacity_bytes: int,
