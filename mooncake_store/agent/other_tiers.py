@@ -49,13 +49,13 @@ class OtherTierHooks:
             if got is not None:
                 self.pressure.count(TierKind.GPU, "reads")
             return got
-        data = self._read_disk(alloc_id)
+        data = self.read_disk(alloc_id)
         if data is None:
             return None  # STALE: the reader looks the object up again
         self.pressure.count(TierKind.DISK, "reads")
         return data, 0  # offsets into a disk allocation count from the object's start
 
-    def _read_disk(self, alloc_id: int) -> bytearray | None:
+    def read_disk(self, alloc_id: int) -> bytearray | None:
         """A disk object's bytes, checked; None when there is no such file or it is damaged (then
         its replica is dropped)."""
         disk = self.disk
@@ -79,7 +79,7 @@ class OtherTierHooks:
         """Decode a chunk file here, after a peer refused it when it was spilled or copied: a
         spill sends the file as stored, unchecked (the peer decodes it whole), so a damaged one
         would be sent again at every pass. A damaged file's replica is dropped, as a read's is."""
-        self._read_disk(alloc_id)
+        self.read_disk(alloc_id)
 
     def _drop_corrupt(self, alloc_id: int, exc: CorruptChunk) -> None:
         """A chunk file failed its checksum: its replica leaves the index, so that readers go to

@@ -10,6 +10,10 @@ chosen as a spill's is (policy/eviction.py: choose_move: a live peer with room u
 watermark, on a host and then in a zone that no copy of the object is on, then same zone first),
 never a node that holds a replica already. With ``replicas = 2`` a
 node's loss is repaired before the next one: a rolling restart loses nothing.
+
+A copy goes to the tier its replica is in here when a peer has room there, else to a peer's host
+tier, else to its disk tier (FALLBACK_TIERS), in the form that tier keeps (agent/payloads.py): a
+chunk file with no peer that has a disk tier stayed short for good.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ log = logging.getLogger("mooncake.agent")
 REPAIR_EVERY_S = 1.0
 #: Objects taken per call.
 REPAIR_BATCH = 256
+#: Where a copy goes when no peer has room in the tier of the replica it is made from: the host
+#: tier (every agent has one), then the disk tier; never a GPU tier it was not in (that memory is
+#: the engines').
+FALLBACK_TIERS = (TierKind.HOST, TierKind.DISK)
 
 JobOf = Callable[[EvictionCandidate], SpillJob | None]
 
@@ -71,17 +79,17 @@ class Repairs:
         plan = self._plan(candidates, peers, refused, now_ms=agent.index.server_time_ms())
         copied = 0
         turned_down: set[str] = set()
-        for (node_id, tier), jobs in plan.items():
+        by_id = {peer.node_id: peer for peer in peers}
+        for (node_id, tier, source), jobs in plan.items():
             if node_id in turned_down:
                 continue  # refused or broke on another tier in this call: asked again next time
-            peer = next(p for p in peers if p.node_id == node_id)
-            result = self._spiller.spill(peer, jobs, tier=tier, copy=True)
+            result = self._spiller.spill(by_id[node_id], jobs, tier=tier, copy=True, source=source)
             self._note_silent(self._spiller.take_unreachable())
             if result.refused:
                 turned_down.add(node_id)
             if result.moved:
                 copied += len(result.moved)
-                self._count(tier, "copies_out", len(result.moved))
+                self._count(source, "copies_out", len(result.moved))
             if result.error is not None:
                 raise result.error  # the index failed: the rest waits for the next call
         if copied:
@@ -91,13 +99,13 @@ class Repairs:
 
     def _plan(
         self, candidates: list[RepairCandidate], peers: list[NodeInfo], refused: set[str], *, now_ms: int
-    ) -> dict[tuple[str, TierKind], list[SpillJob]]:
-        """Each candidate's missing copies, one per target node, batched per (node, tier)."""
-        agent = self.agent
+    ) -> dict[tuple[str, TierKind, TierKind], list[SpillJob]]:
+        """Each candidate's missing copies, one per target node, batched per (node, its tier, the
+        tier here)."""
         by_id = {peer.node_id: peer for peer in peers}
         # Planned per tier: a node's host and disk tiers fill apart.
         planned: dict[TierKind, dict[str, int]] = {}
-        plan: dict[tuple[str, TierKind], list[SpillJob]] = {}
+        plan: dict[tuple[str, TierKind, TierKind], list[SpillJob]] = {}
         for cand in candidates:
             job_of = self._job_of.get(cand.tier)
             victim = EvictionCandidate(
@@ -116,27 +124,57 @@ class Repairs:
                 continue  # freed here since the index listed it (moved or removed meanwhile)
             taken = set(cand.holders) | refused
             spread = [by_id[n] for n in cand.holders if n in by_id]  # where its copies are, planned ones too
+            targets = (cand.tier, *(t for t in FALLBACK_TIERS if t != cand.tier))
             for _ in range(cand.missing):
-                move = choose_move(
-                    job.room_bytes,
-                    tier=cand.tier,
-                    node_id=agent.node_id,
-                    zone=agent.config.zone,
-                    lower_tier=None,
-                    lower_free_bytes=0,
-                    peers=peers,
-                    now_ms=now_ms,
-                    high_watermark=agent.config.high_watermark,
-                    planned_bytes=planned.setdefault(cand.tier, {}),
-                    refused=taken,
-                    stored_bytes=job.stored_bytes,
-                    holders=spread,
-                )
-                if move.kind != MoveKind.SPILL or move.node_id is None:
+                placed = self._place(job, cand.tier, targets, peers, now_ms, planned, taken, spread)
+                if placed is None:
                     break  # no node has room for it now: it stays listed
-                plan.setdefault((move.node_id, cand.tier), []).append(job)
-                on_tier = planned[cand.tier]
-                on_tier[move.node_id] = on_tier.get(move.node_id, 0) + job.room_on(by_id[move.node_id].tier(cand.tier))
-                taken.add(move.node_id)
-                spread.append(by_id[move.node_id])
+                node_id, tier, sent = placed
+                plan.setdefault((node_id, tier, cand.tier), []).append(sent)
+                on_tier = planned[tier]
+                on_tier[node_id] = on_tier.get(node_id, 0) + sent.room_on(by_id[node_id].tier(tier))
+                taken.add(node_id)
+                spread.append(by_id[node_id])
         return plan
+
+    def _place(
+        self,
+        job: SpillJob,
+        source: TierKind,
+        targets: tuple[TierKind, ...],
+        peers: list[NodeInfo],
+        now_ms: int,
+        planned: dict[TierKind, dict[str, int]],
+        taken: set[str],
+        spread: list[NodeInfo],
+    ) -> tuple[str, TierKind, SpillJob] | None:
+        """The first of ``targets`` that a peer has room in, the peer, and the job as it goes there."""
+        agent = self.agent
+        for tier in targets:
+            sent = job if tier == source else as_other_tier(job, tier)
+            move = choose_move(
+                sent.room_bytes,
+                tier=tier,
+                node_id=agent.node_id,
+                zone=agent.config.zone,
+                lower_tier=None,
+                lower_free_bytes=0,
+                peers=peers,
+                now_ms=now_ms,
+                high_watermark=agent.config.high_watermark,
+                planned_bytes=planned.setdefault(tier, {}),
+                refused=taken,
+                stored_bytes=sent.stored_bytes,
+                holders=spread,
+            )
+            if move.kind == MoveKind.SPILL and move.node_id is not None:
+                return move.node_id, tier, sent
+        return None
+
+
+def as_other_tier(job: SpillJob, tier: TierKind) -> SpillJob:
+    """``job`` planned into a peer's ``tier`` from another tier here: at its plain size, and into a
+    disk tier as a chunk file of that size (what compression saves is known only once the file is
+    made, just before it goes: agent/payloads.py)."""
+    size = job.victim.size_bytes
+    return SpillJob(job.victim, job.offset, stored_bytes=size if tier == TierKind.DISK else None)

@@ -35,7 +35,8 @@ The disk tier spills the same way into the peer's disk tier (RESERVE on tier 2):
 the chunk file as stored, compressed and checksummed, which the peer verifies before it answers
 the WRITE (agent/inbox.py), so the bytes are neither recompressed nor trusted blindly. The GPU
 tier spills into the peer's GPU tier (tier 1): one device-to-host copy here, the peer's
-host-to-device copy there.
+host-to-device copy there. A repair with no peer that has the source's tier copies into another
+tier (``source``): the object goes in the form that tier keeps (agent/payloads.py).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import MoveTarget
+from mooncake_store.agent.payloads import Payload, read_payload
 from mooncake_store.agent.peer_arenas import PeerArenas
 from mooncake_store.agent.spill_jobs import Reserved, SpillJob, SpillResult, Swapped, batches_of
 from mooncake_store.errors import AgentBusy, ConnectError, MooncakeError, TransferError
@@ -96,7 +98,7 @@ class Spiller:
         self.arenas = PeerArenas(agent)
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
-        self._payloads: dict[int, bytes | bytearray] = {}
+        self._payloads: dict[int, Payload] = {}
         #: Peers whose RESERVE or WRITEs failed on the connection (not a refusal: no answer, a
         #: reset, a timeout) since the caller last took them (take_unreachable).
         self._unreachable: set[str] = set()
@@ -120,15 +122,23 @@ class Spiller:
         self._reserver.shutdown(wait=False, cancel_futures=True)
 
     def spill(
-        self, peer_node: NodeInfo, jobs: list[SpillJob], *, tier: TierKind = TierKind.HOST, copy: bool = False
+        self,
+        peer_node: NodeInfo,
+        jobs: list[SpillJob],
+        *,
+        tier: TierKind = TierKind.HOST,
+        copy: bool = False,
+        source: TierKind | None = None,
     ) -> SpillResult:
-        """Move ``jobs`` to ``peer_node``'s ``tier`` (the tier they are in here), batch by batch. While
-        a batch's bytes go out, the next batch is reserved (reservation thread) and the one before
-        is swapped in the index (swap thread); all swaps are done when this returns. ``copy``: the
-        objects stay here too, and the index adds the peer's copies as replicas (re-replication,
-        copy_replicas.lua); ``moved`` then lists the jobs copied."""
+        """Move ``jobs`` to ``peer_node``'s ``tier`` (the tier they are in here, unless ``source``
+        says otherwise), batch by batch. While a batch's bytes go out, the next batch is reserved
+        (reservation thread) and the one before is swapped in the index (swap thread); all swaps
+        are done when this returns. ``copy``: the objects stay here too, and the index adds the
+        peer's copies as replicas (re-replication, copy_replicas.lua); ``moved`` then lists the
+        jobs copied."""
         result = SpillResult()
-        if tier == TierKind.HOST:
+        source = tier if source is None else source
+        if tier == source == TierKind.HOST:
             # Map a same-host peer's arena before reserving there: populating a large mapping takes
             # ~0.1 s per GiB, which reservations already granted would spend ageing.
             self.arenas.segment(peer_node, tier)
@@ -137,7 +147,7 @@ class Spiller:
         ahead: Future[Reserved | None] | None = None
         try:
             if batches:
-                ahead = self._reserver.submit(self._reserve, peer_node, batches[0], tier)
+                ahead = self._reserver.submit(self._reserve, peer_node, batches[0], tier, source)
             for i in range(len(batches)):
                 assert ahead is not None
                 reserved = ahead.result()
@@ -148,10 +158,10 @@ class Spiller:
                     break
                 try:
                     if i + 1 < len(batches):
-                        ahead = self._reserver.submit(self._reserve, peer_node, batches[i + 1], tier)
+                        ahead = self._reserver.submit(self._reserve, peer_node, batches[i + 1], tier, source)
                     if not reserved.batch:
                         continue  # nothing in it could be read: it stays where it is
-                    written, broken = self._send(peer_node, reserved, tier)
+                    written, broken = self._send(peer_node, reserved, tier, source)
                     if not broken:
                         swaps.append(
                             self._swapper.submit(
@@ -196,34 +206,25 @@ class Spiller:
             if extra.reservations:
                 self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in extra.reservations])
 
-    def _with_payloads(self, batch: list[SpillJob], tier: TierKind) -> list[SpillJob]:
-        """The GPU or disk jobs of a batch with their bytes read: one device-to-host copy each
-        (fenced against frees), or the chunk file as stored (the sizes as the files now are)."""
-        agent = self.agent
+    def _with_payloads(self, batch: list[SpillJob], source: TierKind, tier: TierKind) -> list[SpillJob]:
+        """The jobs of a batch not sent from the host arena, with their bytes read: one
+        device-to-host copy each (fenced against frees), or the chunk file as stored (the sizes as
+        the files now are), or the object in the form of another tier (read_payload)."""
         out: list[SpillJob] = []
         for job in batch:
-            try:
-                if tier == TierKind.DISK:
-                    assert agent.disk is not None
-                    payload: bytes | bytearray = agent.disk.read_blob(job.victim.alloc_id)
-                else:
-                    got = agent.read_gpu(job.victim.alloc_id)
-                    if got is None:
-                        continue  # freed meanwhile
-                    payload = got[0]
-            except MooncakeError as exc:  # freed meanwhile, or unreadable: nothing to send
-                log.info("spill of %s: %s", job.victim.key, exc)
-                continue
+            payload = read_payload(self.agent, job, source, tier)
+            if payload is None:
+                continue  # freed meanwhile, or damaged: nothing to send
             self._payloads[job.victim.alloc_id] = payload
             stored = len(payload) if tier == TierKind.DISK else None
             out.append(SpillJob(job.victim, job.offset, stored_bytes=stored, footprint_bytes=job.footprint_bytes))
         return out
 
-    def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind) -> Reserved | None:
-        """Read what a GPU or disk batch sends, then reserve room for the batch on the peer; None
-        when the peer refused (nothing was reserved)."""
-        if tier != TierKind.HOST:
-            batch = self._with_payloads(batch, tier)  # what cannot be read stays where it is
+    def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind, source: TierKind) -> Reserved | None:
+        """Read what a batch not sent from the host arena sends, then reserve room for the batch on
+        the peer; None when the peer refused (nothing was reserved)."""
+        if not tier == source == TierKind.HOST:
+            batch = self._with_payloads(batch, source, tier)  # what cannot be read stays where it is
             if not batch:
                 return Reserved(batch=[], reservations=[])
         peer = self._transport.peer(peer_node.tcp_endpoint)
@@ -259,9 +260,12 @@ class Spiller:
             reservations=[Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=put_id) for r in reservations],
         )
 
-    def _send(self, peer_node: NodeInfo, reserved: Reserved, tier: TierKind) -> tuple[list[bool], bool]:
+    def _send(
+        self, peer_node: NodeInfo, reserved: Reserved, tier: TierKind, source: TierKind
+    ) -> tuple[list[bool], bool]:
         """Write a reserved batch to the peer: (written per job, a connection broke)."""
-        segment = self.arenas.segment(peer_node, tier)
+        from_arena = tier == source == TierKind.HOST
+        segment = self.arenas.segment(peer_node, tier) if from_arena else None
         if segment is not None:
             try:
                 return self._copy_all(segment, peer_node, reserved), False
@@ -271,12 +275,12 @@ class Spiller:
                 return [False] * len(reserved.batch), True
         peer = self._transport.peer(peer_node.tcp_endpoint)
         try:
-            written, broken = self._write_all(peer, reserved.batch, reserved.reservations, tier)
+            written, broken = self._write_all(peer, reserved.batch, reserved.reservations, tier, from_arena)
         finally:
             self._drop_payloads(reserved.batch)
         if broken:
             self._transport.drop_peer(peer_node.tcp_endpoint)
-        elif tier == TierKind.DISK:
+        elif tier == source == TierKind.DISK:
             for job, ok in zip(reserved.batch, written, strict=True):
                 if not ok:  # refused by the peer, whose check may have found the file damaged
                     self.agent.check_disk_replica(job.victim.alloc_id)
@@ -352,7 +356,12 @@ class Spiller:
         return Swapped(moved=moved)
 
     def _write_all(
-        self, peer: PeerConnections, batch: list[SpillJob], reservations: list[Reservation], tier: TierKind
+        self,
+        peer: PeerConnections,
+        batch: list[SpillJob],
+        reservations: list[Reservation],
+        tier: TierKind,
+        from_arena: bool,
     ) -> tuple[list[bool], bool]:
         """Every job's bytes into its reservation over the streams (one connection each, its writes
         pipelined). The streams pull the next piece whenever they have room (write_pulled), so a
@@ -360,8 +369,9 @@ class Spiller:
         back at its end (dealt in equal parts, one of two streams took up to 1.5x as long as the
         other over its 16 MiB). Host-tier objects go in pieces of up to PIECE_BYTES (a WRITE may
         cover part of a reservation), so that the last object of a batch is not one stream's alone;
-        a GPU or disk payload goes whole (the peer checks a chunk file as one). Returns (written
-        per job: every piece landed, a connection broke)."""
+        a GPU or disk payload goes whole (the peer checks a chunk file as one). ``from_arena``: the
+        bytes are in the host arena here, else read ahead (_with_payloads). Returns (written per
+        job: every piece landed, a connection broke)."""
         arena = self.agent.arena
         views: list[memoryview] = []
         pieces: list[PulledWrite] = []
@@ -386,14 +396,16 @@ class Spiller:
 
         try:
             for i, (job, res) in enumerate(zip(batch, reservations, strict=True)):
-                if tier == TierKind.HOST:
+                if from_arena:
                     view = arena.view(job.offset, job.wire_bytes)
-                else:  # read just before the batch went (_with_payloads); never from the host arena
+                else:  # read just before the batch went (_with_payloads)
                     view = memoryview(self._payloads[job.victim.alloc_id])
                 views.append(view)
                 step = PIECE_BYTES if tier == TierKind.HOST else max(1, job.wire_bytes)
                 for start in range(0, job.wire_bytes, step):
-                    pieces.append((i, res.alloc_id, res.offset + start, view[start : start + step]))
+                    # A GPU payload is its whole allocation, which may end past the object.
+                    piece = view[start : min(start + step, job.wire_bytes)]
+                    pieces.append((i, res.alloc_id, res.offset + start, piece))
                     expected[i] += 1
             order = iter(pieces)
             if self._on_streams(min(self._streams, len(pieces)), stream):

@@ -42,6 +42,22 @@ class CorruptChunk(MooncakeError):
     """A disk-tier file failed its checksum or is not a file of this tier."""
 
 
+def encode_chunk(
+    view: memoryview, *, itemsize: int, shuffle: str = "auto", compressor: zstandard.ZstdCompressor | None = None
+) -> tuple[bytes, int]:
+    """(chunk file bytes, checksum) for ``view``, as a disk tier stores it. Module level so that an
+    agent without a disk tier of its own can still make the file a peer's disk tier takes (a
+    repair copying a host object to a peer's disk: agent/payloads.py). ``compressor``: a tier's
+    own (level and thread); by default one of level 3."""
+    checksum = xxhash.xxh3_64_intdigest(view)
+    data = np.frombuffer(view, dtype=np.uint8)
+    shuffled = (shuffle == "always" and itemsize > 1) or (shuffle == "auto" and itemsize == 2)
+    payload = shuffle_planes(data, itemsize) if shuffled and len(data) else data
+    body = (compressor or zstandard.ZstdCompressor(level=3)).compress(memoryview(payload))
+    header = HEADER.pack(MAGIC, FLAG_SHUFFLED if shuffled else 0, itemsize, 0, len(view), checksum, len(body))
+    return header + body, checksum
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DiskEntry:
     alloc_id: int
@@ -268,13 +284,7 @@ class DiskTier:
 
     def encode(self, view: memoryview, *, itemsize: int) -> tuple[bytes, int]:
         """(file bytes, checksum) for ``view``; shuffles 2-byte dtypes unless told not to."""
-        checksum = xxhash.xxh3_64_intdigest(view)
-        data = np.frombuffer(view, dtype=np.uint8)
-        shuffled = (self.shuffle == "always" and itemsize > 1) or (self.shuffle == "auto" and itemsize == 2)
-        payload = shuffle_planes(data, itemsize) if shuffled and len(data) else data
-        body = self._compressor().compress(memoryview(payload))
-        header = HEADER.pack(MAGIC, FLAG_SHUFFLED if shuffled else 0, itemsize, 0, len(view), checksum, len(body))
-        return header + body, checksum
+        return encode_chunk(view, itemsize=itemsize, shuffle=self.shuffle, compressor=self._compressor())
 
     @staticmethod
     def parse_header(blob: bytes | bytearray | memoryview, *, where: str) -> tuple[int, int, int, int]:

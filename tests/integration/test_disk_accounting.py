@@ -173,5 +173,7 @@ def test_repairs_plan_a_peer_s_host_and_disk_tiers_apart(
         heartbeat_deadline_ms=now_ms + 60_000,
     )
     plan = a.pressure.repairs._plan(candidates, [peer], set(), now_ms=now_ms)
-    assert sorted(j.victim.key for j in plan.get(("roomy", TierKind.HOST), [])) == sorted(host_values)
-    assert sorted(j.victim.key for j in plan.get(("roomy", TierKind.DISK), [])) == ["d0", "d1"]
+    # Keyed (node, its tier, the tier here): each tier's copies stay in their own tier.
+    assert sorted(j.victim.key for j in plan.get(("roomy", TierKind.HOST, TierKind.HOST), [])) == sorted(host_values)
+    assert sorted(j.victim.key for j in plan.get(("roomy", TierKind.DISK, TierKind.DISK), [])) == ["d0", "d1"]
+    assert len(plan) == 2, sorted(plan)

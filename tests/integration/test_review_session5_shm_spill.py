@@ -74,7 +74,7 @@ def test_bug1_a_peer_with_a_shorter_reserve_timeout_has_a_regranted_block_overwr
     peer = a.index.nodes()[b.node_id]
     spiller = Spiller(a, streams=1)
     try:
-        reserved = spiller._reserve(peer, [job], TierKind.HOST)
+        reserved = spiller._reserve(peer, [job], TierKind.HOST, TierKind.HOST)
         assert reserved is not None
         granted_at = reserved.reservations[0].offset
         time.sleep(0.5)  # past the peer's timeout, far inside the sender's 15 s window
@@ -101,7 +101,7 @@ def test_bug2_a_reaped_peer_has_a_regranted_block_overwritten(make_peer_agent: C
     peer = a.index.nodes()[b.node_id]
     spiller = Spiller(a, streams=1)
     try:
-        reserved = spiller._reserve(peer, [job], TierKind.HOST)
+        reserved = spiller._reserve(peer, [job], TierKind.HOST, TierKind.HOST)
         assert reserved is not None
         granted_at = reserved.reservations[0].offset
         # The peer stalls past its heartbeat deadline and a reaper purges its record.

@@ -262,7 +262,7 @@ def test_a_large_object_whose_reservation_went_stays_put_and_is_logged_once(
     real_write_all = spiller._write_all
 
     def after_the_reservation_timed_out(*args):  # type: ignore[no-untyped-def]
-        _peer, _batch, reservations, _tier = args
+        _peer, _batch, reservations, _tier, _from_arena = args
         assert b.table.expire_now([r.alloc_id for r in reservations]) == 1
         b.sync_once()  # B frees it (no commit in the index), as its sync does once it times out
         return real_write_all(*args)

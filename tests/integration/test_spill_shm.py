@@ -108,7 +108,7 @@ def test_a_reservation_freed_while_fenced_is_not_regranted_and_the_copy_is_void(
     peer_row = a.index.nodes()[b.node_id]
     spiller = Spiller(a, streams=1)
     try:
-        reserved = spiller._reserve(peer_row, jobs, TierKind.HOST)
+        reserved = spiller._reserve(peer_row, jobs, TierKind.HOST, TierKind.HOST)
         assert reserved is not None
         (res,) = reserved.reservations
         taken: list[int] = []

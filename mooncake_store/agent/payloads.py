@@ -1,0 +1,57 @@
+"""The bytes a spill or a repair sends for a job not written straight from the host arena
+(agent/spill.py): a GPU object copied to host memory, a chunk file as stored, or, when the copy
+lands in another tier than the one it is read from (a repair with no peer that has the source's
+tier: agent/repairs.py), the object in the form the peer's tier keeps: the plain bytes for its host
+(or GPU) tier, a chunk file for its disk tier (which the peer decodes and checks before it
+answers, agent/inbox.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from mooncake_store.agent.spill_jobs import SpillJob
+from mooncake_store.errors import MooncakeError
+from mooncake_store.tiers.disk import encode_chunk
+from mooncake_store.types import TierKind
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.node import Agent
+
+log = logging.getLogger("mooncake.agent")
+
+Payload = bytes | bytearray
+
+
+def read_payload(agent: Agent, job: SpillJob, source: TierKind, target: TierKind) -> Payload | None:
+    """What ``job`` (an object in this agent's ``source`` tier) sends to a peer's ``target`` tier;
+    None when there is nothing to send (freed meanwhile, or a damaged chunk file, whose replica
+    is then dropped as a read's is). Host to host never comes here: those bytes go from the arena."""
+    alloc_id = job.victim.alloc_id
+    try:
+        if source == TierKind.DISK:
+            if target == TierKind.DISK:
+                assert agent.disk is not None
+                return agent.disk.read_blob(alloc_id)  # as stored: the peer checks it whole
+            return agent.read_disk(alloc_id)  # decoded and checked here
+        if source == TierKind.GPU:
+            got = agent.read_gpu(alloc_id)
+            if got is None or target != TierKind.DISK:
+                return None if got is None else got[0]
+            return _chunk_file(agent, job, memoryview(got[0]))
+        view = agent.arena.view(job.offset, job.victim.size_bytes)
+        try:
+            return bytes(view) if target != TierKind.DISK else _chunk_file(agent, job, view)
+        finally:
+            view.release()
+    except MooncakeError as exc:  # freed meanwhile, or unreadable: nothing to send
+        log.info("copy of %s to a peer's %s tier: %s", job.victim.key, target, exc)
+        return None
+
+
+def _chunk_file(agent: Agent, job: SpillJob, plain: memoryview) -> bytes:
+    """``plain`` as the chunk file a disk tier stores, made by this agent's own tier if it has one."""
+    itemsize = agent.itemsize_of(job.victim.dtype)
+    if agent.disk is not None:
+        return agent.disk.encode(plain, itemsize=itemsize)[0]
+    return encode_chunk(plain, itemsize=itemsize)[0]
