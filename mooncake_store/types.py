@@ -140,6 +140,13 @@ class NodeInfo:
                 return usage
         return None
 
+    @property
+    def largest_chunk_bytes(self) -> int:
+        """The most plain bytes a chunk file from a peer may hold in its disk tier: its largest
+        memory tier's capacity (Agent._disk_tier: a larger one could never be read back into
+        memory there, and checking it would take that much memory)."""
+        return max((t.capacity_bytes for t in self.tiers if t.tier != TierKind.DISK), default=0)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvictionCandidate:

@@ -38,7 +38,8 @@ def read_payload(agent: Agent, job: SpillJob, source: TierKind, target: TierKind
             got = agent.read_gpu(alloc_id)
             if got is None or target != TierKind.DISK:
                 return None if got is None else got[0]
-            return _chunk_file(agent, job, memoryview(got[0]))
+            # The whole allocation came back: the file holds the object only.
+            return _chunk_file(agent, job, memoryview(got[0])[: job.victim.size_bytes])
         view = agent.arena.view(job.offset, job.victim.size_bytes)
         try:
             return bytes(view) if target != TierKind.DISK else _chunk_file(agent, job, view)

@@ -345,6 +345,7 @@ class PressureManager:
             refused=state.refused | set(victim.other_nodes),
             stored_bytes=job.stored_bytes,
             holders=[state.by_id[n] for n in victim.other_nodes if n in state.by_id],
+            plain_bytes=victim.size_bytes,
         )
 
     def _silent_peers(self) -> set[str]:

@@ -116,7 +116,7 @@ class Repairs:
                 pins=0,
                 alloc_id=cand.alloc_id,
                 chain_pos=-1,
-                dtype="",
+                dtype=cand.dtype,  # a chunk file made for a copy shuffles 2-byte dtypes
                 other_nodes=cand.holders,
             )
             job = job_of(victim) if job_of is not None else None
@@ -166,6 +166,7 @@ class Repairs:
                 refused=taken,
                 stored_bytes=sent.stored_bytes,
                 holders=spread,
+                plain_bytes=job.victim.size_bytes,
             )
             if move.kind == MoveKind.SPILL and move.node_id is not None:
                 return move.node_id, tier, sent

@@ -215,6 +215,11 @@ class Spiller:
             payload = read_payload(self.agent, job, source, tier)
             if payload is None:
                 continue  # freed meanwhile, or damaged: nothing to send
+            if tier != TierKind.DISK and len(payload) < job.victim.size_bytes:
+                # Plain bytes short of the object (a file that decoded to another size than the
+                # index says): the reservation would be filled in part and swapped in as whole.
+                log.warning("copy of %s: %d B read for %d B", job.victim.key, len(payload), job.victim.size_bytes)
+                continue
             self._payloads[job.victim.alloc_id] = payload
             stored = len(payload) if tier == TierKind.DISK else None
             out.append(SpillJob(job.victim, job.offset, stored_bytes=stored, footprint_bytes=job.footprint_bytes))

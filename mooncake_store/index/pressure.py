@@ -26,6 +26,7 @@ class RepairCandidate:
     tier: TierKind  # where that replica is
     missing: int  # replicas to add
     holders: tuple[str, ...]  # nodes with a replica: none is a target
+    dtype: str = ""  # as put ("" when none was given)
 
 
 class PressureCalls:
@@ -156,8 +157,9 @@ class PressureCalls:
                 tier=TierKind(flat[i + 3]),
                 missing=int(flat[i + 4]),
                 holders=tuple(n for n in str(flat[i + 5]).split(",") if n),
+                dtype=str(flat[i + 6]),
             )
-            for i in range(0, len(flat), 6)
+            for i in range(0, len(flat), 7)
         ]
 
     def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:

@@ -97,6 +97,7 @@ def choose_move(
     refused: Collection[str] = (),
     stored_bytes: int | None = None,
     holders: Collection[NodeInfo] = (),
+    plain_bytes: int | None = None,
 ) -> Move:
     """Where one victim of ``size_bytes`` goes. A peer qualifies only if taking the object keeps it
     under the high watermark, so that spilling never pushes a peer into pressure of its own.
@@ -106,7 +107,10 @@ def choose_move(
     each peer's own filesystem there (TierUsage.room_for). ``holders``: the nodes that hold the
     object's other copies (for a repair, those planned too): a peer on a host none of them is on
     goes first, then one in a zone none of them is in, as placement spreads a put's replicas (two
-    copies on one host, or in one zone, are lost together); then the same zone as this node."""
+    copies on one host, or in one zone, are lost together); then the same zone as this node.
+    ``plain_bytes``: the object's own size, for a chunk file that goes to a peer's disk tier, which
+    takes none larger than its largest memory tier (NodeInfo.largest_chunk_bytes): that peer
+    would refuse the WRITE, and be chosen again at every pass."""
     if lower_tier is not None and lower_free_bytes >= size_bytes:
         return Move(kind=MoveKind.DEMOTE, tier=lower_tier)
     if spill:
@@ -118,6 +122,8 @@ def choose_move(
                 continue
             usage = peer.tier(tier)
             if usage is None:
+                continue
+            if tier == TierKind.DISK and plain_bytes is not None and plain_bytes > peer.largest_chunk_bytes:
                 continue
             used = usage.used_bytes + (planned_bytes or {}).get(peer.node_id, 0)
             takes = size_bytes if stored_bytes is None else usage.room_for(stored_bytes, otherwise=size_bytes)

@@ -21,6 +21,7 @@ from helpers import counter
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
+from mooncake_store.tiers.disk import FLAG_SHUFFLED, DiskTier
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import Replica, TierKind
 
@@ -94,7 +95,8 @@ def test_a_host_object_with_no_host_room_among_the_peers_is_copied_to_a_disk_tie
     source = direct_agent(namespace, host_bytes=16 * MiB)  # no disk tier of its own
     dying = direct_agent(namespace, host_bytes=16 * MiB)
     client = client_of(namespace)
-    values = {f"hd/{i}": np.arange(MiB, dtype=np.uint8) * (i + 1) for i in range(4)}  # compressible
+    # float16, as KV caches are: the chunk files made for the copies shuffle their byte planes.
+    values = {f"hd/{i}": np.linspace(0, i + 1, MiB // 2, dtype=np.float16) for i in range(4)}
     client.put_many(values, replicas=2, preferred_node=source.node_id)
     # Its host tier takes no 1 MiB object under its high watermark: the copies go to its disk.
     target = direct_agent(namespace, host_bytes=MiB, disk_path=str(tmp_path), disk_bytes=64 * MiB)
@@ -108,5 +110,30 @@ def test_a_host_object_with_no_host_room_among_the_peers_is_copied_to_a_disk_tie
     for key, value in values.items():
         placed = {(r.node_id, r.tier): r for r in replicas(source, key)}
         assert set(placed) == {(source.node_id, TierKind.HOST), (target.node_id, TierKind.DISK)}, key
-        assert np.array_equal(read_back(target, placed[target.node_id, TierKind.DISK]), value), key
+        copy = placed[target.node_id, TierKind.DISK]
+        assert np.array_equal(read_back(target, copy), value.view(np.uint8)), key
+        flags, itemsize, _, _ = DiskTier.parse_header(target.disk.path_of(copy.alloc_id).read_bytes(), where=key)
+        assert flags & FLAG_SHUFFLED and itemsize == 2, (key, flags, itemsize)
     assert client.stat().short == 0
+
+
+def test_a_chunk_file_goes_to_a_peer_whose_memory_tiers_could_hold_it(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str, tmp_path: Path
+) -> None:
+    """A peer's disk tier takes no chunk file of more plain bytes than its largest memory tier: the
+    roomiest disk, on a node whose host tier is smaller than the object, refused the WRITE and was
+    chosen again at every call; the object stayed short while another node could take it."""
+    source = direct_agent(namespace, host_bytes=16 * MiB)
+    dying = direct_agent(namespace, host_bytes=16 * MiB)
+    client = client_of(namespace)
+    value = np.arange(3 * MiB, dtype=np.uint8)
+    client.put("big", value, replicas=2, preferred_node=source.node_id)
+    direct_agent(namespace, host_bytes=2 * MiB, disk_path=str(tmp_path / "small"), disk_bytes=64 * MiB)
+    # 3 MiB is past this one's host high watermark (90 % of 3.25 MiB), but its memory could hold it.
+    fits = direct_agent(namespace, host_bytes=13 * MiB // 4, disk_path=str(tmp_path / "fits"), disk_bytes=32 * MiB)
+    reap(source, dying)
+
+    assert source.pressure.repairs.run_once(set()) == 1
+    placed = {(r.node_id, r.tier): r for r in replicas(source, "big")}
+    assert set(placed) == {(source.node_id, TierKind.HOST), (fits.node_id, TierKind.DISK)}
+    assert np.array_equal(read_back(fits, placed[fits.node_id, TierKind.DISK]), value)

@@ -152,6 +152,33 @@ def test_a_chunk_file_is_planned_in_the_peer_s_own_blocks() -> None:
     assert choose_move(8 * kib, peers=[silent], stored_bytes=100, **args).kind == MoveKind.EVICT
 
 
+def test_a_chunk_file_goes_only_to_a_peer_whose_memory_tiers_could_hold_it() -> None:
+    """A peer's disk tier takes no chunk file of more plain bytes than its largest memory tier
+    holds (it could never be read back into memory there): the roomiest disk refused the WRITE
+    and was chosen again at every pass, while a peer that would take it was never asked."""
+
+    def node(node_id: str, *, host: int, disk: int, gpu: int = 0) -> NodeInfo:
+        tiers = (
+            *disk_peer(node_id, used=0, capacity=disk, block=4096).tiers,
+            *peer(node_id, used=0, capacity=host).tiers,
+        )
+        if gpu:
+            tiers += (TierUsage(tier=TierKind.GPU, capacity_bytes=gpu, used_bytes=0),)
+        return dataclasses.replace(peer(node_id, used=0), tiers=tiers)
+
+    roomiest, smaller = node("roomiest", host=2 * MiB, disk=64 * MiB), node("smaller", host=2 * MiB, disk=32 * MiB)
+    with_gpu = node("gpu", host=2 * MiB, disk=16 * MiB, gpu=8 * MiB)
+    assert roomiest.largest_chunk_bytes == 2 * MiB and with_gpu.largest_chunk_bytes == 8 * MiB
+    args: dict[str, Any] = {"tier": TierKind.DISK, "node_id": "me", "zone": "z1", "lower_tier": None}
+    args |= {"lower_free_bytes": 0, "now_ms": NOW, "high_watermark": 0.9, "stored_bytes": MiB}
+    assert choose_move(MiB, peers=[roomiest, smaller], plain_bytes=2 * MiB, **args).node_id == "roomiest"
+    assert choose_move(MiB, peers=[roomiest, smaller], plain_bytes=2 * MiB + 1, **args).kind == MoveKind.EVICT
+    assert choose_move(MiB, peers=[roomiest, smaller, with_gpu], plain_bytes=3 * MiB, **args).node_id == "gpu"
+    # A host tier is not bound by it: the object goes there as plain bytes.
+    host_args = {**args, "tier": TierKind.HOST, "stored_bytes": None}
+    assert choose_move(MiB, peers=[peer("p", used=0)], plain_bytes=50 * MiB, **host_args).node_id == "p"
+
+
 def test_the_node_table_carries_a_disk_tier_s_block_size() -> None:
     from mooncake_store.index.schema import decode_node, encode_node
 

@@ -2,8 +2,9 @@
 -- they were stored with after a dead node's purge took one (prelude.lua: note_short).
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] most candidates
--- Returns: a flat list, 6 fields per candidate: key, size, alloc id and tier of the node's replica,
---   replicas still missing, the nodes holding a replica (comma-separated: none is a target).
+-- Returns: a flat list, 7 fields per candidate: key, size, alloc id and tier of the node's replica,
+--   replicas still missing, the nodes holding a replica (comma-separated: none is a target), dtype
+--   ("" for none).
 -- Keys that need nothing more from this node leave its set here: the object is gone, it has its
 -- count of readable replicas again, or this node holds no readable replica of it (then the next
 -- live holder's set lists it, if it is still short).
@@ -12,7 +13,7 @@ local now = now_ms()
 local set = P .. 'repair:' .. node
 local out = {}
 for _, key in ipairs(redis.call('SRANDMEMBER', set, tonumber(ARGV[3]))) do
-  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'replicas', 'copies')
+  local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'replicas', 'copies', 'dtype')
   local mine, holders = nil, {}
   local reps = f[1] and decode_list(f[2]) or {}
   for _, r in ipairs(reps) do
@@ -22,7 +23,8 @@ for _, key in ipairs(redis.call('SRANDMEMBER', set, tonumber(ARGV[3]))) do
   local copies = tonumber(f[3] or 0) or 0
   local missing = copies - #readable_nodes(reps, now)
   if f[1] and missing > 0 and mine then  -- stays listed until its copies land
-    for _, v in ipairs({key, f[1], mine[5], mine[2], missing, table.concat(holders, ',')}) do table.insert(out, v) end
+    local row = {key, f[1], mine[5], mine[2], missing, table.concat(holders, ','), f[4] or ''}
+    for _, v in ipairs(row) do table.insert(out, v) end
   else
     redis.call('SREM', set, key)
     if f[1] and missing > 0 then note_short(key, reps, copies, now) end
