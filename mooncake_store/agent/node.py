@@ -13,7 +13,6 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
+from mooncake_store.agent.takeover import register_first
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
@@ -39,8 +39,6 @@ log = logging.getLogger("mooncake.agent")
 
 #: Reclaims on demand (before refusing a reservation) at most this often.
 RECLAIM_MIN_INTERVAL_S = 0.02
-#: How long a start waits for the record of a gone agent of this host to pass its deadline.
-TAKEOVER_WAIT_S = 60.0
 
 
 def default_node_id() -> str:
@@ -306,7 +304,7 @@ class Agent(OtherTierHooks):
     # ---- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self.server.start()
-        self._register_first()
+        register_first(self.index, self.node_info, incarnation=self.incarnation, ttl_ms=self._ttl_ms)
         # The node id is this agent's now: arenas earlier agents of it left behind go.
         for name in sweep_abandoned_segments(self.namespace, self.node_id, keep=self.arena.name):
             log.warning("removed the shared-memory arena %s, left by an earlier agent of %s", name, self.node_id)
@@ -327,42 +325,6 @@ class Agent(OtherTierHooks):
             thread.start()
             self._threads.append(thread)
         log.info("agent %s serving %s, shm %s", self.node_id, self.server.endpoint, self.arena.name)
-
-    def _register_first(self) -> None:
-        """Register this agent's node id. One still held by an agent of this host whose process is
-        gone (killed without its stop: a crash, then a supervisor's restart at once) is free once
-        its record's heartbeat deadline passes: wait for it, up to TAKEOVER_WAIT_S, rather than
-        refuse the start with a message about a live agent that is not there."""
-        give_up = time.monotonic() + TAKEOVER_WAIT_S
-        while True:
-            try:
-                self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
-                return
-            except NodeIdTaken as exc:
-                if not self._holder_gone(exc.holder) or time.monotonic() >= give_up:
-                    raise
-                wait_s = min(exc.left_ms / 1000 + 0.05, max(0.0, give_up - time.monotonic()))
-                log.warning(
-                    "node id %s is still held by pid %s of this host, which is gone; waiting %.1f s for its deadline",
-                    self.node_id,
-                    exc.holder.get("pid"),
-                    wait_s,
-                )
-                time.sleep(wait_s)
-
-    @staticmethod
-    def _holder_gone(holder: dict[str, Any]) -> bool:
-        """Whether the agent of a node record is a process of this host that no longer runs."""
-        pid = holder.get("pid")
-        if holder.get("host_id") != local_host_id() or not isinstance(pid, int) or pid <= 0:
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False  # there, and not ours to signal
-        return False
 
     def stop(self) -> None:
         """Leave the cluster: deregister (its replicas leave the index), stop serving, remove the arena."""

@@ -1,0 +1,59 @@
+"""Registering a node id that an agent of this host held before it died: the record is free once
+its heartbeat deadline passes, and a start waits for that rather than refuse."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mooncake_store.index import RedisIndex
+from mooncake_store.index.client import NodeIdTaken
+from mooncake_store.transport.shm import local_host_id
+from mooncake_store.types import NodeInfo
+
+log = logging.getLogger("mooncake.agent")
+
+#: How long a start waits for the record of a gone agent of this host to pass its deadline.
+TAKEOVER_WAIT_S = 60.0
+
+
+def register_first(index: RedisIndex, node_info: Callable[[], NodeInfo], *, incarnation: str, ttl_ms: int) -> None:
+    """Register a starting agent's node id. One still held by an agent of this host whose process
+    is gone (killed without its stop: a crash, then a supervisor's restart at once) is free once
+    its record's heartbeat deadline passes: wait for it, up to TAKEOVER_WAIT_S, rather than refuse
+    the start with a message about a live agent that is not there. A live holder is refused at
+    once (NodeIdTaken)."""
+    give_up = time.monotonic() + TAKEOVER_WAIT_S
+    while True:
+        info = node_info()
+        try:
+            index.register_node(info, incarnation=incarnation, ttl_ms=ttl_ms)
+            return
+        except NodeIdTaken as exc:
+            if not holder_gone(exc.holder) or time.monotonic() >= give_up:
+                raise
+            wait_s = min(exc.left_ms / 1000 + 0.05, max(0.0, give_up - time.monotonic()))
+            log.warning(
+                "node id %s is still held by pid %s of this host, which is gone; waiting %.1f s for its deadline",
+                info.node_id,
+                exc.holder.get("pid"),
+                wait_s,
+            )
+            time.sleep(wait_s)
+
+
+def holder_gone(holder: dict[str, Any]) -> bool:
+    """Whether the agent of a node record is a process of this host that no longer runs."""
+    pid = holder.get("pid")
+    if holder.get("host_id") != local_host_id() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # there, and not ours to signal
+    return False
