@@ -62,11 +62,13 @@ class KeyNotFound(MooncakeError, KeyError):
 
 class NoCapacity(MooncakeError):
     """No node has room for the object. ``permanent`` is True when waiting cannot help (the object
-    is larger than every arena, or too few nodes exist for the replicas asked for)."""
+    is larger than every arena, or too few nodes exist for the replicas asked for).
+    ``free_bytes``: what the refusing agent said it could still take, when one refused."""
 
-    def __init__(self, message: str, *, permanent: bool = False) -> None:
+    def __init__(self, message: str, *, permanent: bool = False, free_bytes: int | None = None) -> None:
         super().__init__(message)
         self.permanent = permanent
+        self.free_bytes = free_bytes
 
 
 class ObjectPinned(MooncakeError):

@@ -123,10 +123,19 @@ class AllocationTable:
             return len(self._allocs)
 
     # ---- transitions ----------------------------------------------------------------------
-    def reserve(self, requests: list[tuple[int, bytes]]) -> list[Allocation] | None:
-        """All or nothing: an Allocation per (size, put_id), or None when they do not all fit."""
+    def reserve(
+        self, requests: list[tuple[int, bytes]], *, ceiling_bytes: int | None = None
+    ) -> list[Allocation] | None:
+        """All or nothing: an Allocation per (size, put_id), or None when they do not all fit, or
+        would take the table's use past ``ceiling_bytes`` (a peer's spill: its high watermark)."""
         now = time.monotonic()
         with self._lock:
+            if ceiling_bytes is not None:
+                # In the allocator's units, as its use counts them: raw sizes let a spill of many
+                # odd-sized objects end past the mark, and the peer spilled them straight back.
+                needed = sum(self._allocator.footprint(size) for size, _ in requests)
+                if self._allocator.used_bytes + needed > ceiling_bytes:
+                    return None
             done: list[Allocation] = []
             for size, put_id in requests:
                 offset = self._allocator.allocate(size)

@@ -38,11 +38,17 @@ class DiskInbox:
     def __contains__(self, alloc_id: int) -> bool:
         return alloc_id in self.table
 
-    def reserve(self, requests: list[tuple[int, bytes]]) -> list[Allocation] | None:
-        """All or nothing, like the host tier; None when the files would not fit on the disk."""
+    def reserve(
+        self, requests: list[tuple[int, bytes]], *, ceiling_bytes: int | None = None
+    ) -> list[Allocation] | None:
+        """All or nothing, like the host tier; None when the files would not fit on the disk, or
+        would take its use past ``ceiling_bytes`` (the disk's high watermark)."""
         with self._lock:  # two concurrent spills must not both count the same free room
             # A file takes whole blocks of the disk, which is what its room is counted in.
-            if sum(self.disk.footprint(size) for size, _ in requests) > self.disk.free_bytes - self._on_wire_bytes:
+            needed = sum(self.disk.footprint(size) for size, _ in requests)
+            if needed > self.disk.free_bytes - self._on_wire_bytes:
+                return None
+            if ceiling_bytes is not None and self.disk.used_bytes + self._on_wire_bytes + needed > ceiling_bytes:
                 return None
             allocs = self.table.reserve(requests)
             for alloc in allocs or []:

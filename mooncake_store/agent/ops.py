@@ -78,6 +78,11 @@ class AgentHooks(Protocol):
         """Reservations flagged as spills from a peer were granted in ``tier`` (counted as spills
         in once their swaps land)."""
 
+    def spill_ceiling(self, tier: int) -> int:
+        """The most bytes tier ``tier`` may hold once it grants a peer's spill: its high watermark.
+        The peer plans by a node table a heartbeat old; a spill that took this tier past its mark
+        would come straight back out (spills went back and forth between two agents)."""
+
     def expire_other_tiers(self, alloc_ids: list[int]) -> int:
         """A FREE's share outside the host arena: reservations in other tiers that expire now."""
 
@@ -274,14 +279,18 @@ class AgentOps:
             payload = b"".join(frames.RESERVE_REPLY.pack(x.offset, x.alloc_id) for x in allocs)
             self._send(conn, started, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), payload)
             return True
-        allocs = self._table.reserve(requests)
+        ceiling = self._hooks.spill_ceiling(tier) if flags & SPILL_FLAG else None
+        allocs = self._table.reserve(requests, ceiling_bytes=ceiling)
         if allocs is None:
             # Space whose leases ran out since the last sync is free for the asking: a writer that
             # replaces objects quickly should not wait for the next sync tick.
             self._hooks.reclaim_now()
-            allocs = self._table.reserve(requests)
+            allocs = self._table.reserve(requests, ceiling_bytes=ceiling)
         if allocs is None:
-            _used, free, largest, _ = self._table.usage()
+            used, free, largest, _ = self._table.usage()
+            if ceiling is not None:  # what a spill may still take
+                free = min(free, max(0, ceiling - used))
+                largest = min(largest, free)
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
             if not flags & SPILL_FLAG:  # a refused spill goes to another peer: no room is made for it
                 self._hooks.no_room(sum(size for size, _ in requests))

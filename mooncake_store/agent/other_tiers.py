@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.disk import CorruptChunk
-from mooncake_store.transport.frames import TIER_DISK
+from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
 from mooncake_store.types import TierKind
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ class OtherTierHooks:
     index: RedisIndex
     disk_keys: dict[int, str]
     gpu: GpuArena | None
+    table: AllocationTable
     gpu_table: AllocationTable | None
     disk: DiskTier | None
     inbox: DiskInbox | None
@@ -111,12 +112,23 @@ class OtherTierHooks:
             self.gpu_table.end_read(alloc_id)
         return data, offset  # a GPU replica's offset is its place in the arena
 
+    def spill_ceiling(self, tier: int) -> int:
+        if tier == TIER_DISK:
+            capacity = self.disk.capacity_bytes if self.disk is not None else 0
+        elif tier == TIER_GPU:
+            capacity = self.gpu_table.capacity_bytes if self.gpu_table is not None else 0
+        else:
+            capacity = self.table.capacity_bytes
+        return int(self.config.high_watermark * capacity)
+
     def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
         if tier == TIER_DISK:
-            return self.inbox.reserve(requests) if self.inbox is not None and spill else None
+            if self.inbox is None or not spill:
+                return None  # a disk takes spills only, each up to its high watermark
+            return self.inbox.reserve(requests, ceiling_bytes=self.spill_ceiling(tier))
         if self.gpu_table is None:
             return None
-        allocs = self.gpu_table.reserve(requests)
+        allocs = self.gpu_table.reserve(requests, ceiling_bytes=self.spill_ceiling(tier) if spill else None)
         if allocs is None and not spill:  # a refused spill goes to another peer: no room is made for it
             self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
         return allocs
@@ -126,10 +138,15 @@ class OtherTierHooks:
             if self.disk is None or self.inbox is None or not spill:
                 return 0, 0, 0  # puts never go to disk
             free = self.inbox.free_bytes()
+            used = self.disk.capacity_bytes - free
+            free = min(free, max(0, self.spill_ceiling(tier) - used))  # what a spill may still take
             return free, free, self.disk.capacity_bytes  # a file needs no contiguous block
         if self.gpu_table is None:
             return 0, 0, 0
-        _, free, largest, _ = self.gpu_table.usage()
+        used, free, largest, _ = self.gpu_table.usage()
+        if spill:  # what a spill may still take
+            free = min(free, max(0, self.spill_ceiling(tier) - used))
+            largest = min(largest, free)
         return free, largest, self.gpu_table.capacity_bytes
 
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:

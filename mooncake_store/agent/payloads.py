@@ -56,3 +56,26 @@ def _chunk_file(agent: Agent, job: SpillJob, plain: memoryview) -> bytes:
     if agent.disk is not None:
         return agent.disk.encode(plain, itemsize=itemsize)[0]
     return encode_chunk(plain, itemsize=itemsize)[0]
+
+
+def with_payloads(
+    agent: Agent, batch: list[SpillJob], source: TierKind, target: TierKind, payloads: dict[int, Payload]
+) -> list[SpillJob]:
+    """The jobs of a batch not sent from the host arena with their bytes read into ``payloads`` (by
+    alloc id): one device-to-host copy each (fenced against frees), or the chunk file as stored
+    (the sizes as the files now are), or the object in the form of another tier (read_payload).
+    What cannot be read stays where it is."""
+    out: list[SpillJob] = []
+    for job in batch:
+        payload = read_payload(agent, job, source, target)
+        if payload is None:
+            continue  # freed meanwhile, or damaged: nothing to send
+        if target != TierKind.DISK and len(payload) < job.victim.size_bytes:
+            # Plain bytes short of the object (a file that decoded to another size than the index
+            # says): the reservation would be filled in part and swapped in as whole.
+            log.warning("copy of %s: %d B read for %d B", job.victim.key, len(payload), job.victim.size_bytes)
+            continue
+        payloads[job.victim.alloc_id] = payload
+        stored = len(payload) if target == TierKind.DISK else None
+        out.append(SpillJob(job.victim, job.offset, stored_bytes=stored, footprint_bytes=job.footprint_bytes))
+    return out

@@ -49,10 +49,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import MoveTarget
-from mooncake_store.agent.payloads import Payload, read_payload
+from mooncake_store.agent.payloads import Payload, with_payloads
 from mooncake_store.agent.peer_arenas import PeerArenas
-from mooncake_store.agent.spill_jobs import Reserved, SpillJob, SpillResult, Swapped, batches_of
-from mooncake_store.errors import AgentBusy, ConnectError, MooncakeError, TransferError
+from mooncake_store.agent.spill_jobs import Reserved, SpillJob, SpillResult, Swapped, batches_of, fitting
+from mooncake_store.errors import AgentBusy, ConnectError, MooncakeError, NoCapacity, TransferError
 from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.transport.shm import copy_bytes
@@ -185,6 +185,10 @@ class Spiller:
                     result.refused = True
                     result.unsent = [job for rest in batches[i:] for job in rest]
                     break
+                if reserved.left:  # the peer took part of it: it is at its mark now
+                    result.refused = True
+                    result.unsent = reserved.left + [job for rest in batches[i + 1 :] for job in rest]
+                    break
         finally:
             if ahead is not None:
                 self._give_back(peer_node, ahead)
@@ -206,30 +210,11 @@ class Spiller:
             if extra.reservations:
                 self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in extra.reservations])
 
-    def _with_payloads(self, batch: list[SpillJob], source: TierKind, tier: TierKind) -> list[SpillJob]:
-        """The jobs of a batch not sent from the host arena, with their bytes read: one
-        device-to-host copy each (fenced against frees), or the chunk file as stored (the sizes as
-        the files now are), or the object in the form of another tier (read_payload)."""
-        out: list[SpillJob] = []
-        for job in batch:
-            payload = read_payload(self.agent, job, source, tier)
-            if payload is None:
-                continue  # freed meanwhile, or damaged: nothing to send
-            if tier != TierKind.DISK and len(payload) < job.victim.size_bytes:
-                # Plain bytes short of the object (a file that decoded to another size than the
-                # index says): the reservation would be filled in part and swapped in as whole.
-                log.warning("copy of %s: %d B read for %d B", job.victim.key, len(payload), job.victim.size_bytes)
-                continue
-            self._payloads[job.victim.alloc_id] = payload
-            stored = len(payload) if tier == TierKind.DISK else None
-            out.append(SpillJob(job.victim, job.offset, stored_bytes=stored, footprint_bytes=job.footprint_bytes))
-        return out
-
     def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind, source: TierKind) -> Reserved | None:
         """Read what a batch not sent from the host arena sends, then reserve room for the batch on
         the peer; None when the peer refused (nothing was reserved)."""
         if not tier == source == TierKind.HOST:
-            batch = self._with_payloads(batch, source, tier)  # what cannot be read stays where it is
+            batch = with_payloads(self.agent, batch, source, tier, self._payloads)
             if not batch:
                 return Reserved(batch=[], reservations=[])
         peer = self._transport.peer(peer_node.tcp_endpoint)
@@ -245,24 +230,37 @@ class Spiller:
             log.info("spill of %d object(s) to %s: no guard: %s", len(batch), peer_node.node_id, exc)
             self._drop_payloads(batch)
             return None
+        left: list[SpillJob] = []
+
+        def reserve() -> list[Reservation]:
+            requests = [(job.wire_bytes, put_id) for job in batch]
+            return peer.reserve(requests, node_id=peer_node.node_id, flags=SPILL_FLAG, tier=WIRE_TIER[tier])
+
         try:
-            reservations = peer.reserve(
-                [(job.wire_bytes, put_id) for job in batch],
-                node_id=peer_node.node_id,
-                flags=SPILL_FLAG,
-                tier=WIRE_TIER[tier],
-            )
+            try:
+                reservations = reserve()
+            except NoCapacity as exc:
+                # The peer filled since the node table was read, and takes spills only up to its
+                # high watermark: what it says it can still take goes now, and only the rest is
+                # placed again (elsewhere, else evicted) rather than the whole batch.
+                count = fitting(batch, exc.free_bytes or 0, peer_node.tier(tier))
+                if not 0 < count < len(batch):
+                    raise
+                batch, left = batch[:count], batch[count:]
+                reservations = reserve()
         except MooncakeError as exc:
-            log.info("spill of %d object(s) to %s refused: %s", len(batch), peer_node.node_id, exc)
-            self._drop_payloads(batch)
+            log.info("spill of %d object(s) to %s refused: %s", len(batch) + len(left), peer_node.node_id, exc)
+            self._drop_payloads(batch + left)
             # No answer, a reset or a timeout (not a refusal, nor an agent at its connection
             # limit, which answered): the caller leaves the peer out for a while.
             if isinstance(exc, TransferError) or (isinstance(exc, ConnectError) and not isinstance(exc, AgentBusy)):
                 self._mark_unreachable(peer_node.node_id)
             return None
+        self._drop_payloads(left)
         return Reserved(
             batch=batch,
             reservations=[Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=put_id) for r in reservations],
+            left=left,
         )
 
     def _send(
@@ -375,7 +373,7 @@ class Spiller:
         other over its 16 MiB). Host-tier objects go in pieces of up to PIECE_BYTES (a WRITE may
         cover part of a reservation), so that the last object of a batch is not one stream's alone;
         a GPU or disk payload goes whole (the peer checks a chunk file as one). ``from_arena``: the
-        bytes are in the host arena here, else read ahead (_with_payloads). Returns (written per
+        bytes are in the host arena here, else read ahead (payloads.py: with_payloads). Returns (written per
         job: every piece landed, a connection broke)."""
         arena = self.agent.arena
         views: list[memoryview] = []
@@ -403,7 +401,7 @@ class Spiller:
             for i, (job, res) in enumerate(zip(batch, reservations, strict=True)):
                 if from_arena:
                     view = arena.view(job.offset, job.wire_bytes)
-                else:  # read just before the batch went (_with_payloads)
+                else:  # read just before the batch went (with_payloads)
                     view = memoryview(self._payloads[job.victim.alloc_id])
                 views.append(view)
                 step = PIECE_BYTES if tier == TierKind.HOST else max(1, job.wire_bytes)

@@ -53,6 +53,9 @@ class Reserved:
 
     batch: list[SpillJob]
     reservations: list[Reservation]
+    #: The end of the batch that the peer had no room for (it took the rest up to its mark): placed
+    #: again by the caller, with the batches after it.
+    left: list[SpillJob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -78,6 +81,17 @@ class SpillResult:
     unknown: list[tuple[SpillJob, MoveTarget]] = field(default_factory=list)
     #: Why those swaps failed.
     error: MooncakeError | None = None
+
+
+def fitting(jobs: list[SpillJob], room_bytes: int, usage: TierUsage | None) -> int:
+    """How many of ``jobs``, from the first, fit in ``room_bytes`` of a peer's tier (``usage``,
+    from the node table), each in whole 64 B units (the arenas' alignment) or the tier's blocks."""
+    taken = 0
+    for count, job in enumerate(jobs):
+        taken += -(-job.room_on(usage) // 64) * 64
+        if taken > room_bytes:
+            return count
+    return len(jobs)
 
 
 def batches_of(jobs: list[SpillJob], max_bytes: int) -> list[list[SpillJob]]:

@@ -143,14 +143,18 @@ class OffsetAllocator:
 
     # -- public API -----------------------------------------------------------------------------
 
+    def footprint(self, size_bytes: int) -> int:
+        """What an allocation of ``size_bytes`` takes: whole alignment units, one at least."""
+        unit = self._alignment
+        return max(unit, (size_bytes + unit - 1) // unit * unit)
+
     def allocate(self, size_bytes: int) -> int | None:
         """Reserve ``size_bytes`` (rounded up to the alignment; 0 takes one unit so that every live
         allocation has a distinct offset). Returns the offset, or ``None`` when no free block fits."""
         size_bytes = _check_int("size_bytes", size_bytes)
         if size_bytes < 0:
             raise InvalidValue(f"size_bytes must be >= 0, got {size_bytes}")
-        unit = self._alignment
-        need = max(unit, (size_bytes + unit - 1) // unit * unit)
+        need = self.footprint(size_bytes)
         i = bisect_left(self._sizes, need)  # the smallest size that fits; its lowest offset
         if i == len(self._sizes):
             return None

@@ -159,7 +159,8 @@ class PeerConnections(ConnectionPool):
                     )
                 raise NoCapacity(
                     f"need {need} B in {len(chunk)} object(s) on {where}; node {node_id} has "
-                    f"{a}/{c} B free, largest free block {b} B"
+                    f"{a}/{c} B free, largest free block {b} B",
+                    free_bytes=a,
                 )
             if status != Status.OK:
                 raise ProtocolError(f"agent {node_id} refused RESERVE with status {status}")

@@ -216,7 +216,8 @@ def test_inbox_counts_a_landed_file_once(make_agent: Callable[..., Agent]) -> No
     and the disk's free room already excludes the files that landed: a file that arrived and waits
     for its swap's ack counts twice. A peer with room refuses the next spill's RESERVE (NO_CAPACITY),
     and the sender then evicts what it could have spilled (pressure.py marks the peer refused)."""
-    receiver = make_agent(disk_bytes=4 * MiB)
+    # Room for both files under the disk's high watermark (90 %), past which spills are refused.
+    receiver = make_agent(disk_bytes=6 * MiB)
     source = DiskTier(Path(receiver.disk.root).parent / "source", 16 * MiB)  # type: ignore[union-attr]
     rng = np.random.default_rng(3)
     source.write(1, memoryview(rng.integers(0, 256, int(2.4 * MiB), dtype=np.uint8)))
@@ -228,7 +229,7 @@ def test_inbox_counts_a_landed_file_once(make_agent: Callable[..., Agent]) -> No
         peer.write(res.alloc_id, res.offset, memoryview(blob))  # landed; its swap is on its way
         assert receiver.disk is not None
         free = receiver.disk.free_bytes
-        want = int(1.2 * MiB)
+        want = 2 * MiB  # more than the ~1.2 MiB left were the landed file counted twice
         assert want < free
         try:
             peer.reserve([(want, b"b" * 16)], node_id=receiver.node_id, tier=TIER_DISK, flags=SPILL_FLAG)
@@ -246,16 +247,17 @@ def test_inbox_reservations_do_not_fragment_a_space_with_no_meaning(make_agent: 
     receiver = make_agent(disk_bytes=4 * MiB)
     peer = PeerConnections(receiver.server.endpoint, timeout_s=5, max_idle=2)
     try:
-        small = [(400 * KiB, bytes([i]) * 16) for i in range(10)]
+        # 3680 KiB: the whole offset space but its last 416 KiB, under the 90 % that spills may fill.
+        small = [(368 * KiB, bytes([i]) * 16) for i in range(10)]
         held = peer.reserve(small, node_id=receiver.node_id, tier=TIER_DISK, flags=SPILL_FLAG)
         assert peer.free([r.alloc_id for r in held[::2]]) == 5  # five senders gave up
         receiver.sync_once()  # ... and their reservations are gone
         assert receiver.inbox is not None and len(receiver.inbox.table) == 5
-        want = 800 * KiB  # 2 MiB of 4 MiB are reserved, nothing is stored
+        want = 800 * KiB  # 1840 KiB of 4 MiB are reserved, nothing is stored; no hole is as large
         try:
             peer.reserve([(want, b"w" * 16)], node_id=receiver.node_id, tier=TIER_DISK, flags=SPILL_FLAG)
         except NoCapacity:
-            pytest.fail(f"RESERVE of {want} B refused with 2 MiB of 4 MiB reserved: holes in the inbox's offsets")
+            pytest.fail(f"RESERVE of {want} B refused with 1840 KiB of 4 MiB reserved: holes in the inbox's offsets")
     finally:
         peer.close()
 
