@@ -25,7 +25,7 @@ class ExitCode(IntEnum):
     USAGE = 2  # bad option, size, URL, key or local file: fix the command line
     NOT_FOUND = 3  # a key does not exist
     CANNOT_CONNECT = 4  # no Redis at the URL, an agent unreachable or busy, or no cluster running / recorded
-    NO_CAPACITY = 5  # no node has room for the object
+    NO_CAPACITY = 5  # no node has room for the object, or /dev/shm none for an agent's arena
     INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
 
 
@@ -35,7 +35,7 @@ EXIT_CODE_HELP: tuple[tuple[ExitCode, str], ...] = (
     (ExitCode.USAGE, "usage or bad input: option, size, URL, key, local file"),
     (ExitCode.NOT_FOUND, "key not found"),
     (ExitCode.CANNOT_CONNECT, "cannot connect: Redis or an agent unreachable or busy, or no cluster running"),
-    (ExitCode.NO_CAPACITY, "no node has room for the object"),
+    (ExitCode.NO_CAPACITY, "no room: no node has room for the object, or /dev/shm none for an agent's arena"),
     (ExitCode.INTERRUPTED, "interrupted (Ctrl-C)"),
 )
 

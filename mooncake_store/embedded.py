@@ -77,6 +77,8 @@ def find_server_binary() -> Path:
         # A bare name ("valkey-server") is looked up on PATH, like a shell would.
         found = shutil.which(configured) if os.sep not in configured else None
         path = Path(found) if found else Path(configured).expanduser()
+        if path.is_dir():
+            raise ServerError(f"env {_SERVER_ENV}={configured!r} is a directory; give the server binary's own path")
         if not path.is_file():
             raise ServerError(f"env {_SERVER_ENV}={configured!r}: no such file")
         if not os.access(path, os.X_OK):
@@ -280,8 +282,14 @@ class EmbeddedServer:
                 if self._proc.poll() is not None:
                     log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
                     self._reap()
-                    if "in use" in log.lower() and not last_attempt:
+                    in_use = "in use" in log.lower()
+                    if in_use and not last_attempt:
                         return False
+                    if in_use:  # said first: the log's tail may open with unrelated warnings
+                        raise ServerError(
+                            f"port {port} on {self.host} is already in use by another process; choose "
+                            f"another port, or none to have a free one picked; log tail:\n{log}"
+                        )
                     raise ServerError(
                         f"{self.binary} exited with status {self._proc.returncode} on port {port}; "
                         f"log tail:\n{log or '(empty)'}"

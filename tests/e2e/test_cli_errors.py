@@ -81,7 +81,7 @@ def test_help_describes_every_option_and_exit_code(mooncake: Mooncake) -> None:
 
     top = mooncake.ok("--help").stdout.decode()  # the installed script, once
     assert "Exit codes" in top
-    for code in ("0 success", "2 usage", "3 key not found", "4 cannot connect", "5 no node has room"):
+    for code in ("0 success", "2 usage", "3 key not found", "4 cannot connect", "5 no room"):
         assert code in top, code
     root = get_command(app)
     commands = root.commands  # type: ignore[attr-defined]
