@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from mooncake_store.agent.moves import LocalMoves
 from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
 from mooncake_store.agent.spill import Spiller, SpillJob
+from mooncake_store.agent.spill_jobs import SilentPeers
 from mooncake_store.errors import MooncakeError
 from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
 from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
@@ -99,13 +100,10 @@ class PressureManager:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._spiller = Spiller(agent)
-        #: Peers that failed on the connection (no answer, a reset, a timeout), left out of every
-        #: pass until then (monotonic s): one that heartbeats but does not answer looks the
-        #: emptiest, and each pass would choose it first and wait out its timeout again.
-        self._silent_until: dict[str, float] = {}
+        self.silent = SilentPeers(agent.config.heartbeat_ttl_s)
         self.moves = LocalMoves(agent, self.count)
         job_of = {TierKind.HOST: self._host_job, TierKind.GPU: self._gpu_job, TierKind.DISK: self._disk_job}
-        self.repairs = Repairs(agent, self._spiller, job_of, self.count, self._note_silent)
+        self.repairs = Repairs(agent, self._spiller, job_of, self.count, self.silent.note)
 
     def close(self) -> None:
         self._spiller.close()
@@ -180,7 +178,7 @@ class PressureManager:
                             break
                 if time.monotonic() >= next_repair:  # objects a dead node's loss left short of copies
                     next_repair = time.monotonic() + REPAIR_EVERY_S
-                    self.repairs.run_once(self._silent_peers())
+                    self.repairs.run_once(self.silent.now())
                     if self.repairs.more:
                         next_repair = 0.0
                         self._wake.set()
@@ -280,7 +278,7 @@ class PressureManager:
             self._spiller.arenas.premap(peers)  # also unmaps peers that left
         else:
             self._spiller.arenas.retain(peers)
-        state = _PassState(peers=peers, refused=self._silent_peers())
+        state = _PassState(peers=peers, refused=self.silent.now())
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (_evict_queued).
@@ -348,21 +346,6 @@ class PressureManager:
             plain_bytes=victim.size_bytes,
         )
 
-    def _silent_peers(self) -> set[str]:
-        now = time.monotonic()
-        for node_id in [n for n, until in self._silent_until.items() if until <= now]:
-            del self._silent_until[node_id]
-        return set(self._silent_until)
-
-    def _note_silent(self, node_ids: set[str]) -> None:
-        """Leave these peers out for a heartbeat TTL: by then a hung one is past its deadline (and
-        left out by the node table), and one cut off for a moment is asked again."""
-        ttl_s = self.agent.config.heartbeat_ttl_s
-        for node_id in node_ids:
-            if node_id not in self._silent_until:
-                log.warning("peer %s did not answer a spill; leaving it out for %.0f s", node_id, ttl_s)
-            self._silent_until[node_id] = time.monotonic() + ttl_s
-
     def _place_demoting(self, job: SpillJob, now_ms: int, state: _PassState, tier: TierKind) -> Move:
         """Place a victim and carry out a demotion at once (the others are queued by the caller). A
         demotion that fails places the victim again without the tier below: on a peer if one has
@@ -429,7 +412,7 @@ class PressureManager:
             retry: list[SpillJob] = []
             for node_id, jobs in spills.items():
                 result = self._spiller.spill(state.by_id[node_id], jobs, tier=tier)
-                self._note_silent(self._spiller.take_unreachable())
+                self.silent.note(self._spiller.take_unreachable())
                 moved += sum(job.room_bytes for job in result.moved)
                 if result.moved:
                     self.count(tier, "spills_out", len(result.moved))

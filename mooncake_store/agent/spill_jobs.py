@@ -4,6 +4,8 @@ batches."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 from mooncake_store.agent.moves import MoveTarget
@@ -12,6 +14,8 @@ from mooncake_store.index.schema import BATCH_LIMIT
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import Reservation
 from mooncake_store.types import EvictionCandidate, TierUsage
+
+log = logging.getLogger("mooncake.agent")
 
 #: Entries per batch: one RESERVE frame's worth, and one move_replicas call's (the batch's guard
 #: is shared by its entries, and a call deletes the guards it used).
@@ -109,3 +113,28 @@ def batches_of(jobs: list[SpillJob], max_bytes: int) -> list[list[SpillJob]]:
     if cur:
         out.append(cur)
     return out
+
+
+class SilentPeers:
+    """Peers that failed on the connection (no answer, a reset, a timeout), left out of every pass
+    for a heartbeat TTL: one that heartbeats but does not answer looks the emptiest, and each pass
+    would choose it first and wait out its timeout again. By then a hung one is past its deadline
+    (and left out by the node table), and one cut off for a moment is asked again. Used by the
+    pressure thread only."""
+
+    def __init__(self, leave_out_s: float) -> None:
+        self._leave_out_s = leave_out_s
+        self._until: dict[str, float] = {}  # node id -> monotonic s
+
+    def now(self) -> set[str]:
+        """The node ids left out now."""
+        now = time.monotonic()
+        for node_id in [n for n, until in self._until.items() if until <= now]:
+            del self._until[node_id]
+        return set(self._until)
+
+    def note(self, node_ids: set[str]) -> None:
+        for node_id in node_ids:
+            if node_id not in self._until:
+                log.warning("peer %s did not answer a spill; leaving it out for %.0f s", node_id, self._leave_out_s)
+            self._until[node_id] = time.monotonic() + self._leave_out_s
