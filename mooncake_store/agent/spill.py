@@ -41,6 +41,7 @@ tier (``source``): the object goes in the form that tier keeps (agent/payloads.p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
@@ -251,6 +252,8 @@ class Spiller:
         except MooncakeError as exc:
             log.info("spill of %d object(s) to %s refused: %s", len(batch) + len(left), peer_node.node_id, exc)
             self._drop_payloads(batch + left)
+            with contextlib.suppress(MooncakeError):  # no swap can use it now; else it waits out its TTL
+                self.agent.index.drop_guards([put_id.hex()])
             # No answer, a reset or a timeout (not a refusal, nor an agent at its connection
             # limit, which answered): the caller leaves the peer out for a while.
             if isinstance(exc, TransferError) or (isinstance(exc, ConnectError) and not isinstance(exc, AgentBusy)):

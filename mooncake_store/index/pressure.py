@@ -121,6 +121,14 @@ class PressureCalls:
         except redis.RedisError as exc:
             raise ConnectError(f"cannot write reservation guards to {self.where}: {exc}") from None
 
+    def drop_guards(self, put_ids: Sequence[str]) -> None:
+        """Delete guard records that no swap will use (their reservations were refused): they
+        would stay for their whole TTL, and refused spills are routine once peers fill."""
+        try:
+            self.redis.delete(*(self.prefix + "pend:" + put_id for put_id in put_ids))
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot delete reservation guards in {self.where}: {exc}") from None
+
     def move_replicas(self, moves: Sequence[tuple[str, int, Replica, str]], *, old_node: str) -> list[str]:
         """Compare-and-swap many of ``old_node``'s replicas, each (key, old alloc id, new location,
         guard put id or "") on its own with move_replica's rules; a status per move ("OK", "GONE",

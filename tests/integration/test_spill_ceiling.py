@@ -62,6 +62,9 @@ def test_a_peer_takes_a_spill_up_to_its_high_watermark_and_the_rest_is_handed_ba
         spiller.close()
     assert again.refused and again.moved == [] and len(again.unsent) == 4
     assert b.table.usage()[0] == 7 * MiB, "b took a spill past its high watermark"
+    # The refused batch's guard record went with the refusal (it stayed for its 300 s TTL), and
+    # the one the swap used went with the swap.
+    assert [k for k in a.index.redis.scan_iter(match=a.index.prefix + "pend:*")] == []
     assert all(replicas_of(a, j.victim.key)[0].node_id == b.node_id for j in jobs[:4])
     assert all(replicas_of(a, j.victim.key)[0].node_id == a.node_id for j in jobs[4:])
     # A put's reservation still gets the room up to the whole capacity.
