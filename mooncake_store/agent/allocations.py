@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from mooncake_store.tiers.allocator import OffsetAllocator
+from mooncake_store.tiers.allocator import ALIGNMENT, OffsetAllocator
 
 
 class AllocState(StrEnum):
@@ -46,7 +46,7 @@ class AllocationTable:
         capacity_bytes: int,
         *,
         reserve_timeout_s: float,
-        alignment: int = 64,
+        alignment: int = ALIGNMENT,
         ids: Iterator[int] | None = None,
     ) -> None:
         self._allocator = OffsetAllocator(capacity_bytes, alignment=alignment)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.errors import MooncakeError
 from mooncake_store.index.schema import BATCH_LIMIT
+from mooncake_store.tiers.allocator import ALIGNMENT
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import Reservation
 from mooncake_store.types import EvictionCandidate, TierUsage
@@ -89,10 +90,10 @@ class SpillResult:
 
 def fitting(jobs: list[SpillJob], room_bytes: int, usage: TierUsage | None) -> int:
     """How many of ``jobs``, from the first, fit in ``room_bytes`` of a peer's tier (``usage``,
-    from the node table), each in whole 64 B units (the arenas' alignment) or the tier's blocks."""
+    from the node table), each in whole allocation units (ALIGNMENT) or the tier's blocks."""
     taken = 0
     for count, job in enumerate(jobs):
-        taken += -(-job.room_on(usage) // 64) * 64
+        taken += -(-job.room_on(usage) // ALIGNMENT) * ALIGNMENT
         if taken > room_bytes:
             return count
     return len(jobs)

@@ -22,6 +22,9 @@ from bisect import bisect_left, insort
 
 from mooncake_store.errors import InvalidValue
 
+#: The arenas' allocation unit: every host and GPU allocation is a whole number of these.
+ALIGNMENT = 64
+
 
 def _check_int(name: str, value: object) -> int:
     # bool is an int subclass; allocate(True) is a caller bug, not a 1-byte request.
@@ -102,7 +105,7 @@ class OffsetAllocator:
 
     __slots__ = ("_alignment", "_at_size", "_capacity", "_free", "_free_end", "_free_total", "_live", "_sizes")
 
-    def __init__(self, capacity_bytes: int, *, alignment: int = 64) -> None:
+    def __init__(self, capacity_bytes: int, *, alignment: int = ALIGNMENT) -> None:
         capacity_bytes = _check_int("capacity_bytes", capacity_bytes)
         alignment = _check_int("alignment", alignment)
         if capacity_bytes <= 0:
