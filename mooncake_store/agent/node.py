@@ -367,17 +367,19 @@ class Agent(OtherTierHooks):
     # ---- background duties --------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
-        next_reap = 0.0
         while not self._stop.wait(interval):
             try:
                 self.heartbeat_once()
-                now = time.monotonic()
-                if now >= next_reap:
-                    # Every agent reaps; the Lua script is atomic, so concurrent reapers are harmless.
-                    reaped = self.index.reap_dead_nodes(grace_ms=self._ttl_ms)
-                    if reaped:
-                        log.info("reaped dead nodes %s", reaped)
-                    next_reap = now + self.config.heartbeat_ttl_s
+                # Every agent reaps, at each heartbeat: a dead node's grace is its own TTL, which
+                # may be shorter than this one's. With nothing due the script reads one sorted-set
+                # range; else one agent per heartbeat interval purges (a turn).
+                reaped = self.index.reap_dead_nodes(
+                    older_grace_ms=self._ttl_ms,
+                    reaper=self.incarnation,
+                    turn_ms=int(self.config.heartbeat_interval_s * 1000),
+                )
+                if reaped:
+                    log.info("reaped dead nodes %s", reaped)
             except ConnectError as exc:
                 log.warning("heartbeat failed: %s", exc)
             except NodeIdTaken as exc:

@@ -414,8 +414,24 @@ class RedisIndex(PressureCalls):
             if int(self._run("node_deregister", node_id, incarnation, 5000)) <= 0:
                 return
 
-    def reap_dead_nodes(self, *, grace_ms: int, max_keys: int = 5000) -> list[str]:
-        return list(self._run("node_reap", grace_ms, max_keys))
+    def reap_dead_nodes(
+        self,
+        *,
+        grace_ms: int | None = None,
+        older_grace_ms: int | None = None,
+        reaper: str = "",
+        turn_ms: int = 0,
+        max_keys: int = 5000,
+    ) -> list[str]:
+        """Purge the records of dead nodes; returns those purged completely. ``grace_ms``: every
+        node past its deadline by more than it. None: each node past its deadline by its own
+        heartbeat TTL, and a node whose agent (an older version) records no TTL by
+        ``older_grace_ms``. ``turn_ms`` > 0: no other reaper may purge for that long after this one
+        (``reaper``) did, so many agents do not all purge a large dead node at once."""
+        if grace_ms is None and older_grace_ms is None:
+            raise InvalidValue("reap_dead_nodes needs grace_ms or older_grace_ms")
+        grace = "" if grace_ms is None else grace_ms
+        return list(self._run("node_reap", grace, max_keys, older_grace_ms or 0, reaper, turn_ms))
 
     def agent_sync(
         self,

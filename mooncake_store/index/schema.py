@@ -16,6 +16,8 @@ on Redis Cluster::
     mc:{ns}:minchild       hash   parent key -> lowest chain position a child was committed at (while it has children)
     mc:{ns}:nodes          hash   node id -> node JSON (endpoints, shm name, zone, tiers, incarnation)
     mc:{ns}:hb             zset   node id -> heartbeat deadline ms
+    mc:{ns}:reap           zset   node id -> when a reaper may purge it: its deadline plus its own TTL
+    mc:{ns}:reaper         string the agent reaping now (PX one heartbeat interval): one at a time
     mc:{ns}:nobj:<node>    set    keys with a replica on the node (reaping, per-node counts)
     mc:{ns}:tobj:<node>:<tier>  set  keys with a replica on that tier of the node (victim samples)
     mc:{ns}:repair:<node>  set    keys short of the replicas they were stored with since a node's

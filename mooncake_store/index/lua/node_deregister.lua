@@ -6,4 +6,5 @@ local node, inc = ARGV[2], ARGV[3]
 local raw = redis.call('HGET', P .. 'nodes', node)
 if raw and cjson.decode(raw).incarnation ~= inc then return -1 end
 redis.call('ZADD', P .. 'hb', 0, node)  -- unreadable at once, even while the purge is still running
+redis.call('ZADD', P .. 'reap', 0, node)
 return purge_node(node, tonumber(ARGV[4]))

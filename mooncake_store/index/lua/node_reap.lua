@@ -1,13 +1,32 @@
--- node_reap: purge nodes whose heartbeat deadline passed more than grace ms ago.
+-- node_reap: purge nodes whose heartbeat deadline passed more than their grace ago.
 -- KEYS: none
--- ARGV: [1] prefix, [2] grace ms, [3] max keys per call
+-- ARGV: [1] prefix, [2] "" to reap each node once its own grace is over (the `reap` zset: its
+-- deadline plus its own heartbeat TTL, so agents with different TTLs may share a cluster), or a
+-- grace in ms for every node, [3] max keys per call, [4] the grace of a node whose agent records no
+-- reap time (an older version), [5] the caller's id, [6] ms of a reaper's turn: while one runs, no
+-- other reaps (0: no turn), so that every agent's reap of a large dead node does not queue up here
 -- Returns: the ids of the nodes purged completely in this call. Readers already skip such nodes
 -- (lookup checks the deadline); reaping only removes their records.
 local now = now_ms()
 local budget = tonumber(ARGV[3])
-local dead = redis.call('ZRANGEBYSCORE', P .. 'hb', '-inf', '(' .. (now - tonumber(ARGV[2])), 'LIMIT', 0, 16)
+local forced = tonumber(ARGV[2])
+local due
+if forced then
+  due = redis.call('ZRANGEBYSCORE', P .. 'hb', '-inf', '(' .. (now - forced), 'LIMIT', 0, 16)
+else
+  due = redis.call('ZRANGEBYSCORE', P .. 'reap', '-inf', '(' .. now, 'LIMIT', 0, 16)
+  if #due < 16 then
+    local older = redis.call('ZRANGEBYSCORE', P .. 'hb', '-inf', '(' .. (now - tonumber(ARGV[4])), 'LIMIT', 0, 64)
+    for _, node in ipairs(older) do
+      if not redis.call('ZSCORE', P .. 'reap', node) then table.insert(due, node) end
+    end
+  end
+  local turn = tonumber(ARGV[6])
+  if #due == 0 then return {} end
+  if turn > 0 and not redis.call('SET', P .. 'reaper', ARGV[5], 'NX', 'PX', turn) then return {} end
+end
 local done = {}
-for _, node in ipairs(dead) do
+for _, node in ipairs(due) do
   if budget <= 0 then break end
   local n = redis.call('SCARD', P .. 'nobj:' .. node)
   if purge_node(node, budget) == 0 then table.insert(done, node) end

@@ -20,6 +20,7 @@ if old then
   local left = purge_node(node, 20000)
   if left > 0 then
     redis.call('ZADD', P .. 'hb', 0, node)
+    redis.call('ZADD', P .. 'reap', 0, node)
     return {'PURGING', left}
   end
 end
@@ -31,6 +32,7 @@ end
 rec.last_heartbeat_ms = now
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)
+redis.call('ZADD', P .. 'reap', now + 2 * ttl, node)  -- its own TTL past its deadline (node_reap.lua)
 local held = {}
 local rows = redis.call('ZRANGEBYSCORE', P .. 'held:' .. node, '(' .. now, '+inf', 'WITHSCORES')
 for i = 1, #rows, 2 do

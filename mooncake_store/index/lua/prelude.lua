@@ -203,6 +203,7 @@ local function purge_node(node, max_keys)
     redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':gpu', 'hits:' .. node .. ':host', 'hits:' .. node .. ':disk')
     redis.call('HDEL', P .. 'nodes', node)
     redis.call('ZREM', P .. 'hb', node)
+    redis.call('ZREM', P .. 'reap', node)
     redis.call('SREM', P .. 'purging', node)
   end
   return left
