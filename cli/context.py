@@ -8,7 +8,9 @@ The cluster is found, first match wins: ``--redis-url`` (on the command or befor
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -20,9 +22,26 @@ from rich.console import Console
 from mooncake_store import Client, connect
 from mooncake_store.config import load_config, redact_url
 
+
+def quiet_stdout() -> None:
+    """After the reader of stdout left: point it at /dev/null, so that the interpreter's own flush
+    at exit is quiet too."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits with status 1 when the reader leaves (`mooncake up -d | head -1`); raised as
+        # the pipe's own error instead, it ends the command with 0 (main._reader_may_leave).
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output left")
+
+
 # Data goes to stdout (so `mooncake get k - > file` works); everything for people goes to stderr.
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+out = _Console(soft_wrap=True)
+err = _Console(stderr=True, soft_wrap=True)
 
 
 def _given_url(value: str | None) -> str | None:

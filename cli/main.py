@@ -3,14 +3,16 @@ where errors become a red line and an exit code (tracebacks only with --debug)."
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, ParamSpec, TypeVar
 
 import redis
 import typer
 from mooncake_cli.commands import agent as agent_cmd
 from mooncake_cli.commands import bench, cluster, data, demo, doctor, stat
-from mooncake_cli.context import Globals, NamespaceOpt, RedisUrlOpt, err, out
+from mooncake_cli.context import Globals, NamespaceOpt, RedisUrlOpt, err, out, quiet_stdout
 from mooncake_cli.exits import EXIT_CODE_HELP, CliError, ExitCode, code_for
 from rich.markup import escape
 
@@ -60,18 +62,42 @@ def _root(
     ctx.obj = Globals(redis_url=redis_url, namespace=namespace, debug=debug)
 
 
-app.command(rich_help_panel="Cluster")(cluster.up)
-app.command(rich_help_panel="Cluster")(cluster.down)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _reader_may_leave(command: Callable[P, R]) -> Callable[P, R]:
+    """A command whose reader leaves early (`mooncake get k | head -c 10`, `mooncake up -d | head -1`)
+    ends with status 0: that is not an error of ours. Done around each command because the command
+    line's framework turns an EPIPE escaping one into exit status 1 before main() sees it. A command
+    that fails after its output says so itself (doctor); `agent` is left out: a service whose
+    output is cut stops, and its supervisor should see a failure."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except BrokenPipeError:
+            quiet_stdout()
+            raise typer.Exit(0) from None
+
+    return run
+
+
+app.command(rich_help_panel="Cluster")(_reader_may_leave(cluster.up))
+app.command(rich_help_panel="Cluster")(_reader_may_leave(cluster.down))
 app.command(rich_help_panel="Cluster")(agent_cmd.agent)
-app.command(rich_help_panel="Cluster")(stat.stat)
-app.command(rich_help_panel="Cluster")(doctor.doctor)
-app.command(rich_help_panel="Objects")(data.put)
-app.command(rich_help_panel="Objects")(data.get)
-app.command(rich_help_panel="Objects")(data.rm)
-app.command(rich_help_panel="Objects")(data.ls)
-app.command(rich_help_panel="Cluster")(bench.bench)
+app.command(rich_help_panel="Cluster")(_reader_may_leave(stat.stat))
+app.command(rich_help_panel="Cluster")(_reader_may_leave(doctor.doctor))
+app.command(rich_help_panel="Objects")(_reader_may_leave(data.put))
+app.command(rich_help_panel="Objects")(_reader_may_leave(data.get))
+app.command(rich_help_panel="Objects")(_reader_may_leave(data.rm))
+app.command(rich_help_panel="Objects")(_reader_may_leave(data.ls))
+app.command(rich_help_panel="Cluster")(_reader_may_leave(bench.bench))
 # The demo parses its own options (argparse in mooncake_store.demo): typer passes them through.
-app.command(rich_help_panel="Demos", context_settings=demo.CONTEXT_SETTINGS, add_help_option=False)(demo.demo)
+app.command(rich_help_panel="Demos", context_settings=demo.CONTEXT_SETTINGS, add_help_option=False)(
+    _reader_may_leave(demo.demo)
+)
 
 
 def _fail(message: str, code: int, *, debug: bool) -> int:

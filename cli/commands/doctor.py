@@ -11,7 +11,7 @@ from enum import StrEnum
 
 import redis
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, Target, out, resolve_target
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, Target, out, quiet_stdout, resolve_target
 from mooncake_cli.exits import CliError, ExitCode
 from rich.markup import escape
 
@@ -175,13 +175,20 @@ def doctor(
     checks.append(Check("tcp", Status.OK, "always available (loopback and network)"))
     checks.append(_rdma_check())
     checks.append(_gpu_check())
-    if as_json:
-        out.print_json(json.dumps([{**asdict(c), "status": str(c.status)} for c in checks]))
-    else:
-        width = max(len(c.name) for c in checks)
-        for c in checks:
-            out.print(f"{_MARK[c.status]} {c.name:<{width}}  {escape(c.detail)}", highlight=False)
     if not reachable:
-        raise typer.Exit(ExitCode.CANNOT_CONNECT)
-    if any(c.status == Status.FAIL for c in checks):
-        raise typer.Exit(ExitCode.ERROR)
+        code = ExitCode.CANNOT_CONNECT
+    else:
+        code = ExitCode.ERROR if any(c.status == Status.FAIL for c in checks) else ExitCode.OK
+    try:
+        if as_json:
+            out.print_json(json.dumps([{**asdict(c), "status": str(c.status)} for c in checks]))
+        else:
+            width = max(len(c.name) for c in checks)
+            for c in checks:
+                out.print(f"{_MARK[c.status]} {c.name:<{width}}  {escape(c.detail)}", highlight=False)
+    except BrokenPipeError:
+        # `mooncake doctor | head -1`: the reader left, but a failed check still fails the command.
+        quiet_stdout()
+        raise typer.Exit(code) from None
+    if code != ExitCode.OK:
+        raise typer.Exit(code)

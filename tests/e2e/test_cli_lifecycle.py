@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from helpers import mooncake_bin
 from mooncake_cli.procs import start_ticks
 from mooncake_cli.state import STATE_VERSION
 
@@ -124,4 +125,37 @@ def test_an_agent_that_exits_while_up_waits_for_it_is_reported_as_exited(mooncak
     assert result.returncode != 0, text
     assert "agent agent-0 exited with status" in text and "within" not in text, text
     assert "cannot create the disk tier directory /proc/mooncake-cannot-be-here" in text, text
+    assert not (mooncake.state_dir / "cluster.json").exists()
+
+
+def test_a_reader_that_leaves_early_is_no_error(mooncake: Mooncake, pid_alive: Callable[[int], bool]) -> None:
+    """`mooncake up -d | head -0` exited 1 with no message, its cluster up and recorded all the
+    same: the console library exits 1 when the reader of its output leaves. Commands now end with
+    0 then, as `get` already did (test_cli_data.py). Here the pipe's reader is gone before the
+    command writes a byte."""
+
+    def with_reader_gone(*args: str) -> int:
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            proc = subprocess.run([mooncake_bin(), *args], stdout=write_end, stderr=subprocess.PIPE, env=mooncake.env)
+        finally:
+            os.close(write_end)
+        assert b"Traceback" not in proc.stderr, proc.stderr.decode()
+        return proc.returncode
+
+    # A command that fails after its output still fails: doctor's checks, then its exit code.
+    assert with_reader_gone("doctor", "--redis-url", "redis://127.0.0.1:1") == 4
+    try:
+        assert with_reader_gone("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM) == 0
+        pids, segments = _recorded(mooncake.state())  # up and recorded, as before
+        assert all(pid_alive(p) for p in pids)
+        mooncake.ok("put", "k", "-", stdin=b"v")
+        assert with_reader_gone("stat") == 0
+        assert with_reader_gone("ls") == 0
+        assert with_reader_gone("get", "k") == 0
+    finally:
+        assert with_reader_gone("down", "--timeout", "5") == 0
+    assert not any(pid_alive(p) for p in pids)
+    assert not any((SHM / s).exists() for s in segments)
     assert not (mooncake.state_dir / "cluster.json").exists()
