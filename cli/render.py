@@ -92,7 +92,9 @@ def activity_table(stats: ClusterStats) -> Table:
     table.add_column("up", justify="right", no_wrap=True)
     table.add_column("tier", no_wrap=True)
     for name, _ in ACTIVITY:
-        table.add_column(name, justify="right", no_wrap=True)
+        # Two-word headers fold onto two lines where the terminal is narrow ("spill" over "out"):
+        # kept on one, the table needs ~85 columns and an 80-column pipe cut every header short.
+        table.add_column(name, justify="right", no_wrap=" " not in name, min_width=len(max(name.split(), key=len)))
     table.add_column("ratio", justify="right", no_wrap=True)
     now_ms = time.time() * 1000
     for node in stats.nodes:

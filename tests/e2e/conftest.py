@@ -40,8 +40,10 @@ class Mooncake:
     def popen(self, *args: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen([mooncake_bin(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env)
 
-    def ok(self, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-        result = self(*args, stdin=stdin)
+    def ok(
+        self, *args: str, stdin: bytes | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[bytes]:
+        result = self(*args, stdin=stdin, env=env)
         assert result.returncode == 0, (args, result.returncode, result.stderr.decode(errors="replace"))
         return result
 

@@ -53,6 +53,17 @@ def test_stat_json_shows_both_agents(cluster_cli: Mooncake) -> None:
     assert all(0 < nodes[n]["started_ms"] <= time.time() * 1000 for n in ("agent-0", "agent-1"))
 
 
+def test_stat_fits_an_80_column_pipe_with_every_header_whole(cluster_cli: Mooncake) -> None:
+    """The activity table needed ~85 columns, so an 80-column pipe cut its headers ("spill o…").
+    Its two-word headers now fold onto two lines instead."""
+    table = cluster_cli.ok("stat", env={"COLUMNS": "80"}).stdout.decode()
+    assert "…" not in table, table
+    (header,) = [line for line in table.splitlines() if "promoted" in line]
+    assert len(header) <= 80, table
+    for column in ("hits", "reads", "demoted", "promoted", "spill", "out", "in", "evicted", "copied", "ratio"):
+        assert column in table, column
+
+
 def test_ls_and_rm(cluster_cli: Mooncake) -> None:
     cluster_cli.ok("put", "ls-a", "-", stdin=b"a" * 100)
     cluster_cli.ok("put", "ls-b", "-", stdin=b"b" * 200)
