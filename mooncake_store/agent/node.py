@@ -25,7 +25,7 @@ from mooncake_store.agent.takeover import register_first
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
-from mooncake_store.index.client import NodeIdTaken
+from mooncake_store.index.node_table import NodeIdTaken
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.gpu import GpuArena

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mooncake_store.index import RedisIndex
-from mooncake_store.index.client import NodeIdTaken
+from mooncake_store.index.node_table import NodeIdTaken
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import NodeInfo
 

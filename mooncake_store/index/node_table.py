@@ -1,0 +1,105 @@
+"""The index calls of the node table: registering an agent (or taking over a dead incarnation's
+node id), heartbeats, leaving, reaping dead nodes, and reading the table. RedisIndex
+(index/client.py) is built on this class; it supplies the connection and the scripts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError
+from mooncake_store.index.schema import decode_node, encode_node, encode_tiers
+from mooncake_store.types import NodeInfo, TierUsage
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    deadline_ms: int
+    #: By alloc id, how long (ms) read leases still run on replicas that a purge of this node took
+    #: from the index: an agent reaped while it stalled keeps their memory that long, since
+    #: same-host readers copy from its arena under those leases (empty: none).
+    held_ms: dict[int, int] = field(default_factory=dict)
+
+
+class NodeIdTaken(MooncakeError):
+    """Registration refused: a live agent of another incarnation holds the node id. ``holder``:
+    its node record; ``left_ms``: how long until its heartbeat deadline (0: unknown)."""
+
+    def __init__(self, message: str, *, holder: dict[str, Any] | None = None, left_ms: int = 0) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
+        self.left_ms = left_ms
+
+
+class NodeTableCalls:
+    """RedisIndex's calls on the node table."""
+
+    redis: redis.Redis
+    prefix: str
+    #: The URL as messages show it (password redacted).
+    where: str
+    #: RedisIndex._run: one script call, with its retry rules.
+    _run: Callable[..., Any]
+
+    def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int) -> Registered:
+        for _ in range(100_000):  # each call purges a bounded slice of a dead incarnation's keys
+            status = self._run("node_register", info.node_id, encode_node(info, incarnation), ttl_ms)
+            if status[0] != "PURGING":
+                break
+        if status[0] == "IN_USE":
+            other = json.loads(status[1])
+            left_ms = int(status[2]) - int(status[3]) if len(status) > 3 else 0
+            raise NodeIdTaken(
+                f"node id {info.node_id!r} is held by a live agent (pid {other.get('pid')} on "
+                f"{other.get('host')}, heartbeat deadline in {max(0, left_ms) / 1000:.1f} s); pick another "
+                "--node-id or stop that agent",
+                holder=other,
+                left_ms=max(0, left_ms),
+            )
+        rows = status[2] if len(status) > 2 else []
+        return Registered(int(status[1]), {int(rows[i]): int(rows[i + 1]) for i in range(0, len(rows), 2)})
+
+    def heartbeat(self, node_id: str, *, incarnation: str, ttl_ms: int, tiers: tuple[TierUsage, ...]) -> bool:
+        """Extend the deadline; False when the record is gone (the agent must register again)."""
+        status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, json.dumps({"tiers": encode_tiers(tiers)}))
+        return bool(status[0] == "OK")
+
+    def deregister_node(self, node_id: str, *, incarnation: str) -> None:
+        for _ in range(10_000):
+            if int(self._run("node_deregister", node_id, incarnation, 5000)) <= 0:
+                return
+
+    def reap_dead_nodes(
+        self,
+        *,
+        grace_ms: int | None = None,
+        older_grace_ms: int | None = None,
+        reaper: str = "",
+        turn_ms: int = 0,
+        max_keys: int = 5000,
+    ) -> list[str]:
+        """Purge the records of dead nodes; returns those purged completely. ``grace_ms``: every
+        node past its deadline by more than it. None: each node past its deadline by its own
+        heartbeat TTL, and a node whose agent (an older version) records no TTL by
+        ``older_grace_ms``. ``turn_ms`` > 0: no other reaper may purge for that long after this one
+        (``reaper``) did, so many agents do not all purge a large dead node at once."""
+        if grace_ms is None and older_grace_ms is None:
+            raise InvalidValue("reap_dead_nodes needs grace_ms or older_grace_ms")
+        grace = "" if grace_ms is None else grace_ms
+        return list(self._run("node_reap", grace, max_keys, older_grace_ms or 0, reaper, turn_ms))
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        """Every registered node (live or not) with its heartbeat deadline; one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.prefix + "nodes")
+        pipe.zrange(self.prefix + "hb", 0, -1, withscores=True)
+        try:
+            records, deadlines = pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the node table from {self.where}: {exc}") from None
+        deadline_of = {node: int(score) for node, score in deadlines}
+        return {node: decode_node(raw, deadline_of.get(node, 0)) for node, raw in records.items()}
