@@ -38,7 +38,7 @@ MAX_PASSES = 32
 #: After a pass that found nothing movable, granted reservations wake the loop again only after
 #: this long (or the interval, if shorter): a writer filling a node of pinned or leased objects
 #: costs the index at most one victim sample per retry, not one per put, and pins released
-#: meanwhile are acted on within it rather than at the next interval (a reservation that does
+#: meanwhile are acted on at its end rather than at the next interval (a reservation that does
 #: not fit still wakes the loop at once).
 FRUITLESS_RETRY_S = 0.02
 #: How often, while peers' arenas are mapped, the node table is read to unmap those that left.
@@ -117,6 +117,7 @@ class PressureManager:
         if table is None or size_bytes > table.capacity_bytes:
             return
         self._note_wanted(tier, size_bytes)
+        self._fruitless_until = 0.0  # never held back
         self._wake.set()
 
     def _note_wanted(self, tier: TierKind, size_bytes: int) -> None:
@@ -144,10 +145,10 @@ class PressureManager:
 
     def wake(self) -> None:
         """A reservation took the tier past its high watermark. Right after a pass that found
-        nothing movable (everything hot or pinned), further wakes wait FRUITLESS_RETRY_S: a
-        writer filling such a node would otherwise cost the index a victim sample per put."""
-        if time.monotonic() < self._fruitless_until:
-            return
+        nothing movable (everything hot or pinned), the wakes within FRUITLESS_RETRY_S are one
+        pass at its end (run): a writer filling such a node would otherwise cost the index a
+        victim sample per put. They were dropped, so pins released just after a fruitless pass
+        waited for the next interval (0.2 s) before anything moved."""
         self._wake.set()
 
     def count(self, tier: TierKind, name: str, n: int = 1) -> None:
@@ -160,6 +161,11 @@ class PressureManager:
         next_retain = next_repair = 0.0
         while not stop.is_set():
             self._wake.wait(interval)
+            # Right after a fruitless pass, wait out its retry (want_room ends it, setting the
+            # deadline to 0 before the wake); the wakes meanwhile are this one pass.
+            while (hold := self._fruitless_until - time.monotonic()) > 0 and not stop.is_set():
+                self._wake.clear()
+                self._wake.wait(hold)
             self._wake.clear()
             if stop.is_set():
                 return

@@ -22,7 +22,6 @@ from helpers import put_on, replicas_of, wait_until
 
 from mooncake_store import connect
 from mooncake_store.agent import node as node_module
-from mooncake_store.agent import pressure as pressure_module
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
@@ -410,34 +409,3 @@ def test_broken_spill_gives_back_the_batch_reserved_ahead(make_agent: Callable[.
         (replica,) = replicas_of(a, f"s{i}")
         assert replica.node_id == a.node_id
         assert bytes(a.arena.view(replica.offset, size)) == bytes([i + 1]) * size
-
-
-def test_a_node_full_of_unmovable_objects_is_not_sampled_per_reservation(
-    make_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Past its high watermark every granted reservation wakes the pressure loop. When the last pass
-    found nothing movable (all pinned here), wakes wait a short retry (FRUITLESS_RETRY_S) instead of
-    costing the index a victim sample per put; a reservation that does not fit still wakes it at once."""
-    retry_s = 0.3  # longer than the default, so that a slow moment here cannot end it early
-    monkeypatch.setattr(pressure_module, "FRUITLESS_RETRY_S", retry_s)
-    agent = make_agent(host_bytes=4 * MiB, high_watermark=0.5, low_watermark=0.25, pressure_interval_s=1.0)
-    client = connect(agent.index.url, namespace=agent.namespace)
-    try:
-        now_ms = client.index.server_time_ms()
-        for i in range(3):
-            key = f"pinned/{i}"
-            client.index.redis.zadd(client.index.prefix + "pins:" + key, {"test": now_ms + 60_000})
-            put_on(agent, key, np.full(MiB, i, np.uint8), tier=TierKind.HOST)
-        pressure = agent.pressure
-        assert pressure.relieve_host() == 0  # 75 % used, nothing movable
-        pressure._wake.clear()
-        pressure.wake()
-        assert not pressure._wake.is_set()  # within the retry after a fruitless pass
-        pressure.want_room(MiB)
-        assert pressure._wake.is_set()  # a reservation that did not fit is never held back
-        pressure._wake.clear()
-        time.sleep(retry_s + 0.05)  # well before the next interval
-        pressure.wake()
-        assert pressure._wake.is_set()  # after the retry it samples again (pins released meanwhile)
-    finally:
-        client.close()
