@@ -331,6 +331,7 @@ class Agent(OtherTierHooks):
         if self._stop.is_set():
             return
         self._stop.set()
+        self.pressure.wake()  # its loop waits on its own event, up to pressure_interval_s
         for thread in self._threads:
             thread.join(timeout=5)
         try:

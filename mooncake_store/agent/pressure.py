@@ -95,7 +95,7 @@ class PressureManager:
         self._wanted: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
-        #: Until then (monotonic s) reservations do not wake the loop: its last pass moved nothing.
+        #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
         self._fruitless_until = 0.0
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -116,13 +116,16 @@ class PressureManager:
         table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
         if table is None or size_bytes > table.capacity_bytes:
             return
-        self._note_wanted(tier, size_bytes)
-        self._fruitless_until = 0.0  # never held back
+        self._note_wanted(tier, size_bytes)  # before the wake: a wanted size ends the loop's hold
         self._wake.set()
 
     def _note_wanted(self, tier: TierKind, size_bytes: int) -> None:
         with self._lock:
             self._wanted[tier] = max(self._wanted[tier], size_bytes)
+
+    def _room_wanted(self) -> bool:
+        with self._lock:
+            return any(self._wanted.values())
 
     def _relieve_arena(self, tier: TierKind, table: AllocationTable, job_of: JobOf) -> int:
         """A pass over an arena tier (host or GPU), sized for the reservations waiting for room."""
@@ -161,12 +164,15 @@ class PressureManager:
         next_retain = next_repair = 0.0
         while not stop.is_set():
             self._wake.wait(interval)
-            # Right after a fruitless pass, wait out its retry (want_room ends it, setting the
-            # deadline to 0 before the wake); the wakes meanwhile are this one pass.
-            while (hold := self._fruitless_until - time.monotonic()) > 0 and not stop.is_set():
+            # Right after a fruitless pass, wait out its retry; the wakes meanwhile are this one
+            # pass. A reservation that did not fit (a wanted size, noted before its wake) ends the
+            # wait. Cleared before the state is read, so no wake falls between the two.
+            while not stop.is_set():
                 self._wake.clear()
+                hold = self._fruitless_until - time.monotonic()
+                if hold <= 0 or self._room_wanted():
+                    break
                 self._wake.wait(hold)
-            self._wake.clear()
             if stop.is_set():
                 return
             try:

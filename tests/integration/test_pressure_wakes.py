@@ -36,7 +36,8 @@ def pinned_agent(make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.Mo
         put_on(agent, key, np.full(MiB, i, np.uint8), tier=TierKind.HOST)
     samples = count_samples(agent)
     agent.pressure.wake()
-    assert wait_until(lambda: samples[0] >= 1, 10.0), "the first wake ran no pass"
+    # Its first pass ended, and moved nothing: the retry runs.
+    assert wait_until(lambda: samples[0] >= 1 and agent.pressure._fruitless_until > 0, 10.0), "no fruitless pass"
     yield agent
 
 
@@ -76,3 +77,31 @@ def test_a_reservation_that_does_not_fit_is_never_held_back(pinned_agent: Agent)
     samples = count_samples(agent)
     agent.pressure.want_room(MiB)
     assert wait_until(lambda: samples[0] >= 1, 2.0), "want_room waited out the retry (3 s)"
+
+
+def test_a_reservation_refused_during_a_fruitless_pass_is_not_held_back(
+    make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass that was running when a RESERVE was refused moved nothing, and its end armed the
+    retry over the refusal's wake (reviewer): the refused writer waited it out. Here the refusal
+    comes from inside the pass's own victim sample."""
+    monkeypatch.setattr(pressure_module, "FRUITLESS_RETRY_S", 3.0)
+    agent = make_inproc_agent(host_bytes=4 * MiB, high_watermark=0.5, low_watermark=0.25, pressure_interval_s=600.0)
+    now_ms = agent.index.server_time_ms()
+    for i in range(3):
+        key = f"pinned/{i}"
+        agent.index.redis.zadd(agent.index.prefix + "pins:" + key, {"test": now_ms + 600_000})
+        put_on(agent, key, np.full(MiB, i, np.uint8), tier=TierKind.HOST)
+    samples = count_samples(agent)
+    sample = agent.index.victim_candidates
+    refused = [False]
+
+    def refusal_during_the_pass(*args: object, **kwargs: object) -> object:
+        if not refused[0]:
+            refused[0] = True
+            agent.pressure.want_room(MiB)
+        return sample(*args, **kwargs)  # type: ignore[arg-type]
+
+    agent.index.victim_candidates = refusal_during_the_pass  # type: ignore[method-assign]
+    agent.pressure.wake()
+    assert wait_until(lambda: samples[0] >= 2, 2.0), f"{samples[0]} pass(es): the refusal waited out the retry"
