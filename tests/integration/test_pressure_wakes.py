@@ -26,7 +26,17 @@ MiB = 1 << 20
 
 @pytest.fixture
 def pinned_agent(make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch) -> Iterator[Agent]:
-    """4 MiB, high watermark 50 %: three pinned 1 MiB objects, one fruitless pass just made."""
+    """full_of_pinned_objects, one fruitless pass just made."""
+    agent = full_of_pinned_objects(make_inproc_agent, monkeypatch)
+    samples = count_samples(agent)
+    agent.pressure.wake()
+    # Its first pass ended, and moved nothing: the retry runs.
+    assert wait_until(lambda: samples[0] >= 1 and agent.pressure._fruitless_until > 0, 10.0), "no fruitless pass"
+    yield agent
+
+
+def full_of_pinned_objects(make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch) -> Agent:
+    """4 MiB, high watermark 50 %, three pinned 1 MiB objects; a retry of 3 s after a fruitless pass."""
     monkeypatch.setattr(pressure_module, "FRUITLESS_RETRY_S", 3.0)
     agent = make_inproc_agent(host_bytes=4 * MiB, high_watermark=0.5, low_watermark=0.25, pressure_interval_s=600.0)
     now_ms = agent.index.server_time_ms()
@@ -34,11 +44,7 @@ def pinned_agent(make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.Mo
         key = f"pinned/{i}"
         agent.index.redis.zadd(agent.index.prefix + "pins:" + key, {"test": now_ms + 600_000})
         put_on(agent, key, np.full(MiB, i, np.uint8), tier=TierKind.HOST)
-    samples = count_samples(agent)
-    agent.pressure.wake()
-    # Its first pass ended, and moved nothing: the retry runs.
-    assert wait_until(lambda: samples[0] >= 1 and agent.pressure._fruitless_until > 0, 10.0), "no fruitless pass"
-    yield agent
+    return agent
 
 
 def count_samples(agent: Agent) -> list[int]:
@@ -85,13 +91,7 @@ def test_a_reservation_refused_during_a_fruitless_pass_is_not_held_back(
     """The pass that was running when a RESERVE was refused moved nothing, and its end armed the
     retry over the refusal's wake (reviewer): the refused writer waited it out. Here the refusal
     comes from inside the pass's own victim sample."""
-    monkeypatch.setattr(pressure_module, "FRUITLESS_RETRY_S", 3.0)
-    agent = make_inproc_agent(host_bytes=4 * MiB, high_watermark=0.5, low_watermark=0.25, pressure_interval_s=600.0)
-    now_ms = agent.index.server_time_ms()
-    for i in range(3):
-        key = f"pinned/{i}"
-        agent.index.redis.zadd(agent.index.prefix + "pins:" + key, {"test": now_ms + 600_000})
-        put_on(agent, key, np.full(MiB, i, np.uint8), tier=TierKind.HOST)
+    agent = full_of_pinned_objects(make_inproc_agent, monkeypatch)
     samples = count_samples(agent)
     sample = agent.index.victim_candidates
     refused = [False]

@@ -16,18 +16,31 @@ import numpy as np
 from helpers import node_row, wait_until
 
 from mooncake_store import Client, LocalCluster
+from mooncake_store.client.cluster import AgentProcess
 from mooncake_store.index.client import RedisIndex
+
+VALUE = np.arange(4096, dtype=np.uint8)
+
+
+def two_ttls(
+    make_cluster: Callable[..., LocalCluster],
+    make_client: Callable[..., Client],
+    first: tuple[str, float],
+    second: tuple[str, float],
+) -> tuple[AgentProcess, Client]:
+    """Two agents of (node id, heartbeat TTL s), and VALUE stored on the second as "on-<its id>"."""
+    cluster = make_cluster(0, heartbeat_ttl_s=first[1])
+    cluster.add_agent(node_id=first[0])
+    agent = cluster.add_agent(node_id=second[0], extra_args=["--heartbeat-ttl-s", str(second[1])])
+    client = make_client(cluster)
+    client.put(f"on-{second[0]}", VALUE, preferred_node=second[0])
+    return agent, client
 
 
 def test_a_short_ttl_node_that_dies_is_reaped_after_its_own_ttl(
     make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
 ) -> None:
-    cluster = make_cluster(0, heartbeat_ttl_s=30.0)
-    cluster.add_agent(node_id="patient")
-    short = cluster.add_agent(node_id="short", extra_args=["--heartbeat-ttl-s", "1.5"])
-    client = make_client(cluster)
-    value = np.arange(4096, dtype=np.uint8)
-    client.put("on-short", value, preferred_node="short")
+    short, client = two_ttls(make_cluster, make_client, ("patient", 30.0), ("short", 1.5))
     short.process.kill()
     short.process.wait(timeout=10)
     died = time.monotonic()
@@ -43,12 +56,7 @@ def test_a_short_ttl_node_that_dies_is_reaped_after_its_own_ttl(
 def test_a_long_ttl_node_that_stalls_within_its_ttl_is_not_reaped_by_a_short_ttl_peer(
     make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
 ) -> None:
-    cluster = make_cluster(0, heartbeat_ttl_s=1.5)
-    cluster.add_agent(node_id="hasty")
-    patient = cluster.add_agent(node_id="patient", extra_args=["--heartbeat-ttl-s", "9"])
-    client = make_client(cluster)
-    value = np.arange(4096, dtype=np.uint8)
-    client.put("on-patient", value, preferred_node="patient")
+    patient, client = two_ttls(make_cluster, make_client, ("hasty", 1.5), ("patient", 9.0))
     tag = client.index.nodes()["patient"].alloc_tag
     os.kill(patient.pid, signal.SIGSTOP)
     try:
@@ -61,7 +69,7 @@ def test_a_long_ttl_node_that_stalls_within_its_ttl_is_not_reaped_by_a_short_ttl
     # Awake, it heartbeats again under the same incarnation and its object is still there.
     assert wait_until(lambda: client.stat().nodes and all(n.alive for n in client.stat().nodes), 10.0)
     assert client.index.nodes()["patient"].alloc_tag == tag  # not reaped and registered again
-    assert np.array_equal(client.get("on-patient"), value)
+    assert np.array_equal(client.get("on-patient"), VALUE)
 
 
 def test_stalled_long_ttl_nodes_never_hold_back_the_reap_of_a_dead_short_ttl_one(redis_url: str) -> None:
