@@ -105,6 +105,16 @@ class AllocationTable:
                 self._committed,
             )
 
+    def room(self, *, ceiling_bytes: int | None = None) -> tuple[int, int]:
+        """(free bytes, largest free block) that a reservation may still take: with
+        ``ceiling_bytes`` (a peer's spill, as in reserve), no more than takes the use up to it."""
+        with self._lock:
+            free, largest = self._allocator.free_bytes, self._allocator.largest_free_bytes
+            if ceiling_bytes is not None:
+                free = min(free, max(0, ceiling_bytes - self._allocator.used_bytes))
+                largest = min(largest, free)
+            return free, largest
+
     def reserved_deadlines(self) -> dict[int, float]:
         with self._lock:
             return {a.alloc_id: a.deadline for a in self._reserved.values()}

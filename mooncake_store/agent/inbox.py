@@ -57,6 +57,13 @@ class DiskInbox:
                 self._on_wire_bytes += footprint
             return allocs
 
+    def room(self, *, ceiling_bytes: int) -> int:
+        """What a spill may still take: the free room (free_bytes), no more than takes the disk's
+        use, files on the wire included, up to ``ceiling_bytes`` (as in reserve)."""
+        with self._lock:
+            used = self.disk.used_bytes + self._on_wire_bytes
+            return min(self.disk.free_bytes - self._on_wire_bytes, max(0, ceiling_bytes - used))
+
     def free_bytes(self) -> int:
         """The disk's free room less what reserved files still on the wire will take (files that
         landed count in the disk's use already)."""

@@ -287,10 +287,7 @@ class AgentOps:
             self._hooks.reclaim_now()
             allocs = self._table.reserve(requests, ceiling_bytes=ceiling)
         if allocs is None:
-            used, free, largest, _ = self._table.usage()
-            if ceiling is not None:  # what a spill may still take
-                free = min(free, max(0, ceiling - used))
-                largest = min(largest, free)
+            free, largest = self._table.room(ceiling_bytes=ceiling)
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
             if not flags & SPILL_FLAG:  # a refused spill goes to another peer: no room is made for it
                 self._hooks.no_room(sum(size for size, _ in requests))

@@ -137,16 +137,11 @@ class OtherTierHooks:
         if tier == TIER_DISK:
             if self.disk is None or self.inbox is None or not spill:
                 return 0, 0, 0  # puts never go to disk
-            free = self.inbox.free_bytes()
-            used = self.disk.capacity_bytes - free
-            free = min(free, max(0, self.spill_ceiling(tier) - used))  # what a spill may still take
+            free = self.inbox.room(ceiling_bytes=self.spill_ceiling(tier))
             return free, free, self.disk.capacity_bytes  # a file needs no contiguous block
         if self.gpu_table is None:
             return 0, 0, 0
-        used, free, largest, _ = self.gpu_table.usage()
-        if spill:  # what a spill may still take
-            free = min(free, max(0, self.spill_ceiling(tier) - used))
-            largest = min(largest, free)
+        free, largest = self.gpu_table.room(ceiling_bytes=self.spill_ceiling(tier) if spill else None)
         return free, largest, self.gpu_table.capacity_bytes
 
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:

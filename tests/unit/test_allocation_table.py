@@ -80,3 +80,17 @@ def test_after_a_reap_memory_is_held_while_read_leases_on_it_run() -> None:
     time.sleep(0.35)
     assert table.release_held() == 2 and b not in table and d not in table
     assert table.usage()[0] == 0 and committed_by_scan(table) == table.usage()[3] == 0
+
+
+def test_room_is_what_a_reservation_may_still_take_under_a_ceiling() -> None:
+    """room() answers as reserve() decides: free space and its largest block, and with a ceiling
+    (a peer's spill) no more than takes the use, in 64 B units, up to it."""
+    table = AllocationTable(1 << 20, reserve_timeout_s=60.0)
+    assert table.room() == (1 << 20, 1 << 20)
+    table.reserve([(1000, b"a")])  # takes 1024 B of the arena
+    assert table.room() == ((1 << 20) - 1024, (1 << 20) - 1024)
+    assert table.room(ceiling_bytes=4096) == (3072, 3072)
+    assert table.room(ceiling_bytes=512) == (0, 0)  # already past it
+    free, _ = table.room(ceiling_bytes=4096)
+    assert table.reserve([(free, b"b")], ceiling_bytes=4096) is not None  # exactly what it said
+    assert table.reserve([(1, b"c")], ceiling_bytes=4096) is None

@@ -137,3 +137,15 @@ def test_free_room_follows_each_reservation_through_its_life(tmp_path: Path, blo
     inbox.settle([a.alloc_id, c.alloc_id])
     assert inbox.free_bytes() == inbox.disk.free_bytes
     assert a.alloc_id in inbox.disk and b.alloc_id not in inbox.disk
+
+
+def test_room_under_a_ceiling_counts_files_on_the_wire(tmp_path: Path, blob: bytes) -> None:
+    room = room_of(tmp_path, blob)
+    inbox = make_inbox(tmp_path, capacity=4 * room)
+    assert inbox.room(ceiling_bytes=4 * room) == 4 * room
+    assert inbox.reserve([(len(blob), b"a" * 16)]) is not None  # on the wire: not yet on the disk
+    assert inbox.room(ceiling_bytes=3 * room) == 2 * room
+    assert inbox.room(ceiling_bytes=room) == 0
+    assert inbox.reserve([(len(blob), b"b" * 16)] * 2, ceiling_bytes=3 * room) is not None  # what it said
+    assert inbox.room(ceiling_bytes=3 * room) == 0
+    assert inbox.reserve([(len(blob), b"c" * 16)], ceiling_bytes=3 * room) is None
