@@ -4,6 +4,7 @@ where errors become a red line and an exit code (tracebacks only with --debug)."
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Annotated, ParamSpec, TypeVar
@@ -108,14 +109,29 @@ def _fail(message: str, code: int, *, debug: bool) -> int:
     return code
 
 
+def _stdout_is_null_device() -> bool:
+    try:
+        return os.path.samestat(os.fstat(sys.stdout.fileno()), os.stat(os.devnull))
+    except (OSError, ValueError):  # no stdout at all, or a stream without a descriptor
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     # Also known before parsing, so a usage error can show its traceback too.
     debug = "--debug" in args
     command = typer.main.get_command(app)
+    stdout_was_null = _stdout_is_null_device()
     try:
         rc = command.main(args=args, prog_name="mooncake", standalone_mode=False)
         code = rc if isinstance(rc, int) else 0
+    except SystemExit as exc:
+        # The help is printed by the framework's own console, not ours (context._Console): when
+        # its reader leaves (`mooncake --help | head -1`) it points stdout at the null device and
+        # exits 1. That reader's leaving is no error of ours either.
+        if exc.code == 1 and not stdout_was_null and _stdout_is_null_device():
+            raise SystemExit(ExitCode.OK) from None
+        raise
     except click_exc.NoArgsIsHelpError as exc:
         out.print(exc.ctx.get_help() if exc.ctx else "")
         code = 0

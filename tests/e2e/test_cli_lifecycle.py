@@ -132,7 +132,7 @@ def test_a_reader_that_leaves_early_is_no_error(mooncake: Mooncake, pid_alive: C
     """`mooncake up -d | head -0` exited 1 with no message, its cluster up and recorded all the
     same: the console library exits 1 when the reader of its output leaves. Commands now end with
     0 then, as `get` already did (test_cli_data.py). Here the pipe's reader is gone before the
-    command writes a byte."""
+    command writes a byte. The help too (`mooncake --help | head -1`)."""
 
     def with_reader_gone(*args: str) -> int:
         read_end, write_end = os.pipe()
@@ -144,6 +144,9 @@ def test_a_reader_that_leaves_early_is_no_error(mooncake: Mooncake, pid_alive: C
         assert b"Traceback" not in proc.stderr, proc.stderr.decode()
         return proc.returncode
 
+    # The help, which the command line's framework prints with a console of its own.
+    assert with_reader_gone("--help") == 0
+    assert with_reader_gone("stat", "--help") == 0
     # A command that fails after its output still fails: doctor's checks, then its exit code.
     assert with_reader_gone("doctor", "--redis-url", "redis://127.0.0.1:1") == 4
     try:
