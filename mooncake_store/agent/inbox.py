@@ -12,7 +12,6 @@ the table forgets it.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable, Iterator
 
 from mooncake_store.agent.allocations import Allocation, AllocationTable
@@ -27,13 +26,9 @@ class DiskInbox:
         self.disk = disk
         # Offsets in this table mean nothing on disk; it keeps the reservations' life cycle and
         # their bytes, which count against the disk tier's free room until the files land.
+        # The room the files will take is promised in the disk tier itself (DiskTier.promise), so
+        # that nothing else stored there meanwhile (a demotion) can take it.
         self.table = AllocationTable(1 << 62, reserve_timeout_s=reserve_timeout_s, alignment=1, ids=ids)
-        self._lock = threading.Lock()
-        #: Bytes of reservations whose files have not landed, by alloc id, and their sum: the room
-        #: they are promised (free_bytes runs per victim of every pressure pass, and used to walk
-        #: the whole table).
-        self._on_wire: dict[int, int] = {}
-        self._on_wire_bytes = 0
 
     def __contains__(self, alloc_id: int) -> bool:
         return alloc_id in self.table
@@ -43,38 +38,19 @@ class DiskInbox:
     ) -> list[Allocation] | None:
         """All or nothing, like the host tier; None when the files would not fit on the disk, or
         would take its use past ``ceiling_bytes`` (the disk's high watermark)."""
-        with self._lock:  # two concurrent spills must not both count the same free room
-            # A file takes whole blocks of the disk, which is what its room is counted in.
-            needed = sum(self.disk.footprint(size) for size, _ in requests)
-            if needed > self.disk.free_bytes - self._on_wire_bytes:
-                return None
-            if ceiling_bytes is not None and self.disk.used_bytes + self._on_wire_bytes + needed > ceiling_bytes:
-                return None
-            allocs = self.table.reserve(requests)
-            for alloc in allocs or []:
-                footprint = self.disk.footprint(alloc.length)
-                self._on_wire[alloc.alloc_id] = footprint
-                self._on_wire_bytes += footprint
-            return allocs
+        allocs = self.table.reserve(requests)
+        if allocs is None:
+            return None
+        # A file takes whole blocks of the disk, which is what its room is counted in.
+        footprints = {alloc.alloc_id: self.disk.footprint(alloc.length) for alloc in allocs}
+        if not self.disk.promise(footprints, ceiling_bytes=ceiling_bytes):
+            self.table.free(list(footprints))  # never handed out: nothing reads or writes them
+            return None
+        return allocs
 
     def room(self, *, ceiling_bytes: int) -> int:
-        """What a spill may still take: the free room (free_bytes), no more than takes the disk's
-        use, files on the wire included, up to ``ceiling_bytes`` (as in reserve)."""
-        with self._lock:
-            used = self.disk.used_bytes + self._on_wire_bytes
-            return min(self.disk.free_bytes - self._on_wire_bytes, max(0, ceiling_bytes - used))
-
-    def free_bytes(self) -> int:
-        """The disk's free room less what reserved files still on the wire will take (files that
-        landed count in the disk's use already)."""
-        with self._lock:
-            return self.disk.free_bytes - self._on_wire_bytes
-
-    def _landed(self, alloc_ids: Iterable[int]) -> None:
-        """These reservations' bytes are no longer promised: their files landed, or they went."""
-        with self._lock:
-            for alloc_id in alloc_ids:
-                self._on_wire_bytes -= self._on_wire.pop(alloc_id, 0)
+        """What a spill may still take (as in reserve)."""
+        return self.disk.room(ceiling_bytes=ceiling_bytes)
 
     def staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         """A buffer for the whole chunk file of a reservation (fenced until written()), or None:
@@ -96,9 +72,8 @@ class DiskInbox:
         try:
             if data is not None:
                 try:
-                    self.disk.write_blob(alloc_id, data)
+                    self.disk.write_blob(alloc_id, data)  # takes the room promised to it
                     stored = True
-                    self._landed([alloc_id])  # the file counts in the disk's use from now on
                 except MooncakeError as exc:
                     log.warning("chunk file spilled to disk allocation %d refused: %s", alloc_id, exc)
         finally:
@@ -112,13 +87,13 @@ class DiskInbox:
         returns their ids."""
         done = [alloc_id for alloc_id in acked if alloc_id in self.table]
         self.table.free(done)
-        self._landed(done)
+        self.disk.drop_promises(done)  # a file acked but never stored (a failed write) has one left
         return done
 
     def free(self, alloc_ids: Iterable[int]) -> None:
         """Free reservations that timed out or were abandoned, with any file already written."""
         ids = [alloc_id for alloc_id in alloc_ids if alloc_id in self.table]
         self.table.free(ids)
-        self._landed(ids)
+        self.disk.drop_promises(ids)
         for alloc_id in ids:
             self.disk.remove(alloc_id)

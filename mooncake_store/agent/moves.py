@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
-from mooncake_store.errors import MooncakeError
+from mooncake_store.errors import MooncakeError, NoCapacity
 from mooncake_store.types import EvictionCandidate, Replica, ReplicaState, TierKind
 
 if TYPE_CHECKING:
@@ -28,6 +29,20 @@ class CountMove(Protocol):
 
 #: A move's counter: (tier, name), counted once the index is known to name the move's target.
 Counted = tuple[TierKind, str]
+
+
+class Demotion(Enum):
+    """How a demotion to disk ended; true only when it was done. The pressure pass tells the
+    failures apart: only a disk whose writes fail counts as full for the rest of the pass (a file
+    that did not fit, or an object that changed meanwhile, says nothing of the next victim)."""
+
+    DONE = "done"
+    NO_ROOM = "no room"  # the file did not fit in the disk's free room
+    LOST = "lost"  # the object changed meanwhile: the index names another location
+    FAILED = "failed"  # the file could not be written
+
+    def __bool__(self) -> bool:
+        return self is Demotion.DONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +68,7 @@ class LocalMoves:
         self._unsure: dict[tuple[str, int], MoveTarget] = {}
         self._lock = threading.Lock()
 
-    def demote_to_disk(self, victim: EvictionCandidate, offset: int) -> bool:
+    def demote_to_disk(self, victim: EvictionCandidate, offset: int) -> Demotion:
         """Compress a host-tier object (at ``offset`` in the arena) into a chunk file of this agent's
         disk tier and swap it there; the file is dropped unless the index names it afterwards."""
         agent = self.agent
@@ -62,17 +77,22 @@ class LocalMoves:
         view = agent.arena.view(offset, victim.size_bytes)
         try:
             agent.disk.write(disk_id, view, itemsize=agent.itemsize_of(victim.dtype))
+        except NoCapacity as exc:
+            log.debug("demotion of %s did not fit: %s", victim.key, exc)
+            return Demotion.NO_ROOM
         except MooncakeError as exc:
-            log.info("demotion of %s failed: %s", victim.key, exc)
-            return False
+            # A disk that cannot be written is an operator's problem, not a cache's routine.
+            log.warning("demotion of %s failed: %s", victim.key, exc)
+            return Demotion.FAILED
         finally:
             view.release()
         # Known before the swap: a sync that frees the file (as a grave) must find it.
         agent.disk_keys[disk_id] = victim.key
         # A disk allocation is read whole, from its file: offsets count from its start.
-        return self._swap_into(
+        swapped = self._swap_into(
             victim.key, victim.alloc_id, TierKind.DISK, 0, disk_id, victim.size_bytes, (TierKind.HOST, "demotions")
         )
+        return Demotion.DONE if swapped else Demotion.LOST
 
     def _swap_into(
         self,

@@ -28,6 +28,7 @@ from mooncake_store.index import RedisIndex
 from mooncake_store.index.node_table import NodeIdTaken
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
+from mooncake_store.tiers.disk_dir import sweep_abandoned_tiers
 from mooncake_store.tiers.gpu import GpuArena
 from mooncake_store.tiers.host import HostArena, segment_name, sweep_abandoned_segments
 from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
@@ -137,10 +138,12 @@ class Agent(OtherTierHooks):
         # Directories of agents that died without stopping (their lock is free) go first: with the
         # default node id every incarnation has a directory of its own, and nothing else removes them.
         if parent.is_dir():
-            for gone in DiskTier.sweep_abandoned(parent, keep=root):
+            for gone in sweep_abandoned_tiers(parent, keep=root):
                 log.info("removed the disk tier directory %s of an agent that is gone", gone)
         # A peer's chunk file may declare no more raw bytes than this agent's largest memory
         # tier holds: it could never be promoted here, and verifying it takes that much memory.
+        # Peers plan by the same rule from the published tiers (NodeInfo.largest_chunk_bytes):
+        # change both or neither.
         return DiskTier(root, config.disk_bytes, max_blob_raw_bytes=max(config.host_bytes, config.gpu_bytes))
 
     def tier_kinds(self) -> tuple[TierKind, ...]:

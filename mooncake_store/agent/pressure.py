@@ -14,16 +14,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import LocalMoves
+from mooncake_store.agent.placing import PassState, Placer
 from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.agent.spill_jobs import SilentPeers
 from mooncake_store.errors import MooncakeError
-from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
-from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
+from mooncake_store.policy.eviction import MoveKind, bytes_to_free, choose_victims
+from mooncake_store.types import EvictionCandidate, TierKind
 
 if TYPE_CHECKING:
     from mooncake_store.agent.allocations import AllocationTable
@@ -61,32 +62,6 @@ class Returning:
     due: int = 0  # of those, due already (their leases over): a reclaim frees them now
 
 
-@dataclass(slots=True)
-class _PassState:
-    peers: list[NodeInfo]
-    planned: dict[str, int] = field(default_factory=dict)
-    refused: set[str] = field(default_factory=set)
-    #: Chunks of a chain evicted in this pass, by their parent's key: the sample's children counts
-    #: are that much too high, and a parent whose last child went is a leaf now (evict.lua still
-    #: checks atomically, so a count too low here cannot cut a chain).
-    children_gone: Counter[str] = field(default_factory=Counter)
-    #: Victims to evict, in the order the pass chose them, sent in one index round trip once the
-    #: pass has chosen enough (evict.lua takes them in order, so a leaf goes before its parent).
-    evictions: list[SpillJob] = field(default_factory=list)
-    #: A demotion failed in this pass (the room below was in pieces, or its writes fail): the
-    #: next tier down counts as full for the rest of it, so victims spill before they are evicted.
-    demote_failed: bool = False
-    by_id: dict[str, NodeInfo] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.by_id = {peer.node_id: peer for peer in self.peers}
-
-    def plan(self, node_id: str, jobs: list[SpillJob], tier: TierKind, sign: int = 1) -> None:
-        """Count ``jobs`` as sent to a peer (``sign`` -1: taken back), in the room they take there."""
-        usage = self.by_id[node_id].tier(tier)
-        self.planned[node_id] = self.planned.get(node_id, 0) + sign * sum(job.room_on(usage) for job in jobs)
-
-
 class PressureManager:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
@@ -102,6 +77,7 @@ class PressureManager:
         self._spiller = Spiller(agent)
         self.silent = SilentPeers(agent.config.heartbeat_ttl_s)
         self.moves = LocalMoves(agent, self.count)
+        self.placer = Placer(agent, self.moves)
         job_of = {TierKind.HOST: self._host_job, TierKind.GPU: self._gpu_job, TierKind.DISK: self._disk_job}
         self.repairs = Repairs(agent, self._spiller, job_of, self.count, self.silent.note)
 
@@ -290,7 +266,7 @@ class PressureManager:
             self._spiller.arenas.premap(peers)  # also unmaps peers that left
         else:
             self._spiller.arenas.retain(peers)
-        state = _PassState(peers=peers, refused=self.silent.now())
+        state = PassState(peers=peers, refused=self.silent.now())
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (_evict_queued).
@@ -311,7 +287,7 @@ class PressureManager:
             job = job_of(victim)
             if job is None:
                 continue
-            move = self._place_demoting(job, now_ms, state, tier)
+            move = self.placer.place_demoting(job, now_ms, state, tier)
             if move.kind == MoveKind.DEMOTE:
                 moved += job.room_bytes
             elif move.kind == MoveKind.SPILL and move.node_id is not None:
@@ -333,57 +309,7 @@ class PressureManager:
             self._fruitless_until = time.monotonic() + min(FRUITLESS_RETRY_S, agent.config.pressure_interval_s)
         return moved
 
-    def _place(self, job: SpillJob, now_ms: int, state: _PassState, tier: TierKind) -> Move:
-        """Where a victim of ``tier`` goes: sized by what it occupies there (a chunk file on disk)."""
-        agent = self.agent
-        victim = job.victim
-        lower = next_tier(tier, agent.tier_kinds())
-        lower_free = 0 if state.demote_failed else self._room_below(lower)
-        return choose_move(
-            job.room_bytes,
-            tier=tier,
-            node_id=agent.node_id,
-            zone=agent.config.zone,
-            lower_tier=lower,
-            lower_free_bytes=lower_free,
-            peers=state.peers,
-            now_ms=now_ms,
-            high_watermark=agent.config.high_watermark,
-            spill=agent.config.spill_to_peers,
-            planned_bytes=state.planned,
-            # A node that holds another replica is no destination: two copies on one node are one.
-            refused=state.refused | set(victim.other_nodes),
-            stored_bytes=job.stored_bytes,
-            holders=[state.by_id[n] for n in victim.other_nodes if n in state.by_id],
-            plain_bytes=victim.size_bytes,
-        )
-
-    def _place_demoting(self, job: SpillJob, now_ms: int, state: _PassState, tier: TierKind) -> Move:
-        """Place a victim and carry out a demotion at once (the others are queued by the caller). A
-        demotion that fails places the victim again without the tier below: on a peer if one has
-        room, else it is evicted, as when the tier below had none."""
-        move = self._place(job, now_ms, state, tier)
-        if move.kind != MoveKind.DEMOTE:
-            return move
-        demote = self.moves.demote_gpu if tier == TierKind.GPU else self.moves.demote_to_disk
-        if demote(job.victim, job.offset):
-            return move
-        state.demote_failed = True
-        return self._place(job, now_ms, state, tier)
-
-    def _room_below(self, lower: TierKind | None) -> int:
-        """Room in this agent's next tier down: the disk's free bytes, or the host tier's room under
-        its high watermark (a demotion from the GPU must not put the host tier under pressure)."""
-        agent = self.agent
-        if lower == TierKind.DISK and agent.disk is not None:
-            # Room that peers' spilled files were promised is not room for a demotion.
-            return agent.inbox.free_bytes() if agent.inbox is not None else agent.disk.free_bytes
-        if lower == TierKind.HOST:
-            used, _, _, _ = agent.table.usage()
-            return max(0, int(agent.config.high_watermark * agent.table.capacity_bytes) - used)
-        return 0
-
-    def _evict_unless_parent(self, job: SpillJob, state: _PassState) -> bool:
+    def _evict_unless_parent(self, job: SpillJob, state: PassState) -> bool:
         """Queue a victim for eviction; False when it is the last copy of a chain chunk that
         stored chunks still hang off (it stays)."""
         victim = job.victim
@@ -397,7 +323,7 @@ class PressureManager:
             state.children_gone[victim.chain_parent] += 1
         return True
 
-    def _evict_queued(self, state: _PassState, tier: TierKind) -> int:
+    def _evict_queued(self, state: PassState, tier: TierKind) -> int:
         """Evict the pass's queued victims in one index round trip; returns the bytes of those that
         did not go (pinned, read, replaced or still a parent since the sample was taken). A chunk
         that stayed is its parent's child again: the parent is no leaf for the rest of the pass."""
@@ -413,7 +339,7 @@ class PressureManager:
         self,
         spills: dict[str, list[SpillJob]],
         now_ms: int,
-        state: _PassState,
+        state: PassState,
         tier: TierKind,
         job_of: JobOf,
     ) -> int:
@@ -443,7 +369,7 @@ class PressureManager:
                 job = job_of(unsent.victim)  # located afresh: where it is now, and its size there
                 if job is None:
                     continue  # freed meanwhile
-                move = self._place_demoting(job, now_ms, state, tier)
+                move = self.placer.place_demoting(job, now_ms, state, tier)
                 if move.kind == MoveKind.DEMOTE:
                     moved += job.room_bytes
                     continue

@@ -98,6 +98,7 @@ def choose_move(
     stored_bytes: int | None = None,
     holders: Collection[NodeInfo] = (),
     plain_bytes: int | None = None,
+    lower_bytes: int | None = None,
 ) -> Move:
     """Where one victim of ``size_bytes`` goes. A peer qualifies only if taking the object keeps it
     under the high watermark, so that spilling never pushes a peer into pressure of its own.
@@ -110,8 +111,9 @@ def choose_move(
     copies on one host, or in one zone, are lost together); then the same zone as this node.
     ``plain_bytes``: the object's own size, for a chunk file that goes to a peer's disk tier, which
     takes none larger than its largest memory tier (NodeInfo.largest_chunk_bytes): that peer
-    would refuse the WRITE, and be chosen again at every pass."""
-    if lower_tier is not None and lower_free_bytes >= size_bytes:
+    would refuse the WRITE, and be chosen again at every pass. ``lower_bytes``: what it would take
+    in ``lower_tier`` when that is not ``size_bytes`` (a host object's chunk file on disk, at most)."""
+    if lower_tier is not None and lower_free_bytes >= (size_bytes if lower_bytes is None else lower_bytes):
         return Move(kind=MoveKind.DEMOTE, tier=lower_tier)
     if spill:
         hosts = {h.host_id for h in holders}

@@ -16,10 +16,10 @@ verify the checksum, so a corrupted file is an error, never wrong data.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import struct
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,13 +29,11 @@ import zstandard
 
 from mooncake_store.config import format_size
 from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
+from mooncake_store.tiers.disk_dir import SUFFIX, claim_dir, clear_chunk_files, remove_tier_dir
 
 HEADER = struct.Struct("<4sBBHQQQ")
 MAGIC = b"MCZ1"
 FLAG_SHUFFLED = 1
-SUFFIX = ".mcz"
-#: Held (flock) by the tier that owns the directory.
-LOCK_NAME = ".lock"
 
 
 class CorruptChunk(MooncakeError):
@@ -56,6 +54,14 @@ def encode_chunk(
     body = (compressor or zstandard.ZstdCompressor(level=3)).compress(memoryview(payload))
     header = HEADER.pack(MAGIC, FLAG_SHUFFLED if shuffled else 0, itemsize, 0, len(view), checksum, len(body))
     return header + body, checksum
+
+
+def file_bytes_at_most(raw_bytes: int) -> int:
+    """The longest chunk file ``raw_bytes`` can make: the header and zstd's bound for one frame
+    (ZSTD_COMPRESSBOUND; incompressible bytes are stored, not shrunk). What a demotion plans by,
+    before it has compressed anything: a file larger than the room it was planned into would fail."""
+    small_input_margin = ((128 << 10) - raw_bytes) >> 11 if raw_bytes < (128 << 10) else 0
+    return HEADER.size + raw_bytes + (raw_bytes >> 8) + small_input_margin
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,11 +145,15 @@ class DiskTier:
         self._entries: dict[int, DiskEntry] = {}
         self._storing: set[int] = set()  # ids whose files are being written
         self._used = 0  # footprints
+        #: Room held for files on their way (a peer's spill: DiskInbox), by allocation id, and its
+        #: sum: free room for nothing else, a demotion included, until the file is stored or goes.
+        self._promises: dict[int, int] = {}
+        self._promised = 0
         self._stored = 0
         self._raw = 0
         self._lock = threading.Lock()
         self._local = threading.local()  # zstd contexts are not thread-safe; one per thread
-        self._lock_fd = self._claim(self.root)
+        self._lock_fd = claim_dir(self.root)
         self._clear_leftovers()
 
     @staticmethod
@@ -164,7 +174,14 @@ class DiskTier:
     def _check_room(root: Path, capacity_bytes: int) -> None:
         """Refuse a capacity the filesystem could never hold: the node table would advertise it, and
         placement and spills would count on room that is not there. Free room is not the bound, since
-        it changes with other users of the disk; the filesystem's whole size is."""
+        it changes with other users of the disk; the filesystem's whole size is. Nor a capacity below
+        one block, which no file fits in: the tier would only ever evict."""
+        block = DiskTier.block_size_of(root)
+        if capacity_bytes < block:
+            raise InvalidValue(
+                f"disk tier capacity {capacity_bytes} B is less than one {block} B block of the filesystem "
+                f"under {root}: no chunk file would fit"
+            )
         try:
             st = os.statvfs(root)
         except OSError:
@@ -178,58 +195,10 @@ class DiskTier:
                 permanent=True,
             )
 
-    @staticmethod
-    def _claim(root: Path) -> int:
-        """An exclusive lock on the directory for this tier's lifetime (the kernel drops it when the
-        process dies). Without it a second agent started by mistake with a live agent's node id and
-        disk path would clear the live agent's chunk files as leftovers before the index refused it."""
-        try:
-            fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise MooncakeError(f"cannot open the disk tier's lock file in {root}: {exc}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise MooncakeError(
-                f"the disk tier directory {root} is in use by another agent (or another tier in this "
-                "process): each agent needs a disk directory of its own"
-            ) from None
-        return fd
-
     def _clear_leftovers(self) -> None:
         # Files from an earlier incarnation belong to replicas that the index no longer lists (a
         # restarted agent starts empty), and temp files are writes that never finished.
-        _clear_chunk_files(self.root)
-
-    @staticmethod
-    def sweep_abandoned(parent: Path, *, keep: Path) -> list[Path]:
-        """Remove the directories under ``parent`` (but ``keep``) of disk tiers whose owner is gone:
-        their lock file is there and free. An agent that crashed (SIGKILL, OOM) leaves its chunk
-        files behind, and with the default node id (host and pid) its successor gets a directory
-        of its own: nothing else would ever remove them. The files are unreachable (a dead node's
-        replicas leave the index, and a restarted agent starts empty). Only what a tier writes is
-        removed (chunk files, temp files, their subdirectories, the lock); a directory holding
-        anything else stays. Returns the directories removed."""
-        removed: list[Path] = []
-        for lock in sorted(parent.glob(f"*/{LOCK_NAME}")):
-            root = lock.parent
-            if root == keep:
-                continue
-            try:
-                fd = os.open(lock, os.O_RDWR)
-            except OSError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # its agent is alive
-                if _remove_tier_dir(root):
-                    removed.append(root)
-            finally:
-                os.close(fd)
-        return removed
+        clear_chunk_files(self.root)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -247,7 +216,41 @@ class DiskTier:
 
     @property
     def free_bytes(self) -> int:
-        return self.capacity_bytes - self._used
+        """Room for a new file: less what the files already stored take and what is promised."""
+        return self.capacity_bytes - self._used - self._promised
+
+    @property
+    def promised_bytes(self) -> int:
+        return self._promised
+
+    def promise(self, footprints: Mapping[int, int], *, ceiling_bytes: int | None = None) -> bool:
+        """Hold room for files on their way, by allocation id (what each will take: footprint()),
+        all or nothing; False when they do not fit in the free room, or would take the use,
+        promises included, past ``ceiling_bytes``. Storing a file takes its promise (_store);
+        drop_promises() gives back those that will not come."""
+        needed = sum(footprints.values())
+        with self._lock:
+            if needed > self.free_bytes:
+                return False
+            if ceiling_bytes is not None and self._used + self._promised + needed > ceiling_bytes:
+                return False
+            self._promises.update(footprints)
+            self._promised += needed
+            return True
+
+    def drop_promises(self, alloc_ids: Iterable[int]) -> None:
+        """Give back the room promised to these ids' files (none for a file already stored)."""
+        with self._lock:
+            for alloc_id in alloc_ids:
+                self._promised -= self._promises.pop(alloc_id, 0)
+
+    def room(self, *, ceiling_bytes: int | None = None) -> int:
+        """Free room, no more than takes the use, promises included, up to ``ceiling_bytes``."""
+        with self._lock:
+            free = self.free_bytes
+            if ceiling_bytes is not None:
+                free = min(free, max(0, ceiling_bytes - self._used - self._promised))
+            return free
 
     @property
     def objects(self) -> int:
@@ -383,11 +386,14 @@ class DiskTier:
             if alloc_id in self._entries or alloc_id in self._storing:
                 raise InvalidValue(f"disk allocation {alloc_id} already exists")
             footprint = self.footprint(len(blob))
-            if footprint > self.free_bytes:
+            promised = self._promises.get(alloc_id, 0)  # a peer's file takes the room held for it
+            if footprint > self.free_bytes + promised:
                 raise NoCapacity(
                     f"need {footprint} B on disk (a {len(blob)} B file in {self.block_bytes} B blocks); "
-                    f"{self.free_bytes}/{self.capacity_bytes} B free in {self.root}"
+                    f"{self.free_bytes + promised}/{self.capacity_bytes} B free in {self.root}"
                 )
+            self._promises.pop(alloc_id, None)
+            self._promised -= promised
             self._used += footprint  # claimed before the write so concurrent writers cannot overshoot
             self._storing.add(alloc_id)
         path = self.path_of(alloc_id)
@@ -422,8 +428,15 @@ class DiskTier:
         return entry
 
     def read_into(self, alloc_id: int, dest: memoryview) -> int:
+        entry = self.entry(alloc_id)
         blob = self.read_blob(alloc_id)
-        return self.decode_into(blob, dest, where=str(self.path_of(alloc_id)))
+        where = str(self.path_of(alloc_id))
+        _, _, raw, _ = self.parse_header(blob, where=where)
+        if entry is not None and raw != entry.raw_bytes:
+            # A header that no longer says what was stored was damaged since: that is no
+            # caller's mistake (a destination too small), and the replica must be dropped.
+            raise CorruptChunk(f"{where}: header says {raw} B, but {entry.raw_bytes} B were stored")
+        return self.decode_into(blob, dest, where=where)
 
     def remove(self, alloc_id: int) -> bool:
         with self._lock:
@@ -444,30 +457,6 @@ class DiskTier:
                 self.remove(alloc_id)
         if self._lock_fd >= 0:  # idempotent; the lock goes with the descriptor
             if remove_files:
-                _remove_tier_dir(self.root)  # the lock file too, while it is still held
+                remove_tier_dir(self.root)  # the lock file too, while it is still held
             os.close(self._lock_fd)
             self._lock_fd = -1
-
-
-def _clear_chunk_files(root: Path) -> None:
-    for path in root.glob("*/*"):
-        if path.suffix in (SUFFIX, ".tmp"):
-            with contextlib.suppress(OSError):  # one that cannot go stays: the rest still go
-                path.unlink(missing_ok=True)
-
-
-def _remove_tier_dir(root: Path) -> bool:
-    """Remove a disk tier's directory: its chunk and temp files, its subdirectories (when that
-    leaves them empty), its lock file, and itself if nothing else is in it. Whether it went."""
-    _clear_chunk_files(root)
-    with contextlib.suppress(OSError):
-        for sub in root.iterdir():
-            if sub.is_dir() and len(sub.name) == 2:  # path_of's subdirectories
-                with contextlib.suppress(OSError):
-                    sub.rmdir()  # only if empty
-    (root / LOCK_NAME).unlink(missing_ok=True)
-    try:
-        root.rmdir()
-    except OSError:
-        return False  # something else in it: left as it is
-    return True

@@ -122,7 +122,7 @@ def test_a_disk_write_too_large_to_stage_leaks_no_fence(
         assert peer.free([res.alloc_id]) == 1  # the writer gives the reservation up
         agent.sync_once()  # no commit reached the index: the sync frees it
         assert res.alloc_id not in agent.inbox, "the abandoned disk reservation is still fenced"
-        assert agent.inbox.free_bytes() == disk_bytes
+        assert agent.disk is not None and agent.disk.free_bytes == disk_bytes
     finally:
         peer.close()
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mooncake_store.agent.inbox import DiskInbox
+from mooncake_store.errors import NoCapacity
 from mooncake_store.tiers.disk import DiskTier
 
 
@@ -96,16 +97,36 @@ def test_free_bytes_counts_files_on_the_wire_once(tmp_path: Path, blob: bytes) -
     """What a demotion may still use: the disk's free room less the reserved files not yet landed."""
     room = room_of(tmp_path, blob)
     inbox = make_inbox(tmp_path, capacity=4 * room)
-    assert inbox.free_bytes() == 4 * room
+    assert inbox.disk.free_bytes == 4 * room
     (res,) = inbox.reserve([(len(blob), b"p" * 16)]) or []
-    assert inbox.free_bytes() == 3 * room  # on the wire: promised to the peer
+    assert inbox.disk.free_bytes == 3 * room  # on the wire: promised to the peer
     staging = inbox.staging(res.alloc_id, res.offset, res.length)
     assert staging is not None
     staging[:] = blob
     assert inbox.written(res.alloc_id, staging)
-    assert inbox.free_bytes() == 3 * room  # landed: counted by the disk, not twice
+    assert inbox.disk.free_bytes == 3 * room  # landed: counted by the disk, not twice
+    assert inbox.disk.promised_bytes == 0
     inbox.settle([res.alloc_id])
-    assert inbox.free_bytes() == 3 * room
+    assert inbox.disk.free_bytes == 3 * room
+
+
+def test_a_demotion_cannot_take_the_room_promised_to_a_peers_file(tmp_path: Path, blob: bytes) -> None:
+    """A file of this agent's own (a demotion) written while a peer's file is on the wire fits
+    only in what the promise leaves: taking the promised room made the peer's WRITE fail, and the
+    free room negative (a RESERVE's refusal could then not be packed, and the connection closed)."""
+    room = room_of(tmp_path, blob)
+    inbox = make_inbox(tmp_path, capacity=2 * room)
+    (res,) = inbox.reserve([(len(blob), b"p" * 16)]) or []
+    own = np.random.default_rng(9).integers(0, 256, 200_000, dtype=np.uint8)
+    inbox.disk.write(1, memoryview(own))  # fits in the room left
+    with pytest.raises(NoCapacity, match="need"):
+        inbox.disk.write(2, memoryview(own))  # would take the peer's room
+    assert inbox.disk.free_bytes == 0 and inbox.room(ceiling_bytes=2 * room) == 0
+    staging = inbox.staging(res.alloc_id, res.offset, res.length)
+    assert staging is not None
+    staging[:] = blob
+    assert inbox.written(res.alloc_id, staging)  # the peer's file lands in the room held for it
+    assert inbox.disk.used_bytes == 2 * room and inbox.disk.free_bytes == 0
 
 
 def test_free_room_follows_each_reservation_through_its_life(tmp_path: Path, blob: bytes) -> None:
@@ -114,8 +135,9 @@ def test_free_room_follows_each_reservation_through_its_life(tmp_path: Path, blo
     still promised until its reservation goes."""
     inbox = make_inbox(tmp_path, capacity=8 * len(blob))
     size = room_of(tmp_path, blob)
+    capacity = inbox.disk.capacity_bytes
     a, b, c = inbox.reserve([(len(blob), b"a" * 16), (len(blob), b"b" * 16), (len(blob), b"c" * 16)]) or []
-    assert inbox.free_bytes() == inbox.disk.free_bytes - 3 * size
+    assert (inbox.disk.free_bytes, inbox.disk.promised_bytes) == (capacity - 3 * size, 3 * size)
 
     def land(res, data: bytes) -> bool:  # type: ignore[no-untyped-def]
         staging = inbox.staging(res.alloc_id, res.offset, res.length)
@@ -124,18 +146,18 @@ def test_free_room_follows_each_reservation_through_its_life(tmp_path: Path, blo
         return inbox.written(res.alloc_id, staging)
 
     assert land(a, blob)
-    assert inbox.disk.free_bytes < 8 * size  # the file is on the disk now
-    assert inbox.free_bytes() == inbox.disk.free_bytes - 2 * size
+    assert inbox.disk.used_bytes == size  # the file is on the disk now, its promise kept
+    assert (inbox.disk.free_bytes, inbox.disk.promised_bytes) == (capacity - 3 * size, 2 * size)
     assert inbox.settle([a.alloc_id]) == [a.alloc_id]  # its swap was acked: a disk allocation now
-    assert inbox.free_bytes() == inbox.disk.free_bytes - 2 * size
+    assert (inbox.disk.free_bytes, inbox.disk.promised_bytes) == (capacity - 3 * size, 2 * size)
     damaged = bytearray(blob)
     damaged[0] ^= 0xFF
     assert not land(b, bytes(damaged))
-    assert inbox.free_bytes() == inbox.disk.free_bytes - 2 * size
+    assert (inbox.disk.free_bytes, inbox.disk.promised_bytes) == (capacity - 3 * size, 2 * size)
     inbox.free([b.alloc_id, c.alloc_id])
     inbox.free([b.alloc_id])  # again: nothing more
     inbox.settle([a.alloc_id, c.alloc_id])
-    assert inbox.free_bytes() == inbox.disk.free_bytes
+    assert (inbox.disk.free_bytes, inbox.disk.promised_bytes) == (capacity - size, 0)
     assert a.alloc_id in inbox.disk and b.alloc_id not in inbox.disk
 
 

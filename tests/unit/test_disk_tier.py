@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
 import threading
@@ -20,6 +21,7 @@ from mooncake_store.tiers.disk import (
     shuffle_planes,
     unshuffle_planes,
 )
+from mooncake_store.tiers.disk_dir import sweep_abandoned_tiers
 
 
 def kv_like(n: int, seed: int = 0) -> np.ndarray:
@@ -290,7 +292,7 @@ def test_a_sweep_removes_the_directories_of_tiers_whose_owner_is_gone_and_nothin
     other = tmp_path / "other"
     other.mkdir()
     (other / "keep.txt").write_text("not a tier's")
-    removed = DiskTier.sweep_abandoned(tmp_path, keep=tmp_path / "mine")
+    removed = sweep_abandoned_tiers(tmp_path, keep=tmp_path / "mine")
     assert removed == [tmp_path / "dead"]
     assert not (tmp_path / "dead").exists()
     assert (other / "keep.txt").read_text() == "not a tier's"
@@ -298,6 +300,49 @@ def test_a_sweep_removes_the_directories_of_tiers_whose_owner_is_gone_and_nothin
     live.read_into(1, memoryview(out))  # the live tier's file is untouched
     assert not out.any()
     live.close()
+
+
+@pytest.mark.parametrize("old_lock", [False, True], ids=["new-directory", "after-a-crash"])
+def test_a_tier_starting_beside_another_agents_start_sweep_keeps_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, old_lock: bool
+) -> None:
+    """Two agents on one disk path starting at once: a tier created its lock file and locked it
+    after, and the other agent's sweep of abandoned tiers, landing in between, found the lock free
+    and removed the new tier's directory; that tier then failed every write and evicted its
+    victims. The sweep runs here just before each lock is taken (flock, as the kernel would
+    interleave two processes): whether the lock file is new, or left by a crashed incarnation
+    (then the sweep takes it, and the tier claims its directory afresh)."""
+    root = tmp_path / "starting"
+    if old_lock:
+        DiskTier(root, 1 << 20).close(remove_files=False)  # a lock file nobody holds
+    real_flock = fcntl.flock
+    sweeps: list[list[Path]] = []
+
+    def flock_after_a_sweep(fd: int, operation: int) -> None:
+        if not sweeps and operation & fcntl.LOCK_EX:
+            sweeps.append([])  # before the sweep, which takes locks too
+            sweeps[0] = sweep_abandoned_tiers(tmp_path, keep=tmp_path / "the-sweepers-own")
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_sweep)
+    tier = DiskTier(root, 1 << 20)
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    assert sweeps == ([[root]] if old_lock else [[]])
+    tier.write(1, memoryview(np.ones(1000, np.uint8)))  # its directory is there
+    assert sweep_abandoned_tiers(tmp_path, keep=tmp_path / "the-sweepers-own") == []  # and its lock held
+    out = np.empty(1000, np.uint8)
+    tier.read_into(1, memoryview(out))
+    assert out.all()
+    tier.close()
+
+
+def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
+    """No file fits in it: the tier would only ever evict."""
+    block = DiskTier.block_size_of(tmp_path)
+    with pytest.raises(InvalidValue, match=f"capacity {block - 1} B is less than one {block} B block"):
+        DiskTier(tmp_path / "small", block - 1)
+    assert not (tmp_path / "small").exists()
+    DiskTier(tmp_path / "one", block).close()
 
 
 def test_closing_a_tier_with_its_files_removes_its_directory(tmp_path: Path) -> None:

@@ -1,0 +1,137 @@
+"""Where each victim of a pressure pass goes, as the tiers issue wants it: demoted to this agent's
+next tier if there is room, else spilled to the peer with the most room in that tier, else evicted;
+a demotion is carried out as soon as it is chosen. The pass itself (pressure.py) samples the
+victims and carries out the spills and evictions."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mooncake_store.agent.moves import Demotion, LocalMoves
+from mooncake_store.agent.spill import SpillJob
+from mooncake_store.policy.eviction import Move, MoveKind, choose_move, next_tier
+from mooncake_store.tiers.disk import file_bytes_at_most
+from mooncake_store.types import NodeInfo, TierKind
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.node import Agent
+
+
+@dataclass(slots=True)
+class PassState:
+    """What one pass of the pressure loop has learnt and planned so far, as it walks its victims."""
+
+    peers: list[NodeInfo]
+    planned: dict[str, int] = field(default_factory=dict)
+    refused: set[str] = field(default_factory=set)
+    #: Chunks of a chain evicted in this pass, by their parent's key: the sample's children counts
+    #: are that much too high, and a parent whose last child went is a leaf now (evict.lua still
+    #: checks atomically, so a count too low here cannot cut a chain).
+    children_gone: Counter[str] = field(default_factory=Counter)
+    #: Victims to evict, in the order the pass chose them, sent in one index round trip once the
+    #: pass has chosen enough (evict.lua takes them in order, so a leaf goes before its parent).
+    evictions: list[SpillJob] = field(default_factory=list)
+    #: A demotion failed in this pass (the host tier's room below the GPU was in pieces, or the
+    #: disk's writes fail): the next tier down counts as full for the rest of it, so victims spill
+    #: before they are evicted.
+    demote_failed: bool = False
+    #: A victim whose chunk file's bound did not fit in the disk's room was demoted on the chance
+    #: that its file would (_demote_if_file_fits): once a pass, as it costs a compression.
+    tried_tight_disk: bool = False
+    by_id: dict[str, NodeInfo] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_id = {peer.node_id: peer for peer in self.peers}
+
+    def plan(self, node_id: str, jobs: list[SpillJob], tier: TierKind, sign: int = 1) -> None:
+        """Count ``jobs`` as sent to a peer (``sign`` -1: taken back), in the room they take there."""
+        usage = self.by_id[node_id].tier(tier)
+        self.planned[node_id] = self.planned.get(node_id, 0) + sign * sum(job.room_on(usage) for job in jobs)
+
+
+class Placer:
+    """Places victims, one at a time, and carries out their demotions (agent/moves.py)."""
+
+    def __init__(self, agent: Agent, moves: LocalMoves) -> None:
+        self.agent = agent
+        self.moves = moves
+
+    def place(self, job: SpillJob, now_ms: int, state: PassState, tier: TierKind) -> Move:
+        """Where a victim of ``tier`` goes: sized by what it occupies there (a chunk file on disk)."""
+        agent = self.agent
+        victim = job.victim
+        lower = next_tier(tier, agent.tier_kinds())
+        lower_free = 0 if state.demote_failed else self.room_below(lower)
+        lower_takes = job.room_bytes
+        if lower == TierKind.DISK and agent.disk is not None:
+            # Planned by the longest file it can make (the header, incompressible bytes): at its
+            # plain size a file could take more blocks than the room it was planned into.
+            lower_takes = agent.disk.footprint(file_bytes_at_most(victim.size_bytes))
+        return choose_move(
+            job.room_bytes,
+            tier=tier,
+            node_id=agent.node_id,
+            zone=agent.config.zone,
+            lower_tier=lower,
+            lower_free_bytes=lower_free,
+            lower_bytes=lower_takes,
+            peers=state.peers,
+            now_ms=now_ms,
+            high_watermark=agent.config.high_watermark,
+            spill=agent.config.spill_to_peers,
+            planned_bytes=state.planned,
+            # A node that holds another replica is no destination: two copies on one node are one.
+            refused=state.refused | set(victim.other_nodes),
+            stored_bytes=job.stored_bytes,
+            holders=[state.by_id[n] for n in victim.other_nodes if n in state.by_id],
+            plain_bytes=victim.size_bytes,
+        )
+
+    def place_demoting(self, job: SpillJob, now_ms: int, state: PassState, tier: TierKind) -> Move:
+        """Place a victim and carry out a demotion at once (the others are queued by the caller). A
+        demotion that fails places the victim again without the tier below: on a peer if one has
+        room, else it is evicted, as when the tier below had none."""
+        move = self.place(job, now_ms, state, tier)
+        if move.kind != MoveKind.DEMOTE:
+            return self._demote_if_file_fits(job, state, tier, otherwise=move)
+        if tier == TierKind.GPU:
+            if self.moves.demote_gpu(job.victim, job.offset):
+                return move
+            state.demote_failed = True  # the host tier's room was in pieces
+            return self.place(job, now_ms, state, tier)
+        done = self.moves.demote_to_disk(job.victim, job.offset)
+        if done:
+            return move
+        # A file that did not fit (a peer's reservation took the room meanwhile: the next victim
+        # reads it again) or an object that changed says nothing of the rest of the pass.
+        state.demote_failed = state.demote_failed or done is Demotion.FAILED
+        return self.place(job, now_ms, state, tier)
+
+    def _demote_if_file_fits(self, job: SpillJob, state: PassState, tier: TierKind, *, otherwise: Move) -> Move:
+        """A host victim whose file's bound did not fit in the disk's room may still fit there: KV
+        caches compress, and the file is what takes the room. Tried once a pass (it costs a
+        compression) while the room holds a block; ``otherwise`` the victim goes where it was placed."""
+        disk = self.agent.disk
+        if tier != TierKind.HOST or disk is None or state.demote_failed or state.tried_tight_disk:
+            return otherwise
+        if disk.free_bytes < disk.block_bytes:
+            return otherwise
+        state.tried_tight_disk = True
+        done = self.moves.demote_to_disk(job.victim, job.offset)
+        if done:
+            return Move(kind=MoveKind.DEMOTE, tier=TierKind.DISK)
+        state.demote_failed = done is Demotion.FAILED
+        return otherwise
+
+    def room_below(self, lower: TierKind | None) -> int:
+        """Room in this agent's next tier down: the disk's free bytes, or the host tier's room under
+        its high watermark (a demotion from the GPU must not put the host tier under pressure)."""
+        agent = self.agent
+        if lower == TierKind.DISK and agent.disk is not None:
+            return agent.disk.free_bytes  # less the room promised to peers' files on the wire
+        if lower == TierKind.HOST:
+            used, _, _, _ = agent.table.usage()
+            return max(0, int(agent.config.high_watermark * agent.table.capacity_bytes) - used)
+        return 0

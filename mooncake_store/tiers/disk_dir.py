@@ -1,0 +1,131 @@
+"""A disk tier's directory: the lock that says its agent is alive, the sweep of directories whose
+agent is gone, and the clearing of chunk and temp files (tiers/disk.py writes them)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+from pathlib import Path
+
+from mooncake_store.errors import MooncakeError
+
+SUFFIX = ".mcz"
+#: Held (flock) by the tier that owns the directory.
+LOCK_NAME = ".lock"
+
+
+def claim_dir(root: Path) -> int:
+    """An exclusive lock on the directory for this tier's lifetime (the kernel drops it when the
+    process dies). Without it a second agent started by mistake with a live agent's node id and
+    disk path would clear the live agent's chunk files as leftovers before the index refused it.
+    A new lock file is locked before it takes its name: other agents' start sweeps
+    (sweep_abandoned_tiers) remove every tier directory whose lock file they find free, and one
+    created first and locked after could be found free in between."""
+    lock_path = root / LOCK_NAME
+    for _ in range(3):  # each retry follows another process's move between two calls
+        try:
+            root.mkdir(parents=True, exist_ok=True)  # a sweep may have taken it with a free lock
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            fd = _new_locked_file(root)
+            try:
+                os.link(root / _claiming_name(), lock_path)
+            except FileExistsError:
+                os.close(fd)
+                continue  # another tier named its lock first: that one decides
+            except OSError as exc:
+                os.close(fd)
+                raise MooncakeError(f"cannot create the disk tier's lock file in {root}: {exc}") from None
+            finally:
+                (root / _claiming_name()).unlink(missing_ok=True)
+            return fd
+        except OSError as exc:
+            raise MooncakeError(f"cannot open the disk tier's lock file in {root}: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise MooncakeError(
+                f"the disk tier directory {root} is in use by another agent (or another tier in this "
+                "process): each agent needs a disk directory of its own"
+            ) from None
+        if _still_named(fd, lock_path):
+            return fd
+        os.close(fd)  # a sweep removed that free lock file (and perhaps its directory) meanwhile
+    raise MooncakeError(f"cannot claim the disk tier directory {root}: its lock file kept changing")
+
+
+def sweep_abandoned_tiers(parent: Path, *, keep: Path) -> list[Path]:
+    """Remove the directories under ``parent`` (but ``keep``) of disk tiers whose owner is gone:
+    their lock file is there and free. An agent that crashed (SIGKILL, OOM) leaves its chunk
+    files behind, and with the default node id (host and pid) its successor gets a directory
+    of its own: nothing else would ever remove them. The files are unreachable (a dead node's
+    replicas leave the index, and a restarted agent starts empty). Only what a tier writes is
+    removed (chunk files, temp files, their subdirectories, the lock); a directory holding
+    anything else stays. Returns the directories removed."""
+    removed: list[Path] = []
+    for lock in sorted(parent.glob(f"*/{LOCK_NAME}")):
+        root = lock.parent
+        if root == keep:
+            continue
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its agent is alive
+            if remove_tier_dir(root):
+                removed.append(root)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _claiming_name() -> str:
+    # Per process and thread: two tiers claiming one directory at once each make their own.
+    return f"{LOCK_NAME}.claiming-{os.getpid()}-{threading.get_ident()}"
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _new_locked_file(root: Path) -> int:
+    try:
+        fd = os.open(root / _claiming_name(), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as exc:
+        raise MooncakeError(f"cannot create the disk tier's lock file in {root}: {exc}") from None
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file no other process has opened yet
+    return fd
+
+
+def clear_chunk_files(root: Path) -> None:
+    for path in root.glob("*/*"):
+        if path.suffix in (SUFFIX, ".tmp"):
+            with contextlib.suppress(OSError):  # one that cannot go stays: the rest still go
+                path.unlink(missing_ok=True)
+
+
+def remove_tier_dir(root: Path) -> bool:
+    """Remove a disk tier's directory: its chunk and temp files, its subdirectories (when that
+    leaves them empty), its lock file, and itself if nothing else is in it. Whether it went."""
+    clear_chunk_files(root)
+    with contextlib.suppress(OSError):
+        for sub in root.iterdir():
+            if sub.is_dir() and len(sub.name) == 2:  # path_of's subdirectories
+                with contextlib.suppress(OSError):
+                    sub.rmdir()  # only if empty
+    (root / LOCK_NAME).unlink(missing_ok=True)
+    try:
+        root.rmdir()
+    except OSError:
+        return False  # something else in it: left as it is
+    return True
