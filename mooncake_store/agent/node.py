@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
@@ -40,6 +41,8 @@ log = logging.getLogger("mooncake.agent")
 
 #: Reclaims on demand (before refusing a reservation) at most this often.
 RECLAIM_MIN_INTERVAL_S = 0.02
+#: Expired reservations one sync takes to the index; the rest go with the next syncs.
+MAX_EXPIRED_PER_SYNC = 4096
 
 
 def default_node_id() -> str:
@@ -371,6 +374,7 @@ class Agent(OtherTierHooks):
     # ---- background duties --------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
+        failures = FailureLog(log, "heartbeat")
         while not self._stop.wait(interval):
             try:
                 self.heartbeat_once()
@@ -384,8 +388,9 @@ class Agent(OtherTierHooks):
                 )
                 if reaped:
                     log.info("reaped dead nodes %s", reaped)
+                failures.succeeded()
             except ConnectError as exc:
-                log.warning("heartbeat failed: %s", exc)
+                failures.failed(exc)
             except NodeIdTaken as exc:
                 # Reaped while stalled, and its node id taken over since: this agent can never serve
                 # again under it. It gives up its memory and says so; its process stops (fatal).
@@ -397,7 +402,7 @@ class Agent(OtherTierHooks):
                 # A script error (the server out of memory, busy, read-only in a failover): the
                 # index still names this agent's objects, so it keeps them and tries again. Only
                 # being reaped (heartbeat False) or taken over (NodeIdTaken) lets its memory go.
-                log.warning("heartbeat failed: %s", exc)
+                failures.failed(exc)
             except Exception:
                 log.exception("heartbeat failed unexpectedly")
 
@@ -443,11 +448,13 @@ class Agent(OtherTierHooks):
         return alloc_id in self.disk_keys or any(alloc_id in table for table in self._tables())
 
     def _sync_loop(self) -> None:
+        failures = FailureLog(log, "sync")
         while not self._stop.wait(self.config.sync_interval_s):
             try:
                 self.sync_once()
+                failures.succeeded()
             except MooncakeError as exc:  # unreachable, superseded, or a script error: try again
-                log.warning("sync failed: %s", exc)
+                failures.failed(exc)
             except Exception:  # a bug costs one sync, not the agent's reclaiming for good
                 log.exception("sync failed unexpectedly")
 
@@ -464,7 +471,8 @@ class Agent(OtherTierHooks):
         deadlines: dict[int, float] = {}
         for table in tables:
             deadlines.update(table.reserved_deadlines())
-        expired = expired_reservations(deadlines, time.monotonic())
+        # A slice per call: 200,000 expired at once held the index 0.35 s (a million: past the timeout).
+        expired = expired_reservations(deadlines, time.monotonic())[:MAX_EXPIRED_PER_SYNC]
         put_ids = [next((t.put_id_of(a) for t in tables if a in t), None) or b"" for a in expired]
         put_ids_hex = [p.hex() for p in put_ids]
         # Until this reply is applied, the index keeps what it carries for the next sync.

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.moves import LocalMoves
 from mooncake_store.agent.placing import PassState, Placer
 from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
@@ -138,6 +139,7 @@ class PressureManager:
     def run(self, stop: threading.Event) -> None:
         interval = self.agent.config.pressure_interval_s
         next_retain = next_repair = 0.0
+        failures = FailureLog(log, "pressure pass")
         while not stop.is_set():
             self._wake.wait(interval)
             # Right after a fruitless pass, wait out its retry; the wakes meanwhile are this one
@@ -170,8 +172,9 @@ class PressureManager:
                     if self.repairs.more:
                         next_repair = 0.0
                         self._wake.set()
+                failures.succeeded()
             except MooncakeError as exc:
-                log.warning("pressure pass failed: %s", exc)
+                failures.failed(exc)
             except Exception:
                 # A bug, or a record no check foresaw: this pass is lost, not the node's eviction
                 # for the rest of its life (the thread would end and nothing would ever move).

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from mooncake_store.config import load_config
 from mooncake_store.embedded import EmbeddedServer
 from mooncake_store.errors import MooncakeError, ServerError
 from mooncake_store.tiers.host import SHM_DIR, segment_pattern
@@ -94,8 +95,10 @@ class LocalCluster:
     ) -> None:
         if type(num_agents) is not int or num_agents < 0:
             raise MooncakeError(f"num_agents must be an int >= 0, got {num_agents!r:.80}")
+        # Checked by the agents' own rules before anything starts: a bad size ("12XB", 0) was an
+        # agent that "did not become ready", after the server had started.
+        self.host_bytes = load_config(env={}, overrides={"agent.host_bytes": host_bytes}).agent.host_bytes
         self.num_agents = num_agents
-        self.host_bytes = host_bytes
         # On its own private server the cluster uses the default namespace, so a plain
         # connect(cluster.redis_url) finds it; on a shared server it takes a namespace of its own.
         self.namespace = namespace or ("default" if redis_url is None else f"lc-{uuid.uuid4().hex[:8]}")

@@ -3,10 +3,11 @@ agent's pressure pass in index/pressure.py, those of the node table in index/nod
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -328,11 +329,17 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         return out
 
     def list_keys(self, pattern: str = "*", *, limit: int = 10_000) -> list[KeyListing]:
-        keys: list[str] = []
-        for key in self.redis.sscan_iter(self.prefix + "keys", match=pattern, count=1000):
-            keys.append(key)
-            if len(keys) >= limit:
-                break
+        """The first ``limit`` keys matching ``pattern`` in key order, with their metadata. Every
+        matching name is read (the index keeps them in a set, in no order), and only ``limit`` of
+        them are held at once."""
+        try:
+            names = self.redis.sscan_iter(self.prefix + "keys", match=pattern, count=1000)
+            keys = sorted(first_in_order(names, limit))
+            return self._listings(keys)
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot list the keys in Redis at {self.where}: {exc}") from None
+
+    def _listings(self, keys: list[str]) -> list[KeyListing]:
         pipe = self.redis.pipeline(transaction=False)
         for key in keys:
             pipe.hmget(
@@ -362,7 +369,7 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     last_access_ms=int(fields[7] or 0),
                 )
             )
-        return sorted(out, key=lambda k: k.key)
+        return out
 
     def agent_sync(
         self,
@@ -413,8 +420,40 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             pipe.scard(self.prefix + "nobj:" + node)
             pipe.scard(self.prefix + "repair:" + node)
         pipe.hgetall(self.prefix + "stats")
-        raw = pipe.execute()
+        try:
+            raw = pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the counts from Redis at {self.where}: {exc}") from None
         per_node = {node: int(n) for node, n in zip(node_ids, raw[1:-1:2], strict=True)}
         stats = {k: int(v) for k, v in raw[-1].items()}
         stats["short"] = sum(int(n) for n in raw[2:-1:2])
         return int(raw[0]), per_node, stats
+
+
+class _Largest:
+    """A name ordered backwards, so that heapq's smallest is the largest name kept."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __lt__(self, other: _Largest) -> bool:
+        return self.name > other.name
+
+
+def first_in_order(names: Iterable[str], limit: int) -> list[str]:
+    """The ``limit`` smallest distinct names of ``names`` (a SCAN may yield a name twice), holding
+    no more than that many at once."""
+    heap: list[_Largest] = []
+    kept: set[str] = set()
+    for name in names:
+        if name in kept:
+            continue
+        if len(heap) < limit:
+            heapq.heappush(heap, _Largest(name))
+            kept.add(name)
+        elif heap and name < heap[0].name:
+            kept.discard(heapq.heapreplace(heap, _Largest(name)).name)
+            kept.add(name)
+    return [entry.name for entry in heap]

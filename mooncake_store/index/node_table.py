@@ -56,7 +56,8 @@ class NodeTableCalls:
             raise NodeIdTaken(
                 f"node id {info.node_id!r} is held by a live agent (pid {other.get('pid')} on "
                 f"{other.get('host')}, heartbeat deadline in {max(0, left_ms) / 1000:.1f} s); pick another "
-                "--node-id or stop that agent",
+                "node id (`mooncake agent --node-id`; for `mooncake up`, whose agents are agent-0, agent-1, ...: "
+                "another --namespace) or stop that agent",
                 holder=other,
                 left_ms=max(0, left_ms),
             )

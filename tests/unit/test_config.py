@@ -404,3 +404,21 @@ def test_as_dict_redacts_password() -> None:
     cfg = Config(redis_url="redis://:secret@h:6379/0")
     assert cfg.as_dict()["redis_url"] == "redis://:***@h:6379/0"
     assert cfg.as_dict()["agent"]["host_bytes"] == 1 << 30
+
+
+@pytest.mark.parametrize("size", ["1", "100", "65535"])
+def test_an_arena_smaller_than_64_kib_is_refused(size: str) -> None:
+    """`--host-bytes 1` started an agent whose every put waited out its timeout and then said
+    "need 65 B ... 100/100 B free": the 64 B allocation unit showed through."""
+    with pytest.raises(ConfigError, match=f"agent.host_bytes='{size}': must be between 64.0 KiB"):
+        load_config(env={}, overrides={"agent.host_bytes": size})
+    assert load_config(env={}, overrides={"agent.host_bytes": "64KiB"}).agent.host_bytes == 64 << 10
+
+
+@pytest.mark.parametrize("size", ["12XB", 0])
+def test_a_local_cluster_with_a_bad_arena_size_is_refused_before_it_starts(size: str | int) -> None:
+    """It started its server, then reported an agent that "did not become ready within 30 s"."""
+    from mooncake_store import LocalCluster
+
+    with pytest.raises(ConfigError, match=r"agent\.host_bytes"):
+        LocalCluster(1, host_bytes=size)  # type: ignore[arg-type]
