@@ -178,6 +178,13 @@ def check_keys(keys: object) -> list[str]:
     return [check_key(k) for k in keys]  # type: ignore[attr-defined]
 
 
+def shown_key(key: str, width: int = 60) -> str:
+    """``key`` as an error message quotes it: whole, or its start and its length, quotes closed."""
+    if len(key) <= width:
+        return repr(key)
+    return f"{key[:width]!r}… ({len(key)} characters)"
+
+
 def check_key(key: object) -> str:
     """Return ``key`` if it is acceptable, else raise :class:`InvalidKey` saying why."""
     if not isinstance(key, str):
@@ -187,11 +194,11 @@ def check_key(key: object) -> str:
     try:
         encoded = key.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidKey(f"key {key!r:.80} is not valid UTF-8 text: {exc.reason}") from None
+        raise InvalidKey(f"key {shown_key(key)} is not valid UTF-8 text: {exc.reason}") from None
     if len(encoded) > MAX_KEY_BYTES:
-        raise InvalidKey(f"key {key!r:.60} is {len(encoded)} B of UTF-8; the limit is {MAX_KEY_BYTES} B")
+        raise InvalidKey(f"key {shown_key(key)} is {len(encoded)} B of UTF-8; the limit is {MAX_KEY_BYTES} B")
     for ch in key:
         # C0, DEL and C1 (U+0080..U+009F: NEL breaks lines, CSI starts terminal escapes in `ls`).
         if ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F:
-            raise InvalidKey(f"key {key!r:.80} contains control character {ch!r}")
+            raise InvalidKey(f"key {shown_key(key)} contains control character {ch!r}")
     return key

@@ -54,11 +54,22 @@ def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
     return array, array.dtype.str
 
 
+#: Numpy types whose layout is the machine's own: long double, where it is wider than float64.
+_MACHINE_LAYOUT = frozenset({np.longdouble, np.clongdouble}) if np.dtype(np.longdouble).itemsize > 8 else frozenset()
+
+
 def check_dtype(dtype: np.dtype) -> str:
     if dtype.kind not in ALLOWED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise InvalidValue(f"dtype {dtype} is not storable; use bool, int, uint, float or complex dtypes")
     if dtype.byteorder == ">":
         raise InvalidValue(f"dtype {dtype.str} is big-endian; convert with .astype('{dtype.newbyteorder('=').str}')")
+    if dtype.type in _MACHINE_LAYOUT:
+        # '<f16' is x87's 80-bit format here, IEEE quad on aarch64, double-double on ppc64le: read
+        # on another machine it would be other numbers, with no error.
+        raise InvalidValue(
+            f"dtype {dtype} (C long double) is laid out differently on each kind of machine; "
+            "store float64, or its raw bytes (.view(np.uint8))"
+        )
     return dtype.str
 
 
@@ -76,7 +87,7 @@ def as_source(value: object) -> Source:
             array = np.asarray(memoryview(value))  # type: ignore[arg-type]
         except (TypeError, ValueError, NotImplementedError) as exc:  # no buffer, or a format numpy cannot read
             raise InvalidValue(
-                f"cannot store a {type(value).__name__} ({exc}): pass bytes, a memoryview or buffer of "
+                f"cannot store a value of type {type(value).__name__} ({exc}): pass bytes, a memoryview or buffer of "
                 "numbers, a numpy array or a CPU torch tensor"
             ) from None
     if array.ndim > MAX_DIMS:

@@ -79,7 +79,10 @@ def as_token_array(token_ids: Any) -> np.ndarray:
             token_ids = token_ids.detach().cpu().numpy()
         except (RuntimeError, NotImplementedError, TypeError) as exc:  # a meta tensor has no data, say
             raise InvalidValue(f"token ids on {getattr(token_ids, 'device', '?')} cannot be read: {exc}") from None
-    array = np.asarray(token_ids)
+    try:
+        array = np.asarray(token_ids)
+    except (ValueError, TypeError) as exc:  # lists of uneven lengths, say: no array at all
+        raise InvalidValue(f"token ids must be a flat sequence of integers, got {token_ids!r:.80}: {exc}") from None
     if array.ndim != 1:
         raise InvalidValue(f"token ids must be 1-D, got shape {array.shape}")
     if array.size == 0:

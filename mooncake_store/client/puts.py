@@ -125,6 +125,7 @@ class PutPath:
         config = self.client.config
         deadline = time.monotonic() + config.timeout_s
         expired_tries = failed_writes = 0
+        unreachable_retried = False
         delay_s = 0.05
         while True:
             try:
@@ -154,6 +155,14 @@ class PutPath:
                     expired_tries += 1
                     if expired_tries > config.max_retries:
                         raise
+                elif getattr(exc, "node_unreachable", False):
+                    # A node that could not be reached may have come back elsewhere under its id (a
+                    # restart: a new endpoint): once more with the node table read again. Still
+                    # unreachable, it is the answer; waiting for room would wait for nothing.
+                    if unreachable_retried:
+                        raise
+                    unreachable_retried = True
+                    self.client._node_table(refresh=True)
                 elif isinstance(exc, NoCapacity) and not exc.permanent and time.monotonic() + delay_s <= deadline:
                     if self.client._closing.wait(delay_s):  # close() ends the wait for room too
                         self.client._check_open()
@@ -275,11 +284,18 @@ class PutPath:
             # same client could not read back (transports=("shm",) forces the same-host path).
             reachable = [n for n in pool if self.client._can_write_to(n)]
             if pool and not reachable:
+                allowed = tuple(str(t) for t in self.client.transports)
+                why = [
+                    f"shm reaches only agents on this host ({', '.join(sorted(n.node_id for n in pool))} are "
+                    "not, or their arenas cannot be mapped here)"
+                    if "shm" in allowed
+                    else "shm is not allowed",
+                    "tcp is not allowed",
+                ]
+                if "rdma" in allowed:
+                    why.append("rdma is not built yet (README, Not built yet)")
                 raise TransferError(
-                    f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches an agent "
-                    f"for a put of {plan.key!r}: shm reaches only agents on this host "
-                    f"({', '.join(sorted(n.node_id for n in pool))} are not, or their arenas cannot be "
-                    "mapped here), and tcp is not allowed"
+                    f"no allowed transport {allowed} reaches an agent for a put of {plan.key!r}: " + "; ".join(why)
                 )
             pool = reachable
 
@@ -356,14 +372,15 @@ class PutPath:
     ) -> None:
         """One object at a time on the remaining candidates, after a node turned a batch down
         (``refusal``: what it said). The preferred node's replica has no other candidate: NoCapacity,
-        and the put waits for that node to make room. An agent at its connection limit (AgentBusy)
-        is no node without room: when that is all that stood in the way the put fails at once with
-        it, rather than wait out timeout_s for room and then blame a lack of it."""
+        and the put waits for that node to make room. A node that could not be reached (dead, hung,
+        or at its connection limit: AgentBusy) is no node without room: when that is all that stood
+        in the way the put fails at once with what happened, rather than wait out timeout_s for
+        room and then blame a lack of it."""
         client = self.client
         now = client._server_now_ms()
         if failed_node == preferred_node:
-            if isinstance(refusal, AgentBusy):
-                raise AgentBusy(f"preferred_node {preferred_node!r}: {refusal}") from refusal
+            if not isinstance(refusal, NoCapacity):
+                raise _unreachable(type(refusal), f"preferred_node {preferred_node!r}: {refusal}") from refusal
             raise NoCapacity(
                 f"preferred_node {preferred_node!r} has no room for {len(group)} object(s) "
                 f"(first key {group[0].key!r}): {refusal}"
@@ -388,9 +405,10 @@ class PutPath:
                 break
             else:
                 why = "; ".join(str(e) for e in errors)
-                busy = any(isinstance(e, AgentBusy) for e in errors)
-                if busy and not any(isinstance(e, NoCapacity) for e in errors):
-                    raise AgentBusy(f"no node could take key {plan.key!r} (replicas={replicas}): {why}")
+                if not any(isinstance(e, NoCapacity) for e in errors):
+                    # Not one refused for room: waiting for room would wait for nothing.
+                    kind = next((type(e) for e in errors if isinstance(e, AgentBusy)), type(errors[0]))
+                    raise _unreachable(kind, f"no node could take key {plan.key!r} (replicas={replicas}): {why}")
                 raise NoCapacity(
                     f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
                 )
@@ -433,3 +451,12 @@ class PutPath:
                     self.client._tcp.peer(endpoint).free(ids)
                 except MooncakeError:
                     pass
+
+
+def _unreachable(kind: type[MooncakeError], message: str) -> MooncakeError:
+    """The error of a put whose nodes could not be reached (``kind``: what the transport raised),
+    marked for run(), which tries once more with the node table read again. An agent at its
+    connection limit (AgentBusy) is reachable: it answered."""
+    error = kind(message)
+    error.node_unreachable = not issubclass(kind, AgentBusy)  # type: ignore[attr-defined]
+    return error

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -153,23 +154,8 @@ def describe_device_array(value: Any) -> DeviceBuffer:
         iface = value.__cuda_array_interface__
     except Exception as exc:
         raise InvalidValue(f"{type(value).__name__} is not a device array: {exc}") from None
-    if iface.get("mask") is not None:
-        raise InvalidValue("masked device arrays are not storable")
-    shape = tuple(int(d) for d in iface["shape"])
-    try:
-        dtype = np.dtype(iface["typestr"])
-    except TypeError:
-        raise InvalidValue(f"device array of typestr {iface['typestr']!r} is not storable") from None
-    itemsize = dtype.itemsize
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-    strides = iface.get("strides")
-    if strides is not None and nbytes:
-        step = itemsize
-        for dim, stride in zip(reversed(shape), reversed(tuple(strides)), strict=True):
-            if dim != 1 and stride != step:  # the stride of a length-1 axis is never used
-                raise InvalidValue(f"device array of shape {shape} is not C-contiguous; pass a contiguous copy")
-            step *= dim
-    pointer = int(iface["data"][0]) if nbytes else 0
+    shape, dtype, pointer = _parse_interface(iface, type(value).__name__)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     cupy = _cupy()
     runtime = cupy.cuda.runtime
     try:
@@ -183,6 +169,57 @@ def describe_device_array(value: Any) -> DeviceBuffer:
     except _cuda_error() as exc:
         raise TransferError(f"cannot use the device array at 0x{pointer:x}: {exc}") from None
     return DeviceBuffer(pointer, nbytes, device_id, dtype.str, shape)
+
+
+def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[Any], int]:
+    """(shape, dtype, data pointer) of a C-contiguous array's ``__cuda_array_interface__``, each
+    field checked: it is the producer's word, and a malformed one must be an InvalidValue naming
+    the field, not an error from deep inside this module (or a dtype guessed from a None)."""
+    where = f"{kind}.__cuda_array_interface__"
+    if not isinstance(iface, dict):
+        raise InvalidValue(f"{where} must be a dict, got {type(iface).__name__}")
+    if iface.get("mask") is not None:
+        raise InvalidValue("masked device arrays are not storable")
+    try:
+        shape = tuple(operator.index(d) for d in iface["shape"])
+    except (KeyError, TypeError) as exc:
+        raise InvalidValue(f"{where} has no valid 'shape' (a tuple of ints): {exc}") from None
+    if any(d < 0 for d in shape):
+        raise InvalidValue(f"{where} has a negative dimension in shape {shape}")
+    typestr = iface.get("typestr")
+    if not isinstance(typestr, str):
+        raise InvalidValue(f"{where} has no valid 'typestr' (a string such as '<f2'), got {typestr!r:.40}")
+    try:
+        dtype = np.dtype(typestr)
+    except TypeError:
+        raise InvalidValue(f"device array of typestr {typestr!r} is not storable") from None
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    strides = iface.get("strides")
+    if strides is not None and nbytes:
+        step = dtype.itemsize
+        try:
+            pairs = list(zip(reversed(shape), reversed(tuple(strides)), strict=True))
+        except (TypeError, ValueError) as exc:
+            raise InvalidValue(
+                f"{where} has 'strides' {strides!r:.60} that do not match shape {shape}: {exc}"
+            ) from None
+        for dim, stride in pairs:
+            if dim != 1 and stride != step:  # the stride of a length-1 axis is never used
+                raise InvalidValue(f"device array of shape {shape} is not C-contiguous; pass a contiguous copy")
+            step *= dim
+    stream = iface.get("stream")
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
+        raise InvalidValue(f"{where} has a 'stream' that is no stream handle (an int), got {stream!r:.40}")
+    if not nbytes:
+        return shape, dtype, 0
+    data = iface.get("data")
+    try:
+        pointer = operator.index(data[0])  # type: ignore[index]
+    except (TypeError, IndexError, KeyError) as exc:
+        raise InvalidValue(f"{where} has no valid 'data' (pointer, read-only flag), got {data!r:.60}: {exc}") from None
+    if pointer <= 0:
+        raise InvalidValue(f"{where} names data at {pointer}, no device address")
+    return shape, dtype, pointer
 
 
 def _describe_torch(tensor: Any) -> DeviceBuffer:

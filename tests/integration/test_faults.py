@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError, TransferError
+from mooncake_store import Client, ConnectError, KeyNotFound, LocalCluster, MooncakeError, TransferError
 from mooncake_store.tiers.host import SHM_DIR
 
 # The writer runs the real put path up to the bytes (reserve on the agent, PENDING record in the
@@ -188,7 +188,13 @@ def test_a_put_whose_agent_dies_after_its_reserve_lands_on_another_node(
     meta = client.object_meta("moved-on")
     assert meta is not None and [r.node_id for r in meta.replicas] != killed
     assert np.array_equal(client.get("moved-on"), value)
-    # Pinned to the node that is gone: nowhere else to go, the transfer error is the answer.
-    with pytest.raises(MooncakeError):
+    # Pinned to the node that is gone: nowhere else to go, the connection's error is the answer
+    # (it was "has no room", after waiting out timeout_s for room on a node that was not there).
+    with pytest.raises(ConnectError, match=f"preferred_node '{killed[0]}'"):
         client.put("pinned-to-the-dead", value, preferred_node=killed[0])
     assert not client.exists("pinned-to-the-dead")
+    # And with no node left that answers, an unpinned put says so too.
+    survivor = next(a for a in cluster.agents if a.node_id != killed[0])
+    survivor.kill()
+    with pytest.raises(ConnectError, match="no node could take key 'nowhere'"):
+        client.put("nowhere", value)

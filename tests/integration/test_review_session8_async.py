@@ -488,7 +488,7 @@ def test_futures_carry_results_and_mooncake_errors(shared_client: Client) -> Non
     cases: list[tuple[Future[object], type[MooncakeError], str]] = [
         (shared_client.get_async(""), InvalidKey, "must not be empty"),
         (shared_client.get_async("x" * (MAX_KEY_BYTES + 1)), InvalidKey, f"the limit is {MAX_KEY_BYTES} B"),
-        (shared_client.put_async(key + "-bad", [1, 2]), InvalidValue, "cannot store a list"),
+        (shared_client.put_async(key + "-bad", [1, 2]), InvalidValue, "cannot store a value of type list"),
         (shared_client.put_async(key + "-r", b"x", replicas=0), InvalidValue, r"replicas must be an int in 1\.\.16"),
         (shared_client.get_into_async(key, bytearray(10)), InvalidValue, f"out holds 10 B but key {key!r} is 96 B"),
         (shared_client.get_into_async(key, bytes(96)), InvalidValue, "read-only"),
@@ -581,7 +581,7 @@ def _values() -> dict[str, object]:
         "scalar-f64": np.array(2.5),
         "zero-rows": np.zeros((0, 5), np.int16),
     }
-    for dtype in ("?", "i1", "u2", "<i4", "<i8", "<u8", "<f2", "<f4", "<f8", "<c8", "<c16", np.longdouble):
+    for dtype in ("?", "i1", "u2", "<i4", "<i8", "<u8", "<f2", "<f4", "<f8", "<c8", "<c16"):
         for shape in ((7,), (3, 5), (2, 3, 4)):
             raw = rng.random(shape) * 100
             values[f"{np.dtype(dtype).str}-{shape}"] = (raw > 50) if dtype == "?" else raw.astype(dtype)
@@ -627,7 +627,7 @@ def test_batch_calls_refuse_bad_keys_and_buffers_with_mooncake_errors(shared_cli
         with pytest.raises(InvalidKey, match=f"{MAX_KEY_BYTES + 1} B of UTF-8; the limit is {MAX_KEY_BYTES} B"):
             call()
     assert not shared_client.exists(ok + "-2") and shared_client.exists(ok)
-    with pytest.raises(InvalidValue, match=r"cannot store a dict"):
+    with pytest.raises(InvalidValue, match=r"cannot store a value of type dict"):
         shared_client.put_many({ok + "-3": b"fine", ok + "-4": {"not": "a buffer"}})
     assert not shared_client.exists(ok + "-3")
     with pytest.raises(InvalidValue, match=f"out holds 0 B but key {ok!r} is 1 B"):

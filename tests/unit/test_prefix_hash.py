@@ -118,6 +118,7 @@ def test_keys() -> None:
         ("x" * 300, [1], 16, "limit of 256|the limit is 256"),
         ("a\nb", [1], 16, "control"),
         (NS, [[1, 2]], 16, "1-D"),
+        (NS, [[1, 2], [3]], 16, "flat sequence of integers"),  # uneven: numpy makes no array of it
         (NS, [1.5], 16, "integers"),
         (NS, [1], 0, "chunk_tokens"),
     ],
