@@ -19,8 +19,9 @@ from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.state import ClusterState, load_state, state_path
 from rich.console import Console
 
-from mooncake_store import Client, connect
+from mooncake_store import Client, ConnectError, connect
 from mooncake_store.config import load_config, redact_url
+from mooncake_store.index.client import START_A_CLUSTER
 
 
 def quiet_stdout() -> None:
@@ -131,4 +132,12 @@ def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: 
 
 
 def open_client(target: Target) -> Client:
-    return connect(target.redis_url, namespace=target.namespace)
+    try:
+        return connect(target.redis_url, namespace=target.namespace)
+    except ConnectError as exc:
+        if target.state is None or START_A_CLUSTER not in str(exc):
+            raise
+        # The recorded cluster's processes run, but its index does not answer (its server died):
+        # `mooncake up` would refuse while it is recorded, so that advice went round in a circle.
+        advice = f"`mooncake down` stops what is left of the cluster recorded in {state_path()}, then `mooncake up`"
+        raise CliError(str(exc).replace(START_A_CLUSTER, advice), ExitCode.CANNOT_CONNECT) from None

@@ -26,6 +26,7 @@ from mooncake_cli.procs import (
     ProcRef,
     alive,
     log_tail,
+    own_error,
     ref_of,
     remove_segments,
     spawn_detached,
@@ -130,6 +131,11 @@ def _not_up(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:
     then the end of its log."""
     code = proc.poll()
     why = f"exited with status {code}" if code is not None else f"did not become ready within {timeout_s:g} s"
+    # Its own last word ("error: port 7000 ... is already in use") says more than the log's last
+    # lines, which are often the server's unrelated warnings printed after it.
+    said = own_error(log)
+    if said:
+        return f"{why}: {said}"
     tail = log_tail(log)
     return f"{why}: {tail}" if tail else why
 

@@ -4,6 +4,7 @@ where errors become a red line and an exit code (tracebacks only with --debug)."
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -85,20 +86,30 @@ def _reader_may_leave(command: Callable[P, R]) -> Callable[P, R]:
     return run
 
 
-app.command(rich_help_panel="Cluster")(_reader_may_leave(cluster.up))
-app.command(rich_help_panel="Cluster")(_reader_may_leave(cluster.down))
-app.command(rich_help_panel="Cluster")(agent_cmd.agent)
-app.command(rich_help_panel="Cluster")(_reader_may_leave(stat.stat))
-app.command(rich_help_panel="Cluster")(_reader_may_leave(doctor.doctor))
-app.command(rich_help_panel="Objects")(_reader_may_leave(data.put))
-app.command(rich_help_panel="Objects")(_reader_may_leave(data.get))
-app.command(rich_help_panel="Objects")(_reader_may_leave(data.rm))
-app.command(rich_help_panel="Objects")(_reader_may_leave(data.ls))
-app.command(rich_help_panel="Cluster")(_reader_may_leave(bench.bench))
+def _help_of(command: Callable[..., object]) -> str:
+    """A command's docstring as its help: each paragraph one line, which the console wraps to the
+    terminal (with the docstring's own line breaks kept, an 80-column help broke mid-sentence)."""
+    paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def _add(command: Callable[..., object], panel: str, *, reader_may_leave: bool = True, **settings: object) -> None:
+    wrapped = _reader_may_leave(command) if reader_may_leave else command
+    app.command(rich_help_panel=panel, help=_help_of(command), **settings)(wrapped)  # type: ignore[arg-type]
+
+
+_add(cluster.up, "Cluster")
+_add(cluster.down, "Cluster")
+_add(agent_cmd.agent, "Cluster", reader_may_leave=False)
+_add(stat.stat, "Cluster")
+_add(doctor.doctor, "Cluster")
+_add(data.put, "Objects")
+_add(data.get, "Objects")
+_add(data.rm, "Objects")
+_add(data.ls, "Objects")
+_add(bench.bench, "Cluster")
 # The demo parses its own options (argparse in mooncake_store.demo): typer passes them through.
-app.command(rich_help_panel="Demos", context_settings=demo.CONTEXT_SETTINGS, add_help_option=False)(
-    _reader_may_leave(demo.demo)
-)
+_add(demo.demo, "Demos", context_settings=demo.CONTEXT_SETTINGS, add_help_option=False)
 
 
 def _fail(message: str, code: int, *, debug: bool) -> int:
@@ -116,8 +127,18 @@ def _stdout_is_null_device() -> bool:
         return False
 
 
+def _debug_first(args: list[str]) -> list[str]:
+    """``--debug`` is an option of `mooncake` itself, but people add it to the command line they
+    just ran (`mooncake get k --debug`): wherever it is, before a ``--``, it is taken as given
+    first (the command's parser refused it, with a traceback since it asked for one)."""
+    end = args.index("--") if "--" in args else len(args)
+    if "--debug" not in args[:end]:
+        return args
+    return ["--debug", *(a for i, a in enumerate(args) if not (a == "--debug" and i < end))]
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    args = _debug_first(sys.argv[1:] if argv is None else argv)
     # Also known before parsing, so a usage error can show its traceback too.
     debug = "--debug" in args
     command = typer.main.get_command(app)
@@ -158,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         code = _fail(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", ExitCode.ERROR, debug=debug)
     except KeyboardInterrupt:
         code = ExitCode.INTERRUPTED
+    except MemoryError as exc:  # its message is usually empty: say what ran out
+        code = _fail(f"out of memory{': ' + str(exc) if str(exc) else ''}", ExitCode.ERROR, debug=debug)
     except Exception as exc:  # a bug: still one line, with the way to the details
         detail = "" if debug else " (run with --debug for the traceback)"
         code = _fail(f"internal error: {type(exc).__name__}: {exc}{detail}", ExitCode.ERROR, debug=debug)

@@ -156,6 +156,17 @@ def wait_for_match(
     return None
 
 
+def own_error(path: Path) -> str:
+    """The last line in a process's log that it wrote itself as an error ("error: ..."), without
+    that prefix; "" if none."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    said = [line for line in text.splitlines() if line.startswith("error: ")]
+    return said[-1].removeprefix("error: ").strip() if said else ""
+
+
 def log_tail(path: Path, lines: int = 3) -> str:
     try:
         text = path.read_text(errors="replace").strip()

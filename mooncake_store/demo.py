@@ -130,8 +130,9 @@ def _int_from(low: int) -> Callable[[str], int]:
     return parse
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mooncake_store.demo", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store.demo") -> int:
+    """``prog``: the command line the usage and errors name (`mooncake demo` from the CLI)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     positive = _int_from(1)
     p.add_argument("--doc-tokens", type=positive, default=6000, help="document length in tokens (default 6000)")
     p.add_argument("--chunk-tokens", type=positive, default=256, help="tokens per stored chunk (default 256)")

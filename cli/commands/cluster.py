@@ -133,6 +133,12 @@ def up(
             "agent.zone": zone,
         }
     )
+    if port and config.redis_url is not None:
+        raise CliError(
+            f"--port {port} is for the cluster's own embedded server, and none starts with a Redis URL "
+            f"({redact_url(config.redis_url)}): leave out one or the other",
+            ExitCode.USAGE,
+        )
     # What each agent would refuse on its own is refused here, before a server or agent starts.
     config.agent.check_published_endpoint()
     plan = launcher.LaunchPlan(

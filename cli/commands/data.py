@@ -15,14 +15,14 @@ from typing import Annotated, BinaryIO
 
 import numpy as np
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, open_client, out, resolve_target
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, open_client, out, quiet_stdout, resolve_target
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.render import age
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from mooncake_store import Client, InvalidValue
+from mooncake_store import Client, InvalidValue, NoCapacity
 from mooncake_store.config import format_size
 from mooncake_store.types import check_key
 
@@ -48,10 +48,11 @@ def _progress(total: int, what: str) -> Progress:
 
 
 @contextmanager
-def _source(path: str) -> Iterator[memoryview]:
-    """The bytes to put: a file is mapped (no copy before the transfer), stdin is read."""
+def _source(path: str) -> Iterator[memoryview | BinaryIO]:
+    """The bytes to put: a file is mapped (no copy before the transfer); stdin, a pipe or a FIFO is
+    a stream, read once the cluster says how much of it could be stored (_read_up_to)."""
     if path == "-":
-        yield memoryview(_read_all(sys.stdin.buffer))
+        yield sys.stdin.buffer
         return
     file = Path(path)
     try:
@@ -66,7 +67,7 @@ def _source(path: str) -> Iterator[memoryview]:
         st = os.fstat(fh.fileno())
         if not stat.S_ISREG(st.st_mode):
             # A pipe, a FIFO, a file of /proc: its size says nothing (0), so it is read to its end.
-            yield memoryview(_read_all(fh))
+            yield fh
             return
         size = st.st_size
         if size == 0:
@@ -84,11 +85,25 @@ def _source(path: str) -> Iterator[memoryview]:
                 mm.close()
 
 
-def _read_all(stream: BinaryIO) -> bytearray:
+def _read_up_to(stream: BinaryIO, limit: int, *, name: str) -> memoryview:
+    """All of ``stream``, unless it holds more than ``limit`` bytes: then NoCapacity, having read
+    one byte more than that (`mooncake put k /dev/zero` ran out of memory, as did a stream larger
+    than any node could hold, before the cluster was asked anything)."""
     data = bytearray()
-    while chunk := stream.read(IO_CHUNK):
+    while len(data) <= limit and (chunk := stream.read(min(IO_CHUNK, limit + 1 - len(data)))):
         data += chunk
-    return data
+    if len(data) > limit:
+        raise NoCapacity(
+            f"{name} holds more than {limit} B ({format_size(limit)}), the largest host tier of the "
+            "cluster's live agents: no node could store it",
+            permanent=True,
+        )
+    return memoryview(data)
+
+
+def _largest_host_tier(client: Client) -> int:
+    tiers = [t for node in client.stat().live_nodes for t in node.tiers if t.tier == "host"]
+    return max((t.capacity_bytes for t in tiers), default=0)
 
 
 def put(
@@ -101,9 +116,14 @@ def put(
 ) -> None:
     """Store the bytes of FILE (or stdin) under KEY, replacing any object already there."""
     check_key(key)  # bad keys and files fail before any connection is made
-    with _source(file) as view:
+    with _source(file) as source:
         target = resolve_target(ctx, redis_url, namespace)
         with open_client(target) as client:
+            if isinstance(source, memoryview):
+                view = source
+            else:
+                name = "stdin" if file == "-" else file
+                view = _read_up_to(source, _largest_host_tier(client), name=name)
             size, took = _put(client, key, view, replicas)
     rate = f", {size / took / 1e9:.2f} GB/s" if size >= PROGRESS_MIN_BYTES and took > 0 else ""
     shown = f"{escape(key)} ({format_size(size)}, {replicas} replica(s))"
@@ -170,6 +190,13 @@ def get(
                 fh.write(view[start : start + IO_CHUNK])
                 bar.update(task, advance=min(IO_CHUNK, len(view) - start))
             fh.flush()  # a reader that left (`| head -c 10`) is no error: see main._reader_may_leave
+        except BrokenPipeError:
+            raise
+        except OSError as exc:  # `> /dev/full`: said "No space left on device" alone, naming nothing
+            where = "stdout" if dest is None else str(dest)
+            if dest is None:
+                quiet_stdout()  # what is left in its buffer would fail again at exit, with a traceback
+            raise CliError(f"cannot write {key!r} to {where}: {exc.strerror or exc}") from None
         finally:
             if dest is not None:
                 fh.close()

@@ -6,8 +6,6 @@ missing, its exit codes); this command only hands it the arguments, so the two n
 
 from __future__ import annotations
 
-import inspect
-
 import typer
 
 #: Every argument after `demo`, --help included, goes to the demo's own parser.
@@ -23,9 +21,8 @@ def demo(ctx: typer.Context) -> None:
     """
     from mooncake_store import demo as scenario
 
-    kwargs = {"prog": "mooncake demo"} if "prog" in inspect.signature(scenario.main).parameters else {}
     try:
-        code = scenario.main(list(ctx.args), **kwargs)
+        code = scenario.main(list(ctx.args), prog="mooncake demo")
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed by it
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     raise typer.Exit(code)

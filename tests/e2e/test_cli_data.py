@@ -6,8 +6,11 @@ import json
 import os
 import select
 import signal
+import subprocess
 import time
 from pathlib import Path
+
+from helpers import mooncake_bin
 
 from .conftest import Mooncake, assert_one_line_error
 
@@ -168,6 +171,16 @@ def test_put_from_a_fifo_stores_what_comes_through_it(cluster_cli: Mooncake, tmp
     assert cluster_cli.ok("get", "via-fifo").stdout == payload
 
 
+def test_an_endless_stream_is_read_no_further_than_a_node_could_hold(cluster_cli: Mooncake, mooncake: Mooncake) -> None:
+    """`mooncake put k /dev/zero` (or an endless stdin) read until the machine ran out of memory,
+    before it even looked for the cluster: now it stops one byte past the largest host tier."""
+    result = cluster_cli("put", "endless", "/dev/zero")
+    assert_one_line_error(result, 5, "/dev/zero holds more than 67108864 B (64.0 MiB)", "no node could store it")
+    assert not json.loads(cluster_cli.ok("ls", "endless", "--json").stdout)
+    # With no cluster to talk to, nothing is read at all.
+    assert_one_line_error(mooncake("put", "k", "/dev/zero"), 4, "no cluster to talk to")
+
+
 def test_a_get_counts_a_miss_and_a_reader_that_leaves_early_is_no_error(cluster_cli: Mooncake) -> None:
     """`mooncake get` looked the size up first (which counts nothing) and said "not found" itself,
     so stat() never counted its misses; and `get big | head -c 10` exited 1 (the framework turns
@@ -184,6 +197,19 @@ def test_a_get_counts_a_miss_and_a_reader_that_leaves_early_is_no_error(cluster_
     proc.stdout.close()  # the reader leaves, as head does
     assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
     proc.stderr.close()
+
+
+def test_a_get_to_a_full_device_names_where_it_could_not_write(cluster_cli: Mooncake) -> None:
+    """`mooncake get k > /dev/full` said only "No space left on device", naming neither the key nor
+    stdout."""
+    cluster_cli.ok("put", "to-full", "-", stdin=b"x" * 100_000)
+    with open("/dev/full", "wb") as full:
+        result = subprocess.run(
+            [mooncake_bin(), "get", "to-full"], stdout=full, stderr=subprocess.PIPE, env=cluster_cli.env, timeout=60
+        )
+    assert result.returncode == 1, result.stderr
+    (line,) = [x for x in result.stderr.decode().splitlines() if x.strip()]  # no traceback at exit either
+    assert line == "error: cannot write 'to-full' to stdout: No space left on device", line
 
 
 def test_get_returns_one_whole_object_while_the_key_is_replaced_by_smaller_ones(cluster_cli: Mooncake) -> None:

@@ -139,6 +139,8 @@ def test_demo_numbers_out_of_range_are_refused_before_anything_runs(
     text = result.stderr.decode()
     assert result.returncode == 2, text
     assert f"argument {option}: {needle}" in text and "Traceback" not in text
+    # Named as it was run: the usage said `python -m mooncake_store.demo`.
+    assert f"mooncake demo: error: argument {option}" in text and "usage: mooncake demo" in text
 
 
 def test_demo_without_torch_says_what_to_install(mooncake: Mooncake, tmp_path: Path) -> None:

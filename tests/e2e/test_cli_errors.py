@@ -56,8 +56,13 @@ def test_unreachable_redis_is_exit_4(mooncake: Mooncake) -> None:
     assert_one_line_error(result, 4, url)
 
 
-def test_debug_shows_the_traceback(mooncake: Mooncake) -> None:
-    result = mooncake("--debug", "--redis-url", f"redis://127.0.0.1:{_closed_port()}/0", "stat")
+@pytest.mark.parametrize("where", ["first", "after the command"])
+def test_debug_shows_the_traceback(mooncake: Mooncake, where: str) -> None:
+    """Given after the command (as people add it to the line they just ran), `--debug` was a usage
+    error of that command, printed with the parser's own traceback."""
+    url = f"redis://127.0.0.1:{_closed_port()}/0"
+    args = ["--debug", "--redis-url", url, "stat"] if where == "first" else ["stat", "--redis-url", url, "--debug"]
+    result = mooncake(*args)
     assert result.returncode == 4
     text = result.stderr.decode()
     assert "Traceback" in text and text.strip().splitlines()[-1].startswith("error: cannot reach Redis")
@@ -101,3 +106,14 @@ def test_help_describes_every_option_and_exit_code(mooncake: Mooncake) -> None:
             if param.param_type_name == "option":
                 long = max(param.opts, key=len)
                 assert re.search(re.escape(long) + r"\b", text), (name, long)
+
+
+def test_a_commands_help_paragraphs_are_wrapped_by_the_terminal_not_the_source(mooncake: Mooncake) -> None:
+    """The docstrings' own line breaks were kept, so an 80-column help broke mid-sentence; each
+    paragraph is one line now, which the console wraps to the terminal (200 columns here)."""
+    for command, sentence in (
+        ("up", "then stops everything it started and removes the agents' shared memory. With --detach"),
+        ("doctor", "clock skew against Redis, /dev/shm size, and the transports this machine has"),
+    ):
+        text = mooncake.ok(command, "--help").stdout.decode()
+        assert sentence in text, text

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .conftest import HOST_MEM, Mooncake, assert_one_line_error
+from .conftest import HOST_MEM, Mooncake, assert_one_line_error, error_lines
 from .test_cli_lifecycle import socket_on_a_free_port
 
 
@@ -27,6 +28,13 @@ def test_up_with_a_server_it_cannot_reach_is_exit_4_before_any_agent_starts(moon
         url = f"redis://127.0.0.1:{port}/0"
         result = mooncake("up", "--detach", "--agents", "2", "--host-mem", "16MiB", "--redis-url", url)
     assert_one_line_error(result, 4, f"cannot reach Redis at {url}", "--redis-url")
+    _no_processes_started(mooncake)
+
+
+def test_up_refuses_a_port_for_a_server_it_would_not_start(mooncake: Mooncake) -> None:
+    """`--port` with `--redis-url` was ignored without a word: the port names no server then."""
+    result = mooncake("up", "--detach", "--redis-url", "redis://127.0.0.1:1/0", "--port", "5555")
+    assert_one_line_error(result, 2, "--port 5555", "redis://127.0.0.1:1/0", "leave out one or the other")
     _no_processes_started(mooncake)
 
 
@@ -85,3 +93,37 @@ def test_down_removes_the_temp_dir_of_a_server_whose_wrapper_was_killed(
     assert down.returncode == 0, down.stderr
     assert not pid_alive(server)
     assert not directory.exists(), f"{directory} left behind"
+
+
+def test_a_recorded_cluster_whose_server_died_is_told_to_go_down(
+    mooncake: Mooncake, pid_alive: Callable[[int], bool]
+) -> None:
+    """With the embedded server killed and the agents still running, commands advised `mooncake
+    up`, which refuses while a cluster is recorded: the advice went round in a circle."""
+    state = json.loads(mooncake.ok("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM, "--json").stdout)
+    _, server = (int(s["pid"]) for s in state["servers"])
+    try:
+        os.kill(server, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        message = assert_one_line_error(mooncake("ls"), 4, "cannot reach Redis", "`mooncake down` stops what is left")
+        assert "mooncake up`" in message and "Start a cluster" not in message
+    finally:
+        down = mooncake("down", "--timeout", "5")
+    assert down.returncode == 0, down.stderr
+    assert not any(pid_alive(int(a["pid"])) for a in state["agents"])
+
+
+def test_up_on_a_port_in_use_says_so_in_one_line(mooncake: Mooncake) -> None:
+    """Its error was the server log's last lines, opening with an unrelated warning (memory
+    overcommit), after ~25 s spent waiting on a listener that never answered."""
+    with socket.socket() as listener:  # listening, never answering
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        result = mooncake("up", "--detach", "--agents", "0", "--port", str(port))
+    assert result.returncode == 1, result.stderr
+    (message,) = [line for line in error_lines(result) if line.startswith("error: ")]  # after "starting ..."
+    assert f"port {port} on 127.0.0.1 is already in use" in message and "WARNING" not in message
+    assert not (mooncake.state_dir / "cluster.json").exists()
