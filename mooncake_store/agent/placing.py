@@ -58,12 +58,13 @@ class Placer:
         self.agent = agent
         self.moves = moves
 
-    def place(self, job: SpillJob, now_ms: int, state: PassState, tier: TierKind) -> Move:
-        """Where a victim of ``tier`` goes: sized by what it occupies there (a chunk file on disk)."""
+    def place(self, job: SpillJob, now_ms: int, state: PassState, tier: TierKind, *, demote: bool = True) -> Move:
+        """Where a victim of ``tier`` goes: sized by what it occupies there (a chunk file on disk).
+        ``demote`` False: not to the tier below (its demotion was tried and failed)."""
         agent = self.agent
         victim = job.victim
         lower = next_tier(tier, agent.tier_kinds())
-        lower_free = 0 if state.demote_failed else self.room_below(lower)
+        lower_free = 0 if state.demote_failed or not demote else self.room_below(lower)
         lower_takes = job.room_bytes
         if lower == TierKind.DISK and agent.disk is not None:
             # Planned by the longest file it can make (the header, incompressible bytes): at its
@@ -100,14 +101,14 @@ class Placer:
             if self.moves.demote_gpu(job.victim, job.offset):
                 return move
             state.demote_failed = True  # the host tier's room was in pieces
-            return self.place(job, now_ms, state, tier)
+            return self.place(job, now_ms, state, tier, demote=False)
         done = self.moves.demote_to_disk(job.victim, job.offset)
         if done:
             return move
         # A file that did not fit (a peer's reservation took the room meanwhile: the next victim
         # reads it again) or an object that changed says nothing of the rest of the pass.
         state.demote_failed = state.demote_failed or done is Demotion.FAILED
-        return self.place(job, now_ms, state, tier)
+        return self.place(job, now_ms, state, tier, demote=False)
 
     def _demote_if_file_fits(self, job: SpillJob, state: PassState, tier: TierKind, *, otherwise: Move) -> Move:
         """A host victim whose file's bound did not fit in the disk's room may still fit there: KV

@@ -413,6 +413,8 @@ class DiskTier:
                 tmp.unlink(missing_ok=True)
             with self._lock:
                 self._used -= footprint
+                # Its promise is not given back: the reservation may have been freed meanwhile
+                # (its drop found nothing to drop), and a sender does not write one twice.
                 self._storing.discard(alloc_id)
             if isinstance(exc, OSError):
                 raise MooncakeError(f"cannot write {path}: {exc}") from None

@@ -4,6 +4,7 @@ agent is gone, and the clearing of chunk and temp files (tiers/disk.py writes th
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import threading
@@ -24,23 +25,15 @@ def claim_dir(root: Path) -> int:
     (sweep_abandoned_tiers) remove every tier directory whose lock file they find free, and one
     created first and locked after could be found free in between."""
     lock_path = root / LOCK_NAME
-    for _ in range(3):  # each retry follows another process's move between two calls
+    for _ in range(5):  # each retry follows another process's move between two calls
         try:
             root.mkdir(parents=True, exist_ok=True)  # a sweep may have taken it with a free lock
             fd = os.open(lock_path, os.O_RDWR)
         except FileNotFoundError:
-            fd = _new_locked_file(root)
-            try:
-                os.link(root / _claiming_name(), lock_path)
-            except FileExistsError:
-                os.close(fd)
-                continue  # another tier named its lock first: that one decides
-            except OSError as exc:
-                os.close(fd)
-                raise MooncakeError(f"cannot create the disk tier's lock file in {root}: {exc}") from None
-            finally:
-                (root / _claiming_name()).unlink(missing_ok=True)
-            return fd
+            new = _create_locked(root, lock_path)
+            if new is not None:
+                return new
+            continue
         except OSError as exc:
             raise MooncakeError(f"cannot open the disk tier's lock file in {root}: {exc}") from None
         try:
@@ -79,6 +72,8 @@ def sweep_abandoned_tiers(parent: Path, *, keep: Path) -> list[Path]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # its agent is alive
+            if not _still_named(fd, lock):
+                continue  # another sweep removed that file, and a new tier may have claimed the directory
             if remove_tier_dir(root):
                 removed.append(root)
         finally:
@@ -98,13 +93,55 @@ def _still_named(fd: int, path: Path) -> bool:
         return False
 
 
-def _new_locked_file(root: Path) -> int:
+def _create_locked(root: Path, lock_path: Path) -> int | None:
+    """A new lock file, locked before it takes its name (a hard link to a file of this process's
+    own); None when another process's move came between (a sweep took the directory, or another
+    tier named its lock first): the caller looks again."""
+    claiming = root / _claiming_name()
     try:
-        fd = os.open(root / _claiming_name(), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(claiming, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except FileNotFoundError:
+        return None  # the directory went
     except OSError as exc:
         raise MooncakeError(f"cannot create the disk tier's lock file in {root}: {exc}") from None
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file no other process has opened yet
-    return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file no other process has opened yet
+        os.link(claiming, lock_path)
+        return fd
+    except (FileExistsError, FileNotFoundError):
+        os.close(fd)
+        return None
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in _NO_HARD_LINKS:
+            raise MooncakeError(f"cannot create the disk tier's lock file in {root}: {exc}") from None
+        return _create_in_place(lock_path)
+    finally:
+        claiming.unlink(missing_ok=True)
+
+
+#: What a filesystem without hard links (vfat, exFAT, some network and FUSE mounts) answers.
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
+def _create_in_place(lock_path: Path) -> int | None:
+    """Where there are no hard links: created, then locked, then checked that it is still the
+    one named (a sweep may take it in between; then the caller looks again)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except (FileExistsError, FileNotFoundError):
+        return None
+    except OSError as exc:
+        raise MooncakeError(f"cannot create the disk tier's lock file {lock_path}: {exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)  # a sweep holds it: it is taking the directory
+        return None
+    if _still_named(fd, lock_path):
+        return fd
+    os.close(fd)
+    return None
 
 
 def clear_chunk_files(root: Path) -> None:
@@ -123,6 +160,9 @@ def remove_tier_dir(root: Path) -> bool:
             if sub.is_dir() and len(sub.name) == 2:  # path_of's subdirectories
                 with contextlib.suppress(OSError):
                     sub.rmdir()  # only if empty
+    for claiming in root.glob(f"{LOCK_NAME}.claiming-*"):
+        # Left by a claim that died halfway; a live claimer that loses its file looks again.
+        claiming.unlink(missing_ok=True)
     (root / LOCK_NAME).unlink(missing_ok=True)
     try:
         root.rmdir()

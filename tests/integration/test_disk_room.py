@@ -18,7 +18,9 @@ from helpers import counter
 
 from mooncake_store import connect
 from mooncake_store.agent.node import Agent
+from mooncake_store.agent.placing import PassState
 from mooncake_store.errors import KeyNotFound, MooncakeError, NoCapacity
+from mooncake_store.policy.eviction import MoveKind
 from mooncake_store.tiers.disk import HEADER, DiskTier
 from mooncake_store.transport.tcp import PeerConnections
 from mooncake_store.types import TierKind
@@ -169,3 +171,30 @@ def test_a_disk_smaller_than_one_block_is_refused(make_inproc_agent: Callable[..
     with pytest.raises(MooncakeError, match=r"disk tier capacity 1000 B is less than one \d+ B block"):
         disk_agent(make_inproc_agent, where, 1000)
     assert not (where / "disks").exists()  # nothing made is left behind
+
+
+def test_a_demotion_whose_object_changed_is_not_counted_as_done(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A demotion that lost its swap (the object was replaced while its file was written) placed
+    the victim again with the tier below allowed, was told "demote" once more, and returned that:
+    the pass counted bytes that never moved, and could end before making its room."""
+    agent = disk_agent(make_inproc_agent, tmp_path, 8 * MiB)
+    put_all(agent, {"changing": incompressible(MiB)})
+    (victim,) = [c for c in agent.index.victim_candidates(agent.node_id, "host") if c.key == "changing"]
+    job = agent.pressure._host_job(victim)
+    assert job is not None
+    real_demote = agent.pressure.moves.demote_to_disk
+
+    def replaced_meanwhile(*args: object) -> object:
+        put_all(agent, {"changing": incompressible(MiB)})  # a writer replaces it as the file is written
+        return real_demote(*args)  # type: ignore[arg-type]
+
+    agent.pressure.moves.demote_to_disk = replaced_meanwhile  # type: ignore[method-assign]
+    state = PassState(peers=[])
+    now_ms = agent.index.server_time_ms()
+    move = agent.pressure.placer.place_demoting(job, now_ms, state, TierKind.HOST)
+    assert move.kind != MoveKind.DEMOTE
+    assert not state.demote_failed  # the disk is fine: later victims still demote
+    assert counter(agent, TierKind.HOST, "demotions") == 0
+    assert tiers_of(agent, ["changing"]) == {"changing": "host"}  # the new value, where it was put

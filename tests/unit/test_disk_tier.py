@@ -336,6 +336,61 @@ def test_a_tier_starting_beside_another_agents_start_sweep_keeps_its_directory(
     tier.close()
 
 
+def test_a_sweep_that_finds_its_lock_file_replaced_leaves_the_directory_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sweeps of one crashed tier's directory: the first removed it while the second held
+    its lock file open, a restarted tier claimed the directory afresh, and the second then locked
+    the old, unlinked file and removed the live tier's lock, files and directory."""
+    root = tmp_path / "agent-0"
+    DiskTier(root, 1 << 20).close(remove_files=False)  # a crashed incarnation: its lock is free
+    real_flock = fcntl.flock
+    restarted: list[DiskTier] = []
+
+    def first_sweep_and_restart_in_between(fd: int, operation: int) -> None:
+        if not restarted:
+            monkeypatch.setattr(fcntl, "flock", real_flock)
+            assert sweep_abandoned_tiers(tmp_path, keep=tmp_path / "agent-1") == [root]
+            restarted.append(DiskTier(root, 1 << 20))
+            restarted[0].write(1, memoryview(np.ones(1000, np.uint8)))
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", first_sweep_and_restart_in_between)
+    assert sweep_abandoned_tiers(tmp_path, keep=tmp_path / "agent-2") == []
+    (tier,) = restarted
+    assert tier.path_of(1).exists()
+    tier.write(2, memoryview(np.ones(1000, np.uint8)))  # its directory is still there
+    with pytest.raises(MooncakeError, match="in use by another agent"):
+        DiskTier(root, 1 << 20)  # and its lock still held
+    tier.close()
+
+
+def test_a_claim_whose_directory_a_sweep_removed_meanwhile_claims_it_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep that took the free lock of a crashed incarnation just before finished removing the
+    directory while the new tier opened its lock: the start failed with "cannot create the disk
+    tier's lock file". It looks again (and makes the directory anew)."""
+    root = tmp_path / "agent-0"
+    DiskTier(root, 1 << 20).close(remove_files=False)
+    real_open = os.open
+    lock = str(root / ".lock")
+    swept: list[list[Path]] = []
+
+    def sweep_finishes_first(path: object, flags: int, *args: int) -> int:
+        if not swept and str(path) == lock and not flags & os.O_CREAT:
+            swept.append([])  # before the sweep, which opens the lock file too
+            swept[0] = sweep_abandoned_tiers(tmp_path, keep=tmp_path / "agent-1")
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", sweep_finishes_first)
+    tier = DiskTier(root, 1 << 20)
+    monkeypatch.setattr(os, "open", real_open)
+    assert swept == [[root]]
+    tier.write(1, memoryview(np.ones(1000, np.uint8)))
+    tier.close()
+
+
 def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
     """No file fits in it: the tier would only ever evict."""
     block = DiskTier.block_size_of(tmp_path)
