@@ -103,7 +103,9 @@ def _read_up_to(stream: BinaryIO, limit: int, *, name: str) -> memoryview:
 
 def _largest_host_tier(client: Client) -> int:
     tiers = [t for node in client.stat().live_nodes for t in node.tiers if t.tier == "host"]
-    return max((t.capacity_bytes for t in tiers), default=0)
+    if not tiers:  # said so, rather than "stdin holds more than 0 B"
+        raise NoCapacity("the cluster has no live agent to store it on", permanent=True)
+    return max(t.capacity_bytes for t in tiers)
 
 
 def put(
@@ -190,16 +192,22 @@ def get(
                 fh.write(view[start : start + IO_CHUNK])
                 bar.update(task, advance=min(IO_CHUNK, len(view) - start))
             fh.flush()  # a reader that left (`| head -c 10`) is no error: see main._reader_may_leave
+            if dest is not None:
+                fh.close()  # its last flush may fail too (a full disk)
         except BrokenPipeError:
             raise
         except OSError as exc:  # `> /dev/full`: said "No space left on device" alone, naming nothing
-            where = "stdout" if dest is None else str(dest)
             if dest is None:
                 quiet_stdout()  # what is left in its buffer would fail again at exit, with a traceback
+            else:
+                with suppress(OSError):
+                    fh.close()  # flushes again, and fails again: the first error is the one to tell
+            where = "stdout" if dest is None else str(dest)
             raise CliError(f"cannot write {key!r} to {where}: {exc.strerror or exc}") from None
         finally:
-            if dest is not None:
-                fh.close()
+            if dest is not None and not fh.closed:
+                with suppress(OSError):
+                    fh.close()
     if dest is not None:
         err.print(f"[green]✓[/green] got {escape(key)} ({format_size(len(view))}) in {took * 1000:.1f} ms -> {dest}")
 

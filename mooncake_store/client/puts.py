@@ -155,14 +155,13 @@ class PutPath:
                     expired_tries += 1
                     if expired_tries > config.max_retries:
                         raise
-                elif getattr(exc, "node_unreachable", False):
-                    # A node that could not be reached may have come back elsewhere under its id (a
-                    # restart: a new endpoint): once more with the node table read again. Still
-                    # unreachable, it is the answer; waiting for room would wait for nothing.
-                    if unreachable_retried:
+                elif getattr(exc, "unreachable_endpoints", None):
+                    # Nodes that could not be reached are the answer (waiting for room would wait
+                    # for nothing), unless one came back under its id at another endpoint (a
+                    # restart the node table had not seen yet): then once more.
+                    if unreachable_retried or not self._moved(exc.unreachable_endpoints):  # type: ignore[attr-defined]
                         raise
                     unreachable_retried = True
-                    self.client._node_table(refresh=True)
                 elif isinstance(exc, NoCapacity) and not exc.permanent and time.monotonic() + delay_s <= deadline:
                     if self.client._closing.wait(delay_s):  # close() ends the wait for room too
                         self.client._check_open()
@@ -175,6 +174,11 @@ class PutPath:
                 plan.replicas = []
                 plan.assigned = set()
                 plan.landed = []
+
+    def _moved(self, endpoints: dict[str, str]) -> bool:
+        """Whether any of these nodes is now listed at another endpoint than the one that failed."""
+        table = self.client._node_table(refresh=True)
+        return any(node in table and table[node].tcp_endpoint != endpoint for node, endpoint in endpoints.items())
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:
@@ -380,7 +384,11 @@ class PutPath:
         now = client._server_now_ms()
         if failed_node == preferred_node:
             if not isinstance(refusal, NoCapacity):
-                raise _unreachable(type(refusal), f"preferred_node {preferred_node!r}: {refusal}") from refusal
+                raise _unreachable(
+                    type(refusal),
+                    f"preferred_node {preferred_node!r}: {refusal}",
+                    {failed_node: nodes[failed_node].tcp_endpoint},
+                ) from refusal
             raise NoCapacity(
                 f"preferred_node {preferred_node!r} has no room for {len(group)} object(s) "
                 f"(first key {group[0].key!r}): {refusal}"
@@ -389,6 +397,7 @@ class PutPath:
             # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
             taken = {r.node_id for r in plan.replicas} | plan.assigned | {failed_node}
             errors: list[MooncakeError] = [refusal]
+            unreachable = {} if isinstance(refusal, NoCapacity) else {failed_node: nodes[failed_node].tcp_endpoint}
             candidates = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas)
             for node in candidates:
                 if node.node_id in taken:
@@ -399,6 +408,8 @@ class PutPath:
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     errors.append(exc)
+                    if not isinstance(exc, NoCapacity):
+                        unreachable[node.node_id] = node.tcp_endpoint
                     continue
                 plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
                 plan.assigned.add(node.node_id)
@@ -408,7 +419,9 @@ class PutPath:
                 if not any(isinstance(e, NoCapacity) for e in errors):
                     # Not one refused for room: waiting for room would wait for nothing.
                     kind = next((type(e) for e in errors if isinstance(e, AgentBusy)), type(errors[0]))
-                    raise _unreachable(kind, f"no node could take key {plan.key!r} (replicas={replicas}): {why}")
+                    raise _unreachable(
+                        kind, f"no node could take key {plan.key!r} (replicas={replicas}): {why}", unreachable
+                    )
                 raise NoCapacity(
                     f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
                 )
@@ -453,10 +466,10 @@ class PutPath:
                     pass
 
 
-def _unreachable(kind: type[MooncakeError], message: str) -> MooncakeError:
+def _unreachable(kind: type[MooncakeError], message: str, endpoints: dict[str, str]) -> MooncakeError:
     """The error of a put whose nodes could not be reached (``kind``: what the transport raised),
-    marked for run(), which tries once more with the node table read again. An agent at its
-    connection limit (AgentBusy) is reachable: it answered."""
+    with the endpoints that failed, for run() to compare with the node table read again. An
+    agent at its connection limit (AgentBusy) is reachable: it answered."""
     error = kind(message)
-    error.node_unreachable = not issubclass(kind, AgentBusy)  # type: ignore[attr-defined]
+    error.unreachable_endpoints = {} if issubclass(kind, AgentBusy) else endpoints  # type: ignore[attr-defined]
     return error

@@ -336,8 +336,10 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             names = self.redis.sscan_iter(self.prefix + "keys", match=pattern, count=1000)
             keys = sorted(first_in_order(names, limit))
             return self._listings(keys)
-        except redis.RedisError as exc:
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise ConnectError(f"cannot list the keys in Redis at {self.where}: {exc}") from None
+        except redis.RedisError as exc:  # reached, and refused (ACL, out of memory, ...): no connection error
+            raise MooncakeError(f"Redis at {self.where} refused listing the keys: {exc}") from None
 
     def _listings(self, keys: list[str]) -> list[KeyListing]:
         pipe = self.redis.pipeline(transaction=False)
@@ -422,8 +424,10 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         pipe.hgetall(self.prefix + "stats")
         try:
             raw = pipe.execute()
-        except redis.RedisError as exc:
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise ConnectError(f"cannot read the counts from Redis at {self.where}: {exc}") from None
+        except redis.RedisError as exc:
+            raise MooncakeError(f"Redis at {self.where} refused reading the counts: {exc}") from None
         per_node = {node: int(n) for node, n in zip(node_ids, raw[1:-1:2], strict=True)}
         stats = {k: int(v) for k, v in raw[-1].items()}
         stats["short"] = sum(int(n) for n in raw[2:-1:2])

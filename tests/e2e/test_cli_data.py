@@ -210,6 +210,12 @@ def test_a_get_to_a_full_device_names_where_it_could_not_write(cluster_cli: Moon
     assert result.returncode == 1, result.stderr
     (line,) = [x for x in result.stderr.decode().splitlines() if x.strip()]  # no traceback at exit either
     assert line == "error: cannot write 'to-full' to stdout: No space left on device", line
+    # To a file too; a small object fails only at the file's close, whose error replaced this one.
+    cluster_cli.ok("put", "small-to-full", "-", stdin=b"y" * 100)
+    for key in ("to-full", "small-to-full"):
+        assert_one_line_error(
+            cluster_cli("get", key, "-o", "/dev/full"), 1, f"cannot write '{key}' to /dev/full: No space left"
+        )
 
 
 def test_get_returns_one_whole_object_while_the_key_is_replaced_by_smaller_ones(cluster_cli: Mooncake) -> None:

@@ -127,3 +127,13 @@ def test_up_on_a_port_in_use_says_so_in_one_line(mooncake: Mooncake) -> None:
     (message,) = [line for line in error_lines(result) if line.startswith("error: ")]  # after "starting ..."
     assert f"port {port} on 127.0.0.1 is already in use" in message and "WARNING" not in message
     assert not (mooncake.state_dir / "cluster.json").exists()
+
+
+def test_a_put_to_a_cluster_with_no_agent_says_so(mooncake: Mooncake) -> None:
+    """It read stdin against a limit of 0 B and blamed the input: "stdin holds more than 0 B"."""
+    mooncake.ok("up", "--detach", "--agents", "0")
+    try:
+        result = mooncake("put", "k", "-", stdin=b"abc")
+        assert_one_line_error(result, 5, "the cluster has no live agent to store it on")
+    finally:
+        assert mooncake("down", "--timeout", "5").returncode == 0

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from mooncake_store import Client, LocalCluster, connect
-from mooncake_store.errors import ConnectError
+from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index.client import first_in_order
 
 
@@ -52,7 +52,10 @@ def denied_counts(shared_cluster: LocalCluster) -> Iterator[Client]:
 
 
 def test_a_redis_error_while_listing_or_counting_is_a_mooncake_error(denied_counts: Client) -> None:
-    with pytest.raises(ConnectError, match=r"cannot read the counts from Redis at .*no permissions to run the .scard."):
+    """A refusal is no connection error (the CLI would say "cannot connect", exit 4)."""
+    with pytest.raises(MooncakeError, match=r"refused reading the counts: .*no permissions to run the .scard.") as info:
         denied_counts.stat()
-    with pytest.raises(ConnectError, match=r"cannot list the keys in Redis at .*no permissions to run the .sscan."):
+    assert not isinstance(info.value, ConnectError)
+    with pytest.raises(MooncakeError, match=r"refused listing the keys: .*no permissions to run the .sscan.") as info:
         denied_counts.index.list_keys()
+    assert not isinstance(info.value, ConnectError)
