@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any
 
 from mooncake_store.client.client import Client
+from mooncake_store.client.prefix_chunks import check_chunks_alike, tail_tokens
 from mooncake_store.client.prefix_hash import (
     BlockHash,
     block_hash_chain,
@@ -227,10 +228,12 @@ class PrefixCache:
             raise InvalidValue(
                 f"chunks must be a sequence of chunk arrays or a callable chunk(i), got {type(chunks).__name__}"
             )
+        # chunks[i] is chunk i: arrays past the last key (a longer sequence's) are not stored.
         if not callable(chunks) and len(chunks) < len(keys):
             raise InvalidValue(
                 f"{len(keys)} chunk(s) of {self.chunk_tokens} tokens to store but {len(chunks)} chunk array(s) given"
             )
+        tail = tail_tokens(token_ids, self.chunk_tokens)
         if not keys:
             return 0
         writer = uuid.uuid4().hex
@@ -242,9 +245,11 @@ class PrefixCache:
         self._hold_claims(claims)
         try:
             get = chunks if callable(chunks) else chunks.__getitem__
+            values = {i: get(i) for i in mine}
+            check_chunks_alike(values, tail_index=len(keys) - 1 if include_tail and tail else None)
             with self._ops.active():
                 self.client.put_many(
-                    {keys[i]: get(i) for i in mine},
+                    {keys[i]: values[i] for i in mine},
                     replicas=self.replicas if replicas is None else replicas,
                     preferred_node=preferred_node,
                     # Eviction takes only chunks with no stored children, so chains stay prefix-closed.
@@ -289,6 +294,18 @@ class PrefixCache:
         try:
             if outs is not None:
                 dests = _output_buffers(outs, found)
+                if (
+                    len(dests) == found - 1
+                    and found == len(keys)
+                    and include_tail
+                    and tail_tokens(token_ids, self.chunk_tokens)
+                ):
+                    # Buffers for the full chunks only, and another writer stored the tail: the
+                    # full chunks are the hit (the tail's pin goes, under the renewal's lock).
+                    with hit._pin_lock:
+                        hit.keys = matched = matched[:-1]
+                    self.index.unpin(keys[found - 1 : found], pin_id=pin_id)
+                    found -= 1
                 if len(dests) < found:
                     raise InvalidValue(f"{found} chunk(s) matched but {len(dests)} output buffer(s) given")
                 with self._ops.active():

@@ -68,13 +68,15 @@ def kv_layout(model_or_config: Any) -> tuple[int, int, int]:
 
 def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -> str:
     """A PrefixCache namespace naming the model and its KV layout, e.g.
-    ``meta-llama/Llama-3-8B/bfloat16/L32/kv8/d128/tp0``. A model with neither ``model_id`` nor a
-    name (built from a config, weights loaded by hand) is named by its type and a digest of its
-    weights: two such models of one layout must not restore each other's KV caches."""
+    ``meta-llama/Llama-3-8B@3f9a1c0e52d7/bfloat16/L32/kv8/d128/tp0``. ``model_id``, when given,
+    names the weights as it is. Otherwise the model's name (``config._name_or_path``, else its
+    type) comes with a digest of its weights: two checkpoints saved in turn under one path, or an
+    adapter that keeps its base model's name, must not restore each other's KV caches."""
     cfg = _text_config(model)
-    name = model_id or getattr(getattr(model, "config", None), "_name_or_path", "")
+    name = model_id
     if not name:
-        name = f"{cfg.model_type}-{_weights_digest(model)}"
+        named = getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model_type
+        name = f"{named}@{_weights_digest(model)}"
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
     layers, kv_heads, head_dim = kv_layout(model)
     return f"{name}/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
@@ -135,11 +137,18 @@ def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int
     layers = _layers(past_key_values)
     if not layers:
         raise InvalidValue("the KV cache has no layers")
-    seq = int(layers[0][0].shape[-2])
     if layers[0][0].shape[0] != 1:
         raise InvalidValue(f"the KV cache has batch {layers[0][0].shape[0]}; save one sequence at a time")
-    if seq < len(ids):
-        raise InvalidValue(f"the KV cache holds {seq} tokens but input_ids has {len(ids)}")
+    # Every layer must hold every token from the first: a sliding-window layer keeps only its
+    # last ones, and chunk 0 cut from it was other tokens' KV, stored without a word.
+    held = sorted({int(k.shape[-2]) for k, _ in layers})
+    if len(held) > 1 or held[0] < len(ids):
+        shown = held[0] if len(held) == 1 else f"{held[0]} to {held[-1]} (by layer)"
+        raise InvalidValue(
+            f"the KV cache holds {shown} tokens but input_ids has {len(ids)}: every layer must hold "
+            "every token (a sliding-window or hybrid-attention cache keeps only its last ones, and "
+            "cannot be saved in chunks from the prompt's start)"
+        )
     size = cache.chunk_tokens
 
     def chunk(i: int) -> Any:

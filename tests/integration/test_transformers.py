@@ -185,3 +185,48 @@ def test_another_model_shares_nothing(client: Client) -> None:
     assert load_prefix(cache, ids, model)[0] == 2 * CHUNK
     other_cache.close()
     cache.close()
+
+
+@pytest.mark.parametrize("window_layers", [1, 2], ids=["hybrid", "all-sliding"])
+def test_a_sliding_window_cache_is_refused_not_stored_as_other_tokens(client: Client, window_layers: int) -> None:
+    """A sliding-window layer keeps only its last tokens: chunk 0 cut from it was the KV of other
+    tokens, stored without a word and restored as the prompt's start (logits 0.08 off the
+    recompute), or a bare torch error when the chunk came out short."""
+    torch.manual_seed(SEED)
+    config = transformers.Qwen2Config(
+        **{k: v for k, v in CONFIG.items() if k != "initializer_range"},
+        use_sliding_window=True,
+        sliding_window=24,
+        max_window_layers=2 - window_layers,  # layers from this index on slide
+    )
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=16)
+    ids = document(40)
+    with torch.no_grad():
+        past = output_cache(model(ids[None], use_cache=True))
+    with pytest.raises(InvalidValue, match="but input_ids has 40: every layer must hold every token"):
+        save_prefix(cache, ids, past)
+    assert cache.match(ids) == 0  # nothing stored
+    cache.close()
+
+
+def test_two_checkpoints_under_one_name_share_nothing(client: Client) -> None:
+    """The namespace named a model by its path alone: two checkpoints saved in turn to one
+    directory (or an adapter keeping its base model's name) restored each other's KV caches, with
+    logits 0.23 off. Its weights' digest now comes with the name; a model_id is taken as given."""
+    first = build_model(CONFIG)
+    torch.manual_seed(SEED + 1)
+    second = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    for model in (first, second):
+        model.config._name_or_path = "/checkpoints/run-7"
+    assert kv_namespace(first) != kv_namespace(second)
+    assert kv_namespace(first).startswith("/checkpoints/run-7@") and kv_namespace(first) == kv_namespace(first)
+    assert kv_namespace(first, model_id="run-7") == kv_namespace(second, model_id="run-7")  # as the caller says
+    cache = PrefixCache(client, kv_namespace(first), chunk_tokens=CHUNK)
+    ids = document(2 * CHUNK + 1)
+    with torch.no_grad():
+        save_prefix(cache, ids, output_cache(first(ids[None], use_cache=True)))
+    second_cache = PrefixCache(client, kv_namespace(second), chunk_tokens=CHUNK)
+    assert load_prefix(second_cache, ids, second) == (0, None)
+    second_cache.close()
+    cache.close()
