@@ -125,7 +125,7 @@ class PutPath:
         config = self.client.config
         deadline = time.monotonic() + config.timeout_s
         expired_tries = failed_writes = 0
-        unreachable_retried = False
+        unreachable_retried = fresh_table_tried = False
         delay_s = 0.05
         while True:
             try:
@@ -162,6 +162,12 @@ class PutPath:
                     if unreachable_retried or not self._moved(exc.unreachable_endpoints):  # type: ignore[attr-defined]
                         raise
                     unreachable_retried = True
+                elif isinstance(exc, NoCapacity) and exc.permanent and not fresh_table_tried:
+                    # Judged on the cached node table (up to NODE_TABLE_TTL_S old, against agents
+                    # that heartbeat about as often): a live node could look past its deadline, and
+                    # "replicas=2 needs 2 live nodes" be said with two of them up. Once more, afresh.
+                    fresh_table_tried = True
+                    self.client._node_table(refresh=True)
                 elif isinstance(exc, NoCapacity) and not exc.permanent and time.monotonic() + delay_s <= deadline:
                     if self.client._closing.wait(delay_s):  # close() ends the wait for room too
                         self.client._check_open()
@@ -355,7 +361,12 @@ class PutPath:
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     if not isinstance(exc, NoCapacity):
                         client._tcp.drop_peer(node.tcp_endpoint)
-                    self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node, refusal=exc)
+                    # Ranked on a table read after the refusal: the wait for a hung node can outlast
+                    # every row's deadline in the table read before it.
+                    nodes = {
+                        **nodes,
+                        **self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node, refusal=exc),
+                    }
                     continue
                 for plan, res in zip(group, got, strict=True):
                     plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
@@ -373,21 +384,26 @@ class PutPath:
         preferred_node: str | None,
         *,
         refusal: MooncakeError,
-    ) -> None:
+    ) -> dict[str, NodeInfo]:
         """One object at a time on the remaining candidates, after a node turned a batch down
         (``refusal``: what it said). The preferred node's replica has no other candidate: NoCapacity,
         and the put waits for that node to make room. A node that could not be reached (dead, hung,
         or at its connection limit: AgentBusy) is no node without room: when that is all that stood
         in the way the put fails at once with what happened, rather than wait out timeout_s for
-        room and then blame a lack of it."""
+        room and then blame a lack of it. Returns the node table it ranked by: read afresh after a
+        node that did not answer (its timeout may have outlasted every deadline of the older one,
+        and every other node then looked dead: "no live agent is registered")."""
         client = self.client
+        failed_endpoint = nodes[failed_node].tcp_endpoint
+        if not isinstance(refusal, NoCapacity):
+            nodes = client._node_table(refresh=True)
         now = client._server_now_ms()
         if failed_node == preferred_node:
             if not isinstance(refusal, NoCapacity):
                 raise _unreachable(
                     type(refusal),
                     f"preferred_node {preferred_node!r}: {refusal}",
-                    {failed_node: nodes[failed_node].tcp_endpoint},
+                    {failed_node: failed_endpoint},
                 ) from refusal
             raise NoCapacity(
                 f"preferred_node {preferred_node!r} has no room for {len(group)} object(s) "
@@ -397,7 +413,7 @@ class PutPath:
             # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
             taken = {r.node_id for r in plan.replicas} | plan.assigned | {failed_node}
             errors: list[MooncakeError] = [refusal]
-            unreachable = {} if isinstance(refusal, NoCapacity) else {failed_node: nodes[failed_node].tcp_endpoint}
+            unreachable = {} if isinstance(refusal, NoCapacity) else {failed_node: failed_endpoint}
             candidates = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas)
             for node in candidates:
                 if node.node_id in taken:
@@ -425,6 +441,7 @@ class PutPath:
                 raise NoCapacity(
                     f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
                 )
+        return nodes
 
     @staticmethod
     def _replica(node_id: str, tier: TierKind, offset: int, alloc_id: int, size: int) -> Replica:

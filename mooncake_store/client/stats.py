@@ -54,7 +54,8 @@ class ClusterStats:
     misses: int
     evictions: int = 0  # objects the cluster dropped under memory pressure (this is a cache)
     #: Objects short of the replicas they were stored with since a node's loss, their copies not
-    #: yet made (re-replication): 0 before the next node may go.
+    #: yet made (re-replication). The next node may go once this is 0 and the last one has left the
+    #: node table: a node that died unstopped counts here only once it is reaped.
     short: int = 0
 
     @property

@@ -16,6 +16,7 @@ import pytest
 from helpers import wait_until
 
 from mooncake_store import Client, ConnectError, KeyNotFound, LocalCluster, MooncakeError, TransferError
+from mooncake_store.client import client as client_module
 from mooncake_store.tiers.host import SHM_DIR
 
 # The writer runs the real put path up to the bytes (reserve on the agent, PENDING record in the
@@ -198,3 +199,46 @@ def test_a_put_whose_agent_dies_after_its_reserve_lands_on_another_node(
     survivor.kill()
     with pytest.raises(ConnectError, match="no node could take key 'nowhere'"):
         client.put("nowhere", value)
+
+
+def test_a_put_whose_first_choice_hangs_goes_to_the_live_nodes(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A put whose reservation waited out its timeout on a hung agent (SIGSTOP, by its PID) placed
+    the object again by the node table read before that wait, at a later clock: every row's
+    deadline had passed, and it failed with "no live agent is registered" while two agents were
+    up with room. It is placed by a table read after the wait now."""
+    cluster = make_cluster(3, heartbeat_ttl_s=2.0)
+    filler = make_client(cluster)
+    for node in ("agent-0", "agent-2"):  # the hung agent is the emptiest: ranked first
+        filler.put(f"fill-{node}", np.zeros(24 << 20, np.uint8), preferred_node=node)
+    hung = cluster.agent("agent-1")
+    time.sleep(2.5)  # a heartbeat of each has published its use
+    client = make_client(cluster, timeout_s=3.0)
+    client._node_table(refresh=True)  # read before the hang, as a busy client's table would be
+    os.kill(hung.process.pid, signal.SIGSTOP)
+    try:
+        value = np.arange(1 << 20, dtype=np.uint8)
+        client.put("past-the-hung", value, replicas=2)
+        meta = client.object_meta("past-the-hung")
+        assert meta is not None and sorted(r.node_id for r in meta.replicas) == ["agent-0", "agent-2"]
+        assert np.array_equal(client.get("past-the-hung"), value)
+    finally:
+        os.kill(hung.process.pid, signal.SIGCONT)
+
+
+def test_a_put_judged_on_a_cached_node_table_reads_it_again_before_giving_up(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client caches the node table for a while, and agents heartbeat about as often: rows a
+    little older than their node's last heartbeat looked past their deadlines, and replicas=2 puts
+    failed at once ("needs 2 live nodes ... only 1 qualify") with every agent up. Here the cache
+    is made to outlive the deadlines outright; the put reads the table again and goes through."""
+    monkeypatch.setattr(client_module, "NODE_TABLE_TTL_S", 60.0)
+    cluster = make_cluster(2, heartbeat_ttl_s=2.0)
+    client = make_client(cluster)
+    client._node_table(refresh=True)
+    time.sleep(2.5)  # every cached row is past its deadline; the agents heartbeat on
+    client.put("cached-table", b"abc", replicas=2)
+    meta = client.object_meta("cached-table")
+    assert meta is not None and len(meta.replicas) == 2
