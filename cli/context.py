@@ -21,7 +21,7 @@ from rich.console import Console
 
 from mooncake_store import Client, ConnectError, connect
 from mooncake_store.config import load_config, redact_url
-from mooncake_store.index.client import START_A_CLUSTER
+from mooncake_store.index.client import connect_redis
 
 
 def quiet_stdout() -> None:
@@ -134,10 +134,12 @@ def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: 
 def open_client(target: Target) -> Client:
     try:
         return connect(target.redis_url, namespace=target.namespace)
-    except ConnectError as exc:
-        if target.state is None or START_A_CLUSTER not in str(exc):
+    except ConnectError:
+        if target.state is None:
             raise
         # The recorded cluster's processes run, but its index does not answer (its server died):
-        # `mooncake up` would refuse while it is recorded, so that advice went round in a circle.
+        # connect's advice, `mooncake up`, would be refused while it is recorded. Asked again with
+        # the advice that applies; should it answer now after all, the first error stands.
         advice = f"`mooncake down` stops what is left of the cluster recorded in {state_path()}, then `mooncake up`"
-        raise CliError(str(exc).replace(START_A_CLUSTER, advice), ExitCode.CANNOT_CONNECT) from None
+        connect_redis(target.redis_url, timeout_s=5.0, advice=advice).close()
+        raise

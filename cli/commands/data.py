@@ -199,14 +199,11 @@ def get(
         except OSError as exc:  # `> /dev/full`: said "No space left on device" alone, naming nothing
             if dest is None:
                 quiet_stdout()  # what is left in its buffer would fail again at exit, with a traceback
-            else:
-                with suppress(OSError):
-                    fh.close()  # flushes again, and fails again: the first error is the one to tell
             where = "stdout" if dest is None else str(dest)
             raise CliError(f"cannot write {key!r} to {where}: {exc.strerror or exc}") from None
         finally:
-            if dest is not None and not fh.closed:
-                with suppress(OSError):
+            if dest is not None:
+                with suppress(OSError):  # closed above, or failing again: the first error is told
                     fh.close()
     if dest is not None:
         err.print(f"[green]✓[/green] got {escape(key)} ({format_size(len(view))}) in {took * 1000:.1f} ms -> {dest}")

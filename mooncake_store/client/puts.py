@@ -125,7 +125,7 @@ class PutPath:
         config = self.client.config
         deadline = time.monotonic() + config.timeout_s
         expired_tries = failed_writes = 0
-        unreachable_retried = fresh_table_tried = False
+        fresh_table_tried = False
         delay_s = 0.05
         while True:
             try:
@@ -155,13 +155,6 @@ class PutPath:
                     expired_tries += 1
                     if expired_tries > config.max_retries:
                         raise
-                elif getattr(exc, "unreachable_endpoints", None):
-                    # Nodes that could not be reached are the answer (waiting for room would wait
-                    # for nothing), unless one came back under its id at another endpoint (a
-                    # restart the node table had not seen yet): then once more.
-                    if unreachable_retried or not self._moved(exc.unreachable_endpoints):  # type: ignore[attr-defined]
-                        raise
-                    unreachable_retried = True
                 elif isinstance(exc, NoCapacity) and exc.permanent and not fresh_table_tried:
                     # Judged on the cached node table (up to NODE_TABLE_TTL_S old, against agents
                     # that heartbeat about as often): a live node could look past its deadline, and
@@ -180,11 +173,6 @@ class PutPath:
                 plan.replicas = []
                 plan.assigned = set()
                 plan.landed = []
-
-    def _moved(self, endpoints: dict[str, str]) -> bool:
-        """Whether any of these nodes is now listed at another endpoint than the one that failed."""
-        table = self.client._node_table(refresh=True)
-        return any(node in table and table[node].tcp_endpoint != endpoint for node, endpoint in endpoints.items())
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:
@@ -392,28 +380,30 @@ class PutPath:
         in the way the put fails at once with what happened, rather than wait out timeout_s for
         room and then blame a lack of it. Returns the node table it ranked by: read afresh after a
         node that did not answer (its timeout may have outlasted every deadline of the older one,
-        and every other node then looked dead: "no live agent is registered")."""
+        and every other node then looked dead: "no live agent is registered"). A node that table
+        lists at another endpoint restarted under its id since: it is asked again there."""
         client = self.client
         failed_endpoint = nodes[failed_node].tcp_endpoint
-        if not isinstance(refusal, NoCapacity):
+        unreachable = not isinstance(refusal, NoCapacity)
+        if unreachable:
             nodes = client._node_table(refresh=True)
+        moved = unreachable and failed_node in nodes and nodes[failed_node].tcp_endpoint != failed_endpoint
         now = client._server_now_ms()
-        if failed_node == preferred_node:
-            if not isinstance(refusal, NoCapacity):
-                raise _unreachable(
-                    type(refusal),
-                    f"preferred_node {preferred_node!r}: {refusal}",
-                    {failed_node: failed_endpoint},
-                ) from refusal
+        if failed_node == preferred_node and not moved:
+            if unreachable:
+                raise type(refusal)(f"preferred_node {preferred_node!r}: {refusal}") from refusal
             raise NoCapacity(
                 f"preferred_node {preferred_node!r} has no room for {len(group)} object(s) "
                 f"(first key {group[0].key!r}): {refusal}"
             )
         for plan in group:
             # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
-            taken = {r.node_id for r in plan.replicas} | plan.assigned | {failed_node}
+            taken = {r.node_id for r in plan.replicas} | plan.assigned
+            if moved:
+                taken.discard(failed_node)  # assigned to it, but not reserved there: ask it where it is now
+            else:
+                taken.add(failed_node)
             errors: list[MooncakeError] = [refusal]
-            unreachable = {} if isinstance(refusal, NoCapacity) else {failed_node: failed_endpoint}
             candidates = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas)
             for node in candidates:
                 if node.node_id in taken:
@@ -424,8 +414,6 @@ class PutPath:
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     errors.append(exc)
-                    if not isinstance(exc, NoCapacity):
-                        unreachable[node.node_id] = node.tcp_endpoint
                     continue
                 plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
                 plan.assigned.add(node.node_id)
@@ -435,9 +423,7 @@ class PutPath:
                 if not any(isinstance(e, NoCapacity) for e in errors):
                     # Not one refused for room: waiting for room would wait for nothing.
                     kind = next((type(e) for e in errors if isinstance(e, AgentBusy)), type(errors[0]))
-                    raise _unreachable(
-                        kind, f"no node could take key {plan.key!r} (replicas={replicas}): {why}", unreachable
-                    )
+                    raise kind(f"no node could take key {plan.key!r} (replicas={replicas}): {why}")
                 raise NoCapacity(
                     f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
                 )
@@ -481,12 +467,3 @@ class PutPath:
                     self.client._tcp.peer(endpoint).free(ids)
                 except MooncakeError:
                     pass
-
-
-def _unreachable(kind: type[MooncakeError], message: str, endpoints: dict[str, str]) -> MooncakeError:
-    """The error of a put whose nodes could not be reached (``kind``: what the transport raised),
-    with the endpoints that failed, for run() to compare with the node table read again. An
-    agent at its connection limit (AgentBusy) is reachable: it answered."""
-    error = kind(message)
-    error.unreachable_endpoints = {} if issubclass(kind, AgentBusy) else endpoints  # type: ignore[attr-defined]
-    return error

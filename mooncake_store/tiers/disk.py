@@ -230,9 +230,7 @@ class DiskTier:
         drop_promises() gives back those that will not come."""
         needed = sum(footprints.values())
         with self._lock:
-            if needed > self.free_bytes:
-                return False
-            if ceiling_bytes is not None and self._used + self._promised + needed > ceiling_bytes:
+            if needed > self._room(ceiling_bytes):
                 return False
             self._promises.update(footprints)
             self._promised += needed
@@ -245,12 +243,16 @@ class DiskTier:
                 self._promised -= self._promises.pop(alloc_id, 0)
 
     def room(self, *, ceiling_bytes: int | None = None) -> int:
-        """Free room, no more than takes the use, promises included, up to ``ceiling_bytes``."""
+        """Free room, no more than takes the use, promises included, up to ``ceiling_bytes``: what
+        promise() grants."""
         with self._lock:
-            free = self.free_bytes
-            if ceiling_bytes is not None:
-                free = min(free, max(0, ceiling_bytes - self._used - self._promised))
-            return free
+            return self._room(ceiling_bytes)
+
+    def _room(self, ceiling_bytes: int | None) -> int:
+        free = self.free_bytes
+        if ceiling_bytes is not None:
+            free = min(free, max(0, ceiling_bytes - self._used - self._promised))
+        return free
 
     @property
     def objects(self) -> int:
