@@ -16,6 +16,10 @@ from mooncake_store.errors import InvalidKey, InvalidValue
 #: every index record and of log lines; vLLM/LMCache block hashes are well under 200 bytes.
 MAX_KEY_BYTES = 1024
 
+#: The arenas' allocation unit: every host and GPU allocation is a whole number of these. It lives
+#: here rather than in tiers so placement (which may not import tiers) rounds capacities the same way.
+ALIGNMENT = 64
+
 
 class ReplicaState(StrEnum):
     PENDING = "PENDING"

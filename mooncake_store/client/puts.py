@@ -46,7 +46,7 @@ from mooncake_store.errors import (
     ReservationExpired,
     TransferError,
 )
-from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes, tier_capacity
+from mooncake_store.policy.placement import check_kept, choose_replica_nodes, rank_nodes, tier_capacity
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.transport import frames
@@ -274,6 +274,8 @@ class PutPath:
         """Nodes for the plan's replicas, best first. ``preferred_node`` takes the first replica
         (and with one replica it is the only candidate: the put waits for its room); further
         replicas go where the ranking puts them."""
+        # Over every live node: one that does not keep the object spills it to one that does.
+        check_kept(nodes.values(), size_bytes=plan.size_bytes, now_ms=now, tier=plan.tier)
         pool = [n for n in nodes.values() if n.node_id not in plan.avoid]
         if plan.tier == TierKind.GPU:
             pool = [n for n in pool if gpu_ipc_node(n, self.client.host_id)]

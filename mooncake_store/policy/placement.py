@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from mooncake_store.errors import NoCapacity
-from mooncake_store.types import NodeInfo, TierKind
+from mooncake_store.types import ALIGNMENT, NodeInfo, TierKind
 
 
 def live_nodes(nodes: Iterable[NodeInfo], now_ms: int) -> list[NodeInfo]:
@@ -54,15 +54,61 @@ def rank_nodes(
             permanent=True,
         )
 
-    def score(n: NodeInfo) -> tuple[int, int, int, float, str]:
+    def score(n: NodeInfo) -> tuple[int, int, int, int, float, str]:
         free = free_bytes[n.node_id] if free_bytes and n.node_id in free_bytes else _free(n, tier)
+        # A node that would not keep it (kept_bytes) goes after every node that would: its next
+        # pressure pass moves it on, and with no peer to take it then, evicts it.
+        keeps = 0 if kept_bytes(n, tier) >= size_bytes else 1
         fits = 0 if free >= size_bytes else 1
         same_host = 0 if n.host_id == host_id else 1
         same_zone = 0 if n.zone == zone else 1
         load = 1.0 - free / max(1, tier_capacity(n, tier))
-        return (fits, same_host, same_zone, load, n.node_id)
+        return (keeps, fits, same_host, same_zone, load, n.node_id)
 
     return sorted(alive, key=score)
+
+
+def kept_bytes(node: NodeInfo, tier: TierKind) -> int:
+    """The largest object put into ``tier`` of ``node`` that its agent keeps: one that leaves a
+    memory tier past its high watermark by itself is moved on by the next pressure pass, and, with
+    no tier anywhere to take it, evicted. A node with a disk tier keeps whatever its memory tiers
+    can hold at all (a chunk file is compressed, and whether it then fits is known only there); an
+    agent that publishes no watermark is taken at its capacity."""
+    try:
+        high = float(node.labels.get("high_watermark", 1.0))
+    except ValueError:
+        high = 1.0
+    reach = (TierKind.GPU, TierKind.HOST) if tier == TierKind.GPU else (tier,)
+    if tier_capacity(node, TierKind.DISK) > 0:
+        return max(tier_capacity(node, t) for t in reach)
+    # In whole allocation units: an object is counted in the arena's 64 B units, so one of exactly
+    # high × capacity bytes took the tier past its watermark.
+    return max(int(high * tier_capacity(node, t)) // ALIGNMENT * ALIGNMENT for t in reach)
+
+
+def check_kept(nodes: Iterable[NodeInfo], *, size_bytes: int, now_ms: int, tier: TierKind = TierKind.HOST) -> None:
+    """NoCapacity (permanent) for an object that no live node keeps (``kept_bytes``): stored, it
+    would be evicted by the first pressure pass, a put that succeeded and a get that then misses.
+    Judged over every live node, since a node that does not keep an object spills it to one that
+    does."""
+    alive = live_nodes(nodes, now_ms)
+    if not alive or size_bytes > max(tier_capacity(n, tier) for n in alive):
+        return  # rank_nodes says "no live agent", with its advice, or names the largest arena
+    best = max(alive, key=lambda n: kept_bytes(n, tier))
+    kept = kept_bytes(best, tier)
+    if size_bytes <= kept:
+        return
+    if tier_capacity(best, TierKind.DISK) > 0:
+        why = "the capacity of its memory tier, with a disk tier behind it"
+    else:
+        why = f"under its high watermark, {best.labels.get('high_watermark', '1.0')} of its memory tier's capacity"
+    raise NoCapacity(
+        f"need {size_bytes} B on {tier}, more than any live node keeps: the most is {kept} B, on node "
+        f"{best.node_id} ({why}); an object that takes a tier past its high watermark by itself is moved "
+        "on, and with no tier to take it, evicted at once. Give an agent more memory, a higher "
+        "--high-watermark, or a disk tier (--disk DIR --disk-mem SIZE)",
+        permanent=True,
+    )
 
 
 def choose_replica_nodes(

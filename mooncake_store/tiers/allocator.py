@@ -21,9 +21,9 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 
 from mooncake_store.errors import InvalidValue
+from mooncake_store.types import ALIGNMENT
 
-#: The arenas' allocation unit: every host and GPU allocation is a whole number of these.
-ALIGNMENT = 64
+__all__ = ["ALIGNMENT", "OffsetAllocator"]
 
 
 def _check_int(name: str, value: object) -> int:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from mooncake_store.errors import NoCapacity
-from mooncake_store.policy.placement import choose_replica_nodes, rank_nodes
+from mooncake_store.policy.placement import check_kept, choose_replica_nodes, kept_bytes, rank_nodes
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.policy.transport_choice import choose_transport, order_replicas
 from mooncake_store.types import NodeInfo, Replica, TierKind, TierUsage, TransportKind
@@ -62,6 +62,52 @@ def test_too_big_for_every_arena_is_permanent_and_names_sizes() -> None:
         ranked_ids(nodes, 11 * MiB)
     assert info.value.permanent
     assert str(11 * MiB) in str(info.value) and str(10 * MiB) in str(info.value)
+
+
+def with_tiers(base: NodeInfo, *, high: str | None, disk: int = 0, gpu: int = 0) -> NodeInfo:
+    tiers = list(base.tiers)
+    if disk:
+        tiers.append(TierUsage(tier=TierKind.DISK, capacity_bytes=disk, used_bytes=0))
+    if gpu:
+        tiers.append(TierUsage(tier=TierKind.GPU, capacity_bytes=gpu, used_bytes=0))
+    return dataclasses.replace(base, tiers=tuple(tiers), labels={} if high is None else {"high_watermark": high})
+
+
+def test_an_object_is_kept_up_to_the_high_watermark_or_the_capacity_with_a_disk_behind() -> None:
+    plain = with_tiers(node("a", free=10 * MiB, capacity=10 * MiB), high="0.5")
+    assert kept_bytes(plain, TierKind.HOST) == 5 * MiB
+    assert kept_bytes(with_tiers(plain, high="0.5", disk=MiB), TierKind.HOST) == 10 * MiB
+    assert kept_bytes(with_tiers(plain, high=None), TierKind.HOST) == 10 * MiB  # an agent that publishes none
+    assert kept_bytes(with_tiers(plain, high="junk"), TierKind.HOST) == 10 * MiB
+    # A GPU object is demoted to host memory; a host object never goes to a GPU tier.
+    both = with_tiers(plain, high="0.5", gpu=4 * MiB)
+    assert kept_bytes(both, TierKind.GPU) == 5 * MiB and kept_bytes(both, TierKind.HOST) == 5 * MiB
+
+
+def test_an_object_no_live_node_keeps_is_refused_with_the_most_any_keeps() -> None:
+    small = with_tiers(node("small", free=10 * MiB, capacity=10 * MiB), high="0.5")
+    dead_large = with_tiers(node("dead", free=90 * MiB, alive=False), high="0.9")
+    check_kept([small], size_bytes=5 * MiB, now_ms=NOW)
+    with pytest.raises(NoCapacity) as info:
+        check_kept([small, dead_large], size_bytes=5 * MiB + 1, now_ms=NOW)
+    assert info.value.permanent
+    message = str(info.value)
+    assert str(5 * MiB + 1) in message and str(5 * MiB) in message and "small" in message and "0.5" in message
+    # Any live node that keeps it will do: the one it lands on spills it there.
+    large = with_tiers(node("large", free=90 * MiB, host="h2"), high="0.9")
+    check_kept([small, large], size_bytes=9 * MiB, now_ms=NOW)
+    check_kept([], size_bytes=1 << 30, now_ms=NOW)  # no live node: rank_nodes says so, with its advice
+
+
+def test_a_node_that_keeps_the_object_ranks_before_an_emptier_one_that_does_not() -> None:
+    """The writer's own empty 16 MiB node took a 15 MiB object it keeps no more than 14.4 MiB of,
+    and its pass, with no peer under its watermark to spill to, evicted it."""
+    small = with_tiers(node("small", free=16 * MiB, capacity=16 * MiB), high="0.9")
+    large = with_tiers(node("large", free=19 * MiB, capacity=64 * MiB, host="h2"), high="0.9")
+    assert ranked_ids([small, large], 15 * MiB) == ["large", "small"]
+    assert ranked_ids([small, large], 14 * MiB) == ["small", "large"]  # kept by both: own host first
+    assert ranked_ids([small, large], 15 * MiB, preferred_node="small") == ["small"]  # the caller's choice
+    assert kept_bytes(with_tiers(small, high="0.9"), TierKind.HOST) == int(0.9 * 16 * MiB) // 64 * 64
 
 
 def test_no_live_nodes_says_so() -> None:
