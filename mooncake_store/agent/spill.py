@@ -80,8 +80,9 @@ BATCH_BYTES = 32 << 20
 PIECE_BYTES = 2 << 20
 #: WRITE frames in flight per stream before their acks are read.
 WRITE_WINDOW = 4
-#: Timeout of each call to a peer (and of each recv and send within it).
-TIMEOUT_S = 30.0
+#: Timeout of each call to a peer (and of each recv and send within it): twice the heartbeat TTL,
+#: by which a hung peer is past its deadline, within these bounds (30 s alone held repairs long).
+TIMEOUT_S, MIN_TIMEOUT_S = 30.0, 10.0
 #: RESERVE's tier field per tier.
 WIRE_TIER = {TierKind.HOST: TIER_HOST, TierKind.GPU: TIER_GPU, TierKind.DISK: TIER_DISK}
 
@@ -91,7 +92,8 @@ class Spiller:
         self.agent = agent
         self._streams = max(1, streams)
         self._batch_bytes = batch_bytes
-        self._transport = TcpTransport(timeout_s=TIMEOUT_S, connections_per_peer=self._streams, stripe_bytes=1 << 62)
+        timeout_s = min(TIMEOUT_S, max(MIN_TIMEOUT_S, 2 * agent.config.heartbeat_ttl_s))
+        self._transport = TcpTransport(timeout_s=timeout_s, connections_per_peer=self._streams, stripe_bytes=1 << 62)
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")

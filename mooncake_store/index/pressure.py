@@ -141,7 +141,8 @@ class PressureCalls:
     def copy_replicas(self, copies: Sequence[tuple[str, int, Replica, str]], *, src_node: str) -> list[str]:
         """Add replicas copied from ``src_node``'s (key, its alloc id, new location, guard put id or
         ""), each on its own (copy_replicas.lua): re-replication after a node's loss. A status per
-        copy ("OK", "GONE", "EXPIRED", "DUP", "INVALID"), in order, one round trip per batch."""
+        copy ("OK", "GONE", "EXPIRED", "DUP", "WHOLE" (the object has its count of replicas already),
+        "INVALID"), in order, one round trip per batch."""
         return self._in_guard_batches("copy_replicas", copies, src_node)
 
     def _in_guard_batches(self, script: str, moves: Sequence[tuple[str, int, Replica, str]], node: str) -> list[str]:

@@ -79,6 +79,48 @@ def test_a_reaped_node_holds_its_objects_memory_until_their_read_leases_end(
         client.close()
 
 
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_reaped_node_holds_the_old_copy_a_reader_leased_before_a_remove_or_replace(
+    make_inproc_agent: Callable[..., Agent], how: str
+) -> None:
+    """The object left the index before the reap, its old copy buried in the node's graveyard until
+    the reader's lease ends: no object record names it, so the purge must carry the grave over to
+    what the agent holds when it comes back (it deleted the graveyard, and the block went to the
+    next put while the reader could still copy it)."""
+
+    def idle(agent: Agent) -> None:
+        agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=600.0, heartbeat_ttl_s=1200.0, prepare=idle)
+    client = connect(agent.index.url, namespace=agent.namespace)
+    try:
+        client.put("read", np.full(MiB, 0xAA, np.uint8), preferred_node=agent.node_id)
+        agent.sync_once()
+        lease_ms = 8000  # far longer than the steps below take, even on a loaded machine
+        (read,) = agent.index.lookup(["read"], lease_ms=lease_ms).objects  # a same-host reader's lookup
+        assert read is not None
+        leased = read.replicas[0]
+        leased_at = time.monotonic()
+        if how == "removed":
+            assert client.remove("read")
+        else:
+            client.put("read", np.full(MiB, 0xCC, np.uint8), preferred_node=agent.node_id)
+        reap(agent)
+        agent.heartbeat_once()  # it wakes: its record is gone, it drops everything and registers again
+        agent.sync_once()
+        assert agent.table.offset_of(leased.alloc_id) == (leased.offset, MiB), "the leased old copy was freed"
+        newcomers = {f"new{i}": np.full(MiB, 0x55, np.uint8) for i in range(6)}
+        client.put_many(newcomers, preferred_node=agent.node_id)
+        offsets = {r.offset for m in agent.index.lookup(list(newcomers), lease_ms=0).objects if m for r in m.replicas}
+        assert time.monotonic() - leased_at < lease_ms / 1000 - 0.5, "too slow to judge: the lease ran out"
+        assert leased.offset not in offsets, "a newcomer was given the leased old copy's block"
+        assert bytes(agent.arena.view(leased.offset, MiB)) == b"\xaa" * MiB
+        # Once the lease has run out, a sync frees it.
+        assert wait_until(lambda: agent.sync_once() or agent.table.offset_of(leased.alloc_id) is None, 30)
+    finally:
+        client.close()
+
+
 def test_a_stalled_agent_that_comes_back_does_not_hand_out_a_block_a_reader_may_still_copy(
     make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
 ) -> None:

@@ -124,6 +124,57 @@ def test_a_holder_late_with_its_heartbeat_at_the_purge_is_asked_once_back(index:
     assert [c.key for c in index.repair_candidates("A")] == ["lag"]
 
 
+def test_a_holder_late_at_a_purge_counts_and_no_copy_is_made_too_many(index: RedisIndex) -> None:
+    """B, late with its heartbeat (not yet reaped) when A was purged, was counted missing: C made
+    two copies, and B's next heartbeat left the object with four replicas, stored with three."""
+    tiers = (TierUsage(tier=TierKind.HOST, capacity_bytes=1 << 30, used_bytes=0),)
+    index.register_node(node_row("E", tiers=tiers), incarnation="inc-E", ttl_ms=TTL_MS)
+    commit(index, "three", ("A", 1), ("B", 2), ("C", 3))
+    now = index.server_time_ms()
+    index.redis.zadd(index.prefix + "hb", {"B": now - 1000, "A": 1})  # B a second late, A long dead
+    assert index.reap_dead_nodes(grace_ms=30_000) == ["A"]
+    (cand,) = index.repair_candidates("C")
+    assert (cand.key, cand.missing) == ("three", 1)
+    assert index.copy_replicas([("three", 3, replica("D", 30), "")], src_node="C") == ["OK"]
+    # Whole as counted (B is back, or its purge will list the object again): no copy is added.
+    assert index.copy_replicas([("three", 3, replica("E", 31), "")], src_node="C") == ["WHOLE"]
+    index.redis.zadd(index.prefix + "hb", {"B": now + TTL_MS})  # B's next heartbeat
+    assert nodes_of(index, "three") == ["B", "C", "D"]
+    assert index.counts(["B", "C", "D", "E"])[2]["short"] == 0
+    assert not audit_index(index)
+
+
+def test_an_object_short_twice_is_listed_at_one_holder(index: RedisIndex) -> None:
+    """Listed at B when A was purged, then at D when C was purged while B was late: both copied it
+    (two replicas too many) and `short` counted it twice."""
+    tiers = (TierUsage(tier=TierKind.HOST, capacity_bytes=1 << 30, used_bytes=0),)
+    for node in "EFG":
+        index.register_node(node_row(node, tiers=tiers), incarnation=f"inc-{node}", ttl_ms=TTL_MS)
+    commit(index, "four", ("A", 1), ("B", 2), ("C", 3), ("D", 4))
+    reap(index, "A")
+    assert [c.key for c in index.repair_candidates("B")] == ["four"]
+    now = index.server_time_ms()
+    index.redis.zadd(index.prefix + "hb", {"B": now - 1000, "C": 1})
+    assert index.reap_dead_nodes(grace_ms=30_000) == ["C"]
+    index.redis.zadd(index.prefix + "hb", {"B": now + TTL_MS})  # B back
+    live = ["B", "D", "E", "F", "G"]
+    assert index.counts(live)[2]["short"] == 1
+    assert index.repair_candidates("B") == []
+    (cand,) = index.repair_candidates("D")
+    assert (cand.key, cand.missing) == ("four", 2)
+    # Copies made from either holder stop at the count.
+    assert index.copy_replicas(
+        [("four", 2, replica("E", 50), ""), ("four", 2, replica("F", 51), "")], src_node="B"
+    ) == [
+        "OK",
+        "OK",
+    ]
+    assert index.copy_replicas([("four", 4, replica("G", 60), "")], src_node="D") == ["WHOLE"]
+    assert nodes_of(index, "four") == ["B", "D", "E", "F"]
+    assert index.counts(live)[2]["short"] == 0
+    assert not audit_index(index)
+
+
 def test_an_eviction_under_pressure_lists_nothing(index: RedisIndex) -> None:
     """Pressure drops a replica on purpose (another node holds one): copying it back would undo it."""
     commit(index, "two", ("A", 1), ("B", 2))
@@ -308,3 +359,13 @@ def test_a_full_batch_of_repairs_is_followed_at_once_and_done_keys_leave_the_lis
     assert all(set(nodes_of(a.index, k)) == survivors for k in values)
     for key, value in list(values.items())[:: count // 10]:
         assert np.array_equal(client.get(key), value), key
+
+
+@pytest.mark.parametrize(("ttl_s", "timeout_s"), [(1.5, 10.0), (8.0, 16.0), (60.0, 30.0)])
+def test_a_call_to_a_peer_times_out_at_twice_the_heartbeat_ttl_within_bounds(
+    make_inproc_agent: Callable[..., Agent], ttl_s: float, timeout_s: float
+) -> None:
+    """A repair (or spill) to a hung peer waited 30 s whatever the TTL, and the pressure loop with
+    it: by twice the TTL the peer is past its deadline."""
+    agent = make_inproc_agent(heartbeat_interval_s=min(1.0, ttl_s / 3), heartbeat_ttl_s=ttl_s)
+    assert agent.pressure._spiller._transport._timeout_s == timeout_s

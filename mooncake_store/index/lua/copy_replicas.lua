@@ -6,7 +6,8 @@
 --       reservation ("" for none; entries may share one)
 -- Returns: one status per entry, in order (prelude.lua: plan_copy): "OK" the object lists the new
 --   replica as well; "GONE" it no longer holds the source (drop the new copy); "EXPIRED" the guard
---   or the new node is gone; "DUP" the new node already holds a replica; "INVALID".
+--   or the new node is gone; "DUP" the new node already holds a replica; "WHOLE" the object has
+--   its count of replicas already (drop the new copy); "INVALID".
 -- The new location's agent is told through its ack list, as for a commit. Every entry is checked
 -- before anything is written, as in move_replicas.lua.
 local src_node = ARGV[2]

@@ -120,9 +120,23 @@ local function readable_nodes(reps, now)
   end
   return out
 end
+-- The replicas that count towards an object's copies: complete, on a node still in the node table
+-- and not being purged. A holder past its deadline and not yet reaped (a late heartbeat) counts: an
+-- object is short once its dead node is reaped (README), and that purge lists it then. Counted as
+-- missing at once instead, it was copied again, and the late holder's return left a copy too many.
+local function counted_copies(reps)
+  local n = 0
+  for _, r in ipairs(reps) do
+    if r[6] == 'COMPLETE' and redis.call('HEXISTS', P .. 'nodes', r[1]) == 1
+        and redis.call('SISMEMBER', P .. 'purging', r[1]) == 0 then
+      n = n + 1
+    end
+  end
+  return n
+end
 local function note_short(key, reps, copies, now)
+  if counted_copies(reps) >= copies then return end
   local readable = readable_nodes(reps, now)
-  if #readable >= copies then return end
   local holder = readable[1]
   if holder == nil then
     -- No holder is live this moment, but one past its deadline and not yet reaped (a late
@@ -135,7 +149,14 @@ local function note_short(key, reps, copies, now)
       end
     end
   end
-  if holder then redis.call('SADD', P .. 'repair:' .. holder, key) end
+  if holder then
+    -- One holder lists it: listed at two (an earlier purge's holder now late), both copied it and
+    -- `short` (the sum of the lists) counted it twice.
+    for _, r in ipairs(reps) do
+      if r[1] ~= holder then redis.call('SREM', P .. 'repair:' .. r[1], key) end
+    end
+    redis.call('SADD', P .. 'repair:' .. holder, key)
+  end
 end
 -- Strip a node's replicas from the index; bounded per call so a huge node cannot stall Redis.
 -- Returns the number of keys still to go (0 when the node is gone from the index).
@@ -195,6 +216,16 @@ local function purge_node(node, max_keys)
   end
   local left = redis.call('SCARD', nk) + redis.call('SCARD', P .. 'repair:' .. node)
   if left == 0 then
+    -- Its graves not yet due are old copies of removed, replaced or moved objects whose read
+    -- leases still run: no object record names them any more, so the loop above never met them,
+    -- and they are held like the replicas it took (same member, alloc id; same score, the end).
+    local gk = P .. 'gc:' .. node
+    if redis.call('ZCOUNT', gk, '(' .. now, '+inf') > 0 then
+      redis.call('ZUNIONSTORE', hk, 2, hk, gk, 'AGGREGATE', 'MAX')
+      redis.call('ZREMRANGEBYSCORE', hk, '-inf', now)
+      local top = redis.call('ZREVRANGE', hk, 0, 0, 'WITHSCORES')
+      redis.call('PEXPIREAT', hk, tonumber(top[2]))
+    end
     -- Its repair set is empty by now: what it listed was handed on above (max_keys a call).
     redis.call('DEL', nk, P .. 'gc:' .. node, P .. 'acks:' .. node, P .. 'gcout:' .. node, P .. 'acksout:' .. node,
       P .. 'landed:' .. node, P .. 'repair:' .. node)
@@ -373,17 +404,23 @@ end
 -- into swaps (written by write_swaps): re-replication after a node's loss. The source stays. Returns
 -- "OK" (also for a retry whose first call added it), "GONE" (the object no longer holds the source:
 -- removed, replaced or moved meanwhile), "EXPIRED", "DUP" (the new node holds a replica already),
--- or "INVALID", with plan_swap's meanings. Pins do not matter: nothing of the object moves.
+-- "WHOLE" (the object has its count of replicas already: the new copy is freed), or "INVALID",
+-- with plan_swap's meanings. Pins do not matter: nothing of the object moves.
 local function plan_copy(key, src_node, src_alloc, new, guard, now, swaps)
   local status, rec = plan_checks(key, src_node, src_alloc, new, guard, now, swaps, true)
   if status then return status end
+  -- Whole already (another holder's copy landed first, or a late holder came back): one more
+  -- would stay for good, since nothing trims replicas past the count.
+  local copies = tonumber(redis.call('HGET', P .. 'o:' .. key, 'copies') or 0) or 0
+  if counted_copies(rec.reps) >= copies then return 'WHOLE' end
   new[6] = 'COMPLETE'
   table.insert(rec.reps, new)
   swaps.changed[key] = true
   -- Whole again: off the source's list now, not when a later sample of it meets the key (that list
   -- is sampled a batch at a time, and done keys took the places of short ones).
-  local copies = tonumber(redis.call('HGET', P .. 'o:' .. key, 'copies') or 0) or 0
-  if #readable_nodes(rec.reps, now) >= copies then defer(swaps.srem, P .. 'repair:' .. src_node, key) end
+  if counted_copies(rec.reps) >= copies then
+    for _, r in ipairs(rec.reps) do defer(swaps.srem, P .. 'repair:' .. r[1], key) end
+  end
   defer(swaps.tiers, key, {new[1], new[2]})
   defer(swaps.sadd, P .. 'nobj:' .. new[1], key)
   defer(swaps.rpush, P .. 'acks:' .. new[1], new[2] == 'disk' and (new[5] .. '\t' .. key) or new[5])

@@ -21,7 +21,7 @@ for _, key in ipairs(redis.call('SRANDMEMBER', set, tonumber(ARGV[3]))) do
     if r[1] == node and r[6] == 'COMPLETE' then mine = r end
   end
   local copies = tonumber(f[3] or 0) or 0
-  local missing = copies - #readable_nodes(reps, now)
+  local missing = copies - counted_copies(reps)
   if f[1] and missing > 0 and mine then  -- stays listed until its copies land
     local row = {key, f[1], mine[5], mine[2], missing, table.concat(holders, ','), f[4] or ''}
     for _, v in ipairs(row) do table.insert(out, v) end
