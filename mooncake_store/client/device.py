@@ -34,7 +34,7 @@ from mooncake_store.tiers.gpu_arrays import (
     parse_device,
 )
 from mooncake_store.transport.tcp import ReadRequest
-from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind, stale_for
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -269,6 +269,12 @@ def _read_replica_to_device(
     errors = []
     for replica, node, kind in ordered:
         try:
+            if kind == TransportKind.SHM and stale_for(replica, node):
+                # As gets.py: an earlier incarnation's offset means nothing in the new arena.
+                raise TransferError(
+                    f"the replica on {node.node_id} was handed out by an earlier incarnation of that node, "
+                    "restarted since the lookup"
+                )
             if kind == TransportKind.SHM and replica.tier == TierKind.GPU:
                 try:
                     client._gpu_segments().read(node, replica, dest, n)

@@ -25,7 +25,7 @@ from mooncake_store.errors import (
 )
 from mooncake_store.policy.transport_choice import gpu_ipc_node, order_replicas
 from mooncake_store.transport.tcp import ReadRequest
-from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind, stale_for
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -256,6 +256,19 @@ class GetPath:
                 raise
             self._read_via_agent(node, replica, dest)
 
+    def _unreachable_because(self, replica: Replica, node: NodeInfo | None) -> str:
+        """Why none of this client's transports reaches ``replica`` (shm alone, as tcp reaches every
+        live agent): a disk replica is served by its agent only, over tcp, and a get over shm
+        never asks the agent, so it is not promoted back to memory either."""
+        where = f"{replica.node_id}'s {replica.tier} tier"
+        if replica.tier == TierKind.DISK:
+            return f"{where}: a disk tier is read by its agent only, over tcp"
+        if node is None:
+            return f"{where}: its node is no longer in the node table (gone since the lookup)"
+        if node.host_id != self.client.host_id:
+            return f"{where}: on another host, which shm does not reach"
+        return f"{where}: its segment cannot be mapped here"
+
     def _corrupt(self, meta: ObjectMeta, dest: memoryview) -> bool:
         """With verify_checksum, whether the bytes read differ from what was put. Device puts
         record no checksum (0): hashing would cost a device-to-host copy."""
@@ -295,6 +308,7 @@ class GetPath:
         agent endpoints that failed earlier in the batch, not asked again (and added to here)."""
         if meta.size_bytes == 0:
             return None
+        nodes: dict[str, NodeInfo] = {}
         if best is not None and len(meta.replicas) == 1:
             ordered = [best]
         else:
@@ -314,11 +328,19 @@ class GetPath:
         if not ordered:
             raise TransferError(
                 f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches a replica of "
-                f"{meta.key!r} (on {', '.join(r.node_id for r in meta.replicas)})"
+                f"{meta.key!r}: " + "; ".join(self._unreachable_because(r, nodes.get(r.node_id)) for r in meta.replicas)
             )
         errors: list[str] = []
         for replica, node, kind in ordered:
             try:
+                if kind == TransportKind.SHM and stale_for(replica, node):
+                    # Handed out by an earlier incarnation of the node (the table was read afresh
+                    # for it: _nodes_for): its offset means nothing in the new arena, and no agent
+                    # is there to refuse it, as one does over TCP. The lookup is made again.
+                    raise TransferError(
+                        f"the replica of {meta.key!r} on {node.node_id} was handed out by an earlier "
+                        "incarnation of that node, restarted since the lookup"
+                    )
                 if kind == TransportKind.SHM and replica.tier == TierKind.GPU:
                     self._read_gpu_ipc(node, replica, dest)
                 elif kind == TransportKind.SHM:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import array
 import ctypes
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -346,3 +349,32 @@ def test_a_put_that_no_allowed_transport_can_carry_stores_nothing(shared_cluster
         ):
             client.put("rd/0", np.arange(1000, dtype=np.int32))
         assert not client.exists("rd/0")
+
+
+def test_a_shm_only_get_of_a_replica_on_disk_says_why_it_cannot_be_read(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """Only its agent reads a disk tier, over TCP: a shm-only client was told "no allowed transport
+    reaches a replica of 'cold' (on agent-0)", with nothing on the tier or the way out."""
+    cluster = make_cluster(0)
+    cluster.add_agent(
+        node_id="agent-0",
+        extra_args=["--host-bytes", str(16 << 20), "--disk", str(tmp_path / "disk"), "--disk-mem", str(64 << 20)],
+    )
+    value = np.arange(1 << 20, dtype=np.int32)  # 4 MiB
+    with connect(cluster.redis_url, namespace=cluster.namespace) as writer:
+        writer.put("cold", value)
+        for i in range(3):  # past the high watermark: the coldest goes to disk
+            writer.put(f"warm/{i}", value)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            meta = writer.object_meta("cold")
+            if meta is not None and [str(r.tier) for r in meta.replicas] == ["disk"]:
+                break
+            time.sleep(0.1)
+        assert meta is not None and [str(r.tier) for r in meta.replicas] == ["disk"], meta
+        shm_only = connect(cluster.redis_url, namespace=cluster.namespace, transports=("shm",))
+        why = r"agent-0's disk tier: a disk tier is read by its agent only, over tcp"
+        with shm_only, pytest.raises(TransferError, match=why):
+            shm_only.get("cold")
+        assert np.array_equal(writer.get("cold"), value)  # over tcp, from its agent
