@@ -110,7 +110,7 @@ def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
     # runpy warns that the package imported the module it is about to run (mooncake_store imports
     # it for LocalCluster): harmless here, and it showed in every error's log tail.
     quiet = ["-W", "ignore::RuntimeWarning:runpy"]
-    cmd = [sys.executable, *quiet, "-m", "mooncake_store.embedded", "--port", str(plan.port)]
+    cmd = [sys.executable, *quiet, "-m", "mooncake_store.embedded", "--port", str(plan.port), *_owned(plan)]
     with signals_deferred():
         proc = spawn_detached(cmd, stdout=out, stderr=log)
         state.servers.append(ref_of(proc.pid))
@@ -124,6 +124,13 @@ def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
         state.servers.append(ref_of(int(found.group(1))))
         state.server_dir = found.group(2) or ""
     return line.strip()
+
+
+def _owned(plan: LaunchPlan) -> list[str]:
+    """In the foreground, the processes stop once this one is gone however it went (SIGKILL runs
+    no cleanup: the whole cluster ran on, holding its arenas, until `mooncake down`); detached, they
+    outlive it by design."""
+    return ["--exit-with-parent", str(os.getpid())] if plan.mode == "foreground" else []
 
 
 def _not_up(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:
@@ -157,6 +164,7 @@ def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState) -> None:
         out, log = logs / f"{node_id}.out", logs / f"{node_id}.log"
         log.write_bytes(b"")
         cmd = [sys.executable, "-m", "mooncake_store.agent", "--host-bytes", str(plan.host_bytes), "--node-id", node_id]
+        cmd += _owned(plan)
         if plan.zone:
             cmd += ["--zone", plan.zone]
         with signals_deferred(), out.open("wb") as fo, log.open("ab") as fe:

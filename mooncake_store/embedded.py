@@ -30,7 +30,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from mooncake_store.errors import ServerError
-from mooncake_store.watchdog import start_time
+from mooncake_store.watchdog import start_time, watch_parent
 
 
 def watchdog_command() -> list[str]:
@@ -389,15 +389,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--persist-dir", default=None, help="keep data here (append-only file)")
+    parser.add_argument(
+        "--exit-with-parent",
+        type=int,
+        metavar="PID",
+        help="stop, as on SIGTERM, once PID is no longer this process's parent (a foreground `mooncake up`)",
+    )
     args = parser.parse_args(argv)
+    if args.exit_with_parent is not None and args.exit_with_parent <= 0:
+        parser.error(f"--exit-with-parent must be a process id > 0, got {args.exit_with_parent}")
 
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+    if args.exit_with_parent is not None:
+        watch_parent(args.exit_with_parent, stop, what="embedded server")
     try:
         server = EmbeddedServer(host=args.host, port=args.port, persist_dir=args.persist_dir).start()
     except ServerError as exc:

@@ -21,14 +21,35 @@ the launcher sends when it stops the server itself, ends the watch.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 
 POLL_S = 1.0
 STOP_GRACE_S = 5.0
+#: How often a process started with --exit-with-parent (an agent, the embedded server's wrapper)
+#: checks that its launcher is still there.
+PARENT_CHECK_S = 1.0
+
+
+def watch_parent(pid: int, stop: threading.Event, *, what: str) -> None:
+    """Set ``stop`` once ``pid`` is no longer this process's parent (it died: this process was
+    re-parented), so that a process whose launcher was killed (SIGKILL runs no cleanup) does not
+    live on: an agent holding its arena, a foreground `mooncake up`'s server. Polled:
+    PR_SET_PDEATHSIG fires when the forking *thread* ends, which would stop processes a launcher
+    started from a short-lived thread. ``what`` names this process in the warning."""
+
+    def run() -> None:
+        while not stop.wait(PARENT_CHECK_S):
+            if os.getppid() != pid:
+                logging.getLogger("mooncake").warning("%s: launcher process %d is gone; stopping", what, pid)
+                stop.set()
+
+    threading.Thread(target=run, name="mc-parent-watch", daemon=True).start()
 
 
 def start_time(pid: int) -> int | None:

@@ -17,7 +17,9 @@ from mooncake_store.embedded import EmbeddedServer
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedServer]:
-    server = EmbeddedServer().start()
+    # A watchdog stops it should pytest be killed (a CI timeout, the OOM killer): it runs in a
+    # session of its own, which nothing else would stop.
+    server = EmbeddedServer(exit_with_parent=True).start()
     try:
         yield server
     finally:

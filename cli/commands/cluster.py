@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from mooncake_store import ClusterStats, MooncakeError, connect
-from mooncake_store.config import format_size, load_config, redact_url
+from mooncake_store.config import format_size, load_config, redact_url, split_host_port
 from mooncake_store.index.client import connect_redis
 
 
@@ -141,6 +141,14 @@ def up(
         )
     # What each agent would refuse on its own is refused here, before a server or agent starts.
     config.agent.check_published_endpoint()
+    _, listen_port = split_host_port(config.agent.listen, what="agent.listen")
+    if agents > 1 and listen_port != 0:
+        # Every agent is given the same agent.listen: the second found its port taken by the first.
+        raise CliError(
+            f"agent.listen={config.agent.listen!r} (from the config file or MOONCAKE_AGENT_LISTEN) names one port, "
+            f"and the {agents} agents of `up` would all bind it: use port 0 (any free port) or --agents 1",
+            ExitCode.USAGE,
+        )
     plan = launcher.LaunchPlan(
         num_agents=agents,
         host_bytes=config.agent.host_bytes,

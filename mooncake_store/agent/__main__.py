@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -18,31 +17,11 @@ from types import FrameType
 from mooncake_store.agent.node import Agent
 from mooncake_store.config import agent_flag_overrides, load_config
 from mooncake_store.errors import ConfigError, MooncakeError
+from mooncake_store.watchdog import watch_parent
 
 #: Exit codes, as the `mooncake` CLI's (cli/exits.py): 2 for bad input, 1 for any other failure.
 EXIT_ERROR = 1
 EXIT_USAGE = 2
-
-
-#: How often an agent started with --exit-with-parent checks that its launcher is still there.
-PARENT_CHECK_S = 1.0
-
-log = logging.getLogger("mooncake.agent")
-
-
-def watch_parent(pid: int, stop: threading.Event) -> None:
-    """Set ``stop`` once ``pid`` is no longer this process's parent (it died: the agent is
-    re-parented), so that an agent whose launcher was killed (SIGKILL runs no cleanup) does not
-    live on holding its arena. Polled: PR_SET_PDEATHSIG fires when the forking *thread* ends, which
-    would stop agents a launcher started from a short-lived thread."""
-
-    def run() -> None:
-        while not stop.wait(PARENT_CHECK_S):
-            if os.getppid() != pid:
-                log.warning("launcher process %d is gone; stopping", pid)
-                stop.set()
-
-    threading.Thread(target=run, name="mc-parent-watch", daemon=True).start()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -122,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # A hang-up too (its terminal closed, as `mooncake agent` takes it): by the default action the
+    # agent died without its stop, and its arena stayed in /dev/shm.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     if args.exit_with_parent is not None:
-        watch_parent(args.exit_with_parent, stop)
+        watch_parent(args.exit_with_parent, stop, what="agent")
     try:
         agent.start()
         ready = {

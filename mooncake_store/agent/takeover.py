@@ -33,8 +33,17 @@ def register_first(index: RedisIndex, node_info: Callable[[], NodeInfo], *, inca
             index.register_node(info, incarnation=incarnation, ttl_ms=ttl_ms)
             return
         except NodeIdTaken as exc:
-            if not holder_gone(exc.holder) or time.monotonic() >= give_up:
+            if not holder_gone(exc.holder):
                 raise
+            if time.monotonic() >= give_up:
+                # Not "held by a live agent ... stop that agent": there is none to stop.
+                raise NodeIdTaken(
+                    f"node id {info.node_id!r} was held by pid {exc.holder.get('pid')} of this host, which is "
+                    f"gone; its record frees at its heartbeat deadline, in {exc.left_ms / 1000:.1f} s (a start "
+                    f"waits up to {TAKEOVER_WAIT_S:.0f} s for that): start again then, or pick another node id",
+                    holder=exc.holder,
+                    left_ms=exc.left_ms,
+                ) from None
             wait_s = min(exc.left_ms / 1000 + 0.05, max(0.0, give_up - time.monotonic()))
             log.warning(
                 "node id %s is still held by pid %s of this host, which is gone; waiting %.1f s for its deadline",

@@ -97,13 +97,37 @@ class LocalCluster:
             raise MooncakeError(f"num_agents must be an int >= 0, got {num_agents!r:.80}")
         # Checked by the agents' own rules before anything starts: a bad size ("12XB", 0) was an
         # agent that "did not become ready", after the server had started.
-        self.host_bytes = load_config(env={}, overrides={"agent.host_bytes": host_bytes}).agent.host_bytes
+        # The same for the other values the agents are given (a TTL of 0 was "did not become ready
+        # within 30 s", at once), each zone through the agent's own rule. The TTL is checked alone:
+        # its rule against the heartbeat interval takes agent_args and the environment, which the
+        # agent reads itself (and an agent that refuses them exits "with status 2", saying why).
+        if isinstance(heartbeat_ttl_s, bool) or not isinstance(heartbeat_ttl_s, int | float) or not heartbeat_ttl_s > 0:
+            raise MooncakeError(f"heartbeat_ttl_s must be a number of seconds > 0, got {heartbeat_ttl_s!r:.80}")
+        checked = load_config(
+            env={},
+            overrides={
+                "agent.host_bytes": host_bytes,
+                "agent.reserve_timeout_s": reserve_timeout_s,
+                "namespace": namespace,
+            },
+        )
+        for zone in zones or []:
+            load_config(env={}, overrides={"agent.zone": zone})
+        if zones is not None and not zones:
+            raise MooncakeError("zones must name at least one zone, or be None")
+        if (
+            isinstance(startup_timeout_s, bool)
+            or not isinstance(startup_timeout_s, int | float)
+            or not startup_timeout_s > 0
+        ):
+            raise MooncakeError(f"startup_timeout_s must be a number of seconds > 0, got {startup_timeout_s!r:.80}")
+        self.host_bytes = checked.agent.host_bytes
         self.num_agents = num_agents
         # On its own private server the cluster uses the default namespace, so a plain
         # connect(cluster.redis_url) finds it; on a shared server it takes a namespace of its own.
         self.namespace = namespace or ("default" if redis_url is None else f"lc-{uuid.uuid4().hex[:8]}")
-        self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.reserve_timeout_s = reserve_timeout_s
+        self.heartbeat_ttl_s = float(heartbeat_ttl_s)
+        self.reserve_timeout_s = checked.agent.reserve_timeout_s
         self.zones = zones
         self.agent_args = agent_args or []
         self.startup_timeout_s = startup_timeout_s
@@ -173,7 +197,10 @@ class LocalCluster:
         # The URL goes in the environment, not on the command line, where `ps` would show a password.
         env = {**os.environ, "MOONCAKE_REDIS_URL": self.redis_url}
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env)
+            # A session of its own: a Ctrl-C (or hang-up, or Ctrl-Z) in the caller's terminal reaches
+            # the caller, which may catch it and go on; in its process group it stopped every agent,
+            # and their objects were lost. --exit-with-parent stops them once the caller is gone.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         except BaseException:
             log.close()
             raise
@@ -187,7 +214,12 @@ class LocalCluster:
             log=log,
         )
         self.agents.append(agent)
-        ready = self._wait_ready(agent)
+        try:
+            ready = self._wait_ready(agent)
+        except BaseException:
+            self.agents.remove(agent)  # stopped by _wait_ready; cluster.agent(node_id) must not find it
+            agent.stop()
+            raise
         agent.endpoint, agent.shm_name = ready["endpoint"], ready["shm_name"]
         return agent
 
@@ -208,12 +240,12 @@ class LocalCluster:
                 agent.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-        err = agent.log_tail() if agent.process.poll() is not None else ""
+        code = agent.process.poll()
+        err = agent.log_tail() if code is not None else ""
         agent.stop()
-        raise ServerError(
-            f"agent {agent.node_id} did not become ready within {self.startup_timeout_s} s "
-            f"(exit code {agent.process.poll()}): {err.strip() or line!r}"
-        )
+        if code is not None:
+            raise ServerError(f"agent {agent.node_id} exited with status {code} as it started: {err.strip() or line!r}")
+        raise ServerError(f"agent {agent.node_id} did not become ready within {self.startup_timeout_s} s: {line!r}")
 
     def agent(self, node_id: str) -> AgentProcess:
         for agent in self.agents:
@@ -222,11 +254,15 @@ class LocalCluster:
         raise MooncakeError(f"no agent {node_id!r} in this cluster")
 
     def stop(self) -> None:
+        """Stop every agent and the private server; the cluster may be started again (afresh: what
+        it stored is gone)."""
         for agent in self.agents:
             agent.stop()
+        self.agents = []
         if self.server is not None:
             self.server.stop()
             self.server = None
+        self._started = False
 
     def __enter__(self) -> LocalCluster:
         return self.start() if not self._started else self

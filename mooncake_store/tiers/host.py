@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import threading
 import weakref
 from collections.abc import Iterator
@@ -107,6 +108,46 @@ def sweep_abandoned_segments(namespace: str, node_id: str, *, keep: str) -> list
         finally:
             os.close(fd)
     return removed
+
+
+def _create_locked(path: Path) -> int:
+    """A new, empty file at ``path``, already locked when it takes its name: locked only after it
+    was sized and mapped (seconds for a large arena), it was unlocked to another agent's start
+    sweep of the same node id (a second cluster in the namespace, a demo), which deleted it, and
+    the agent advertised a segment no reader could open. The lock is let go when this process dies
+    however it dies, and a later agent of the node then removes the segment
+    (sweep_abandoned_segments). Never adopts an existing file (a live agent with a reused pid name)."""
+    hidden = path.with_name(f".{path.name}.{secrets.token_hex(4)}.new")  # no sweep's glob matches it
+    exists = MooncakeError(f"shared-memory segment {path} already exists")
+    fd: int | None = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can hold it
+        os.link(hidden, path)  # fails where the name exists, as O_EXCL would
+    except FileExistsError:
+        os.close(fd)
+        raise exists from None
+    except OSError:
+        os.close(fd)  # no hard links here: named first, then locked within microseconds
+        fd = None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        hidden.unlink(missing_ok=True)
+    if fd is not None:
+        return fd
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise exists from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:  # a sweep locked it in those microseconds, and removes it
+        os.close(fd)
+        raise MooncakeError(
+            f"shared-memory segment {path} was taken by another process as it was created: {exc}"
+        ) from None
+    return fd
 
 
 def _check_name(name: object) -> str:
@@ -298,11 +339,7 @@ class HostArena(_Mapping):
         available = st.f_bavail * st.f_frsize
         if size_bytes > available:
             raise NoCapacity(f"need {size_bytes} B in {SHM_DIR} for segment {name}; {available} B available")
-        try:
-            # O_EXCL: never adopt someone else's segment (e.g. a live agent with a reused pid name).
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise MooncakeError(f"shared-memory segment {path} already exists") from None
+        fd = _create_locked(path)
         try:
             os.ftruncate(fd, size_bytes)
             if prefault:
@@ -327,12 +364,8 @@ class HostArena(_Mapping):
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        # Held while the mapping lives (mmap keeps a duplicate of the descriptor, and the lock is
-        # the open file's), and let go when this process dies however it dies: a later agent of
-        # this node removes a segment no lock holds (sweep_abandoned_segments).
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # mmap keeps its own duplicate of the descriptor; ours is no longer needed.
+        # The lock (_create_locked) is held while the mapping lives: mmap keeps a duplicate of the
+        # descriptor, and the lock is the open file's; ours is no longer needed.
         os.close(fd)
         return cls(name, path, size_bytes, mm)
 

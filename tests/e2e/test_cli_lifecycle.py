@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from helpers import mooncake_bin
 from mooncake_cli.procs import start_ticks
@@ -55,16 +56,22 @@ def test_detached_up_then_down_leaves_nothing(mooncake: Mooncake, pid_alive: Cal
     assert mooncake("stat").returncode == 4  # nothing recorded any more
 
 
+def _recorded_when_up(mooncake: Mooncake, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """What a foreground `up` recorded, once it has (within 30 s, or once it exited)."""
+    state_file = mooncake.state_dir / "cluster.json"
+    deadline = time.monotonic() + 30
+    while not state_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return mooncake.state()
+
+
 def test_foreground_up_stops_everything_on_ctrl_c(mooncake: Mooncake, pid_alive: Callable[[int], bool]) -> None:
     proc = mooncake.popen("up", "--agents", "1", "--host-mem", HOST_MEM)
     state_file = mooncake.state_dir / "cluster.json"
     pids: list[int] = []
     segments: list[str] = []
     try:
-        deadline = time.monotonic() + 30
-        while not state_file.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        state = mooncake.state()
+        state = _recorded_when_up(mooncake, proc)
         assert state["mode"] == "foreground" and state["owner"]["pid"] == proc.pid
         pids, segments = _recorded(state)
         # Another shell finds the foreground cluster through the state file.
@@ -80,6 +87,33 @@ def test_foreground_up_stops_everything_on_ctrl_c(mooncake: Mooncake, pid_alive:
     assert not any((SHM / s).exists() for s in segments)
     assert not state_file.exists()
     assert proc.stdout is not None and b"agent-0" in proc.stdout.read()
+
+
+def test_a_foreground_up_killed_outright_takes_its_cluster_with_it(
+    mooncake: Mooncake, pid_alive: Callable[[int], bool]
+) -> None:
+    """SIGKILL runs no cleanup: the server and agents of a foreground `up` ran on, holding their
+    arenas, and the next `up` was refused until a `mooncake down`. They watch it now."""
+    proc = mooncake.popen("up", "--agents", "2", "--host-mem", HOST_MEM)
+    pids: list[int] = []
+    segments: list[str] = []
+    try:
+        pids, segments = _recorded(_recorded_when_up(mooncake, proc))
+        mooncake.ok("put", "fg", "-", stdin=b"foreground")  # up and serving
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20  # a parent check a second, then each one's stop
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(p) for p in pids), [p for p in pids if pid_alive(p)]
+        assert not any((SHM / s).exists() for s in segments)
+        # What it recorded names no running process: a new cluster starts.
+        mooncake.ok("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        mooncake("down", "--timeout", "5")
 
 
 def test_down_never_signals_processes_recorded_in_another_boot(

@@ -47,6 +47,17 @@ def test_up_refuses_a_wildcard_listen_without_advertise_before_starting_anything
     _no_processes_started(mooncake)
 
 
+def test_up_refuses_one_fixed_listen_port_for_several_agents(mooncake: Mooncake) -> None:
+    """Every agent was given the same port: the second exited with "address already in use", as
+    if another program held it, after the server and the first agent had started."""
+    with socket_on_a_free_port() as port:
+        pass  # free now; the check comes before anything would bind it
+    listen = f"127.0.0.1:{port}"
+    result = mooncake("up", "--detach", "--agents", "2", "--host-mem", "16MiB", env={"MOONCAKE_AGENT_LISTEN": listen})
+    assert_one_line_error(result, 2, f"agent.listen={listen!r}", "port 0", "--agents 1")
+    _no_processes_started(mooncake)
+
+
 def test_foreground_up_with_json_prints_one_json_document(mooncake: Mooncake, pid_alive: Callable[[int], bool]) -> None:
     """The live tables followed the JSON on stdout, which then did not parse."""
     proc = mooncake.popen("up", "--agents", "1", "--host-mem", HOST_MEM, "--json")

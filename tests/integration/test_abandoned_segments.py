@@ -6,6 +6,7 @@ agents of that id that no process holds."""
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 import uuid
@@ -18,7 +19,7 @@ from helpers import wait_until
 from mooncake_store import LocalCluster
 from mooncake_store.agent.node import Agent
 from mooncake_store.index.client import RedisIndex
-from mooncake_store.tiers.host import SHM_DIR, HostArena, segment_name
+from mooncake_store.tiers.host import SHM_DIR, HostArena, segment_name, sweep_abandoned_segments
 
 MiB = 1 << 20
 
@@ -76,3 +77,44 @@ def test_a_node_restarted_after_each_crash_holds_one_arena(make_cluster: Callabl
         assert len(arenas()) == 1, sorted(arenas())
     finally:
         index.close()
+
+
+def test_an_arena_being_created_is_never_swept(made: list[Path]) -> None:
+    """The lock was taken only once the arena was sized and prefaulted (seconds for a large one),
+    and an agent of the same node id starting meanwhile (a second cluster in the namespace, a
+    demo) swept the new, live segment away: the agent then advertised a name no reader could open."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    name = segment_name(namespace, "agent-0", incarnation="creating")
+    made.append(SHM_DIR / name)
+    creator = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from mooncake_store.tiers.host import HostArena\n"
+            f"arena = HostArena.create({name!r}, 256 << 20, prefault=True)\n"
+            "print('created', flush=True)\n"
+            "sys.stdin.read()\n"  # held until the test has looked
+            "arena.close()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert creator.stdout is not None
+        removed: list[str] = []
+        for _ in range(3000):  # sweeps until it is created, as often as starts could (bounded)
+            removed += sweep_abandoned_segments(namespace, "agent-0", keep="another agent's")
+            if select.select([creator.stdout], [], [], 0.002)[0] or creator.poll() is not None:
+                break
+        assert creator.stdout.readline().strip() == "created"
+        assert removed == [], f"the sweep removed a segment being created: {removed}"
+        assert (SHM_DIR / name).exists()
+        assert not list(SHM_DIR.glob(f".{name}*")), "the hidden name it was created under was left"
+    finally:
+        if creator.poll() is None:
+            assert creator.stdin is not None
+            creator.stdin.close()
+            creator.wait(timeout=30)
+    assert not (SHM_DIR / name).exists()

@@ -4,17 +4,24 @@ every heartbeat, forever, serving nothing). Real agent processes and the session
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import node_row, wait_until
 
 from mooncake_store import Client, LocalCluster
+from mooncake_store.agent import takeover
+from mooncake_store.index.client import RedisIndex
+from mooncake_store.index.node_table import NodeIdTaken
+from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import ALLOC_TAG_SHIFT
 
 
@@ -88,3 +95,27 @@ def test_an_agent_restarted_at_once_after_a_crash_waits_for_the_dead_one_s_deadl
     client = make_client(cluster)
     client.put("after", np.arange(64, dtype=np.uint8), preferred_node="y")
     assert np.array_equal(client.get("after"), np.arange(64, dtype=np.uint8))
+
+
+def test_a_gone_holder_whose_deadline_is_past_the_wait_is_named_as_gone(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a heartbeat TTL longer than the wait, the start gave up with "held by a live agent ...
+    or stop that agent", about a process that was not there."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    index = RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:10]}")
+    try:
+        dead = dataclasses.replace(node_row("z"), host_id=local_host_id(), pid=gone.pid)
+        index.register_node(dead, incarnation="old", ttl_ms=120_000)
+        monkeypatch.setattr(takeover, "TAKEOVER_WAIT_S", 0.3)
+        with pytest.raises(NodeIdTaken) as info:
+            takeover.register_first(
+                index, lambda: dataclasses.replace(dead, pid=os.getpid()), incarnation="new", ttl_ms=120_000
+            )
+        message = str(info.value)
+        assert f"pid {gone.pid} of this host, which is gone" in message, message
+        assert "live agent" not in message and "stop that agent" not in message, message
+        assert "frees at its heartbeat deadline, in 1" in message, message  # ~119 s
+    finally:
+        index.close()

@@ -1,0 +1,107 @@
+"""LocalCluster's processes and the terminal: a Ctrl-C the caller catches, a hang-up, a cluster
+stopped and started again, and values its agents would refuse. Real agent processes, each stopped
+by its own pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import pytest
+
+from mooncake_store import LocalCluster, MooncakeError, connect
+from mooncake_store.tiers.host import SHM_DIR
+
+MiB = 1 << 20
+
+
+def test_a_ctrl_c_the_caller_catches_leaves_the_agents_running(redis_url: str) -> None:
+    """A terminal's Ctrl-C goes to its whole foreground process group: the agents were in the
+    caller's, and a REPL or script that caught the KeyboardInterrupt went on with every agent
+    stopped and its objects lost."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        import numpy as np
+        from mooncake_store import LocalCluster, connect
+        with LocalCluster(2, redis_url={redis_url!r}, host_bytes=16 << 20) as cluster:
+            client = connect(cluster.redis_url, namespace=cluster.namespace)
+            client.put("kv", np.arange(1000, dtype=np.int64))
+            try:
+                os.killpg(0, signal.SIGINT)  # as the terminal does on Ctrl-C
+                time.sleep(5)
+            except KeyboardInterrupt:
+                pass
+            time.sleep(0.5)
+            print("alive", [a.alive() for a in cluster.agents], flush=True)
+            print("same", bool(np.array_equal(client.get("kv"), np.arange(1000, dtype=np.int64))), flush=True)
+            client.close()
+        """
+    )
+    # A session of its own, so that its killpg reaches nothing of this test run.
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "alive [True, True]" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "same True" in done.stdout, done.stdout
+
+
+def test_a_hang_up_stops_an_agent_cleanly(make_cluster: Callable[..., LocalCluster]) -> None:
+    """SIGHUP (its terminal closed) killed an agent by the default action: no stop ran, and its
+    arena stayed in /dev/shm."""
+    cluster = make_cluster(1, host_bytes=16 * MiB)
+    agent = cluster.agents[0]
+    assert (SHM_DIR / agent.shm_name).exists()
+    os.kill(agent.pid, signal.SIGHUP)
+    assert agent.process.wait(timeout=30) == 0
+    assert not (SHM_DIR / agent.shm_name).exists(), "its arena was left in /dev/shm"
+
+
+def test_a_stopped_cluster_starts_again_with_only_its_new_agents(redis_url: str) -> None:
+    cluster = LocalCluster(2, redis_url=redis_url, host_bytes=16 * MiB)
+    try:
+        with cluster:
+            first = [a.pid for a in cluster.agents]
+        assert cluster.agents == []
+        with cluster:  # "LocalCluster is not started" before, or the old, dead agents listed
+            assert len(cluster.agents) == 2 and all(a.alive() for a in cluster.agents)
+            assert cluster.agent("agent-0").pid not in first
+            client = connect(cluster.redis_url, namespace=cluster.namespace)
+            try:
+                client.put("again", b"x" * 100)
+                assert bytes(client.get("again")) == b"x" * 100
+            finally:
+                client.close()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"heartbeat_ttl_s": 0}, "heartbeat_ttl_s"),
+        ({"reserve_timeout_s": -1}, "reserve_timeout_s"),
+        ({"zones": ["a b"]}, "zone"),
+        ({"zones": []}, "zones"),
+        ({"namespace": "x/y"}, "namespace"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s"),
+    ],
+)
+def test_values_the_agents_would_refuse_are_refused_before_anything_starts(
+    kwargs: dict[str, object], named: str
+) -> None:
+    with pytest.raises(MooncakeError, match=named):
+        LocalCluster(1, **kwargs)  # type: ignore[arg-type]
+
+
+def test_an_agent_that_exits_as_it_starts_is_said_to_have_exited(make_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = make_cluster(0, host_bytes=16 * MiB)
+    with pytest.raises(MooncakeError, match="exited with status 2 as it started") as info:
+        cluster.add_agent(node_id="bad", extra_args=["--high-watermark", "7"])
+    assert "did not become ready" not in str(info.value)
+    assert cluster.agents == []
