@@ -147,6 +147,8 @@ def _gpu_check() -> Check:
         count = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:  # no driver, no device: cupy raises its own runtime errors
         return Check("gpu", Status.WARN, f"cupy is installed but found no usable CUDA device: {exc}")
+    if count < 1:  # a driver with every device hidden (CUDA_VISIBLE_DEVICES="") answers 0
+        return Check("gpu", Status.WARN, "cupy is installed but sees no CUDA device: no GPU tier")
     return Check("gpu", Status.OK, f"{count} CUDA device(s) via cupy")
 
 

@@ -235,9 +235,9 @@ class Client:
     ) -> None:
         """Store several objects with one index round trip per phase (start, commit) for the batch.
 
-        Device arrays (cupy, or anything with ``__cuda_array_interface__``) go to a same-host GPU
-        tier that can hold them (on ``preferred_node``, if named), else they are staged to host
-        memory once.
+        Device arrays (cupy, or anything with ``__cuda_array_interface__``) go to same-host GPU
+        tiers that can hold them, one per replica (on ``preferred_node``, if named), else they are
+        staged to host memory once.
 
         For chunks of a prefix chain, ``chain_pos`` gives each key its position and ``chain_parent``
         the key of the chunk before it. Under memory pressure the cluster then evicts only chunks
@@ -245,7 +245,9 @@ class Client:
         """
         self._check_open()
         check_put_options(replicas, preferred_node)
-        plans = self._puts.plan(items, chain_pos=chain_pos, chain_parent=chain_parent, preferred_node=preferred_node)
+        plans = self._puts.plan(
+            items, chain_pos=chain_pos, chain_parent=chain_parent, preferred_node=preferred_node, replicas=replicas
+        )
         if plans:
             self._puts.run(plans, replicas=replicas, preferred_node=preferred_node)
 

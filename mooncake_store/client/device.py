@@ -89,10 +89,13 @@ class GpuSegments:
         #: handle hex -> (why it would not open, when to try again (monotonic s))
         self._unopenable: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def _acquire(self, node: NodeInfo) -> GpuSegment:
         handle_hex = node.labels["gpu_ipc"]
         with self._lock:
+            if self._closed:
+                raise TransferError("the client is closed: its GPU mappings are closed")
             known = self._segments.get(node.node_id)
             if known is not None and known[0] == handle_hex:
                 seg = known[1]
@@ -119,18 +122,24 @@ class GpuSegments:
                 # cause may pass (device memory, a peer limit).
                 self._unopenable[handle_hex] = (why, time.monotonic() + UNOPENABLE_RETRY_S)
             raise TransferError(why) from None
+        closed = False
         with self._lock:
             known = self._segments.get(node.node_id)
-            if known is not None and known[0] == handle_hex:  # another thread opened it meanwhile
+            if self._closed:  # close() ran while this thread opened it: nobody else would close it
+                duplicate, closed = seg, True
+            elif known is not None and known[0] == handle_hex:  # another thread opened it meanwhile
                 duplicate, seg = seg, known[1]
             else:
                 duplicate = None
                 if known is not None:
                     self._retire(known[1])
                 self._segments[node.node_id] = (handle_hex, seg)
-            self._busy[id(seg)] = self._busy.get(id(seg), 0) + 1
+            if not closed:
+                self._busy[id(seg)] = self._busy.get(id(seg), 0) + 1
         if duplicate is not None:
             duplicate.close()  # CUDA counts opens of one handle per context: this undoes ours only
+        if closed:
+            raise TransferError("the client is closed: its GPU mappings are closed")
         return seg
 
     def _retire(self, seg: GpuSegment) -> None:
@@ -180,11 +189,14 @@ class GpuSegments:
             return len(self._segments)
 
     def close(self) -> None:
+        """Close every mapping; one a copy in another thread is using closes when that copy ends
+        (unmapped under it, the copy would go to an address CUDA no longer knows, which
+        cudaMemcpyDefault takes for host memory). No mapping is opened after this."""
         with self._lock:
-            segments = [seg for _, seg in self._segments.values()] + self._retired
-            self._segments, self._retired, self._busy = {}, [], {}
-        for seg in segments:
-            seg.close()
+            self._closed = True
+            segments, self._segments = [seg for _, seg in self._segments.values()], {}
+            for seg in segments:
+                self._retire(seg)
 
 
 def read_to_device(
@@ -223,7 +235,7 @@ def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | N
             )
         elif target is None or target.nbytes != meta.size_bytes:  # the key may be replaced between attempts
             target = empty_device_array(meta.size_bytes, device if device is not None else 0)
-        dest = describe_device_array(target)
+        dest = describe_device_array(target, for_writing=True)
         check_fill_dtype(key, meta.dtype, dest.dtype)
         if dest.nbytes < meta.size_bytes:
             raise InvalidValue(f"out holds {dest.nbytes} B but key {key!r} is {meta.size_bytes} B")

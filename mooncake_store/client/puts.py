@@ -76,6 +76,7 @@ class PutPath:
         chain_pos: Mapping[str, int] | None,
         chain_parent: Mapping[str, str] | None,
         preferred_node: str | None = None,
+        replicas: int = 1,
     ) -> list[PlannedPut]:
         plans = []
         gpu_nodes: list[NodeInfo] | None = None
@@ -97,10 +98,11 @@ class PutPath:
                         and preferred_node in (None, n.node_id)
                     ]
                 dev = device.as_device_source(value)
-                # Into a GPU tier that can hold it at all; else staged to host memory once, as on a
-                # host without a GPU tier (too large for every GPU arena, or a preferred node
-                # without one, is no reason to fail).
-                if any(tier_capacity(n, TierKind.GPU) >= dev.size_bytes for n in gpu_nodes):
+                # Into GPU tiers that can hold it at all, one per replica; else staged to host
+                # memory once, as on a host without a GPU tier (too large for every GPU arena, a
+                # preferred node without one, or fewer such tiers than replicas is no reason to fail).
+                holders = sum(tier_capacity(n, TierKind.GPU) >= dev.size_bytes for n in gpu_nodes)
+                if holders >= replicas:
                     source: Source | DeviceSource = dev
                     tier = TierKind.GPU
                 else:

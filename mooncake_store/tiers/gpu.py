@@ -42,8 +42,14 @@ class GpuArena:
         self.device_id = device_id
         self.size_bytes = size_bytes
         runtime = cupy.cuda.runtime
+        try:
+            # The first call that needs the device's context, which cuda_status's property query
+            # does not: a GPU full from another process or held in exclusive mode fails here.
+            with cupy.cuda.Device(device_id):
+                free, total = runtime.memGetInfo()
+        except _cuda_error() as exc:
+            raise GpuUnavailable(f"cannot create a GPU tier on device {device_id}: CUDA refused it: {exc}") from None
         with cupy.cuda.Device(device_id):
-            free, total = runtime.memGetInfo()
             if size_bytes > free:
                 raise NoCapacity(f"need {size_bytes} B on GPU {device_id}; {free}/{total} B free")
             # cupy.cuda.Memory is one plain cudaMalloc, not a block of cupy's memory pool: an IPC
@@ -132,6 +138,8 @@ class GpuSegment:
         """Around each copy through this segment: for this process's own arena, its lock, and an
         error (not a copy into freed memory) once it is closed."""
         if self._local is None:
+            if not self._open:  # its owner closes it only once no copy holds it: a caller's bug
+                raise TransferError(f"the GPU mapping at 0x{self.base_ptr:x} was closed")
             yield
             return
         with self._local.lock:

@@ -142,8 +142,9 @@ class DeviceBuffer:
     shape: tuple[int, ...]
 
 
-def describe_device_array(value: Any) -> DeviceBuffer:
-    """Pointer, size, device, dtype and shape of a C-contiguous device array.
+def describe_device_array(value: Any, *, for_writing: bool = False) -> DeviceBuffer:
+    """Pointer, size, device, dtype and shape of a C-contiguous device array; ``for_writing``
+    refuses one whose interface says it is read-only, as a read-only host buffer is refused.
 
     Waits for the stream the array's producer names (CUDA Array Interface v3: the consumer must
     synchronize it before touching the data), so pending kernels on a non-blocking stream have
@@ -154,7 +155,9 @@ def describe_device_array(value: Any) -> DeviceBuffer:
         iface = value.__cuda_array_interface__
     except Exception as exc:
         raise InvalidValue(f"{type(value).__name__} is not a device array: {exc}") from None
-    shape, dtype, pointer = _parse_interface(iface, type(value).__name__)
+    shape, dtype, pointer, readonly = _parse_interface(iface, type(value).__name__)
+    if for_writing and readonly:
+        raise InvalidValue(f"out ({type(value).__name__}) is read-only: its __cuda_array_interface__ says so")
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     cupy = _cupy()
     runtime = cupy.cuda.runtime
@@ -171,8 +174,8 @@ def describe_device_array(value: Any) -> DeviceBuffer:
     return DeviceBuffer(pointer, nbytes, device_id, dtype.str, shape)
 
 
-def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[Any], int]:
-    """(shape, dtype, data pointer) of a C-contiguous array's ``__cuda_array_interface__``, each
+def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[Any], int, bool]:
+    """(shape, dtype, data pointer, read-only flag) of a C-contiguous array's ``__cuda_array_interface__``, each
     field checked: it is the producer's word, and a malformed one must be an InvalidValue naming
     the field, not an error from deep inside this module (or a dtype guessed from a None)."""
     where = f"{kind}.__cuda_array_interface__"
@@ -210,16 +213,17 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
     stream = iface.get("stream")
     if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
         raise InvalidValue(f"{where} has a 'stream' that is no stream handle (an int), got {stream!r:.40}")
-    if not nbytes:
-        return shape, dtype, 0
     data = iface.get("data")
+    if not nbytes:
+        return shape, dtype, 0, False  # nothing is read or written through an empty array
     try:
         pointer = operator.index(data[0])  # type: ignore[index]
+        readonly = data[1]  # type: ignore[index]
     except (TypeError, IndexError, KeyError) as exc:
         raise InvalidValue(f"{where} has no valid 'data' (pointer, read-only flag), got {data!r:.60}: {exc}") from None
     if pointer <= 0:
         raise InvalidValue(f"{where} names data at {pointer}, no device address")
-    return shape, dtype, pointer
+    return shape, dtype, pointer, bool(readonly)
 
 
 def _describe_torch(tensor: Any) -> DeviceBuffer:
@@ -319,11 +323,15 @@ def empty_device_array(nbytes: int, device: str | int) -> Any:
     """A uint8 cupy array of ``nbytes`` on ``device`` ("cuda:N" or N)."""
     device_id = parse_device(device)
     cupy = require_device(device_id)
-    with cupy.cuda.Device(device_id):
-        try:
+    try:
+        # Making the device current creates its context, which fails on a GPU held in exclusive
+        # mode by another process or with no memory left for one.
+        with cupy.cuda.Device(device_id):
             return cupy.empty(nbytes, dtype=cupy.uint8)
-        except MemoryError as exc:  # cupy.cuda.memory.OutOfMemoryError
-            raise NoCapacity(f"need {nbytes} B on GPU {device_id} for the result: {exc}") from None
+    except MemoryError as exc:  # cupy.cuda.memory.OutOfMemoryError
+        raise NoCapacity(f"need {nbytes} B on GPU {device_id} for the result: {exc}") from None
+    except _cuda_error() as exc:
+        raise GpuUnavailable(f"CUDA device {device_id} is not usable: {exc}") from None
 
 
 def parse_device(device: str | int) -> int:

@@ -50,3 +50,17 @@ def test_a_handle_that_would_not_open_is_tried_again_later(monkeypatch: pytest.M
         segments.read(node, replica, dest.ctypes.data, 16)
     assert len(calls) == 2
     segments.close()
+
+
+def test_no_mapping_is_opened_once_the_segments_are_closed() -> None:
+    """Client.close() closes the GPU mappings while a loader thread may still read through them:
+    one closed under a copy would send it to an address CUDA no longer knows. After close() no
+    mapping is opened (here the open would fail for want of cupy, with another message)."""
+    segments = GpuSegments()
+    segments.close()
+    node = _gpu_node(bytes(64).hex())
+    replica = Replica(node_id="g", tier=TierKind.GPU, offset=0, size_bytes=16, alloc_id=1, state=ReplicaState.COMPLETE)
+    dest = np.zeros(16, np.uint8)
+    with pytest.raises(TransferError, match="the client is closed"):
+        segments.read(node, replica, dest.ctypes.data, 16)
+    assert segments.open_count() == 0

@@ -44,3 +44,10 @@ GOOD = {"shape": (4,), "typestr": "<f4", "data": (1 << 20, False), "version": 3}
 def test_a_malformed_interface_is_an_invalid_value_naming_the_field(iface: Any, message: str) -> None:
     with pytest.raises(InvalidValue, match=message):
         describe_device_array(device_array(iface))
+
+
+def test_a_read_only_destination_is_refused_before_anything_is_written() -> None:
+    """A read-only host buffer is refused as get_into's out; a device array whose interface says
+    read-only (data[1]) was filled all the same. As a source it is fine: a put only reads it."""
+    with pytest.raises(InvalidValue, match=r"out \(Dev\) is read-only"):
+        describe_device_array(device_array({**GOOD, "data": (1 << 20, True)}), for_writing=True)
