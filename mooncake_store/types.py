@@ -179,6 +179,13 @@ def check_keys(keys: object) -> list[str]:
     """Every key of a sequence of keys checked; a str or bytes is refused, not split into characters."""
     if not is_collection_not_text(keys):
         raise InvalidValue(f"pass a list of keys, got {type(keys).__name__}: {keys!r:.80}")
+    if isinstance(keys, set | frozenset):
+        # Results come back one per key in the keys' order; a set's order is its hashing's, so
+        # the caller could not tell which result is whose.
+        raise InvalidValue(
+            f"pass the keys as a list or tuple, not a {type(keys).__name__}: results come back in "
+            f"the keys' order, which a {type(keys).__name__} does not keep ({keys!r:.80})"
+        )
     return [check_key(k) for k in keys]  # type: ignore[attr-defined]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -100,6 +101,9 @@ class Client:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
+        #: A forked child inherits this object but not its threads: a transfer striped over the
+        #: pool waited forever for workers that do not exist there (see _interrupted).
+        self._pid = os.getpid()
         self._closing = threading.Event()  # set with _closed: cuts a put's wait for room short
         #: Puts between their first and last index write: close() waits for them (in_flight.py).
         self._in_flight = InFlight(self._interrupted)
@@ -116,6 +120,10 @@ class Client:
             self._closed = True
             self._closing.set()
             pool = self._pool
+        if os.getpid() != self._pid:
+            # A forked child's copy: its sockets are the parent's too (a shutdown here would cut
+            # the parent's transfers) and its pool has no threads. It is only marked closed.
+            return
         try:
             # The transports before the wait for the pool: an operation waiting on an agent (up to
             # timeout_s on a stalled one) fails at once, and its retry loop, which sees _closed,
@@ -159,6 +167,12 @@ class Client:
         None while neither happened."""
         if self._closed:
             return MooncakeError("client is closed")
+        if os.getpid() != self._pid:
+            return MooncakeError(
+                f"this client was connected in process {self._pid}, and this is process {os.getpid()}, "
+                "a fork of it: its connections, threads and mappings stay with that process; call "
+                "mooncake_store.connect() in each process"
+            )
         cancel = current_cancel()
         if cancel is not None and cancel.cancelled:
             return MooncakeError(cancel.message)

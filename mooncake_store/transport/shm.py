@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from mooncake_store.errors import MooncakeError
+from mooncake_store.errors import MooncakeError, TransferError
 from mooncake_store.tiers.host import SHM_DIR, SharedSegment
 
 
@@ -60,6 +60,9 @@ class ShmTransport:
     def __init__(self) -> None:
         self._segments: dict[str, SharedSegment] = {}
         self._lock = threading.Lock()
+        #: shm name -> lock held while that one segment is mapped: MAP_POPULATE of a large arena
+        #: takes ~0.1 s per GiB, which only the threads that need that arena may wait for.
+        self._opening: dict[str, threading.Lock] = {}
         self._closed = False
 
     def reachable(self, shm_name: str) -> bool:
@@ -78,23 +81,57 @@ class ShmTransport:
         seg = self._segments.get(shm_name)
         return seg is not None and not seg.closed
 
-    def segment(self, shm_name: str, size_bytes: int, *, populate: bool = True) -> SharedSegment:
+    def _mapped_or_opening(self, shm_name: str) -> SharedSegment | threading.Lock:
         with self._lock:
             if self._closed:  # a mapping made now would outlive close()
                 raise MooncakeError(f"shm transport is closed (asked for {shm_name})")
             seg = self._segments.get(shm_name)
-            if seg is None or seg.closed:
+            if seg is not None and not seg.closed:
+                return seg
+            return self._opening.setdefault(shm_name, threading.Lock())
+
+    def segment(self, shm_name: str, size_bytes: int, *, populate: bool = True) -> SharedSegment:
+        found = self._mapped_or_opening(shm_name)
+        if isinstance(found, SharedSegment):
+            return found
+        with found:  # one thread maps it; the others wait for that one arena only
+            again = self._mapped_or_opening(shm_name)
+            if isinstance(again, SharedSegment):
+                return again
+            try:
                 seg = SharedSegment.attach(shm_name, size_bytes, populate=populate)
-                self._segments[shm_name] = seg
+            except BaseException:
+                with self._lock:
+                    self._opening.pop(shm_name, None)
+                raise
+            with self._lock:  # listed as it stops being opened: no second thread maps it again
+                self._opening.pop(shm_name, None)
+                closed = self._closed
+                if not closed:
+                    self._segments[shm_name] = seg
+            if closed:
+                seg.close()
+                raise MooncakeError(f"shm transport is closed (asked for {shm_name})")
             return seg
 
+    def _view(self, shm_name: str, arena_bytes: int, offset: int, length: int) -> memoryview:
+        seg = self.segment(shm_name, arena_bytes)
+        try:
+            return seg.view(offset, length)
+        except MooncakeError as exc:
+            if not seg.closed:
+                raise
+            # Unmapped since it was looked up (another thread's retain(): its agent left the node
+            # table): the caller's fallbacks (the next replica, another node) take it from here.
+            raise TransferError(f"{shm_name} was unmapped during the copy: {exc}") from None
+
     def read_into(self, shm_name: str, arena_bytes: int, offset: int, dest: memoryview) -> None:
-        copy_bytes(dest, self.segment(shm_name, arena_bytes).view(offset, len(dest)))
+        copy_bytes(dest, self._view(shm_name, arena_bytes, offset, len(dest)))
 
     def write_from(self, shm_name: str, arena_bytes: int, offset: int, src: memoryview) -> int:
         """Copy ``src`` into the arena at ``offset``; returns the xxh3-64 of the bytes as they
         landed there (copy_and_hash)."""
-        return copy_and_hash(self.segment(shm_name, arena_bytes).view(offset, len(src)), src)
+        return copy_and_hash(self._view(shm_name, arena_bytes, offset, len(src)), src)
 
     def retain(self, shm_names: set[str]) -> None:
         """Unmap the segments not named in ``shm_names`` (agents that left the node table): a

@@ -425,7 +425,11 @@ class TcpTransport:
 
     def _fan_out(self, length: int, transfer: Callable[[int, int], None]) -> None:
         """Run ``transfer(start, length)`` per stripe: the first on this thread, the rest on the
-        stripe pool (each on a connection of its own); the first error is raised once all settle."""
+        stripe pool (each on a connection of its own); the first error is raised once all settle.
+
+        The pool is shared by every peer and thread: a stripe still queued when this thread is
+        done with its own is taken back and run here, so a transfer to a healthy agent does not
+        wait behind other threads' stripes to a stalled one (up to timeout_s each)."""
         stripes = self._stripes_of(length)
         closed = MooncakeError("TCP transport is closed")
         futures: list[Future[None]] = []
@@ -446,7 +450,14 @@ class TcpTransport:
                 transfer(*stripes[0])
             except BaseException as exc:
                 first_error = exc
-        for fut in futures:
+        for (s, n), fut in zip(stripes[1:], futures, strict=False):
+            if not fut.cancelled() and fut.cancel():  # still queued: no worker was free for it
+                if first_error is None:
+                    try:
+                        transfer(s, n)
+                    except BaseException as exc:
+                        first_error = exc
+                continue
             try:
                 exc = fut.exception()
             except CancelledError:  # close() cancelled it before a stripe thread took it
