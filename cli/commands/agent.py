@@ -118,7 +118,7 @@ def agent(
         raise CliError(
             "an agent needs a cluster: pass --redis-url, set MOONCAKE_REDIS_URL, or start one here with "
             "`mooncake up --detach`",
-            ExitCode.USAGE,
+            ExitCode.CANNOT_CONNECT,
         )
     stop = threading.Event()
 

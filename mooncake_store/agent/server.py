@@ -22,7 +22,7 @@ from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.ops import AgentHooks, AgentOps
 from mooncake_store.agent.refusals import Refusals
 from mooncake_store.config import split_host_port
-from mooncake_store.errors import ConnectError, MooncakeError, ProtocolError, TransferError, TransferTimeout
+from mooncake_store.errors import ConfigError, MooncakeError, ProtocolError, TransferError, TransferTimeout
 from mooncake_store.tiers.host import HostArena
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import SOCKET_BUFFER_BYTES
@@ -86,7 +86,12 @@ class AgentServer(AgentOps):
         try:
             self._sock = socket.create_server((host, port), family=family, backlog=256, reuse_port=False)
         except OSError as exc:
-            raise ConnectError(f"agent cannot listen on {listen}: {exc}") from None
+            # The command line names an address this host cannot take (a port in use or below 1024, an
+            # address not its own): the operator fixes it, so it is a config error, not "cannot connect".
+            raise ConfigError(
+                f"agent.listen={listen!r}: the agent cannot listen on {listen}: {exc.strerror or exc}; "
+                "choose another address, or port 0 to have a free one picked"
+            ) from None
         # The accept loop polls it with the connections it turns away (_accept_loop).
         self._sock.setblocking(False)
         bound_port = self._sock.getsockname()[1]

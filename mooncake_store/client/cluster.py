@@ -98,9 +98,10 @@ class LocalCluster:
         # Checked by the agents' own rules before anything starts: a bad size ("12XB", 0) was an
         # agent that "did not become ready", after the server had started.
         # The same for the other values the agents are given (a TTL of 0 was "did not become ready
-        # within 30 s", at once), each zone through the agent's own rule. The TTL is checked alone:
-        # its rule against the heartbeat interval takes agent_args and the environment, which the
-        # agent reads itself (and an agent that refuses them exits "with status 2", saying why).
+        # within 30 s", at once), each zone through the agent's own rule. The TTL is checked by its
+        # range alone, against the smallest interval: its rule against the heartbeat interval takes
+        # agent_args and the environment, which the agent reads itself (and an agent that refuses
+        # them exits "with status 2", saying why).
         if isinstance(heartbeat_ttl_s, bool) or not isinstance(heartbeat_ttl_s, int | float) or not heartbeat_ttl_s > 0:
             raise MooncakeError(f"heartbeat_ttl_s must be a number of seconds > 0, got {heartbeat_ttl_s!r:.80}")
         checked = load_config(
@@ -108,6 +109,8 @@ class LocalCluster:
             overrides={
                 "agent.host_bytes": host_bytes,
                 "agent.reserve_timeout_s": reserve_timeout_s,
+                "agent.heartbeat_ttl_s": heartbeat_ttl_s,
+                "agent.heartbeat_interval_s": 1e-3,
                 "namespace": namespace,
             },
         )

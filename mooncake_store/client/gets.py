@@ -326,9 +326,16 @@ class GetPath:
                     raise AgentBusy(message)
                 raise TransferError(message)
         if not ordered:
+            allowed = self.client.transports
+            if TransportKind.SHM in allowed:
+                why = [self._unreachable_because(r, nodes.get(r.node_id)) for r in meta.replicas]
+            else:  # neither of the two built paths: no replica is the reason
+                why = ["shm is not allowed", "tcp is not allowed"]
+                if TransportKind.RDMA in allowed:
+                    why.append("rdma is not built yet (README, Not built yet)")
             raise TransferError(
-                f"no allowed transport {tuple(str(t) for t in self.client.transports)} reaches a replica of "
-                f"{meta.key!r}: " + "; ".join(self._unreachable_because(r, nodes.get(r.node_id)) for r in meta.replicas)
+                f"no allowed transport {tuple(str(t) for t in allowed)} reaches a replica of {meta.key!r}: "
+                + "; ".join(why)
             )
         errors: list[str] = []
         for replica, node, kind in ordered:

@@ -32,7 +32,7 @@ from functools import partial
 from typing import Any
 
 from mooncake_store.client.client import Client
-from mooncake_store.client.prefix_chunks import check_chunks_alike, tail_tokens
+from mooncake_store.client.prefix_chunks import check_chunks_alike, stored_layout, tail_tokens
 from mooncake_store.client.prefix_hash import (
     BlockHash,
     block_hash_chain,
@@ -246,7 +246,9 @@ class PrefixCache:
         try:
             get = chunks if callable(chunks) else chunks.__getitem__
             values = {i: get(i) for i in mine}
-            check_chunks_alike(values, tail_index=len(keys) - 1 if include_tail and tail else None)
+            tail_index = len(keys) - 1 if include_tail and tail else None
+            stored = stored_layout(self.client, keys, statuses, tail_index)
+            check_chunks_alike(values, tail_index=tail_index, stored=stored)
             with self._ops.active():
                 self.client.put_many(
                     {keys[i]: values[i] for i in mine},
@@ -370,7 +372,9 @@ class PrefixCache:
 
     # ---- pins -------------------------------------------------------------------------------
     def refcounts(self, token_ids: Any = None, *, block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
-        """Live pins on each chunk of the prompt (0 where missing)."""
+        """Live pins on each chunk of the prompt (0 where missing); asked of a closed cache too
+        (what its close left pinned), not of a closed client."""
+        self.client._check_open()
         return self.index.refcounts(self.keys(token_ids, block_hashes=block_hashes))
 
     def _hold(self, hit: PrefixHit) -> None:
@@ -449,6 +453,9 @@ class PrefixCache:
     def _check_open(self) -> None:
         if self._closed:
             raise MooncakeError("PrefixCache is closed")
+        # Its index calls go to the client's connections: once the client is closed they would
+        # fail as a ConnectError, which reads as a network fault worth retrying.
+        self.client._check_open()
 
     def close(self) -> None:
         """Release every hit still held and stop the worker threads (the client stays open).

@@ -97,6 +97,14 @@ def check_chain_meta(items: object, chain_pos: object, chain_parent: object) -> 
     for name, given in (("chain_pos", chain_pos), ("chain_parent", chain_parent)):
         if given is not None and not isinstance(given, Mapping):
             raise InvalidValue(f"{name} must be a mapping of key -> value or None, got {type(given).__name__}")
+    for name, given in (("chain_pos", chain_pos), ("chain_parent", chain_parent)):
+        # A key not in the batch is a caller's slip (a stale or misspelt key): its link or
+        # position would go nowhere, and the chunk it was meant for would be stored without it.
+        stray = [k for k in given or {} if k not in items]
+        if stray:
+            raise InvalidValue(
+                f"{name} names {len(stray)} key(s) not in this put: {stray[:3]!r:.200}; it places the batch's own keys"
+            )
     for key, pos in (chain_pos or {}).items():
         if type(pos) is not int or not 0 <= pos <= MAX_CHAIN_POS:
             raise InvalidValue(f"chain_pos of {key!r:.80} must be an int in 0..{MAX_CHAIN_POS}, got {pos!r:.80}")

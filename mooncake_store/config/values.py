@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from decimal import Decimal, InvalidOperation
 from urllib.parse import urlsplit, urlunsplit
@@ -38,16 +39,24 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-def parse_size(text: str | int, *, what: str = "size") -> int:
-    """Bytes in ``text``: ``"512MiB"``, ``"1.5GiB"``, ``"10MB"`` (decimal), ``"1073741824"`` or an int.
+def parse_size(text: str | int | float, *, what: str = "size") -> int:
+    """Bytes in ``text``: ``"512MiB"``, ``"1.5GiB"``, ``"10MB"`` (decimal), ``"1073741824"``, an int
+    or a whole float (``4e9``).
 
     Units are case-insensitive; a fractional result with a unit is rounded down to whole bytes, while a
     fractional count of bytes (``"1.5"``) is refused. ``what`` prefixes the error message, so callers
     pass the key and layer the value came from.
     """
-    if isinstance(text, bool) or not isinstance(text, int | str):
+    if isinstance(text, bool) or not isinstance(text, int | float | str):
         raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
-    if isinstance(text, int):
+    if isinstance(text, float):
+        # Python writes large counts as 4e9 or 2**32 / 2: taken when whole, like "4000000000".
+        if not math.isfinite(text):
+            raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
+        if not text.is_integer():
+            raise ConfigError(f"{what}={text!r}: not a whole number of bytes")
+        number = Decimal(text)
+    elif isinstance(text, int):
         number = Decimal(text)
     else:
         stripped = text.strip()

@@ -6,6 +6,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -132,6 +133,31 @@ def test_agent_command_joins_and_leaves(cluster_cli: Mooncake) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_agent_command_on_a_port_in_use_is_a_usage_error(cluster_cli: Mooncake) -> None:
+    """A port already taken is the command line's to fix (exit 2, the port and what to do said),
+    not "cannot connect" (4), which sends the operator looking for Redis."""
+    url = cluster_cli.state()["redis_url"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = cluster_cli(
+            "agent",
+            "--redis-url",
+            url,
+            "--namespace",
+            "busyport",
+            "--host-mem",
+            "16MiB",
+            "--listen",
+            f"127.0.0.1:{port}",
+        )
+    err = result.stderr.decode()
+    assert result.returncode == 2, (result.returncode, err)
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err and "port 0" in err, err
+    assert json.loads(cluster_cli.ok("stat", "--json", "--namespace", "busyport").stdout)["nodes"] == []
 
 
 def test_agent_command_without_a_url_joins_the_recorded_cluster(cluster_cli: Mooncake) -> None:

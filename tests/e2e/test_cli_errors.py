@@ -35,6 +35,8 @@ def _closed_port() -> int:
         (["stat", "--bogus"], 2, "--bogus"),
         (["stat"], 4, "mooncake up"),  # nothing recorded in this test's state dir
         (["get", "k"], 4, "mooncake up"),
+        # No cluster to join is "no cluster running" (4), as for every other command; it was 2.
+        (["agent", "--host-mem", "1MiB"], 4, "an agent needs a cluster"),
         (["doctor"], 4, None),
     ],
 )

@@ -105,6 +105,21 @@ def test_bad_values(shared_client: Client, value: object, fragment: str) -> None
     assert not shared_client.exists("bad")
 
 
+def test_batches_of_keys_in_a_set_are_refused(shared_client: Client) -> None:
+    """Batch results come one per key in the keys' order, which a set does not keep: the caller
+    could not tell which value or flag is whose. Nothing is read or removed."""
+    shared_client.put("set/a", b"aa")
+    shared_client.put("set/b", b"bbb")
+    for call in (shared_client.get_many, shared_client.remove_many):
+        with pytest.raises(InvalidValue, match="not a set: results come back in the keys' order"):
+            call({"set/a", "set/b"})
+    with pytest.raises(InvalidValue, match="not a frozenset"):
+        shared_client.get_many_into(frozenset({"set/a"}), [bytearray(2)])
+    assert shared_client.exists("set/a") and shared_client.exists("set/b")
+    # A dict's keys keep their order and are taken.
+    assert [bytes(v) for v in shared_client.get_many({"set/b": 0, "set/a": 0}.keys())] == [b"bbb", b"aa"]
+
+
 def test_get_into_wrong_out(shared_client: Client) -> None:
     shared_client.put("ten", np.arange(10, dtype=np.int64))
     with pytest.raises(InvalidValue, match="out holds 79 B but key 'ten' is 80 B"):
@@ -256,6 +271,17 @@ def test_a_chain_parent_that_would_close_a_loop_through_stored_chunks_is_refused
     assert [m.version if m else None for m in after.values()] == [m.version if m else None for m in before.values()]
 
 
+@pytest.mark.parametrize("field", ["chain_pos", "chain_parent"])
+def test_chain_metadata_for_keys_outside_the_batch_is_refused(shared_client: Client, field: str) -> None:
+    """A position or parent link naming a key the batch does not put (a stale or misspelt key)
+    was silently dropped, and the chunk it was meant for stored without it."""
+    links = {"chain_pos": {"out/a": 0, "out/zz": 1}, "chain_parent": {"out/zz": "out/a"}}
+    kwargs = {field: links[field]} | ({"chain_pos": {"out/a": 0}} if field == "chain_parent" else {})
+    with pytest.raises(InvalidValue, match=f"{field} names 1 key\\(s\\) not in this put: \\['out/zz'\\]"):
+        shared_client.put_many({"out/a": b"a"}, **kwargs)  # type: ignore[arg-type]
+    assert not shared_client.exists("out/a")
+
+
 def test_chain_positions_must_grow_from_parent_to_child(shared_client: Client) -> None:
     """Positions order a chain's links, which is what keeps them from looping: a chunk with a parent
     needs a position after its parent's (in the batch, or as stored) and before its stored
@@ -349,6 +375,20 @@ def test_a_put_that_no_allowed_transport_can_carry_stores_nothing(shared_cluster
         ):
             client.put("rd/0", np.arange(1000, dtype=np.int32))
         assert not client.exists("rd/0")
+
+
+def test_a_get_that_no_allowed_transport_can_carry_says_which_are_not_allowed(
+    shared_cluster: LocalCluster, shared_client: Client
+) -> None:
+    """An rdma-only client's get blamed the replica ("its segment cannot be mapped here") for an
+    arena that maps fine: the cause is that neither shm nor tcp is allowed, as its put says."""
+    shared_client.put("rd/get", np.arange(10, dtype=np.int32))
+    rdma_only = connect(shared_cluster.redis_url, namespace=shared_cluster.namespace, transports=("rdma",))
+    with rdma_only as client, pytest.raises(TransferError) as info:
+        client.get("rd/get")
+    message = str(info.value)
+    assert "reaches a replica of 'rd/get': shm is not allowed; tcp is not allowed; rdma is not built yet" in message
+    assert "cannot be mapped" not in message
 
 
 def test_a_shm_only_get_of_a_replica_on_disk_says_why_it_cannot_be_read(

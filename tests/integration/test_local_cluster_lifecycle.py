@@ -85,6 +85,7 @@ def test_a_stopped_cluster_starts_again_with_only_its_new_agents(redis_url: str)
     ("kwargs", "named"),
     [
         ({"heartbeat_ttl_s": 0}, "heartbeat_ttl_s"),
+        ({"heartbeat_ttl_s": 1e6}, "heartbeat_ttl_s=1000000.0: must be >= 0.001 s and <= 86400 s"),
         ({"reserve_timeout_s": -1}, "reserve_timeout_s"),
         ({"zones": ["a b"]}, "zone"),
         ({"zones": []}, "zones"),

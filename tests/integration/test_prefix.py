@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from redis_proxy import RedisProxy
 
-from mooncake_store import Client, LocalCluster, ObjectPinned, PrefixCache, connect
+from mooncake_store import Client, LocalCluster, MooncakeError, ObjectPinned, PrefixCache, connect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -406,4 +406,27 @@ def test_the_renewal_thread_ends_with_its_client(cluster: LocalCluster, make_cli
     renewer.join(timeout=5)
     assert not renewer.is_alive(), "the renewal thread outlived its client"
     assert hit.num_chunks == 2
+    cache.close()
+
+
+def test_a_cache_on_a_closed_client_says_the_client_is_closed(
+    shared_cluster: LocalCluster, make_client: Callable[..., Client]
+) -> None:
+    """Once its client was closed, every PrefixCache call failed with ConnectError ("the index
+    client for redis://... is closed"), which reads as a network fault an engine retries; the
+    README promises MooncakeError("client is closed"), as the client's own calls raise."""
+    client = make_client(shared_cluster)
+    cache = PrefixCache(client, "closed-client/f32/L1/kv1/d8/tp0", chunk_tokens=C)
+    cache.store(ids(2 * C), chunk_arrays(2))
+    client.close()
+    calls: list[Callable[[], object]] = [
+        partial(cache.match, ids(2 * C)),
+        partial(cache.store, ids(3 * C), chunk_arrays(3)),
+        partial(cache.load, ids(2 * C)),
+        partial(cache.refcounts, ids(2 * C)),
+    ]
+    for call in calls:
+        with pytest.raises(MooncakeError) as info:
+            call()
+        assert type(info.value) is MooncakeError and str(info.value) == "client is closed", info.value
     cache.close()

@@ -47,6 +47,30 @@ def test_chunks_unlike_the_prompts_others_are_refused(
     assert cache.match(ids) == 0  # nothing stored
 
 
+@pytest.mark.parametrize(
+    ("extension", "message"),
+    [
+        (chunk(2, dtype="<f8"), r"chunk 2 has dtype <f8, but chunk 0 \(stored before\) <f4"),
+        (chunk(2, ELEMS * 2), r"chunk 2 holds 512 B, but chunk 0 \(stored before\) 256 B"),
+    ],
+    ids=["dtype", "size"],
+)
+def test_chunks_that_extend_a_stored_chain_are_like_its_chunks(
+    cache: PrefixCache, extension: np.ndarray, message: str
+) -> None:
+    """The chunks were compared within one store() only: a float64 chunk appended to a stored
+    float32 chain was accepted, and every load into float32 buffers through it failed."""
+    ids = np.arange(3 * C)
+    assert cache.store(ids[: 2 * C], [chunk(0), chunk(1)]) == 2
+    with pytest.raises(InvalidValue, match=message):
+        cache.store(ids, [chunk(0), chunk(1), extension])
+    assert cache.match(ids) == 2 * C  # the stored chain as it was
+    assert cache.store(ids, [chunk(0), chunk(1), chunk(2)]) == 1  # a like chunk extends it
+    outs = [np.zeros(ELEMS, np.float32) for _ in range(3)]
+    with cache.load(ids, outs=outs) as hit:
+        assert hit.num_tokens == 3 * C and outs[2].tolist() == [3.0] * ELEMS
+
+
 def test_a_short_tail_is_stored_and_loaded(cache: PrefixCache) -> None:
     ids = np.arange(2 * C + 4)
     assert cache.store(ids, [chunk(0), chunk(1), chunk(2, 16)], include_tail=True) == 3

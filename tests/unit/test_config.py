@@ -48,6 +48,8 @@ def write_toml(tmp_path: Path, text: str) -> Path:
         (".5KiB", 512),
         (4096, 4096),
         (0, 0),
+        (4e9, 4_000_000_000),
+        (float(1 << 40), 1 << 40),
     ],
 )
 def test_parse_size(text: str | int, expected: int) -> None:
@@ -68,15 +70,22 @@ def test_parse_size_rejects_negative(text: str | int) -> None:
     assert repr(text) in str(info.value)
 
 
-@pytest.mark.parametrize("value", [True, 1.5, None, [1]])
+@pytest.mark.parametrize("value", [True, None, [1], float("inf"), float("nan")])
 def test_parse_size_rejects_other_types(value: object) -> None:
     with pytest.raises(ConfigError, match="not a size"):
         parse_size(value)  # type: ignore[arg-type]
 
 
-def test_parse_size_rejects_beyond_int64() -> None:
-    with pytest.raises(ConfigError, match="limit"):
-        parse_size("16EiB")
+def test_parse_size_rejects_a_fractional_float() -> None:
+    with pytest.raises(ConfigError, match=r"host_bytes=1\.5: not a whole number of bytes"):
+        parse_size(1.5, what="host_bytes")
+
+
+@pytest.mark.parametrize("value", ["16EiB", 1.5e300, float(1 << 63)])
+def test_parse_size_rejects_beyond_int64(value: str | float) -> None:
+    with pytest.raises(ConfigError, match=f"larger than the limit of {(1 << 63) - 1} B") as info:
+        parse_size(value, what="host_bytes")
+    assert f"host_bytes={value!r}" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -299,7 +308,7 @@ def test_redis_url_password_is_redacted_in_errors() -> None:
 @pytest.mark.parametrize(
     ("toml", "key", "fragment"),
     [
-        ("[agent]\nhost_bytes = 1.5\n", "agent.host_bytes", "not a size"),
+        ("[agent]\nhost_bytes = 1.5\n", "agent.host_bytes", "not a whole number of bytes"),
         ("[agent]\nhost_bytes = true\n", "agent.host_bytes", "not a size"),
         ("[client]\nlease_ms = 5000.0\n", "client.lease_ms", "not an integer"),
         ("[client]\ntimeout_s = true\n", "client.timeout_s", "not a number"),
