@@ -74,6 +74,9 @@ def _redis_checks(target: Target) -> tuple[list[Check], bool]:
             )
         )
         index = RedisIndex(target.redis_url, namespace=target.namespace, timeout_s=3.0)
+        evicting = index.eviction_unsafe()
+        status = Status.WARN if evicting else Status.OK
+        checks.append(Check("eviction", status, evicting or "maxmemory-policy noeviction: no index key is dropped"))
         try:
             nodes = index.nodes()
             now_ms = index.server_time_ms()

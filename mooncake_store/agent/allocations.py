@@ -224,9 +224,9 @@ class AllocationTable:
                     alloc.held_until = float("inf")
                     self._held[alloc.alloc_id] = alloc
 
-    def hold_reaped(self, held_ms: Mapping[int, int]) -> None:
+    def hold_reaped(self, held_ms: Mapping[int, int], *, at_least_ms: int = 0) -> None:
         """The reaped objects' memory (drop_after_reap) is held for as long as ``held_ms`` says per
-        alloc id (the read leases on it), and the rest freed now."""
+        alloc id (the read leases on it), each at least ``at_least_ms``, and the rest freed now."""
         now = time.monotonic()
         with self._lock:
             for alloc_id in held_ms:
@@ -238,7 +238,8 @@ class AllocationTable:
                     alloc.held_until = float("inf")
                     self._held[alloc_id] = alloc
             for alloc in self._held.values():
-                alloc.held_until = min(alloc.held_until, now + max(0, held_ms.get(alloc.alloc_id, 0)) / 1000)
+                hold_ms = max(at_least_ms, held_ms.get(alloc.alloc_id, 0))
+                alloc.held_until = min(alloc.held_until, now + hold_ms / 1000)
         self.release_held()
 
     def release_held(self) -> int:

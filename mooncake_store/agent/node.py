@@ -22,7 +22,7 @@ from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
-from mooncake_store.agent.takeover import register_first
+from mooncake_store.agent.takeover import register_again, register_first
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
@@ -311,6 +311,8 @@ class Agent(OtherTierHooks):
     def start(self) -> None:
         self.server.start()
         register_first(self.index, self.node_info, incarnation=self.incarnation, ttl_ms=self._ttl_ms)
+        if evicting := self.index.eviction_unsafe():
+            log.warning("%s", evicting)
         # The node id is this agent's now: arenas earlier agents of it left behind go.
         for name in sweep_abandoned_segments(self.namespace, self.node_id, keep=self.arena.name):
             log.warning("removed the shared-memory arena %s, left by an earlier agent of %s", name, self.node_id)
@@ -415,10 +417,8 @@ class Agent(OtherTierHooks):
             return
         log.warning("node record of %s vanished; registering again", self.node_id)
         self._drop_everything()
-        registered = self.index.register_node(self.node_info(), incarnation=self.incarnation, ttl_ms=self._ttl_ms)
-        # The purge is finished now: each replica it took is held while a lease on it runs.
-        for table in self._tables():
-            table.hold_reaped(registered.held_ms)
+        info = self.node_info()
+        register_again(self.index, info, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tables=self._tables())
 
     def _drop_everything(self) -> None:
         """After being reaped: committed objects are gone from the index, so their memory is free

@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.config import ClientConfig
 from mooncake_store.index import RedisIndex
 from mooncake_store.index.node_table import NodeIdTaken
 from mooncake_store.transport.shm import local_host_id
@@ -18,6 +20,29 @@ log = logging.getLogger("mooncake.agent")
 
 #: How long a start waits for the record of a gone agent of this host to pass its deadline.
 TAKEOVER_WAIT_S = 60.0
+
+#: How long an agent whose record vanished with no purge holds its objects' memory: a client's
+#: default read lease. A purge records the leases running on what it took (held:<node>), but an
+#: index that lost its data (restarted empty, flushed) lost the leases it granted with it, and a
+#: same-host reader still copying under one read another object's bytes from the reused memory.
+VANISHED_HOLD_MS = ClientConfig().lease_ms
+
+
+def register_again(
+    index: RedisIndex, info: NodeInfo, *, incarnation: str, ttl_ms: int, tables: list[AllocationTable]
+) -> None:
+    """Register a node whose record vanished (reaped, or the index lost it) after its objects were
+    doomed (AllocationTable.drop_after_reap): each one's memory is held while a lease on it may
+    run, as the purge recorded, or VANISHED_HOLD_MS when no purge did, then freed."""
+    registered = index.register_node(info, incarnation=incarnation, ttl_ms=ttl_ms)
+    if not registered.purged:
+        log.warning(
+            "the index lost %s's record with no purge: its objects' memory is held %d ms",
+            info.node_id,
+            VANISHED_HOLD_MS,
+        )
+    for table in tables:
+        table.hold_reaped(registered.held_ms, at_least_ms=0 if registered.purged else VANISHED_HOLD_MS)
 
 
 def register_first(index: RedisIndex, node_info: Callable[[], NodeInfo], *, incarnation: str, ttl_ms: int) -> None:

@@ -412,6 +412,23 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             raise ConnectError(f"cannot read the server time from {self.where}: {exc}") from None
         return int(seconds) * 1000 + int(micros) // 1000
 
+    def eviction_unsafe(self) -> str | None:
+        """Why the server may lose index keys on its own, or None: a maxmemory-policy other than
+        noeviction drops node records, object records and leases when memory is short, and the
+        index then loses objects and arena memory without an error. None too where CONFIG is not
+        allowed (a managed server): there is no telling."""
+        try:
+            policy = self.redis.config_get("maxmemory-policy").get("maxmemory-policy")
+        except redis.RedisError:
+            return None
+        if policy in (None, "noeviction"):
+            return None
+        return (
+            f"the server at {self.where} has maxmemory-policy {policy}: under memory pressure it evicts "
+            "index keys (node and object records, leases), losing objects and arena memory without an "
+            "error; set maxmemory-policy noeviction"
+        )
+
     def counts(self, node_ids: Sequence[str]) -> tuple[int, dict[str, int], dict[str, int]]:
         """(objects in the namespace, objects per node, stats counters) in one round trip. The
         counters hold "short" too: the objects listed for re-replication on these nodes (short of

@@ -23,6 +23,9 @@ class Registered:
     #: from the index: an agent reaped while it stalled keeps their memory that long, since
     #: same-host readers copy from its arena under those leases (empty: none).
     held_ms: dict[int, int] = field(default_factory=dict)
+    #: Whether a purge removed the node's last record (so held_ms names every lease running on
+    #: what it took); False after a first registration or an index that lost its data.
+    purged: bool = True
 
 
 class NodeIdTaken(MooncakeError):
@@ -62,7 +65,8 @@ class NodeTableCalls:
                 left_ms=max(0, left_ms),
             )
         rows = status[2] if len(status) > 2 else []
-        return Registered(int(status[1]), {int(rows[i]): int(rows[i + 1]) for i in range(0, len(rows), 2)})
+        purged = len(status) < 4 or int(status[3]) == 1
+        return Registered(int(status[1]), {int(rows[i]): int(rows[i + 1]) for i in range(0, len(rows), 2)}, purged)
 
     def heartbeat(self, node_id: str, *, incarnation: str, ttl_ms: int, tiers: tuple[TierUsage, ...]) -> bool:
         """Extend the deadline; False when the record is gone (the agent must register again)."""

@@ -18,6 +18,8 @@ on Redis Cluster::
     mc:{ns}:hb             zset   node id -> heartbeat deadline ms
     mc:{ns}:reap           zset   node id -> when a reaper may purge it: its deadline plus its own TTL
     mc:{ns}:reaper         string the agent reaping now (PX one heartbeat interval): one at a time
+    mc:{ns}:hb_last        string server ms of the last heartbeat of any node: a gap longer than a
+                                  TTL is the index's own outage, after which no node is reaped at once
     mc:{ns}:nobj:<node>    set    keys with a replica on the node (reaping, per-node counts)
     mc:{ns}:tobj:<node>:<tier>  set  keys with a replica on that tier of the node (victim samples)
     mc:{ns}:repair:<node>  set    keys short of the replicas they were stored with since a node's
@@ -29,6 +31,8 @@ on Redis Cluster::
     mc:{ns}:landed:<node>  zset   "<node>:<alloc id>" of the swaps that moved the node's replicas
                                   there -> swap ms (the last 120 s; for a mover whose reply was lost)
     mc:{ns}:purging        set    nodes whose records are being purged (reaped or taken over)
+    mc:{ns}:purged:<node>  string set when a purge removed the node's record (PX a day), taken by its
+                                  next registration: a record gone without one went with lost data
     mc:{ns}:version        string object version counter
     mc:{ns}:stats          hash   hits, misses, evictions, hits:<node>:<tier>
 

@@ -54,7 +54,9 @@ if #KEYS == 1 then
   local done = redis.call('GET', KEYS[1])
   if done then return cmsgpack.unpack(done) end
   local reply = script_body()
-  redis.call('SET', KEYS[1], cmsgpack.pack(reply), 'PX', {ONCE_TTL_MS})
+  -- pcall: a server at maxmemory refuses this write when the body wrote nothing (a remove of
+  -- absent keys), and the body's answer stands all the same; only a retry would run it again.
+  redis.pcall('SET', KEYS[1], cmsgpack.pack(reply), 'PX', {ONCE_TTL_MS})
   return reply
 end
 return script_body()

@@ -11,7 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import redis
 from helpers import mooncake_bin
+
+from mooncake_store.embedded import EmbeddedServer
 
 from .conftest import Mooncake, assert_one_line_error
 
@@ -104,10 +107,24 @@ def test_doctor_passes_on_a_running_cluster(cluster_cli: Mooncake) -> None:
     text = result.stdout.decode()
     assert result.returncode == 0, text
     names = [line.split()[1] for line in text.splitlines() if line.strip()]
-    assert names == ["redis", "clock", "agents", "shm", "tcp", "rdma", "gpu"]
+    assert names == ["redis", "clock", "eviction", "agents", "shm", "tcp", "rdma", "gpu"]
     assert "2 of 2 alive" in text
     checks = json.loads(cluster_cli.ok("doctor", "--json").stdout)
     assert {c["name"]: c["status"] for c in checks}["redis"] == "ok"
+    assert {c["name"]: c["status"] for c in checks}["eviction"] == "ok"
+
+
+def test_doctor_warns_of_a_server_that_evicts_keys(mooncake: Mooncake) -> None:
+    """A server whose maxmemory-policy evicts keys drops node records, object records and leases
+    when memory runs short: the index then loses objects and arena memory with no error, and every
+    check said ✓. doctor warns, naming the policy and the fix."""
+    with EmbeddedServer() as server:
+        redis.Redis.from_url(server.url).config_set("maxmemory-policy", "allkeys-lru")
+        result = mooncake("doctor", "--json", "--redis-url", server.url)
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert checks["eviction"]["status"] == "warn", checks["eviction"]
+    assert "maxmemory-policy allkeys-lru" in checks["eviction"]["detail"]
+    assert "noeviction" in checks["eviction"]["detail"]
 
 
 def test_agent_command_joins_and_leaves(cluster_cli: Mooncake) -> None:

@@ -11,6 +11,7 @@ if not raw then return {'UNKNOWN'} end
 if redis.call('SISMEMBER', P .. 'purging', node) == 1 then return {'UNKNOWN'} end
 local rec = cjson.decode(raw)
 if rec.incarnation ~= inc then return {'UNKNOWN'} end
+heard_from_a_node(now, ttl)
 for k, v in pairs(cjson.decode(ARGV[5])) do rec[k] = v end
 rec.last_heartbeat_ms = now
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))

@@ -14,6 +14,12 @@ local due
 if forced then
   due = redis.call('ZRANGEBYSCORE', P .. 'hb', '-inf', '(' .. (now - forced), 'LIMIT', 0, 16)
 else
+  -- Agents reap right after a heartbeat of their own. When no heartbeat of any node landed for
+  -- longer than the caller's TTL, this call waited out an outage of the index itself (sent as
+  -- it stalled, run when it came back) and every node looks overdue: the next heartbeat gives
+  -- each its grace again (node_heartbeat.lua), and the next reap looks.
+  local last = tonumber(redis.call('GET', P .. 'hb_last') or '0')
+  if last > 0 and now - last > tonumber(ARGV[4]) then return {} end
   due = redis.call('ZRANGEBYSCORE', P .. 'reap', '-inf', '(' .. now, 'LIMIT', 0, 16)
   if #due < 16 then
     local older = redis.call('ZRANGEBYSCORE', P .. 'hb', '-inf', '(' .. (now - tonumber(ARGV[4])), 'LIMIT', 0, 64)

@@ -1,12 +1,14 @@
 -- node_register: add an agent to the node table, or take over the record of a dead incarnation.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms
--- Returns: {"OK", deadline_ms, held}, {"IN_USE", other_incarnation_json, its deadline_ms, now_ms}
+-- Returns: {"OK", deadline_ms, held, purged}, {"IN_USE", other_incarnation_json, its deadline_ms, now_ms}
 -- when a live agent holds the id, or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
 -- purge of this node took from the index while read leases on them still run (an agent reaped while
 -- it stalled keeps their memory that long). The replicas of an earlier, dead incarnation point into
 -- memory that no longer exists, so they are purged first, in bounded steps; until the last step the
 -- node stays past its deadline, so no reader takes an old replica for one in the new arena.
+-- purged: 1 when a purge removed the node's last record (held is then complete), 0 when nothing
+-- did: a first registration, or an index that lost its data and the leases it granted.
 local node, info, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
 local old = redis.call('HGET', P .. 'nodes', node)
@@ -17,7 +19,7 @@ if old then
   if d and tonumber(d) >= now and old_inc ~= inc then
     return {'IN_USE', old, tostring(d), tostring(now)}
   end
-  local left = purge_node(node, 20000)
+  local left = purge_node(node, 5000)  -- as reap and deregister: ~0.1 s of the server per call
   if left > 0 then
     redis.call('ZADD', P .. 'hb', 0, node)
     redis.call('ZADD', P .. 'reap', 0, node)
@@ -30,6 +32,7 @@ if not old or cjson.decode(old).incarnation ~= rec.incarnation then
   for _, t in ipairs({'gpu', 'host', 'disk'}) do redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':' .. t) end
 end
 rec.last_heartbeat_ms = now
+heard_from_a_node(now, ttl)
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)
 redis.call('ZADD', P .. 'reap', now + 2 * ttl, node)  -- its own TTL past its deadline (node_reap.lua)
@@ -39,4 +42,6 @@ for i = 1, #rows, 2 do
   table.insert(held, rows[i])
   table.insert(held, tostring(tonumber(rows[i + 1]) - now))
 end
-return {'OK', now + ttl, held}
+local purged = redis.call('GET', P .. 'purged:' .. node) and 1 or 0
+redis.call('DEL', P .. 'purged:' .. node)
+return {'OK', now + ttl, held, purged}

@@ -8,6 +8,30 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+-- A heartbeat or registration of some node landed. When none had for longer than ``ttl`` (the
+-- caller's TTL), the index itself was out of reach (stalled, out of memory, restarted from a
+-- snapshot), and every node missed its deadline at once: the first reaper back would purge healthy
+-- peers with all their objects. Each node is given its own grace (its reap time less its
+-- deadline) again from now: a live one heartbeats within it, a dead one is reaped one grace later.
+-- node_reap.lua reaps nothing while the last landing is older than its caller's TTL.
+local function heard_from_a_node(now, ttl)
+  local last = tonumber(redis.call('GET', P .. 'hb_last') or '0')
+  if last > 0 and now - last > ttl then
+    local reaps = redis.call('ZRANGE', P .. 'reap', 0, -1, 'WITHSCORES')
+    for i = 1, #reaps, 2 do
+      local reap_at = tonumber(reaps[i + 1])
+      local deadline = tonumber(redis.call('ZSCORE', P .. 'hb', reaps[i]) or reap_at)
+      local grace = reap_at - deadline
+      -- A deadline of 0 is a node leaving (node_deregister): no grace to give it again. A TTL is
+      -- at most a day (config), so a larger "grace" is no TTL.
+      if deadline > 0 and grace > 0 and grace <= 86400000 and reap_at < now + grace then
+        redis.call('ZADD', P .. 'reap', now + grace, reaps[i])
+      end
+    end
+  end
+  redis.call('SET', P .. 'hb_last', now)
+end
+
 local function decode_list(s)
   if not s or s == '' then return {} end
   local v = cjson.decode(s)
@@ -236,6 +260,9 @@ local function purge_node(node, max_keys)
     redis.call('ZREM', P .. 'hb', node)
     redis.call('ZREM', P .. 'reap', node)
     redis.call('SREM', P .. 'purging', node)
+    -- For node_register: the record went by a purge, which recorded the leases on what it took
+    -- (held:), not with an index that lost its data, and the leases it had granted with it.
+    redis.call('SET', P .. 'purged:' .. node, '1', 'PX', 86400000)
   end
   return left
 end
