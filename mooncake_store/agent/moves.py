@@ -103,6 +103,7 @@ class LocalMoves:
         alloc_id: int,
         size_bytes: int,
         counted: Counted,
+        promotion: bool = False,
     ) -> bool:
         """Swap an object of this agent into a target of ``tier`` here that it already filled (a
         committed host block, a chunk file); the target is dropped unless the index names it
@@ -117,6 +118,7 @@ class LocalMoves:
                 offset=offset,
                 size_bytes=size_bytes,
                 alloc_id=alloc_id,
+                promotion=promotion,
             )
             if swapped:
                 self.count(*counted)
@@ -217,7 +219,16 @@ class LocalMoves:
         return freed
 
     def _swap(
-        self, key: str, *, old_alloc_id: int, node_id: str, tier: TierKind, offset: int, size_bytes: int, alloc_id: int
+        self,
+        key: str,
+        *,
+        old_alloc_id: int,
+        node_id: str,
+        tier: TierKind,
+        offset: int,
+        size_bytes: int,
+        alloc_id: int,
+        promotion: bool = False,
     ) -> bool:
         """Compare-and-swap one of this agent's replicas of ``key`` to the new location (which its
         agent learns of through its ack list); False when the object moved, went or is pinned."""
@@ -229,7 +240,9 @@ class LocalMoves:
             alloc_id=alloc_id,
             state=ReplicaState.COMPLETE,
         )
-        status = self.agent.index.move_replica(key, old_node=self.agent.node_id, old_alloc_id=old_alloc_id, new=new)
+        status = self.agent.index.move_replica(
+            key, old_node=self.agent.node_id, old_alloc_id=old_alloc_id, new=new, promotion=promotion
+        )
         return status == "OK"
 
     def evict_many(self, victims: list[EvictionCandidate], tier: TierKind) -> list[bool]:
@@ -293,5 +306,12 @@ class LocalMoves:
         finally:
             view.release()
         return self._swap_into(
-            key, disk_id, TierKind.HOST, alloc.offset, alloc.alloc_id, len(data), (TierKind.DISK, "promotions")
+            key,
+            disk_id,
+            TierKind.HOST,
+            alloc.offset,
+            alloc.alloc_id,
+            len(data),
+            (TierKind.DISK, "promotions"),
+            promotion=True,
         )

@@ -15,7 +15,8 @@ DESIGN.md §3.4 wants a single move:
    its old location; none moves once the peer's sync has revoked the guard, which it does when any
    of the batch's reservations times out there);
 3. free: the old copies are in this agent's graveyard (the swap put them there); every reservation
-   whose write or swap did not succeed is expired on the peer in one FREE frame.
+   whose write or swap did not succeed is expired on the peer in one FREE frame, but for a peer
+   that timed out: hung, it would answer after another timeout; it reclaims them at its own.
 
 A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
 batch under way (none of it swapped, not even what the peer acked before it broke) and the batches
@@ -24,12 +25,10 @@ not sent are handed back, to be placed elsewhere (pressure.py decides where).
 A peer on this host (same host id, shm among its transports) gets a host batch by memcpy into its
 shared arena instead of WRITEs (``agent.spill_shm``; DESIGN.md §4: shm before tcp), under the
 peer's fence: on one connection, FENCE the batch's reservations (the peer answers which it holds,
-and the digest of its arena's name, so the bytes go into the arena of the agent that holds them,
-not an earlier incarnation's mapping), copy into the fenced ones, UNFENCE (the peer answers which
-are still live: one freed meanwhile, say by a reaper, was only doomed and is not re-granted until
-then). The peer's arena is mapped on the first spill to it, or ahead of it (agent/peer_arenas.py:
-its page tables populated when the peer prefaulted its arena, else not: mapping must not allocate
-a sparse arena), and unmapped when the peer leaves the node table.
+and the digest of its arena's name: the bytes go into the arena that holds them, not an earlier
+incarnation's), copy into the fenced ones, UNFENCE (the peer answers which are still live; one
+freed meanwhile is only doomed, not re-granted). The peer's arena is mapped on the first spill to
+it or ahead of it (agent/peer_arenas.py), and unmapped when the peer leaves the node table.
 
 The disk tier spills the same way into the peer's disk tier (RESERVE on tier 2): what travels is
 the chunk file as stored, compressed and checksummed, which the peer verifies before it answers
@@ -49,10 +48,20 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from mooncake_store.agent import spill_jobs as limits
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.payloads import Payload, with_payloads
 from mooncake_store.agent.peer_arenas import PeerArenas
-from mooncake_store.agent.spill_jobs import Reserved, SpillJob, SpillResult, Swapped, batches_of, fitting
+from mooncake_store.agent.spill_jobs import (
+    PIECE_BYTES,
+    PeerTrouble,
+    Reserved,
+    SpillJob,
+    SpillResult,
+    Swapped,
+    batches_of,
+    fitting,
+)
 from mooncake_store.errors import AgentBusy, ConnectError, MooncakeError, NoCapacity, TransferError
 from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
@@ -60,7 +69,7 @@ from mooncake_store.transport.shm import copy_bytes
 from mooncake_store.transport.tcp import PeerConnections, PulledWrite, Reservation, TcpTransport
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind
 
-__all__ = ["SpillJob", "SpillResult", "Spiller"]
+__all__ = ["PIECE_BYTES", "SpillJob", "SpillResult", "Spiller"]
 
 if TYPE_CHECKING:
     from mooncake_store.agent.node import Agent
@@ -69,30 +78,16 @@ log = logging.getLogger("mooncake.agent")
 
 #: Connections per peer that carry a batch's writes at the same time.
 STREAMS = 2
-#: Lifetime of a spill's reservation guards: longer than any copy needs; the peer's sync deletes
-#: a guard as soon as its reservation times out.
-GUARD_TTL_MS = 300_000
-#: Bytes per batch: bounds what a peer holds reserved for a batch not yet swapped, and how long
-#: the first object of a pass waits for its swap.
-BATCH_BYTES = 32 << 20
-#: The most one WRITE of a host-tier spill carries: larger objects go in pieces, which the streams
-#: share out (Spiller._write_all).
-PIECE_BYTES = 2 << 20
-#: WRITE frames in flight per stream before their acks are read.
-WRITE_WINDOW = 4
-#: Timeout of each call to a peer (and of each recv and send within it): twice the heartbeat TTL,
-#: by which a hung peer is past its deadline, within these bounds (30 s alone held repairs long).
-TIMEOUT_S, MIN_TIMEOUT_S = 30.0, 10.0
 #: RESERVE's tier field per tier.
 WIRE_TIER = {TierKind.HOST: TIER_HOST, TierKind.GPU: TIER_GPU, TierKind.DISK: TIER_DISK}
 
 
 class Spiller:
-    def __init__(self, agent: Agent, *, streams: int = STREAMS, batch_bytes: int = BATCH_BYTES) -> None:
+    def __init__(self, agent: Agent, *, streams: int = STREAMS, batch_bytes: int = limits.BATCH_BYTES) -> None:
         self.agent = agent
         self._streams = max(1, streams)
         self._batch_bytes = batch_bytes
-        timeout_s = min(TIMEOUT_S, max(MIN_TIMEOUT_S, 2 * agent.config.heartbeat_ttl_s))
+        timeout_s = min(limits.TIMEOUT_S, max(limits.MIN_TIMEOUT_S, 2 * agent.config.heartbeat_ttl_s))
         self._transport = TcpTransport(timeout_s=timeout_s, connections_per_peer=self._streams, stripe_bytes=1 << 62)
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
@@ -102,20 +97,10 @@ class Spiller:
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, Payload] = {}
-        #: Peers whose RESERVE or WRITEs failed on the connection (not a refusal: no answer, a
-        #: reset, a timeout) since the caller last took them (take_unreachable).
-        self._unreachable: set[str] = set()
-        self._unreachable_lock = threading.Lock()
+        self._trouble = PeerTrouble()
 
     def take_unreachable(self) -> set[str]:
-        """The node ids of peers that failed on the connection since the last call."""
-        with self._unreachable_lock:
-            out, self._unreachable = self._unreachable, set()
-        return out
-
-    def _mark_unreachable(self, node_id: str) -> None:
-        with self._unreachable_lock:
-            self._unreachable.add(node_id)
+        return self._trouble.take()  # node ids of peers that failed on the connection since the last call
 
     def close(self) -> None:
         self._transport.close()
@@ -180,11 +165,13 @@ class Spiller:
                         self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
                     raise
                 if broken:
-                    self._mark_unreachable(peer_node.node_id)
+                    self._trouble.unreachable(peer_node.node_id)
                     # Nothing of a batch whose peer broke mid-way is swapped, not even what it
                     # acked: a peer that died would take those objects' only copies with it once
-                    # its heartbeat lapsed. The whole batch stays here, to be placed again.
-                    self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
+                    # its heartbeat lapsed. The whole batch stays here, to be placed again. Its
+                    # room there goes back by a FREE, but for a hung peer's (PeerTrouble).
+                    if not self._trouble.hung(peer_node.tcp_endpoint):
+                        self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
                     result.refused = True
                     result.unsent = [job for rest in batches[i:] for job in rest]
                     break
@@ -203,15 +190,24 @@ class Spiller:
         return result
 
     def _give_back(self, peer_node: NodeInfo, ahead: Future[Reserved | None]) -> None:
-        """A batch reserved ahead that will not be sent (the pass ended early): its room goes back."""
-        try:
-            extra = ahead.result()
-        except Exception:  # the reservation thread failed: nothing was reserved that we know of
-            return
-        if extra is not None:
-            self._drop_payloads(extra.batch)
-            if extra.reservations:
-                self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in extra.reservations])
+        """A batch reserved ahead that will not be sent (the pass ended early): its room goes back
+        now; from a hung peer (PeerTrouble) it is neither waited for nor freed."""
+        hung = self._trouble.hung(peer_node.tcp_endpoint)
+
+        def settle(done: Future[Reserved | None]) -> None:
+            try:
+                extra = done.result()
+            except BaseException:  # failed or cancelled: nothing was reserved that we know of
+                return
+            if extra is not None:
+                self._drop_payloads(extra.batch)
+                if extra.reservations and not hung:
+                    self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in extra.reservations])
+
+        if hung:
+            ahead.add_done_callback(settle)  # its payloads are dropped once it is answered
+        else:
+            settle(ahead)
 
     def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind, source: TierKind) -> Reserved | None:
         """Read what a batch not sent from the host arena sends, then reserve room for the batch on
@@ -228,7 +224,7 @@ class Spiller:
         try:
             # The guard first: should the copy outlive the peer's reservation timeout, the peer's
             # sync deletes the guard and the swap is refused rather than naming freed memory.
-            self.agent.index.guard_reservations([put_id.hex()], ttl_ms=GUARD_TTL_MS)
+            self.agent.index.guard_reservations([put_id.hex()], ttl_ms=limits.GUARD_TTL_MS)
         except MooncakeError as exc:  # the index's failure, not the peer's
             log.info("spill of %d object(s) to %s: no guard: %s", len(batch), peer_node.node_id, exc)
             self._drop_payloads(batch)
@@ -259,7 +255,7 @@ class Spiller:
             # No answer, a reset or a timeout (not a refusal, nor an agent at its connection
             # limit, which answered): the caller leaves the peer out for a while.
             if isinstance(exc, TransferError) or (isinstance(exc, ConnectError) and not isinstance(exc, AgentBusy)):
-                self._mark_unreachable(peer_node.node_id)
+                self._trouble.unreachable(peer_node.node_id)
             return None
         self._drop_payloads(left)
         return Reserved(
@@ -279,6 +275,7 @@ class Spiller:
                 return self._copy_all(segment, peer_node, reserved), False
             except MooncakeError as exc:  # the connection broke: the peer lifts the fences itself
                 log.info("spill to %s failed mid-copy: %s", peer_node.node_id, exc)
+                self._trouble.note(peer_node.tcp_endpoint, exc)
                 self._transport.drop_peer(peer_node.tcp_endpoint)
                 return [False] * len(reserved.batch), True
         peer = self._transport.peer(peer_node.tcp_endpoint)
@@ -397,10 +394,11 @@ class Spiller:
         def stream(_: int) -> None:
             nonlocal broken
             try:
-                results.append(peer.write_pulled(take, window=WRITE_WINDOW))
+                results.append(peer.write_pulled(take, window=limits.WRITE_WINDOW))
             except MooncakeError as exc:
                 log.info("spill to %s failed mid-transfer: %s", peer.endpoint, exc)
                 broken = True
+                self._trouble.note(peer.endpoint, exc)
 
         try:
             for i, (job, res) in enumerate(zip(batch, reservations, strict=True)):

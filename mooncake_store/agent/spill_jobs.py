@@ -5,11 +5,12 @@ batches."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 from mooncake_store.agent.moves import MoveTarget
-from mooncake_store.errors import MooncakeError
+from mooncake_store.errors import MooncakeError, TransferTimeout
 from mooncake_store.index.schema import BATCH_LIMIT
 from mooncake_store.tiers.allocator import ALIGNMENT
 from mooncake_store.transport import frames
@@ -17,6 +18,23 @@ from mooncake_store.transport.tcp import Reservation
 from mooncake_store.types import EvictionCandidate, TierUsage
 
 log = logging.getLogger("mooncake.agent")
+
+# ---- the batches' sizes and the peer calls' timeouts (spill.py) ----
+#: Lifetime of a spill's reservation guards: longer than any copy needs; the peer's sync deletes
+#: a guard as soon as its reservation times out.
+GUARD_TTL_MS = 300_000
+#: Bytes per batch: bounds what a peer holds reserved for a batch not yet swapped, and how long
+#: the first object of a pass waits for its swap.
+BATCH_BYTES = 32 << 20
+#: The most one WRITE of a host-tier spill carries: larger objects go in pieces, which the streams
+#: share out (Spiller._write_all).
+PIECE_BYTES = 2 << 20
+#: WRITE frames in flight per stream before their acks are read.
+WRITE_WINDOW = 4
+#: Timeout of each call to a peer (and of each recv and send within it): twice the heartbeat TTL,
+#: by which a hung peer is past its deadline, within these bounds (30 s alone held repairs long).
+TIMEOUT_S, MIN_TIMEOUT_S = 30.0, 10.0
+
 
 #: Entries per batch: one RESERVE frame's worth, and one move_replicas call's (the batch's guard
 #: is shared by its entries, and a call deletes the guards it used).
@@ -139,3 +157,33 @@ class SilentPeers:
             if node_id not in self._until:
                 log.warning("peer %s did not answer a spill; leaving it out for %.0f s", node_id, self._leave_out_s)
             self._until[node_id] = time.monotonic() + self._leave_out_s
+
+
+class PeerTrouble:
+    """Peers a spill could not reach, for the pressure loop to leave out (``take``), and the
+    endpoints of those that timed out (hung, not reset), which are sent no FREE until then: they
+    would answer it after another timeout, the pressure loop waiting, and reclaim the room at
+    their own reservation timeout anyway."""
+
+    def __init__(self) -> None:
+        self._unreachable: set[str] = set()  # node ids: RESERVE or WRITEs failed on the connection
+        self._hung: set[str] = set()  # endpoints a transfer to timed out
+        self._lock = threading.Lock()
+
+    def take(self) -> set[str]:
+        with self._lock:
+            out, self._unreachable, self._hung = self._unreachable, set(), set()
+        return out
+
+    def unreachable(self, node_id: str) -> None:
+        with self._lock:
+            self._unreachable.add(node_id)
+
+    def note(self, endpoint: str, exc: MooncakeError) -> None:
+        if isinstance(exc, TransferTimeout):
+            with self._lock:
+                self._hung.add(endpoint)
+
+    def hung(self, endpoint: str) -> bool:
+        with self._lock:
+            return endpoint in self._hung

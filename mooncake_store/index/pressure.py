@@ -105,10 +105,12 @@ class PressureCalls:
             raise ConnectError(f"cannot read {what} from {self.where}: {exc}") from None
         return [score is not None for score in scores]
 
-    def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica) -> str:
+    def move_replica(self, key: str, *, old_node: str, old_alloc_id: int, new: Replica, promotion: bool = False) -> str:
         """Compare-and-swap a replica's location; move_replicas' statuses ("OK", "GONE", "PINNED",
-        "EXPIRED", "DUP", "INVALID")."""
-        return str(self._run("move_replica", key, old_node, str(old_alloc_id), json.dumps(encode_replica(new))))
+        "EXPIRED", "DUP", "INVALID"). A ``promotion`` (to a faster tier of the same node) is not
+        held back by pins: a pinned prefix chunk read from disk is the one most worth promoting."""
+        replica = json.dumps(encode_replica(new))
+        return str(self._run("move_replica", key, old_node, str(old_alloc_id), replica, "1" if promotion else "0"))
 
     def guard_reservations(self, put_ids: Sequence[str], *, ttl_ms: int) -> None:
         """Guard records for reservations made on another agent: that agent's sync deletes one when

@@ -11,6 +11,7 @@ reservations on the peer are given back at once rather than when they time out t
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -116,5 +117,60 @@ def test_a_spill_cut_short_by_close_gives_the_peers_room_back(make_inproc_agent:
         b.sync_once()  # what B's next sync does: free the reservations expired by the FREE frame
         assert len(b.table) == 0 and not b.table.reserved_deadlines(), "the cut batch still holds room on B"
         for i, key in enumerate(keys):  # nothing moved: every object still on A, byte-exact
+            assert [r.node_id for r in client.object_meta(key).replicas] == [a.node_id]  # type: ignore[union-attr]
+            np.testing.assert_array_equal(client.get(key), np.full(256 * 1024, i + 1, np.uint8))
+
+
+def test_a_peer_that_hangs_mid_batch_costs_the_spill_one_timeout(
+    make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B grants the batch's room and then stops answering (its WRITE handler held, as a peer hung
+    mid-transfer). The batch breaks after one timeout; the spill then sent B a FREE for the
+    batch's room, which a hung peer answers only after another timeout, the pressure loop waiting
+    (and a third for a batch reserved ahead). Now B is sent nothing more: it reclaims the room at
+    its own reservation timeout, and every object stays on A, byte-exact."""
+    from mooncake_store.agent import spill_jobs
+    from mooncake_store.agent.ops import AgentOps
+    from mooncake_store.transport.tcp import PeerConnections
+
+    monkeypatch.setattr(spill_jobs, "TIMEOUT_S", 1.0)
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    a = make_inproc_agent(namespace=namespace, host_bytes=8 * MiB, spill_to_peers=True, spill_shm=False)
+    b = make_inproc_agent(namespace=namespace, host_bytes=8 * MiB, reserve_timeout_s=2.0)
+    hung = threading.Event()
+    real_write, real_free = AgentOps._write, PeerConnections.free
+    freed_on: list[str] = []
+
+    def write_unless_hung(self: AgentOps, *args: object) -> bool:
+        if self._table is b.table:
+            hung.wait(30)  # B does not answer until the test ends
+        return real_write(self, *args)  # type: ignore[arg-type]
+
+    def recorded_free(self: PeerConnections, alloc_ids: object) -> int:
+        freed_on.append(self.endpoint)
+        return real_free(self, alloc_ids)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AgentOps, "_write", write_unless_hung)
+    monkeypatch.setattr(PeerConnections, "free", recorded_free)
+    keys = [f"hang-{i}" for i in range(4)]
+    with connect(a.index.url, namespace=namespace) as client:
+        for i, key in enumerate(keys):
+            client.put(key, np.full(256 * 1024, i + 1, np.uint8), preferred_node=a.node_id)
+        victims = [c for c in a.index.victim_candidates(a.node_id, "host") if c.key in keys]
+        jobs = []
+        for victim in victims:
+            location = a.table.offset_of(victim.alloc_id)
+            assert location is not None
+            jobs.append(SpillJob(victim=victim, offset=location[0]))
+        b_node = a.index.nodes()[b.node_id]
+        spiller = Spiller(a)
+        try:
+            result = spiller.spill(b_node, jobs)
+        finally:
+            hung.set()
+            spiller.close()
+        assert result.refused and not result.moved and len(result.unsent) == len(jobs)
+        assert b_node.tcp_endpoint not in freed_on, "a FREE was sent to the peer that hung"
+        for i, key in enumerate(keys):
             assert [r.node_id for r in client.object_meta(key).replicas] == [a.node_id]  # type: ignore[union-attr]
             np.testing.assert_array_equal(client.get(key), np.full(256 * 1024, i + 1, np.uint8))

@@ -203,9 +203,9 @@ def test_a_peer_that_does_not_answer_a_copy_is_left_out_of_the_next_calls(
     """A hung peer that still heartbeats looks the emptiest: every repair call (each second) chose
     it and waited out the spill's timeout on its RESERVE (30 s; 1 s here), holding the pressure
     loop, and writers waiting for room, as long. Now it is left out for a heartbeat TTL."""
-    from mooncake_store.agent import spill
+    from mooncake_store.agent import spill_jobs
 
-    monkeypatch.setattr(spill, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(spill_jobs, "TIMEOUT_S", 1.0)
     a = direct_agent(namespace, spill_shm=False)
     b = direct_agent(namespace)
     client = client_of(namespace)

@@ -57,9 +57,9 @@ def test_a_peer_that_stops_answering_is_not_asked_again_in_the_next_passes(
     victims elsewhere: relief took one step per timeout, and writers waiting for room timed out.
     Once a peer's RESERVE times out it is left out for a heartbeat TTL. (The spill's timeout is
     set to 1 s in this process, so that the test does not wait 30 s.)"""
-    from mooncake_store.agent import spill
+    from mooncake_store.agent import spill_jobs
 
-    monkeypatch.setattr(spill, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(spill_jobs, "TIMEOUT_S", 1.0)
     a = direct_agent(namespace, spill_to_peers=True, spill_shm=False)
     b = direct_agent(namespace, host_bytes=16 * MiB)
     client = client_of(namespace)

@@ -405,12 +405,14 @@ end
 -- guard is gone: the new location may already be freed; or the new node left the node table or
 -- is past its heartbeat deadline) or "DUP" (the new node already holds another replica: two
 -- copies on one node would be one), or "INVALID" (the new location is malformed).
-local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps)
+local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps, pinned_ok)
   local status, rec, found = plan_checks(key, old_node, old_alloc, new, guard, now, swaps, false)
   if status then return status end
   local reps = rec.reps
-  -- Live pins, counted (lapsed ones are dropped by the scripts that write pins).
-  if redis.call('ZCOUNT', P .. 'pins:' .. key, now, '+inf') > 0 then return 'PINNED' end
+  -- Live pins, counted (lapsed ones are dropped by the scripts that write pins). A pinned object
+  -- stays where it is, but for a promotion (pinned_ok) on its own node to a faster tier: the
+  -- reader holding the pin is the one the promotion serves.
+  if not pinned_ok and redis.call('ZCOUNT', P .. 'pins:' .. key, now, '+inf') > 0 then return 'PINNED' end
   new[6] = 'COMPLETE'
   defer(swaps.tiers, key, {reps[found][1], reps[found][2]}, {new[1], new[2]})
   reps[found] = new
