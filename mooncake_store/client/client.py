@@ -105,6 +105,7 @@ class Client:
         #: pool waited forever for workers that do not exist there (see _interrupted).
         self._pid = os.getpid()
         self._closing = threading.Event()  # set with _closed: cuts a put's wait for room short
+        self._closed_all = threading.Event()  # set when the first close() has done all it does
         #: Puts between their first and last index write: close() waits for them (in_flight.py).
         self._in_flight = InFlight(self._interrupted)
 
@@ -115,14 +116,21 @@ class Client:
         other threads end at once with MooncakeError("client is closed"), even those waiting on
         a stalled agent: close() shuts down their connections first."""
         with self._pool_lock:
-            if self._closed:
-                return
+            closing_elsewhere = self._closed
             self._closed = True
             self._closing.set()
             pool = self._pool
+        if closing_elsewhere:
+            # Another thread's close() is under way: this one returns when that one has, so that
+            # what close() promises holds for every caller; but not on a worker of this client's
+            # pool (a future's callback), which the first close() may be waiting for.
+            if pool is None or threading.current_thread() not in getattr(pool, "_threads", ()):
+                self._closed_all.wait()
+            return
         if os.getpid() != self._pid:
             # A forked child's copy: its sockets are the parent's too (a shutdown here would cut
             # the parent's transfers) and its pool has no threads. It is only marked closed.
+            self._closed_all.set()
             return
         try:
             # The transports before the wait for the pool: an operation waiting on an agent (up to
@@ -144,9 +152,12 @@ class Client:
                 # commits after this, and none reopens the index's connections once it is closed.
                 self._in_flight.drain(self.config.timeout_s)
             finally:
-                if self._gpu is not None:
-                    self._gpu.close()
-                self.index.close()
+                try:
+                    if self._gpu is not None:
+                        self._gpu.close()
+                    self.index.close()
+                finally:
+                    self._closed_all.set()
 
     def __reduce__(self) -> NoReturn:
         raise TypeError(

@@ -258,9 +258,11 @@ class PutPath:
                     pinned=pinned,
                     done=stored,
                 )
+            # put_commit.lua answers EXPIRED for both: the reservation is gone, or a replica's node
+            # left the table, missed its deadline or restarted since (the index lost it, say).
             raise ReservationExpired(
-                f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed "
-                f"(first key {failed[0][0].key!r})"
+                f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed, or "
+                f"their node left the node table or restarted since (first key {failed[0][0].key!r})"
             )
 
     def _candidates(
