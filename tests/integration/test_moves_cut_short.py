@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mooncake_store import connect
+from mooncake_store import Client, connect
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import ConnectError
@@ -90,6 +90,18 @@ def test_a_move_target_the_index_could_not_confirm_is_settled_later(
         np.testing.assert_array_equal(client.get(key), value)
 
 
+def put_and_choose(client: Client, a: Agent, keys: list[str]) -> list[SpillJob]:
+    """Put ``keys`` on ``a`` (256 KiB each, key i filled with i + 1) and return them as spill jobs."""
+    for i, key in enumerate(keys):
+        client.put(key, np.full(256 * 1024, i + 1, np.uint8), preferred_node=a.node_id)
+    jobs = []
+    for victim in [c for c in a.index.victim_candidates(a.node_id, "host") if c.key in keys]:
+        location = a.table.offset_of(victim.alloc_id)
+        assert location is not None
+        jobs.append(SpillJob(victim=victim, offset=location[0]))
+    return jobs
+
+
 def test_a_spill_cut_short_by_close_gives_the_peers_room_back(make_inproc_agent: Callable[..., Agent]) -> None:
     namespace = f"t-{uuid.uuid4().hex[:10]}"
     # A long reservation timeout: anything still reserved on B at the end was not given back.
@@ -97,14 +109,7 @@ def test_a_spill_cut_short_by_close_gives_the_peers_room_back(make_inproc_agent:
     b = make_inproc_agent(namespace=namespace, host_bytes=8 * MiB, reserve_timeout_s=600.0)
     keys = [f"cut-{i}" for i in range(4)]
     with connect(a.index.url, namespace=namespace) as client:
-        for i, key in enumerate(keys):
-            client.put(key, np.full(256 * 1024, i + 1, np.uint8), preferred_node=a.node_id)
-        victims = [c for c in a.index.victim_candidates(a.node_id, "host") if c.key in keys]
-        jobs = []
-        for victim in victims:
-            location = a.table.offset_of(victim.alloc_id)
-            assert location is not None
-            jobs.append(SpillJob(victim=victim, offset=location[0]))
+        jobs = put_and_choose(client, a, keys)
         spiller = Spiller(a)
         # What close() does to the swap thread, as if it came while the batch was being written:
         # the bytes reach B, but no swap can be scheduled for them.
@@ -154,14 +159,7 @@ def test_a_peer_that_hangs_mid_batch_costs_the_spill_one_timeout(
     monkeypatch.setattr(PeerConnections, "free", recorded_free)
     keys = [f"hang-{i}" for i in range(4)]
     with connect(a.index.url, namespace=namespace) as client:
-        for i, key in enumerate(keys):
-            client.put(key, np.full(256 * 1024, i + 1, np.uint8), preferred_node=a.node_id)
-        victims = [c for c in a.index.victim_candidates(a.node_id, "host") if c.key in keys]
-        jobs = []
-        for victim in victims:
-            location = a.table.offset_of(victim.alloc_id)
-            assert location is not None
-            jobs.append(SpillJob(victim=victim, offset=location[0]))
+        jobs = put_and_choose(client, a, keys)
         b_node = a.index.nodes()[b.node_id]
         spiller = Spiller(a)
         try:
