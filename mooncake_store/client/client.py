@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -357,15 +358,25 @@ class Client:
         return [m.size_bytes if m else 0 for m in metas]
 
     # ---- other operations -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _cut_by_close(self) -> Iterator[None]:
+        """Around a call's index round trips: one that close() cut short (the index connections
+        closed under it) raises "client is closed", not the ConnectError the closing caused."""
+        self._check_open()
+        try:
+            yield
+        except MooncakeError as exc:
+            self._raise_if_interrupted(exc)
+            raise
+
     def object_meta(self, key: str) -> ObjectMeta | None:
         """Size, dtype, shape, checksum and readable replicas of ``key`` (None if absent); no lease."""
-        self._check_open()
-        return self.index.lookup([check_key(key)], lease_ms=0).objects[0]
+        with self._cut_by_close():
+            return self.index.lookup([check_key(key)], lease_ms=0).objects[0]
 
     def exists(self, key: str) -> bool:
         """True when ``key`` has a complete replica on a live node (grants no lease)."""
-        self._check_open()
-        return self.index.lookup([check_key(key)], lease_ms=0).objects[0] is not None
+        return self.object_meta(key) is not None
 
     def remove(self, key: str) -> bool:
         """Remove ``key``; False when it was absent. Readers that already looked it up finish their
@@ -373,9 +384,9 @@ class Client:
         return self.remove_many([key])[0]
 
     def remove_many(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
         checked = check_keys(keys)
-        statuses = self.index.remove(checked)
+        with self._cut_by_close():
+            statuses = self.index.remove(checked)
         pinned = [k for k, s in zip(checked, statuses, strict=True) if s == "PINNED"]
         if pinned:
             # The unpinned keys of the batch are gone all the same: say which.
@@ -390,10 +401,10 @@ class Client:
 
     def stat(self) -> ClusterStats:
         """Nodes with their tiers (capacity, used, objects), object count, bytes stored, hit counts."""
-        self._check_open()
-        nodes = self._node_table(refresh=True)
-        objects, per_node, counters = self.index.counts(list(nodes))
-        return build_stats(nodes, per_node, objects, counters, now_ms=self._server_now_ms())
+        with self._cut_by_close():
+            nodes = self._node_table(refresh=True)
+            objects, per_node, counters = self.index.counts(list(nodes))
+            return build_stats(nodes, per_node, objects, counters, now_ms=self._server_now_ms())
 
     # ---- futures ----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:

@@ -194,7 +194,8 @@ class PrefixCache:
         """
         self._check_open()
         keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
-        found = self.index.match(keys).num_chunks
+        with self.client._cut_by_close():
+            found = self.index.match(keys).num_chunks
         return self._tokens_of(token_ids, block_hashes, found, len(keys))
 
     def _limit(self, keys: list[str], max_tokens: int | None) -> list[str]:
@@ -374,8 +375,8 @@ class PrefixCache:
     def refcounts(self, token_ids: Any = None, *, block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
         """Live pins on each chunk of the prompt (0 where missing); asked of a closed cache too
         (what its close left pinned), not of a closed client."""
-        self.client._check_open()
-        return self.index.refcounts(self.keys(token_ids, block_hashes=block_hashes))
+        with self.client._cut_by_close():
+            return self.index.refcounts(self.keys(token_ids, block_hashes=block_hashes))
 
     def _hold(self, hit: PrefixHit) -> None:
         with self._lock:

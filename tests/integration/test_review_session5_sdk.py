@@ -424,3 +424,42 @@ def test_a_second_close_returns_only_once_the_first_has_closed_everything(
         first.join(30)
         second.join(30)
     assert second_done.is_set() and not first.is_alive()
+
+
+def test_calls_whose_index_round_trip_close_cut_short_say_the_client_is_closed(
+    shared_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() in another thread while exists/object_meta/remove/stat/match wait on the index:
+    the connection closed under them and they raised ConnectError ("the index client ... is
+    closed"), which reads as a network fault worth retrying. The close is placed inside each
+    call's round trip by a wrapper that runs it there, on another thread, then the real call."""
+    from mooncake_store.client.prefix import PrefixCache
+
+    calls: dict[str, Callable[[Client], object]] = {
+        "exists": lambda c: c.exists("k"),
+        "object_meta": lambda c: c.object_meta("k"),
+        "remove": lambda c: c.remove("k"),
+        "stat": lambda c: c.stat(),
+        "match": lambda c: PrefixCache(c, "cut/u8/L1/kv1/d8/tp0", chunk_tokens=4).match(list(range(8))),
+    }
+    for name, call in calls.items():
+        client = connect(shared_cluster.redis_url, namespace=shared_cluster.namespace)
+        client.stat()  # its node table and connections exist: the call's next round trip is cut
+        for method in ("lookup", "remove", "counts", "nodes", "_run"):
+            real = getattr(client.index, method, None)
+            if real is None:
+                continue
+
+            def closing_first(
+                *args: object, _real: Callable[..., object] = real, _client: Client = client, **kwargs: object
+            ) -> object:
+                closer = threading.Thread(target=_client.close)
+                closer.start()
+                closer.join(30)
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(client.index, method, closing_first)
+        with pytest.raises(MooncakeError) as info:
+            call(client)
+        assert type(info.value) is MooncakeError and str(info.value) == "client is closed", (name, info.value)
+        monkeypatch.undo()
