@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mooncake_store.client.buffers import BFLOAT16, check_dtype, check_fill_dtype
-from mooncake_store.client.gets import LEASE_SAFETY
+from mooncake_store.client.gets import LEASE_SAFETY, refuse_stale_shm
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
 from mooncake_store.policy.transport_choice import order_replicas
 from mooncake_store.tiers.gpu import GpuSegment, local_device
@@ -34,7 +34,7 @@ from mooncake_store.tiers.gpu_arrays import (
     parse_device,
 )
 from mooncake_store.transport.tcp import ReadRequest
-from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind, stale_for
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -281,12 +281,7 @@ def _read_replica_to_device(
     errors = []
     for replica, node, kind in ordered:
         try:
-            if kind == TransportKind.SHM and stale_for(replica, node):
-                # As gets.py: an earlier incarnation's offset means nothing in the new arena.
-                raise TransferError(
-                    f"the replica on {node.node_id} was handed out by an earlier incarnation of that node, "
-                    "restarted since the lookup"
-                )
+            refuse_stale_shm(meta.key, replica, node, kind)
             if kind == TransportKind.SHM and replica.tier == TierKind.GPU:
                 try:
                     client._gpu_segments().read(node, replica, dest, n)

@@ -34,6 +34,17 @@ if TYPE_CHECKING:
 LEASE_SAFETY = 0.8
 
 
+def refuse_stale_shm(key: str, replica: Replica, node: NodeInfo, kind: TransportKind) -> None:
+    """TransferError (the caller looks the key up again) for a shm copy of a replica handed out by
+    an earlier incarnation of its node (the table was read afresh for it: Client._nodes_for): its
+    offset means nothing in the new arena, and no agent is there to refuse it, as one does over TCP."""
+    if kind == TransportKind.SHM and stale_for(replica, node):
+        raise TransferError(
+            f"the replica of {key!r} on {node.node_id} was handed out by an earlier incarnation of that "
+            "node, restarted since the lookup"
+        )
+
+
 class GetPath:
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -340,14 +351,7 @@ class GetPath:
         errors: list[str] = []
         for replica, node, kind in ordered:
             try:
-                if kind == TransportKind.SHM and stale_for(replica, node):
-                    # Handed out by an earlier incarnation of the node (the table was read afresh
-                    # for it: _nodes_for): its offset means nothing in the new arena, and no agent
-                    # is there to refuse it, as one does over TCP. The lookup is made again.
-                    raise TransferError(
-                        f"the replica of {meta.key!r} on {node.node_id} was handed out by an earlier "
-                        "incarnation of that node, restarted since the lookup"
-                    )
+                refuse_stale_shm(meta.key, replica, node, kind)
                 if kind == TransportKind.SHM and replica.tier == TierKind.GPU:
                     self._read_gpu_ipc(node, replica, dest)
                 elif kind == TransportKind.SHM:
