@@ -23,13 +23,8 @@ log = logging.getLogger("mooncake.agent")
 
 #: Chunk for draining the payload of a refused WRITE.
 DRAIN_BYTES = 1 << 20
-#: The slowest a request's bytes may arrive (and a READ's reply leave), beyond the first
-#: timeout_s: a request must be done by timeout_s + its length / MIN_RATE_BPS from its header's
-#: first byte. timeout_s bounds each recv and send only, so a peer sending a byte per timeout
-#: would hold a WRITE's reservation (or a READ's allocation) and a thread for ever. 1 MiB/s is
-#: about a thousandth of a 10 Gb/s link, far below what even a writer sharing one with dozens of
-#: streams gets, and still cuts a trickled 1 GiB WRITE off within 18 minutes.
-MIN_RATE_BPS = 1 << 20
+#: The slowest a request's bytes may arrive (frames.MIN_RATE_BPS says why), named here for the server.
+MIN_RATE_BPS = frames.MIN_RATE_BPS
 
 
 class AgentHooks(Protocol):

@@ -15,7 +15,7 @@ import numpy as np
 
 from mooncake_store.client.buffers import as_destination, to_array
 from mooncake_store.client.gets import GetPath
-from mooncake_store.client.in_flight import InFlight
+from mooncake_store.client.in_flight import InFlight, on_pool_thread
 from mooncake_store.client.put_plans import check_put_options
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
@@ -125,7 +125,7 @@ class Client:
             # Another thread's close() is under way: this one returns when that one has, so that
             # what close() promises holds for every caller; but not on a worker of this client's
             # pool (a future's callback), which the first close() may be waiting for.
-            if pool is None or threading.current_thread() not in getattr(pool, "_threads", ()):
+            if not on_pool_thread(pool):
                 self._closed_all.wait()
             return
         if os.getpid() != self._pid:
@@ -146,9 +146,7 @@ class Client:
         finally:
             try:
                 if pool is not None:
-                    # A callback of one of our futures runs on a pool thread, which cannot join itself.
-                    own_thread = threading.current_thread() in getattr(pool, "_threads", ())
-                    pool.shutdown(wait=not own_thread)
+                    pool.shutdown(wait=not on_pool_thread(pool))
                 # Puts in other threads: each is cut, or past its transfers and committing; none
                 # commits after this, and none reopens the index's connections once it is closed.
                 self._in_flight.drain(self.config.timeout_s)

@@ -309,8 +309,7 @@ def _read_replica_to_device(
             return replica
         except (TransferError, ConnectError) as exc:
             errors.append(f"{replica.node_id}: {exc}")
-            if isinstance(exc, ConnectError):
-                client._tcp.drop_peer(node.tcp_endpoint)
+            client._tcp.drop_peer_after(node.tcp_endpoint, exc)
     raise TransferError(f"every replica of {meta.key!r} failed: " + "; ".join(errors or ["none reachable"]))
 
 

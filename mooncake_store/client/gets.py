@@ -365,8 +365,7 @@ class GetPath:
                 return replica
             except (TransferError, ConnectError) as exc:
                 errors.append(f"{node.node_id} via {kind}: {exc}")
-                if isinstance(exc, ConnectError):
-                    self.client._tcp.drop_peer(node.tcp_endpoint)
+                self.client._tcp.drop_peer_after(node.tcp_endpoint, exc)
                 # An agent that timed out, or turned us away at its connection limit, is not asked
                 # again for the rest of the call: each key would cost it another accept and refusal.
                 if failing is not None and kind != TransportKind.SHM and isinstance(exc, TransferTimeout | AgentBusy):

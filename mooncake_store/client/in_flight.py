@@ -16,6 +16,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from mooncake_store.errors import MooncakeError
 from mooncake_store.transport.cancel import Cancel, current_cancel
@@ -72,3 +73,10 @@ class InFlight:
 
         with self._cond:
             return self._cond.wait_for(idle, max(0.0, deadline - time.monotonic()))
+
+
+def on_pool_thread(pool: ThreadPoolExecutor | None) -> bool:
+    """Whether the calling thread is one of ``pool``'s workers: a future's done-callback runs
+    there, and a close() called from it can neither join the pool nor wait for a close() that
+    is itself waiting for the pool."""
+    return pool is not None and threading.current_thread() in getattr(pool, "_threads", ())

@@ -32,7 +32,8 @@ from functools import partial
 from typing import Any
 
 from mooncake_store.client.client import Client
-from mooncake_store.client.prefix_chunks import check_chunks_alike, stored_layout, tail_tokens
+from mooncake_store.client.in_flight import on_pool_thread
+from mooncake_store.client.prefix_chunks import check_chunks_alike, output_buffers, stored_layout, tail_tokens
 from mooncake_store.client.prefix_hash import (
     BlockHash,
     block_hash_chain,
@@ -151,6 +152,7 @@ class PrefixCache:
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
+        self._closed_all = threading.Event()
         #: Loads and stores run under it: close() cuts their transfers short, the client staying open.
         self._ops = Cancel("PrefixCache is closed")
 
@@ -296,7 +298,7 @@ class PrefixCache:
         self._hold(hit)
         try:
             if outs is not None:
-                dests = _output_buffers(outs, found)
+                dests = output_buffers(outs, found)
                 if (
                     len(dests) == found - 1
                     and found == len(keys)
@@ -463,10 +465,21 @@ class PrefixCache:
         Loads and stores under way in other threads end at once with MooncakeError("PrefixCache
         is closed"), even those waiting on a stalled agent: their connections are shut down."""
         with self._lock:
-            if self._closed:
-                return
+            closing_elsewhere = self._closed
             self._closed = True  # under the lock load_async checks it under
             hits = list(self._held.values())
+        if closing_elsewhere:
+            # As Client.close(): a second caller returns when the first has, but not on a worker
+            # of the cache's pool (a future's callback), which the first may be waiting for.
+            if not on_pool_thread(self._pool):
+                self._closed_all.wait()
+            return
+        try:
+            self._close_once(hits)
+        finally:
+            self._closed_all.set()
+
+    def _close_once(self, hits: list[PrefixHit]) -> None:
         # Before the wait for the pool, which would otherwise last as long as a stalled transfer.
         self._ops.cancel()
         # A store past its transfers is committing: it ends before close() returns, and none
@@ -476,9 +489,7 @@ class PrefixCache:
             hit.release()
         self._stop.set()
         if self._pool is not None:
-            # A callback of one of the cache's futures runs on a pool thread, which cannot join itself.
-            own_thread = threading.current_thread() in getattr(self._pool, "_threads", ())
-            self._pool.shutdown(wait=not own_thread)
+            self._pool.shutdown(wait=not on_pool_thread(self._pool))
         if self._renewer is not None:
             self._renewer.join(timeout=5)
 
@@ -487,12 +498,3 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _output_buffers(outs: object, found: int) -> list[object]:
-    """The first ``found`` buffers of ``outs`` (a sequence, or a callable outs(n) returning one)."""
-    given = outs(found) if callable(outs) else outs
-    if not isinstance(given, Sequence):
-        what = "outs(n) returned" if callable(outs) else "outs is"
-        raise InvalidValue(f"{what} {type(given).__name__}; a sequence of output buffers is wanted")
-    return list(given[:found])

@@ -1,10 +1,11 @@
 """Checks of the chunk arrays a PrefixCache stores: the chunks of one prompt are alike (one dtype;
 every full chunk the same size, a tail no larger). One float64 chunk in a float32 chain made every
 later load through it fail, and a half-size chunk half-filled the caller's buffer while the hit
-still counted its tokens."""
+still counted its tokens. And the caller's output buffers for a load."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mooncake_store.client.buffers import as_source
@@ -65,3 +66,12 @@ def stored_layout(
                 return i, meta.dtype, meta.size_bytes
             return None  # evicted meanwhile: the new chunks are checked among themselves
     return None
+
+
+def output_buffers(outs: object, found: int) -> list[object]:
+    """The first ``found`` buffers of ``outs`` (a sequence, or a callable outs(n) returning one)."""
+    given = outs(found) if callable(outs) else outs
+    if not isinstance(given, Sequence):
+        what = "outs(n) returned" if callable(outs) else "outs is"
+        raise InvalidValue(f"{what} {type(given).__name__}; a sequence of output buffers is wanted")
+    return list(given[:found])

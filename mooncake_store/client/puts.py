@@ -354,7 +354,7 @@ class PutPath:
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     if not isinstance(exc, NoCapacity):
-                        client._tcp.drop_peer(node.tcp_endpoint)
+                        client._tcp.drop_peer_after(node.tcp_endpoint, exc)
                     # Ranked on a table read after the refusal: the wait for a hung node can outlast
                     # every row's deadline in the table read before it.
                     nodes = {

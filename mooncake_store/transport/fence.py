@@ -75,7 +75,7 @@ class Fence:
             if status != Status.OK or got != count:
                 where = self._peer.endpoint
                 raise ProtocolError(f"agent at {where} answered {op.name} with status {status}, {got} ids")
-            return a, [bool(x) for x in frames.recv_exact(sock, count)]
+            return a, [bool(x) for x in self._peer.recv_exact_within(sock, count)]
 
         result: tuple[int, list[bool]] = self._use(run)
         return result

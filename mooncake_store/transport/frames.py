@@ -43,7 +43,8 @@ any       the first request on a connection    BUSY, a = the agent's connection 
 
 An agent bounds each request as a whole, not only each recv and send: its bytes must arrive (and a
 READ's reply leave) within the agent's timeout plus their length at a minimum rate
-(agent/ops.py MIN_RATE_BPS), or the connection is closed as if the peer had died.
+(MIN_RATE_BPS), or the connection is closed as if the peer had died. A client bounds each reply
+it reads the same way.
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ TIER_DISK = 2
 TIER_NAMES = {TIER_HOST: "host", TIER_GPU: "gpu", TIER_DISK: "disk"}
 #: RESERVE flag (header field b): the reservation is a spill from a peer agent.
 SPILL_FLAG = 1
+#: The slowest a request's bytes may arrive (and a READ's reply leave), beyond the first
+#: timeout_s: a request must be done by timeout_s + its length / MIN_RATE_BPS from its header's
+#: first byte. timeout_s bounds each recv and send only, so a peer sending a byte per timeout
+#: would hold a WRITE's reservation (or a READ's allocation) and a thread for ever. 1 MiB/s is
+#: about a thousandth of a 10 Gb/s link, far below what even a writer sharing one with dozens of
+#: streams gets, and still cuts a trickled 1 GiB WRITE off within 18 minutes. A client waits for
+#: an agent's reply by the same rule (ConnectionPool.recv_within).
+MIN_RATE_BPS = 1 << 20
 
 
 class Op(IntEnum):

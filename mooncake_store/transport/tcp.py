@@ -118,7 +118,7 @@ class PeerConnections(ConnectionPool):
         raise ConnectError(f"cannot connect to agent at {self.endpoint}: {failure or 'no address'}") from None
 
     def _reply(self, sock: socket.socket, op: Op) -> tuple[int, int, int, int]:
-        rop, status, a, b, c = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
+        rop, status, a, b, c = frames.unpack(self.recv_exact_within(sock, frames.HEADER_BYTES))
         if rop != op | frames.REPLY_BIT:
             raise ProtocolError(f"agent at {self.endpoint} answered op {rop} to op {int(op)}")
         if status == Status.BUSY:
@@ -164,7 +164,7 @@ class PeerConnections(ConnectionPool):
                 )
             if status != Status.OK:
                 raise ProtocolError(f"agent {node_id} refused RESERVE with status {status}")
-            raw = frames.recv_exact(sock, frames.RESERVE_REPLY.size * len(chunk))
+            raw = self.recv_exact_within(sock, frames.RESERVE_REPLY.size * len(chunk))
             return [Reservation(offset=off, alloc_id=alloc) for off, alloc in frames.RESERVE_REPLY.iter_unpack(raw)]
 
         out: list[Reservation] = []
@@ -345,7 +345,7 @@ class PeerConnections(ConnectionPool):
                     continue
                 if status != Status.OK or length != len(r.dest):
                     raise ProtocolError(f"agent at {self.endpoint} answered READ with status {status}, {length} B")
-                frames.recv_into_exact(sock, r.dest)
+                self.recv_within(sock, r.dest)
             if stale is not None:
                 raise stale
 
@@ -376,6 +376,15 @@ class TcpTransport:
                 self._peers[endpoint] = peer
                 self._made.add(peer)
             return peer
+
+    def drop_peer_after(self, endpoint: str, exc: MooncakeError) -> None:
+        """After a call to ``endpoint`` failed with ``exc``: drop its pool if the failure says the
+        agent may be gone (a refused or broken connection), so no call reuses a dead connection.
+        Not for AgentBusy: the agent is up and its connections healthy, and closing them all (the
+        other threads' too, as they come back) only had them all reconnect to an agent at its
+        connection limit, each reconnect another accept and possibly another refusal."""
+        if isinstance(exc, ConnectError) and not isinstance(exc, AgentBusy):
+            self.drop_peer(endpoint)
 
     def drop_peer(self, endpoint: str) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ import threading
 import time
 
 from mooncake_store.errors import MooncakeError, ProtocolError, TransferError, TransferTimeout
+from mooncake_store.transport import frames
 from mooncake_store.transport.cancel import Cancel, current_cancel, shut_down
 
 #: Pooled connections idle longer than this are not reused (the agent closes them after its own,
@@ -162,6 +163,21 @@ class ConnectionPool:
             for sock in self._busy:
                 shut_down(sock)  # under the lock: a call lets go of it (under it) before closing it
         self.close()
+
+    def recv_within(self, sock: socket.socket, view: memoryview) -> None:
+        """Fill ``view`` from a reply, bounded as a whole by timeout_s + its length at
+        frames.MIN_RATE_BPS: SO_RCVTIMEO bounds each recv only, so an agent trickling a byte per
+        timeout held the caller (a read, a spill's pressure pass) for as many timeouts."""
+        deadline = time.monotonic() + self._timeout_s + len(view) / frames.MIN_RATE_BPS
+        try:
+            frames.recv_into_by(sock, view, deadline, self._timeout_s)
+        except TransferTimeout as exc:
+            raise TransferTimeout(f"agent at {self.endpoint}: {exc}") from None
+
+    def recv_exact_within(self, sock: socket.socket, n: int) -> bytearray:
+        buf = bytearray(n)
+        self.recv_within(sock, memoryview(buf))
+        return buf
 
     def _call(self, func, *args):  # type: ignore[no-untyped-def]
         """Run ``func(sock, *args)`` on a pooled connection; a connection that saw an error is dropped,

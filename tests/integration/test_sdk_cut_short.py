@@ -1,0 +1,150 @@
+"""Calls of the SDK cut short or held by others: a second close() of a PrefixCache, an agent that
+trickles its replies, an agent at its connection limit."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from patched_agent import connect_raw, read_reply
+
+from mooncake_store import Client, LocalCluster, PrefixCache
+from mooncake_store.errors import AgentBusy, TransferTimeout
+from mooncake_store.transport import frames
+from mooncake_store.transport.frames import Op, Status
+from mooncake_store.transport.tcp import PeerConnections, ReadRequest
+
+MiB = 1 << 20
+
+
+def test_a_second_prefix_cache_close_returns_only_once_the_first_has_closed(
+    shared_cluster: LocalCluster, shared_client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PrefixCache.close() promises that its loads and stores have ended when it returns; a
+    second close() from another thread returned at once while the first still waited for a store
+    in flight. The first is held in that wait (a wrapper around the client's drain)."""
+    cache = PrefixCache(shared_client, "s22-close/u8/L1/kv1/d8/tp0", chunk_tokens=4)
+    in_drain, release = threading.Event(), threading.Event()
+    real_drain = shared_client._in_flight.drain
+
+    def held_drain(timeout_s: float, **kwargs: object) -> None:
+        in_drain.set()
+        release.wait(30)
+        real_drain(timeout_s, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shared_client._in_flight, "drain", held_drain)
+    first = threading.Thread(target=cache.close)
+    first.start()
+    assert in_drain.wait(30)
+    second_done = threading.Event()
+    second = threading.Thread(target=lambda: (cache.close(), second_done.set()))
+    second.start()
+    try:
+        assert not second_done.wait(0.5), "a second close() returned while the first was still closing"
+    finally:
+        release.set()
+        first.join(30)
+        second.join(30)
+    assert second_done.is_set() and not first.is_alive()
+
+
+def _trickling_agent(at_once: bytes, trickled: bytes, stop: threading.Event) -> tuple[socket.socket, threading.Thread]:
+    """A peer on loopback that reads one request header, sends ``at_once``, then ``trickled`` one
+    byte every 0.2 s (an agent stalled under load, or a broken one): never a whole timeout apart."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            frames.recv_exact(conn, frames.HEADER_BYTES)
+            try:
+                conn.sendall(at_once)
+                for byte in trickled:
+                    if stop.wait(0.2):
+                        return
+                    conn.sendall(bytes([byte]))
+            except OSError:
+                return  # the client gave up and closed: what is wanted
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+@pytest.mark.parametrize("trickled", ["reply header", "READ payload"])
+def test_an_agent_trickling_its_reply_is_cut_off_by_the_request_deadline(trickled: str) -> None:
+    """SO_RCVTIMEO bounds each recv only: a recv that got a byte before its timer ran out returns
+    it, and the client's recv_into_exact started the next recv with a fresh timer. An agent that
+    sent a byte every 0.2 s (timeout_s 0.5 s) therefore held a READ of 64 B for about 13 s, a
+    reply header of 32 B for about 6 s. Now a reply must be in within timeout_s plus its length at
+    MIN_RATE_BPS, as the agent already asks of its requests: about 0.5 s here."""
+    payload = bytes(range(64))
+    header = frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, len(payload))
+    stop = threading.Event()
+    if trickled == "READ payload":
+        listener, thread = _trickling_agent(header, payload, stop)
+    else:
+        listener, thread = _trickling_agent(b"", header + payload, stop)
+    host, port = listener.getsockname()
+    peer = PeerConnections(f"{host}:{port}", timeout_s=0.5, max_idle=2)
+    dest = bytearray(len(payload))
+    started = time.monotonic()
+    try:
+        with pytest.raises(TransferTimeout, match=r"agent at 127\.0\.0\.1:\d+: request not done by its deadline"):
+            peer.read_many([ReadRequest(alloc_id=1, offset=0, dest=memoryview(dest))])
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        peer.close()
+        thread.join(10)
+        listener.close()
+    assert took < 3.0, f"the read was held {took:.1f} s by a peer trickling a byte every 0.2 s (timeout_s 0.5)"
+
+
+@contextlib.contextmanager
+def _one_place_held(cluster: LocalCluster) -> Iterator[None]:
+    """A raw connection the agent served (it counts against the limit), once the agent has seen
+    the close of connections the client just closed (until then they count, and it gets BUSY)."""
+    for _ in range(100):
+        sock = connect_raw(cluster)
+        sock.sendall(frames.pack(Op.PING))
+        if read_reply(sock)[1] == Status.OK:
+            break
+        sock.close()
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the agent kept turning a second connection away for 5 s")
+    with sock:
+        yield
+
+
+def test_an_agent_at_its_connection_limit_keeps_the_clients_pooled_connections(
+    start_agent: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A read one of whose stripes the agent turned away at its connection limit (BUSY) dropped the
+    client's whole pool for that agent: every other thread's connection to it was closed when its
+    call came back instead of pooled, so they all reconnected to an agent already at its limit,
+    each another accept and possibly another refusal. The agent is up and its connections are
+    healthy: the pool stays. Here the limit is 2, a raw connection holds one place, and a read of
+    two stripes finds the client's one pooled connection plus a second turned away."""
+    cluster = start_agent({"MAX_CONNECTIONS": 2}, host_bytes=32 * MiB)
+    client = make_client(cluster, transports=("tcp",), tcp_connections=2, stripe_bytes=1 * MiB)
+    value = np.arange(4 * MiB, dtype=np.uint8)
+    client.put("s22-busy", value)
+    endpoint = cluster.agents[0].endpoint
+    pool = client._tcp.peer(endpoint)
+    with pool._lock:
+        for sock, _ in pool._idle[1:]:  # exactly one pooled connection: the read needs a second
+            sock.close()
+        del pool._idle[1:]
+    with _one_place_held(cluster):
+        with pytest.raises(AgentBusy, match=r"connection limit of 2\b"):
+            client.get("s22-busy")
+        assert client._tcp.peer(endpoint) is pool, "the pool was dropped on a BUSY refusal"
+        assert len(pool._idle) == 1, "the healthy connection of the read was closed, not pooled"
+    assert np.array_equal(client.get("s22-busy"), value)
