@@ -106,7 +106,12 @@ class StaleLocation(TransferError):
 
 
 class ReservationExpired(MooncakeError):
-    """The agent reclaimed a reservation before the put committed."""
+    """The agent reclaimed a reservation before the put committed. ``node_gone``: rather, a
+    replica's node left the node table, missed its deadline or restarted meanwhile."""
+
+    def __init__(self, message: str, *, node_gone: bool = False) -> None:
+        super().__init__(message)
+        self.node_gone = node_gone
 
 
 class GpuUnavailable(MooncakeError):

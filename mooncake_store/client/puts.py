@@ -127,7 +127,7 @@ class PutPath:
         config = self.client.config
         deadline = time.monotonic() + config.timeout_s
         expired_tries = failed_writes = 0
-        fresh_table_tried = False
+        fresh_table_tried = node_gone = False
         delay_s = 0.05
         while True:
             try:
@@ -153,7 +153,12 @@ class PutPath:
                 # Cut short by close(): "client is closed", not the transfer error the close caused
                 # (the attempt was abandoned, as every failed one is, before this saw it).
                 self.client._raise_if_interrupted(exc)
-                if isinstance(exc, ReservationExpired):
+                # A node of this put vanished from the table (it died, or the index restarted
+                # empty and forgot every node until their next heartbeats, about a second): the
+                # table is in flux, and until timeout_s a fresh one is waited for, as room is.
+                node_gone = node_gone or (isinstance(exc, ReservationExpired) and exc.node_gone)
+                settling = node_gone and isinstance(exc, ReservationExpired | NoCapacity)
+                if isinstance(exc, ReservationExpired) and not exc.node_gone:
                     expired_tries += 1
                     if expired_tries > config.max_retries:
                         raise
@@ -163,10 +168,13 @@ class PutPath:
                     # "replicas=2 needs 2 live nodes" be said with two of them up. Once more, afresh.
                     fresh_table_tried = True
                     self.client._node_table(refresh=True)
-                elif isinstance(exc, NoCapacity) and not exc.permanent and time.monotonic() + delay_s <= deadline:
+                elif (
+                    settling or (isinstance(exc, NoCapacity) and not exc.permanent)
+                ) and time.monotonic() + delay_s <= deadline:
                     if self.client._closing.wait(delay_s):  # close() ends the wait for room too
                         self.client._check_open()
-                    delay_s = min(delay_s * 2, 1.0)
+                    # Nodes come back at their next heartbeat: looked for four times a second.
+                    delay_s = min(delay_s * 2, 0.25 if settling else 1.0)
                     self.client._node_table(refresh=True)
                 else:
                     raise
@@ -258,11 +266,17 @@ class PutPath:
                     pinned=pinned,
                     done=stored,
                 )
-            # put_commit.lua answers EXPIRED for both: the reservation is gone, or a replica's node
-            # left the table, missed its deadline or restarted since (the index lost it, say).
+            gone = [p.key for p, s in failed if s == "GONE"]
+            if gone:
+                raise ReservationExpired(
+                    f"{len(gone)} put(s) reserved on a node that left the node table, missed its heartbeat "
+                    f"deadline or restarted since (an index restarted empty knows no node until its next "
+                    f"heartbeat; first key {gone[0]!r})" + landed,
+                    node_gone=True,
+                )
             raise ReservationExpired(
-                f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed, or "
-                f"their node left the node table or restarted since (first key {failed[0][0].key!r})"
+                f"{len(failed)} put(s) outlived the agent's reservation timeout and were reclaimed "
+                f"(first key {failed[0][0].key!r})" + landed
             )
 
     def _candidates(

@@ -237,7 +237,8 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                 raise ConnectError(f"Redis at {self.where} did not answer {name}: {exc}") from None
             except redis.ResponseError as exc:
                 self._keep_conn(conn)  # the reply was read whole: the connection is fine
-                raise MooncakeError(f"index script {name} failed on {self.where}: {exc}") from None
+                advice = self._oom_advice(exc)
+                raise MooncakeError(f"index script {name} failed on {self.where}: {exc}{advice}") from None
             except BaseException:
                 self._drop_conn(conn)  # interrupted mid-reply: the stream may be out of step
                 raise
@@ -411,6 +412,23 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         except redis.RedisError as exc:
             raise ConnectError(f"cannot read the server time from {self.where}: {exc}") from None
         return int(seconds) * 1000 + int(micros) // 1000
+
+    def _oom_advice(self, exc: redis.ResponseError) -> str:
+        """What to do about a script the server refused at its maxmemory: a get writes its read
+        lease, so even reads fail then, and the server's own words say nothing of that. A script is
+        refused at its first write, so the call changed nothing."""
+        if not isinstance(exc, redis.exceptions.OutOfMemoryError) and "maxmemory" not in str(exc):
+            return ""
+        try:
+            memory = self.redis.info("memory")
+            usage = f" (used {memory.get('used_memory')} B of maxmemory {memory.get('maxmemory')} B)"
+        except redis.RedisError:
+            usage = ""
+        return (
+            f"; the index server is out of memory{usage}: reads fail too, since each writes its read "
+            "lease. This call changed nothing. Raise the server's maxmemory, or remove objects "
+            "(their index records are what fills it)"
+        )
 
     def eviction_unsafe(self) -> str | None:
         """Why the server may lose index keys on its own, or None: a maxmemory-policy other than

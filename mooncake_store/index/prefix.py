@@ -13,11 +13,12 @@ deadline).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_store.errors import InvalidValue
+from mooncake_store.errors import InvalidValue, MooncakeError
 from mooncake_store.index.client import RedisIndex
 from mooncake_store.index.schema import in_batches
 from mooncake_store.index.scripts import build_script, read_script
@@ -71,12 +72,20 @@ class PrefixIndex:
             return MatchResult(now_ms=self.index.server_time_ms(), num_chunks=0)
         first_now: int | None = None
         total = 0
-        for window in in_batches(keys):
-            now, count = self._run("prefix_match", int(lease_ms), pin_id, "\n".join(window))
-            first_now = int(now) if first_now is None else first_now
-            total += int(count)
-            if int(count) < len(window):
-                break
+        try:
+            for window in in_batches(keys):
+                now, count = self._run("prefix_match", int(lease_ms), pin_id, "\n".join(window))
+                first_now = int(now) if first_now is None else first_now
+                total += int(count)
+                if int(count) < len(window):
+                    break
+        except MooncakeError:
+            # A later window failed: the earlier ones' pins would otherwise outlive the call by
+            # their whole lease, keeping those chunks from eviction with no hit to release them.
+            if total and lease_ms > 0:
+                with contextlib.suppress(MooncakeError):  # unreachable: they run out by their lease
+                    self.unpin(keys[:total], pin_id=pin_id)
+            raise
         assert first_now is not None
         return MatchResult(now_ms=first_now, num_chunks=total)
 

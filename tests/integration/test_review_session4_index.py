@@ -49,7 +49,7 @@ def test_a_put_reserved_on_a_dead_incarnation_cannot_commit_onto_its_successor(
         seen = None
         if client.exists(ghost):
             seen = bytes(client.get(ghost).tobytes()[:4])
-        assert statuses == ["EXPIRED"], (
+        assert statuses == ["GONE"], (
             f"commit of a reservation of the previous incarnation answered {statuses}; "
             f"get({ghost!r}) then returned {seen!r}... (the put wrote 0xAA)"
         )

@@ -3,10 +3,12 @@
 -- ARGV: [1] prefix, [2..n] put ids, each as "<put id>" or "<put id>=<checksum>" (decimal u64: the
 -- checksum of the bytes as they landed, which replaces the pending entry's)
 -- Returns: one status per put id, in order: "OK", "EXPIRED" (the pending record is gone: revoked or
--- reclaimed, the bytes may already be freed; or a replica's node has left the node table, is past
--- its heartbeat deadline, or restarted since the reservation), "PINNED" (the key exists and holds live pins, so it
--- cannot be replaced) or "LOOP" (its chain link is out of order: see out_of_order below; the
--- order is what keeps chains from looping).
+-- reclaimed, the bytes may already be freed), "GONE" (a replica's node has left the node table, is
+-- past its heartbeat deadline, or restarted since the reservation: an index restarted empty forgets
+-- every node until its next heartbeat, so a writer may wait for the table and try again; clients
+-- of earlier builds read it as any status but OK, a failed put), "PINNED" (the key exists and
+-- holds live pins, so it cannot be replaced) or "LOOP" (its chain link is out of order: see
+-- out_of_order below; the order is what keeps chains from looping).
 -- On OK an older object under the key is replaced in one step: its replicas go to their agents'
 -- graveyards, to be freed once every read lease granted on it has expired.
 local now = now_ms()
@@ -58,7 +60,7 @@ for i, put_id in ipairs(ids) do
     end
     if orphan then
       redis.call('DEL', pk)
-      table.insert(out, 'EXPIRED')
+      table.insert(out, 'GONE')
     elseif old[1] and live_pins(e.key, now) > 0 then
       table.insert(out, 'PINNED')
     elseif out_of_order(e) then

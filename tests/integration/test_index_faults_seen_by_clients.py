@@ -1,0 +1,104 @@
+"""The index under faults, as writers and readers meet them: a server restarted empty, a match
+cut between its windows, a server at its maxmemory."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import uuid
+
+import numpy as np
+import pytest
+import redis
+
+from mooncake_store import Client, LocalCluster, PrefixCache, connect
+from mooncake_store.embedded import EmbeddedServer
+from mooncake_store.errors import ConnectError, MooncakeError
+from mooncake_store.index.prefix import PrefixIndex
+from mooncake_store.index.schema import BATCH_LIMIT
+
+
+def test_a_put_right_after_the_index_restarts_empty_waits_for_the_node_to_register_again() -> None:
+    """An index restarted empty knows no node until each agent's next heartbeat (about a second).
+    A put in that window reserved on its agent (alive, in the client's cached table), and its
+    commit was refused for a node the table no longer had; the put retried max_retries times at
+    once and failed with ReservationExpired, for about a second after every such restart. The
+    commit now says GONE, and the put waits for a fresh table, within timeout_s, as it waits for
+    room: the first put after the restart is stored and read back."""
+    first = EmbeddedServer().start()
+    again: EmbeddedServer | None = None
+    try:
+        with (
+            LocalCluster(1, host_bytes=8 << 20, redis_url=first.url, namespace="s22-restart"),
+            connect(first.url, namespace="s22-restart", timeout_s=10.0) as writer,
+        ):
+            writer.put("before", b"A" * 1000)
+            os.kill(first.pid, signal.SIGKILL)
+            first.stop()
+            again = EmbeddedServer(port=first.port).start()  # the same address, empty
+            writer.put("after", b"B" * 1000)
+            assert bytes(writer.get("after")) == b"B" * 1000
+    finally:
+        if again is not None:
+            again.stop()
+        first.stop()
+
+
+def test_a_match_whose_later_window_fails_leaves_no_pins_behind(
+    shared_client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PrefixIndex.match pins a chain one window of 4096 chunks per round trip. When a later
+    window's round trip failed, the earlier windows' pins stayed for their whole lease (30 s by
+    default) with no hit to release them: those chunks could not be evicted or replaced meanwhile.
+    The second window's call fails here (a wrapper around the index's script runner raises on it,
+    as a server gone between the two would); the first window's pins are lifted before the error
+    reaches the caller."""
+    cache = PrefixCache(shared_client, f"s22-match-{uuid.uuid4().hex[:6]}/u8/L1/kv1/d1/tp0", chunk_tokens=1)
+    tokens = list(range(BATCH_LIMIT + 3))
+    assert cache.store(tokens, lambda i: np.full(1, i % 251, np.uint8)) == len(tokens)
+    index = PrefixIndex(shared_client.index)
+    calls: list[int] = []
+    real_run = index._run
+
+    def failing_second_window(name: str, *args: object) -> object:
+        if name == "prefix_match":
+            calls.append(1)
+            if len(calls) == 2:
+                raise ConnectError("the index went away between two windows (injected)")
+        return real_run(name, *args)
+
+    monkeypatch.setattr(index, "_run", failing_second_window)
+    keys = cache.keys(tokens)
+    try:
+        with pytest.raises(ConnectError, match="injected"):
+            index.match(keys, pin_id="s22-pins", lease_ms=60_000)
+        assert len(calls) == 2
+        still_pinned = sum(1 for count in cache.refcounts(tokens) if count)
+        assert still_pinned == 0, f"{still_pinned} chunk(s) stayed pinned after the match failed"
+    finally:
+        shared_client.remove_many(keys)
+        cache.close()
+
+
+def test_a_get_refused_at_the_servers_maxmemory_says_what_to_do() -> None:
+    """At maxmemory (noeviction) a get fails, since its lookup writes a read lease; the error was
+    the server's own "OOM command not allowed..." under the script's name, which says nothing of
+    why a read needs memory or what to do. It now names the memory used and the limit, says the
+    call changed nothing, and what frees the index."""
+    with LocalCluster(1, host_bytes=16 << 20) as cluster:
+        assert cluster.server is not None
+        with connect(cluster.redis_url, namespace=cluster.namespace) as client:
+            client.put_many({f"m{i}": b"z" * 100 for i in range(50)})
+            server = redis.Redis.from_url(cluster.redis_url)
+            server.config_set("maxmemory-policy", "noeviction")
+            server.config_set("maxmemory", int(server.info("memory")["used_memory"]) // 2)
+            try:
+                with pytest.raises(MooncakeError) as info:
+                    client.get("m3")
+            finally:
+                server.config_set("maxmemory", 0)
+            message = str(info.value)
+            assert re.search(r"used \d+ B of maxmemory \d+ B", message), message
+            assert "read lease" in message and "maxmemory" in message and "changed nothing" in message
+            assert bytes(client.get("m3")) == b"z" * 100
