@@ -27,6 +27,10 @@ from mooncake_store import ClusterStats, MooncakeError, connect
 from mooncake_store.config import format_size, load_config, redact_url, split_host_port
 from mooncake_store.index.client import connect_redis
 
+#: How long `mooncake down` waits for an `up` still starting to record its cluster (agents that
+#: prefault large arenas take a while on a loaded machine; `up --timeout` bounds its own waits).
+UP_WAIT_S = 120.0
+
 
 class _Stop(Exception):
     """Raised by the SIGTERM/SIGHUP handler so the foreground view unwinds like Ctrl-C."""
@@ -70,6 +74,34 @@ def _only_up() -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _up_starting() -> bool:
+    """Whether a `mooncake up` holds the state directory's lock (_only_up): starting, or running
+    in the foreground. Only asked when no cluster is recorded, i.e. one is still starting."""
+    try:
+        fd = os.open(state_dir() / "up.lock", os.O_RDWR)
+    except OSError:
+        return False  # never created: no `up` ever ran here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock this took
+    return False
+
+
+def _wait_for_starting_up(limit_s: float) -> ClusterState | None:
+    """The cluster a starting `up` records, once it has; None if that `up` ended without one (it
+    failed, or was stopped) or did not record one within ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        state = load_state()
+        if state is not None or not _up_starting():
+            return state if state is not None else load_state()
+        time.sleep(0.1)
+    return load_state()
 
 
 def _refuse_if_running() -> None:
@@ -303,6 +335,17 @@ def down(
     then remove leftover shared-memory segments and the state file.
     """
     state = load_state()
+    if state is None and _up_starting():
+        # Nothing recorded yet: the `up` is still starting its processes. Saying "nothing to stop"
+        # left that cluster to come up behind the user's back; it is waited for and stopped.
+        err.print(f"[dim]a `mooncake up` is starting; waiting up to {UP_WAIT_S:g} s for it to record its cluster[/dim]")
+        state = _wait_for_starting_up(UP_WAIT_S)
+        if state is None and _up_starting():
+            raise CliError(
+                f"a `mooncake up` has been starting for over {UP_WAIT_S:g} s without recording a cluster in "
+                f"{state_path()}; stop that process (Ctrl-C, or kill its PID), then run `mooncake down` again",
+                ExitCode.ERROR,
+            )
     if state is None:
         err.print(f"no cluster recorded in {state_path()}; nothing to stop")
         return
