@@ -241,7 +241,11 @@ def _describe_torch(tensor: Any) -> DeviceBuffer:
         except TypeError:
             raise InvalidValue(f"torch dtype {tensor.dtype} is not storable") from None
     device_id = int(tensor.get_device())
-    torch.cuda.current_stream(device_id).synchronize()
+    try:
+        # The tensor's pending writes land before its bytes are read on another stream.
+        torch.cuda.current_stream(device_id).synchronize()
+    except RuntimeError as exc:  # a fault left on the device by earlier work, or no context there
+        raise TransferError(f"torch tensor on cuda:{device_id}: waiting for its stream failed: {exc}") from None
     nbytes = int(tensor.numel()) * int(tensor.element_size())
     return DeviceBuffer(int(tensor.data_ptr()) if nbytes else 0, nbytes, device_id, dtype, tuple(tensor.shape))
 
