@@ -199,7 +199,9 @@ class EmbeddedServer:
             if self.persist_dir is not None:
                 # Before the temp dir: a persist_dir that cannot be made leaves nothing behind.
                 try:
-                    self.persist_dir.mkdir(parents=True, exist_ok=True)
+                    # The index it keeps (keys, node endpoints) is its owner's alone; a directory
+                    # that exists already is left as its owner set it.
+                    self.persist_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
                 except OSError as exc:
                     raise ServerError(
                         f"persist_dir={str(self.persist_dir)!r}: cannot be made a directory: {exc}"

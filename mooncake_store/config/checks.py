@@ -93,9 +93,10 @@ def _check_redis_url(value: str | None) -> str | None:
         # redis-py reads port 0 as "no port" and dials 6379: another server than the one named.
         elif parts.port == 0:
             return "port must be 1..65535, e.g. redis://127.0.0.1:6379/0"
-    except ValueError as exc:  # urlsplit's port: out of range or not a number
-        port = value.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)
-        if len(port) == 2 and is_ascii_digits(port[1]):
+    except ValueError as exc:  # urlsplit's port: out of range or not a number; or a lone bracket
+        hostport = value.split("://", 1)[-1].split("/", 1)[0].rpartition("@")[2]
+        port = hostport.rsplit(":", 1)
+        if ("[" in hostport) == ("]" in hostport) and len(port) == 2 and is_ascii_digits(port[1]):
             return f"port must be 1..65535, got {port[1]}, e.g. redis://127.0.0.1:6379/0"
         return f"not a valid URL ({exc})"
     if scheme != "unix":

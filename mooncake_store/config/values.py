@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+import socket
 from decimal import Decimal, InvalidOperation
 from urllib.parse import urlsplit, urlunsplit
 
@@ -108,10 +109,16 @@ def is_ascii_digits(text: str) -> bool:
 
 
 def is_wildcard_host(host: str) -> bool:
-    """``0.0.0.0``, ``::`` and their spellings: an address to bind on, never one to dial."""
+    """``0.0.0.0``, ``::`` and their spellings: an address to bind on, never one to dial. The
+    socket layer also reads ``0``, ``0x0`` or ``0.0.0.00`` as 0.0.0.0 (inet_aton's forms), which
+    ``ipaddress`` calls no address at all: bound, they listened on every interface unchecked."""
     try:
         return ipaddress.ip_address(host).is_unspecified
     except ValueError:
+        pass
+    try:
+        return socket.inet_aton(host) == bytes(4)
+    except OSError:
         return False  # a hostname
 
 
@@ -133,13 +140,23 @@ def _parse_host_port(text: object, *, min_port: int = 0) -> tuple[str, int] | st
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, so it can go into messages and logs."""
+    """``url`` with any password replaced by ``***``, so it can go into messages and logs: the one
+    in ``user:password@`` and the one redis-py also takes as ``?password=`` (or ``ssl_password``).
+    A URL that does not parse has everything between its scheme and its last ``@`` hidden."""
+    hidden = _QUERY_PASSWORD.sub(r"\1\2=***", url)
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(hidden)
         if parts.password is None:
-            return url
+            return hidden
         netloc = parts.netloc.rpartition("@")
         user = parts.username or ""
         return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
     except ValueError:
-        return url
+        scheme, sep, rest = hidden.partition("://")
+        if "@" not in rest:
+            return hidden
+        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+
+
+#: A password in a URL's query (redis-py reads ``password`` and ``ssl_password`` there).
+_QUERY_PASSWORD = re.compile(r"(?i)([?&])((?:ssl_)?password)=[^&#]*")

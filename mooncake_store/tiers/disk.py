@@ -125,7 +125,10 @@ class DiskTier:
         self.root = Path(root)
         made = [d for d in (self.root, *self.root.parents) if not d.exists()]
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            # The cached KV data is its owner's alone, as the host arena (0600) is: the directory
+            # (made so, or made so again if an earlier build left it open) and its files.
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.root.chmod(0o700)
         except OSError as exc:
             raise MooncakeError(f"cannot create the disk tier directory {self.root}: {exc}") from None
         try:
@@ -401,8 +404,9 @@ class DiskTier:
         path = self.path_of(alloc_id)
         tmp = path.with_suffix(".tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
+            path.parent.mkdir(exist_ok=True, mode=0o700)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())

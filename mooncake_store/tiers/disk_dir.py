@@ -7,14 +7,23 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import threading
 from pathlib import Path
 
 from mooncake_store.errors import MooncakeError
 
 SUFFIX = ".mcz"
-#: Held (flock) by the tier that owns the directory.
-LOCK_NAME = ".lock"
+#: Held (flock) by the tier that owns the directory. Its name and its content (LOCK_MAGIC) are
+#: what mark a directory as a disk tier's: a sweep touches no directory without both. (A lock
+#: file named ".lock", as earlier builds made, marked any program's directory under --disk as a
+#: dead tier's, and the sweep deleted that program's ".tmp" files and its lock.)
+LOCK_NAME = ".mooncake-disk-tier.lock"
+LOCK_MAGIC = b"mooncake-store disk tier\n"
+#: What a tier writes under its directory (path_of): <2 hex>/<16 hex>.mcz, and .tmp while writing,
+#: the subdirectory named by the file name's last two digits. Nothing else is ever removed.
+_SUBDIR = re.compile(r"[0-9a-f]{2}")
+_CHUNK_FILE = re.compile(r"[0-9a-f]{14}([0-9a-f]{2})\.(mcz|tmp)")
 
 
 def claim_dir(root: Path) -> int:
@@ -27,12 +36,12 @@ def claim_dir(root: Path) -> int:
     lock_path = root / LOCK_NAME
     for _ in range(5):  # each retry follows another process's move between two calls
         try:
-            root.mkdir(parents=True, exist_ok=True)  # a sweep may have taken it with a free lock
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)  # a sweep may have taken it with a free lock
             fd = os.open(lock_path, os.O_RDWR)
         except FileNotFoundError:
             new = _create_locked(root, lock_path)
             if new is not None:
-                return new
+                return _marked(new, lock_path)
             continue
         except OSError as exc:
             raise MooncakeError(f"cannot open the disk tier's lock file in {root}: {exc}") from None
@@ -45,7 +54,7 @@ def claim_dir(root: Path) -> int:
                 "process): each agent needs a disk directory of its own"
             ) from None
         if _still_named(fd, lock_path):
-            return fd
+            return _marked(fd, lock_path)
         os.close(fd)  # a sweep removed that free lock file (and perhaps its directory) meanwhile
     raise MooncakeError(f"cannot claim the disk tier directory {root}: its lock file kept changing")
 
@@ -61,10 +70,10 @@ def sweep_abandoned_tiers(parent: Path, *, keep: Path) -> list[Path]:
     removed: list[Path] = []
     for lock in sorted(parent.glob(f"*/{LOCK_NAME}")):
         root = lock.parent
-        if root == keep:
+        if root == keep or root.is_symlink():  # a link leads out of parent: never followed
             continue
         try:
-            fd = os.open(lock, os.O_RDWR)
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
@@ -74,11 +83,25 @@ def sweep_abandoned_tiers(parent: Path, *, keep: Path) -> list[Path]:
                 continue  # its agent is alive
             if not _still_named(fd, lock):
                 continue  # another sweep removed that file, and a new tier may have claimed the directory
+            if os.pread(fd, len(LOCK_MAGIC) + 1, 0) != LOCK_MAGIC:
+                continue  # not a tier's lock (or one whose claim died before marking it): left alone
             if remove_tier_dir(root):
                 removed.append(root)
         finally:
             os.close(fd)
     return removed
+
+
+def _marked(fd: int, lock_path: Path) -> int:
+    """The locked descriptor of a tier's lock file, its content made LOCK_MAGIC (what a sweep
+    asks of a directory before it removes anything)."""
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, LOCK_MAGIC, 0)
+    except OSError as exc:
+        os.close(fd)
+        raise MooncakeError(f"cannot write the disk tier's lock file {lock_path}: {exc}") from None
+    return fd
 
 
 def _claiming_name() -> str:
@@ -144,9 +167,23 @@ def _create_in_place(lock_path: Path) -> int | None:
     return None
 
 
+def _tier_subdirs(root: Path) -> list[Path]:
+    """The subdirectories path_of makes (two hex digits), not links: a link could lead anywhere."""
+    try:
+        return [d for d in root.iterdir() if _SUBDIR.fullmatch(d.name) and not d.is_symlink() and d.is_dir()]
+    except OSError:
+        return []
+
+
 def clear_chunk_files(root: Path) -> None:
-    for path in root.glob("*/*"):
-        if path.suffix in (SUFFIX, ".tmp"):
+    """Remove the chunk and temp files of a tier's directory: only names path_of makes, each in
+    the subdirectory its name selects."""
+    for sub in _tier_subdirs(root):
+        try:
+            names = [p for p in sub.iterdir() if (m := _CHUNK_FILE.fullmatch(p.name)) and m.group(1) == sub.name]
+        except OSError:
+            continue
+        for path in names:
             with contextlib.suppress(OSError):  # one that cannot go stays: the rest still go
                 path.unlink(missing_ok=True)
 
@@ -155,11 +192,9 @@ def remove_tier_dir(root: Path) -> bool:
     """Remove a disk tier's directory: its chunk and temp files, its subdirectories (when that
     leaves them empty), its lock file, and itself if nothing else is in it. Whether it went."""
     clear_chunk_files(root)
-    with contextlib.suppress(OSError):
-        for sub in root.iterdir():
-            if sub.is_dir() and len(sub.name) == 2:  # path_of's subdirectories
-                with contextlib.suppress(OSError):
-                    sub.rmdir()  # only if empty
+    for sub in _tier_subdirs(root):
+        with contextlib.suppress(OSError):
+            sub.rmdir()  # only if empty
     for claiming in root.glob(f"{LOCK_NAME}.claiming-*"):
         # Left by a claim that died halfway; a live claimer that loses its file looks again.
         claiming.unlink(missing_ok=True)

@@ -88,6 +88,8 @@ def test_persist_dir_keeps_data_across_restart(tmp_path: Path) -> None:
         assert client.config_get("appendonly")["appendonly"] == "yes"
         client.close()
     assert data.is_dir()  # the caller's directory survives stop()
+    # Made for its owner alone (the index it keeps names every key): it was the umask's 0755.
+    assert data.stat().st_mode & 0o777 == 0o700
     with EmbeddedServer(persist_dir=data) as srv:
         client = srv.client()
         assert client.get("durable") == b"yes"

@@ -14,6 +14,7 @@ from mooncake_store.config import (
     format_size,
     load_config,
     parse_size,
+    redact_url,
     split_host_port,
 )
 from mooncake_store.errors import ConfigError
@@ -431,3 +432,31 @@ def test_a_local_cluster_with_a_bad_arena_size_is_refused_before_it_starts(size:
 
     with pytest.raises(ConfigError, match=r"agent\.host_bytes"):
         LocalCluster(1, host_bytes=size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:5/0?password=s3cret", "redis://127.0.0.1:5/0?password=***"),
+        (
+            "redis://h:1/0?db=1&PASSWORD=s3cret&ssl_password=s3cret#f",
+            "redis://h:1/0?db=1&PASSWORD=***&ssl_password=***#f",
+        ),
+        ("redis://u:s3cret@h:1/0?password=s3cret", "redis://u:***@h:1/0?password=***"),
+        ("redis://:s3cret@[::1/0", "redis://***@[::1/0"),  # does not parse: all before the @ hidden
+        ("redis://h:1/0", "redis://h:1/0"),
+    ],
+)
+def test_every_password_redis_py_reads_in_a_url_is_redacted(url: str, shown: str) -> None:
+    """redis-py takes a password from the query as well (``?password=``); those were printed as
+    given, by `mooncake stat --json`, `doctor` and every connection error. A URL that did not
+    parse was returned whole, password and all."""
+    assert redact_url(url) == shown
+
+
+def test_a_url_with_a_lone_bracket_is_not_called_a_bad_port() -> None:
+    """``redis://:pw@[::1/0`` was refused as "port must be 1..65535, got 1" (read out of "[::1")."""
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"MOONCAKE_REDIS_URL": "redis://:s3cret@[::1/0"})
+    assert "not a valid URL" in str(info.value) and "port" not in str(info.value)
+    assert "s3cret" not in str(info.value)

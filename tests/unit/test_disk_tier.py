@@ -21,7 +21,7 @@ from mooncake_store.tiers.disk import (
     shuffle_planes,
     unshuffle_planes,
 )
-from mooncake_store.tiers.disk_dir import sweep_abandoned_tiers
+from mooncake_store.tiers.disk_dir import LOCK_NAME, sweep_abandoned_tiers
 
 
 def kv_like(n: int, seed: int = 0) -> np.ndarray:
@@ -141,7 +141,8 @@ def test_bad_arguments(tmp_path: Path) -> None:
 def test_leftovers_of_an_earlier_incarnation_are_cleared(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 1 << 20)
     tier.write(1, memoryview(b"old"))
-    (tier.path_of(1).parent / "junk.tmp").write_bytes(b"half")
+    tier.path_of(2).parent.mkdir(exist_ok=True)
+    tier.path_of(2).with_suffix(".tmp").write_bytes(b"half")  # a write that never finished
     tier.close(remove_files=False)  # as a crashed agent leaves them (its lock went with it)
     DiskTier(tmp_path, 1 << 20).close()
     assert not list(tmp_path.rglob("*.mcz")) and not list(tmp_path.rglob("*.tmp"))
@@ -374,7 +375,7 @@ def test_a_claim_whose_directory_a_sweep_removed_meanwhile_claims_it_afresh(
     root = tmp_path / "agent-0"
     DiskTier(root, 1 << 20).close(remove_files=False)
     real_open = os.open
-    lock = str(root / ".lock")
+    lock = str(root / LOCK_NAME)
     swept: list[list[Path]] = []
 
     def sweep_finishes_first(path: object, flags: int, *args: int) -> int:

@@ -257,14 +257,16 @@ def test_agent_can_listen_on_ipv6_loopback(make_inproc_agent: Callable[..., Any]
 # --- 9. a wildcard listen address is published as the endpoint peers dial ------------------------------
 
 
-def test_wildcard_listen_is_not_published_as_the_endpoint(make_inproc_agent: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "0", "0x0", "0.0.0.00", "000.000.000.000", "[::]"])
+def test_wildcard_listen_is_not_published_as_the_endpoint(make_inproc_agent: Callable[..., Any], wildcard: str) -> None:
     """README 'Running agents yourself' shows `--listen 0.0.0.0:7000` with no --advertise. The agent
     then publishes tcp_endpoint '0.0.0.0:7000' (node.py:319, server.endpoint is the bind host), which a
     client on another host dials as its *own* host: the node is unreachable, or (same fixed port on
     every node) the client talks to the wrong agent. It should publish a routable address or refuse
-    the wildcard without --advertise."""
+    the wildcard without --advertise. The socket layer binds "0", "0x0" or "0.0.0.00" (inet_aton's
+    spellings) as 0.0.0.0 too; those were published as endpoints, bound to every interface."""
     with pytest.raises(ConfigError, match="advertise"):  # refused: peers could not dial it
-        make_inproc_agent(listen="0.0.0.0:0")
+        make_inproc_agent(listen=f"{wildcard}:0")
 
 
 # --- 10. a disk capacity far beyond the filesystem is accepted and advertised -----------------------
