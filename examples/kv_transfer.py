@@ -40,15 +40,23 @@ def reader(url: str, namespace: str, count: int, transport: str, queue: mp.Queue
         queue.put((transport, seconds if exact else -1.0))
 
 
+def _size(text: str) -> int:
+    """--total as argparse reads it: a size it cannot parse is a usage error, not a traceback."""
+    try:
+        return parse_size(text)
+    except MooncakeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="an existing cluster's index (default: start a private one)")
     parser.add_argument("--namespace", default=None)
-    parser.add_argument("--total", default="256MiB", help="bytes of KV chunks to move (default 256MiB)")
+    parser.add_argument("--total", default="256MiB", type=_size, help="bytes of KV chunks to move (default 256MiB)")
     parser.add_argument("--agents", type=int, default=2)
     args = parser.parse_args()
     chunk_bytes = chunk(0).nbytes
-    count = max(1, parse_size(args.total) // chunk_bytes)
+    count = max(1, args.total // chunk_bytes)
     arena = max(64 << 20, (count * chunk_bytes) // max(1, args.agents) + (64 << 20))
     try:
         with LocalCluster(args.agents, redis_url=args.redis_url, namespace=args.namespace, host_bytes=arena) as cluster:

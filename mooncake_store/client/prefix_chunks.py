@@ -22,40 +22,45 @@ def tail_tokens(token_ids: Any, chunk_tokens: int) -> int:
     return 0 if token_ids is None else len(as_token_array(token_ids)) % chunk_tokens
 
 
-def check_chunks_alike(
-    chunks: dict[int, Any], *, tail_index: int | None, stored: tuple[int, str, int] | None = None
-) -> None:
-    """The chunks about to be stored, by position: one dtype, full chunks of one size, the tail
-    (``tail_index``) no larger. ``stored`` is (position, dtype, size) of a full chunk of the
-    prompt stored before, which the new ones extend: they must be like it too. Device arrays are
-    left to the put, which checks them itself."""
+#: (position, dtype, bytes, shape) of a chunk: what the chunks of one prompt must share.
+Layout = tuple[int, str, int, tuple[int, ...]]
+
+
+def check_chunks_alike(chunks: dict[int, Any], *, tail_index: int | None, stored: Layout | None = None) -> None:
+    """The chunks about to be stored, by position: one dtype, full chunks of one size and shape,
+    the tail (``tail_index``) no larger. ``stored`` is the layout of a full chunk of the prompt
+    stored before, which the new ones extend: they must be like it too (a chunk of another shape
+    with as many bytes, another model's KV layout, was restored through the chain as this one's).
+    Device arrays are left to the put, which checks them itself."""
     layouts = {}
     for i, value in chunks.items():
         if is_device_array(value):
             continue
         source = as_source(value)
-        layouts[i] = (source.dtype, len(source.view))
+        layouts[i] = (source.dtype, len(source.view), source.shape)
     if stored is not None:
-        first, dtype, size = stored
+        first, dtype, size, shape = stored
     else:
         # The first full chunk is the reference (the tail alone, when it is all there is).
         first = min((i for i in layouts if i != tail_index), default=tail_index)  # type: ignore[assignment]
         if first is None or first not in layouts:
             return
-        dtype, size = layouts[first]
+        dtype, size, shape = layouts[first]
     was = " (stored before)" if stored is not None else ""
-    for i, (other_dtype, other_size) in sorted(layouts.items()):
+    for i, (other_dtype, other_size, other_shape) in sorted(layouts.items()):
         what = "the tail" if i == tail_index else f"chunk {i}"
         if other_dtype != dtype:
             raise InvalidValue(f"{what} has dtype {other_dtype}, but chunk {first}{was} {dtype}: one prompt, one dtype")
         if other_size > size or (other_size != size and i != tail_index):
             raise InvalidValue(f"{what} holds {other_size} B, but chunk {first}{was} {size} B: full chunks are alike")
+        if i != tail_index and first != tail_index and tuple(other_shape) != tuple(shape):
+            raise InvalidValue(
+                f"{what} has shape {tuple(other_shape)}, but chunk {first}{was} {tuple(shape)}: full chunks are alike"
+            )
 
 
-def stored_layout(
-    client: Client, keys: list[str], statuses: list[str], tail_index: int | None
-) -> tuple[int, str, int] | None:
-    """(position, dtype, size) of a full chunk of this prompt stored before (claim status HAVE),
+def stored_layout(client: Client, keys: list[str], statuses: list[str], tail_index: int | None) -> Layout | None:
+    """(position, dtype, size, shape) of a full chunk of this prompt stored before (claim status HAVE),
     which a store that extends the chain must match: checked within one call only, a float64
     chunk appended to a float32 chain made every load through it fail. One more round trip, and
     only for a store that extends a chain."""
@@ -63,7 +68,7 @@ def stored_layout(
         if status == "HAVE" and i != tail_index:
             meta = client.object_meta(keys[i])
             if meta is not None:
-                return i, meta.dtype, meta.size_bytes
+                return i, meta.dtype, meta.size_bytes, tuple(meta.shape)
             return None  # evicted meanwhile: the new chunks are checked among themselves
     return None
 

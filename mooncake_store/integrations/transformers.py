@@ -45,7 +45,8 @@ except ImportError as exc:  # pragma: no cover - exercised by the demo's message
 
 from mooncake_store.client.buffers import as_source
 from mooncake_store.client.prefix import PrefixCache
-from mooncake_store.errors import DtypeMismatch, InvalidValue
+from mooncake_store.client.prefix_hash import as_token_array
+from mooncake_store.errors import DtypeMismatch, GpuUnavailable, InvalidValue
 
 __all__ = ["cache_kwargs", "kv_layout", "kv_namespace", "load_prefix", "output_cache", "save_prefix"]
 
@@ -76,22 +77,38 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
     name = model_id
     if not name:
         named = getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model_type
-        name = f"{named}@{_weights_digest(model)}"
+        name = f"{_short_name(named)}@{_weights_digest(model)}"
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
     layers, kv_heads, head_dim = kv_layout(model)
     return f"{name}/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
 
 
-def _weights_digest(model: Any, *, tensors: int = 4, values: int = 1024) -> str:
-    """A short digest of the first ``values`` values of the model's first ``tensors`` parameters
-    (cheap for any model size, and different for any two differently initialised or trained models)."""
+#: A model name longer than this (a deep local path) keeps its tail and a digest of the whole:
+#: a namespace holds at most 256 B, and the layout and weights digest follow the name.
+_MAX_NAME_CHARS = 96
+
+
+def _short_name(name: str) -> str:
+    if len(name.encode()) <= _MAX_NAME_CHARS:
+        return name
+    digest = hashlib.blake2b(name.encode(errors="replace"), digest_size=6).hexdigest()
+    return f"...{name[-(_MAX_NAME_CHARS // 2) :]}#{digest}"
+
+
+def _weights_digest(model: Any, *, per_tensor: int = 64) -> str:
+    """A short digest of every parameter's name and shape and of ``per_tensor`` values spread over
+    each: two models that differ in any layer (a fine-tune of the top layers, a merged LoRA) get
+    different digests, and it stays cheap for any model size (one small gather per tensor). Only
+    the first few values of the first few tensors counted once, so a model tuned past layer 0
+    restored its base model's KV caches."""
     digest = hashlib.blake2b(digest_size=6)
-    parameters = getattr(model, "parameters", None)
-    for i, param in enumerate(parameters() if callable(parameters) else ()):
-        if i >= tensors:
-            break
-        head = param.detach().reshape(-1)[:values].float().cpu().numpy()
-        digest.update(head.tobytes())
+    named = getattr(model, "named_parameters", None)
+    with torch.no_grad():
+        for name, param in named() if callable(named) else ():
+            flat = param.detach().reshape(-1)
+            step = max(1, flat.numel() // per_tensor)
+            digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
+            digest.update(flat[::step][:per_tensor].float().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -122,12 +139,17 @@ def _layers(past: Any) -> list[tuple[Any, Any]]:
 
 
 def _token_ids(input_ids: Any) -> Any:
-    ids = input_ids
-    if hasattr(ids, "dim") and ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise InvalidValue(f"input_ids has batch {ids.shape[0]}; pass one sequence (1-D ids)")
+    """One sequence of ids as 1-D: a batch of one, ``(1, n)``, from torch, numpy or nested lists
+    (what tokenizers return) is unwrapped; anything else is the PrefixCache's to refuse."""
+    ids = input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids
+    shape = getattr(ids, "shape", None)
+    if shape is None and isinstance(ids, list | tuple) and ids and isinstance(ids[0], list | tuple):
+        shape = (len(ids), len(ids[0]))
+    if shape is not None and len(shape) == 2:
+        if shape[0] != 1:
+            raise InvalidValue(f"input_ids has batch {shape[0]}; pass one sequence (1-D ids)")
         ids = ids[0]
-    return ids.detach().cpu() if hasattr(ids, "detach") else ids
+    return ids
 
 
 def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int:
@@ -160,21 +182,40 @@ def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int
     return cache.store(ids, chunk)
 
 
-#: What a load whose staging does not fit the stored chunks is told to pass.
+#: What a load whose chunks are not the layout it asks for is told to pass.
 _PASS_WHAT_WAS_SAVED = "pass the model, or the dtype= and config= they were saved with"
 
 
-def _check_stored_size(cache: PrefixCache, key: str, chunk: Any) -> None:
-    """get_into fills a buffer at least as large as the object: a chunk saved for a smaller
-    config would fill part of the staging chunk and restore garbage without a word. (A chunk of
-    another dtype get_into refuses itself: DtypeMismatch, turned into this advice by load_prefix.)"""
-    meta = cache.client.object_meta(key)
-    want = as_source(chunk)
-    if meta is not None and meta.size_bytes != want.view.nbytes:
-        raise InvalidValue(
-            f"the stored KV chunks are {meta.dtype}, {meta.size_bytes} B each, but this load asked for "
-            f"{chunk.dtype} chunks of shape {tuple(chunk.shape)} ({want.view.nbytes} B): {_PASS_WHAT_WAS_SAVED}"
-        )
+def _verified_chunks(cache: PrefixCache, ids: Any, count: int, shape: tuple[int, ...], dtype: Any) -> int:
+    """How many of the first ``count`` chunks of ``ids`` are stored with this load's layout (one
+    index round trip, no lease). get_into checks bytes only: a chunk of another layout with as
+    many bytes (another config under a hand-written namespace, or a chain extended by one) was
+    restored as KV without a word, and one larger than the staging failed with the bare sizes.
+    A first chunk of another layout is an error; a later one ends the prefix there."""
+    keys = cache.keys(ids, include_tail=False)[:count]
+    want = (as_source(torch.empty(0, dtype=dtype)).dtype, shape)
+    metas = cache.client.index.lookup(keys, lease_ms=0).objects if keys else []
+    for i, meta in enumerate(metas):
+        if meta is None:
+            return i
+        if (meta.dtype, tuple(meta.shape)) != want:
+            if i == 0:
+                raise InvalidValue(
+                    f"the stored KV chunks are {meta.dtype} of shape {tuple(meta.shape)}, but this load asked for "
+                    f"{want[0]} chunks of shape {shape} (layers, K/V, KV heads, tokens, head dim): "
+                    f"{_PASS_WHAT_WAS_SAVED}"
+                )
+            return i
+    return len(metas)
+
+
+def _load_device(model: Any, device: Any) -> Any:
+    """Where the restored cache goes; a CUDA device torch cannot use is refused before any read
+    (torch's own AssertionError came after every chunk had been transferred)."""
+    target = torch.device(device if device is not None else (model.device if model is not None else "cpu"))
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise GpuUnavailable(f"load_prefix(device={str(target)!r}): this torch build or machine has no CUDA device")
+    return target
 
 
 def load_prefix(
@@ -191,23 +232,32 @@ def load_prefix(
 
     Returns ``(num_tokens, cache)``, or ``(0, None)`` when nothing matches. At most
     ``len(input_ids) - 1`` tokens are restored (or ``max_tokens``), so the model always has a
-    suffix to compute the next token's logits from. The chunks are read straight into one staging
-    tensor (no intermediate copies), then laid out per layer.
+    suffix to compute the next token's logits from. The stored chunks' layout is checked first
+    (one index round trip); the chunks are then read straight into one staging tensor (no
+    intermediate copies) and laid out per layer.
     """
     from transformers import DynamicCache
 
     if model is None and config is None:
         raise InvalidValue("load_prefix needs the model (or its config) to know the KV layout")
-    ids = _token_ids(input_ids)
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+        raise InvalidValue(f"max_tokens must be an int >= 0, got {max_tokens!r:.40}")
+    ids = as_token_array(_token_ids(input_ids))
     limit = len(ids) - 1 if max_tokens is None else min(max_tokens, len(ids) - 1)
     if limit < cache.chunk_tokens:
         return 0, None
     layers, kv_heads, head_dim = kv_layout(model if model is not None else config)
-    dtype = dtype or (model.dtype if model is not None else getattr(config, "torch_dtype", None) or torch.float32)
+    if dtype is None and model is not None:
+        dtype = model.dtype
+    elif dtype is None:  # transformers 5 names it dtype (and warns on torch_dtype); 4.x torch_dtype
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):  # configs may carry "float16"
         dtype = getattr(torch, dtype)
-    device = device or (model.device if model is not None else "cpu")
+    device = _load_device(model, device)
     size = cache.chunk_tokens
+    usable = _verified_chunks(cache, ids, limit // size, (layers, 2, kv_heads, size, head_dim), dtype)
+    if usable == 0:
+        return 0, None
     staging: list[Any] = []
 
     def outs(n: int) -> list[Any]:
@@ -215,11 +265,9 @@ def load_prefix(
         return list(staging[0].unbind(0))
 
     try:
-        with cache.load(ids, outs=outs, include_tail=False, max_tokens=limit) as hit:
+        with cache.load(ids, outs=outs, include_tail=False, max_tokens=usable * size) as hit:
             n = hit.num_chunks
-            if n:
-                _check_stored_size(cache, hit.keys[0], staging[0][0])
-    except DtypeMismatch as exc:  # refused by get_into before any byte landed
+    except DtypeMismatch as exc:  # replaced by another layout since the check: refused before any byte landed
         raise InvalidValue(
             f"the stored KV chunks are {exc.stored}, but this load asked for {exc.out} chunks: {_PASS_WHAT_WAS_SAVED}"
         ) from None

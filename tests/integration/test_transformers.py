@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from mooncake_store import Client, InvalidValue, LocalCluster, PrefixCache
+from mooncake_store import Client, GpuUnavailable, InvalidValue, LocalCluster, PrefixCache
 from mooncake_store.integrations.transformers import (
     cache_kwargs,
     kv_namespace,
@@ -164,7 +164,7 @@ def test_a_load_with_another_dtype_than_saved_says_what_to_pass(client: Client) 
     with torch.no_grad():
         save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
     with pytest.raises(
-        InvalidValue, match="stored KV chunks are <f4, but this load asked for <f2 chunks: pass the model"
+        InvalidValue, match=r"stored KV chunks are <f4 of shape .*, but this load asked for <f2 chunks .*: pass the"
     ):
         load_prefix(cache, ids, model, dtype=torch.float16)
     assert cache.refcounts(ids)[:2] == [0, 0]
@@ -229,4 +229,79 @@ def test_two_checkpoints_under_one_name_share_nothing(client: Client) -> None:
     second_cache = PrefixCache(client, kv_namespace(second), chunk_tokens=CHUNK)
     assert load_prefix(second_cache, ids, second) == (0, None)
     second_cache.close()
+    cache.close()
+
+
+def test_a_model_tuned_past_its_first_layer_gets_its_own_namespace() -> None:
+    """The weights' digest covered the first values of the first four tensors only (for Llama the
+    embeddings and layer 0's attention): a model tuned in any later layer, a merged LoRA on the
+    top layers say, got its base model's namespace and restored its base model's KV caches."""
+    base = build_model(CONFIG)
+    tuned = build_model(CONFIG)
+    with torch.no_grad():
+        # A merged LoRA on the last layer's MLP: every value of one late tensor moves a little.
+        late = tuned.model.layers[1].mlp.down_proj.weight
+        late.add_(1e-3 * torch.randn_like(late))
+    assert kv_namespace(tuned) != kv_namespace(base)
+    assert kv_namespace(build_model(CONFIG)) == kv_namespace(base)  # the same weights: the same one
+
+
+def test_a_model_from_a_deep_path_gets_a_namespace_a_cache_takes() -> None:
+    """A model loaded from a local path of a few hundred bytes made a namespace PrefixCache refused
+    (its limit is 256 B); a long name keeps its tail and a digest of the whole."""
+    model = build_model(CONFIG)
+    model.config._name_or_path = "/models/" + "very-deep/" * 40 + "llama-tiny"
+    other = build_model(CONFIG)
+    other.config._name_or_path = "/models/" + "very-deep/" * 39 + "other/llama-tiny"
+    assert len(kv_namespace(model).encode()) <= 256
+    assert kv_namespace(model).startswith("...") and "/llama-tiny#" in kv_namespace(model)
+    assert kv_namespace(model) != kv_namespace(other)
+
+
+def test_chunks_of_another_layout_with_as_many_bytes_are_not_restored(client: Client) -> None:
+    """get_into checks bytes only: under one hand-written namespace, a model with 2 KV heads of
+    head dim 16 and one with 4 of head dim 8 have chunks of the same size, and the second restored
+    the first's KV as its own without a word (its greedy tokens then differ from a recompute).
+    The stored shape is compared first; and a save cannot extend a chain with another layout."""
+    small_heads = build_model({**CONFIG, "num_key_value_heads": 4, "num_attention_heads": 8})
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, "hand-written/tp0", chunk_tokens=CHUNK)
+    ids = document(3 * CHUNK + 1)
+    with torch.no_grad():
+        save_prefix(cache, ids[: 2 * CHUNK + 1], output_cache(model(ids[None, : 2 * CHUNK + 1], use_cache=True)))
+        with pytest.raises(InvalidValue, match=r"stored KV chunks are <f4 of shape \(2, 2, 2, 32, 16\)"):
+            load_prefix(cache, ids, small_heads)
+        assert cache.refcounts(ids)[:2] == [0, 0]  # refused before the load: nothing pinned
+        with pytest.raises(InvalidValue, match=r"has shape \(2, 2, 4, 32, 8\), but chunk 0 \(stored before\)"):
+            save_prefix(cache, ids, output_cache(small_heads(ids[None], use_cache=True)))
+    assert load_prefix(cache, ids, model)[0] == 2 * CHUNK
+    cache.close()
+
+
+def test_token_ids_as_a_batch_of_one_from_numpy_or_lists_are_loaded(client: Client) -> None:
+    """Tokenizers return (1, n) ids; load_prefix unwrapped only torch's, so numpy ids or a list of
+    lists missed every stored chunk (0, None) while save_prefix refused the same input."""
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    ids = document(2 * CHUNK + 1)
+    with torch.no_grad():
+        save_prefix(cache, ids.numpy()[None], output_cache(model(ids[None], use_cache=True)))
+    for given in (ids[None], ids.numpy()[None], [ids.tolist()], ids.tolist()):
+        assert load_prefix(cache, given, model)[0] == 2 * CHUNK
+    with pytest.raises(InvalidValue, match="max_tokens must be an int >= 0, got -5"):
+        load_prefix(cache, ids, model, max_tokens=-5)
+    cache.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch has no CUDA device")
+def test_a_load_onto_cuda_without_cuda_is_refused_before_any_read(client: Client) -> None:
+    """torch's AssertionError ("Torch not compiled with CUDA enabled") came after every chunk had
+    been transferred; GpuUnavailable (a MooncakeError) now comes first."""
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    ids = document(2 * CHUNK + 1)
+    with torch.no_grad():
+        save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
+    with pytest.raises(GpuUnavailable, match=r"device='cuda'"):
+        load_prefix(cache, ids, model, device="cuda")
     cache.close()
