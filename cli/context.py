@@ -9,6 +9,7 @@ The cluster is found, first match wins: ``--redis-url`` (on the command or befor
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from mooncake_cli.state import ClusterState, load_state, state_path
 from rich.console import Console
 
 from mooncake_store import Client, ConnectError, connect
-from mooncake_store.config import load_config, redact_url
+from mooncake_store.config import Config, config_file_path, load_config, redact_url
 from mooncake_store.index.client import connect_redis
 
 
@@ -39,10 +40,17 @@ class _Console(Console):
         self.quiet = True
         raise BrokenPipeError(errno.EPIPE, "the reader of the output left")
 
+    def print_json_document(self, data: object) -> None:
+        """One JSON document, exactly as json.dumps writes it: never coloured (rich's print_json
+        colours it under FORCE_COLOR, even into a pipe or a file, which no parser then reads)."""
+        self.file.write(json.dumps(data, indent=2) + "\n")
+        self.file.flush()
+
 
 # Data goes to stdout (so `mooncake get k - > file` works); everything for people goes to stderr.
-out = _Console(soft_wrap=True)
-err = _Console(stderr=True, soft_wrap=True)
+# No emoji codes: ":smile:" inside a key or a message is text, never a picture.
+out = _Console(soft_wrap=True, emoji=False)
+err = _Console(stderr=True, soft_wrap=True, emoji=False)
 
 
 def _given_url(value: str | None) -> str | None:
@@ -67,7 +75,8 @@ NamespaceOpt = Annotated[
     str | None,
     typer.Option(
         "--namespace",
-        help="Key namespace inside Redis. Default: env MOONCAKE_NAMESPACE, the recorded cluster's, or 'default'.",
+        help="Key namespace inside Redis. Default: env MOONCAKE_NAMESPACE, then the config file, then the "
+        "recorded cluster's, else 'default'.",
         show_default=False,
     ),
 ]
@@ -105,14 +114,17 @@ def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: 
     g = globals_of(ctx)
     redis_url = g.redis_url if redis_url is None else redis_url  # "" is a value (refused), not "not given"
     namespace = g.namespace if namespace is None else namespace
-    config = load_config(overrides={"redis_url": redis_url, "namespace": namespace})
+    config = load_config(
+        overrides={"redis_url": redis_url, "namespace": namespace},
+        override_flags={"redis_url": "--redis-url", "namespace": "--namespace"},
+    )
     if config.redis_url:
         if redis_url:
             source = "--redis-url"
         elif os.environ.get("MOONCAKE_REDIS_URL"):
             source = "env MOONCAKE_REDIS_URL"
         else:
-            source = "config file"
+            source = f"config file {config_file_path()}"
         return Target(redis_url=config.redis_url, namespace=config.namespace, source=source, state=None)
     state = load_state()
     path = state_path()
@@ -127,7 +139,9 @@ def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: 
             f"the cluster recorded in {path} is no longer running; run `mooncake down` to clean up, then `mooncake up`",
             ExitCode.CANNOT_CONNECT,
         )
-    ns = namespace if namespace is not None else os.environ.get("MOONCAKE_NAMESPACE") or state.namespace
+    # A namespace given anywhere (flag, env, config file: load_config merged them in that order)
+    # comes before the recorded cluster's; the file's was passed over for the recorded one.
+    ns = config.namespace if config.namespace != Config().namespace else state.namespace
     return Target(redis_url=state.redis_url, namespace=ns, source=f"state file {path}", state=state)
 
 

@@ -29,7 +29,8 @@ _EPILOG = (
     "Exit codes: "
     + "; ".join(f"{int(code)} {text}" for code, text in EXIT_CODE_HELP)
     + ".\n\nThe cluster is found from --redis-url, else env MOONCAKE_REDIS_URL, else the config file, else the "
-    "cluster `mooncake up` recorded in $MOONCAKE_STATE_DIR (default ~/.local/state/mooncake)."
+    "cluster `mooncake up` recorded in $MOONCAKE_STATE_DIR (default $XDG_STATE_HOME/mooncake, else "
+    "~/.local/state/mooncake)."
 )
 
 app = typer.Typer(
@@ -123,7 +124,7 @@ def _fail(message: str, code: int, *, debug: bool) -> int:
 def _stdout_is_null_device() -> bool:
     try:
         return os.path.samestat(os.fstat(sys.stdout.fileno()), os.stat(os.devnull))
-    except (OSError, ValueError):  # no stdout at all, or a stream without a descriptor
+    except (OSError, ValueError, AttributeError):  # no stdout at all (None when fd 1 is closed), or no descriptor
         return False
 
 
@@ -154,7 +155,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(ExitCode.OK) from None
         raise
     except click_exc.NoArgsIsHelpError as exc:
-        out.print(exc.ctx.get_help() if exc.ctx else "")
+        # The error made the help text when it was raised: with rich installed typer printed it
+        # then (and returned ""); asking for it again printed it twice.
+        if exc.format_message():
+            out.print(exc.format_message(), markup=False, highlight=False)
         code = 0
     except click_exc.UsageError as exc:
         hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""

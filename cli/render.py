@@ -56,8 +56,8 @@ def nodes_table(stats: ClusterStats) -> Table:
             first = i == 0
             row: list[Any] = [
                 Text(node.node_id, "bold") if first else "",
-                node.zone if first else "",
-                node.tcp_endpoint if first else "",
+                Text(node.zone) if first else "",
+                Text(node.tcp_endpoint) if first else "",  # "[fd00::7]:7000" is no style tag
                 ",".join(node.transports) if first else "",
                 tier.tier if tier else "-",
                 format_size(tier.used_bytes) if tier else "-",

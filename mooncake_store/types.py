@@ -196,6 +196,18 @@ def shown_key(key: str, width: int = 60) -> str:
     return f"{key[:width]!r}… ({len(key)} characters)"
 
 
+def check_pattern(pattern: object) -> str:
+    """A key pattern (glob) for listing: text the index can hold, as a key is (a non-UTF-8 byte
+    from the command line arrives as a lone surrogate, which no key can match)."""
+    if not isinstance(pattern, str):
+        raise InvalidKey(f"key pattern must be str, got {type(pattern).__name__}: {pattern!r:.80}")
+    try:
+        pattern.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKey(f"key pattern {pattern!r:.80} is not valid UTF-8 text: {exc.reason}") from None
+    return pattern
+
+
 def check_key(key: object) -> str:
     """Return ``key`` if it is acceptable, else raise :class:`InvalidKey` saying why."""
     if not isinstance(key, str):

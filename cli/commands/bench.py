@@ -12,7 +12,6 @@ and the progress display, tables and JSON in ``bench_report``.
 
 from __future__ import annotations
 
-import json
 import uuid
 from contextlib import ExitStack, suppress
 from enum import StrEnum
@@ -122,7 +121,7 @@ def bench(
             raise
         cleanup(base, res.prefix)
     if json_out:
-        out.print_json(json.dumps(as_json(res, target, agents)))
+        out.print_json_document(as_json(res, target, agents))
     else:
         render(res, target, agents)
     err.print(f"[dim]removed the benchmark's keys under {res.prefix}[/dim]")

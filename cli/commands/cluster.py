@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import signal
 import time
@@ -235,7 +234,7 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
 
 def _print_started(state: ClusterState, *, as_json: bool) -> None:
     if as_json:
-        out.print_json(json.dumps({**state.to_dict(), "redis_url": redact_url(state.redis_url)}))
+        out.print_json_document({**state.to_dict(), "redis_url": redact_url(state.redis_url)})
         return
     out.print(f"[green]✓[/green] mooncake cluster up ({state.mode}): {redact_url(state.redis_url)}")
     for line in launcher.describe(state)[1:]:

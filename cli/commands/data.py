@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import stat
@@ -21,6 +20,7 @@ from mooncake_cli.render import age
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from mooncake_store import Client, InvalidValue, NoCapacity
 from mooncake_store.config import format_size
@@ -267,7 +267,9 @@ def ls(
             }
             for k in listing
         ]
-        out.print_json(json.dumps(rows))
+        out.print_json_document(rows)
+        if cut:  # not in the document: stdout holds the listing alone
+            err.print(f"[dim](limit {limit} reached: more keys match)[/dim]")
         return
     if not listing:
         err.print(f"[dim]no keys match {escape(repr(pattern))} in namespace {target.namespace}[/dim]")
@@ -278,7 +280,7 @@ def ls(
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for k in listing:
         table.add_row(
-            k.key,
+            Text(k.key),  # a key is text, never markup: "a[/b]" broke the whole listing
             format_size(k.size_bytes),
             _dtype_name(k.dtype) + (str(list(k.shape)) if len(k.shape) != 1 else ""),
             ",".join(sorted({str(r.tier) for r in k.replicas})),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -186,7 +185,7 @@ def doctor(
         code = ExitCode.ERROR if any(c.status == Status.FAIL for c in checks) else ExitCode.OK
     try:
         if as_json:
-            out.print_json(json.dumps([{**asdict(c), "status": str(c.status)} for c in checks]))
+            out.print_json_document([{**asdict(c), "status": str(c.status)} for c in checks])
         else:
             width = max(len(c.name) for c in checks)
             for c in checks:

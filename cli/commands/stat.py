@@ -20,7 +20,7 @@ def stat(
         bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C (with --json: one JSON line per refresh).")
     ] = False,
     interval: Annotated[
-        float, typer.Option("--interval", min=0.1, help="Seconds between refreshes with --watch.")
+        float, typer.Option("--interval", min=0.1, max=3600.0, help="Seconds between refreshes with --watch.")
     ] = 1.0,
     redis_url: RedisUrlOpt = None,
     namespace: NamespaceOpt = None,
@@ -32,7 +32,7 @@ def stat(
         if not watch:
             stats = client.stat()
             if as_json:
-                out.print_json(json.dumps(stats_json(stats, redis_url=target.shown_url, namespace=target.namespace)))
+                out.print_json_document(stats_json(stats, redis_url=target.shown_url, namespace=target.namespace))
             else:
                 out.print(cluster_view(stats, header=header))
             return
@@ -40,6 +40,14 @@ def stat(
             while True:  # JSON lines: a consumer can parse each refresh as it arrives
                 data = stats_json(client.stat(), redis_url=target.shown_url, namespace=target.namespace)
                 print(json.dumps(data), flush=True)
+                time.sleep(interval)
+        if not out.is_terminal:
+            # Into a file or a pipe a live display shows nothing until it stops: one block per
+            # refresh instead, each out as soon as it is drawn (`mooncake stat -w | head` ends).
+            while True:
+                out.print(cluster_view(client.stat(), header=header))
+                out.print()
+                out.file.flush()
                 time.sleep(interval)
         with Live(console=out, auto_refresh=False) as live:
             while True:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from mooncake_store.config.loader import (
     agent_flag_overrides,
+    config_file_path,
     load_config,
 )
 from mooncake_store.config.tree import (
@@ -53,6 +54,7 @@ __all__ = [
     "ClientConfig",
     "Config",
     "agent_flag_overrides",
+    "config_file_path",
     "format_size",
     "is_ascii_digits",
     "is_wildcard_host",

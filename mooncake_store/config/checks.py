@@ -77,6 +77,14 @@ def _check_name(what: str, *, allow_empty: bool = False) -> _Check:
 _MAX_REDIS_DB = (1 << 31) - 1
 
 
+def _resolvable_name(host: str) -> bool:
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
+
+
 def _check_redis_url(value: str | None) -> str | None:
     if value is None:
         return None
@@ -93,6 +101,10 @@ def _check_redis_url(value: str | None) -> str | None:
         # redis-py reads port 0 as "no port" and dials 6379: another server than the one named.
         elif parts.port == 0:
             return "port must be 1..65535, e.g. redis://127.0.0.1:6379/0"
+        elif not _resolvable_name(parts.hostname):
+            # The socket layer refuses it (an empty or over-long label: "a..b") at connect, which
+            # read as a server out of reach (exit 4) rather than a mistake in the URL.
+            return f"host {parts.hostname!r} is not a valid host name (empty or over-long label)"
     except ValueError as exc:  # urlsplit's port: out of range or not a number; or a lone bracket
         hostport = value.split("://", 1)[-1].split("/", 1)[0].rpartition("@")[2]
         port = hostport.rsplit(":", 1)

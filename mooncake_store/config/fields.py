@@ -32,7 +32,7 @@ class _Source:
         if self.kind == "file":
             return f"file {self.detail}: {key}"
         if self.kind == "override":
-            return f"override {key}"
+            return self.detail or f"override {key}"  # the detail: the flag that gave it, if known
         return key
 
     def describe(self) -> str:

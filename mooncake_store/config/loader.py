@@ -64,6 +64,12 @@ def _resolve_file(file: str | Path | None, env: Mapping[str, str]) -> tuple[Path
     return None, ""
 
 
+def config_file_path(env: Mapping[str, str] | None = None) -> Path | None:
+    """The config file load_config reads when given none ($MOONCAKE_CONFIG, else
+    $XDG_CONFIG_HOME/mooncake/config.toml or ~/.config/...), or None: for saying where a value came from."""
+    return _resolve_file(None, os.environ if env is None else env)[0]
+
+
 def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
     source = _Source(kind="file", detail=str(path))
     try:
@@ -119,7 +125,7 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
     return found
 
 
-def _read_overrides(overrides: Mapping[str, object]) -> dict[str, tuple[object, _Source]]:
+def _read_overrides(overrides: Mapping[str, object], flags: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
     found: dict[str, tuple[object, _Source]] = {}
     for raw_key, value in overrides.items():
         if value is None:
@@ -127,7 +133,7 @@ def _read_overrides(overrides: Mapping[str, object]) -> dict[str, tuple[object, 
         key = raw_key.replace("-", "_")  # accept CLI spelling, agent.host-bytes
         if key not in _FIELDS:
             raise _unknown("override", raw_key, list(_FIELDS))
-        found[key] = (value, _Source(kind="override"))
+        found[key] = (value, _Source(kind="override", detail=flags.get(raw_key, "")))
     return found
 
 
@@ -136,10 +142,13 @@ def load_config(
     file: str | Path | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, object] | None = None,
+    override_flags: Mapping[str, str] | None = None,
 ) -> Config:
     """Merge defaults < file < env < overrides into one validated :class:`Config`.
 
     ``env=None`` reads ``os.environ``; an override whose value is None counts as not given.
+    ``override_flags`` names the command-line flag each override came from, for its errors
+    (``--redis-url='...': ...`` rather than ``override redis_url=...``).
     """
     environ: Mapping[str, str] = os.environ if env is None else env
     layered: dict[str, tuple[object, _Source]] = {}
@@ -147,7 +156,7 @@ def load_config(
     if path is not None:
         layered.update(_read_file(path))
     layered.update(_read_env(environ))
-    layered.update(_read_overrides(overrides or {}))
+    layered.update(_read_overrides(overrides or {}, override_flags or {}))
 
     defaults = Config()
     values: dict[str, object] = {}

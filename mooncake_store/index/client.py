@@ -25,7 +25,7 @@ from mooncake_store.index.schema import (
     key_prefix,
 )
 from mooncake_store.index.scripts import load_scripts
-from mooncake_store.types import ObjectMeta, Replica
+from mooncake_store.types import ObjectMeta, Replica, check_pattern
 
 #: Decoded lookup records kept for reuse (an object read again decodes to the same ObjectMeta).
 DECODED_MEMO_ENTRIES = 16_384
@@ -333,6 +333,7 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         """The first ``limit`` keys matching ``pattern`` in key order, with their metadata. Every
         matching name is read (the index keeps them in a set, in no order), and only ``limit`` of
         them are held at once."""
+        check_pattern(pattern)
         try:
             names = self.redis.sscan_iter(self.prefix + "keys", match=pattern, count=1000)
             keys = sorted(first_in_order(names, limit))

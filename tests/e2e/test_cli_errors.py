@@ -22,7 +22,7 @@ def _closed_port() -> int:
         (["up", "--host-mem", "12x"], 2, "not a size"),
         (["up", "--agents", "abc"], 2, "--agents"),
         (["--redis-url", "http://example.com", "stat"], 2, "scheme"),
-        (["stat", "--redis-url", "redis://127.0.0.1:notaport/0"], 2, "redis_url"),
+        (["stat", "--redis-url", "redis://127.0.0.1:notaport/0"], 2, "--redis-url="),
         (["stat", "--redis-url", "redis://127.0.0.1:70000/0"], 2, "port must be 1..65535, got 70000"),
         # An empty value is a value, refused: `up` started a cluster in the default namespace.
         (["up", "--namespace", "", "--agents", "1"], 2, "namespace must be 1..64 characters"),
