@@ -22,7 +22,7 @@ from rich.console import Console
 
 from mooncake_store import Client, ConnectError, connect
 from mooncake_store.config import Config, config_file_path, load_config, redact_url
-from mooncake_store.index.client import connect_redis
+from mooncake_store.index.connection import connect_redis
 
 
 def quiet_stdout() -> None:

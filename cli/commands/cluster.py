@@ -24,7 +24,7 @@ from rich.text import Text
 
 from mooncake_store import ClusterStats, MooncakeError, connect
 from mooncake_store.config import format_size, load_config, redact_url, split_host_port
-from mooncake_store.index.client import connect_redis
+from mooncake_store.index.connection import connect_redis
 
 #: How long `mooncake down` waits for an `up` still starting to record its cluster (agents that
 #: prefault large arenas take a while on a loaded machine; `up --timeout` bounds its own waits).

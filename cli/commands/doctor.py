@@ -17,7 +17,7 @@ from rich.markup import escape
 from mooncake_store.config import format_size
 from mooncake_store.errors import MooncakeError
 from mooncake_store.index import RedisIndex
-from mooncake_store.index.client import connect_redis
+from mooncake_store.index.connection import connect_redis
 from mooncake_store.tiers.host import SHM_DIR
 
 #: Docker's default /dev/shm is 64 MiB: far too small for an arena, and the commonest setup mistake.

@@ -3,6 +3,7 @@
 Knows no transport and no tier implementation (DESIGN.md §5): it stores and returns locations.
 """
 
-from mooncake_store.index.client import RedisIndex, connect_redis
+from mooncake_store.index.client import RedisIndex
+from mooncake_store.index.connection import connect_redis
 
 __all__ = ["RedisIndex", "connect_redis"]

@@ -140,7 +140,7 @@ def test_connect_error_does_not_print_the_redis_password(
     _clean_env(monkeypatch, tmp_path)
     url = f"redis://user:hunter2secret@127.0.0.1:{_closed_port()}{suffix}"
     # Bypass the config check so the second case reaches connect_redis whatever bug 2's fix does.
-    from mooncake_store.index.client import connect_redis
+    from mooncake_store.index.connection import connect_redis
 
     with pytest.raises(ConnectError) as info:
         connect_redis(url, timeout_s=2.0)
