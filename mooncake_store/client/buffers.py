@@ -7,6 +7,7 @@ tensors, which numpy cannot describe.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
         raise InvalidValue(f"torch tensor of layout {tensor.layout} has no flat buffer; call .to_dense() first")
     if not tensor.is_contiguous():
         raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
+    if tensor.dim() > MAX_DIMS:
+        raise InvalidValue(f"torch tensor has {tensor.dim()} dimensions; the limit is {MAX_DIMS}")
     if tensor.dtype == torch.bfloat16:
         return tensor.detach().view(torch.int16).numpy(), BFLOAT16
     try:
@@ -80,8 +83,16 @@ def as_source(value: object) -> Source:
     if _is_torch(value):
         array, dtype = _torch_to_numpy(value)
         return Source(_byte_view(array), dtype, tuple(array.shape), array)
+    if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
+        raise InvalidValue(
+            "a masked array with masked values has no single byte layout to store: pass "
+            "value.filled(fill_value), or value.data for the values under the mask as they are"
+        )
     if isinstance(value, np.ndarray):
-        array = value
+        # As a base ndarray: a subclass keeps its own rules (np.matrix stays 2-D through
+        # reshape(-1)), and a byte view of it counted one item where it had many bytes: the WRITE
+        # announced 1 B and sent them all, its bytes read by the agent as the next frames.
+        array = np.asarray(value)
     else:
         try:
             array = np.asarray(memoryview(value))  # type: ignore[arg-type]
@@ -102,9 +113,13 @@ def as_source(value: object) -> Source:
 
 
 def _byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array as a 1-D view of format "B": its len() is its size in
+    bytes, which every transfer takes it for."""
     if array.size == 0:
         return memoryview(b"")
-    return memoryview(array.reshape(-1).view(np.uint8))
+    view = memoryview(np.asarray(array).reshape(-1).view(np.uint8))
+    assert view.ndim == 1 and len(view) == view.nbytes
+    return view
 
 
 #: The dtype of raw bytes (bytes, bytearray, a uint8 array): readable into, and from, any dtype.
@@ -115,6 +130,18 @@ RAW_BYTES = "|u1"
 class Destination:
     view: memoryview  # format "B", C-contiguous, writable
     dtype: str  # numpy's dtype.str, "bfloat16", or RAW_BYTES for an untyped buffer
+    tensor: Any = None  # the torch tensor filled through view, if one was given (mark_written)
+
+
+def mark_written(dests: Sequence[Destination]) -> None:
+    """Tell torch that the tensors among ``dests`` were written: their bytes changed behind its
+    back (through a numpy view), and autograd must see it as the in-place write it was. A tensor
+    saved for a backward pass and overwritten this way gave wrong gradients with no error."""
+    for dest in dests:
+        if dest.tensor is not None:
+            import torch  # the caller passed a tensor, so torch is there
+
+            torch.autograd.graph.increment_version(dest.tensor)
 
 
 #: The 2-byte integer types that hold bfloat16's bits where nothing names bfloat16 (numpy, cupy):
@@ -140,7 +167,14 @@ def check_fill_dtype(key: str, stored: str, out: str) -> None:
 def as_destination(out: object) -> Destination:
     """A writable, contiguous byte view of ``out``, and its dtype."""
     dtype = RAW_BYTES
+    tensor = None
     if _is_torch(out):
+        if out.requires_grad:  # type: ignore[attr-defined]
+            raise InvalidValue(
+                f"out is a torch tensor that requires grad (shape {tuple(out.shape)}): get_into writes its "  # type: ignore[attr-defined]
+                "memory outside autograd; pass out.detach() (the same memory) if that is what you mean"
+            )
+        tensor = out
         array, dtype = _torch_to_numpy(out)
         out = array
     elif isinstance(out, np.ndarray):
@@ -173,8 +207,11 @@ def as_destination(out: object) -> Destination:
         if typed is not None and typed.kind in ALLOWED_KINDS:
             dtype = typed.str  # else chars or records (a ctypes string buffer's "<c"): raw bytes
     if view.nbytes == 0:
-        return Destination(memoryview(bytearray(0)), dtype)
-    return Destination(view.cast("B") if view.format != "B" or view.ndim != 1 else view, dtype)
+        return Destination(memoryview(bytearray(0)), dtype, tensor)
+    # Cast unless already one byte per item: a ctypes union or packed-struct array says "B" with
+    # items of several bytes, and its len() counted items, not bytes.
+    flat = view if view.format == "B" and view.ndim == 1 and view.itemsize == 1 else view.cast("B")
+    return Destination(flat, dtype, tensor)
 
 
 def to_array(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
 
-from mooncake_store.client.buffers import as_destination, to_array
+from mooncake_store.client.buffers import as_destination, mark_written, to_array
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.in_flight import InFlight, on_pool_thread
 from mooncake_store.client.put_plans import check_put_options
@@ -327,7 +327,10 @@ class Client:
             meta, _ = gpu.read_to_device(self, check_key(key), out=out)
             return meta.size_bytes
         dest = as_destination(out)
-        (meta,), _ = self._gets.get_batch([check_key(key)], [dest], missing_ok=False)
+        try:
+            (meta,), _ = self._gets.get_batch([check_key(key)], [dest], missing_ok=False)
+        finally:
+            mark_written([dest])  # a failed read may have written part of it too
         assert meta is not None
         return meta.size_bytes
 
@@ -352,7 +355,10 @@ class Client:
         dests = [as_destination(o) for o in outs]  # type: ignore[attr-defined]
         if len(checked) != len(dests):
             raise InvalidValue(f"{len(checked)} keys but {len(dests)} output buffers")
-        metas, _ = self._gets.get_batch(checked, dests, missing_ok=False)
+        try:
+            metas, _ = self._gets.get_batch(checked, dests, missing_ok=False)
+        finally:
+            mark_written(dests)
         return [m.size_bytes if m else 0 for m in metas]
 
     # ---- other operations -------------------------------------------------------------------

@@ -1,0 +1,93 @@
+"""Values of kinds the SDK met late: ndarray subclasses, masked arrays, torch tensors under
+autograd or of many dimensions, ctypes arrays whose items are several bytes."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from mooncake_store import Client, InvalidValue, LocalCluster, connect
+from mooncake_store.transport import frames
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def client(request: pytest.FixtureRequest, shared_cluster: LocalCluster) -> Iterator[Client]:
+    transports = ("shm", "tcp") if request.param == "shm" else ("tcp",)
+    c = connect(shared_cluster.redis_url, namespace=shared_cluster.namespace, transports=transports)
+    yield c
+    c.close()
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix: users still have them
+def test_a_matrix_is_stored_as_its_array_and_its_bytes_never_reach_the_agent_as_frames(client: Client) -> None:
+    """np.matrix stays 2-D through reshape(-1): the byte view's len() was 1 for all its bytes. The
+    put reserved 1 B; over TCP the WRITE announced 1 B and sent them all, and the agent read the
+    rest as frames: a value holding a PING frame got the PING answered (ProtocolError "answered op
+    129"), and one holding FREE or WRITE frames would have run them."""
+    m = np.matrix(np.arange(6, dtype=np.float32).reshape(2, 3))
+    client.put("s22-matrix", m)
+    got = client.get("s22-matrix")
+    assert type(got) is np.ndarray and got.shape == (2, 3) and np.array_equal(got, np.asarray(m))
+    raw = b"\x00" + frames.pack(frames.Op.PING) + b"\x00" * 15
+    injected = np.matrix(np.frombuffer(raw, np.uint8).reshape(1, len(raw)).copy())
+    client.put("s22-inject", injected)
+    assert bytes(client.get("s22-inject").tobytes()) == raw
+    client.remove_many(["s22-matrix", "s22-inject"])
+
+
+def test_a_masked_array_with_masked_values_is_refused_one_without_is_its_data(client: Client) -> None:
+    with pytest.raises(InvalidValue, match=r"masked array .*filled"):
+        client.put("s22-masked", np.ma.masked_array([1.0, 2.0, 3.0], mask=[0, 1, 0]))
+    client.put("s22-masked", np.ma.masked_array([1.0, 2.0, 3.0]))
+    assert client.get("s22-masked").tolist() == [1.0, 2.0, 3.0]
+    client.remove("s22-masked")
+
+
+def test_torch_tensors_past_the_dimension_limit_are_refused_like_arrays(client: Client) -> None:
+    """The torch branch skipped the 32-dimension check: 40 dimensions were stored (an object numpy
+    1.x cannot build), 65 failed with numpy's ValueError."""
+    for ndim in (40, 65):
+        with pytest.raises(InvalidValue, match=f"torch tensor has {ndim} dimensions; the limit is 32"):
+            client.put("s22-dims", torch.zeros((1,) * ndim))
+
+
+def test_get_into_a_tensor_under_autograd_is_refused_or_seen_by_it(client: Client) -> None:
+    """Written through a numpy view, a tensor's version counter did not move: a tensor saved for a
+    backward pass and overwritten gave wrong gradients with no error (40 for 8), and a leaf that
+    requires grad was overwritten where torch itself refuses. Now a tensor that requires grad is
+    refused, and any other is marked written, so autograd refuses a backward through it."""
+    client.put("s22-grad", torch.full((3,), 10.0))
+    w = torch.ones(3, requires_grad=True)
+    a = w * 2
+    with pytest.raises(InvalidValue, match="requires grad"):
+        client.get_into("s22-grad", a)
+    with pytest.raises(InvalidValue, match="requires grad"):
+        client.get_into("s22-grad", w)
+    x = torch.ones(3)
+    loss = (w * x).sum()  # x is saved for w's gradient
+    client.get_into("s22-grad", x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    out = torch.empty(3)
+    client.get_many_into(["s22-grad"], [out])
+    assert out.tolist() == [10.0] * 3 and out._version > 0
+    client.remove("s22-grad")
+
+
+def test_a_ctypes_array_of_multi_byte_items_is_filled_as_its_bytes(client: Client) -> None:
+    """A union or packed-struct array exports format "B" with items of several bytes: len() counted
+    items, so an 8 B object was refused for an 8 B array ("out holds 2 B"), and 2 B failed with
+    numpy's broadcast ValueError over shm."""
+
+    class Union(ctypes.Union):
+        _fields_ = [("i", ctypes.c_int), ("f", ctypes.c_float)]
+
+    client.put("s22-union", bytes(range(8)))
+    out = (Union * 2)()
+    assert client.get_into("s22-union", out) == 8
+    assert bytes(out) == bytes(range(8))
+    client.remove("s22-union")
