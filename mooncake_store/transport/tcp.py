@@ -207,8 +207,8 @@ class PeerConnections(ConnectionPool):
             return self.write(alloc_id, offset, src)
 
         def run(sock: socket.socket) -> tuple[bool, int | None]:
-            frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, len(src)), src)
-            sock.sendall(frames.pack(Op.DIGEST, 0, alloc_id, offset, len(src)))
+            frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, src.nbytes), src)  # what sendmsg sends
+            sock.sendall(frames.pack(Op.DIGEST, 0, alloc_id, offset, src.nbytes))
             status, _, _, _ = self._reply(sock, Op.WRITE)
             if status not in (Status.OK, Status.STALE):
                 raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
@@ -292,7 +292,7 @@ class PeerConnections(ConnectionPool):
                         more = False
                         break
                     tag, alloc_id, offset, src = request
-                    frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, len(src)), src)
+                    frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, src.nbytes), src)
                     in_flight.append(tag)
                 if not in_flight:
                     return out
