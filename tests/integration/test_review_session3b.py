@@ -90,10 +90,12 @@ def test_a_sub_microsecond_timeout_is_still_a_timeout_not_a_hang() -> None:
 
 def test_a_trickling_reply_is_progress_and_a_stalled_one_a_clear_timeout() -> None:
     """MSG_WAITALL with SO_RCVTIMEO returns what arrived when the timeout runs out: a reply that
-    keeps trickling in (each gap under timeout_s, the whole longer) must still land whole; one that
-    stops halfway is a TransferError that says so, and its connection is not pooled again."""
+    keeps trickling in (each gap under timeout_s, the whole longer, and within the reply's own
+    deadline, timeout_s + its length at MIN_RATE_BPS: 1.5 s for 1 MiB here) must still land
+    whole; one that stops halfway is a TransferError that says so, and its connection is not
+    pooled again. (One slower than its deadline is cut: test_sdk_cut_short.py.)"""
     timeout_s = 0.5
-    n = 64 * KiB
+    n = 1024 * KiB
     payload = bytes(range(256)) * (n // 256)
     listener = socket.create_server(("127.0.0.1", 0))
     served: list[str] = []
