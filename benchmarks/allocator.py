@@ -3,8 +3,8 @@
 An arena of many small objects freed out of order holds as many free blocks as objects. Each case
 here leaves N one-object holes (every other 4 KiB block of 2N freed), then frees and takes back
 objects in random order, timing each ``free`` and ``allocate``; a second case frees all 2N
-objects in random order (every free merges, and the heaps of stale entries are rebuilt now and
-then). The table gives the mean and the slowest operation. The machine's own floor is timed in
+objects in random order (every free merges, each removing its neighbours from the size heaps in
+O(log n)). The table gives the mean and the slowest operation. The machine's own floor is timed in
 the same run: a Python dict store and pop per operation (the least bookkeeping any allocator
 written in Python does); the ratio to it should not grow with N.
 

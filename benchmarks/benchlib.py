@@ -14,6 +14,7 @@ import os
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -137,22 +138,46 @@ def footprint_slots(size: int) -> int:
     return max(2, min(64, FOOTPRINT_BYTES // size))
 
 
-def measure_memcpy(sizes: tuple[int, ...], *, quick: bool) -> dict[str, dict[int, float]]:
-    """Single-thread numpy.copyto into one preallocated buffer, GB/s per size: "hot" copies the same
-    source every time (cache-resident up to the LLC), "cold" rotates over FOOTPRINT_BYTES of sources
-    as the store's benchmark rotates over its keys. "cold" is the limit the ratios use."""
+#: Windows per size of a memcpy limit, the best kept: one short window on a shared machine swung
+#: from 6.6 to 18.3 GB/s at 8 MiB within seconds, and a store's copy came out at 1.5x "memcpy".
+MEMCPY_TRIALS = 3
+
+
+def measure_memcpy(
+    sizes: tuple[int, ...], *, quick: bool, slots: dict[int, int] | None = None
+) -> dict[str, dict[int, float]]:
+    """Single-thread numpy.copyto into one preallocated buffer, GB/s per size, the best of
+    MEMCPY_TRIALS windows: "hot" copies the same source every time (cache-resident up to the LLC),
+    "cold" rotates over as many sources as the store's benchmark rotates keys (``slots`` per size,
+    else footprint_slots). "cold" is the limit the ratios use; merge_memcpy keeps the best of a
+    measurement before the store's figures and one after."""
     out: dict[str, dict[int, float]] = {"hot": {}, "cold": {}}
-    pool = np.ones(FOOTPRINT_BYTES + max(sizes), dtype=np.uint8)
+    counts = {size: (slots or {}).get(size) or footprint_slots(size) for size in sizes}
+    pool = np.ones(max(counts[s] * s for s in sizes) + max(sizes), dtype=np.uint8)
     for size in sizes:
         dst = np.zeros(size, dtype=np.uint8)
         src = pool[:size]
-        n, secs, _ = timed_loop(lambda _i, d=dst, s=src: np.copyto(d, s), budget_for(size, quick=quick))
-        out["hot"][size] = gbps(n * size, secs)
-        slots = footprint_slots(size)
-        srcs = [pool[k * size : (k + 1) * size] for k in range(slots)]
-        n, secs, _ = timed_loop(lambda i, d=dst, ss=srcs: np.copyto(d, ss[i % len(ss)]), budget_for(size, quick=quick))
-        out["cold"][size] = gbps(n * size, secs)
+        srcs = [pool[k * size : (k + 1) * size] for k in range(counts[size])]
+        for kind, step in (
+            ("hot", lambda _i, d=dst, s=src: np.copyto(d, s)),
+            ("cold", lambda i, d=dst, ss=srcs: np.copyto(d, ss[i % len(ss)])),
+        ):
+            best = 0.0
+            for _ in range(MEMCPY_TRIALS):
+                n, secs, _ = timed_loop(step, budget_for(size, quick=quick))
+                best = max(best, gbps(n * size, secs))
+            out[kind][size] = best
     return out
+
+
+def merge_memcpy(*results: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """The best of several measure_memcpy results of the same sizes, per kind and size."""
+    return {kind: {size: max(r[kind][size] for r in results) for size in results[0][kind]} for kind in results[0]}
+
+
+#: A store copy faster than this many times its memcpy limit means the limit was measured in a
+#: slow window, not that the store beat a single-thread copy: the ratio is flagged, not "met".
+LIMIT_SUSPECT_RATIO = 1.05
 
 
 def stop_process(proc: Any, timeout_s: float = 5.0) -> None:
@@ -319,8 +344,32 @@ def _store_batch(client: Any, tag: str, quick: bool) -> dict[str, float]:
     }
 
 
+def source_commit() -> str:
+    """The commit the benchmark ran from ("+dirty" with local changes), so a figure quoted later
+    can be traced to its code; "unknown" outside a git checkout."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+dirty" if dirty else "")) if head else "unknown"
+
+
 def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "kernel": platform.release()}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "commit": source_commit(),
+    }
     with contextlib.suppress(OSError):
         for line in open("/proc/cpuinfo"):  # noqa: SIM115
             if line.startswith("model name"):
@@ -358,7 +407,7 @@ def emit_report(
     info = machine_info()
     print(
         f"## mooncake-store {title}\n\nmachine: {info.get('cpu', '?')}, {info['cpus']} CPUs, "
-        f"Python {info['python']}, kernel {info['kernel']}; {setting}\n"
+        f"Python {info['python']}, kernel {info['kernel']}; commit {info['commit']}; {setting}\n"
     )
     print(table)
     print(f"\n### {verdicts_heading}\n")

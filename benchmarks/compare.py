@@ -45,6 +45,8 @@ from benchlib import (
     footprint_slots,
     gbps,
     machine_info,
+    measure_memcpy,
+    merge_memcpy,
     percentile_us,
     run_in_process,
     store_worker,
@@ -378,6 +380,7 @@ def run_once(sizes: tuple[int, ...], *, quick: bool, host_bytes: int, log_dir: P
         for conns in RAW_CONNECTIONS:
             later = run_in_process(raw_tcp_worker, port, sizes, conns, quick)
             limits["tcp"][conns] = merge_raw_tcp(limits["tcp"][conns], later)
+    limits["memcpy"] = merge_memcpy(limits["memcpy"], measure_memcpy(sizes, quick=quick))  # likewise
     return result
 
 

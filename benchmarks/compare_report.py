@@ -8,7 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import BATCH_KEYS, KiB, MiB, across_runs_if_any, markdown_table, size_label, spread_cell
+from benchlib import (
+    BATCH_KEYS,
+    LIMIT_SUSPECT_RATIO,
+    KiB,
+    MiB,
+    across_runs_if_any,
+    markdown_table,
+    size_label,
+    spread_cell,
+)
 from rawtcp import raw_tcp_spread
 
 #: The workload (compare.py measures it) and issue 6's targets (README, "Performance").
@@ -43,6 +52,13 @@ def systems_of(runs: list[dict[str, Any]]) -> list[str]:
 def skipped_runs(runs: list[dict[str, Any]]) -> list[str]:
     """'run K: reason' for each run where Mooncake was not measured."""
     return [f"run {k}: {run['mooncake_skipped']}" for k, run in enumerate(runs, 1) if "mooncake_skipped" in run]
+
+
+def _unreliable(x: tuple[float, float, float] | None, limit: tuple[float, float, float] | None) -> str:
+    """A mark for a figure above its limit: the limit was measured in a slow window."""
+    if x is None or limit is None or not limit[0] or x[0] / limit[0] <= LIMIT_SUSPECT_RATIO:
+        return ""
+    return " (limit unreliable)"
 
 
 def ratio(a: tuple[float, float, float] | None, b: tuple[float, float, float] | None) -> str:
@@ -86,7 +102,7 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
                         size_label(size),
                         name,
                         spread_cell(x, n),
-                        ratio(x, limit),
+                        ratio(x, limit) + _unreliable(x, limit),
                         ratio(x, mc) if has_mc and name != "mooncake tcp" else "–",
                     ]
                 )

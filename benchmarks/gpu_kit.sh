@@ -40,10 +40,22 @@ spill() {
     local out="${OUT:-/tmp/gpu-kit}"
     mkdir -p "$out"
     install "$out" || return 1
+    # Each step's own status (PIPESTATUS[0], not tee's), as run() does: a quick run that timed out
+    # (124) or found INVALID data (1) was hidden behind the full run's status.
+    local failed=() rc
     (cd benchmarks && timeout 100 python3 tiers.py --quick --spill-only --json "$out/spill_quick.json" 2>&1) \
         | tee "$out/spill_quick.md"
+    rc=${PIPESTATUS[0]}
+    ((rc == 0)) || failed+=("tiers.py --quick --spill-only (exit $rc)")
     (cd benchmarks && timeout 200 python3 tiers.py --spill-only --json "$out/spill_full.json" 2>&1) \
         | tee "$out/spill_full.md"
+    rc=${PIPESTATUS[0]}
+    ((rc == 0)) || failed+=("tiers.py --spill-only (exit $rc)")
+    if ((${#failed[@]})); then
+        printf 'FAILED: %s\n' "${failed[@]}" | tee "$out/failed.txt" >&2
+        return 1
+    fi
+    echo "all steps passed"
 }
 
 run() {

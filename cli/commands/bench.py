@@ -28,6 +28,7 @@ from mooncake_cli.commands.bench_measure import (
     room_bytes,
     shm_reachable,
     size_label,
+    slots_for,
 )
 from mooncake_cli.commands.bench_report import as_json, progress_display, render
 from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, out, resolve_target
@@ -100,7 +101,7 @@ def bench(
                 task = progress.add_task("memcpy", total=len(limits))
                 for size in limits:
                     progress.update(task, description=f"memcpy {size_label(size)}")
-                    res.memcpy[size] = memcpy_gbps(size, seconds)
+                    res.memcpy[size] = memcpy_gbps(size, seconds, slots_for(size, room))
                     progress.advance(task)
                 progress.update(task, description="memcpy")
                 for name in transports:

@@ -78,10 +78,11 @@ def slots_for(size: int, room_bytes: int) -> int:
     return max(1, min(64, FOOTPRINT_BYTES // size, room_bytes // size))
 
 
-def memcpy_gbps(size: int, seconds: float) -> float:
-    """Single-thread numpy.copyto into one buffer, sources rotating over FOOTPRINT_BYTES ("cold"
-    in benchmarks/benchlib.py): the limit of a same-host read, which is one memcpy."""
-    slots = max(2, slots_for(size, FOOTPRINT_BYTES))
+def memcpy_gbps(size: int, seconds: float, slots: int) -> float:
+    """Single-thread numpy.copyto into one buffer, sources rotating over ``slots`` of them, as many
+    as the store's keys of that size (slots_for with the cluster's room): the limit of a same-host
+    read, which is one memcpy. Fewer sources than keys (a small arena holds fewer keys than
+    FOOTPRINT_BYTES) made the store's reads look faster than the copy they are."""
     pool = np.ones(slots * size, dtype=np.uint8)  # touched, so no zero-page reads
     srcs = [pool[k * size : (k + 1) * size] for k in range(slots)]
     dst = np.empty(size, dtype=np.uint8)
