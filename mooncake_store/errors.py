@@ -6,6 +6,7 @@
     ├── ConfigError            bad config value, file or environment variable
     ├── InvalidKey             (also ValueError)  empty, too long, not UTF-8 text, control characters
     ├── InvalidValue           (also ValueError)  unsupported buffer, dtype, shape, or wrong ``out`` size
+    │   └── DtypeMismatch      ``out``'s dtype is not the stored one (get_into writes nothing)
     ├── KeyNotFound            (also KeyError)    no COMPLETE replica on a live node
     ├── NoCapacity             no node (or tier) has room; message names the sizes
     ├── ObjectPinned           remove/replace of an object whose refcount is above zero
@@ -14,8 +15,9 @@
     ├── ProtocolError          a malformed or unexpected frame on the wire
     ├── TransferError          a peer failed or died mid-transfer
     │   ├── StaleLocation      the replica's generation no longer matches (freed or moved); retry
-    │   └── TransferTimeout    a peer took longer than the timeout (each recv or send)
-    ├── ReservationExpired     a put took longer than the agent's reservation timeout
+    │   └── TransferTimeout    a peer took longer than the timeout (each recv, or a whole reply)
+    ├── ReservationExpired     a put took longer than the agent's reservation timeout, or its node left
+    ├── GpuUnavailable         no usable CUDA device (cupy missing, no driver, no such device)
     └── ServerError            the embedded Redis-compatible server failed to start or stop
 
 Messages carry the offending value and the limit it broke, for example

@@ -7,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mooncake_store"
+CLI = ROOT / "cli"
 
 # layer -> layers (top-level subpackages or modules of mooncake_store) it may import
 ALLOWED: dict[str, set[str]] = {
@@ -25,6 +26,12 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"errors", "types", "config", "index", "transport", "tiers", "policy", "embedded"},
     "integrations": {"errors", "types", "config", "client"},
 }
+#: What the CLI (cli/, installed as mooncake_cli) may import. DESIGN.md §5 draws cli -> client,
+#: agent; the CLI departs from it for three things no client call gives: `doctor` asks the index
+#: itself (RedisIndex: the server's version, clock, maxmemory policy) and opens a bare connection
+#: first (connect_redis, also used by `up` and the error advice), and `up`/`down` find and remove
+#: agents' arena segments in /dev/shm (tiers.host's SHM_DIR and name pattern).
+CLI_ALLOWED = {"client", "agent", "config", "errors", "types", "embedded", "index", "tiers"}
 
 
 def _layer(path: Path) -> str:
@@ -39,7 +46,11 @@ def _imported_layers(path: Path) -> set[str]:
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            # A relative import inside the package: resolved from the importing module's place.
+            base = path.relative_to(ROOT).with_suffix("").parts[: -node.level]
+            names = [".".join((*base, *(node.module.split(".") if node.module else ())))]
+        elif isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module]
         for name in names:
             parts = name.split(".")
@@ -66,6 +77,27 @@ def test_tiers_and_transport_never_import_index() -> None:
     for sub in ("tiers", "transport", "policy"):
         for path in (PACKAGE / sub).rglob("*.py"):
             assert "index" not in _imported_layers(path), path
+            assert "redis" not in _top_level_imports(path), f"{path}: only index/ talks to Redis"
+
+
+def test_the_cli_imports_only_what_it_is_allowed() -> None:
+    violations = [
+        f"{path.relative_to(ROOT)} imports mooncake_store.{imported}"
+        for path in sorted(CLI.rglob("*.py"))
+        for imported in _imported_layers(path) - CLI_ALLOWED - {"__version__"}
+    ]
+    assert not violations, "\n".join(violations)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
 
 
 def test_policy_does_no_io() -> None:
