@@ -224,6 +224,27 @@ class AllocationTable:
                     alloc.held_until = float("inf")
                     self._held[alloc.alloc_id] = alloc
 
+    def committed_ids(self) -> list[int]:
+        with self._lock:
+            return [a.alloc_id for a in self._allocs.values() if a.state == AllocState.COMMITTED and not a.doomed]
+
+    def doom(self, alloc_ids: list[int], *, hold_ms: int) -> int:
+        """Committed allocations no index names any more (it went back to before they were
+        committed): doomed, held ``hold_ms`` for readers that may still copy them, then freed by
+        release_held. Returns how many were doomed."""
+        until = time.monotonic() + hold_ms / 1000
+        doomed = 0
+        with self._lock:
+            for alloc_id in alloc_ids:
+                alloc = self._allocs.get(alloc_id)
+                if alloc is None or alloc.state != AllocState.COMMITTED or alloc.doomed:
+                    continue
+                alloc.doomed = True
+                alloc.held_until = until
+                self._held[alloc_id] = alloc
+                doomed += 1
+        return doomed
+
     def hold_reaped(self, held_ms: Mapping[int, int], *, at_least_ms: int = 0) -> None:
         """The reaped objects' memory (drop_after_reap) is held for as long as ``held_ms`` says per
         alloc id (the read leases on it), each at least ``at_least_ms``, and the rest freed now."""

@@ -22,7 +22,8 @@ from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
-from mooncake_store.agent.takeover import register_again, register_first
+from mooncake_store.agent.takeover import fresh_alloc_tag, reconcile_after_rollback, register_again, register_first
+from mooncake_store.agent.usage import tier_usages
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
@@ -68,7 +69,7 @@ class Agent(OtherTierHooks):
         try:
             # Every alloc id of this incarnation carries its tag (types.ALLOC_TAG_SHIFT), published
             # in the node table: clients holding a copy of the table from before a restart notice.
-            self.alloc_tag = self._fresh_alloc_tag()
+            self.alloc_tag = fresh_alloc_tag(self.index, self.node_id, self.incarnation)
             self.table = AllocationTable(
                 config.host_bytes,
                 reserve_timeout_s=config.reserve_timeout_s,
@@ -117,22 +118,10 @@ class Agent(OtherTierHooks):
         #: graves until the next sync says so). True at start: nothing came before.
         self._sync_applied = True
         self._last_reclaim = 0.0
+        #: The index's count of this node's heartbeats, as last answered (it only grows).
+        self._beats = 0
         self._threads: list[threading.Thread] = []
         self.started_ms = int(time.time() * 1000)
-
-    def _fresh_alloc_tag(self) -> int:
-        """16 random bits for this incarnation's alloc ids, never those of the incarnation the node
-        table lists under this node id: ids start again at the tag's base, so a predecessor with
-        the same tag handed out the very same ids, and a WRITE of its still on the wire could land
-        in a reservation of this one."""
-        tag = int(self.incarnation[:4], 16) or 1
-        try:
-            previous = self.index.nodes().get(self.node_id)
-        except MooncakeError:
-            return tag  # the index is out of reach: registering will say so
-        if previous is not None and previous.alloc_tag == tag:
-            tag = tag % 0xFFFF + 1
-        return tag
 
     # ---- tiers ------------------------------------------------------------------------------
     def _disk_tier(self, config: AgentConfig) -> DiskTier:
@@ -164,42 +153,7 @@ class Agent(OtherTierHooks):
             return 1
 
     def tiers(self) -> tuple[TierUsage, ...]:
-        used, _, _, objects = self.table.usage()
-        host = TierUsage(
-            tier=TierKind.HOST,
-            capacity_bytes=self.table.capacity_bytes,
-            used_bytes=used,
-            objects=objects,
-            counters=dict(self.pressure.counters[TierKind.HOST]),
-        )
-        tiers = [host]
-        if self.gpu_table is not None:
-            gpu_used, _, _, gpu_objects = self.gpu_table.usage()
-            tiers.insert(
-                0,
-                TierUsage(
-                    tier=TierKind.GPU,
-                    capacity_bytes=self.gpu_table.capacity_bytes,
-                    used_bytes=gpu_used,
-                    objects=gpu_objects,
-                    counters=dict(self.pressure.counters[TierKind.GPU]),
-                ),
-            )
-        if self.disk is None:
-            return tuple(tiers)
-        disk = TierUsage(
-            tier=TierKind.DISK,
-            capacity_bytes=self.disk.capacity_bytes,
-            used_bytes=self.disk.used_bytes,
-            objects=self.disk.objects,
-            block_bytes=self.disk.block_bytes,  # peers plan their spills here in these blocks
-            counters={
-                **self.pressure.counters[TierKind.DISK],
-                "raw_bytes": self.disk.raw_bytes,
-                "stored_bytes": self.disk.stored_bytes,  # the ratio's denominator (used counts blocks)
-            },
-        )
-        return (*tiers, disk)
+        return tier_usages(self.table, self.gpu_table, self.disk, self.pressure.counters)
 
     # ---- hooks of the server (AgentHooks; the other tiers' in agent/other_tiers.py) -----------
     def host_read(self, length: int) -> None:
@@ -412,13 +366,32 @@ class Agent(OtherTierHooks):
         """Extend this node's deadline and publish its use. Reaped while stalled, it finds its
         record gone: its replicas are gone from the index, so its memory holds nothing readable
         once the read leases on them end. It starts clean under the same incarnation rules."""
-        ok = self.index.heartbeat(self.node_id, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tiers=self.tiers())
-        if ok:
+        beats = self.index.heartbeat(
+            self.node_id, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tiers=self.tiers()
+        )
+        last, self._beats = self._beats, beats or 0
+        if beats is not None and beats > last:
+            return
+        if beats is not None:
+            # Fewer heartbeats than it answered last: the index was restored from an older
+            # snapshot. It names replicas of memory freed (and maybe used again) since, and lacks
+            # objects committed since: this node's part of it is brought in line with its tables.
+            with self._sync_lock:  # not between a sync's drained acks and its commits
+                dropped, disk_orphans = reconcile_after_rollback(
+                    self.index, self.node_id, self._tables(), set(self.disk_keys)
+                )
+            self.free_allocations(disk_orphans)
+            log.error(
+                "the index went back in time (heartbeat %d after %d): dropped %d replica(s) it named here "
+                "of memory %s no longer holds, freeing %d disk file(s) it no longer names",
+                beats, last, dropped, self.node_id, len(disk_orphans),
+            )  # fmt: skip
             return
         log.warning("node record of %s vanished; registering again", self.node_id)
         self._drop_everything()
         info = self.node_info()
         register_again(self.index, info, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tables=self._tables())
+        self._beats = 0
 
     def _drop_everything(self) -> None:
         """After being reaped: committed objects are gone from the index, so their memory is free

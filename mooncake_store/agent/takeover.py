@@ -11,6 +11,7 @@ from typing import Any
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.config import ClientConfig
+from mooncake_store.errors import MooncakeError
 from mooncake_store.index import RedisIndex
 from mooncake_store.index.node_table import NodeIdTaken
 from mooncake_store.transport.shm import local_host_id
@@ -43,6 +44,21 @@ def register_again(
         )
     for table in tables:
         table.hold_reaped(registered.held_ms, at_least_ms=0 if registered.purged else VANISHED_HOLD_MS)
+
+
+def fresh_alloc_tag(index: RedisIndex, node_id: str, incarnation: str) -> int:
+    """16 random bits for this incarnation's alloc ids, never those of the incarnation the node
+    table lists under this node id: ids start again at the tag's base, so a predecessor with
+    the same tag handed out the very same ids, and a WRITE of its still on the wire could land
+    in a reservation of this one."""
+    tag = int(incarnation[:4], 16) or 1
+    try:
+        previous = index.nodes().get(node_id)
+    except MooncakeError:
+        return tag  # the index is out of reach: registering will say so
+    if previous is not None and previous.alloc_tag == tag:
+        tag = tag % 0xFFFF + 1
+    return tag
 
 
 def register_first(index: RedisIndex, node_info: Callable[[], NodeInfo], *, incarnation: str, ttl_ms: int) -> None:
@@ -91,3 +107,26 @@ def holder_gone(holder: dict[str, Any]) -> bool:
     except OSError:
         return False  # there, and not ours to signal
     return False
+
+
+def reconcile_after_rollback(
+    index: RedisIndex, node_id: str, tables: list[AllocationTable], disk_ids: set[int]
+) -> tuple[int, list[int]]:
+    """After the index went back in time (restored from a snapshot older than this agent's last
+    heartbeat): each replica it lists here whose allocation this agent no longer holds is dropped
+    from it (its memory was freed and may hold another object now: a same-host read would copy
+    those bytes), as a damaged replica is (readers go to the object's other replicas, and one
+    short of its copies is copied again); each committed allocation it no longer names is doomed,
+    held a default read lease, then freed (nothing would ever free it). What both still agree on
+    stays. Returns (replicas dropped, disk allocations to free now: disk files have no same-host
+    readers)."""
+    named = index.node_replicas(node_id)
+    # Not a doomed allocation: its memory is about to go, whatever the index says of it.
+    held = set(disk_ids).union(*(set(table.committed_ids()) | set(table.reserved_deadlines()) for table in tables))
+    dropped = 0
+    for alloc_id, key in named.items():
+        if alloc_id not in held:
+            dropped += int(index.drop_corrupt(key, alloc_id, node_id=node_id))
+    for table in tables:
+        table.doom([a for a in table.committed_ids() if a not in named], hold_ms=VANISHED_HOLD_MS)
+    return dropped, sorted(a for a in disk_ids if a not in named)

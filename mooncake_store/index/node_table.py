@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError
-from mooncake_store.index.schema import decode_node, encode_node, encode_tiers
+from mooncake_store.index.schema import decode_node, decode_replicas, encode_node, encode_tiers, in_batches
 from mooncake_store.types import NodeInfo, TierUsage
 
 
@@ -68,10 +68,14 @@ class NodeTableCalls:
         purged = len(status) < 4 or int(status[3]) == 1
         return Registered(int(status[1]), {int(rows[i]): int(rows[i + 1]) for i in range(0, len(rows), 2)}, purged)
 
-    def heartbeat(self, node_id: str, *, incarnation: str, ttl_ms: int, tiers: tuple[TierUsage, ...]) -> bool:
-        """Extend the deadline; False when the record is gone (the agent must register again)."""
+    def heartbeat(self, node_id: str, *, incarnation: str, ttl_ms: int, tiers: tuple[TierUsage, ...]) -> int | None:
+        """Extend the deadline; the record's count of heartbeats, which only grows while the index
+        keeps its data (fewer than last time: it was restored from an older snapshot), or None when
+        the record is gone (the agent must register again)."""
         status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, json.dumps({"tiers": encode_tiers(tiers)}))
-        return bool(status[0] == "OK")
+        if status[0] != "OK":
+            return None
+        return int(status[2]) if len(status) > 2 else 1
 
     def deregister_node(self, node_id: str, *, incarnation: str) -> None:
         for _ in range(10_000):
@@ -108,3 +112,22 @@ class NodeTableCalls:
             raise ConnectError(f"cannot read the node table from {self.where}: {exc}") from None
         deadline_of = {node: int(score) for node, score in deadlines}
         return {node: decode_node(raw, deadline_of.get(node, 0)) for node, raw in records.items()}
+
+    def node_replicas(self, node_id: str) -> dict[int, str]:
+        """alloc id -> key of every replica the index lists on ``node_id`` (its nobj set, then the
+        objects' records in batches): what an agent checks its own tables against when the index
+        went back in time. Not one atomic read: an object changed meanwhile is seen either way."""
+        out: dict[int, str] = {}
+        try:
+            keys = list(self.redis.sscan_iter(self.prefix + "nobj:" + node_id, count=1000))
+            for batch in in_batches(keys):
+                pipe = self.redis.pipeline(transaction=False)
+                for key in batch:
+                    pipe.hget(self.prefix + "o:" + key, "replicas")
+                for key, raw in zip(batch, pipe.execute(), strict=True):
+                    for replica in decode_replicas(raw) if raw else ():
+                        if replica.node_id == node_id:
+                            out[replica.alloc_id] = key
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the replicas of node {node_id} from {self.where}: {exc}") from None
+        return out

@@ -1,8 +1,11 @@
 -- node_heartbeat: extend an agent's deadline and publish its current use.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] incarnation, [4] ttl ms, [5] JSON of fields to merge into the node record
--- Returns: {"OK", deadline_ms}, or {"UNKNOWN"} when the record is gone, belongs to another
+-- Returns: {"OK", deadline_ms, beats}, or {"UNKNOWN"} when the record is gone, belongs to another
 -- incarnation or is being purged (the agent was reaped while stalled and must register again).
+-- beats counts this record's heartbeats: an index restored from a snapshot older than the last
+-- heartbeat answers fewer than the agent saw last, and may name memory the agent has freed and
+-- used again since (the agent then takes its node out of the index and registers afresh).
 local node, inc, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
 local raw = redis.call('HGET', P .. 'nodes', node)
@@ -14,7 +17,8 @@ if rec.incarnation ~= inc then return {'UNKNOWN'} end
 heard_from_a_node(now, ttl)
 for k, v in pairs(cjson.decode(ARGV[5])) do rec[k] = v end
 rec.last_heartbeat_ms = now
+rec.beats = (tonumber(rec.beats) or 0) + 1
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)
 redis.call('ZADD', P .. 'reap', now + 2 * ttl, node)  -- its own TTL past its deadline (node_reap.lua)
-return {'OK', now + ttl}
+return {'OK', now + ttl, rec.beats}
