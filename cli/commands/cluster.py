@@ -31,8 +31,11 @@ from mooncake_store.index.connection import connect_redis
 UP_WAIT_S = 120.0
 
 
-class _Stop(Exception):
-    """Raised by the SIGTERM/SIGHUP handler so the foreground view unwinds like Ctrl-C."""
+class _Stop(BaseException):
+    """Raised by the SIGTERM/SIGHUP handler so the foreground view unwinds like Ctrl-C. A
+    BaseException, as KeyboardInterrupt is: raised inside a library call that handles Exception
+    (and turns it into its own error), it was swallowed there, and as later signals are ignored
+    once the first was raised, `up` then ran on for good (a test saw it outlive two SIGTERMs)."""
 
 
 class _StopOnce:
