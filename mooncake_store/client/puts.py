@@ -158,6 +158,9 @@ class PutPath:
                 # table is in flux, and until timeout_s a fresh one is waited for, as room is.
                 node_gone = node_gone or (isinstance(exc, ReservationExpired) and exc.node_gone)
                 settling = node_gone and isinstance(exc, ReservationExpired | NoCapacity)
+                # Or nodes are registered but past their deadlines: after an index outage longer
+                # than a TTL every one is, until its next heartbeat (or its reap, if it died).
+                settling = settling or (fresh_table_tried and isinstance(exc, NoCapacity) and self._stale_nodes())
                 if isinstance(exc, ReservationExpired) and not exc.node_gone:
                     expired_tries += 1
                     if expired_tries > config.max_retries:
@@ -183,6 +186,10 @@ class PutPath:
                 plan.replicas = []
                 plan.assigned = set()
                 plan.landed = []
+
+    def _stale_nodes(self) -> bool:
+        now = self.client._server_now_ms()
+        return any(n.heartbeat_deadline_ms < now for n in self.client._node_table().values())
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:

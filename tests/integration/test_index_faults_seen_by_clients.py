@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 import uuid
 
 import numpy as np
@@ -102,3 +103,24 @@ def test_a_get_refused_at_the_servers_maxmemory_says_what_to_do() -> None:
             assert re.search(r"used \d+ B of maxmemory \d+ B", message), message
             assert "read lease" in message and "maxmemory" in message and "changed nothing" in message
             assert bytes(client.get("m3")) == b"z" * 100
+
+
+def test_a_put_right_after_an_index_outage_waits_for_the_nodes_next_heartbeats() -> None:
+    """An index out of reach for longer than a TTL (stalled here by SIGSTOP, by its PID) comes back
+    with every node past its deadline until each agent's next heartbeat: a put at once failed with
+    NoCapacity, "no live agent is registered (start one: `mooncake up`)", advice to start the
+    cluster that was running. Registered nodes past their deadlines are a table in flux: the put
+    waits for it, within timeout_s."""
+    ttl_s = 1.5
+    with LocalCluster(1, host_bytes=8 << 20, heartbeat_ttl_s=ttl_s) as cluster:
+        assert cluster.server is not None
+        with connect(cluster.redis_url, namespace=cluster.namespace, timeout_s=10.0) as client:
+            client.put("before", b"A" * 1000)
+            os.kill(cluster.server.pid, signal.SIGSTOP)
+            try:
+                time.sleep(2 * ttl_s)
+            finally:
+                os.kill(cluster.server.pid, signal.SIGCONT)
+            client.put("after", b"B" * 1000)
+            assert bytes(client.get("after")) == b"B" * 1000
+            assert bytes(client.get("before")) == b"A" * 1000
