@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import socket
@@ -9,7 +10,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -326,3 +327,49 @@ class DarkPeer:
         for filler in self._fillers:
             filler.close()
         self.listener.close()
+
+
+def assert_a_second_close_waits_for_the_first(
+    close: Callable[[], None], drain_owner: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close()`` from a second thread must return only once the first has finished. The first is
+    held in its wait for puts in flight (a wrapper around ``drain_owner.drain`` waits on an event)."""
+    in_drain, release = threading.Event(), threading.Event()
+    real_drain = drain_owner.drain
+
+    def held_drain(timeout_s: float, **kwargs: object) -> None:
+        in_drain.set()
+        release.wait(30)
+        real_drain(timeout_s, **kwargs)
+
+    monkeypatch.setattr(drain_owner, "drain", held_drain)
+    first = threading.Thread(target=close)
+    first.start()
+    assert in_drain.wait(30)
+    second_done = threading.Event()
+    second = threading.Thread(target=lambda: (close(), second_done.set()))
+    second.start()
+    try:
+        assert not second_done.wait(0.5), "a second close() returned while the first was still closing"
+    finally:
+        release.set()
+        first.join(30)
+        second.join(30)
+    assert second_done.is_set() and not first.is_alive()
+
+
+@contextlib.contextmanager
+def server_at_maxmemory(client: Client, redis_url: str) -> Iterator[None]:
+    """The index server at its maxmemory (noeviction) with 50 small objects stored: every write
+    refused, until the block ends (maxmemory lifted again)."""
+    import redis
+
+    client.put_many({f"m{i}": b"z" * 100 for i in range(50)})
+    server = redis.Redis.from_url(redis_url)
+    server.config_set("maxmemory-policy", "noeviction")
+    server.config_set("maxmemory", int(server.info("memory")["used_memory"]) // 2)
+    try:
+        yield
+    finally:
+        server.config_set("maxmemory", 0)
+        server.close()

@@ -11,7 +11,7 @@ import uuid
 
 import numpy as np
 import pytest
-import redis
+from helpers import server_at_maxmemory
 
 from mooncake_store import Client, LocalCluster, PrefixCache, connect
 from mooncake_store.embedded import EmbeddedServer
@@ -90,15 +90,8 @@ def test_a_get_refused_at_the_servers_maxmemory_says_what_to_do() -> None:
     with LocalCluster(1, host_bytes=16 << 20) as cluster:
         assert cluster.server is not None
         with connect(cluster.redis_url, namespace=cluster.namespace) as client:
-            client.put_many({f"m{i}": b"z" * 100 for i in range(50)})
-            server = redis.Redis.from_url(cluster.redis_url)
-            server.config_set("maxmemory-policy", "noeviction")
-            server.config_set("maxmemory", int(server.info("memory")["used_memory"]) // 2)
-            try:
-                with pytest.raises(MooncakeError) as info:
-                    client.get("m3")
-            finally:
-                server.config_set("maxmemory", 0)
+            with server_at_maxmemory(client, cluster.redis_url), pytest.raises(MooncakeError) as info:
+                client.get("m3")
             message = str(info.value)
             assert re.search(r"used \d+ B of maxmemory \d+ B", message), message
             assert "read lease" in message and "maxmemory" in message and "changed nothing" in message

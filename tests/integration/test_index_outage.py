@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-import redis
+from helpers import server_at_maxmemory
 
 from mooncake_store import LocalCluster, MooncakeError, connect
 from mooncake_store.embedded import EmbeddedServer
@@ -109,13 +109,9 @@ def test_removing_absent_keys_from_a_full_server_says_they_were_absent() -> None
     server refuses. The answer stands without its record."""
     with LocalCluster(1, host_bytes=16 << 20) as cluster:
         assert cluster.server is not None
-        with connect(cluster.redis_url, namespace=cluster.namespace) as client:
-            client.put_many({f"m{i}": b"z" * 100 for i in range(50)})
-            server = redis.Redis.from_url(cluster.redis_url)
-            server.config_set("maxmemory-policy", "noeviction")
-            server.config_set("maxmemory", int(server.info("memory")["used_memory"]) // 2)
-            try:
-                assert client.remove_many(["absent-1", "absent-2"]) == [False, False]
-                assert client.remove_many(["absent-3", "m7"]) == [False, True]
-            finally:
-                server.config_set("maxmemory", 0)
+        with (
+            connect(cluster.redis_url, namespace=cluster.namespace) as client,
+            server_at_maxmemory(client, cluster.redis_url),
+        ):
+            assert client.remove_many(["absent-1", "absent-2"]) == [False, False]
+            assert client.remove_many(["absent-3", "m7"]) == [False, True]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from helpers import assert_a_second_close_waits_for_the_first
 
 from mooncake_store import (
     Client,
@@ -402,28 +403,7 @@ def test_a_second_close_returns_only_once_the_first_has_closed_everything(
     close() from another thread returned at once while the first still waited for puts in flight.
     The first is held in that wait here (a wrapper around its drain waits on an event)."""
     client = connect(shared_cluster.redis_url, namespace=shared_cluster.namespace)
-    in_drain, release = threading.Event(), threading.Event()
-    real_drain = client._in_flight.drain
-
-    def held_drain(timeout_s: float) -> None:
-        in_drain.set()
-        release.wait(30)
-        real_drain(timeout_s)
-
-    monkeypatch.setattr(client._in_flight, "drain", held_drain)
-    first = threading.Thread(target=client.close)
-    first.start()
-    assert in_drain.wait(30)
-    second_done = threading.Event()
-    second = threading.Thread(target=lambda: (client.close(), second_done.set()))
-    second.start()
-    try:
-        assert not second_done.wait(0.5), "a second close() returned while the first was still closing"
-    finally:
-        release.set()
-        first.join(30)
-        second.join(30)
-    assert second_done.is_set() and not first.is_alive()
+    assert_a_second_close_waits_for_the_first(client.close, client._in_flight, monkeypatch)
 
 
 def test_calls_whose_index_round_trip_close_cut_short_say_the_client_is_closed(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from helpers import assert_a_second_close_waits_for_the_first
 from patched_agent import connect_raw, read_reply
 
 from mooncake_store import Client, LocalCluster, PrefixCache
@@ -29,28 +30,7 @@ def test_a_second_prefix_cache_close_returns_only_once_the_first_has_closed(
     second close() from another thread returned at once while the first still waited for a store
     in flight. The first is held in that wait (a wrapper around the client's drain)."""
     cache = PrefixCache(shared_client, "s22-close/u8/L1/kv1/d8/tp0", chunk_tokens=4)
-    in_drain, release = threading.Event(), threading.Event()
-    real_drain = shared_client._in_flight.drain
-
-    def held_drain(timeout_s: float, **kwargs: object) -> None:
-        in_drain.set()
-        release.wait(30)
-        real_drain(timeout_s, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(shared_client._in_flight, "drain", held_drain)
-    first = threading.Thread(target=cache.close)
-    first.start()
-    assert in_drain.wait(30)
-    second_done = threading.Event()
-    second = threading.Thread(target=lambda: (cache.close(), second_done.set()))
-    second.start()
-    try:
-        assert not second_done.wait(0.5), "a second close() returned while the first was still closing"
-    finally:
-        release.set()
-        first.join(30)
-        second.join(30)
-    assert second_done.is_set() and not first.is_alive()
+    assert_a_second_close_waits_for_the_first(cache.close, shared_client._in_flight, monkeypatch)
 
 
 def _trickling_agent(at_once: bytes, trickled: bytes, stop: threading.Event) -> tuple[socket.socket, threading.Thread]:
