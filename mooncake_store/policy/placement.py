@@ -143,7 +143,15 @@ def no_room_message(
     tier: TierKind = TierKind.HOST,
     preferred_node: str | None = None,
 ) -> str:
+    nodes = list(nodes)
     alive = live_nodes(nodes, now_ms)
+    if not alive and nodes:
+        # Registered, and none within its deadline: stalled, or the index was out of reach for
+        # longer than a TTL (each comes back at its next heartbeat); "start one" would mislead.
+        return (
+            f"need {size_bytes} B on {tier}; {len(nodes)} agent(s) registered, none within its heartbeat "
+            "deadline (stalled, or the index was out of reach; `mooncake stat` shows their heartbeat ages)"
+        )
     if not alive:
         return f"need {size_bytes} B on {tier}; no live agent is registered (start one: `mooncake up`)"
     if preferred_node is not None and preferred_node not in {n.node_id for n in alive}:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from mooncake_store.errors import NoCapacity
-from mooncake_store.policy.placement import check_kept, choose_replica_nodes, kept_bytes, rank_nodes
+from mooncake_store.policy.placement import check_kept, choose_replica_nodes, kept_bytes, no_room_message, rank_nodes
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.policy.transport_choice import choose_transport, order_replicas
 from mooncake_store.types import NodeInfo, Replica, TierKind, TierUsage, TransportKind
@@ -267,3 +267,12 @@ def test_plan_sync_frees_each_allocation_once() -> None:
     """A grave listed twice, or also expired and revoked in the same sync, is freed once."""
     plan = plan_sync(expired=[2], expired_status=["R"], acked=[], graves=[7, 2, 7, 9], holds={2, 7}.__contains__)
     assert plan.free == (2, 7)
+
+
+def test_no_room_with_every_registered_node_past_its_deadline_does_not_say_start_one() -> None:
+    """After an index outage every node is past its deadline until its next heartbeat: "no live
+    agent is registered (start one: `mooncake up`)" sent the user to start a running cluster."""
+    stale = [node("a", free=MiB, alive=False), node("b", free=MiB, alive=False)]
+    message = no_room_message(stale, size_bytes=10, now_ms=NOW)
+    assert "2 agent(s) registered, none within its heartbeat deadline" in message and "start one" not in message
+    assert "start one" in no_room_message([], size_bytes=10, now_ms=NOW)
