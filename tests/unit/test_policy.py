@@ -111,8 +111,10 @@ def test_a_node_that_keeps_the_object_ranks_before_an_emptier_one_that_does_not(
 
 
 def test_no_live_nodes_says_so() -> None:
-    with pytest.raises(NoCapacity, match="no live agent"):
+    with pytest.raises(NoCapacity, match="none within its heartbeat deadline"):
         ranked_ids([node("dead", free=MiB, alive=False)], 1)
+    with pytest.raises(NoCapacity, match="no live agent"):
+        ranked_ids([], 1)
 
 
 def test_preferred_node_pins_the_choice() -> None:
