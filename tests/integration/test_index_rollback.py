@@ -38,10 +38,13 @@ def test_an_index_restored_from_an_older_snapshot_never_serves_other_bytes() -> 
             time.sleep(1.0)  # the leases run out, the graves are freed...
             client.put_many({f"b{i}": np.full(256 * KiB, 200 + i, np.uint8) for i in range(10)})  # ...and used again
             time.sleep(2.5)  # heartbeats after the snapshot's
+            # In one transaction, as a restart would: no heartbeat may see the keys half gone.
+            restore = raw.pipeline(transaction=True)
             for key in raw.scan_iter(match=prefix + b"*", count=1000):
-                raw.delete(key)
+                restore.delete(key)
             for key, dumped in snapshot.items():
-                raw.restore(key, 0, dumped, replace=True)
+                restore.restore(key, 0, dumped, replace=True)
+            restore.execute()
             # The agent's next heartbeat finds the count gone back and drops the replicas of
             # memory it no longer holds: every a (removed or replaced since the snapshot).
             deadline = time.monotonic() + 10
