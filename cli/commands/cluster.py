@@ -46,12 +46,21 @@ class _StopOnce:
 
     def __init__(self) -> None:
         self.raised = False
+        self.signum = 0
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if self.raised:
             return
-        self.raised = True
+        self.raised, self.signum = True, signum
         raise KeyboardInterrupt if signum == signal.SIGINT else _Stop()
+
+    def check(self) -> None:
+        """Raise the stop again where the loop that waits for it runs. The handler raises in
+        whatever code the signal lands in, and where that is a finalizer (a redis parser's
+        __del__, run by the garbage collector) Python prints "Exception ignored" and goes on: the
+        stop was lost, later signals were ignored, and a foreground `up` ran on for good."""
+        if self.raised:
+            raise KeyboardInterrupt if self.signum == signal.SIGINT else _Stop()
 
 
 @contextlib.contextmanager
@@ -258,9 +267,9 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
         save_state(state)
         _print_started(state, as_json=as_json)
         if as_json:
-            _wait_quietly(state)  # stdout holds the one JSON document; the tables would follow it there
+            _wait_quietly(state, stop_once)  # stdout holds the one JSON document; the tables would follow it there
         else:
-            _live_view(state)
+            _live_view(state, stop_once)
     except (KeyboardInterrupt, _Stop):
         pass
     finally:
@@ -278,7 +287,7 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def _wait_quietly(state: ClusterState) -> None:
+def _wait_quietly(state: ClusterState, stop_once: _StopOnce) -> None:
     """The foreground cluster with --json: nothing more on stdout until it stops; an agent process
     that exits is reported on stderr, once."""
     reported: set[str] = set()
@@ -287,10 +296,11 @@ def _wait_quietly(state: ClusterState) -> None:
             if agent.node_id not in reported and not alive(agent.proc):
                 reported.add(agent.node_id)
                 err.print(f"[red]agent process exited:[/red] {agent.node_id} (see {state.log_dir})")
+        stop_once.check()
         time.sleep(1.0)
 
 
-def _live_view(state: ClusterState) -> None:
+def _live_view(state: ClusterState, stop_once: _StopOnce) -> None:
     client = connect(state.redis_url, namespace=state.namespace)
     try:
         prev: tuple[float, ClusterStats] | None = None
@@ -316,11 +326,13 @@ def _live_view(state: ClusterState) -> None:
                     (f"\nagent process exited: {', '.join(exited)} (see {state.log_dir})" if exited else "", "red"),
                 )
                 live.update(cluster_view(stats, header=header), refresh=True)
+                stop_once.check()
                 time.sleep(1.0)
     except MooncakeError as exc:
         err.print(f"[red]error:[/red] live view stopped: {escape(str(exc))}")
         # Keep the cluster up until the user asks to stop; the view is only a view.
         while True:
+            stop_once.check()
             time.sleep(1.0)
     finally:
         client.close()
