@@ -7,6 +7,7 @@ tensors, which numpy cannot describe.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -212,6 +213,23 @@ def as_destination(out: object) -> Destination:
     # items of several bytes, and its len() counted items, not bytes.
     flat = view if view.format == "B" and view.ndim == 1 and view.itemsize == 1 else view.cast("B")
     return Destination(flat, dtype, tensor)
+
+
+def check_disjoint(dests: Sequence[Destination]) -> None:
+    """Refuse a batch whose output buffers share memory: each key's bytes would land over
+    another's, and only the last one read would be there, with no error."""
+    spans = sorted(
+        (np.frombuffer(dest.view, np.uint8).ctypes.data, len(dest.view), i)
+        for i, dest in enumerate(dests)
+        if len(dest.view)
+    )
+    for (start, size, i), (next_start, _, j) in itertools.pairwise(spans):
+        if next_start < start + size:
+            first, second = sorted((i, j))
+            raise InvalidValue(
+                f"outs[{first}] and outs[{second}] share memory ({start + size - next_start} B overlap): "
+                "each key needs its own buffer, or the later read overwrites the earlier one"
+            )
 
 
 def to_array(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:

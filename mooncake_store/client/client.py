@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
 
-from mooncake_store.client.buffers import as_destination, mark_written, to_array
+from mooncake_store.client.buffers import as_destination, check_disjoint, mark_written, to_array
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.in_flight import InFlight, on_pool_thread
 from mooncake_store.client.put_plans import check_put_options
@@ -355,6 +355,7 @@ class Client:
         dests = [as_destination(o) for o in outs]  # type: ignore[attr-defined]
         if len(checked) != len(dests):
             raise InvalidValue(f"{len(checked)} keys but {len(dests)} output buffers")
+        check_disjoint(dests)
         try:
             metas, _ = self._gets.get_batch(checked, dests, missing_ok=False)
         finally:

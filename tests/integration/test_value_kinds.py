@@ -91,3 +91,19 @@ def test_a_ctypes_array_of_multi_byte_items_is_filled_as_its_bytes(client: Clien
     assert client.get_into("s22-union", out) == 8
     assert bytes(out) == bytes(range(8))
     client.remove("s22-union")
+
+
+def test_get_many_into_refuses_outputs_that_share_memory(client: Client) -> None:
+    """One buffer given twice (or two views of one) kept only the last key's bytes, with no error."""
+    client.put_many({"s23-a": b"a" * 8, "s23-b": b"b" * 8})
+    shared = bytearray(8)
+    with pytest.raises(InvalidValue, match=r"outs\[0\] and outs\[1\] share memory \(8 B overlap\)"):
+        client.get_many_into(["s23-a", "s23-b"], [shared, shared])
+    whole = np.zeros(12, np.uint8)
+    with pytest.raises(InvalidValue, match=r"outs\[0\] and outs\[1\] share memory \(4 B overlap\)"):
+        client.get_many_into(["s23-a", "s23-b"], [whole[4:], whole[:8]])
+    assert shared == bytearray(8) and not whole.any()  # refused before any read
+    rows = np.zeros((2, 8), np.uint8)  # rows of one array are disjoint: allowed
+    assert client.get_many_into(["s23-a", "s23-b"], rows) == [8, 8]
+    assert bytes(rows[0]) == b"a" * 8 and bytes(rows[1]) == b"b" * 8
+    client.remove_many(["s23-a", "s23-b"])
