@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -81,6 +83,24 @@ NamespaceOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables.")]
+
+
+def seconds_between(low: float, high: float) -> Callable[[str], float]:
+    """The parser of a seconds option: a finite number from ``low`` to ``high``. A range check
+    alone let ``inf`` through a lower bound (wait for ever) and called ``nan`` too large."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise typer.BadParameter(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value):
+            raise typer.BadParameter(f"{text!r} is not a finite number of seconds (from {low:g} to {high:g})")
+        if not low <= value <= high:
+            raise typer.BadParameter(f"{text} seconds is outside {low:g} to {high:g}")
+        return value
+
+    return parse
 
 
 @dataclass(slots=True)

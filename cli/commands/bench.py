@@ -31,7 +31,7 @@ from mooncake_cli.commands.bench_measure import (
     slots_for,
 )
 from mooncake_cli.commands.bench_report import as_json, progress_display, render
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, out, resolve_target
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, out, resolve_target, seconds_between
 from mooncake_cli.exits import CliError, ExitCode
 
 from mooncake_store import connect
@@ -68,7 +68,10 @@ def bench(
         Transport, typer.Option("--transport", help="Path to measure; both: shm (same host), then tcp.")
     ] = Transport.BOTH,
     seconds: Annotated[
-        float, typer.Option("--seconds", min=0.01, max=600.0, help="Time bound of each measured cell.")
+        float,
+        typer.Option(
+            "--seconds", parser=seconds_between(0.01, 600), help="Time bound of each measured cell (0.01 to 600)."
+        ),
     ] = 0.5,
     batch: Annotated[
         int, typer.Option("--batch", min=1, max=4096, help="Objects of 64 KiB per get_many_into batch.")

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 from mooncake_cli import launcher
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, globals_of, out
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, globals_of, out, seconds_between
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive, ref_of
 from mooncake_cli.render import cluster_view
@@ -153,7 +153,12 @@ def up(
     ] = 0,
     zone: Annotated[str | None, typer.Option("--zone", help="Topology zone label of the agents.")] = None,
     timeout: Annotated[
-        float, typer.Option("--timeout", min=1.0, help="Seconds to wait for each process to start.")
+        float,
+        typer.Option(
+            "--timeout",
+            parser=seconds_between(1, 3600),
+            help="Seconds to wait for each process to start (1 to 3600).",
+        ),
     ] = 30.0,
     as_json: JsonOpt = False,
 ) -> None:
@@ -340,7 +345,12 @@ def _live_view(state: ClusterState, stop_once: _StopOnce) -> None:
 
 def down(
     timeout: Annotated[
-        float, typer.Option("--timeout", min=0.0, help="Seconds to wait after SIGTERM before SIGKILL.")
+        float,
+        typer.Option(
+            "--timeout",
+            parser=seconds_between(0, 3600),
+            help="Seconds to wait after SIGTERM before SIGKILL (0 to 3600).",
+        ),
     ] = 10.0,
 ) -> None:
     """Stop the cluster that `mooncake up` recorded.

@@ -7,7 +7,7 @@ import time
 from typing import Annotated
 
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, open_client, out, resolve_target
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, open_client, out, resolve_target, seconds_between
 from mooncake_cli.render import cluster_view, stats_json
 from rich.live import Live
 from rich.text import Text
@@ -20,7 +20,12 @@ def stat(
         bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C (with --json: one JSON line per refresh).")
     ] = False,
     interval: Annotated[
-        float, typer.Option("--interval", min=0.1, max=3600.0, help="Seconds between refreshes with --watch.")
+        float,
+        typer.Option(
+            "--interval",
+            parser=seconds_between(0.1, 3600),
+            help="Seconds between refreshes with --watch (0.1 to 3600).",
+        ),
     ] = 1.0,
     redis_url: RedisUrlOpt = None,
     namespace: NamespaceOpt = None,

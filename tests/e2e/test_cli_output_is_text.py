@@ -89,7 +89,12 @@ def test_bad_input_on_the_command_line_is_a_usage_error(cluster_cli: Mooncake) -
     pattern = os.fsdecode(b"a\xff*")  # what the shell hands over for $'a\xff*'
     cases = {
         ("ls", pattern): "not valid UTF-8",
-        ("stat", "--watch", "--interval", "inf"): "interval",
+        ("stat", "--watch", "--interval", "inf"): "'inf' is not a finite number of seconds (from 0.1 to 3600)",
+        # nan failed every comparison, and was called too large ("should be <= 600")
+        ("bench", "--seconds", "nan"): "'nan' is not a finite number of seconds (from 0.01 to 600)",
+        ("bench", "--seconds", "1e9"): "1e9 seconds is outside 0.01 to 600",
+        ("down", "--timeout", "inf"): "'inf' is not a finite number of seconds",  # SIGKILL never came
+        ("up", "--timeout", "abc"): "'abc' is not a number of seconds",
         ("ls", "--redis-url", "redis://a..b:6379/0"): "--redis-url='redis://a..b:6379/0': host 'a..b'",
     }
     for args, fragment in cases.items():
