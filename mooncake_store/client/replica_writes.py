@@ -65,6 +65,21 @@ def failing_node(node_id: str) -> Iterator[None]:
         raise ReplicaWriteFailed(node_id, exc) from exc
 
 
+@contextlib.contextmanager
+def reservation_held(node: NodeInfo, plan: PlannedPut) -> Iterator[None]:
+    """A WRITE (or its DIGEST) that the agent answers STALE: it freed the reservation first (the
+    writer outlived its reserve timeout, or the agent let it go at a reap). That is the put's
+    ReservationExpired, placed again by PutPath.run as the same case over shm is, not a reader's
+    StaleLocation raised to the caller."""
+    try:
+        yield
+    except StaleLocation as exc:
+        raise ReservationExpired(
+            f"the reservation for {plan.key!r} on {node.node_id} was freed before its bytes landed ({exc}); "
+            f"a write that outlives the agent's reserve_timeout_s is void"
+        ) from None
+
+
 class ReplicaWriter:
     """The byte-moving half of PutPath: one per client."""
 
@@ -153,7 +168,8 @@ class ReplicaWriter:
 
                 log.info("device put of %s through CUDA IPC failed (%s); sending it over TCP", plan.key, exc)
                 staged = memoryview(to_host_bytes(src))
-                client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, staged)
+                with reservation_held(node, plan):
+                    client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, staged)
         else:
             # Over TCP the agent fences the reservation while the payload arrives (same-host writes
             # into its shared arena go through fence and copy_fenced).
@@ -161,7 +177,10 @@ class ReplicaWriter:
 
     def write_tcp(self, node: NodeInfo, replica: Replica, plan: PlannedPut, view: memoryview) -> None:
         """Send a host source over TCP; the agent hashes what landed (DIGEST, behind the WRITE)."""
-        checksum = self.client._tcp.write_from(node.tcp_endpoint, replica.alloc_id, replica.offset, view, digest=True)
+        with reservation_held(node, plan):
+            checksum = self.client._tcp.write_from(
+                node.tcp_endpoint, replica.alloc_id, replica.offset, view, digest=True
+            )
         if checksum is None:
             # An agent that predates DIGEST: the source's hash after the send, right if the value
             # was left alone as documented (what every put committed before DIGEST).
