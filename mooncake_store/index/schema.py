@@ -30,11 +30,16 @@ on Redis Cluster::
     mc:{ns}:gcout:<node>   list   graves the last sync delivered, until the agent confirms them
     mc:{ns}:landed:<node>  zset   "<node>:<alloc id>" of the swaps that moved the node's replicas
                                   there -> swap ms (the last 120 s; for a mover whose reply was lost)
+    mc:{ns}:held:<node>    zset   alloc id -> end of the read lease that ran when a purge took the
+                                  node's replica there (a node that comes back keeps that memory till then)
     mc:{ns}:purging        set    nodes whose records are being purged (reaped or taken over)
     mc:{ns}:purged:<node>  string set when a purge removed the node's record (PX a day), taken by its
                                   next registration: a record gone without one went with lost data
     mc:{ns}:version        string object version counter
     mc:{ns}:stats          hash   hits, misses, evictions, hits:<node>:<tier>
+    mc:{ns}:once:<token>   string the reply of a script call that must not run twice (a put, a remove),
+                                  for its retry on a fresh connection (PX 10 s: one per such call made
+                                  in the last 10 s, which is what to allow for when sizing maxmemory)
 
 A replica travels as a compact JSON array ``[node_id, tier, offset, size, alloc_id, state]`` with
 the alloc id as a string: Lua's cjson prints numbers with 14 significant digits.

@@ -3,6 +3,7 @@ object's bytes), and every key of a namespace sits under its hash-tagged prefix 
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import numpy as np
@@ -10,12 +11,18 @@ import redis
 
 from mooncake_store import LocalCluster, PrefixCache, connect
 from mooncake_store.embedded import EmbeddedServer
+from mooncake_store.index import schema
 
 MiB = 1 << 20
 
 
 def _namespace_keys(server: redis.Redis, namespace: str) -> list[bytes]:
     return [k for k in server.scan_iter(count=1000) if b"{" + namespace.encode() + b"}" in k]
+
+
+def _documented_kinds() -> set[str]:
+    """The key kinds schema.py's layout names: ``o`` for ``mc:{ns}:o:<key>``, ``keys``, ..."""
+    return set(re.findall(r"^\s+mc:\{ns\}:([a-z_]+)", schema.__doc__ or "", re.M))
 
 
 def test_the_index_holds_metadata_only_and_every_key_under_its_namespace_tag(redis_server: EmbeddedServer) -> None:
@@ -44,6 +51,10 @@ def test_the_index_holds_metadata_only_and_every_key_under_its_namespace_tag(red
         assert mine, "the namespace wrote no keys at all"
         stray = sorted(k for k in mine if not k.startswith(f"mc:{{{namespace}}}:".encode()))
         assert not stray, f"keys naming the namespace outside mc:{{{namespace}}}: {stray[:5]}"
+        # Every kind of key is in the layout (it lacked two, one per put and remove of the last 10 s).
+        prefix = f"mc:{{{namespace}}}:".encode()
+        kinds = {k[len(prefix) :].split(b":")[0].decode() for k in mine}
+        assert kinds <= _documented_kinds(), f"undocumented key kinds: {kinds - _documented_kinds()}"
         used = sum(server.memory_usage(k) or 0 for k in mine)
         # A few records per object and node: far below the 5 MiB of bytes stored (one copy of
         # them would be 4 MiB in one key).
