@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,12 +150,19 @@ def load_state() -> ClusterState | None:
 def save_state(state: ClusterState) -> Path:
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    # 0600: the file names processes to kill; another user must not be able to rewrite it.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(state.to_dict(), fh, indent=2)
-    tmp.replace(path)
+    # mkstemp: a new file (O_EXCL) of mode 0600 under a name no one can guess. A name from the pid
+    # alone, opened with O_TRUNC, followed a link another user had put there in a shared state
+    # directory and truncated its target; and the file names processes to kill, so no one else
+    # may rewrite it.
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(state.to_dict(), fh, indent=2)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
