@@ -13,7 +13,7 @@ from typing import Annotated, ParamSpec, TypeVar
 import redis
 import typer
 from mooncake_cli.commands import agent as agent_cmd
-from mooncake_cli.commands import bench, cluster, data, demo, doctor, stat
+from mooncake_cli.commands import bench, cluster, config, data, demo, doctor, stat
 from mooncake_cli.context import Globals, NamespaceOpt, RedisUrlOpt, err, out, quiet_stdout
 from mooncake_cli.exits import EXIT_CODE_HELP, CliError, ExitCode, code_for
 from rich.markup import escape
@@ -104,6 +104,7 @@ _add(cluster.down, "Cluster")
 _add(agent_cmd.agent, "Cluster", reader_may_leave=False)
 _add(stat.stat, "Cluster")
 _add(doctor.doctor, "Cluster")
+_add(config.config, "Cluster")
 _add(data.put, "Objects")
 _add(data.get, "Objects")
 _add(data.rm, "Objects")

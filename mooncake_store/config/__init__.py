@@ -27,6 +27,7 @@ from __future__ import annotations
 from mooncake_store.config.loader import (
     agent_flag_overrides,
     config_file_path,
+    explain_config,
     load_config,
 )
 from mooncake_store.config.tree import (
@@ -55,6 +56,7 @@ __all__ = [
     "Config",
     "agent_flag_overrides",
     "config_file_path",
+    "explain_config",
     "format_size",
     "is_ascii_digits",
     "is_wildcard_host",

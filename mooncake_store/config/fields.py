@@ -40,6 +40,8 @@ class _Source:
             return f"env {self.detail}"
         if self.kind == "file":
             return f"file {self.detail}"
+        if self.kind == "override" and self.detail:
+            return self.detail  # the flag that gave it
         return self.kind
 
 

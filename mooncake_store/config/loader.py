@@ -150,6 +150,18 @@ def load_config(
     ``override_flags`` names the command-line flag each override came from, for its errors
     (``--redis-url='...': ...`` rather than ``override redis_url=...``).
     """
+    return explain_config(file=file, env=env, overrides=overrides, override_flags=override_flags)[0]
+
+
+def explain_config(
+    *,
+    file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+    override_flags: Mapping[str, str] | None = None,
+) -> tuple[Config, dict[str, str]]:
+    """:func:`load_config`, and where each dotted key's value came from: "default", "file PATH",
+    "env VAR", or the flag (else "override") that set it (`mooncake config` shows them)."""
     environ: Mapping[str, str] = os.environ if env is None else env
     layered: dict[str, tuple[object, _Source]] = {}
     path, _ = _resolve_file(file, environ)
@@ -202,11 +214,12 @@ def load_config(
     def section(name: str | None) -> dict[str, Any]:
         return {spec.name: values[key] for key, spec in _FIELDS.items() if spec.section == name}
 
-    return Config(
+    config = Config(
         **section(None),
         client=ClientConfig(**section("client")),
         agent=AgentConfig(**section("agent")),
     )
+    return config, {key: source.describe() for key, source in sources.items()}
 
 
 def agent_flag_overrides(

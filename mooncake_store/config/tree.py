@@ -103,7 +103,7 @@ class Config:
         _validate_instance(self, None)
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain nested dict (password redacted), for ``config show`` and logs."""
+        """Plain nested dict (password redacted), for `mooncake config` and logs."""
         out = asdict(self)
         if self.redis_url is not None:
             out["redis_url"] = redact_url(self.redis_url)
