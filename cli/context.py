@@ -23,7 +23,7 @@ from mooncake_cli.state import ClusterState, load_state, state_path
 from rich.console import Console
 
 from mooncake_store import Client, ConnectError, connect
-from mooncake_store.config import Config, config_file_path, load_config, redact_url
+from mooncake_store.config import Config, explain_config, redact_url
 from mooncake_store.index.connection import connect_redis
 
 
@@ -134,17 +134,14 @@ def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: 
     g = globals_of(ctx)
     redis_url = g.redis_url if redis_url is None else redis_url  # "" is a value (refused), not "not given"
     namespace = g.namespace if namespace is None else namespace
-    config = load_config(
+    config, sources = explain_config(
         overrides={"redis_url": redis_url, "namespace": namespace},
         override_flags={"redis_url": "--redis-url", "namespace": "--namespace"},
     )
     if config.redis_url:
-        if redis_url:
-            source = "--redis-url"
-        elif os.environ.get("MOONCAKE_REDIS_URL"):
-            source = "env MOONCAKE_REDIS_URL"
-        else:
-            source = f"config file {config_file_path()}"
+        source = sources["redis_url"]
+        if source.startswith("file "):
+            source = f"config {source}"
         return Target(redis_url=config.redis_url, namespace=config.namespace, source=source, state=None)
     state = load_state()
     path = state_path()
