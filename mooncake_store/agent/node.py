@@ -267,9 +267,15 @@ class Agent(OtherTierHooks):
         register_first(self.index, self.node_info, incarnation=self.incarnation, ttl_ms=self._ttl_ms)
         if evicting := self.index.eviction_unsafe():
             log.warning("%s", evicting)
-        # The node id is this agent's now: arenas earlier agents of it left behind go.
-        for name in sweep_abandoned_segments(self.namespace, self.node_id, keep=self.arena.name):
-            log.warning("removed the shared-memory arena %s, left by an earlier agent of %s", name, self.node_id)
+        # The node id is this agent's now: arenas earlier agents of it left behind go, and those
+        # of crashed agents of other ids that the node table no longer names.
+        try:
+            listed: frozenset[str] | None = frozenset(n.shm_name for n in self.index.nodes().values())
+        except MooncakeError as exc:
+            log.warning("could not read the node table to sweep abandoned arenas: %s", exc)
+            listed = None
+        for name in sweep_abandoned_segments(self.namespace, self.node_id, keep=self.arena.name, listed=listed):
+            log.warning("removed the shared-memory arena %s, left by an agent that is gone", name)
         # The pressure pass's scripts, compiled now rather than on the first pass, whose first
         # spill would otherwise wait for them. Only a head start: a call loads a missing script
         # itself (NOSCRIPT), so a failure here must not stop an agent already registered.

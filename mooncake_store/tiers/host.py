@@ -80,20 +80,30 @@ def segment_pattern(namespace: str, node_id: str, pid: int) -> str:
 _SUFFIX = re.compile(r"\.(\d+)-([A-Za-z0-9._]+)$")
 
 
-def sweep_abandoned_segments(namespace: str, node_id: str, *, keep: str) -> list[str]:
-    """Remove the segments of earlier agents of ``node_id`` in ``namespace`` that no process holds
-    (an agent holds a lock on its segment for as long as it maps it: HostArena.create): an agent
-    killed without its stop left its arena in /dev/shm, and an agent restarted after each crash,
-    under a new name each time, leaked one arena's memory per crash. ``keep``: the caller's own.
-    Returns the names removed. Call it once the node id is this agent's (registered): a live agent
-    of the id holds its lock, and is skipped in any case."""
+def sweep_abandoned_segments(
+    namespace: str, node_id: str, *, keep: str, listed: frozenset[str] | None = None
+) -> list[str]:
+    """Remove the segments of earlier agents in ``namespace`` that no process holds (an agent
+    holds a lock on its segment for as long as it maps it: HostArena.create): an agent killed
+    without its stop left its arena in /dev/shm, and an agent restarted after each crash leaked one
+    arena's memory per crash. ``keep``: the caller's own. Returns the names removed.
+
+    Those of ``node_id`` go in any case. Those of other nodes go only when ``listed`` (the shm
+    names the node table lists, dead nodes not yet reaped included) is given and does not name
+    them: with the default node id (host-pid) every incarnation is a node of its own, and only a
+    sweep past its own id frees a crashed predecessor's arena; one still listed may yet be read by
+    same-host clients until its node's deadline, and goes at a later start. Call it once the node
+    id is this agent's (registered): a live agent holds its lock, and is skipped in any case."""
     removed = []
+    own_prefix = _UNSAFE.sub("_", f"mooncake.{namespace}.")
     for path in SHM_DIR.glob("mooncake.*"):
         match = _SUFFIX.search(path.name)
         if path.name == keep or match is None:
             continue
-        if segment_name(namespace, node_id, pid=int(match[1]), incarnation=match[2]) != path.name:
-            continue  # another node's (or namespace's), whatever its name shares with this one
+        if segment_name(namespace, node_id, pid=int(match[1]), incarnation=match[2]) != path.name and (
+            listed is None or path.name in listed or not path.name.startswith(own_prefix)
+        ):
+            continue  # another node's (or namespace's), or one the node table still names
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:

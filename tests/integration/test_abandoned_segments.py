@@ -2,7 +2,8 @@
 restarted agent of the same node creates its own under a new name: each crash leaked an arena's
 memory until /dev/shm filled and agents could not start. An agent now holds a lock on its arena
 for as long as it maps it, and removes, once it has registered its node id, the arenas of earlier
-agents of that id that no process holds."""
+agents of that id that no process holds, and those of other ids the node table no longer lists
+(the default id is host-pid: each restart is another node)."""
 
 from __future__ import annotations
 
@@ -44,17 +45,40 @@ def test_an_agent_removes_the_arenas_earlier_agents_of_its_node_left(
     namespace, node_id = f"t-{uuid.uuid4().hex[:10]}", f"sw-{uuid.uuid4().hex[:6]}"
     left = SHM_DIR / segment_name(namespace, node_id, pid=dead_pid(), incarnation="0123456789ab")
     left.write_bytes(b"\x00" * 4096)  # a crashed agent's: no process holds it
-    lookalike = SHM_DIR / segment_name(namespace, node_id + ".1", pid=dead_pid(), incarnation="0123456789ab")
-    lookalike.write_bytes(b"\x00" * 4096)  # another node's, whose name starts like this one's
-    made.extend([left, lookalike])
+    # A crashed agent of another id (the default id is host-pid: every restart is a node of its
+    # own), whose record is gone: it was left for good, one arena per crash.
+    other = SHM_DIR / segment_name(namespace, "vm-4242", pid=dead_pid(), incarnation="0123456789ab")
+    other.write_bytes(b"\x00" * 4096)
+    elsewhere = SHM_DIR / segment_name(namespace + "x", "vm-4242", pid=dead_pid(), incarnation="0123456789ab")
+    elsewhere.write_bytes(b"\x00" * 4096)  # another namespace's: its own agents sweep it
+    made.extend([left, other, elsewhere])
     held = HostArena.create(segment_name(namespace, node_id, incarnation="feedfeedfeed"), MiB, prefault=False)
-    try:  # an arena this process maps: a live agent of the node (stalled, say) keeps its own
+    held_other = HostArena.create(segment_name(namespace, "vm-77", incarnation="feedfeedfeed"), MiB, prefault=False)
+    try:  # arenas this process maps: live agents (stalled, say) keep their own
         agent = make_inproc_agent(namespace=namespace, node_id=node_id)
         assert not left.exists(), "the dead agent's arena was left in /dev/shm"
-        assert lookalike.exists() and held.path.exists()
+        assert not other.exists(), "a crashed agent's arena of another node id was left in /dev/shm"
+        assert elsewhere.exists() and held.path.exists() and held_other.path.exists()
         assert (SHM_DIR / agent.arena.name).exists()
     finally:
         held.close()
+        held_other.close()
+
+
+def test_the_sweep_keeps_what_the_node_table_names_and_other_nodes_without_one(made: list[Path]) -> None:
+    """A dead node not yet reaped is still listed: same-host clients may read its arena until its
+    deadline, so it goes at a later start. Without the table only the node's own arenas go."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    listed = SHM_DIR / segment_name(namespace, "dead-listed", pid=dead_pid(), incarnation="0123456789ab")
+    unlisted = SHM_DIR / segment_name(namespace, "dead-reaped", pid=dead_pid(), incarnation="0123456789ab")
+    lookalike = SHM_DIR / segment_name(namespace, "me.1", pid=dead_pid(), incarnation="0123456789ab")
+    for path in (listed, unlisted, lookalike):
+        path.write_bytes(b"\x00" * 4096)
+        made.append(path)
+    assert sweep_abandoned_segments(namespace, "me", keep="mine") == []  # no table: another node's stay
+    removed = sweep_abandoned_segments(namespace, "me", keep="mine", listed=frozenset({listed.name}))
+    assert sorted(removed) == sorted([unlisted.name, lookalike.name])
+    assert listed.exists() and not unlisted.exists() and not lookalike.exists()
 
 
 def test_a_node_restarted_after_each_crash_holds_one_arena(make_cluster: Callable[..., LocalCluster]) -> None:
