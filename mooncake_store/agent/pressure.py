@@ -154,11 +154,15 @@ class PressureManager:
             if stop.is_set():
                 return
             try:
-                if self._spiller.arenas.mapped and time.monotonic() >= next_retain:
-                    # Same-host peers' arenas stay mapped between passes; one that left must not
-                    # keep its memory allocated until this node is under pressure again.
+                spiller = self._spiller
+                if (spiller.arenas.mapped or spiller.transport.pooled) and time.monotonic() >= next_retain:
+                    # Same-host peers' arenas stay mapped between passes, and peers' connections
+                    # pooled: one that left must not keep its memory allocated until this node is
+                    # under pressure again, nor its connections open for good.
                     next_retain = time.monotonic() + RETAIN_EVERY_S
-                    self._spiller.arenas.retain(list(self.agent.index.nodes().values()))
+                    peers = list(self.agent.index.nodes().values())
+                    spiller.arenas.retain(peers)
+                    spiller.transport.retain({peer.tcp_endpoint for peer in peers})
                 self.moves.settle()
                 # Evicting a chain's last chunk makes its parent a leaf only then, so one sample can
                 # free little; sample again while passes make progress.

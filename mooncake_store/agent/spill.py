@@ -88,7 +88,7 @@ class Spiller:
         self._streams = max(1, streams)
         self._batch_bytes = batch_bytes
         timeout_s = min(limits.TIMEOUT_S, max(limits.MIN_TIMEOUT_S, 2 * agent.config.heartbeat_ttl_s))
-        self._transport = TcpTransport(timeout_s=timeout_s, connections_per_peer=self._streams, stripe_bytes=1 << 62)
+        self.transport = TcpTransport(timeout_s=timeout_s, connections_per_peer=self._streams, stripe_bytes=1 << 62)
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
@@ -103,7 +103,7 @@ class Spiller:
         return self._trouble.take()  # node ids of peers that failed on the connection since the last call
 
     def close(self) -> None:
-        self._transport.close()
+        self.transport.close()
         self.arenas.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
@@ -216,7 +216,7 @@ class Spiller:
             batch = with_payloads(self.agent, batch, source, tier, self._payloads)
             if not batch:
                 return Reserved(batch=[], reservations=[])
-        peer = self._transport.peer(peer_node.tcp_endpoint)
+        peer = self.transport.peer(peer_node.tcp_endpoint)
         # One put id, and so one guard, for the whole batch: its reservations are made together
         # and time out together, and one that timed out refuses the batch's swap (move_replicas.lua
         # looks a shared guard up once). A guard per object cost a uuid, a SET and a DEL each.
@@ -276,15 +276,15 @@ class Spiller:
             except MooncakeError as exc:  # the connection broke: the peer lifts the fences itself
                 log.info("spill to %s failed mid-copy: %s", peer_node.node_id, exc)
                 self._trouble.note(peer_node.tcp_endpoint, exc)
-                self._transport.drop_peer(peer_node.tcp_endpoint)
+                self.transport.drop_peer(peer_node.tcp_endpoint)
                 return [False] * len(reserved.batch), True
-        peer = self._transport.peer(peer_node.tcp_endpoint)
+        peer = self.transport.peer(peer_node.tcp_endpoint)
         try:
             written, broken = self._write_all(peer, reserved.batch, reserved.reservations, tier, from_arena)
         finally:
             self._drop_payloads(reserved.batch)
         if broken:
-            self._transport.drop_peer(peer_node.tcp_endpoint)
+            self.transport.drop_peer(peer_node.tcp_endpoint)
         elif tier == source == TierKind.DISK:
             for job, ok in zip(reserved.batch, written, strict=True):
                 if not ok:  # refused by the peer, whose check may have found the file damaged
@@ -485,7 +485,7 @@ class Spiller:
             self._on_streams(streams, stream)  # a job whose copy failed stays uncopied
             return copied
 
-        peer = self._transport.peer(peer_node.tcp_endpoint)
+        peer = self.transport.peer(peer_node.tcp_endpoint)
         landed = peer.fenced([r.alloc_id for r in reservations], segment.name, copy)
         if landed is None:
             log.info("spill to %s: its arena is not %s any more; nothing copied", peer_node.node_id, segment.name)
@@ -494,6 +494,6 @@ class Spiller:
 
     def _expire(self, endpoint: str, alloc_ids: list[int]) -> None:
         try:
-            self._transport.peer(endpoint).free(alloc_ids)
+            self.transport.peer(endpoint).free(alloc_ids)
         except MooncakeError:
             pass  # the peer reclaims the reservations after its timeout anyway

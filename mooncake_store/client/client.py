@@ -213,8 +213,10 @@ class Client:
                 self._nodes = self.index.nodes()
                 self._clock_offset_ms = int(server_now - local_before)
                 self._nodes_at = time.monotonic()
-                # Mappings of agents that left: each keeps the agent's whole arena allocated.
+                # Mappings of agents that left: each keeps the agent's whole arena allocated; and
+                # their pooled connections, each an open descriptor.
                 self._shm.retain({n.shm_name for n in self._nodes.values() if n.shm_name})
+                self._tcp.retain({n.tcp_endpoint for n in self._nodes.values()})
                 if self._gpu is not None:
                     self._gpu.retain(self._nodes)
             return self._nodes

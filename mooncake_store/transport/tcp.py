@@ -377,6 +377,21 @@ class TcpTransport:
                 self._made.add(peer)
             return peer
 
+    @property
+    def pooled(self) -> bool:
+        """Whether any endpoint has a pool (then the node table is worth a look now and then)."""
+        return bool(self._peers)
+
+    def retain(self, endpoints: set[str]) -> None:
+        """Given the node table's endpoints: close the pools of the others. An agent that stopped,
+        died and was reaped, or came back on another port kept its pooled connections open (half
+        closed) for the life of this process, up to ``2 x connections_per_peer`` each. Calls under
+        way finish on their own connections."""
+        with self._lock:
+            gone = [self._peers.pop(endpoint) for endpoint in list(self._peers) if endpoint not in endpoints]
+        for peer in gone:
+            peer.close()
+
     def drop_peer_after(self, endpoint: str, exc: MooncakeError) -> None:
         """After a call to ``endpoint`` failed with ``exc``: drop its pool if the failure says the
         agent may be gone (a refused or broken connection), so no call reuses a dead connection.

@@ -368,4 +368,4 @@ def test_a_call_to_a_peer_times_out_at_twice_the_heartbeat_ttl_within_bounds(
     """A repair (or spill) to a hung peer waited 30 s whatever the TTL, and the pressure loop with
     it: by twice the TTL the peer is past its deadline."""
     agent = make_inproc_agent(heartbeat_interval_s=min(1.0, ttl_s / 3), heartbeat_ttl_s=ttl_s)
-    assert agent.pressure._spiller._transport._timeout_s == timeout_s
+    assert agent.pressure._spiller.transport._timeout_s == timeout_s

@@ -400,7 +400,7 @@ def test_written_jobs_of_a_batch_whose_peer_died_mid_write_are_not_swapped_to_it
     client = client_of(cluster.namespace)
     values = fill(client, a)
     endpoint = a.index.nodes()[peer.node_id].tcp_endpoint
-    conns = a.pressure._spiller._transport.peer(endpoint)
+    conns = a.pressure._spiller.transport.peer(endpoint)
     real_write_pulled = conns.write_pulled
     order = threading.Lock()
     calls: list[int] = []

@@ -121,7 +121,7 @@ def test_a_reservation_freed_while_fenced_is_not_regranted_and_the_copy_is_void(
             taken.extend(r.offset for r in replicas_of(b, "other"))
             return [True]
 
-        peer = spiller._transport.peer(peer_row.tcp_endpoint)
+        peer = spiller.transport.peer(peer_row.tcp_endpoint)
         assert peer.fenced([res.alloc_id], peer_row.shm_name, work) == [False]
         assert taken and taken[0] != res.offset, "a doomed (fenced) block was handed to another put"
     finally:

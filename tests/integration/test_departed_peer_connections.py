@@ -1,0 +1,79 @@
+"""Connections to an agent that left: a client's and an agent's pools kept them open (half closed,
+CLOSE_WAIT) for the life of the process, up to 2 x tcp_connections per departed agent, so a
+long-lived client or an agent through rolling restarts gathered descriptors without bound. Both
+now close the pools of endpoints the node table no longer lists when they next read it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from helpers import wait_until
+
+from mooncake_store import Client
+from mooncake_store.agent import pressure as pressure_module
+from mooncake_store.agent.node import Agent
+from mooncake_store.client.client import NODE_TABLE_TTL_S
+
+MiB = 1 << 20
+
+
+def sockets_to(port: int) -> int:
+    """Sockets of this process whose remote end is ``port`` on loopback, in any state."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[9] in inodes:
+                count += 1
+    return count
+
+
+def _port(agent: Agent) -> int:
+    return int(agent.server.endpoint.rsplit(":", 1)[1])
+
+
+def test_a_client_closes_its_connections_to_an_agent_that_left(
+    make_peer_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    stays = make_peer_agent(host_bytes=8 * MiB)
+    leaves = make_peer_agent(host_bytes=8 * MiB)
+    client = clients(stays, transports=("tcp",))
+    value = np.arange(MiB, dtype=np.uint8)
+    client.put("on-leaver", value, preferred_node=leaves.node_id)
+    client.put("on-stayer", value, preferred_node=stays.node_id)
+    assert np.array_equal(client.get("on-leaver"), value)
+    port = _port(leaves)
+    assert sockets_to(port) >= 1, "the client pooled no connection to the agent"
+    leaves.stop()  # leaves the node table
+    # The client's next read of the table (at most NODE_TABLE_TTL_S old) lets the pool go.
+    assert wait_until(
+        lambda: np.array_equal(client.get("on-stayer"), value) and sockets_to(port) == 0, 5 + 3 * NODE_TABLE_TTL_S
+    ), f"{sockets_to(port)} connection(s) to the departed agent are still open"
+
+
+def test_an_agent_closes_its_spill_connections_to_a_peer_that_left(
+    make_peer_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    spills = make_peer_agent(host_bytes=4 * MiB, real_pressure=True, pressure_interval_s=0.02, spill_shm=False)
+    leaves = make_peer_agent(host_bytes=16 * MiB)
+    client = clients(spills, transports=("shm",))
+    for i in range(4):  # past the high watermark: the coldest go to the peer, over TCP
+        client.put(f"k{i}", np.full(MiB, i, np.uint8), preferred_node=spills.node_id)
+    assert wait_until(lambda: len(leaves.table) > 0, 10), "nothing was spilled to the peer"
+    port = _port(leaves)
+    assert sockets_to(port) >= 1, "the spill pooled no connection to the peer"
+    leaves.stop()
+    assert wait_until(lambda: sockets_to(port) == 0, 5 + 3 * pressure_module.RETAIN_EVERY_S), (
+        f"{sockets_to(port)} connection(s) to the departed peer are still open"
+    )
