@@ -12,6 +12,7 @@ and the progress display, tables and JSON in ``bench_report``.
 
 from __future__ import annotations
 
+import signal
 import uuid
 from contextlib import ExitStack, suppress
 from enum import StrEnum
@@ -20,6 +21,7 @@ from typing import Annotated
 import typer
 from mooncake_cli.commands.bench_measure import (
     BATCH_OBJECT_BYTES,
+    INTERRUPT,
     LEASE_MS,
     Bench,
     Results,
@@ -92,6 +94,8 @@ def bench(
     target = resolve_target(ctx, redis_url, namespace)
     res = Results(prefix=f"bench/{uuid.uuid4().hex}/", seconds=seconds)
     with ExitStack() as stack:
+        # Ctrl-C as Python raises it, and remembered for the loops (bench_measure.Interrupt).
+        stack.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, INTERRUPT))
         base = stack.enter_context(connect(target.redis_url, namespace=target.namespace))
         agents, room, largest = room_bytes(base)
         if agents == 0:

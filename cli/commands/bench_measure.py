@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -53,12 +54,34 @@ def max_iterations(size: int) -> int:
     return int(min(20_000, max(20, 2 * GB / size)))
 
 
+class Interrupt:
+    """The bench's SIGINT handler: raises KeyboardInterrupt as Python's does, and remembers it, so
+    that the measuring loops raise it again (check) where the first was lost: raised inside a
+    finalizer (a redis parser's __del__, run by the garbage collector) it is printed as "Exception
+    ignored" and the run went on for all its --seconds."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+
+
+INTERRUPT = Interrupt()
+
+
 def timed_loop(
     fn: Callable[[int], Any], seconds: float, count: int, *, warmup: int = 2
 ) -> tuple[int, float, list[float]]:
     """Run ``fn(i)`` until ``seconds`` or ``count`` runs out (at least 3 calls); returns
     (calls, seconds, per-call seconds)."""
     for i in range(warmup):
+        INTERRUPT.check()
         fn(i)
     clock = time.perf_counter
     times: list[float] = []
@@ -66,6 +89,7 @@ def timed_loop(
     deadline = start + seconds
     i = 0
     while i < count and (i < 3 or clock() < deadline):
+        INTERRUPT.check()
         t0 = clock()
         fn(i)
         times.append(clock() - t0)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from helpers import mooncake_bin
 
 from .conftest import Mooncake, assert_one_line_error
 
@@ -70,14 +72,25 @@ def _bench_keys(cli: Mooncake) -> list[str]:
 def test_bench_ctrl_c_removes_its_keys(cluster_cli: Mooncake) -> None:
     # Long enough that the run cannot end on its own before the signal lands, even when each
     # `mooncake ls` below takes seconds on a loaded machine (with 3 s it sometimes did: exit 0).
-    proc = cluster_cli.popen("bench", "--seconds", "60", "--sizes", "64KiB", "--transport", "tcp")
+    # faulthandler: should it not stop, a SIGABRT prints where each of its threads was.
+    proc = subprocess.Popen(
+        [mooncake_bin(), "bench", "--seconds", "60", "--sizes", "64KiB", "--transport", "tcp"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**cluster_cli.env, "PYTHONFAULTHANDLER": "1"},
+    )
     try:
         deadline = time.monotonic() + 30
         while not _bench_keys(cluster_cli):  # the put loop has started
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
+        try:
+            _, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, stderr = proc.communicate(timeout=30)
+            raise AssertionError(f"bench ran on 30 s after Ctrl-C:\n{stderr.decode(errors='replace')}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
