@@ -58,9 +58,14 @@ class AgentProcess:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=10)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def terminate(self) -> None:
+        """SIGTERM, not waited for (stop() waits): a cluster stops its agents in parallel."""
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)  # again, if terminate() sent one: harmless
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -154,8 +159,14 @@ class LocalCluster:
                 # Killed without a chance to stop it (SIGKILL), this process must not leave the
                 # server running either: a watchdog stops it (the agents watch for themselves).
                 self.server = EmbeddedServer(exit_with_parent=True).start()
-            for i in range(self.num_agents):
-                self.add_agent(node_id=f"agent-{i}", zone=self.zones[i % len(self.zones)] if self.zones else None)
+            # All started at once, then each waited for: they start in parallel (about half a
+            # second each, most of it imports), not one after another.
+            spawned = [
+                self._spawn(f"agent-{i}", self.zones[i % len(self.zones)] if self.zones else None, [])
+                for i in range(self.num_agents)
+            ]
+            for agent in spawned:
+                self._become_ready(agent)
         except BaseException:
             self.stop()
             raise
@@ -190,8 +201,13 @@ class LocalCluster:
         self, *, node_id: str | None = None, zone: str | None = None, extra_args: list[str] | None = None
     ) -> AgentProcess:
         """Start one more agent and wait until it is registered."""
-        node_id = node_id or f"agent-{len(self.agents)}"
-        cmd = self.agent_command(node_id, zone, extra_args or [])
+        agent = self._spawn(node_id or f"agent-{len(self.agents)}", zone, extra_args or [])
+        self._become_ready(agent)
+        return agent
+
+    def _spawn(self, node_id: str, zone: str | None, extra_args: list[str]) -> AgentProcess:
+        """Start an agent's process (listed in ``agents`` at once, so stop() stops it)."""
+        cmd = self.agent_command(node_id, zone, extra_args)
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log: IO[bytes] = open(self.log_dir / f"{node_id}.log", "ab")  # noqa: SIM115 - closed by AgentProcess.stop
@@ -217,6 +233,10 @@ class LocalCluster:
             log=log,
         )
         self.agents.append(agent)
+        return agent
+
+    def _become_ready(self, agent: AgentProcess) -> None:
+        """Wait until a spawned agent is registered (its READY line), else stop it and raise."""
         try:
             ready = self._wait_ready(agent)
         except BaseException:
@@ -224,7 +244,6 @@ class LocalCluster:
             agent.stop()
             raise
         agent.endpoint, agent.shm_name = ready["endpoint"], ready["shm_name"]
-        return agent
 
     def _wait_ready(self, agent: AgentProcess) -> dict[str, Any]:
         assert agent.process.stdout is not None
@@ -259,6 +278,8 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop every agent and the private server; the cluster may be started again (afresh: what
         it stored is gone)."""
+        for agent in self.agents:
+            agent.terminate()  # all at once; each is then waited for
         for agent in self.agents:
             agent.stop()
         self.agents = []
