@@ -173,4 +173,7 @@ def test_demo_runs_end_to_end(mooncake: Mooncake) -> None:
     assert result.returncode == 0, (text, result.stderr.decode(errors="replace"))
     rows = [line for line in text.splitlines() if line[:2] in ("Q1", "Q2", "Q3") and "= recompute" in line]
     assert len(rows) == 3, text
+    assert rows[1].split()[4] == "576" and rows[2].split()[4] == "576", text  # Q2 and Q3 matched the document
+    assert rows[2].split()[1] == "pid", text  # Q3 restored in another process
     assert "restored 576 tokens" in text  # 9 full chunks of 64 tokens from the 600-token document
+    assert "chunks written by Q1: 9, by Q2/Q3: 0" in text  # the document's chunks, stored once
