@@ -34,28 +34,45 @@ install() {
     export PYTHONPATH="/tmp/site:$PWD:/tmp/mc-path" PYTHONUNBUFFERED=1
 }
 
+# One step: "$@" with its output shown and kept in FILE. A failure is recorded by the step's own
+# exit status (PIPESTATUS[0], not tee's: a quick run that timed out, 124, or found INVALID data, 1,
+# was hidden behind tee's 0), in the caller's `failed` array; every step still runs, so all
+# results come back.
+step() {
+    local name=$1 file=$2
+    shift 2
+    "$@" 2>&1 | tee "$file"
+    local rc=${PIPESTATUS[0]}
+    ((rc == 0)) || failed+=("$name (exit $rc)")
+}
+
+# "$@" in the benchmarks folder.
+in_benchmarks() {
+    (cd benchmarks && "$@")
+}
+
+# After the steps: failed.txt names the failed ones, and the status is 1 if there are any.
+report() {
+    local out=$1
+    if ((${#failed[@]})); then
+        printf 'FAILED: %s\n' "${failed[@]}" | tee "$out/failed.txt" >&2
+        return 1
+    fi
+    echo "all steps passed"
+}
+
 # The spill benchmark on the lent machine's 16 CPUs (it needs no GPU): on the 2-vCPU development
 # VM the spill's copies and its per-object work share two CPUs. Quick first, then full size.
 spill() {
     local out="${OUT:-/tmp/gpu-kit}"
     mkdir -p "$out"
     install "$out" || return 1
-    # Each step's own status (PIPESTATUS[0], not tee's), as run() does: a quick run that timed out
-    # (124) or found INVALID data (1) was hidden behind the full run's status.
-    local failed=() rc
-    (cd benchmarks && timeout 100 python3 tiers.py --quick --spill-only --json "$out/spill_quick.json" 2>&1) \
-        | tee "$out/spill_quick.md"
-    rc=${PIPESTATUS[0]}
-    ((rc == 0)) || failed+=("tiers.py --quick --spill-only (exit $rc)")
-    (cd benchmarks && timeout 200 python3 tiers.py --spill-only --json "$out/spill_full.json" 2>&1) \
-        | tee "$out/spill_full.md"
-    rc=${PIPESTATUS[0]}
-    ((rc == 0)) || failed+=("tiers.py --spill-only (exit $rc)")
-    if ((${#failed[@]})); then
-        printf 'FAILED: %s\n' "${failed[@]}" | tee "$out/failed.txt" >&2
-        return 1
-    fi
-    echo "all steps passed"
+    local failed=()
+    step "tiers.py --quick --spill-only" "$out/spill_quick.md" \
+        in_benchmarks timeout 100 python3 tiers.py --quick --spill-only --json "$out/spill_quick.json"
+    step "tiers.py --spill-only" "$out/spill_full.md" \
+        in_benchmarks timeout 200 python3 tiers.py --spill-only --json "$out/spill_full.json"
+    report "$out"
 }
 
 run() {
@@ -64,28 +81,16 @@ run() {
     install "$out" || return 1
     { nvidia-smi -L; python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)"; } \
         > "$out/device.txt" 2>&1
-    # tee's status would hide the command's: each step's own exit code is taken from PIPESTATUS[0],
-    # and the script fails if any step did (every step still runs, so all results come back).
     local failed=()
     # Bounded per test and in all, so one hang cannot spend the session's device time.
-    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --timeout=90 --durations=15 \
-        tests/gpu tests/integration/test_gpu_unavailable.py 2>&1 \
-        | tee "$out/tests_gpu.txt"
-    local rc=${PIPESTATUS[0]}
-    ((rc == 0)) || failed+=("tests/gpu (exit $rc)")
-    (cd benchmarks && timeout 150 python3 gpu.py --json "$out/gpu_bench.json" 2>&1) | tee "$out/gpu_bench.md"
-    rc=${PIPESTATUS[0]}
-    ((rc == 0)) || failed+=("benchmarks/gpu.py (exit $rc)")
+    step "tests/gpu" "$out/tests_gpu.txt" \
+        timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --timeout=90 --durations=15 \
+        tests/gpu tests/integration/test_gpu_unavailable.py
+    step "benchmarks/gpu.py" "$out/gpu_bench.md" in_benchmarks timeout 150 python3 gpu.py --json "$out/gpu_bench.json"
     if [[ "${1:-}" == "all" ]]; then
-        timeout 300 python3 -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$out/suite.txt"
-        rc=${PIPESTATUS[0]}
-        ((rc == 0)) || failed+=("the whole suite (exit $rc)")
+        step "the whole suite" "$out/suite.txt" timeout 300 python3 -m pytest -q -x -p no:cacheprovider
     fi
-    if ((${#failed[@]})); then
-        printf 'FAILED: %s\n' "${failed[@]}" | tee "$out/failed.txt" >&2
-        return 1
-    fi
-    echo "all steps passed"
+    report "$out"
 }
 
 case "${1:-}" in
