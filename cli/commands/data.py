@@ -163,15 +163,22 @@ def _fetch(client: Client, key: str) -> np.ndarray:
 def get(
     ctx: typer.Context,
     key: KeyArg,
+    file: Annotated[
+        str | None,
+        typer.Argument(help="Write to this file instead of stdout (- is stdout), as -o does.", metavar="[FILE|-]"),
+    ] = None,
     output: Annotated[
-        str,
+        str | None,
         typer.Option("--output", "-o", help="Write to this file instead of stdout (- is stdout).", metavar="FILE|-"),
-    ] = "-",
+    ] = None,
     redis_url: RedisUrlOpt = None,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """Write the bytes stored under KEY to stdout or to a file."""
+    """Write the bytes stored under KEY to stdout or to a file (`get KEY FILE`, as `put KEY FILE`)."""
     check_key(key)
+    if file is not None and output is not None and file != output:
+        raise CliError(f"two places to write to: FILE {file!r} and --output {output!r}; give one", ExitCode.USAGE)
+    output = file if file is not None else output if output is not None else "-"
     target = resolve_target(ctx, redis_url, namespace)
     dest = None if output == "-" else Path(output)
     if dest is not None and dest.is_dir():

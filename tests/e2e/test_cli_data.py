@@ -27,12 +27,18 @@ def test_put_get_10mib_byte_exact_from_separate_processes(cluster_cli: Mooncake,
     out = tmp_path / "back.bin"
     cluster_cli.ok("get", "blob", "-o", str(out))  # another process than the put
     assert out.read_bytes() == src.read_bytes()
+    # As `put KEY FILE` takes it, `get KEY FILE` writes it (it was refused: "unexpected extra argument").
+    out.unlink()
+    cluster_cli.ok("get", "blob", str(out))
+    assert out.read_bytes() == src.read_bytes()
 
 
 def test_stdin_put_and_replace(cluster_cli: Mooncake) -> None:
     cluster_cli.ok("put", "greeting", "-", stdin=b"hello")
     cluster_cli.ok("put", "greeting", "-", stdin=b"hello again")  # replaces atomically
     assert cluster_cli.ok("get", "greeting", "-o", "-").stdout == b"hello again"
+    assert cluster_cli.ok("get", "greeting", "-").stdout == b"hello again"
+    assert_one_line_error(cluster_cli("get", "greeting", "a", "-o", "b"), 2, "two places to write to")
     cluster_cli.ok("put", "empty", "-", stdin=b"")
     assert cluster_cli.ok("get", "empty").stdout == b""  # a 0-byte object round-trips too
 
