@@ -84,11 +84,11 @@ run() {
     local failed=()
     # Bounded per test and in all, so one hang cannot spend the session's device time.
     step "tests/gpu" "$out/tests_gpu.txt" \
-        timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --timeout=90 --durations=15 \
+        timeout 300 python3 -m pytest -q -rs -o addopts=-ra -p no:cacheprovider --timeout=90 --durations=15 \
         tests/gpu tests/integration/test_gpu_unavailable.py
     step "benchmarks/gpu.py" "$out/gpu_bench.md" in_benchmarks timeout 150 python3 gpu.py --json "$out/gpu_bench.json"
     if [[ "${1:-}" == "all" ]]; then
-        step "the whole suite" "$out/suite.txt" timeout 300 python3 -m pytest -q -x -p no:cacheprovider
+        step "the whole suite" "$out/suite.txt" timeout 300 python3 -m pytest -q -x -o addopts=-ra -p no:cacheprovider
     fi
     report "$out"
 }
