@@ -130,14 +130,22 @@ class Target:
         return redact_url(self.redis_url)
 
 
-def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: str | None = None) -> Target:
+def explain_here(
+    ctx: typer.Context, redis_url: str | None = None, namespace: str | None = None
+) -> tuple[Config, dict[str, str]]:
+    """The configuration in effect for a command, with each value's source: the command's own
+    --redis-url/--namespace, else the global ones given before the command, over the config layers."""
     g = globals_of(ctx)
     redis_url = g.redis_url if redis_url is None else redis_url  # "" is a value (refused), not "not given"
     namespace = g.namespace if namespace is None else namespace
-    config, sources = explain_config(
+    return explain_config(
         overrides={"redis_url": redis_url, "namespace": namespace},
         override_flags={"redis_url": "--redis-url", "namespace": "--namespace"},
     )
+
+
+def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: str | None = None) -> Target:
+    config, sources = explain_here(ctx, redis_url, namespace)
     if config.redis_url:
         source = sources["redis_url"]
         if source.startswith("file "):

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, globals_of, out
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, explain_here, out
 from mooncake_cli.state import load_state, state_path
 from rich.table import Table
 from rich.text import Text
 
-from mooncake_store.config import config_file_path, explain_config, format_size
+from mooncake_store.config import config_file_path, format_size
 
 
 def _flat(values: dict[str, Any]) -> dict[str, Any]:
@@ -51,13 +51,7 @@ def config(
     ~/.config/mooncake/config.toml), MOONCAKE_* variables, flags. A value that fails its check is
     an error here too, naming the layer. Agents started by `mooncake up` take their own flags on
     top of this (see `mooncake up --help`). The password of a URL is never shown."""
-    g = globals_of(ctx)
-    flags = {"redis_url": "--redis-url", "namespace": "--namespace"}
-    overrides = {
-        "redis_url": g.redis_url if redis_url is None else redis_url,
-        "namespace": g.namespace if namespace is None else namespace,
-    }
-    loaded, sources = explain_config(overrides=overrides, override_flags=flags)
+    loaded, sources = explain_here(ctx, redis_url, namespace)
     values = _flat(loaded.as_dict())
     file = config_file_path()
     state = load_state() if loaded.redis_url is None else None
