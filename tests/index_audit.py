@@ -17,7 +17,7 @@ def _scan(index: RedisIndex, what: str) -> list[str]:
 
 def audit_index(index: RedisIndex) -> list[str]:
     """The problems found: the keys set, nobj:<node>, tobj:<node>:<tier>, gc:<node>, acks:<node>,
-    the children counts and pending records, each against the object records."""
+    the children counts and kids sets and pending records, each against the object records."""
     r, p = index.redis, index.prefix
     problems: list[str] = []
     objects: dict[str, dict[str, str]] = {}
@@ -61,6 +61,13 @@ def audit_index(index: RedisIndex) -> list[str]:
     children = {k: int(v) for k, v in r.hgetall(p + "children").items()}
     if children != parents:
         problems.append(f"children counts {children} != chain parents of the stored objects {parents}")
+    kids = {name[5:]: r.smembers(p + name) for name in _scan(index, "kids:*")}
+    named_kids: dict[str, set[str]] = {}
+    for key, rec in objects.items():
+        if rec.get("chain_parent"):
+            named_kids.setdefault(rec["chain_parent"], set()).add(key)
+    if kids != named_kids:
+        problems.append(f"kids sets {kids} != the stored chunks naming each parent {named_kids}")
     for name in _scan(index, "pend:*"):
         if r.type(p + name) != "hash":
             continue  # a move's guard record

@@ -20,6 +20,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mooncake.agent")
 
+#: A pass that could move nothing else evicts at most this many chain chunks kept for their later
+#: chunks (the coldest), in one index call...
+CHAIN_VICTIMS = 64
+#: ... each with at most this many later chunks: a chunk near the head of a long chain is not
+#: worth the chain (its later chunks elsewhere would go for the room of one chunk here).
+MOST_LATER_CHUNKS = 64
+
 
 class CountMove(Protocol):
     """Adds ``n`` to the counter ``name`` of ``tier`` (PressureManager.count)."""
@@ -255,6 +262,24 @@ class LocalMoves:
         if any(gone):
             self.count(tier, "evictions", sum(gone))
         return gone
+
+    def evict_chains(self, victims: list[EvictionCandidate], tier: TierKind, wanted_bytes: int) -> int:
+        """Evict chain chunks kept for their later chunks on other nodes, each together with those
+        (evict_chains.lua), until ``wanted_bytes`` of ``tier`` went here; returns the bytes that
+        went. Every object evicted is counted here, those that were on other nodes included: this
+        node's pass evicted them, and their own nodes never hear of it."""
+        if not victims:
+            return 0
+        freed, evicted, _ = self.agent.index.evict_chains(
+            [(v.key, v.alloc_id) for v in victims[:CHAIN_VICTIMS]],
+            node_id=self.agent.node_id,
+            tier=str(tier),
+            wanted_bytes=wanted_bytes,
+            most_later=MOST_LATER_CHUNKS,
+        )
+        if evicted:
+            self.count(tier, "evictions", evicted)
+        return freed
 
     def demote_gpu(self, victim: EvictionCandidate, gpu_offset: int) -> bool:
         """Copy a GPU-tier object to a host block (one device-to-host copy) and swap it there;

@@ -305,6 +305,8 @@ class PressureManager:
                 moved += job.room_bytes
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
         moved -= self._evict_queued(state, tier)
+        if not moved:
+            moved = self._evict_chains(candidates, tier, need, now_ms=now_ms)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
@@ -315,6 +317,15 @@ class PressureManager:
                 self._draining.discard(tier)
             self._fruitless_until = time.monotonic() + min(FRUITLESS_RETRY_S, agent.config.pressure_interval_s)
         return moved
+
+    def _evict_chains(self, candidates: list[EvictionCandidate], tier: TierKind, need: int, *, now_ms: int) -> int:
+        """A pass that moved nothing else: its victims are chain chunks (the last readable copies)
+        whose later chunks are on other nodes, which may be under their own watermarks and never
+        evict them (a chain spread over nodes). Such chunks go together with their later chunks,
+        those nearest a chain's tail first (evict_chains.lua), as the chain's tail would have gone."""
+        movable = choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms)
+        kept = [c for c in movable if c.children > 0 and not c.other_nodes]
+        return self.moves.evict_chains(kept, tier, need) if kept else 0
 
     def _evict_unless_parent(self, job: SpillJob, state: PassState) -> bool:
         """Queue a victim for eviction; False when it is the last copy of a chain chunk that

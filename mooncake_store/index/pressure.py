@@ -194,6 +194,18 @@ class PressureCalls:
             out.extend(str(s) for s in self._run("evict", node_id, *args))
         return out
 
+    def evict_chains(
+        self, victims: Sequence[tuple[str, int]], *, node_id: str, tier: str, wanted_bytes: int, most_later: int
+    ) -> tuple[int, int, list[str]]:
+        """Evict ``node_id``'s replicas (key, alloc id) of chain chunks together with every later chunk
+        of their chain, wherever those are (evict_chains.lua), fewest later chunks first, until
+        ``wanted_bytes`` of the node's ``tier`` went. Returns the bytes freed there, the objects
+        evicted in all, and a status per victim. One round trip: the caller keeps ``victims`` few
+        (each walks its chain in the script)."""
+        args = [x for key, alloc_id in victims for x in (key, str(alloc_id))]
+        raw = self._run("evict_chains", node_id, tier, wanted_bytes, most_later, *args)
+        return int(raw[0]), int(raw[1]), [str(s) for s in raw[2:]]
+
 
 def guard_batches(
     moves: Sequence[tuple[str, int, Replica, str]], size: int = BATCH_LIMIT

@@ -13,6 +13,8 @@ on Redis Cluster::
     mc:{ns}:pins:<key>     zset   pin id -> expiry ms; refcount = live pins
     mc:{ns}:claim:<key>    string writer id (PX ttl) while one writer stores a missing prefix chunk
     mc:{ns}:children       hash   parent key -> stored chunks naming it (survives the parent's removal)
+    mc:{ns}:kids:<key>     set    the stored chunks naming the key as their chain parent (the children
+                                  count's members: a pass evicts a chain's later chunks on other nodes)
     mc:{ns}:minchild       hash   parent key -> lowest chain position a child was committed at (while it has children)
     mc:{ns}:nodes          hash   node id -> node JSON (endpoints, shm name, zone, tiers, incarnation)
     mc:{ns}:hb             zset   node id -> heartbeat deadline ms

@@ -31,6 +31,7 @@ SCRIPT_NAMES = (
     "move_replica",
     "move_replicas",
     "evict",
+    "evict_chains",
     "drop_corrupt",
     "copy_replicas",
     "repair_candidates",

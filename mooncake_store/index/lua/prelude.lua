@@ -115,11 +115,19 @@ end
 -- the parent being removed and stored again while its children stay. The hash "minchild" keeps,
 -- per parent key with children, the lowest chain position any child was committed at (never
 -- raised: a stale one is only stricter), which put_commit checks a parent's own position against.
-local function adjust_children(parent, delta)
+-- The set kids:<parent> names the children the count counts: a pressure pass whose victims are all
+-- parents of chunks on other nodes evicts a chain's later chunks wherever they are (evict_chains.lua).
+local function adjust_children(parent, child, delta)
   if parent and parent ~= '' then
+    if delta > 0 then
+      redis.call('SADD', P .. 'kids:' .. parent, child)
+    else
+      redis.call('SREM', P .. 'kids:' .. parent, child)
+    end
     if redis.call('HINCRBY', P .. 'children', parent, delta) <= 0 then
       redis.call('HDEL', P .. 'children', parent)
       redis.call('HDEL', P .. 'minchild', parent)
+      redis.call('DEL', P .. 'kids:' .. parent)
     end
   end
 end
@@ -128,7 +136,7 @@ local function children_of(key)
 end
 -- Remove every trace of one object record, and its place in its parent's child count.
 local function drop_object(key)
-  adjust_children(redis.call('HGET', P .. 'o:' .. key, 'chain_parent'), -1)
+  adjust_children(redis.call('HGET', P .. 'o:' .. key, 'chain_parent'), key, -1)
   redis.call('DEL', P .. 'o:' .. key, P .. 'pins:' .. key)
   redis.call('SREM', P .. 'keys', key)
 end

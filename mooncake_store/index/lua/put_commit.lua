@@ -89,8 +89,8 @@ for i, put_id in ipairs(ids) do
       -- the new object's.
       local new_parent = e.chain_parent or ''
       if (old[3] or '') ~= new_parent then
-        adjust_children(old[3], -1)
-        adjust_children(new_parent, 1)
+        adjust_children(old[3], e.key, -1)
+        adjust_children(new_parent, e.key, 1)
       end
       if new_parent ~= '' then
         redis.call('HSET', ok, 'chain_parent', new_parent)
