@@ -63,7 +63,7 @@ def nodes_table(stats: ClusterStats) -> Table:
                 format_size(tier.used_bytes) if tier else "-",
                 format_size(tier.capacity_bytes) if tier else "-",
                 use_percent(tier.used_bytes, tier.capacity_bytes) if tier else "",
-                str(node.objects) if first else "",
+                str(tier.objects) if tier else str(node.objects),  # what the tier holds
                 hb if first else "",
             ]
             table.add_row(*row)
@@ -120,6 +120,8 @@ def totals_line(stats: ClusterStats) -> Text:
         f"{stats.hits} hit / {stats.misses} miss",
         ("   evicted ", "dim"),
         str(stats.evictions),
+        ("   corrupt ", "dim"),
+        str(stats.corrupt),
         ("   short ", "dim"),
         str(stats.short),
     )

@@ -156,7 +156,7 @@ class Agent(OtherTierHooks):
         return tier_usages(self.table, self.gpu_table, self.disk, self.pressure.counters)
 
     # ---- hooks of the server (AgentHooks; the other tiers' in agent/other_tiers.py) -----------
-    def host_read(self, length: int) -> None:
+    def host_read(self) -> None:
         self.pressure.count(TierKind.HOST, "reads")
 
     def reserved(self) -> None:

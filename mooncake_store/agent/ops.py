@@ -34,15 +34,17 @@ class AgentHooks(Protocol):
         """(offset of its first byte in READ's terms, size) of an object in another tier, found
         without reading it; None when no other tier holds that alloc id."""
 
-    def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
+    def read_other_tier(self, alloc_id: int, *, counted: bool) -> tuple[bytearray, int] | None:
         """The whole object of an alloc id that lives in another tier (GPU, disk) and the offset
-        its first byte has in READ's terms (its place in the GPU arena; 0 on disk), or None."""
+        its first byte has in READ's terms (its place in the GPU arena; 0 on disk), or None.
+        ``counted``: the READ starts at the object's first byte, and counts as the tier's read."""
 
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         """Called once the reply is sent (promotion happens here)."""
 
-    def host_read(self, length: int) -> None:
-        """A READ of the host arena is being served (counted with the host tier's activity)."""
+    def host_read(self) -> None:
+        """A read of an object in the host arena is being served (counted with the host tier's
+        activity): one per object, its first stripe's READ."""
 
     def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
         """Reservations in tier ``tier`` (1: GPU, 2: disk, for spills only); None when the agent has
@@ -150,7 +152,10 @@ class AgentOps:
             return self._read_other_tier(conn, started, alloc_id, offset, length)
         try:
             # Counted before the reply goes: a client that has its bytes sees the read in stat().
-            self._hooks.host_read(length)
+            # One per object: a read striped over several READs is counted at its first.
+            location = self._table.offset_of(alloc_id)
+            if location is not None and location[0] == offset:
+                self._hooks.host_read()
             view = self._arena.view(offset, length)
             try:
                 header = frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length)
@@ -171,7 +176,7 @@ class AgentOps:
             self._reply(conn, Op.READ, Status.STALE)
             return True
         try:
-            got = self._hooks.read_other_tier(alloc_id)
+            got = self._hooks.read_other_tier(alloc_id, counted=offset == extent[0])
         except MooncakeError as exc:
             log.warning("read of allocation %d failed: %s", alloc_id, exc)
             got = None

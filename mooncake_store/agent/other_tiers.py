@@ -44,16 +44,17 @@ class OtherTierHooks:
         entry = self.disk.entry(alloc_id) if self.disk is not None else None
         return (0, entry.raw_bytes) if entry is not None else None
 
-    def read_other_tier(self, alloc_id: int) -> tuple[bytearray, int] | None:
+    def read_other_tier(self, alloc_id: int, *, counted: bool) -> tuple[bytearray, int] | None:
         if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
             got = self.read_gpu(alloc_id)
-            if got is not None:
+            if got is not None and counted:
                 self.pressure.count(TierKind.GPU, "reads")
             return got
         data = self.read_disk(alloc_id)
         if data is None:
             return None  # STALE: the reader looks the object up again
-        self.pressure.count(TierKind.DISK, "reads")
+        if counted:
+            self.pressure.count(TierKind.DISK, "reads")
         return data, 0  # offsets into a disk allocation count from the object's start
 
     def read_disk(self, alloc_id: int) -> bytearray | None:

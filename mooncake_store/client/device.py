@@ -223,7 +223,7 @@ def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | N
     for attempt in range(config.max_retries + 1):
         client._check_open()  # a retry after close() cut this read short: none
         started = time.monotonic()
-        result = client.index.lookup([key], lease_ms=config.lease_ms)
+        result = client.index.lookup([key], lease_ms=config.lease_ms, counted=attempt == 0)  # once per get
         meta = result.objects[0]
         if meta is None:
             raise KeyNotFound(f"key {key!r} not found (no complete replica on a live node)")

@@ -75,7 +75,10 @@ class GetPath:
         for attempt in range(self.client.config.max_retries + 1):
             self.client._check_open()  # a retry after close() cut this call's reads short: none
             started = time.monotonic()
-            result = self.client.index.lookup([keys[i] for i in pending], lease_ms=self.client.config.lease_ms)
+            # Counted once per key and call: a retry's keys were counted by the first lookup.
+            result = self.client.index.lookup(
+                [keys[i] for i in pending], lease_ms=self.client.config.lease_ms, counted=attempt == 0
+            )
             # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
             # ones); the reads are budgeted against the shortest one this batch got.
             lease_left_ms = result.lease_left_ms(self.client.config.lease_ms)

@@ -20,7 +20,8 @@ class TierStats:
     promotions: int = 0
     spills_out: int = 0
     spills_in: int = 0
-    evictions: int = 0
+    evictions: int = 0  # replicas this node's passes dropped from the tier (see ClusterStats.evictions)
+    corrupt: int = 0  # replicas found damaged here (a chunk file that failed its checksum), dropped
     copies_out: int = 0  # objects copied to other nodes to restore their replica count after a node's loss
     compression_ratio: float = 1.0  # raw bytes over stored bytes (disk tier)
 
@@ -52,7 +53,11 @@ class ClusterStats:
     used_bytes: int
     hits: int
     misses: int
-    evictions: int = 0  # objects the cluster dropped under memory pressure (this is a cache)
+    #: Objects the cluster dropped under memory pressure (this is a cache): the last readable copy
+    #: went. A tier's evictions count the replicas it dropped, so one of two copies evicted is
+    #: counted there and not here.
+    evictions: int = 0
+    corrupt: int = 0  # objects lost because their last readable copy failed its checksum
     #: Objects short of the replicas they were stored with since a node's loss, their copies not
     #: yet made (re-replication). The next node may go once this is 0 and the last one has left the
     #: node table: a node that died unstopped counts here only once it is reaped.
@@ -82,6 +87,7 @@ def _tier_stats(usage: TierUsage, hits: int) -> TierStats:
         spills_out=c.get("spills_out", 0),
         spills_in=c.get("spills_in", 0),
         evictions=c.get("evictions", 0),
+        corrupt=c.get("corrupt", 0),
         copies_out=c.get("copies_out", 0),
         compression_ratio=round(raw / stored, 3) if raw and stored else 1.0,
     )
@@ -125,5 +131,6 @@ def build_stats(
         hits=counters.get("hits", 0),
         misses=counters.get("misses", 0),
         evictions=counters.get("evictions", 0),
+        corrupt=counters.get("corrupt", 0),
         short=counters.get("short", 0),
     )

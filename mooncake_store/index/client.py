@@ -266,13 +266,16 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         return sum(int(self._run("put_revoke", *chunk)) for chunk in in_batches(put_ids)) if put_ids else 0
 
     # ---- reads ----------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[str], *, lease_ms: int) -> LookupResult:
+    def lookup(self, keys: Sequence[str], *, lease_ms: int, counted: bool = True) -> LookupResult:
+        """Readable replicas of ``keys``, each found one leased for ``lease_ms`` (0: none, and no
+        access-time update). ``counted``: with a lease, the keys count as hits and misses in stats
+        (a retry of keys an earlier lookup of the same call counted passes False)."""
         objects: list[ObjectMeta | None] = []
         leases: list[int] = []
         now_ms = 0
         memo = self._decoded
         for chunk in in_batches(keys):
-            raw = self._run("lookup", lease_ms, *chunk)
+            raw = self._run("lookup", lease_ms, "1" if counted else "0", *chunk)
             now_ms = int(raw[0])
             for key, item in zip(chunk, raw[1:], strict=True):
                 if not item:

@@ -151,3 +151,35 @@ def test_ipv6_endpoints_are_shown_whole_in_the_node_table() -> None:
     console.print(cluster_view(stats))
     shown = console.export_text()
     assert "[fd00::7]:7000" in shown and "[abcd:ef::1]:7002" in shown, shown
+
+
+def test_the_node_table_counts_objects_per_tier() -> None:
+    """The node's count across its tiers was shown on its first tier's row: a host tier of 6
+    objects above a disk tier of 4 read "10" and "" (the README says per node and tier)."""
+    tiers = (
+        TierStats(tier="host", capacity_bytes=8 << 20, used_bytes=6 << 20, objects=6),
+        TierStats(tier="disk", capacity_bytes=64 << 20, used_bytes=1 << 20, objects=4),
+    )
+    node = NodeStats(
+        node_id="n0",
+        host="h",
+        zone="default",
+        pid=1,
+        alive=True,
+        heartbeat_age_s=0.1,
+        heartbeat_deadline_in_s=4,
+        tcp_endpoint="127.0.0.1:7000",
+        shm_name="",
+        transports=("tcp",),
+        objects=10,
+        tiers=tiers,
+    )
+    stats = ClusterStats(nodes=(node,), objects=10, capacity_bytes=72 << 20, used_bytes=7 << 20, hits=0, misses=0)
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(cluster_view(stats))
+    shown = console.export_text()
+    rows = [line.split() for line in shown.splitlines()]
+    host_row = next(r for r in rows if r[:1] == ["n0"] and "host" in r)
+    disk_row = next(r for r in rows if r[:1] == ["disk"])
+    assert host_row[host_row.index("75%") + 1] == "6" and disk_row[disk_row.index("2%") + 1] == "4", rows
+    assert "corrupt 0" in shown

@@ -1,7 +1,8 @@
 -- lookup: find readable replicas for a batch of keys and grant each found object a read lease.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] lease in ms (0: no lease and no access-time update, as exists() wants),
---       [3..n] keys
+--       [3] "1" to count the keys in stats as hits and misses (with a lease only): a get's retry
+--       of keys its first lookup counted passes "0", so one get is one hit or one miss, [4..n] keys
 -- Returns: {now_ms, r1, r2, ...} where ri is false when the key has no COMPLETE replica on a live
 -- node, else {size, dtype, shape, checksum, version, replicas_json, lease_until}. Replicas on nodes
 -- past their heartbeat deadline are left out. While the lease runs, no replica of the object is
@@ -11,13 +12,14 @@
 -- write per lease / 10 instead of one per read. The 0.9 keeps readers that budget their reads
 -- at 0.8 * lease (LEASE_SAFETY) safe; lease_until - now_ms is the exact budget.
 local lease = tonumber(ARGV[2])
+local counted = lease > 0 and ARGV[3] == '1'
 local now = now_ms()
 local renew_before = now + lease - math.floor(lease / 10)
 local out = {now}
 local hits = 0
 local tier_hits = {}
 local TIER_RANK = {host = 0, gpu = 1, disk = 2}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local ok = P .. 'o:' .. ARGV[i]
   local f = redis.call('HMGET', ok, 'size', 'dtype', 'shape', 'checksum', 'version', 'replicas', 'lease_until')
   local found = false
@@ -57,8 +59,8 @@ for i = 3, #ARGV do
   end
   out[#out + 1] = found
 end
-if lease > 0 then
-  local misses = #ARGV - 2 - hits
+if counted then
+  local misses = #ARGV - 3 - hits
   if hits > 0 then redis.call('HINCRBY', P .. 'stats', 'hits', hits) end
   if misses > 0 then redis.call('HINCRBY', P .. 'stats', 'misses', misses) end
   for name, n in pairs(tier_hits) do redis.call('HINCRBY', P .. 'stats', name, n) end

@@ -1,0 +1,89 @@
+"""What stat() counts: one hit or miss per key and get however many lookups its retries take, one
+agent read per object however many stripes its transfer took, and damaged replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import wait_until
+
+from mooncake_store import Client, LocalCluster, MooncakeError
+from mooncake_store.client.stats import ClusterStats, TierStats
+
+MiB = 1 << 20
+
+
+def tier_of(stats: ClusterStats, node_id: str, tier: str) -> TierStats:
+    (node,) = [n for n in stats.nodes if n.node_id == node_id]
+    (found,) = [t for t in node.tiers if t.tier == tier]
+    return found
+
+
+def test_a_get_that_retries_counts_one_hit(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """Each attempt of a get looked the key up again, and each lookup counted a hit: a get of a key
+    whose agent had just died (a TransferError after all its retries) showed as 4 hits."""
+    cluster = make_cluster(2, host_bytes=8 * MiB, heartbeat_ttl_s=20)
+    client = make_client(cluster, transports=("tcp",), max_retries=3)
+    client.put("a", np.zeros(1000, np.uint8), preferred_node="agent-1")
+    cluster.agent("agent-1").kill()
+    with pytest.raises(MooncakeError):
+        client.get("a")
+    stats = client.stat()
+    assert (stats.hits, stats.misses) == (1, 0)
+    assert tier_of(stats, "agent-1", "host").hits == 1
+    with pytest.raises(MooncakeError):
+        client.get("nothing-here")
+    assert (client.stat().hits, client.stat().misses) == (1, 1)
+
+
+def test_a_striped_read_counts_one_agent_read(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A 16 MiB object over TCP is four READs of 4 MiB stripes: it counted four reads."""
+    cluster = make_cluster(1, host_bytes=64 * MiB)
+    client = make_client(cluster, transports=("tcp",), stripe_bytes=4 * MiB)
+    node = cluster.agents[0].node_id
+    client.put("big", np.zeros(16 * MiB, np.uint8))
+    client.put("small", np.zeros(1000, np.uint8))
+    client.get("big")
+    assert wait_until(lambda: tier_of(client.stat(), node, "host").reads == 1, 5)
+    client.get("small")
+    assert wait_until(lambda: tier_of(client.stat(), node, "host").reads == 2, 5)
+    assert tier_of(client.stat(), node, "host").reads == 2
+
+
+def test_a_damaged_chunk_file_is_counted_in_stat(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], tmp_path: Path
+) -> None:
+    """The agent counted a chunk file that failed its checksum, and the index the object lost, but
+    neither stat() nor `mooncake stat --json` showed either."""
+    cluster = make_cluster(1, host_bytes=8 * MiB, agent_args=["--disk", str(tmp_path), "--disk-mem", "64MiB"])
+    client = make_client(cluster)
+    rng = np.random.default_rng(0)
+    keys = [f"k{i}" for i in range(10)]
+    for key in keys:
+        client.put(key, rng.integers(0, 4, size=MiB, dtype=np.uint8))
+    node = cluster.agents[0].node_id
+
+    def on_disk() -> list[str]:
+        metas = [(key, client.object_meta(key)) for key in keys]
+        return [key for key, meta in metas if meta and any(str(r.tier) == "disk" for r in meta.replicas)]
+
+    assert wait_until(lambda: bool(on_disk()), 10)
+    victim = on_disk()[0]
+    for path in tmp_path.rglob("*.mcz"):
+        with path.open("r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(MooncakeError):
+        client.get(victim)
+    assert wait_until(lambda: tier_of(client.stat(), node, "disk").corrupt >= 1, 5)
+    stats = client.stat()
+    assert stats.corrupt == 1 and stats.as_dict()["corrupt"] == 1
