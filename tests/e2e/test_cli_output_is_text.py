@@ -126,25 +126,29 @@ def test_the_config_files_namespace_comes_before_the_recorded_clusters(cluster_c
     assert json.loads(result.stdout)["namespace"] == "from-the-file"
 
 
+def live_node(node_id: str, endpoint: str, tiers: tuple[TierStats, ...], *, objects: int = 0) -> NodeStats:
+    """A node row as stat() builds it, for rendering without a cluster."""
+    return NodeStats(
+        node_id=node_id,
+        host="h",
+        zone="default",
+        pid=1,
+        alive=True,
+        heartbeat_age_s=0.1,
+        heartbeat_deadline_in_s=4,
+        tcp_endpoint=endpoint,
+        shm_name="",
+        transports=("tcp",),
+        objects=objects,
+        tiers=tiers,
+    )
+
+
 def test_ipv6_endpoints_are_shown_whole_in_the_node_table() -> None:
     """An endpoint such as "[fd00::7]:7000" was read as a style tag and shown as ":7000"."""
     tier = TierStats(tier="host", capacity_bytes=1 << 20, used_bytes=0, objects=0)
     nodes = tuple(
-        NodeStats(
-            node_id=f"n{i}",
-            host="h",
-            zone="default",
-            pid=1,
-            alive=True,
-            heartbeat_age_s=0.1,
-            heartbeat_deadline_in_s=4,
-            tcp_endpoint=endpoint,
-            shm_name="",
-            transports=("tcp",),
-            objects=0,
-            tiers=(tier,),
-        )
-        for i, endpoint in enumerate(["[fd00::7]:7000", "[abcd:ef::1]:7002"])
+        live_node(f"n{i}", endpoint, (tier,)) for i, endpoint in enumerate(["[fd00::7]:7000", "[abcd:ef::1]:7002"])
     )
     stats = ClusterStats(nodes=nodes, objects=0, capacity_bytes=2 << 20, used_bytes=0, hits=0, misses=0)
     console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
@@ -160,20 +164,7 @@ def test_the_node_table_counts_objects_per_tier() -> None:
         TierStats(tier="host", capacity_bytes=8 << 20, used_bytes=6 << 20, objects=6),
         TierStats(tier="disk", capacity_bytes=64 << 20, used_bytes=1 << 20, objects=4),
     )
-    node = NodeStats(
-        node_id="n0",
-        host="h",
-        zone="default",
-        pid=1,
-        alive=True,
-        heartbeat_age_s=0.1,
-        heartbeat_deadline_in_s=4,
-        tcp_endpoint="127.0.0.1:7000",
-        shm_name="",
-        transports=("tcp",),
-        objects=10,
-        tiers=tiers,
-    )
+    node = live_node("n0", "127.0.0.1:7000", tiers, objects=10)
     stats = ClusterStats(nodes=(node,), objects=10, capacity_bytes=72 << 20, used_bytes=7 << 20, hits=0, misses=0)
     console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(cluster_view(stats))
