@@ -180,6 +180,11 @@ class RedisProxy:
                 # Down before the reply is on its way: a client that sends its next command the
                 # moment the reply arrives must find the index gone, not this connection still up.
                 self._go_down(keep=p)
+                # This connection's server side closes first too: a command the client sends the
+                # moment the reply arrives must not reach the server through it before _close (on a
+                # loaded machine one did: an eviction ran there while the agent saw a failure).
+                with contextlib.suppress(OSError):
+                    p.server.shutdown(socket.SHUT_RDWR)
                 with contextlib.suppress(OSError):
                     p.client.sendall(data)
                 self._close(p)

@@ -30,10 +30,10 @@ def test_a_read_looked_up_before_its_agent_restarted_never_copies_the_new_arena(
     looked_up = reader.index.lookup
     restarted: list[int] = []
 
-    def lookup_then_restart(keys: list[str], *, lease_ms: int) -> LookupResult:
+    def lookup_then_restart(keys: list[str], *, lease_ms: int, counted: bool = True) -> LookupResult:
         """The reader's lookup, then (once) what happens before its copy: the agent dies, its
         supervisor starts it again under the same node id, and a writer stores there."""
-        result = looked_up(keys, lease_ms=lease_ms)
+        result = looked_up(keys, lease_ms=lease_ms, counted=counted)
         if lease_ms and not restarted:
             old.kill()
             new = cluster.add_agent(node_id="agent-0")  # waits out the dead one's deadline

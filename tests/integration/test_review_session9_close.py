@@ -210,10 +210,10 @@ def test_a_lookup_racing_close_leaves_no_index_connection_open(
     at_lookup, closed = threading.Event(), threading.Event()
     real_lookup = client.index.lookup
 
-    def lookup_after_close(keys: list[str], *, lease_ms: int) -> object:
+    def lookup_after_close(keys: list[str], *, lease_ms: int, counted: bool = True) -> object:
         at_lookup.set()
         closed.wait(10)
-        return real_lookup(keys, lease_ms=lease_ms)
+        return real_lookup(keys, lease_ms=lease_ms, counted=counted)
 
     client.index.lookup = lookup_after_close  # type: ignore[method-assign]
     outcome: list[str] = []
