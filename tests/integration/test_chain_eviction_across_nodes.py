@@ -1,16 +1,19 @@
 """Chains spread over nodes under pressure: a chunk whose later chunks live on another node may not
 be evicted alone (its chain would lose its middle), and that node may be under its own watermark,
 never evicting them. A pass that can move nothing else evicts such a chunk with its later chunks
-(evict_chains.lua), those nearest a chain's tail first."""
+(evict_chains.lua), those nearest a chain's tail first; not one whose later chunks are on another
+tier of its own node, which that tier's pass moves first."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from index_audit import settled_audit
 
-from mooncake_store import Client, LocalCluster
+from mooncake_store import Client, LocalCluster, connect
+from mooncake_store.agent.node import Agent
 
 MiB = 1 << 20
 
@@ -106,4 +109,61 @@ def test_evict_chains_takes_a_chunk_with_its_later_chunks_only_when_none_is_pinn
     assert evict(["q/0"], wanted=2 * MiB) == (MiB, 2, ["OK"])
     assert not any(client.exists(k) for k in tail)
     assert redis.hget(prefix + "children", "q/0") is None and not redis.exists(prefix + "kids:q/0")
+    # A set of the right size naming a chunk not stored under that parent (an older writer counted
+    # r/2 without naming it, an older evicter took a gone r/x from the count only): kept, or r/2
+    # would have stayed, stored and readable, with its parent gone.
+    drifted = [f"r/{i}" for i in range(3)]
+    put_alternating_chain(client, drifted, nodes)
+    redis.srem(prefix + "kids:r/1", "r/2")
+    redis.sadd(prefix + "kids:r/1", "r/x")
+    assert evict(["r/0"]) == (0, 0, ["PARENT"])
+    assert all(client.exists(k) for k in drifted)
+    redis.srem(prefix + "kids:r/1", "r/x")
+    redis.sadd(prefix + "kids:r/1", "r/2")
     assert not settled_audit(client.index)
+
+
+def idle(agent: Agent) -> None:
+    """No pressure pass of its own: the test runs them, in the order PressureManager.run does."""
+    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+
+def test_chunks_whose_later_chunks_are_on_the_nodes_own_disk_are_demoted_not_evicted_with_them(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """One node: three 4-chunk chains, the first two chunks of each in host memory, the last two
+    demoted to the node's disk, which is full; a read filler takes the host past its high
+    watermark. The host pass can demote nothing until the disk pass (after it in a wake) evicts
+    the disk's leaves. Its fallback evicted heads with their disk tails instead: 6 chunks lost
+    where the next passes lose 2 and keep the rest (the heads demoted into the room made)."""
+    agent = make_inproc_agent(host_bytes=8 * MiB, disk_path=str(tmp_path), disk_bytes=int(6.3 * MiB), prepare=idle)
+    client = connect(agent.index.url, namespace=agent.namespace, lease_ms=60_000)
+    rng = np.random.default_rng(0)  # incompressible: each chunk takes its 1 MiB on disk too
+    chains = [[f"{name}/{i}" for i in range(4)] for name in "abc"]
+    try:
+        for keys in chains:
+            client.put_many(
+                {k: rng.integers(0, 256, MiB, dtype=np.uint8) for k in keys},
+                chain_pos={k: i for i, k in enumerate(keys)},
+                chain_parent={k: keys[i - 1] for i, k in enumerate(keys) if i},
+            )
+            victims = {v.key: v for v in agent.index.victim_candidates(agent.node_id, "host")}
+            for key in (keys[3], keys[2]):  # tails first, as a pass demotes them
+                location = agent.table.offset_of(victims[key].alloc_id)
+                assert location is not None and agent.pressure.moves.demote_to_disk(victims[key], location[0])
+            agent.reclaim_now(force=True)
+        client.put("hot", np.zeros(3 * MiB // 2, np.uint8))
+        client.get("hot")  # read under a 60 s lease: it stays
+        agent.reclaim_now(force=True)
+        everything = [k for keys in chains for k in keys]
+        assert agent.pressure.relieve_host() == 0
+        assert all(client.exists(k) for k in everything), "heads evicted with their tails on this node's disk"
+        assert agent.pressure.relieve_disk() > 0
+        agent.reclaim_now(force=True)
+        assert agent.pressure.relieve_host() > 0
+        present = [[client.exists(k) for k in keys] for keys in chains]
+        assert all(p == sorted(p, reverse=True) for p in present), f"a chain lost its middle: {present}"
+        assert sum(p.count(False) for p in present) == 2, present
+        assert not settled_audit(client.index)
+    finally:
+        client.close()

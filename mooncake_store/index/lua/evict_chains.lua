@@ -6,21 +6,28 @@
 -- node's last readable copy of a chunk) goes together with every later chunk of its chain, wherever
 -- they are, leaves first, so the chain stays prefix-closed as evict.lua keeps it. A candidate goes
 -- whole or not at all: not if it or a later chunk is pinned or read (a live lease), nor if more
--- than ARGV[5] chunks hang off it. Those with the fewest later chunks go first (the input order,
+-- than ARGV[5] chunks hang off it, nor if a later chunk is on another tier of this node: that
+-- tier's own pass moves those (demotes them, or evicts them leaves first) and this chunk can then
+-- be demoted; run before it (the passes go GPU, host, disk), this script evicted whole chains
+-- that the next pass of the same wake would have kept on disk. Those with the fewest later chunks go first (the input order,
 -- coldest first, breaks ties), until ARGV[4] bytes of this node's tier went.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node, [3] tier, [4] bytes wanted, [5] most later chunks per candidate, then
 --       two per candidate: key, alloc id
 -- Returns: {bytes of node's tier freed, objects evicted in all, then per candidate a status: "OK",
 --   "GONE" (no such replica any more), "PINNED" or "LEASED" (it or a later chunk), "LONG" (more
---   than ARGV[5] later chunks), "SKIPPED" (enough went before it), or evict.lua's status for itself}
+--   than ARGV[5] later chunks), "LOCAL" (a later chunk on another tier of this node), "PARENT"
+--   (a children set that does not name the stored children), "SKIPPED" (enough went before it), or
+--   evict.lua's status for itself}
 local node, tier = ARGV[2], ARGV[3]
 local wanted, most = tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
 
 -- The chunks after key in its chain, parents before children; or why they cannot be named:
--- "LONG" (more than `most`), "PARENT" (a count that disagrees with its set, which then cannot be
--- trusted to name every chunk that would be cut off; never written so).
+-- "LONG" (more than `most`), "PARENT" (a set that disagrees with its count, or names a chunk not
+-- stored under that parent: it cannot be trusted to name every chunk that would be cut off; never
+-- written so, but an index restored from a snapshot older than the sets, or written by an agent
+-- of an older version, has counts without them).
 local function later_chunks(key)
   local out, seen, i = {}, {[key] = true}, 0
   local parent = key
@@ -28,6 +35,7 @@ local function later_chunks(key)
     local kids = redis.call('SMEMBERS', P .. 'kids:' .. parent)
     if #kids ~= children_of(parent) then return nil, 'PARENT' end
     for _, k in ipairs(kids) do
+      if redis.call('HGET', P .. 'o:' .. k, 'chain_parent') ~= parent then return nil, 'PARENT' end
       if not seen[k] then
         if #out >= most then return nil, 'LONG' end
         seen[k] = true
@@ -57,6 +65,11 @@ local function refusal(key, alloc)
   local later, why = {}, nil
   if not elsewhere then later, why = later_chunks(key) end
   if later == nil then return why end
+  for _, k in ipairs(later) do
+    for _, r in ipairs(decode_list(redis.call('HGET', P .. 'o:' .. k, 'replicas'))) do
+      if r[1] == node and r[2] ~= tier then return 'LOCAL' end
+    end
+  end
   for _, k in ipairs({key, unpack(later)}) do
     if live_pins(k, now) > 0 then return 'PINNED' end
     if tonumber(redis.call('HGET', P .. 'o:' .. k, 'lease_until') or 0) > now then return 'LEASED' end
