@@ -122,9 +122,22 @@ def test_an_agent_at_its_connection_limit_keeps_the_clients_pooled_connections(
         for sock, _ in pool._idle[1:]:  # exactly one pooled connection: the read needs a second
             sock.close()
         del pool._idle[1:]
+    # The two stripes' reads start together: on a loaded machine the second one could still be
+    # queued when the first was done, and then ran after it on the same (pooled) connection.
+    real_read_many = pool.read_many
+    stripes = threading.Barrier(2, timeout=10)
+
+    def stripes_together(requests: list[ReadRequest]) -> None:
+        stripes.wait()
+        real_read_many(requests)
+
+    pool.read_many = stripes_together  # type: ignore[method-assign]
     with _one_place_held(cluster):
-        with pytest.raises(AgentBusy, match=r"connection limit of 2\b"):
-            client.get("s22-busy")
+        try:
+            with pytest.raises(AgentBusy, match=r"connection limit of 2\b"):
+                client.get("s22-busy")
+        finally:
+            del pool.read_many  # the class's again
         assert client._tcp.peer(endpoint) is pool, "the pool was dropped on a BUSY refusal"
         assert len(pool._idle) == 1, "the healthy connection of the read was closed, not pooled"
     # The agent counts the held connection until it has seen its close: read again until it has.
