@@ -6,12 +6,16 @@ tests/integration/conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import time
 from typing import Any
 
 from mooncake_store import LocalCluster
 from mooncake_store.transport import frames
+from mooncake_store.transport.frames import Op
 from mooncake_store.transport.tcp import parse_endpoint
 
 #: Runs the agent's own main() after setting, in the agent process, what the JSON in argv[1] asks:
@@ -58,6 +62,30 @@ def agent_address(cluster: LocalCluster) -> tuple[str, int]:
     return parse_endpoint(cluster.agents[0].endpoint)
 
 
+def agent_port_fds(cluster: LocalCluster) -> int:
+    """Descriptors the first agent holds for TCP sockets on its own port (the served and refused
+    connections and the listener): counted by socket inode, so that a Redis connection the agent
+    opens or closes meanwhile on its own (its pool grows when two of its threads run a script at
+    once, as they do more often under load) does not count."""
+    port = agent_address(cluster)[1]
+    inodes: set[str] = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(name) as table:
+            next(table)
+            for line in table:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    fd_dir = f"/proc/{cluster.agents[0].pid}/fd"
+    count = 0
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"{fd_dir}/{fd}")
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                count += 1
+    return count
+
+
 def connect_raw(cluster: LocalCluster, timeout_s: float = 5.0) -> socket.socket:
     """A plain socket to the first agent, for frames written by hand."""
     return socket.create_connection(agent_address(cluster), timeout=timeout_s)
@@ -66,3 +94,22 @@ def connect_raw(cluster: LocalCluster, timeout_s: float = 5.0) -> socket.socket:
 def read_reply(sock: socket.socket) -> tuple[int, int, int, int, int]:
     """One reply header: (op, status, a, b, c)."""
     return frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
+
+
+def wait_committed(cluster: LocalCluster, alloc_id: int, timeout_s: float = 10.0) -> bool:
+    """Until the first agent treats ``alloc_id`` as a committed object, which it learns of a put's
+    commit at its next sync (0.2 s; later under load, where a fixed sleep fell short). Polled with
+    FENCE, which fences a live reservation (lifted again at once by UNFENCE) and not a committed
+    object. False if it was still a reservation after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    with connect_raw(cluster) as sock:
+        while True:
+            sock.sendall(frames.pack(Op.FENCE, 1) + frames.pack_ids([alloc_id]))
+            count = read_reply(sock)[3]
+            if frames.recv_exact(sock, count) == b"\x00":
+                return True
+            sock.sendall(frames.pack(Op.UNFENCE, 1) + frames.pack_ids([alloc_id]))
+            frames.recv_exact(sock, read_reply(sock)[3])
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)

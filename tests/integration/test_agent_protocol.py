@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 import xxhash
+from patched_agent import wait_committed
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ProtocolError, StaleLocation, TransferError
@@ -64,10 +65,10 @@ def test_oversized_batches_are_refused(one_agent: LocalCluster) -> None:
 def test_reads_and_writes_outside_an_allocation_are_stale(one_agent: LocalCluster, make_client) -> None:  # type: ignore[no-untyped-def]
     client: Client = make_client(one_agent, transports=("tcp",))
     client.put("obj", np.full(4096, 5, np.uint8))
-    time.sleep(0.6)  # the agent learns of the commit at its next sync (0.2 s)
     (meta,) = client.index.lookup(["obj"], lease_ms=0).objects
     assert meta is not None
     replica = meta.replicas[0]
+    assert wait_committed(one_agent, replica.alloc_id)  # the agent learns of it at its next sync
     peer = PeerConnections(one_agent.agents[0].endpoint, timeout_s=5, max_idle=2)
     try:
         ok = bytearray(4096)

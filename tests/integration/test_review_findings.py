@@ -302,17 +302,28 @@ def test_promotion_whose_swap_fails_does_not_leak_its_host_block(disk_agent: Age
         agent.sync_once()  # the old host block was buried: freed now
         assert len(agent.table) == 0
 
-        real_move = agent.index.move_replica
+        real_move, real_promote = agent.index.move_replica, agent.pressure.moves.promote
+        promoted = threading.Event()
 
         def index_times_out(*args, **kwargs):  # type: ignore[no-untyped-def]
             raise ConnectError("index timed out")
 
+        def promote_then_tell(*args, **kwargs):  # type: ignore[no-untyped-def]
+            # The agent promotes after the read's reply went out: the swap must meet the timeout
+            # above however late that runs (a fixed sleep let a late one meet the real index).
+            try:
+                return real_promote(*args, **kwargs)
+            finally:
+                promoted.set()
+
         agent.index.move_replica = index_times_out  # type: ignore[method-assign]
+        agent.pressure.moves.promote = promote_then_tell  # type: ignore[method-assign]
         try:
             assert (client.get("cold") == 0x3C).all()  # read from disk; the promotion's swap fails
-            time.sleep(0.2)
+            assert promoted.wait(10), "the read from disk was never promoted"
         finally:
             agent.index.move_replica = real_move  # type: ignore[method-assign]
+            agent.pressure.moves.promote = real_promote  # type: ignore[method-assign]
         meta = client.object_meta("cold")
         assert meta is not None and meta.replicas[0].tier == TierKind.DISK  # the swap did not land
         time.sleep(0.3)

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from helpers import wait_until
-from patched_agent import agent_address, connect_raw, read_reply
+from patched_agent import agent_address, connect_raw, read_reply, wait_committed
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ConnectError, MooncakeError
@@ -564,10 +564,10 @@ def test_fences_are_per_connection_and_end_with_it(
     cluster = start_agent({"IDLE_CLOSE_S": 1.0}, reserve_timeout_s=1.0)
     client = make_client(cluster, transports=("tcp",))
     client.put("committed", np.ones(4096, np.uint8))
-    time.sleep(0.6)  # the agent learns of the commit at its next sync
     (meta,) = client.index.lookup(["committed"], lease_ms=0).objects
     assert meta is not None
     committed_id = meta.replicas[0].alloc_id
+    assert wait_committed(cluster, committed_id)  # the agent learns of the commit at its next sync
     baseline = _host_used(client)
     peer = _peer(cluster)
     try:

@@ -17,7 +17,6 @@ in the tenth (the index's record of landed swaps: write_swaps in index/lua/prelu
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -29,7 +28,7 @@ import numpy as np
 import pytest
 import redis
 from helpers import NEED, counter, fill
-from patched_agent import connect_raw, read_reply
+from patched_agent import agent_port_fds, connect_raw, read_reply
 from redis_proxy import QUIET, RedisProxy, idle_pressure
 
 from mooncake_store import Client, LocalCluster, MooncakeError, connect
@@ -211,10 +210,6 @@ def test_a_prefix_store_refused_at_count_in_gives_its_room_back(
     )
 
 
-def _agent_fds(cluster: LocalCluster) -> int:
-    return len(os.listdir(f"/proc/{cluster.agents[0].pid}/fd"))
-
-
 def test_a_refused_write_that_declares_a_huge_length_and_sends_nothing_does_not_hold_its_slot(
     start_agent: Callable[..., LocalCluster],
 ) -> None:
@@ -231,7 +226,7 @@ def test_a_refused_write_that_declares_a_huge_length_and_sends_nothing_does_not_
     held = connect_raw(cluster)
     held.sendall(frames.pack(Op.PING))
     assert read_reply(held)[1] == Status.OK
-    fds_before = _agent_fds(cluster)
+    fds_before = agent_port_fds(cluster)
     silent: list[socket.socket] = []
     peer = PeerConnections(cluster.agents[0].endpoint, timeout_s=5, max_idle=1)
     try:
@@ -242,7 +237,7 @@ def test_a_refused_write_that_declares_a_huge_length_and_sends_nothing_does_not_
             assert read_reply(sock)[:3] == (Op.WRITE | frames.REPLY_BIT, Status.BUSY, 1)
         # Past REFUSE_LINGER_S (1 s) and the server's own timeout (2 s) for a silent request.
         time.sleep(4.5)
-        fds_after = _agent_fds(cluster)
+        fds_after = agent_port_fds(cluster)
         try:
             peer.ping()
             outcome = "served"

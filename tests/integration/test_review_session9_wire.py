@@ -21,7 +21,6 @@ replies in order across windows with STALE replies among them and leaves no conn
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import time
@@ -31,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from helpers import wait_until
-from patched_agent import agent_address, connect_raw, read_reply
+from patched_agent import agent_address, agent_port_fds, connect_raw, read_reply
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity, StaleLocation
@@ -64,29 +63,6 @@ def _agent_side(cluster: LocalCluster, states: tuple[str, ...]) -> int:
         for line in table:
             fields = line.split()
             if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in states:
-                count += 1
-    return count
-
-
-def _agent_fds(cluster: LocalCluster) -> int:
-    """Descriptors the agent holds for TCP sockets on its own port (the served and refused
-    connections and the listener): counted by socket inode, so that a Redis connection the agent
-    opens or closes meanwhile on its own (its pool, under load) does not count."""
-    port = agent_address(cluster)[1]
-    inodes: set[str] = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError), open(name) as table:
-            next(table)
-            for line in table:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(fields[9])
-    fd_dir = f"/proc/{cluster.agents[0].pid}/fd"
-    count = 0
-    for fd in os.listdir(fd_dir):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"{fd_dir}/{fd}")
-            if target.startswith("socket:[") and target[8:-1] in inodes:
                 count += 1
     return count
 
@@ -218,7 +194,7 @@ def test_a_flood_of_refused_connections_leaks_nothing_and_does_not_hold_up_stop(
     SIGTERM while a new batch of refusals is pending stops it promptly and cleanly."""
     cluster = start_agent({"MAX_CONNECTIONS": 2})
     held = _fill(cluster, 2)
-    fds_before = _agent_fds(cluster)
+    fds_before = agent_port_fds(cluster)
     flood: list[socket.socket] = []
     answered: list[tuple[int, ...]] = []
     try:
@@ -251,7 +227,7 @@ def test_a_flood_of_refused_connections_leaks_nothing_and_does_not_hold_up_stop(
         assert all(a[1:] == (Status.BUSY, 2) for a in answered), answered
         # The agent gives up on the silent ones after REFUSE_WAIT_S (1 s).
         assert wait_until(lambda: _agent_side(cluster, ("01", "08")) == 2, 6), "refused sockets were kept"
-        assert wait_until(lambda: _agent_fds(cluster) == fds_before, 6), "refused descriptors were kept"
+        assert wait_until(lambda: agent_port_fds(cluster) == fds_before, 6), "refused descriptors were kept"
     finally:
         for sock in flood:
             sock.close()

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -127,9 +128,9 @@ def test_an_agent_at_its_connection_limit_keeps_the_clients_pooled_connections(
     real_read_many = pool.read_many
     stripes = threading.Barrier(2, timeout=10)
 
-    def stripes_together(requests: list[ReadRequest]) -> None:
+    def stripes_together(*args: Any, **kwargs: Any) -> None:
         stripes.wait()
-        real_read_many(requests)
+        real_read_many(*args, **kwargs)
 
     pool.read_many = stripes_together  # type: ignore[method-assign]
     with _one_place_held(cluster):
