@@ -189,15 +189,16 @@ def test_a_store_longer_than_its_claims_keeps_them_from_another_writer(client: C
     """A store's claims (claim_ttl_s) are renewed while it writes: a store whose chunks take three
     claim ttls to produce keeps a second writer of the same prompt out (BUSY: it writes nothing).
     Before, the claims ran out mid-store and the second writer claimed and wrote every chunk again."""
-    first = PrefixCache(client, NS, chunk_tokens=C, claim_ttl_s=0.3)
-    second = PrefixCache(client, NS, chunk_tokens=C, claim_ttl_s=0.3)
+    # Renewed every third of a ttl: a renewer 0.4 s late (a loaded machine) still keeps them.
+    first = PrefixCache(client, NS, chunk_tokens=C, claim_ttl_s=0.6)
+    second = PrefixCache(client, NS, chunk_tokens=C, claim_ttl_s=0.6)
     tokens = ids(4 * C, start=70_000)
     chunks = chunk_arrays(4, seed=3)
     rival: list[int] = []
 
     def slow_chunk(i: int) -> np.ndarray:
-        time.sleep(0.25)  # four chunks: a second, more than three ttls
-        if i == 3:  # the first writer's claims are 1 s old: a rival store of the same prompt
+        time.sleep(0.45)  # four chunks: 1.8 s, three ttls
+        if i == 3:  # the first writer's claims are 1.8 s old: a rival store of the same prompt
             rival.append(second.store(tokens, chunk_arrays(4, seed=4)))
         return chunks[i]
 

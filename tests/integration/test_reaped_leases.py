@@ -124,11 +124,11 @@ def test_a_reaped_node_holds_the_old_copy_a_reader_leased_before_a_remove_or_rep
 def test_a_stalled_agent_that_comes_back_does_not_hand_out_a_block_a_reader_may_still_copy(
     make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
 ) -> None:
-    """With a real agent process: a reader looked the object up (a 10 s lease), the agent stalled
+    """With a real agent process: a reader looked the object up (a 30 s lease), the agent stalled
     past its 1.5 s TTL and was reaped (by the other agent), then came back; puts after that must not
     get the object's block while the lease runs, and the bytes a same-host reader would copy from
     the segment are still the object's."""
-    lease_s = 10.0
+    lease_s = 30.0  # long past what the test takes (reaping alone is 3-4 s), however loaded the machine
     cluster = make_cluster(2, heartbeat_ttl_s=1.5, host_bytes=4 * MiB)  # agent-1 reaps agent-0
     writer = make_client(cluster, timeout_s=10.0)
     writer.put("victim", np.full(MiB, 0xAA, np.uint8), preferred_node="agent-0")

@@ -269,13 +269,15 @@ def test_spill_never_puts_two_replicas_of_an_object_on_one_node(
 def test_spill_swap_to_a_reaped_peer_is_refused(
     make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
 ) -> None:
-    cluster = make_cluster(2, heartbeat_ttl_s=1.5)
+    # A 3 s TTL: a, reaped with grace 0 while alive, would be too if one of its heartbeats (every
+    # second) came 0.5 s late, as with a 1.5 s one on a loaded machine.
+    cluster = make_cluster(2, heartbeat_ttl_s=3.0)
     client = make_client(cluster)
     a, b = cluster.agents
     old, new, put_id = _guarded_spill_copy(client, a, b)
     # b dies before the swap, and is reaped; the guard lives on (b's sync is gone with b).
     b.kill()
-    assert wait_until(lambda: b.node_id in client.index.reap_dead_nodes(grace_ms=0), 5.0)
+    assert wait_until(lambda: b.node_id in client.index.reap_dead_nodes(grace_ms=0), 10.0)
     (status,) = client.index.move_replicas([("obj", old.alloc_id, new, put_id)], old_node=a.node_id)
     assert status != "OK", "the swap moved 'obj' onto a node that left the node table"
     assert client.exists("obj")  # its bytes are still on a: an object never removed stays readable
