@@ -45,7 +45,9 @@ def test_a_prefix_load_promotes_its_pinned_chunks_from_disk(
         time.sleep(0.05)
     assert wait_until(lambda: _tiers(client, keys).count("disk") >= CHUNKS // 2, 20), _tiers(client, keys)
     client.remove_many(filler)
-    time.sleep(1.0)  # their read leases end and their memory is freed: room to promote into
+    # Their read leases end, their memory is freed and a heartbeat publishes it: room to promote
+    # the whole chain into under the high watermark (9.6 MiB), which a read does only then.
+    assert wait_until(lambda: client.stat().nodes[0].tiers[0].used_bytes <= 4 * MiB, 10), client.stat().nodes[0]
     for _ in range(2):
         with cache.load(ids) as hit:
             assert hit.num_chunks == CHUNKS
