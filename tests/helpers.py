@@ -47,6 +47,14 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
+def host_use_since(client: Client, since: float) -> float:
+    """The host tier's used bytes as the first node's last heartbeat published them, if it beat
+    after ``since`` (time.monotonic()); infinity if not yet (an older beat may show the tier as it
+    was before what the caller waits for)."""
+    node = client.stat().nodes[0]
+    return node.tiers[0].used_bytes if node.heartbeat_age_s < time.monotonic() - since else float("inf")
+
+
 def guarded_spill_copy(
     client: Any, a: Any, b: Any, *, size: int, guard_ttl_ms: int = 60_000
 ) -> tuple[Replica, Replica, str]:

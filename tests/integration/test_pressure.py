@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import node_row, wait_until
+from helpers import host_use_since, node_row, wait_until
 from index_audit import settled_audit
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError
@@ -156,8 +156,9 @@ def test_disk_tier_demotes_promotes_and_cleans_up(
     # Reading a demoted object brought it back to host memory while there was room.
     first = on_disk[0]
     client.remove_many([k for k in kv if k not in on_disk[:3]])
+    removed = time.monotonic()
     # Leases run out, graveyards are freed and a heartbeat publishes it: room again in the host tier.
-    assert wait_until(lambda: client.stat().nodes[0].tiers[0].used_bytes <= 8 * MiB, 10), client.stat().nodes[0]
+    assert wait_until(lambda: host_use_since(client, removed) <= 8 * MiB, 10), client.stat().nodes[0]
     client.get(first)
     assert wait_until(lambda: replica_nodes(client, first)[0][1] == "host", 5)
     assert wait_until(lambda: client.stat().nodes[0].tiers[1].promotions >= 1, 5)
