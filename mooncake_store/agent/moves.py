@@ -263,11 +263,14 @@ class LocalMoves:
             self.count(tier, "evictions", sum(gone))
         return gone
 
-    def evict_chains(self, victims: list[EvictionCandidate], tier: TierKind, wanted_bytes: int) -> int:
-        """Evict chain chunks kept for their later chunks on other nodes, each together with those
+    def evict_chains(
+        self, victims: list[EvictionCandidate], tier: TierKind, wanted_bytes: int, pressed: list[TierKind]
+    ) -> int:
+        """Evict chain chunks kept for their later chunks elsewhere, each together with those
         (evict_chains.lua), until ``wanted_bytes`` of ``tier`` went here; returns the bytes that
-        went. Every object evicted is counted here, those that were on other nodes included: this
-        node's pass evicted them, and their own nodes never hear of it."""
+        went. Not those with a later chunk on one of this node's ``pressed`` tiers: those tiers'
+        own passes move it. Every object evicted is counted here, those on other nodes and tiers
+        included: this pass evicted them, and their own nodes and passes never hear of it."""
         if not victims:
             return 0
         freed, evicted, _ = self.agent.index.evict_chains(
@@ -276,6 +279,7 @@ class LocalMoves:
             tier=str(tier),
             wanted_bytes=wanted_bytes,
             most_later=MOST_LATER_CHUNKS,
+            pressed_tiers=[str(t) for t in pressed],
         )
         if evicted:
             self.count(tier, "evictions", evicted)

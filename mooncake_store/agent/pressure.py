@@ -325,7 +325,21 @@ class PressureManager:
         those nearest a chain's tail first (evict_chains.lua), as the chain's tail would have gone."""
         movable = choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms)
         kept = [c for c in movable if c.children > 0 and not c.other_nodes]
-        return self.moves.evict_chains(kept, tier, need) if kept else 0
+        return self.moves.evict_chains(kept, tier, need, self._pressed(but=tier)) if kept else 0
+
+    def _pressed(self, *, but: TierKind) -> list[TierKind]:
+        """This node's other tiers past their high watermark or draining: their own passes run
+        this wake (or ran, and run again at the next) and move their chunks, leaves first."""
+        agent = self.agent
+        usage = {TierKind.HOST: (agent.table.usage()[0], agent.table.capacity_bytes)}
+        if agent.gpu_table is not None:
+            usage[TierKind.GPU] = (agent.gpu_table.usage()[0], agent.gpu_table.capacity_bytes)
+        if agent.disk is not None:
+            usage[TierKind.DISK] = (agent.disk.used_bytes, agent.disk.capacity_bytes)
+        high = agent.config.high_watermark
+        with self._lock:
+            draining = set(self._draining)
+        return [t for t, (used, cap) in usage.items() if t != but and (used > high * cap or t in draining)]
 
     def _evict_unless_parent(self, job: SpillJob, state: PassState) -> bool:
         """Queue a victim for eviction; False when it is the last copy of a chain chunk that

@@ -6,21 +6,27 @@
 -- node's last readable copy of a chunk) goes together with every later chunk of its chain, wherever
 -- they are, leaves first, so the chain stays prefix-closed as evict.lua keeps it. A candidate goes
 -- whole or not at all: not if it or a later chunk is pinned or read (a live lease), nor if more
--- than ARGV[5] chunks hang off it, nor if a later chunk is on another tier of this node: that
--- tier's own pass moves those (demotes them, or evicts them leaves first) and this chunk can then
--- be demoted; run before it (the passes go GPU, host, disk), this script evicted whole chains
--- that the next pass of the same wake would have kept on disk. Those with the fewest later chunks go first (the input order,
+-- than ARGV[5] chunks hang off it, nor if a later chunk is on another tier of this node that is
+-- under pressure (ARGV[6]): that tier's own pass moves those (demotes them, or evicts them leaves
+-- first) and this chunk can then be demoted; run before it (the passes go GPU, host, disk), this
+-- script evicted whole chains that the next pass of the same wake would have kept on disk. A
+-- later chunk on a tier of this node not under pressure goes with the chain: no pass of that tier
+-- runs, and a tier just under its high watermark takes no demotion either. Those with the fewest later chunks go first (the input order,
 -- coldest first, breaks ties), until ARGV[4] bytes of this node's tier went.
 -- KEYS: none
--- ARGV: [1] prefix, [2] node, [3] tier, [4] bytes wanted, [5] most later chunks per candidate, then
---       two per candidate: key, alloc id
+-- ARGV: [1] prefix, [2] node, [3] tier, [4] bytes wanted, [5] most later chunks per candidate,
+--       [6] this node's other tiers under pressure (comma-separated, may be empty), then two per
+--       candidate: key, alloc id
 -- Returns: {bytes of node's tier freed, objects evicted in all, then per candidate a status: "OK",
 --   "GONE" (no such replica any more), "PINNED" or "LEASED" (it or a later chunk), "LONG" (more
---   than ARGV[5] later chunks), "LOCAL" (a later chunk on another tier of this node), "PARENT"
+--   than ARGV[5] later chunks), "LOCAL" (a later chunk on a tier of ARGV[6] here), "PARENT"
 --   (a children set that does not name the stored children), "SKIPPED" (enough went before it), or
 --   evict.lua's status for itself}
 local node, tier = ARGV[2], ARGV[3]
 local wanted, most = tonumber(ARGV[4]), tonumber(ARGV[5])
+local pressed = {}
+for t in string.gmatch(ARGV[6], '[^,]+') do pressed[t] = true end
+local FIRST = 7  -- the first candidate's key
 local now = now_ms()
 
 -- The chunks after key in its chain, parents before children; or why they cannot be named:
@@ -67,7 +73,7 @@ local function refusal(key, alloc)
   if later == nil then return why end
   for _, k in ipairs(later) do
     for _, r in ipairs(decode_list(redis.call('HGET', P .. 'o:' .. k, 'replicas'))) do
-      if r[1] == node and r[2] ~= tier then return 'LOCAL' end
+      if r[1] == node and r[2] ~= tier and pressed[r[2]] then return 'LOCAL' end
     end
   end
   for _, k in ipairs({key, unpack(later)}) do
@@ -78,10 +84,10 @@ local function refusal(key, alloc)
 end
 
 local order, statuses, depth = {}, {}, {}
-local count = (#ARGV - 5) / 2
+local count = (#ARGV - FIRST + 1) / 2
 for n = 1, count do
   order[n] = n
-  local why, later = refusal(ARGV[4 + 2 * n], ARGV[5 + 2 * n])
+  local why, later = refusal(ARGV[FIRST + 2 * n - 2], ARGV[FIRST + 2 * n - 1])
   statuses[n] = why or false  -- false: it may go
   depth[n] = later and #later or 0
 end
@@ -92,7 +98,7 @@ end)
 
 local freed, evicted = 0, 0
 for _, n in ipairs(order) do
-  local key, alloc = ARGV[4 + 2 * n], ARGV[5 + 2 * n]
+  local key, alloc = ARGV[FIRST + 2 * n - 2], ARGV[FIRST + 2 * n - 1]
   if not statuses[n] and freed >= wanted then
     statuses[n] = 'SKIPPED'
   elseif not statuses[n] then
