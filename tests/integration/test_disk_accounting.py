@@ -44,23 +44,40 @@ def disk_object(agent: Agent, key: str, value: np.ndarray) -> int:
 
 
 @pytest.mark.parametrize(
-    ("offset", "length"), [(SIZE, 1), (SIZE - 1, 2), (1 << 40, 1)], ids=["at-end", "across", "far"]
+    ("offset", "length"),
+    [(SIZE, 1), (SIZE - 1, 2), (1 << 40, 1), (0, SIZE + 1)],
+    ids=["at-end", "across", "far", "from-start-past-end"],
 )
 def test_a_read_outside_a_disk_object_is_refused_before_the_file_is_decoded(
     make_inproc_agent: Callable[..., Agent], tmp_path: Path, offset: int, length: int
 ) -> None:
     """The agent decoded the whole chunk file (16 MiB here, and its checksum) and only then found
     the range outside the object: every such READ cost a full decode, which anyone reaching the port
-    could repeat. Now it is refused (STALE) with the file untouched: no disk read is counted."""
+    could repeat. Now it is refused (STALE) with the file untouched. (The decodes are recorded where
+    the file is read: the disk tier's read counter counts one per object, at a READ from its first
+    byte, so it would miss a decode for most of these.)"""
     agent = make_inproc_agent(host_bytes=32 * MiB, disk_path=str(tmp_path), disk_bytes=64 * MiB, prepare=idle)
     value = np.arange(SIZE, dtype=np.uint8)
     disk_id = disk_object(agent, "big", value)
+    assert agent.disk is not None
+    decoded: list[int] = []
+    real_read_into = agent.disk.read_into
+
+    def recorded(alloc_id: int, dest: memoryview) -> int:
+        decoded.append(alloc_id)
+        return real_read_into(alloc_id, dest)
+
+    agent.disk.read_into = recorded  # type: ignore[method-assign]
     transport = TcpTransport(timeout_s=5.0, connections_per_peer=1, stripe_bytes=1 << 62)
     try:
         with pytest.raises(StaleLocation):
             transport.read_into(agent.server.endpoint, disk_id, offset, memoryview(bytearray(length)))
-        assert counter(agent, TierKind.DISK, "reads") == 0, "the chunk file was decoded for a READ outside it"
-        # A READ inside it is served (and counted: one that starts at the object's first byte).
+        assert not decoded, "the chunk file was decoded for a READ outside it"
+        assert counter(agent, TierKind.DISK, "reads") == 0
+        # A READ inside it is served: decoded, and counted once it starts at the object's first byte.
+        last = bytearray(1)
+        transport.read_into(agent.server.endpoint, disk_id, SIZE - 1, memoryview(last))
+        assert last[0] == value[-1] and decoded == [disk_id] and counter(agent, TierKind.DISK, "reads") == 0
         first = bytearray(1)
         transport.read_into(agent.server.endpoint, disk_id, 0, memoryview(first))
         assert first[0] == value[0] and counter(agent, TierKind.DISK, "reads") == 1
