@@ -116,7 +116,9 @@ def test_get_async_takes_device_as_get_does(shared_client: Client) -> None:
             future.result(timeout=30)
 
 
-def test_embedded_server_arguments_are_server_errors_and_leave_no_temp_dir(tmp_path: Path) -> None:
+def test_embedded_server_arguments_are_server_errors_and_leave_no_temp_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(ServerError, match=r"port='6379': not an int in 0\.\.65535"):
         EmbeddedServer(port="6379")  # type: ignore[arg-type]
     with pytest.raises(ServerError, match="startup_timeout_s=None: must be a number > 0"):
@@ -125,7 +127,10 @@ def test_embedded_server_arguments_are_server_errors_and_leave_no_temp_dir(tmp_p
         LocalCluster(num_agents="2")  # type: ignore[arg-type]
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
-    temp_root = Path(tempfile.gettempdir())
+    # A temp root of this test's own: the other xdist worker's servers make theirs in /tmp meanwhile.
+    temp_root = tmp_path / "temp"
+    temp_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_root))
     before = set(temp_root.glob("mooncake-redis-*"))
     with pytest.raises(ServerError, match=f"persist_dir='{a_file}': cannot be made a directory"):
         EmbeddedServer(persist_dir=a_file).start()
