@@ -47,12 +47,19 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
+def beat_since(client: Client, since: float, node_id: str | None = None) -> bool:
+    """Whether the node (the first one by default) has heartbeat after ``since`` (time.monotonic()):
+    the node table shows its counters and use as of then. An older beat may show them as they were
+    before what the caller waits for, and a check of a count that must stay 0 would pass unseen."""
+    nodes = client.stat().nodes
+    node = nodes[0] if node_id is None else next(n for n in nodes if n.node_id == node_id)
+    return node.heartbeat_age_s < time.monotonic() - since
+
+
 def host_use_since(client: Client, since: float) -> float:
     """The host tier's used bytes as the first node's last heartbeat published them, if it beat
-    after ``since`` (time.monotonic()); infinity if not yet (an older beat may show the tier as it
-    was before what the caller waits for)."""
-    node = client.stat().nodes[0]
-    return node.tiers[0].used_bytes if node.heartbeat_age_s < time.monotonic() - since else float("inf")
+    after ``since`` (see beat_since); infinity if not yet."""
+    return client.stat().nodes[0].tiers[0].used_bytes if beat_since(client, since) else float("inf")
 
 
 def guarded_spill_copy(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from helpers import host_replica, wait_until
+from helpers import beat_since, host_replica, wait_until
 
 from mooncake_store import connect
 from mooncake_store.agent.node import Agent
@@ -92,7 +92,9 @@ def test_spills_in_counts_only_spills_that_landed(make_inproc_agent: Callable[..
         finally:
             tcp.close()
         b.sync_once()
-        time.sleep(0.6)  # counters reach the node table with the next heartbeat (every 0.2 s here)
+        synced = time.monotonic()
+        # Counters reach the node table with the next heartbeat (every 0.2 s here).
+        assert wait_until(lambda: all(beat_since(client, synced, n.node_id) for n in (a, b)), 10)
         stats = client.stat()
         out = _tier(stats, a.node_id, "host").spills_out
         into = _tier(stats, b.node_id, "host").spills_in
