@@ -19,7 +19,7 @@ import pytest
 
 from mooncake_store.index.client import PendingPut
 from mooncake_store.transport.frames import SPILL_FLAG
-from mooncake_store.transport.tcp import TcpTransport
+from mooncake_store.transport.tcp import TcpTransport, parse_endpoint
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, TierUsage, TransportKind
 
 if TYPE_CHECKING:
@@ -45,6 +45,21 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def requests_waiting_at(endpoint: str) -> int:
+    """TCP connections to ``endpoint`` (on loopback) with bytes the agent has not read: requests
+    a stopped agent holds."""
+    port = parse_endpoint(endpoint)[1]
+    waiting = 0
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(name) as table:
+            next(table)
+            for line in table:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and int(fields[4].split(":")[1], 16) > 0:
+                    waiting += 1
+    return waiting
 
 
 def beat_since(client: Client, since: float, node_id: str | None = None) -> bool:

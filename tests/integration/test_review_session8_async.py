@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
+from helpers import requests_waiting_at, wait_until
 
 from mooncake_store import MAX_KEY_BYTES, Client, InvalidKey, InvalidValue, LocalCluster, MooncakeError, connect
 from mooncake_store.client.prefix import PrefixCache
@@ -191,7 +192,8 @@ def test_close_ends_async_operations_in_flight_promptly_with_a_closed_error(
         stopped_agent()
         reading = client.get_async("rv8-stall")
         writing = client.put_async("rv8-stall-2", b"xyz")
-        time.sleep(0.3)  # both are now waiting on the stalled agent
+        # Both are waiting on the stalled agent once it holds their requests (READ, RESERVE).
+        assert wait_until(lambda: requests_waiting_at(one_agent.agents[0].endpoint) >= 2, 10)
         started = time.monotonic()
         client.close()
         took = time.monotonic() - started
@@ -294,7 +296,8 @@ def test_prefix_cache_close_ends_its_loads_in_flight_promptly_and_leaves_the_cli
         client.get(cache.keys(tokens)[0])  # a pooled connection to the agent
         stopped_agent()
         loading = cache.load_async(tokens)
-        time.sleep(0.3)  # matched and pinned; its read waits on the stalled agent
+        # Matched and pinned; its read waits on the stalled agent.
+        assert wait_until(lambda: requests_waiting_at(one_agent.agents[0].endpoint) >= 1, 10)
         started = time.monotonic()
         cache.close()
         took = time.monotonic() - started
@@ -324,7 +327,7 @@ def test_client_close_ends_a_prefix_load_in_flight_with_a_closed_error_not_a_mis
         client.get(cache.keys(tokens)[0])
         stopped_agent()
         loading = cache.load_async(tokens)
-        time.sleep(0.3)
+        assert wait_until(lambda: requests_waiting_at(one_agent.agents[0].endpoint) >= 1, 10)
         started = time.monotonic()
         client.close()
         took = time.monotonic() - started

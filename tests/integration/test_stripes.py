@@ -6,34 +6,17 @@ with its own is now run by the caller."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
 from collections.abc import Callable
 
 import numpy as np
-from helpers import wait_until
+from helpers import requests_waiting_at, wait_until
 
 from mooncake_store import Client, LocalCluster, MooncakeError
-from mooncake_store.transport.tcp import parse_endpoint
 
 MiB = 1 << 20
-
-
-def requests_waiting_at(endpoint: str) -> int:
-    """TCP connections to ``endpoint`` (on loopback) with bytes the agent has not read: requests
-    a stopped agent holds."""
-    port = parse_endpoint(endpoint)[1]
-    waiting = 0
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError), open(name) as table:
-            next(table)
-            for line in table:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and int(fields[4].split(":")[1], 16) > 0:
-                    waiting += 1
-    return waiting
 
 
 def test_a_striped_read_from_a_healthy_agent_does_not_wait_for_a_stalled_ones(
