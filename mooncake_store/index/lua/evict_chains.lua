@@ -11,8 +11,9 @@
 -- first) and this chunk can then be demoted; run before it (the passes go GPU, host, disk), this
 -- script evicted whole chains that the next pass of the same wake would have kept on disk. A
 -- later chunk on a tier of this node not under pressure goes with the chain: no pass of that tier
--- runs, and a tier just under its high watermark takes no demotion either. Those with the fewest later chunks go first (the input order,
--- coldest first, breaks ties), until ARGV[4] bytes of this node's tier went.
+-- runs, and a tier just under its high watermark takes no demotion either. Those with the fewest
+-- later chunks go first (the input order, coldest first, breaks ties), until ARGV[4] bytes of this
+-- node's tier went.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node, [3] tier, [4] bytes wanted, [5] most later chunks per candidate,
 --       [6] this node's other tiers under pressure (comma-separated, may be empty), then two per
