@@ -330,16 +330,14 @@ class PressureManager:
     def _pressed(self, *, but: TierKind) -> list[TierKind]:
         """This node's other tiers past their high watermark or draining: their own passes run
         this wake (or ran, and run again at the next) and move their chunks, leaves first."""
-        agent = self.agent
-        usage = {TierKind.HOST: (agent.table.usage()[0], agent.table.capacity_bytes)}
-        if agent.gpu_table is not None:
-            usage[TierKind.GPU] = (agent.gpu_table.usage()[0], agent.gpu_table.capacity_bytes)
-        if agent.disk is not None:
-            usage[TierKind.DISK] = (agent.disk.used_bytes, agent.disk.capacity_bytes)
-        high = agent.config.high_watermark
+        high = self.agent.config.high_watermark
         with self._lock:
             draining = set(self._draining)
-        return [t for t, (used, cap) in usage.items() if t != but and (used > high * cap or t in draining)]
+        return [
+            t.tier
+            for t in self.agent.tiers()
+            if t.tier != but and (t.used_bytes > high * t.capacity_bytes or t.tier in draining)
+        ]
 
     def _evict_unless_parent(self, job: SpillJob, state: PassState) -> bool:
         """Queue a victim for eviction; False when it is the last copy of a chain chunk that

@@ -72,14 +72,15 @@ local function refusal(key, alloc)
   local later, why = {}, nil
   if not elsewhere then later, why = later_chunks(key) end
   if later == nil then return why end
-  for _, k in ipairs(later) do
-    for _, r in ipairs(decode_list(redis.call('HGET', P .. 'o:' .. k, 'replicas'))) do
-      if r[1] == node and r[2] ~= tier and pressed[r[2]] then return 'LOCAL' end
+  for i, k in ipairs({key, unpack(later)}) do
+    local g = redis.call('HMGET', P .. 'o:' .. k, 'replicas', 'lease_until')
+    if i > 1 then  -- a later chunk
+      for _, r in ipairs(decode_list(g[1])) do
+        if r[1] == node and r[2] ~= tier and pressed[r[2]] then return 'LOCAL' end
+      end
     end
-  end
-  for _, k in ipairs({key, unpack(later)}) do
     if live_pins(k, now) > 0 then return 'PINNED' end
-    if tonumber(redis.call('HGET', P .. 'o:' .. k, 'lease_until') or 0) > now then return 'LEASED' end
+    if tonumber(g[2] or 0) > now then return 'LEASED' end
   end
   return nil, later
 end
