@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import socket
 import sys
@@ -47,19 +48,54 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
-def requests_waiting_at(endpoint: str) -> int:
-    """TCP connections to ``endpoint`` (on loopback) with bytes the agent has not read: requests
-    a stopped agent holds."""
-    port = parse_endpoint(endpoint)[1]
-    waiting = 0
+@dataclasses.dataclass(frozen=True)
+class TcpSocket:
+    """One row of /proc/net/tcp{,6}."""
+
+    local_port: int
+    remote_port: int
+    state: str  # 01 ESTABLISHED, 06 TIME_WAIT, 08 CLOSE_WAIT
+    unread_bytes: int  # its receive queue: bytes its owner has not read
+    inode: str
+
+
+def tcp_sockets() -> list[TcpSocket]:
+    """Every TCP socket of this network namespace, as the kernel lists them."""
+    rows: list[TcpSocket] = []
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(FileNotFoundError), open(name) as table:
             next(table)
             for line in table:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and int(fields[4].split(":")[1], 16) > 0:
-                    waiting += 1
-    return waiting
+                f = line.split()
+                rows.append(
+                    TcpSocket(
+                        local_port=int(f[1].rsplit(":", 1)[1], 16),
+                        remote_port=int(f[2].rsplit(":", 1)[1], 16),
+                        state=f[3],
+                        unread_bytes=int(f[4].split(":")[1], 16),
+                        inode=f[9],
+                    )
+                )
+    return rows
+
+
+def socket_fds(pid: int | str) -> list[str]:
+    """The socket inode of each of a process's socket descriptors (``"self"``: this process)."""
+    fd_dir = f"/proc/{pid}/fd"
+    inodes: list[str] = []
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"{fd_dir}/{fd}")
+            if target.startswith("socket:["):
+                inodes.append(target[8:-1])
+    return inodes
+
+
+def requests_waiting_at(endpoint: str) -> int:
+    """TCP connections to ``endpoint`` (on loopback) with bytes the agent has not read: requests
+    a stopped agent holds."""
+    port = parse_endpoint(endpoint)[1]
+    return sum(1 for s in tcp_sockets() if s.local_port == port and s.unread_bytes > 0)
 
 
 def beat_since(client: Client, since: float, node_id: str | None = None) -> bool:

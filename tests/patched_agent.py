@@ -6,12 +6,12 @@ tests/integration/conftest.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import socket
 import time
 from typing import Any
+
+from helpers import socket_fds, tcp_sockets
 
 from mooncake_store import LocalCluster
 from mooncake_store.transport import frames
@@ -62,28 +62,22 @@ def agent_address(cluster: LocalCluster) -> tuple[str, int]:
     return parse_endpoint(cluster.agents[0].endpoint)
 
 
+def agent_side_sockets(cluster: LocalCluster, states: tuple[str, ...] = ("01", "08")) -> int:
+    """TCP sockets whose local end is the first agent's port, in ``states`` (/proc/net/tcp codes:
+    01 ESTABLISHED, 06 TIME_WAIT, 08 CLOSE_WAIT, a socket the peer closed and the agent has not):
+    by default the agent's served connections, leaked or not."""
+    port = agent_address(cluster)[1]
+    return sum(1 for s in tcp_sockets() if s.local_port == port and s.state in states)
+
+
 def agent_port_fds(cluster: LocalCluster) -> int:
     """Descriptors the first agent holds for TCP sockets on its own port (the served and refused
     connections and the listener): counted by socket inode, so that a Redis connection the agent
     opens or closes meanwhile on its own (its pool grows when two of its threads run a script at
     once, as they do more often under load) does not count."""
     port = agent_address(cluster)[1]
-    inodes: set[str] = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError), open(name) as table:
-            next(table)
-            for line in table:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(fields[9])
-    fd_dir = f"/proc/{cluster.agents[0].pid}/fd"
-    count = 0
-    for fd in os.listdir(fd_dir):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"{fd_dir}/{fd}")
-            if target.startswith("socket:[") and target[8:-1] in inodes:
-                count += 1
-    return count
+    on_port = {s.inode for s in tcp_sockets() if s.local_port == port}
+    return sum(1 for inode in socket_fds(cluster.agents[0].pid) if inode in on_port)
 
 
 def connect_raw(cluster: LocalCluster, timeout_s: float = 5.0) -> socket.socket:

@@ -165,23 +165,25 @@ def test_chunks_whose_later_chunks_are_on_the_nodes_own_disk_are_demoted_not_evi
         present = [[client.exists(k) for k in keys] for keys in chains]
         assert all(p == sorted(p, reverse=True) for p in present), f"a chain lost its middle: {present}"
         assert sum(p.count(False) for p in present) == 2, present
+
+        def tier_of(key: str) -> str | None:
+            meta = client.object_meta(key)
+            return str(meta.replicas[0].tier) if meta is not None else None
+
         # The disk is full again (the heads demoted into it): a head whose tails are there is left
         # to the disk's pass; with the disk not under pressure (no pass of its own to come), it
         # goes with them.
-        head = [
-            k for keys in chains for k in keys if client.exists(k) and client.object_meta(k).replicas[0].tier == "host"
-        ]
-        meta = client.object_meta(head[-1])
-        assert meta is not None and meta.replicas[0].tier == "host"
-        later = [k for keys in chains if head[-1] in keys for k in keys[keys.index(head[-1]) + 1 :]]
-        assert later and all(client.object_meta(k).replicas[0].tier == "disk" for k in later)  # type: ignore[union-attr]
-        candidate = [(head[-1], meta.replicas[0].alloc_id)]
+        keys = next(keys for keys in chains if [tier_of(k) for k in keys] == ["host", "host", "disk", "disk"])
+        head, later = keys[1], keys[2:]
+        meta = client.object_meta(head)
+        assert meta is not None
+        candidate = [(head, meta.replicas[0].alloc_id)]
         evict = functools.partial(
             agent.index.evict_chains, node_id=agent.node_id, tier="host", wanted_bytes=1, most_later=64
         )
         assert evict(candidate, pressed_tiers=["disk"]) == (0, 0, ["LOCAL"])
         assert evict(candidate, pressed_tiers=[]) == (MiB, 1 + len(later), ["OK"])
-        assert not any(client.exists(k) for k in [head[-1], *later])
+        assert not any(client.exists(k) for k in [head, *later])
         assert not settled_audit(client.index)
     finally:
         client.close()

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from helpers import wait_until
-from patched_agent import agent_address, connect_raw, read_reply, wait_committed
+from patched_agent import agent_address, agent_side_sockets, connect_raw, read_reply, wait_committed
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ConnectError, MooncakeError
@@ -69,21 +69,6 @@ def _agent_threads(cluster: LocalCluster) -> int:
             if line.startswith("Threads:"):
                 return int(line.split()[1])
     raise AssertionError("no Threads: line")
-
-
-def _agent_side_connections(cluster: LocalCluster) -> int:
-    """TCP connections whose local end is the agent's port, ESTABLISHED or CLOSE_WAIT (a socket
-    the peer closed and the agent has not): the agent's served connections, leaked or not."""
-    port = agent_address(cluster)[1]
-    count = 0
-    with open("/proc/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            local_port = int(fields[1].rsplit(":", 1)[1], 16)
-            if local_port == port and fields[3] in ("01", "08"):
-                count += 1
-    return count
 
 
 def _published_used(client: Client) -> tuple[int, float]:
@@ -198,7 +183,7 @@ def test_refused_idle_and_half_open_connections_leak_nothing(start_agent: Callab
     finally:
         for sock in held:
             sock.close()
-    assert wait_until(lambda: _agent_side_connections(cluster) == 0, 5), "the agent kept sockets"
+    assert wait_until(lambda: agent_side_sockets(cluster) == 0, 5), "the agent kept sockets"
     assert wait_until(lambda: _agent_threads(cluster) == threads_before, 5), "the agent kept threads"
     peer = _peer(cluster)
     try:
@@ -493,7 +478,7 @@ def test_a_torn_write_a_cut_reserve_and_an_unread_reply_leave_the_arena_as_it_wa
     assert bytes(client.get("keep").tobytes()) == keep.tobytes()
     _healthy(client, 4)
     client.close()  # its pooled connections go too: what remains on the agent's side leaked
-    assert wait_until(lambda: _agent_side_connections(cluster) == 0, 5)
+    assert wait_until(lambda: agent_side_sockets(cluster) == 0, 5)
     assert wait_until(lambda: _agent_threads(cluster) == threads_before, 5)
 
 

@@ -7,7 +7,6 @@ the second one here.
 from __future__ import annotations
 
 import gc
-import os
 import random
 import threading
 import time
@@ -24,7 +23,7 @@ from chaos_kit import (
     spill_totals,
     value_of,
 )
-from helpers import wait_until
+from helpers import socket_fds, tcp_sockets, wait_until
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError, connect
 
@@ -32,27 +31,11 @@ from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError, con
 # ---- 3: close() racing puts and gets of its own client ---------------------------------------
 def own_sockets_to(ports: set[int]) -> dict[int, int]:
     """Established TCP sockets of this process whose peer is one of ``ports`` on loopback."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    mine = set(socket_fds("self"))
     count: dict[int, int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            remote, state, inode = parts[2], parts[3], parts[9]
-            port = int(remote.rsplit(":", 1)[1], 16)
-            if state == "01" and inode in inodes and port in ports:
-                count[port] = count.get(port, 0) + 1
+    for s in tcp_sockets():
+        if s.state == "01" and s.inode in mine and s.remote_port in ports:
+            count[s.remote_port] = count.get(s.remote_port, 0) + 1
     return count
 
 

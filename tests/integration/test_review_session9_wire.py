@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from helpers import wait_until
-from patched_agent import agent_address, agent_port_fds, connect_raw, read_reply
+from patched_agent import agent_port_fds, agent_side_sockets, connect_raw, read_reply
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity, StaleLocation
@@ -51,20 +51,6 @@ def _fill(cluster: LocalCluster, count: int) -> list[socket.socket]:
         sock.sendall(frames.pack(Op.PING))
         assert read_reply(sock)[1] == Status.OK
     return held
-
-
-def _agent_side(cluster: LocalCluster, states: tuple[str, ...]) -> int:
-    """TCP sockets whose local end is the agent's port, in ``states`` (/proc/net/tcp codes:
-    01 ESTABLISHED, 06 TIME_WAIT, 08 CLOSE_WAIT)."""
-    port = agent_address(cluster)[1]
-    count = 0
-    with open("/proc/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in states:
-                count += 1
-    return count
 
 
 def _peer(cluster: LocalCluster) -> PeerConnections:
@@ -165,15 +151,15 @@ def test_a_batch_get_asks_an_agent_that_answered_busy_once_not_once_per_key(
     keys = [f"busy-get-{i}" for i in range(50)]
     writer.put_many({k: np.full(1024, i, np.uint8) for i, k in enumerate(keys)})
     writer.close()
-    assert wait_until(lambda: _agent_side(cluster, ("01", "08")) == 0, 5)
+    assert wait_until(lambda: agent_side_sockets(cluster) == 0, 5)
     reader = make_client(cluster, transports=("tcp",))
     held = _fill(cluster, 1)
     try:
-        before = _agent_side(cluster, ("06",))
+        before = agent_side_sockets(cluster, ("06",))
         with pytest.raises(MooncakeError, match="connection limit of 1"):
             reader.get_many(keys)
         time.sleep(0.3)  # the last refusals' closes
-        refused = _agent_side(cluster, ("06",)) - before
+        refused = agent_side_sockets(cluster, ("06",)) - before
     finally:
         for sock in held:
             sock.close()
@@ -226,7 +212,7 @@ def test_a_flood_of_refused_connections_leaks_nothing_and_does_not_hold_up_stop(
         assert answered, "no refused connection was told BUSY"
         assert all(a[1:] == (Status.BUSY, 2) for a in answered), answered
         # The agent gives up on the silent ones after REFUSE_WAIT_S (1 s).
-        assert wait_until(lambda: _agent_side(cluster, ("01", "08")) == 2, 6), "refused sockets were kept"
+        assert wait_until(lambda: agent_side_sockets(cluster) == 2, 6), "refused sockets were kept"
         assert wait_until(lambda: agent_port_fds(cluster) == fds_before, 6), "refused descriptors were kept"
     finally:
         for sock in flood:
@@ -235,7 +221,7 @@ def test_a_flood_of_refused_connections_leaks_nothing_and_does_not_hold_up_stop(
             sock.close()
 
     def slots_free() -> bool:  # the agent has seen its served connections close (none in CLOSE_WAIT)
-        return _agent_side(cluster, ("01", "08")) == 0
+        return agent_side_sockets(cluster) == 0
 
     assert wait_until(slots_free, 6), "the agent kept connections its clients closed"
     peer = _peer(cluster)
