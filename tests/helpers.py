@@ -107,6 +107,22 @@ def beat_since(client: Client, since: float, node_id: str | None = None) -> bool
     return node.heartbeat_age_s < time.monotonic() - since
 
 
+def synced_after(client: Client, node_id: str) -> Callable[[], bool]:
+    """From now, whether an agent process has completed a sync (its frees applied): a marker ack
+    (an alloc id no agent ever hands out, which a sync commits nothing for) goes into the node's
+    ack list; the sync that takes it moves it to the carried list (acksout), and the next sync,
+    which says the one before was applied, deletes that. Only the index shows a process's syncs."""
+    r, prefix = client.index.redis, client.index.prefix
+    marker = str((1 << 62) + uuid.uuid4().int % (1 << 30))
+    r.rpush(prefix + "acks:" + node_id, marker)
+
+    def synced() -> bool:
+        lists = (prefix + "acks:" + node_id, prefix + "acksout:" + node_id)
+        return not any(marker in r.lrange(name, 0, -1) for name in lists)
+
+    return synced
+
+
 def host_use_since(client: Client, since: float) -> float:
     """The host tier's used bytes as the first node's last heartbeat published them, if it beat
     after ``since`` (see beat_since); infinity if not yet."""

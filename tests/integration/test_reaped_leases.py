@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import synced_after, wait_until
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -145,7 +145,8 @@ def test_a_stalled_agent_that_comes_back_does_not_hand_out_a_block_a_reader_may_
     finally:
         os.kill(agent.pid, signal.SIGCONT)
     assert wait_until(lambda: replica.node_id in writer.index.nodes(), 10), "never registered again"
-    time.sleep(0.6)  # its syncs run: whatever it frees is free by now
+    # A sync of its own since it came back: whatever it would free is free by now.
+    assert wait_until(synced_after(writer, replica.node_id), 10), "the agent never synced again"
     fd = os.open(f"/dev/shm/{node.shm_name}", os.O_RDONLY)
     try:
         segment = mmap.mmap(fd, 0, prot=mmap.PROT_READ)

@@ -8,10 +8,10 @@ bounded, and every socket is closed by the test that opened it.
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import socket
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -44,15 +44,27 @@ def test_a_reserve_larger_than_the_arena_evicts_nothing(
     agent = make_inproc_agent(namespace=ns, host_bytes=4 * MiB, reserve_timeout_s=30.0)
     client = connect(redis_url, namespace=ns, timeout_s=10, transports=("tcp",))
     keys = [f"k{i}" for i in range(4)]
+    # Host passes the pressure thread has made (it makes one per wake and per interval).
+    passes: list[int] = []
+    relieve_host = agent.pressure.relieve_host
+
+    def counted_pass() -> int:
+        moved = relieve_host()
+        passes.append(moved)
+        return moved
+
+    agent.pressure.relieve_host = counted_pass  # type: ignore[method-assign]
     try:
         for i, key in enumerate(keys):
             client.put(key, np.full(64 * KiB, i, np.uint8))  # 256 KiB of 4 MiB: no pressure at all
         assert all(client.object_meta(k) is not None for k in keys)
+        before = len(passes)
         with socket.create_connection(parse_endpoint(agent.server.endpoint), timeout=5) as sock:
             sock.sendall(frames.pack(Op.RESERVE, 1, 0, 0) + frames.RESERVE_ENTRY.pack(1 << 40, b"x" * 16))
             _, status, _, _, capacity = frames.unpack(frames.recv_exact(sock, frames.HEADER_BYTES))
         assert status == Status.NO_CAPACITY and capacity == 4 * MiB
-        time.sleep(1.5)  # the pressure thread was woken at once; give it several passes
+        # Passes begun after the refusal: several, whether or not it woke the thread.
+        assert wait_until(lambda: len(passes) >= before + 3, 10), "the pressure thread made no passes"
         gone = [k for k in keys if client.object_meta(k) is None]
         assert not gone, f"a refused 1 TiB RESERVE on a 4 MiB node evicted {gone}"
         for i, key in enumerate(keys):
@@ -61,12 +73,15 @@ def test_a_reserve_larger_than_the_arena_evicts_nothing(
         client.close()
 
 
-def test_running_out_of_file_descriptors_does_not_kill_the_accept_loop(make_inproc_agent: Callable[..., Agent]) -> None:
+def test_running_out_of_file_descriptors_does_not_kill_the_accept_loop(
+    make_inproc_agent: Callable[..., Agent], caplog: pytest.LogCaptureFixture
+) -> None:
     """accept() failing with EMFILE (one client holding many idle connections, which the server
     keeps forever and does not cap) is transient: once descriptors are free again the agent must
     serve new connections. _accept_loop returns on any OSError from accept(), so the agent never
     accepts again: every later connection sits in the backlog and each request times out."""
     agent = make_inproc_agent()
+    caplog.set_level(logging.WARNING, logger="mooncake.agent")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     fillers: list[int] = []
     sock: socket.socket | None = None
@@ -79,13 +94,15 @@ def test_running_out_of_file_descriptors_does_not_kill_the_accept_loop(make_inpr
                 break
         os.close(fillers.pop())  # one free slot, which the client end of a connection takes
         sock = socket.create_connection(parse_endpoint(agent.server.endpoint), timeout=2)
-        time.sleep(0.6)  # the accept thread wakes for it and gets EMFILE
+        # The accept thread wakes for it and gets EMFILE (which it logs) before a descriptor frees.
+        failed = wait_until(lambda: any("accept failed" in r.getMessage() for r in caplog.records), 10)
     finally:
         if sock is not None:
             sock.close()
         for fd in fillers:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert failed, "accept() never failed: the case was not reached"
     peer = PeerConnections(agent.server.endpoint, timeout_s=2, max_idle=1)
     try:
         assert wait_until(agent.server._accept_thread.is_alive, 1), "the accept loop died on EMFILE"

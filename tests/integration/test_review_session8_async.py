@@ -252,7 +252,9 @@ def test_a_put_cut_short_by_close_commits_nothing_and_its_reservation_is_reclaim
             time.sleep(0.0005)
         os.kill(pid, signal.SIGSTOP)
         stopped = True
-        time.sleep(0.3)
+        # The put waits on the stalled agent once its bytes queue there (unless it ended first).
+        endpoint = cluster.agents[0].endpoint
+        assert wait_until(lambda: fut.done() or requests_waiting_at(endpoint) >= 1, 10)
         started = time.monotonic()
         writer.close()
         took = time.monotonic() - started

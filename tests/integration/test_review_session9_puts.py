@@ -12,6 +12,7 @@ worth keeping.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -78,17 +79,22 @@ def _quiet_agent(make_inproc_agent: Callable[..., Agent], **overrides: Any) -> A
     return make_inproc_agent(prepare=prepare, **settings)
 
 
-def _hold_on_the_server(client: Client, call: str, r: redis.Redis, pause_ms: int) -> threading.Event:
+#: How long a held call may wait on the server at most: the hold ends by CLIENT UNPAUSE once the
+#: close() under test waits for it (_close_while_held), so its length opens no window under load.
+HOLD_MS = 30_000
+
+
+def _hold_on_the_server(client: Client, call: str, r: redis.Redis) -> threading.Event:
     """Make the client's next index ``call`` (put_start, put_commit) wait on the server: just
-    before it goes out, the index server's writes are paused for ``pause_ms`` (CLIENT PAUSE WRITE,
-    sent on the observer's connection ``r``), then the real call runs and blocks there. The
-    returned event is set once the pause is in force."""
+    before it goes out, the index server's writes are paused (CLIENT PAUSE WRITE, sent on the
+    observer's connection ``r``), then the real call runs and blocks there. The returned event is
+    set once the pause is in force; _close_while_held lifts it."""
     real = getattr(client.index, call)
     paused = threading.Event()
 
     def pause_then_call(*args: Any, **kwargs: Any) -> Any:
         if not paused.is_set():
-            r.execute_command("CLIENT", "PAUSE", str(pause_ms), "WRITE")
+            r.execute_command("CLIENT", "PAUSE", str(HOLD_MS), "WRITE")
             paused.set()
         return real(*args, **kwargs)
 
@@ -96,12 +102,41 @@ def _hold_on_the_server(client: Client, call: str, r: redis.Redis, pause_ms: int
     return paused
 
 
+def _waiting_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is now inside a call of ``function`` (by name, anywhere on its stack)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _close_while_held(close: Callable[[], None], r: redis.Redis) -> None:
+    """Call ``close`` while the held call still waits on the server, and return when it has:
+    close() runs on a thread of its own, and the pause is lifted once close() waits for the puts
+    under way (InFlight.drain), or has returned without waiting. A fixed pause could lapse under
+    load before close() was called, and the test would pass without its case."""
+    closer = _Runner(close)
+    try:
+        reached = wait_until(lambda: closer.done.is_set() or _waiting_in(closer.thread, "drain"), 10.0)
+        assert reached, "close() neither returned nor waited for the puts under way"
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+    assert closer.outcome(30) == "ok"
+
+
 def _wait_blocked(r: redis.Redis, paused: threading.Event, runner: _Runner) -> None:
-    """Until the held call waits on the server (the server counts a blocked client)."""
-    assert paused.wait(10) or runner.done.is_set(), "the held call was never made"
-    assert not runner.done.is_set(), f"the operation ended before its call was held: {runner.outcome(0)}"
-    reached = wait_until(lambda: r.info("clients")["blocked_clients"] >= 1, 1.0)
-    assert reached, "the held call never reached the server"
+    """Until the held call waits on the server (the server counts a blocked client). On a failure
+    the pause is lifted, so that the server's writes are not held for the rest of HOLD_MS."""
+    try:
+        assert paused.wait(10) or runner.done.is_set(), "the held call was never made"
+        assert not runner.done.is_set(), f"the operation ended before its call was held: {runner.outcome(0)}"
+        reached = wait_until(lambda: r.info("clients")["blocked_clients"] >= 1, 5.0)
+        assert reached, "the held call never reached the server"
+    except BaseException:
+        r.execute_command("CLIENT", "UNPAUSE")
+        raise
 
 
 def _live_index_connections(client: Client) -> int:
@@ -122,8 +157,8 @@ def test_a_put_past_its_transfers_is_not_committed_after_close_returned(
     index and returns, and the put then reopens an index connection, commits and returns None: an
     object appears, and a write reports success, after close() returned. The connection it
     reopened stays open in a closed client (a leak). Here the index server holds the put's
-    put_commit for 1.5 s (CLIENT PAUSE WRITE, issued just before the call) to place close() in
-    that window.
+    put_commit (CLIENT PAUSE WRITE, issued just before the call, lifted once close() has begun)
+    to place close() in that window.
 
     Fixed (client/in_flight.py): a put counts itself in from put_start to its commit or revoke,
     a commit does not start once the client is closed, and close() waits for the puts counted in
@@ -138,11 +173,11 @@ def test_a_put_past_its_transfers_is_not_committed_after_close_returned(
     client = clients(agent, transports=("tcp",))
     client.put(_key("warm"), b"x")  # node table and connections in place
     key = _key("late")
-    paused = _hold_on_the_server(client, "put_commit", r, 1500)
+    paused = _hold_on_the_server(client, "put_commit", r)
     runner = _Runner(lambda: client.put(key, value))
     _wait_blocked(r, paused, runner)
     assert not r.exists(observer.index.prefix + "o:" + key), "committed before the hold"
-    client.close()
+    _close_while_held(client.close, r)
     stored_at_close = observer.exists(key)
     outcome = runner.outcome(30)
     stored = observer.exists(key)
@@ -169,10 +204,10 @@ def test_a_put_whose_put_start_waits_on_the_index_at_close_stores_nothing_and_sa
     client.put(_key("warm"), b"x")
     key = _key("early")
     value = np.random.default_rng(3).integers(0, 256, 8 * MiB, dtype=np.uint8)
-    paused = _hold_on_the_server(client, "put_start", r, 1500)
+    paused = _hold_on_the_server(client, "put_start", r)
     runner = _Runner(lambda: client.put(key, value))
     _wait_blocked(r, paused, runner)
-    client.close()
+    _close_while_held(client.close, r)
     outcome = runner.outcome(30)
     assert outcome == "MooncakeError: client is closed", outcome
     assert not observer.exists(key)
@@ -231,11 +266,11 @@ def test_a_prefix_store_past_its_transfers_is_not_committed_after_cache_close_re
     chunks = [np.full(4 * MiB, i, np.uint8) for i in range(4)]
     tokens = list(range(16))
     cache = PrefixCache(client, "rv9-late", chunk_tokens=4)
-    paused = _hold_on_the_server(client, "put_commit", r, 1500)
+    paused = _hold_on_the_server(client, "put_commit", r)
     runner = _Runner(lambda: cache.store(tokens, chunks))
     _wait_blocked(r, paused, runner)
     assert not any(r.exists(observer.index.prefix + "o:" + k) for k in cache.keys(tokens))  # plain reads: not paused
-    cache.close()
+    _close_while_held(cache.close, r)
     stored_at_close = [observer.exists(k) for k in cache.keys(tokens)]
     outcome = runner.outcome(30)
     stored = [observer.exists(k) for k in cache.keys(tokens)]
