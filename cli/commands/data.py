@@ -8,7 +8,7 @@ import stat
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Annotated, BinaryIO
 
@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mooncake_store import Client, InvalidValue, NoCapacity
+from mooncake_store.client.gets import uncounted
 from mooncake_store.config import format_size
 from mooncake_store.types import check_key
 
@@ -146,13 +147,15 @@ def _put(client: Client, key: str, view: memoryview, replicas: int) -> tuple[int
 
 def _fetch(client: Client, key: str) -> np.ndarray:
     """The object's raw bytes, whatever dtype it was put with, copied once into a fresh buffer."""
-    for _ in range(3):
+    for attempt in range(3):
         meta = client.object_meta(key)
         buf = np.empty(meta.size_bytes if meta is not None else 0, dtype=np.uint8)
         try:
             # A missing key raises KeyNotFound here, from the read, which counts it as a miss in
-            # stat() as any get does (the size lookup counts nothing).
-            written = client.get_into(key, buf)
+            # stat() as any get does (the size lookup counts nothing); a second try counts nothing
+            # more, as a get's own retries do.
+            with nullcontext() if attempt == 0 else uncounted():
+                written = client.get_into(key, buf)
         except InvalidValue:
             continue  # replaced by a bigger object between the size lookup and the read: look again
         # Replaced by a smaller one meanwhile: only what the read wrote is the object.

@@ -5,9 +5,11 @@ against the index for any read that outlived its lease (DESIGN.md §3.3)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +34,28 @@ if TYPE_CHECKING:
 
 #: Re-check a read against the index when it ends within this fraction of its lease.
 LEASE_SAFETY = 0.8
+
+#: Per thread: whether its reads are a caller's second try at keys it already read (see uncounted).
+_again = threading.local()
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """The calling thread's reads in the block count no hits or misses in stat(): they try again
+    keys a read before them counted (a PrefixCache's per-chunk fallback after its batch read
+    failed, the CLI's get after the object changed size), as a read's own retries count nothing."""
+    before = getattr(_again, "on", False)
+    _again.on = True
+    try:
+        yield
+    finally:
+        _again.on = before
+
+
+def counts(attempt: int) -> bool:
+    """Whether a read's lookup of this ``attempt`` counts its keys: only a read's first, and not
+    inside uncounted()."""
+    return attempt == 0 and not getattr(_again, "on", False)
 
 
 def refuse_stale_shm(key: str, replica: Replica, node: NodeInfo, kind: TransportKind) -> None:
@@ -77,7 +101,7 @@ class GetPath:
             started = time.monotonic()
             # Counted once per key and call: a retry's keys were counted by the first lookup.
             result = self.client.index.lookup(
-                [keys[i] for i in pending], lease_ms=self.client.config.lease_ms, counted=attempt == 0
+                [keys[i] for i in pending], lease_ms=self.client.config.lease_ms, counted=counts(attempt)
             )
             # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
             # ones); the reads are budgeted against the shortest one this batch got.

@@ -33,7 +33,13 @@ from typing import Any
 
 from mooncake_store.client.client import Client
 from mooncake_store.client.in_flight import on_pool_thread
-from mooncake_store.client.prefix_chunks import check_chunks_alike, output_buffers, stored_layout, tail_tokens
+from mooncake_store.client.prefix_chunks import (
+    check_chunks_alike,
+    output_buffers,
+    read_run,
+    stored_layout,
+    tail_tokens,
+)
 from mooncake_store.client.prefix_hash import (
     BlockHash,
     block_hash_chain,
@@ -314,10 +320,10 @@ class PrefixCache:
                 if len(dests) < found:
                     raise InvalidValue(f"{found} chunk(s) matched but {len(dests)} output buffer(s) given")
                 with self._ops.active():
-                    chunks: list[Any] = self._read(matched, dests[:found])
+                    chunks: list[Any] = read_run(self.client, matched, dests[:found])
             else:
                 with self._ops.active():
-                    chunks = self._read(matched, None)
+                    chunks = read_run(self.client, matched, None)
             usable = next((i for i, c in enumerate(chunks) if c is None), len(chunks))
             if usable < found:
                 # The hit's keys shrink before the tail is unpinned, under the lock its renewal
@@ -334,36 +340,6 @@ class PrefixCache:
             hit.release()
             raise
         return hit
-
-    def _read(self, keys: list[str], dests: list[object] | None) -> list[Any]:
-        """The chunks, into ``dests`` when given (else as new arrays); None from the first one
-        that cannot be read on."""
-        client = self.client
-        try:
-            if dests is None:
-                return client.get_many(keys)
-            client.get_many_into(keys, dests)
-            return dests
-        except InvalidValue:
-            raise  # the caller's buffers are wrong (too small, bad dtype): an error, not a miss
-        except MooncakeError as exc:
-            # Cut short by a close (the client's or this cache's): that error, not a miss.
-            client._raise_if_interrupted(exc)
-            # Some chunk went away between match and read (a node died): keep the readable run.
-            out: list[Any] = []
-            for i, key in enumerate(keys):
-                try:
-                    if dests is None:
-                        out.append(client.get(key))
-                    else:
-                        client.get_into(key, dests[i])
-                        out.append(dests[i])
-                except InvalidValue:
-                    raise
-                except MooncakeError as exc:
-                    client._raise_if_interrupted(exc)
-                    break
-            return out + [None] * (len(keys) - len(out))
 
     def load_async(self, token_ids: Any = None, **kwargs: Any) -> Future[PrefixHit]:
         """:meth:`load` on a worker thread."""

@@ -1,7 +1,7 @@
 """Checks of the chunk arrays a PrefixCache stores: the chunks of one prompt are alike (one dtype;
 every full chunk the same size, a tail no larger). One float64 chunk in a float32 chain made every
 later load through it fail, and a half-size chunk half-filled the caller's buffer while the hit
-still counted its tokens. And the caller's output buffers for a load."""
+still counted its tokens. And the caller's output buffers for a load, and its reads."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mooncake_store.client.buffers import as_source
+from mooncake_store.client.gets import uncounted
 from mooncake_store.client.prefix_hash import as_token_array
-from mooncake_store.errors import InvalidValue
+from mooncake_store.errors import InvalidValue, MooncakeError
 from mooncake_store.tiers.gpu_arrays import is_device_array
 
 if TYPE_CHECKING:
@@ -80,3 +81,35 @@ def output_buffers(outs: object, found: int) -> list[object]:
         what = "outs(n) returned" if callable(outs) else "outs is"
         raise InvalidValue(f"{what} {type(given).__name__}; a sequence of output buffers is wanted")
     return list(given[:found])
+
+
+def read_run(client: Client, keys: list[str], dests: list[object] | None) -> list[Any]:
+    """A load's matched chunks, into ``dests`` when given (else as new arrays); None from the first
+    one that cannot be read on."""
+    try:
+        if dests is None:
+            return client.get_many(keys)
+        client.get_many_into(keys, dests)
+        return dests
+    except InvalidValue:
+        raise  # the caller's buffers are wrong (too small, bad dtype): an error, not a miss
+    except MooncakeError as exc:
+        # Cut short by a close (the client's or this cache's): that error, not a miss.
+        client._raise_if_interrupted(exc)
+        # Some chunk went away between match and read (a node died): keep the readable run.
+        # The batch's lookup counted these keys already.
+        out: list[Any] = []
+        with uncounted():
+            for i, key in enumerate(keys):
+                try:
+                    if dests is None:
+                        out.append(client.get(key))
+                    else:
+                        client.get_into(key, dests[i])
+                        out.append(dests[i])
+                except InvalidValue:
+                    raise
+                except MooncakeError as exc:
+                    client._raise_if_interrupted(exc)
+                    break
+        return out + [None] * (len(keys) - len(out))

@@ -11,6 +11,7 @@ import pytest
 from helpers import wait_until
 
 from mooncake_store import Client, LocalCluster, MooncakeError
+from mooncake_store.client.prefix import PrefixCache
 from mooncake_store.client.stats import ClusterStats, TierStats
 
 MiB = 1 << 20
@@ -87,3 +88,55 @@ def test_a_damaged_chunk_file_is_counted_in_stat(
     assert wait_until(lambda: tier_of(client.stat(), node, "disk").corrupt >= 1, 5)
     stats = client.stat()
     assert stats.corrupt == 1 and stats.as_dict()["corrupt"] == 1
+
+
+def test_a_prefix_load_whose_batch_read_fails_counts_each_chunk_once(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A load whose batch read fails (a chunk's node died after the match) reads its chunks again
+    one by one to keep the readable run; each of those gets counted its key again, after the
+    batch's lookup had: two chunks showed four hits."""
+    cluster = make_cluster(2, host_bytes=8 * MiB, heartbeat_ttl_s=20)
+    client = make_client(cluster, transports=("tcp",), max_retries=1)
+    cache = PrefixCache(client, "stat-prefix/f32/L1/kv1/d8/tp0", chunk_tokens=4)
+    tokens = np.arange(8, dtype=np.int64)
+    chunks = [np.full(64, i, np.float32) for i in range(2)]
+    cache.store(tokens[:4], chunks[:1], preferred_node="agent-0")
+    cache.store(tokens, chunks, preferred_node="agent-1")  # the second chunk only, on agent-1
+    placed = [client.object_meta(k) for k in cache.keys(tokens)]
+    assert [m.replicas[0].node_id for m in placed if m] == ["agent-0", "agent-1"]
+    cluster.agent("agent-1").kill()
+    with cache.load(tokens) as hit:
+        assert hit.num_chunks == 1
+        assert hit.chunks[0].tolist() == chunks[0].tolist()
+    stats = client.stat()
+    assert (stats.hits, stats.misses) == (2, 0)
+    assert tier_of(stats, "agent-0", "host").hits == 1
+    cache.close()
+
+
+def test_the_cli_get_that_looks_again_counts_one_hit(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """`mooncake get` sizes its buffer by the object's metadata, then reads; an object replaced by
+    a larger one in between is read again, and that second read counted a second hit."""
+    from mooncake_cli.commands.data import _fetch
+
+    cluster = make_cluster(1, host_bytes=8 * MiB)
+    client = make_client(cluster)
+    writer = make_client(cluster)
+    client.put("grows", np.zeros(1000, np.uint8))
+    real_meta = client.object_meta
+    replaced: list[bool] = []
+
+    def meta_then_replace(key: str) -> object:
+        meta = real_meta(key)
+        if not replaced:  # the object grows between the size lookup and the read, once
+            writer.put(key, np.ones(3000, np.uint8))
+            replaced.append(True)
+        return meta
+
+    client.object_meta = meta_then_replace  # type: ignore[method-assign]
+    assert _fetch(client, "grows").tolist() == [1] * 3000
+    assert replaced
+    assert (client.stat().hits, client.stat().misses) == (1, 0)
