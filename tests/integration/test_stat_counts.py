@@ -3,6 +3,7 @@ agent read per object however many stripes its transfer took, and damaged replic
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from mooncake_store import Client, LocalCluster, MooncakeError
+from mooncake_store import Client, LocalCluster, MooncakeError, connect
+from mooncake_store.agent.node import Agent
 from mooncake_store.client.prefix import PrefixCache
 from mooncake_store.client.stats import ClusterStats, TierStats
 
@@ -140,3 +142,49 @@ def test_the_cli_get_that_looks_again_counts_one_hit(
     assert _fetch(client, "grows").tolist() == [1] * 3000
     assert replaced
     assert (client.stat().hits, client.stat().misses) == (1, 0)
+
+
+def test_an_object_lost_then_dropped_by_a_late_holder_counts_one_eviction(
+    make_inproc_agent: Callable[..., Agent], redis_url: str
+) -> None:
+    """An object with two copies: one node is past its heartbeat deadline (not reaped yet) when
+    the other's copy is evicted, so the object is lost to readers (one eviction). The late node
+    then beats again and its copy is evicted too: the same object counted a second eviction."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    quiet = {"heartbeat_interval_s": 3000.0, "heartbeat_ttl_s": 3600.0, "host_bytes": 8 * MiB}
+    first = make_inproc_agent(namespace=namespace, node_id="late-a", **quiet)
+    second = make_inproc_agent(namespace=namespace, node_id="late-b", **quiet)
+    client = connect(redis_url, namespace=namespace)
+    try:
+        client.put("twice", np.full(1000, 3, np.uint8), replicas=2)
+        meta = client.object_meta("twice")
+        assert meta is not None and sorted(r.node_id for r in meta.replicas) == ["late-a", "late-b"]
+        by_node = {r.node_id: r for r in meta.replicas}
+        index = client.index
+        deadline = index.redis.zscore(index.prefix + "hb", second.node_id)
+        index.redis.zadd(index.prefix + "hb", {second.node_id: 1})  # past its deadline, not reaped
+        assert index.evict("twice", node_id=first.node_id, alloc_id=by_node[first.node_id].alloc_id) == "OK"
+        assert client.stat().evictions == 1  # no readable copy left
+        index.redis.zadd(index.prefix + "hb", {second.node_id: deadline})  # it beats again
+        (back,) = index.lookup(["twice"], lease_ms=0, counted=False).objects  # readable again (no read lease)
+        assert back is not None and [r.node_id for r in back.replicas] == [second.node_id]
+        assert index.evict("twice", node_id=second.node_id, alloc_id=by_node[second.node_id].alloc_id) == "OK"
+        assert not client.exists("twice")
+        assert client.stat().evictions == 1
+        # The mark is the object's: one stored over a lost one (whose copy on the late node is
+        # still named) and then evicted is a loss of its own.
+        client.put("twice", np.full(1000, 4, np.uint8), replicas=2)
+        index.redis.zadd(index.prefix + "hb", {second.node_id: 1})
+        (meta,) = index.lookup(["twice"], lease_ms=0, counted=False).objects
+        assert meta is not None
+        (on_first,) = [r for r in meta.replicas if r.node_id == first.node_id]
+        assert index.evict("twice", node_id=first.node_id, alloc_id=on_first.alloc_id) == "OK"
+        assert client.stat().evictions == 2
+        index.redis.zadd(index.prefix + "hb", {second.node_id: deadline})
+        client.put("twice", np.full(1000, 5, np.uint8), preferred_node=first.node_id)
+        (again,) = index.lookup(["twice"], lease_ms=0, counted=False).objects
+        assert again is not None and [r.node_id for r in again.replicas] == [first.node_id]
+        assert index.evict("twice", node_id=first.node_id, alloc_id=again.replicas[0].alloc_id) == "OK"
+        assert client.stat().evictions == 3
+    finally:
+        client.close()

@@ -118,8 +118,8 @@ for _, n in ipairs(order) do
             if r[1] == node and r[2] == tier then freed = freed + tonumber(r[4]) end
           end
           bury(reps, k, math.max(now, tonumber(f[2] or 0)))
+          count_lost(P .. 'o:' .. k, 'evictions')
           drop_object(k)
-          redis.call('HINCRBY', P .. 'stats', 'evictions', 1)
           evicted = evicted + 1
         end
       end

@@ -82,8 +82,9 @@ for i, put_id in ipairs(ids) do
         'lease_until', 0, 'last_access', now, 'created', now, 'copies', #e.replicas)
       if e.chain_pos then
         redis.call('HSET', ok, 'chain_pos', e.chain_pos)
+        redis.call('HDEL', ok, 'lost')  -- a new object: its loss is counted anew (count_lost)
       else
-        redis.call('HDEL', ok, 'chain_pos')
+        redis.call('HDEL', ok, 'chain_pos', 'lost')
       end
       -- Children hang off the key, not the object: a replaced object keeps them. The parent link is
       -- the new object's.
