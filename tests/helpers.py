@@ -109,11 +109,12 @@ def beat_since(client: Client, since: float, node_id: str | None = None) -> bool
 
 def synced_after(client: Client, node_id: str) -> Callable[[], bool]:
     """From now, whether an agent process has completed a sync (its frees applied): a marker ack
-    (an alloc id no agent ever hands out, which a sync commits nothing for) goes into the node's
-    ack list; the sync that takes it moves it to the carried list (acksout), and the next sync,
-    which says the one before was applied, deletes that. Only the index shows a process's syncs."""
+    (an alloc id of tag 0, which no agent hands out, so a sync commits nothing for it) goes into
+    the node's ack list; the sync that takes it moves it to the carried list (acksout), and the
+    next sync, which says the one before was applied, deletes that. Only the index shows a
+    process's syncs."""
     r, prefix = client.index.redis, client.index.prefix
-    marker = str((1 << 62) + uuid.uuid4().int % (1 << 30))
+    marker = str(uuid.uuid4().int % (1 << 47))  # below 1 << ALLOC_TAG_SHIFT: tag 0
     r.rpush(prefix + "acks:" + node_id, marker)
 
     def synced() -> bool:

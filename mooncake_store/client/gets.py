@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 #: Re-check a read against the index when it ends within this fraction of its lease.
 LEASE_SAFETY = 0.8
 
-#: Per thread: whether its reads are a caller's second try at keys it already read (see uncounted).
+#: Per thread: whether its reads are a caller's second try at keys it already read (see
+#: uncounted), and how many keys its lookups have counted (see counted_keys).
 _again = threading.local()
 
 
@@ -56,6 +57,18 @@ def counts(attempt: int) -> bool:
     """Whether a read's lookup of this ``attempt`` counts its keys: only a read's first, and not
     inside uncounted()."""
     return attempt == 0 and not getattr(_again, "on", False)
+
+
+def note_counted(keys: int) -> None:
+    """A lookup that counted ``keys`` keys returned (on the calling thread)."""
+    _again.counted = counted_keys() + keys
+
+
+def counted_keys() -> int:
+    """Keys the calling thread's lookups have counted so far: a caller that reads keys again after
+    a failed read knows from it whether that read's lookup counted them (it may have failed before
+    its lookup ran, on a connection to the index)."""
+    return int(getattr(_again, "counted", 0))
 
 
 def refuse_stale_shm(key: str, replica: Replica, node: NodeInfo, kind: TransportKind) -> None:
@@ -100,9 +113,12 @@ class GetPath:
             self.client._check_open()  # a retry after close() cut this call's reads short: none
             started = time.monotonic()
             # Counted once per key and call: a retry's keys were counted by the first lookup.
+            counted = counts(attempt)
             result = self.client.index.lookup(
-                [keys[i] for i in pending], lease_ms=self.client.config.lease_ms, counted=counts(attempt)
+                [keys[i] for i in pending], lease_ms=self.client.config.lease_ms, counted=counted
             )
+            if counted:
+                note_counted(len(pending))
             # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
             # ones); the reads are budgeted against the shortest one this batch got.
             lease_left_ms = result.lease_left_ms(self.client.config.lease_ms)

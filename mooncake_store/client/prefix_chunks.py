@@ -5,11 +5,12 @@ still counted its tokens. And the caller's output buffers for a load, and its re
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mooncake_store.client.buffers import as_source
-from mooncake_store.client.gets import uncounted
+from mooncake_store.client.gets import counted_keys, uncounted
 from mooncake_store.client.prefix_hash import as_token_array
 from mooncake_store.errors import InvalidValue, MooncakeError
 from mooncake_store.tiers.gpu_arrays import is_device_array
@@ -86,6 +87,7 @@ def output_buffers(outs: object, found: int) -> list[object]:
 def read_run(client: Client, keys: list[str], dests: list[object] | None) -> list[Any]:
     """A load's matched chunks, into ``dests`` when given (else as new arrays); None from the first
     one that cannot be read on."""
+    counted_before = counted_keys()
     try:
         if dests is None:
             return client.get_many(keys)
@@ -96,10 +98,11 @@ def read_run(client: Client, keys: list[str], dests: list[object] | None) -> lis
     except MooncakeError as exc:
         # Cut short by a close (the client's or this cache's): that error, not a miss.
         client._raise_if_interrupted(exc)
-        # Some chunk went away between match and read (a node died): keep the readable run.
-        # The batch's lookup counted these keys already.
+        # Some chunk went away between match and read (a node died): keep the readable run. The
+        # batch's lookup counted these keys, unless it failed before it did (the index unreachable).
         out: list[Any] = []
-        with uncounted():
+        counted = counted_keys() - counted_before >= len(keys)
+        with uncounted() if counted else contextlib.nullcontext():
             for i, key in enumerate(keys):
                 try:
                     if dests is None:

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -84,22 +84,60 @@ def _quiet_agent(make_inproc_agent: Callable[..., Agent], **overrides: Any) -> A
 HOLD_MS = 30_000
 
 
-def _hold_on_the_server(client: Client, call: str, r: redis.Redis) -> threading.Event:
-    """Make the client's next index ``call`` (put_start, put_commit) wait on the server: just
-    before it goes out, the index server's writes are paused (CLIENT PAUSE WRITE, sent on the
-    observer's connection ``r``), then the real call runs and blocks there. The returned event is
-    set once the pause is in force; _close_while_held lifts it."""
-    real = getattr(client.index, call)
-    paused = threading.Event()
+class _Hold:
+    """A pause of the index server's writes (CLIENT PAUSE WRITE on a connection of its own, which
+    outlives the test's clients), made at most once and never after it was released: a test that
+    fails before its close() must not leave the session's server paused for the rest of HOLD_MS."""
 
-    def pause_then_call(*args: Any, **kwargs: Any) -> Any:
-        if not paused.is_set():
-            r.execute_command("CLIENT", "PAUSE", str(HOLD_MS), "WRITE")
-            paused.set()
-        return real(*args, **kwargs)
+    def __init__(self, url: str) -> None:
+        self.r = redis.Redis.from_url(url)
+        self.paused = threading.Event()
+        self._released = False
+        self._lock = threading.Lock()
 
-    setattr(client.index, call, pause_then_call)
-    return paused
+    def pause(self) -> None:
+        with self._lock:
+            if not self._released and not self.paused.is_set():
+                self.r.execute_command("CLIENT", "PAUSE", str(HOLD_MS), "WRITE")
+                self.paused.set()
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._released:
+                self._released = True
+                try:
+                    self.r.execute_command("CLIENT", "UNPAUSE")
+                finally:
+                    self.r.close()
+
+
+@pytest.fixture
+def hold_on_the_server(
+    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> Iterator[Callable[[Client, str], _Hold]]:
+    """``hold_on_the_server(client, call)`` makes the client's next index ``call`` (put_start,
+    put_commit) wait on the server: just before it goes out, the index server's writes are
+    paused, then the real call runs and blocks there. The hold's ``paused`` is set once the pause
+    is in force; _close_while_held lifts it, and so does the end of the test, however it ended:
+    this fixture comes after the agents and clients, so its teardown runs before theirs (an
+    agent's stop writes to the index)."""
+    holds: list[_Hold] = []
+
+    def hold_on(client: Client, call: str) -> _Hold:
+        real = getattr(client.index, call)
+        hold = _Hold(client.index.url)
+        holds.append(hold)
+
+        def pause_then_call(*args: Any, **kwargs: Any) -> Any:
+            hold.pause()
+            return real(*args, **kwargs)
+
+        setattr(client.index, call, pause_then_call)
+        return hold
+
+    yield hold_on
+    for hold in holds:
+        hold.release()
 
 
 def _waiting_in(thread: threading.Thread, function: str) -> bool:
@@ -112,7 +150,7 @@ def _waiting_in(thread: threading.Thread, function: str) -> bool:
     return False
 
 
-def _close_while_held(close: Callable[[], None], r: redis.Redis) -> None:
+def _close_while_held(close: Callable[[], None], hold: _Hold) -> None:
     """Call ``close`` while the held call still waits on the server, and return when it has:
     close() runs on a thread of its own, and the pause is lifted once close() waits for the puts
     under way (InFlight.drain), or has returned without waiting. A fixed pause could lapse under
@@ -122,21 +160,16 @@ def _close_while_held(close: Callable[[], None], r: redis.Redis) -> None:
         reached = wait_until(lambda: closer.done.is_set() or _waiting_in(closer.thread, "drain"), 10.0)
         assert reached, "close() neither returned nor waited for the puts under way"
     finally:
-        r.execute_command("CLIENT", "UNPAUSE")
+        hold.release()
     assert closer.outcome(30) == "ok"
 
 
-def _wait_blocked(r: redis.Redis, paused: threading.Event, runner: _Runner) -> None:
-    """Until the held call waits on the server (the server counts a blocked client). On a failure
-    the pause is lifted, so that the server's writes are not held for the rest of HOLD_MS."""
-    try:
-        assert paused.wait(10) or runner.done.is_set(), "the held call was never made"
-        assert not runner.done.is_set(), f"the operation ended before its call was held: {runner.outcome(0)}"
-        reached = wait_until(lambda: r.info("clients")["blocked_clients"] >= 1, 5.0)
-        assert reached, "the held call never reached the server"
-    except BaseException:
-        r.execute_command("CLIENT", "UNPAUSE")
-        raise
+def _wait_blocked(hold: _Hold, runner: _Runner) -> None:
+    """Until the held call waits on the server (the server counts a blocked client)."""
+    assert hold.paused.wait(10) or runner.done.is_set(), "the held call was never made"
+    assert not runner.done.is_set(), f"the operation ended before its call was held: {runner.outcome(0)}"
+    reached = wait_until(lambda: hold.r.info("clients")["blocked_clients"] >= 1, 5.0)
+    assert reached, "the held call never reached the server"
 
 
 def _live_index_connections(client: Client) -> int:
@@ -148,7 +181,9 @@ def _live_index_connections(client: Client) -> int:
 
 
 def test_a_put_past_its_transfers_is_not_committed_after_close_returned(
-    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+    make_inproc_agent: Callable[..., Agent],
+    clients: Callable[..., Client],
+    hold_on_the_server: Callable[[Client, str], _Hold],
 ) -> None:
     """README: 'Operations already under way in other threads end at once with [client is
     closed] ... A put cut short this way stores nothing; one that had already committed stays
@@ -173,11 +208,11 @@ def test_a_put_past_its_transfers_is_not_committed_after_close_returned(
     client = clients(agent, transports=("tcp",))
     client.put(_key("warm"), b"x")  # node table and connections in place
     key = _key("late")
-    paused = _hold_on_the_server(client, "put_commit", r)
+    hold = hold_on_the_server(client, "put_commit")
     runner = _Runner(lambda: client.put(key, value))
-    _wait_blocked(r, paused, runner)
+    _wait_blocked(hold, runner)
     assert not r.exists(observer.index.prefix + "o:" + key), "committed before the hold"
-    _close_while_held(client.close, r)
+    _close_while_held(client.close, hold)
     stored_at_close = observer.exists(key)
     outcome = runner.outcome(30)
     stored = observer.exists(key)
@@ -190,7 +225,9 @@ def test_a_put_past_its_transfers_is_not_committed_after_close_returned(
 
 
 def test_a_put_whose_put_start_waits_on_the_index_at_close_stores_nothing_and_says_closed(
-    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+    make_inproc_agent: Callable[..., Agent],
+    clients: Callable[..., Client],
+    hold_on_the_server: Callable[[Client, str], _Hold],
 ) -> None:
     """A put whose put_start is held on the index server (CLIENT PAUSE WRITE) when close() is
     called: close() cuts its agent connections and waits for it (client/in_flight.py); the put's
@@ -204,10 +241,10 @@ def test_a_put_whose_put_start_waits_on_the_index_at_close_stores_nothing_and_sa
     client.put(_key("warm"), b"x")
     key = _key("early")
     value = np.random.default_rng(3).integers(0, 256, 8 * MiB, dtype=np.uint8)
-    paused = _hold_on_the_server(client, "put_start", r)
+    hold = hold_on_the_server(client, "put_start")
     runner = _Runner(lambda: client.put(key, value))
-    _wait_blocked(r, paused, runner)
-    _close_while_held(client.close, r)
+    _wait_blocked(hold, runner)
+    _close_while_held(client.close, hold)
     outcome = runner.outcome(30)
     assert outcome == "MooncakeError: client is closed", outcome
     assert not observer.exists(key)
@@ -249,7 +286,9 @@ def test_close_waits_for_a_cut_put_to_revoke_its_pending_record(
 
 
 def test_a_prefix_store_past_its_transfers_is_not_committed_after_cache_close_returned(
-    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+    make_inproc_agent: Callable[..., Agent],
+    clients: Callable[..., Client],
+    hold_on_the_server: Callable[[Client, str], _Hold],
 ) -> None:
     """README: PrefixCache 'close() ... ends the cache's loads and stores under way at once with
     MooncakeError("PrefixCache is closed")'. The Cancel it fires only shuts down agent
@@ -266,11 +305,11 @@ def test_a_prefix_store_past_its_transfers_is_not_committed_after_cache_close_re
     chunks = [np.full(4 * MiB, i, np.uint8) for i in range(4)]
     tokens = list(range(16))
     cache = PrefixCache(client, "rv9-late", chunk_tokens=4)
-    paused = _hold_on_the_server(client, "put_commit", r)
+    hold = hold_on_the_server(client, "put_commit")
     runner = _Runner(lambda: cache.store(tokens, chunks))
-    _wait_blocked(r, paused, runner)
+    _wait_blocked(hold, runner)
     assert not any(r.exists(observer.index.prefix + "o:" + k) for k in cache.keys(tokens))  # plain reads: not paused
-    _close_while_held(cache.close, r)
+    _close_while_held(cache.close, hold)
     stored_at_close = [observer.exists(k) for k in cache.keys(tokens)]
     outcome = runner.outcome(30)
     stored = [observer.exists(k) for k in cache.keys(tokens)]

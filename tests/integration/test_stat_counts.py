@@ -6,15 +6,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from helpers import wait_until
 
-from mooncake_store import Client, LocalCluster, MooncakeError, connect
+from mooncake_store import Client, ConnectError, LocalCluster, MooncakeError, connect
 from mooncake_store.agent.node import Agent
 from mooncake_store.client.prefix import PrefixCache
 from mooncake_store.client.stats import ClusterStats, TierStats
+from mooncake_store.types import ALLOC_TAG_SHIFT, Replica, ReplicaState, TierKind
 
 MiB = 1 << 20
 
@@ -188,3 +190,73 @@ def test_an_object_lost_then_dropped_by_a_late_holder_counts_one_eviction(
         assert client.stat().evictions == 3
     finally:
         client.close()
+
+
+def test_a_copy_made_after_a_loss_is_counted_when_it_is_lost(
+    make_inproc_agent: Callable[..., Agent], redis_url: str
+) -> None:
+    """The mark that keeps a loss from being counted twice names the copies left at that loss: a
+    copy made since (re-replication from the late node, once back) and then lost is a new loss,
+    and so is damage found after it. The first version marked the object as a whole, and this
+    object's second loss went uncounted."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    quiet = {"heartbeat_interval_s": 3000.0, "heartbeat_ttl_s": 3600.0, "host_bytes": 8 * MiB}
+    first, second, third = (make_inproc_agent(namespace=namespace, node_id=f"copy-{n}", **quiet) for n in "abc")
+    client = connect(redis_url, namespace=namespace)
+    try:
+        client.put("x", np.full(1000, 3, np.uint8), replicas=2, preferred_node=first.node_id)
+        (meta,) = client.index.lookup(["x"], lease_ms=0, counted=False).objects
+        assert meta is not None
+        on = {r.node_id: r for r in meta.replicas}
+        assert set(on) == {first.node_id, second.node_id}, on
+        index = client.index
+        deadline = index.redis.zscore(index.prefix + "hb", second.node_id)
+        index.redis.zadd(index.prefix + "hb", {second.node_id: 1})  # past its deadline
+        assert index.drop_corrupt("x", on[first.node_id].alloc_id, node_id=first.node_id)
+        assert (client.stat().corrupt, client.stat().evictions) == (1, 0)
+        index.redis.zadd(index.prefix + "hb", {second.node_id: deadline})  # back
+        copy = Replica(
+            node_id=third.node_id,
+            tier=TierKind.HOST,
+            offset=0,
+            size_bytes=1000,
+            alloc_id=(third.alloc_tag << ALLOC_TAG_SHIFT) + 999,
+            state=ReplicaState.PENDING,
+        )
+        assert index.copy_replicas([("x", on[second.node_id].alloc_id, copy, "")], src_node=second.node_id) == ["OK"]
+        assert index.evict("x", node_id=second.node_id, alloc_id=on[second.node_id].alloc_id) == "OK"
+        assert client.stat().evictions == 0  # the copy on the third node is readable
+        assert index.evict("x", node_id=third.node_id, alloc_id=copy.alloc_id) == "OK"
+        assert not client.exists("x")
+        assert (client.stat().corrupt, client.stat().evictions) == (1, 1)
+    finally:
+        client.close()
+
+
+def test_a_prefix_load_whose_batch_lookup_failed_counts_its_chunks_when_read_again(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """The per-chunk reads after a failed batch read count nothing again only if the batch's
+    lookup counted the keys: one that failed on its way to the index (here its first call raises
+    ConnectError, as a dropped connection does) counted nothing, and the chunks then read one by
+    one count their hits."""
+    cluster = make_cluster(1, host_bytes=8 * MiB)
+    client = make_client(cluster)
+    cache = PrefixCache(client, "stat-prefix-blip/f32/L1/kv1/d8/tp0", chunk_tokens=4)
+    tokens = np.arange(8, dtype=np.int64)
+    cache.store(tokens, [np.full(64, i, np.float32) for i in range(2)])
+    real_lookup = client.index.lookup
+    calls: list[int] = []
+
+    def blip_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectError("the index connection dropped (test)")
+        return real_lookup(*args, **kwargs)
+
+    client.index.lookup = blip_once  # type: ignore[method-assign]
+    with cache.load(tokens) as hit:
+        assert hit.num_chunks == 2
+    assert len(calls) == 3  # the batch's, then one per chunk
+    assert (client.stat().hits, client.stat().misses) == (2, 0)
+    cache.close()

@@ -118,7 +118,7 @@ for _, n in ipairs(order) do
             if r[1] == node and r[2] == tier then freed = freed + tonumber(r[4]) end
           end
           bury(reps, k, math.max(now, tonumber(f[2] or 0)))
-          count_lost(P .. 'o:' .. k, 'evictions')
+          count_lost(P .. 'o:' .. k, 'evictions', reps, {})
           drop_object(k)
           evicted = evicted + 1
         end

@@ -468,11 +468,23 @@ end
 -- `damaged`: its bytes failed their checksum (drop_corrupt.lua), so it goes whatever keeps a
 -- victim (pins, a read lease, chunks hanging off it): no reader could get its bytes anyway. Its
 -- memory is still freed only once the read leases run out; a loss is counted as "corrupt".
--- An object lost to readers is counted once (stats `evictions`, or `corrupt` for damage): the
--- copy left on a node past its deadline, dropped later by that node come back, is no second loss.
--- put_commit clears the mark for the object stored under the key next.
-local function count_lost(ok, what)
-  if redis.call('HSETNX', ok, 'lost', 1) == 1 then redis.call('HINCRBY', P .. 'stats', what, 1) end
+-- An object lost to readers is counted once (stats `evictions`, or `corrupt` for damage). The
+-- mark `lost` lists the replicas left at that loss (",node:alloc,"), all on nodes past their
+-- deadlines: one of them dropped later, its node back meanwhile, is no second loss, while a copy
+-- made or moved since (a new alloc id) is a new one. put_commit clears the mark.
+local function count_lost(ok, what, dropped, left)
+  local mark = redis.call('HGET', ok, 'lost')
+  if mark then
+    local seen = true
+    for _, r in ipairs(dropped) do
+      if not string.find(mark, ',' .. r[1] .. ':' .. r[5] .. ',', 1, true) then seen = false end
+    end
+    if seen then return end
+  end
+  redis.call('HINCRBY', P .. 'stats', what, 1)
+  local ids = {}
+  for _, r in ipairs(left) do table.insert(ids, r[1] .. ':' .. r[5]) end
+  redis.call('HSET', ok, 'lost', ',' .. table.concat(ids, ',') .. ',')
 end
 local function evict_replica(key, node, alloc, now, damaged)
   local ok = P .. 'o:' .. key
@@ -499,12 +511,12 @@ local function evict_replica(key, node, alloc, now, damaged)
   if not holds(keep, node, found[2]) then redis.call('SREM', tier_set(node, found[2]), key) end
   local lost = damaged and 'corrupt' or 'evictions'
   if #keep == 0 then
-    count_lost(ok, lost)
+    count_lost(ok, lost, {found}, {})
     drop_object(key)
   else
     redis.call('HSET', ok, 'replicas', encode_list(keep))
     -- What is left is on dead nodes only: the object is lost to readers now, which is an eviction.
-    if readable == 0 then count_lost(ok, lost) end
+    if readable == 0 then count_lost(ok, lost, {found}, keep) end
     -- A damaged replica is a loss like a dead node's: the object is copied again from a sound one
     -- (an eviction under pressure drops a replica on purpose and lists nothing).
     if damaged then note_short(key, keep, tonumber(f[3] or 0) or 0, now) end
