@@ -325,7 +325,14 @@ class PressureManager:
         those nearest a chain's tail first (evict_chains.lua), as the chain's tail would have gone."""
         movable = choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms)
         kept = [c for c in movable if c.children > 0 and not c.other_nodes]
-        return self.moves.evict_chains(kept, tier, need, self._pressed(but=tier)) if kept else 0
+        if not kept:
+            return 0
+        disk = self.agent.disk
+        if tier == TierKind.DISK and disk is not None and disk.used_bytes:
+            # The script counts the chunks' plain sizes (the index's); a disk's need is in the
+            # blocks its files take: asked in blocks, it stopped at the first compressible chain.
+            need = -(-need * disk.raw_bytes // disk.used_bytes)
+        return self.moves.evict_chains(kept, tier, need, self._pressed(but=tier))
 
     def _pressed(self, *, but: TierKind) -> list[TierKind]:
         """This node's other tiers past their high watermark or draining: their own passes run

@@ -7,6 +7,7 @@ tier of its own node, which that tier's pass moves first."""
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from index_audit import settled_audit
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
+from mooncake_store.types import TierKind
 
 MiB = 1 << 20
 
@@ -184,6 +186,41 @@ def test_chunks_whose_later_chunks_are_on_the_nodes_own_disk_are_demoted_not_evi
         assert evict(candidate, pressed_tiers=["disk"]) == (0, 0, ["LOCAL"])
         assert evict(candidate, pressed_tiers=[]) == (MiB, 1 + len(later), ["OK"])
         assert not any(client.exists(k) for k in [head, *later])
+        assert not settled_audit(client.index)
+    finally:
+        client.close()
+
+
+def test_the_disk_pass_evicts_chains_by_the_blocks_their_files_free(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A disk pass's need is in the blocks its files take, but evict_chains.lua adds up the chunks'
+    plain sizes, which it was given that need to reach: with compressible chunks (1 MiB of one
+    byte, one 4 KiB block on disk) a need of two files' blocks stopped after the first chain,
+    its 1 MiB past the 8 KiB wanted. The need now goes to the script in plain bytes, by the disk's
+    own ratio of plain bytes to blocks."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    peers = {"heartbeat_interval_s": 600.0, "heartbeat_ttl_s": 1200.0, "host_bytes": 8 * MiB, "prepare": idle}
+    here = make_inproc_agent(namespace=namespace, disk_path=str(tmp_path), disk_bytes=64 * MiB, **peers)
+    there = make_inproc_agent(namespace=namespace, **peers)
+    client = connect(here.index.url, namespace=namespace)
+    chains = [[f"{name}/{i}" for i in range(2)] for name in "pq"]
+    try:
+        for keys in chains:
+            put_alternating_chain(client, keys, [here.node_id, there.node_id])
+        victims = {v.key: v for v in here.index.victim_candidates(here.node_id, "host")}
+        for keys in chains:  # each head to this node's disk; its later chunk is on the other node
+            location = here.table.offset_of(victims[keys[0]].alloc_id)
+            assert location is not None and here.pressure.moves.demote_to_disk(victims[keys[0]], location[0])
+        here.reclaim_now(force=True)
+        disk = here.disk
+        assert disk is not None and disk.objects == 2 and disk.used_bytes < MiB // 8
+        candidates = here.index.victim_candidates(here.node_id, "disk")
+        assert sorted(c.key for c in candidates) == ["p/0", "q/0"]
+        need = disk.used_bytes  # both files' blocks
+        assert here.pressure._evict_chains(candidates, TierKind.DISK, need, now_ms=here.index.server_time_ms()) > 0
+        gone = [k for keys in chains for k in keys if not client.exists(k)]
+        assert gone == [k for keys in chains for k in keys], f"only {gone} went for a need of both files"
         assert not settled_audit(client.index)
     finally:
         client.close()
