@@ -268,9 +268,10 @@ class LocalMoves:
     ) -> int:
         """Evict chain chunks kept for their later chunks elsewhere, each together with those
         (evict_chains.lua), until ``wanted_bytes`` of ``tier`` went here (plain sizes, as the index
-        has them, on the disk tier too); returns the plain bytes that went. Not those with a later chunk on one of this node's ``pressed`` tiers: those tiers'
-        own passes move it. Every object evicted is counted here, those on other nodes and tiers
-        included: this pass evicted them, and their own nodes and passes never hear of it."""
+        has them, on the disk tier too); returns the plain bytes that went. Not those with a later
+        chunk on one of this node's ``pressed`` tiers: those tiers' own passes move it. Every object
+        evicted is counted here, those on other nodes and tiers included: this pass evicted them,
+        and their own nodes and passes never hear of it."""
         if not victims:
             return 0
         freed, evicted, _ = self.agent.index.evict_chains(
