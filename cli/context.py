@@ -164,9 +164,10 @@ def resolve_target(ctx: typer.Context, redis_url: str | None = None, namespace: 
             f"the cluster recorded in {path} is no longer running; run `mooncake down` to clean up, then `mooncake up`",
             ExitCode.CANNOT_CONNECT,
         )
-    # A namespace given anywhere (flag, env, config file: load_config merged them in that order)
-    # comes before the recorded cluster's; the file's was passed over for the recorded one.
-    ns = config.namespace if config.namespace != Config().namespace else state.namespace
+    # A namespace given anywhere (flag, env, config file: merged in that order), "default" too,
+    # comes before the recorded cluster's: told apart by its source, not its value (an explicit
+    # --namespace default was taken for none and replaced by the recorded one).
+    ns = config.namespace if sources["namespace"] != "default" else state.namespace
     return Target(redis_url=state.redis_url, namespace=ns, source=f"state file {path}", state=state)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 from types import FrameType
@@ -15,7 +14,7 @@ from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.state import load_state
 
 from mooncake_store.agent.node import Agent
-from mooncake_store.config import Config, agent_flag_overrides, format_size, load_config, redact_url
+from mooncake_store.config import Config, agent_flag_overrides, explain_config, format_size, redact_url
 
 
 def agent(
@@ -81,8 +80,8 @@ def agent(
     """
     g = globals_of(ctx)
 
-    def load(redis_url: str | None, namespace: str | None) -> Config:
-        return load_config(
+    def load(redis_url: str | None, namespace: str | None) -> tuple[Config, dict[str, str]]:
+        return explain_config(
             file=config_file,
             overrides=agent_flag_overrides(
                 redis_url=redis_url,
@@ -106,14 +105,17 @@ def agent(
             ),
         )
 
-    config = load(g.redis_url if redis_url is None else redis_url, g.namespace if namespace is None else namespace)
+    config, sources = load(
+        g.redis_url if redis_url is None else redis_url, g.namespace if namespace is None else namespace
+    )
     if not config.redis_url:
         # No cluster named anywhere (flag, env, config file): join the one `mooncake up` recorded
-        # here, if it runs, as the other commands find it (the banner below says which it joined).
+        # here, if it runs, as the other commands find it (the banner below says which it joined),
+        # in the namespace given anywhere (flag, env, config file; "default" too), else its own.
         state = load_state()
         if state is not None and state.running():
-            named_ns = namespace or g.namespace or os.environ.get("MOONCAKE_NAMESPACE")
-            config = load(state.redis_url, named_ns or state.namespace)
+            named = sources["namespace"] != "default"
+            config, _ = load(state.redis_url, config.namespace if named else state.namespace)
     if not config.redis_url:
         raise CliError(
             "an agent needs a cluster: pass --redis-url, set MOONCAKE_REDIS_URL, or start one here with "

@@ -32,7 +32,7 @@ from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.disk_dir import sweep_abandoned_tiers
 from mooncake_store.tiers.gpu import GpuArena
-from mooncake_store.tiers.host import HostArena, segment_name, sweep_abandoned_segments
+from mooncake_store.tiers.host import INCARNATION_CHARS, HostArena, segment_name, sweep_abandoned_segments
 from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import ALLOC_TAG_SHIFT, NodeInfo, TierKind, TierUsage, TransportKind
@@ -62,7 +62,7 @@ class Agent(OtherTierHooks):
         # in its container) must not publish its predecessor's name, or clients that mapped the old
         # segment would go on reading (and writing) it as if it were the new one.
         self.arena = HostArena.create(
-            segment_name(namespace, self.node_id, incarnation=self.incarnation[:12]),
+            segment_name(namespace, self.node_id, incarnation=self.incarnation[:INCARNATION_CHARS]),
             config.host_bytes,
             prefault=config.prefault,
         )

@@ -67,11 +67,11 @@ def in_batches(items: Sequence[Any], size: int = BATCH_LIMIT) -> Iterator[Sequen
         yield items[start : start + size]
 
 
-NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def key_prefix(namespace: str) -> str:
-    if not NAMESPACE_RE.match(namespace):
+    if not NAMESPACE_RE.fullmatch(namespace):  # match() let a trailing newline through ($)
         raise ConfigError(f"namespace {namespace!r} must match [A-Za-z0-9_.-]{{1,64}}")
     return f"mc:{{{namespace}}}:"
 

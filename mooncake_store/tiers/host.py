@@ -45,23 +45,35 @@ SHM_DIR = Path("/dev/shm")
 MAX_SEGMENT_NAME = 200
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-_VALID_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_VALID_NAME = re.compile(r"[A-Za-z0-9._+-]+")
 
 # MAP_POPULATE is Linux-only (and exposed by Python's mmap module since 3.10).
 _MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def segment_name(namespace: str, node_id: str, pid: int | None = None, incarnation: str = "") -> str:
-    """``mooncake.<namespace>.<node_id>.<pid>[-<incarnation>]`` with every character outside
-    ``[A-Za-z0-9._-]`` replaced by ``_``, at most :data:`MAX_SEGMENT_NAME` characters.
+#: Characters of an agent's incarnation in its segment's name.
+INCARNATION_CHARS = 12
 
-    The pid and the incarnation make a restarted agent's segment distinct from its predecessor's,
-    even under the same pid (PID 1 in a container); when the name is too long the middle is cut,
-    never the suffix, so that uniqueness survives truncation.
+
+def segment_name(namespace: str, node_id: str, pid: int | None = None, incarnation: str = "") -> str:
+    """``mooncake.<namespace>+<node_id>.<pid>[-<incarnation>]`` with every character outside
+    ``[A-Za-z0-9._-]`` replaced by ``_`` in each part, at most :data:`MAX_SEGMENT_NAME` characters.
+
+    ``+`` ends the namespace: both names may hold dots, and with a dot there, namespace "a" with
+    node "b.c" and namespace "a.b" with node "c" named the same segment, and an agent of "a" swept
+    the dead arenas of "a.b" as its own namespace's. The pid and the incarnation make a restarted
+    agent's segment distinct from its predecessor's, even under the same pid (PID 1 in a
+    container); when the name is too long the middle is cut, never the suffix, so that uniqueness
+    survives truncation.
     """
     suffix = f".{os.getpid() if pid is None else pid}" + (f"-{incarnation}" if incarnation else "")
-    prefix = _UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}")
+    prefix = namespace_prefix(namespace) + _UNSAFE.sub("_", node_id)
     return prefix[: MAX_SEGMENT_NAME - len(suffix)] + suffix
+
+
+def namespace_prefix(namespace: str) -> str:
+    """How the names of ``namespace``'s segments begin, and no other namespace's."""
+    return "mooncake." + _UNSAFE.sub("_", namespace) + "+"
 
 
 def segment_digest(name: str) -> int:
@@ -72,8 +84,9 @@ def segment_digest(name: str) -> int:
 
 def segment_pattern(namespace: str, node_id: str, pid: int) -> str:
     """A glob matching the segment an agent of ``pid`` names, whatever its incarnation: for
-    removing the segment of an agent that died before it said its name."""
-    return segment_name(namespace, node_id, pid=pid, incarnation="*")
+    removing the segment of an agent that died before it said its name. The incarnation's length
+    is fixed, so that no other node's name (one with a dot and digits after this node id) matches."""
+    return segment_name(namespace, node_id, pid=pid, incarnation="?" * INCARNATION_CHARS)
 
 
 #: The suffix segment_name puts on a name: ``.<pid>-<incarnation>``.
@@ -95,7 +108,7 @@ def sweep_abandoned_segments(
     same-host clients until its node's deadline, and goes at a later start. Call it once the node
     id is this agent's (registered): a live agent holds its lock, and is skipped in any case."""
     removed = []
-    own_prefix = _UNSAFE.sub("_", f"mooncake.{namespace}.")
+    own_prefix = namespace_prefix(namespace)
     for path in SHM_DIR.glob("mooncake.*"):
         match = _SUFFIX.search(path.name)
         if path.name == keep or match is None:
@@ -163,7 +176,7 @@ def _create_locked(path: Path) -> int:
 def _check_name(name: object) -> str:
     # The name becomes a path component under /dev/shm: "/" or ".." would escape the directory.
     if not isinstance(name, str) or not _VALID_NAME.fullmatch(name) or name in (".", ".."):
-        raise InvalidValue(f"segment name must match [A-Za-z0-9._-]+, got {name!r:.80}")
+        raise InvalidValue(f"segment name must match [A-Za-z0-9._+-]+, got {name!r:.80}")
     if len(name) > MAX_SEGMENT_NAME:
         raise InvalidValue(f"segment name is {len(name)} characters; the limit is {MAX_SEGMENT_NAME}")
     return name

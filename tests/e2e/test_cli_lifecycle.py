@@ -196,3 +196,45 @@ def test_a_reader_that_leaves_early_is_no_error(mooncake: Mooncake, pid_alive: C
     assert not any(pid_alive(p) for p in pids)
     assert not any((SHM / s).exists() for s in segments)
     assert not (mooncake.state_dir / "cluster.json").exists()
+
+
+def test_a_namespace_named_anywhere_wins_over_the_recorded_clusters_default_included(
+    mooncake: Mooncake, tmp_path: Path
+) -> None:
+    """With a cluster recorded in namespace "rec": `--namespace default` (and the env's
+    MOONCAKE_NAMESPACE=default) was taken for no namespace at all, so `ls`, `get` and `rm` acted
+    on "rec"; and `mooncake agent` joined "rec" although the config file named another."""
+    agent: subprocess.Popen[bytes] | None = None
+
+    def keys(listing: subprocess.CompletedProcess[bytes]) -> list[str]:
+        return [entry["key"] for entry in json.loads(listing.stdout)]
+
+    try:
+        mooncake.ok("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM, "--namespace", "rec")
+        mooncake.ok("put", "k", "-", stdin=b"v")  # no namespace named: the recorded one's
+        assert keys(mooncake.ok("ls", "--json")) == ["k"]
+        assert keys(mooncake.ok("ls", "--json", "--namespace", "default")) == []
+        assert keys(mooncake.ok("ls", "--json", env={"MOONCAKE_NAMESPACE": "default"})) == []
+        assert mooncake("rm", "k", "--namespace", "default").returncode == 3  # not found there
+        assert keys(mooncake.ok("ls", "--json")) == ["k"]
+        config = tmp_path / "agent.toml"
+        config.write_text('namespace = "cfg"\n')
+        agent = mooncake.popen("agent", "--config", str(config), "--host-mem", "16MiB", "--node-id", "from-file")
+        deadline = time.monotonic() + 30
+
+        def nodes(namespace: str) -> list[str]:
+            stat = json.loads(mooncake.ok("stat", "--json", "--namespace", namespace).stdout)
+            return [n["node_id"] for n in stat["nodes"]]
+
+        while "from-file" not in nodes("cfg") and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "from-file" in nodes("cfg"), agent.stderr.read().decode() if agent.poll() is not None else "not there"
+        assert "from-file" not in nodes("rec")
+    finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait(timeout=20)
+            for stream in (agent.stdout, agent.stderr):
+                if stream is not None:
+                    stream.close()
+        mooncake("down", "--timeout", "5")

@@ -81,6 +81,20 @@ def test_the_sweep_keeps_what_the_node_table_names_and_other_nodes_without_one(m
     assert listed.exists() and not unlisted.exists() and not lookalike.exists()
 
 
+def test_the_sweep_keeps_the_arenas_of_a_namespace_whose_name_extends_its_own(made: list[Path]) -> None:
+    """Names join namespace and node id, both of which may hold dots: with a dot between them the
+    sweep of namespace "n" took "n.b"'s dead arenas (not in n's node table) as its own
+    namespace's, and removed them while n.b's clients could still read them; and namespace "n"
+    with node "b.c" named the segment of namespace "n.b"'s node "c"."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    nested = SHM_DIR / segment_name(namespace + ".b", "dead", pid=dead_pid(), incarnation="0123456789ab")
+    nested.write_bytes(b"\x00" * 4096)
+    made.append(nested)
+    assert sweep_abandoned_segments(namespace, "me", keep="mine", listed=frozenset()) == []
+    assert nested.exists()
+    assert segment_name(namespace, "b.c", pid=1) != segment_name(namespace + ".b", "c", pid=1)
+
+
 def test_a_node_restarted_after_each_crash_holds_one_arena(make_cluster: Callable[..., LocalCluster]) -> None:
     """Real agent processes killed with SIGKILL and started again under the same node id (once
     the dead one's deadline has passed), their segments left in place as a crash leaves them

@@ -157,7 +157,7 @@ def test_agent_that_cannot_listen_exits_and_leaves_no_segment(make_cluster: Call
         port = busy.getsockname()[1]
         with pytest.raises(MooncakeError, match=f"cannot listen on 127.0.0.1:{port}"):
             cluster.add_agent(node_id="busy", extra_args=["--listen", f"127.0.0.1:{port}"])
-    assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(f"mooncake.{cluster.namespace}.busy.")]
+    assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(f"mooncake.{cluster.namespace}+busy.")]
 
 
 def test_a_put_whose_agent_dies_after_its_reserve_lands_on_another_node(

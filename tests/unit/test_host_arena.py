@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 from mooncake_store.errors import (
+    ConfigError,
     ConnectError,
     InvalidValue,
     MooncakeError,
     NoCapacity,
     ProtocolError,
 )
+from mooncake_store.index.schema import key_prefix
 from mooncake_store.tiers.host import SHM_DIR, HostArena, SharedSegment, segment_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -50,11 +52,11 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_segment_name_is_sanitized_and_bounded() -> None:
     name = segment_name("prod/ns 1", "node:a1")
-    assert name == f"mooncake.prod_ns_1.node_a1.{os.getpid()}"
+    assert name == f"mooncake.prod_ns_1+node_a1.{os.getpid()}"
     long = segment_name("n" * 300, "x/y")
     assert len(long) == 200
     assert long.endswith(f".{os.getpid()}")  # truncation never drops the pid
-    assert all(c.isalnum() or c in "._-" for c in long)
+    assert all(c.isalnum() or c in "._-+" for c in long)
 
 
 def test_write_in_arena_read_in_other_process(shm_name: str) -> None:
@@ -190,3 +192,12 @@ def test_not_enough_room_is_no_capacity(shm_name: str) -> None:
     with pytest.raises(NoCapacity, match=rf"need {need} B.*available"):
         HostArena.create(shm_name, need)
     assert not (SHM_DIR / shm_name).exists()
+
+
+@pytest.mark.parametrize("namespace", ["a\n", "", "a" * 65, "a{b}", "a b"])
+def test_a_namespace_the_config_refuses_is_refused_by_the_index_too(namespace: str) -> None:
+    """key_prefix matched with `$`, which also matches before a trailing newline: Client, RedisIndex
+    and Agent, called directly, took "a\\n", whose segments (sanitized to "a_") were namespace
+    "a_"'s, and which its sweep removed as its own."""
+    with pytest.raises(ConfigError, match="namespace"):
+        key_prefix(namespace)
