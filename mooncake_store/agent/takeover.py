@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from mooncake_store.agent.allocations import AllocationTable
-from mooncake_store.config import ClientConfig
 from mooncake_store.errors import MooncakeError
 from mooncake_store.index import RedisIndex
+from mooncake_store.index.client import VANISHED_HOLD_MS
 from mooncake_store.index.node_table import NodeIdTaken
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import NodeInfo
@@ -21,12 +21,6 @@ log = logging.getLogger("mooncake.agent")
 
 #: How long a start waits for the record of a gone agent of this host to pass its deadline.
 TAKEOVER_WAIT_S = 60.0
-
-#: How long an agent whose record vanished with no purge holds its objects' memory: a client's
-#: default read lease. A purge records the leases running on what it took (held:<node>), but an
-#: index that lost its data (restarted empty, flushed) lost the leases it granted with it, and a
-#: same-host reader still copying under one read another object's bytes from the reused memory.
-VANISHED_HOLD_MS = ClientConfig().lease_ms
 
 
 def register_again(

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from mooncake_store.config import redact_url
+from mooncake_store.config import ClientConfig, redact_url
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError
 from mooncake_store.index.connection import connect_redis
 from mooncake_store.index.node_table import NodeTableCalls
@@ -30,6 +30,14 @@ from mooncake_store.types import ObjectMeta, Replica, check_pattern
 
 #: Decoded lookup records kept for reuse (an object read again decodes to the same ObjectMeta).
 DECODED_MEMO_ENTRIES = 16_384
+
+
+#: How long an agent whose record vanished with no purge holds its objects' memory (a client's
+#: default read lease), and the longest a read trusts its lease without asking the index again. A
+#: purge records the leases running on what it took (held:<node>), but an index that lost its
+#: data (restarted empty, flushed) lost the leases it granted with it, and a same-host reader
+#: still copying under one would read another object's bytes from the reused memory.
+VANISHED_HOLD_MS = ClientConfig().lease_ms
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,12 +60,16 @@ class LookupResult:
     lease_until_ms: list[int]
 
     def lease_left_ms(self, default_ms: int) -> int:
-        """The shortest lease this lookup granted among the objects found (``default_ms`` if none):
-        the time its reads may take before they must be checked against the index again."""
-        return min(
+        """The shortest lease this lookup granted among the objects found (``default_ms`` if none),
+        at most VANISHED_HOLD_MS: the time its reads may take before they must be checked against
+        the index again. An index that lost its data lost the leases with it, and an agent then
+        holds its memory only VANISHED_HOLD_MS: a reader under a longer lease (client.lease_ms up
+        to an hour) copied on past that, out of memory reused by then."""
+        granted = min(
             (u - self.now_ms for u, m in zip(self.lease_until_ms, self.objects, strict=True) if m),
             default=default_ms,
         )
+        return min(granted, VANISHED_HOLD_MS)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,6 +8,8 @@ import re
 import signal
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,8 +18,11 @@ from helpers import server_at_maxmemory
 from mooncake_store import Client, LocalCluster, PrefixCache, connect
 from mooncake_store.embedded import EmbeddedServer
 from mooncake_store.errors import ConnectError, MooncakeError
+from mooncake_store.index.client import VANISHED_HOLD_MS
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.index.schema import BATCH_LIMIT
+
+MiB = 1 << 20
 
 
 def test_a_put_right_after_the_index_restarts_empty_waits_for_the_node_to_register_again() -> None:
@@ -117,3 +122,33 @@ def test_a_put_right_after_an_index_outage_waits_for_the_nodes_next_heartbeats()
             client.put("after", b"B" * 1000)
             assert bytes(client.get("after")) == b"B" * 1000
             assert bytes(client.get("before")) == b"A" * 1000
+
+
+def test_a_read_under_a_long_lease_asks_the_index_again_past_what_an_agent_holds(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """An index that lost its data lost the leases it granted, and an agent whose record vanished
+    holds its memory only VANISHED_HOLD_MS (a default lease) before reusing it. A same-host read
+    under a longer lease (lease_ms=60000) trusted it for 48 s, so a copy slower than the hold read
+    whatever the memory held by then, unchecked. Its budget is now at most the hold: a read that
+    took longer (here an shm copy held 1.2 x VANISHED_HOLD_MS) asks the index again."""
+    cluster = make_cluster(1, host_bytes=8 * MiB)
+    client = make_client(cluster, lease_ms=60_000, transports=("shm",))
+    client.put("slow", np.full(1000, 7, np.uint8))
+    real_read_into = client._shm.read_into
+    real_lookup = client.index.lookup
+    checks: list[int] = []
+
+    def slow_read_into(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.2 * VANISHED_HOLD_MS / 1000)
+        return real_read_into(*args, **kwargs)
+
+    def lookup(keys: Any, **kwargs: Any) -> Any:
+        if kwargs.get("lease_ms") == 0:
+            checks.append(len(keys))  # the re-check of a read that outlived its budget
+        return real_lookup(keys, **kwargs)
+
+    client._shm.read_into = slow_read_into  # type: ignore[method-assign]
+    client.index.lookup = lookup  # type: ignore[method-assign]
+    assert client.get("slow").tolist() == [7] * 1000
+    assert checks == [1], "a read past the agent's hold was not checked against the index"
