@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class _Rule:
     times: int
     after: str | None = None
     hits: int = 0
+    delay_s: float = 0.0
 
 
 @dataclass
@@ -35,6 +37,7 @@ class _Pair:
     client: socket.socket
     server: socket.socket
     drop_next: bool = False
+    drop_delay_s: float = 0.0
     down_after_reply: bool = False
 
 
@@ -63,10 +66,11 @@ class RedisProxy:
         th.start()
         self._threads.append(th)
 
-    def drop_reply(self, sha: str, *, times: int = 1, after: str | None = None) -> _Rule:
+    def drop_reply(self, sha: str, *, times: int = 1, after: str | None = None, delay_s: float = 0.0) -> _Rule:
         """The next ``times`` requests that name script ``sha`` reach the server, and their replies
-        are lost with the connection; with ``after``, only once a request naming ``after`` went by."""
-        rule = _Rule(sha=sha, times=times, after=after)
+        are lost with the connection (``delay_s`` after the reply came: a break the client sees
+        late); with ``after``, only once a request naming ``after`` went by."""
+        rule = _Rule(sha=sha, times=times, after=after, delay_s=delay_s)
         with self._lock:
             self._rules.append(rule)
             if after:
@@ -151,6 +155,7 @@ class RedisProxy:
                         rule.times -= 1
                         rule.hits += 1
                         p.drop_next = True
+                        p.drop_delay_s = rule.delay_s
                 if self._down_after and self._down_after in window:
                     p.down_after_reply = True
             # A sha split over two reads is still seen, but one seen whole already is not seen
@@ -169,6 +174,8 @@ class RedisProxy:
             except OSError:
                 data = b""
             if not data or p.drop_next:
+                if p.drop_next and p.drop_delay_s:
+                    time.sleep(p.drop_delay_s)
                 if p.drop_next and p.down_after_reply:
                     # The index stays out of reach, so the outcome stays unknown. Down before this
                     # connection closes: a client that retries the moment it sees the close must

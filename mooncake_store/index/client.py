@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,8 +26,12 @@ from mooncake_store.index.schema import (
     in_batches,
     key_prefix,
 )
-from mooncake_store.index.scripts import load_scripts
+from mooncake_store.index.scripts import ONCE_TTL_MS, load_scripts
 from mooncake_store.types import ObjectMeta, Replica, check_pattern
+
+#: A script call with a token (not REPLAY_SAFE) whose connection broke is retried only this soon
+#: after it was sent: the server keeps its first run's reply for the retry ONCE_TTL_MS.
+RETRY_WITHIN_S = ONCE_TTL_MS / 2 / 1000
 
 #: Decoded lookup records kept for reuse (an object read again decodes to the same ObjectMeta).
 DECODED_MEMO_ENTRIES = 16_384
@@ -191,6 +196,7 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             command = ("EVALSHA", script.sha, 1, token, self.prefix, *args)
         if self._script_pid != os.getpid():  # a forked child must not share its parent's sockets
             self._script_conns, self._script_pid = [], os.getpid()
+        sent = time.monotonic()
         for attempt in (0, 1):
             try:
                 conn = self._script_conns.pop()
@@ -209,9 +215,14 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     reply = conn.read_response()
             except redis.ConnectionError as exc:
                 self._drop_conn(conn)
-                if attempt == 0:
+                late = time.monotonic() - sent
+                if attempt == 0 and (name in self.REPLAY_SAFE or late < RETRY_WITHIN_S):
                     continue
-                raise ConnectError(f"lost the connection to Redis at {self.where}: {exc}") from None
+                # A run with a token keeps its reply ONCE_TTL_MS for the retry: a retry later than
+                # that (this process stalled, or the break came late) would run it a second time
+                # (an agent_sync run twice drops the acks the first one carried).
+                why = f" after {late:.1f} s, too late to retry safely" if attempt == 0 else ""
+                raise ConnectError(f"lost the connection to Redis at {self.where}{why}: {exc}") from None
             except redis.TimeoutError as exc:
                 self._drop_conn(conn)
                 raise ConnectError(f"Redis at {self.where} did not answer {name}: {exc}") from None

@@ -9,10 +9,15 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import redis
+from redis_proxy import RedisProxy
 
 from mooncake_store import connect
 from mooncake_store.agent.node import Agent
-from mooncake_store.index.client import NodeSuperseded
+from mooncake_store.errors import ConnectError
+from mooncake_store.index import client as index_client
+from mooncake_store.index.client import NodeSuperseded, RedisIndex
+from mooncake_store.index.prefix import PrefixIndex
 
 SIZE = 64 << 10
 
@@ -123,3 +128,32 @@ def test_a_superseded_incarnation_cannot_drain_the_acks_of_its_successor(
         assert got == b"\x11" * 4, f"get({key!r}) returned {got!r}: the new agent freed the block of a committed object"
     finally:
         client.close()
+
+
+def test_a_call_whose_connection_broke_too_late_is_not_run_a_second_time(
+    proxy: RedisProxy, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script call that is not replay-safe carries a token under which the server keeps its
+    reply ONCE_TTL_MS for the retry that follows a broken connection. The retry was made however
+    late the break was seen (this process stalled, a reply lost late), and past that TTL it ran
+    the call again (an agent_sync run twice loses the acks the first run carried). Now a call
+    is retried only within RETRY_WITHIN_S of its sending, here shortened to 0.3 s with the break
+    seen 0.6 s after the server ran the call."""
+    monkeypatch.setattr(index_client, "RETRY_WITHIN_S", 0.3)
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    index = RedisIndex(proxy.url, namespace=namespace)
+    direct = redis.Redis.from_url(redis_url)
+    try:
+        prefix = PrefixIndex(index)
+        for script in prefix._scripts.values():  # a NOSCRIPT round trip must not absorb the fault
+            direct.script_load(script.script)
+        proxy.drop_reply(str(prefix._scripts["prefix_claim"].sha), delay_s=0.6)
+        with pytest.raises(ConnectError, match="too late to retry safely"):
+            prefix.claim(["late-claim"], writer_id="w1", ttl_ms=60_000)
+        assert direct.exists(index.prefix + "claim:late-claim"), "the call did not run at all"
+        # A break seen at once is retried as before (the stored reply comes back).
+        proxy.drop_reply(str(prefix._scripts["prefix_claim"].sha))
+        assert prefix.claim(["quick-claim"], writer_id="w1", ttl_ms=60_000) == ["MINE"]
+    finally:
+        index.close()
+        direct.close()
