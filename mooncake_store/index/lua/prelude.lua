@@ -4,6 +4,10 @@
 -- here from node ids (nobj:, tobj:, gc:, acks:) share that tag.
 -- Replica encoding (compact JSON array): [node_id, tier, offset, size, alloc_id (string), state]
 local P = ARGV[1]
+-- Scripts write after TIME (and SRANDMEMBER): effects replication, the default since Redis 5 and
+-- the only mode of Redis 7 and Valkey; Redis 6.2 with lua-replicate-commands off would refuse
+-- every write after them. Asked for here, before any command (a no-op where it is the default).
+if redis.replicate_commands then redis.replicate_commands() end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
