@@ -94,7 +94,8 @@ class Client:
         )
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_at = 0.0
-        self._clock_offset_ms = 0  # server ms - local ms, refreshed with the node table
+        # Server ms - local monotonic ms, refreshed with the node table (until then: wall clock).
+        self._clock_offset_ms = int((time.time() - time.monotonic()) * 1000)
         self._nodes_lock = threading.Lock()
         self._puts = PutPath(self)
         self._gets = GetPath(self)
@@ -208,7 +209,7 @@ class Client:
             return self._nodes  # fresh: no lock on the read path (the dict is replaced, never mutated)
         with self._nodes_lock:
             if refresh or time.monotonic() - self._nodes_at > NODE_TABLE_TTL_S:
-                local_before = time.time() * 1000
+                local_before = time.monotonic() * 1000  # monotonic: no wall-clock step moves it
                 server_now = self.index.server_time_ms()
                 self._nodes = self.index.nodes()
                 self._clock_offset_ms = int(server_now - local_before)
@@ -230,7 +231,7 @@ class Client:
         return nodes
 
     def _server_now_ms(self) -> int:
-        return int(time.time() * 1000) + self._clock_offset_ms
+        return int(time.monotonic() * 1000) + self._clock_offset_ms
 
     # ---- puts -------------------------------------------------------------------------------
     def put(self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None) -> None:

@@ -188,8 +188,9 @@ class PutPath:
                 plan.landed = []
 
     def _stale_nodes(self) -> bool:
+        nodes = self.client._node_table()  # first: a read of it sets the clock offset
         now = self.client._server_now_ms()
-        return any(n.heartbeat_deadline_ms < now for n in self.client._node_table().values())
+        return any(n.heartbeat_deadline_ms < now for n in nodes.values())
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:

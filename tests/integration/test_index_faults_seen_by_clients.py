@@ -152,3 +152,19 @@ def test_a_read_under_a_long_lease_asks_the_index_again_past_what_an_agent_holds
     client.index.lookup = lookup  # type: ignore[method-assign]
     assert client.get("slow").tolist() == [7] * 1000
     assert checks == [1], "a read past the agent's hold was not checked against the index"
+
+
+def test_a_wall_clock_step_on_the_client_host_does_not_move_the_servers_now_it_reckons(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client reckons the index's time (to judge nodes past their heartbeat deadlines from its
+    cached node table) as its own clock plus an offset taken with each table read. On the wall
+    clock, a step between two reads (NTP, a VM resumed) moved that reckoning by the step: an hour
+    ahead, every node looked dead until the next read. It runs on the monotonic clock now."""
+    cluster = make_cluster(1, host_bytes=8 * MiB)
+    client = make_client(cluster)
+    client.stat()  # a table read: the offset is taken
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600.0)
+    reckoned, actual = client._server_now_ms(), client.index.server_time_ms()
+    assert abs(reckoned - actual) < 2_000, f"off by {(reckoned - actual) / 1000:.1f} s after a 1 h step"
