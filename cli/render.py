@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rich.console import Group
@@ -96,9 +95,8 @@ def activity_table(stats: ClusterStats) -> Table:
         # kept on one, the table needs ~85 columns and an 80-column pipe cut every header short.
         table.add_column(name, justify="right", no_wrap=" " not in name, min_width=len(max(name.split(), key=len)))
     table.add_column("ratio", justify="right", no_wrap=True)
-    now_ms = time.time() * 1000
     for node in stats.nodes:
-        up = age((now_ms - node.started_ms) / 1000) if node.started_ms else "-"
+        up = age(node.uptime_s) if node.started_ms else "-"
         for i, tier in enumerate(node.tiers):
             counts = [str(getattr(tier, field)) for _, field in ACTIVITY]
             ratio = f"{tier.compression_ratio:.2f}x" if tier.tier == "disk" else ""

@@ -22,9 +22,10 @@ from mooncake_store.tiers.host import SHM_DIR
 
 #: Docker's default /dev/shm is 64 MiB: far too small for an arena, and the commonest setup mistake.
 SHM_WARN_BYTES = 1 << 30
-#: Leases and heartbeat deadlines are in seconds; skew above these eats into them.
-SKEW_WARN_MS = 250
-SKEW_FAIL_MS = 1000
+#: Leases, heartbeat deadlines, graves and the ages `stat` shows all run on the index server's
+#: clock (hosts only measure durations, on their monotonic clocks): a host's skew changes none of
+#: them. Past this it is still worth a warning: logs of this host and the server disagree.
+SKEW_WARN_MS = 1000
 
 
 class Status(StrEnum):
@@ -63,13 +64,13 @@ def _redis_checks(target: Target) -> tuple[list[Check], bool]:
         skew_ms = (secs + micros / 1e6 - (before + after) / 2) * 1000
         rtt_ms = (after - before) * 1000
         skew = abs(skew_ms)
-        status = Status.OK if skew < SKEW_WARN_MS else Status.WARN if skew < SKEW_FAIL_MS else Status.FAIL
+        status = Status.OK if skew < SKEW_WARN_MS else Status.WARN
         checks.append(
             Check(
                 "clock",
                 status,
-                f"skew against Redis {skew_ms:+.1f} ms (round trip {rtt_ms:.1f} ms); "
-                f"leases and heartbeats tolerate < {SKEW_WARN_MS} ms",
+                f"skew against Redis {skew_ms:+.1f} ms (round trip {rtt_ms:.1f} ms); leases and heartbeats "
+                "run on the server's clock, which must not step (slewed by chrony or ntpd)",
             )
         )
         index = RedisIndex(target.redis_url, namespace=target.namespace, timeout_s=3.0)

@@ -121,7 +121,8 @@ class Agent(OtherTierHooks):
         #: The index's count of this node's heartbeats, as last answered (it only grows).
         self._beats = 0
         self._threads: list[threading.Thread] = []
-        self.started_ms = int(time.time() * 1000)
+        # By the index's clock, as every time the node table holds: `stat` shows the uptime from it.
+        self.started_ms = self.index.server_time_ms()
 
     # ---- tiers ------------------------------------------------------------------------------
     def _disk_tier(self, config: AgentConfig) -> DiskTier:

@@ -40,9 +40,12 @@ class NodeStats:
     transports: tuple[str, ...]
     objects: int
     tiers: tuple[TierStats, ...]
-    #: When this incarnation of the agent started (ms since the epoch): the tiers' activity
-    #: counters count from then, and start again from zero when the agent restarts.
+    #: When this incarnation of the agent started (ms since the epoch, by the index server's
+    #: clock): the tiers' activity counters count from then, and start again from zero when the
+    #: agent restarts.
     started_ms: int = 0
+    #: Seconds since then, by the index server's clock (0: unknown).
+    uptime_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +123,7 @@ def build_stats(
                 objects=per_node.get(node.node_id, 0),
                 tiers=tuple(_tier_stats(t, hits.get((node.node_id, str(t.tier)), 0)) for t in node.tiers),
                 started_ms=node.started_ms,
+                uptime_s=round(max(0, now_ms - node.started_ms) / 1000, 3) if node.started_ms else 0.0,
             )
         )
     live = [r for r in rows if r.alive]

@@ -64,6 +64,9 @@ def test_stat_json_shows_both_agents(cluster_cli: Mooncake) -> None:
     assert data["short"] == 0  # objects short of their replicas since a node's loss
     # The counters count from each agent's start, which stat() and --json carry.
     assert all(0 < nodes[n]["started_ms"] <= time.time() * 1000 for n in ("agent-0", "agent-1"))
+    # The uptime by the index server's clock, as the start is stamped (one host here: its clock too).
+    for n in ("agent-0", "agent-1"):
+        assert abs(nodes[n]["uptime_s"] - (time.time() * 1000 - nodes[n]["started_ms"]) / 1000) < 5
 
 
 def test_stat_fits_an_80_column_pipe_with_every_header_whole(cluster_cli: Mooncake) -> None:
