@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mooncake_store.tiers.host import SHM_DIR
+from mooncake_store.tiers.host import segment_paths
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,7 +116,7 @@ def remove_segments(names: list[str]) -> list[str]:
             continue
         # A pattern (segment_pattern) stands for the segment of an agent that died before it said
         # its name: its pid is in the pattern, and the agent is stopped by now.
-        for path in SHM_DIR.glob(name) if "*" in name else [SHM_DIR / name]:
+        for path in segment_paths(name):
             if path.exists():
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

@@ -70,6 +70,8 @@ class Agent(OtherTierHooks):
             # Every alloc id of this incarnation carries its tag (types.ALLOC_TAG_SHIFT), published
             # in the node table: clients holding a copy of the table from before a restart notice.
             self.alloc_tag = fresh_alloc_tag(self.index, self.node_id, self.incarnation)
+            # By the index's clock, as every time the node table holds: `stat` shows the uptime from it.
+            self.started_ms = self.index.server_time_ms()
             self.table = AllocationTable(
                 config.host_bytes,
                 reserve_timeout_s=config.reserve_timeout_s,
@@ -121,8 +123,6 @@ class Agent(OtherTierHooks):
         #: The index's count of this node's heartbeats, as last answered (it only grows).
         self._beats = 0
         self._threads: list[threading.Thread] = []
-        # By the index's clock, as every time the node table holds: `stat` shows the uptime from it.
-        self.started_ms = self.index.server_time_ms()
 
     # ---- tiers ------------------------------------------------------------------------------
     def _disk_tier(self, config: AgentConfig) -> DiskTier:

@@ -22,7 +22,7 @@ from typing import IO, Any
 from mooncake_store.config import load_config
 from mooncake_store.embedded import EmbeddedServer
 from mooncake_store.errors import MooncakeError, ServerError
-from mooncake_store.tiers.host import SHM_DIR, segment_pattern
+from mooncake_store.tiers.host import segment_paths, segment_pattern
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ class AgentProcess:
         if self.shm_name:
             # A killed agent cannot remove its own segment; its name holds its pid, so this is ours
             # (a pattern before READY: the agent died before it said the name).
-            for path in SHM_DIR.glob(self.shm_name) if "*" in self.shm_name else [SHM_DIR / self.shm_name]:
+            for path in segment_paths(self.shm_name):
                 path.unlink(missing_ok=True)
         for stream in (self.process.stdout, self.process.stderr, self.log):
             if stream is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import hashlib
 import logging
 import mmap
@@ -56,15 +57,17 @@ INCARNATION_CHARS = 12
 
 
 def segment_name(namespace: str, node_id: str, pid: int | None = None, incarnation: str = "") -> str:
-    """``mooncake.<namespace>+<node_id>.<pid>[-<incarnation>]`` with every character outside
-    ``[A-Za-z0-9._-]`` replaced by ``_`` in each part, at most :data:`MAX_SEGMENT_NAME` characters.
+    """``mooncake.<len>.<namespace>.<node_id>.<pid>[-<incarnation>]`` with every character outside
+    ``[A-Za-z0-9._-]`` replaced by ``_`` in each part, at most :data:`MAX_SEGMENT_NAME` characters;
+    ``<len>`` is the namespace's length.
 
-    ``+`` ends the namespace: both names may hold dots, and with a dot there, namespace "a" with
-    node "b.c" and namespace "a.b" with node "c" named the same segment, and an agent of "a" swept
-    the dead arenas of "a.b" as its own namespace's. The pid and the incarnation make a restarted
-    agent's segment distinct from its predecessor's, even under the same pid (PID 1 in a
-    container); when the name is too long the middle is cut, never the suffix, so that uniqueness
-    survives truncation.
+    The length says where the namespace ends: both names may hold dots, and without it namespace
+    "a" with node "b.c" and namespace "a.b" with node "c" named the same segment, and an agent of
+    "a" swept the dead arenas of "a.b" as its own namespace's. (A separator outside the names'
+    characters would do it too, but clients of earlier versions refuse to map such a name.) The
+    pid and the incarnation make a restarted agent's segment distinct from its predecessor's, even
+    under the same pid (PID 1 in a container); when the name is too long the middle is cut, never
+    the suffix, so that uniqueness survives truncation.
     """
     suffix = f".{os.getpid() if pid is None else pid}" + (f"-{incarnation}" if incarnation else "")
     prefix = namespace_prefix(namespace) + _UNSAFE.sub("_", node_id)
@@ -73,7 +76,15 @@ def segment_name(namespace: str, node_id: str, pid: int | None = None, incarnati
 
 def namespace_prefix(namespace: str) -> str:
     """How the names of ``namespace``'s segments begin, and no other namespace's."""
-    return "mooncake." + _UNSAFE.sub("_", namespace) + "+"
+    safe = _UNSAFE.sub("_", namespace)
+    return f"mooncake.{len(safe)}.{safe}."
+
+
+def _legacy_name(namespace: str, node_id: str, pid: int, incarnation: str) -> str:
+    """The name an agent of an earlier version gave its segment (the namespace unmarked): one of
+    this node's crashed predecessors may have left it."""
+    suffix = f".{pid}-{incarnation}"
+    return _UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}")[: MAX_SEGMENT_NAME - len(suffix)] + suffix
 
 
 def segment_digest(name: str) -> int:
@@ -87,6 +98,12 @@ def segment_pattern(namespace: str, node_id: str, pid: int) -> str:
     removing the segment of an agent that died before it said its name. The incarnation's length
     is fixed, so that no other node's name (one with a dot and digits after this node id) matches."""
     return segment_name(namespace, node_id, pid=pid, incarnation="?" * INCARNATION_CHARS)
+
+
+def segment_paths(name_or_pattern: str) -> list[Path]:
+    """The segments a recorded name stands for: itself, or what a pattern (segment_pattern, or an
+    earlier version's with ``*``) matches in /dev/shm."""
+    return sorted(SHM_DIR.glob(name_or_pattern)) if glob.has_magic(name_or_pattern) else [SHM_DIR / name_or_pattern]
 
 
 #: The suffix segment_name puts on a name: ``.<pid>-<incarnation>``.
@@ -113,9 +130,12 @@ def sweep_abandoned_segments(
         match = _SUFFIX.search(path.name)
         if path.name == keep or match is None:
             continue
-        if segment_name(namespace, node_id, pid=int(match[1]), incarnation=match[2]) != path.name and (
-            listed is None or path.name in listed or not path.name.startswith(own_prefix)
-        ):
+        pid, incarnation = int(match[1]), match[2]
+        own = path.name in (
+            segment_name(namespace, node_id, pid=pid, incarnation=incarnation),
+            _legacy_name(namespace, node_id, pid, incarnation),
+        )
+        if not own and (listed is None or path.name in listed or not path.name.startswith(own_prefix)):
             continue  # another node's (or namespace's), or one the node table still names
         try:
             fd = os.open(path, os.O_RDONLY)

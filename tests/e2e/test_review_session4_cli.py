@@ -26,6 +26,7 @@ import pytest
 
 from mooncake_store import LocalCluster
 from mooncake_store.errors import MooncakeError
+from mooncake_store.tiers.host import namespace_prefix
 
 from .conftest import HOST_MEM, Mooncake, assert_one_line_error, mooncake_bin
 
@@ -110,7 +111,7 @@ class Procs:
 
 
 def _segments(namespace: str) -> list[str]:
-    return sorted(p.name for p in SHM.glob(f"mooncake.{namespace}+*"))
+    return sorted(p.name for p in SHM.glob(namespace_prefix(namespace) + "*"))
 
 
 @pytest.fixture
@@ -246,7 +247,7 @@ def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs) -> 
         started = procs.scan()
         agents = [p for p in started if b"mooncake_store.agent" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(agents) == 2 and len(started) >= 4, procs.describe(started)  # + the demo and the server
-        segments = [seg for pid in agents for seg in SHM.glob(f"mooncake.default+agent-*.{pid}-*")]
+        segments = [seg for pid in agents for seg in SHM.glob(namespace_prefix("default") + f"agent-*.{pid}-*")]
         assert len(segments) == 2, segments
         for pid in started:  # the embedded server runs in its temp dir, which the demo should remove
             with contextlib.suppress(OSError):

@@ -95,6 +95,22 @@ def test_the_sweep_keeps_the_arenas_of_a_namespace_whose_name_extends_its_own(ma
     assert segment_name(namespace, "b.c", pid=1) != segment_name(namespace + ".b", "c", pid=1)
 
 
+def test_the_sweep_removes_its_own_nodes_arenas_named_as_an_earlier_version_named_them(made: list[Path]) -> None:
+    """Segments were named mooncake.<namespace>.<node>.<pid>-<incarnation> before the namespace's
+    length went in: a crashed predecessor of this node under the earlier version left one, which
+    no sweep recognised any more (kept until a reboot). Another node's stays: such a name does not
+    say where its namespace ends."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    pid = dead_pid()
+    own = SHM_DIR / f"mooncake.{namespace}.me.{pid}-0123456789ab"
+    others = SHM_DIR / f"mooncake.{namespace}.someone.{pid}-0123456789ab"
+    for path in (own, others):
+        path.write_bytes(b"\x00" * 4096)
+        made.append(path)
+    assert sweep_abandoned_segments(namespace, "me", keep="mine", listed=frozenset()) == [own.name]
+    assert others.exists()
+
+
 def test_a_node_restarted_after_each_crash_holds_one_arena(make_cluster: Callable[..., LocalCluster]) -> None:
     """Real agent processes killed with SIGKILL and started again under the same node id (once
     the dead one's deadline has passed), their segments left in place as a crash leaves them

@@ -17,7 +17,7 @@ from helpers import wait_until
 
 from mooncake_store import Client, ConnectError, KeyNotFound, LocalCluster, MooncakeError, TransferError
 from mooncake_store.client import client as client_module
-from mooncake_store.tiers.host import SHM_DIR
+from mooncake_store.tiers.host import SHM_DIR, namespace_prefix
 
 # The writer runs the real put path up to the bytes (reserve on the agent, PENDING record in the
 # index, bytes written), says so, and waits to be killed before it commits.
@@ -157,7 +157,7 @@ def test_agent_that_cannot_listen_exits_and_leaves_no_segment(make_cluster: Call
         port = busy.getsockname()[1]
         with pytest.raises(MooncakeError, match=f"cannot listen on 127.0.0.1:{port}"):
             cluster.add_agent(node_id="busy", extra_args=["--listen", f"127.0.0.1:{port}"])
-    assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(f"mooncake.{cluster.namespace}+busy.")]
+    assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(namespace_prefix(cluster.namespace) + "busy.")]
 
 
 def test_a_put_whose_agent_dies_after_its_reserve_lands_on_another_node(
