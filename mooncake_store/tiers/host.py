@@ -46,7 +46,7 @@ SHM_DIR = Path("/dev/shm")
 MAX_SEGMENT_NAME = 200
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-_VALID_NAME = re.compile(r"[A-Za-z0-9._+-]+")
+_VALID_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 # MAP_POPULATE is Linux-only (and exposed by Python's mmap module since 3.10).
 _MAP_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
@@ -196,7 +196,7 @@ def _create_locked(path: Path) -> int:
 def _check_name(name: object) -> str:
     # The name becomes a path component under /dev/shm: "/" or ".." would escape the directory.
     if not isinstance(name, str) or not _VALID_NAME.fullmatch(name) or name in (".", ".."):
-        raise InvalidValue(f"segment name must match [A-Za-z0-9._+-]+, got {name!r:.80}")
+        raise InvalidValue(f"segment name must match [A-Za-z0-9._-]+, got {name!r:.80}")
     if len(name) > MAX_SEGMENT_NAME:
         raise InvalidValue(f"segment name is {len(name)} characters; the limit is {MAX_SEGMENT_NAME}")
     return name
