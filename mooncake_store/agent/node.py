@@ -8,10 +8,8 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,42 +20,36 @@ from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
+from mooncake_store.agent.syncing import SyncDuties
 from mooncake_store.agent.takeover import fresh_alloc_tag, reconcile_after_rollback, register_again, register_first
 from mooncake_store.agent.usage import tier_usages
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
 from mooncake_store.index import RedisIndex
 from mooncake_store.index.node_table import NodeIdTaken
-from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.disk_dir import sweep_abandoned_tiers
 from mooncake_store.tiers.gpu import GpuArena
 from mooncake_store.tiers.host import INCARNATION_CHARS, HostArena, segment_name, sweep_abandoned_segments
-from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import ALLOC_TAG_SHIFT, NodeInfo, TierKind, TierUsage, TransportKind
 
 log = logging.getLogger("mooncake.agent")
 
 
-#: Reclaims on demand (before refusing a reservation) at most this often.
-RECLAIM_MIN_INTERVAL_S = 0.02
-#: Expired reservations one sync takes to the index; the rest go with the next syncs.
-MAX_EXPIRED_PER_SYNC = 4096
-
-
 def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Agent(OtherTierHooks):
+class Agent(OtherTierHooks, SyncDuties):
     def __init__(self, config: AgentConfig, *, redis_url: str, namespace: str) -> None:
         config.check_published_endpoint()
         self.config = config
         self.node_id = config.node_id or default_node_id()
         self.namespace = namespace
         self.incarnation = uuid.uuid4().hex
-        self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=max(2.0, config.heartbeat_ttl_s))
+        self._index_timeout_s = max(2.0, config.heartbeat_ttl_s)
+        self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=self._index_timeout_s)
         # The incarnation in the name as well as the pid: an agent restarted with the same pid (PID 1
         # in its container) must not publish its predecessor's name, or clients that mapped the old
         # segment would go on reading (and writing) it as if it were the new one.
@@ -120,6 +112,9 @@ class Agent(OtherTierHooks):
         #: graves until the next sync says so). True at start: nothing came before.
         self._sync_applied = True
         self._last_reclaim = 0.0
+        #: Syncs finished so far, under _synced: a reclaim that finds a sync under way waits for its end.
+        self._syncs_done = 0
+        self._synced = threading.Condition()
         #: The index's count of this node's heartbeats, as last answered (it only grows).
         self._beats = 0
         self._threads: list[threading.Thread] = []
@@ -165,40 +160,8 @@ class Agent(OtherTierHooks):
         if used > self.config.high_watermark * self.table.capacity_bytes:
             self.pressure.wake()  # move objects alongside the writer, not in bursts after refusals
 
-    def reclaim_now(self, *, force: bool = False) -> None:
-        """Free what is due in the graveyard now, not at the next sync. ``force``: even right after
-        another reclaim (a pressure pass that just moved objects out wants their room at once)."""
-        # A client hammering a full agent must not turn every refused RESERVE into a Redis call.
-        now = time.monotonic()
-        if not force and now - self._last_reclaim < RECLAIM_MIN_INTERVAL_S:
-            return
-        self._last_reclaim = now
-        try:
-            self.sync_once()
-        except MooncakeError as exc:
-            log.info("reclaim before refusing a reservation failed: %s", exc)
-
     def no_room(self, size_bytes: int) -> None:
         self.pressure.want_room(size_bytes)
-
-    def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
-        kind = TierKind.DISK if tier == TIER_DISK else TierKind.GPU if tier == TIER_GPU else TierKind.HOST
-        with self._spills_lock:
-            self._spills_in_flight.update(dict.fromkeys(alloc_ids, kind))
-
-    def _count_spills_in(self, committed: Iterable[int], freed: Iterable[int]) -> None:
-        """Spills in are counted when their swaps land (the ack commits the reservation), not when
-        the room was granted: a swap refused afterwards (the object changed meanwhile) moved nothing."""
-        landed: Counter[TierKind] = Counter()
-        with self._spills_lock:
-            for alloc_id in committed:
-                kind = self._spills_in_flight.pop(alloc_id, None)
-                if kind is not None:
-                    landed[kind] += 1
-            for alloc_id in freed:
-                self._spills_in_flight.pop(alloc_id, None)
-        for kind, n in landed.items():
-            self.pressure.count(kind, "spills_in", n)
 
     def expire_other_tiers(self, alloc_ids: list[int]) -> int:
         expired = 0
@@ -426,55 +389,3 @@ class Agent(OtherTierHooks):
     def holds(self, alloc_id: int) -> bool:
         """Whether this agent holds ``alloc_id`` in any tier (asked per id by the sync's plan)."""
         return alloc_id in self.disk_keys or any(alloc_id in table for table in self._tables())
-
-    def _sync_loop(self) -> None:
-        failures = FailureLog(log, "sync")
-        while not self._stop.wait(self.config.sync_interval_s):
-            try:
-                self.sync_once()
-                failures.succeeded()
-            except MooncakeError as exc:  # unreachable, superseded, or a script error: try again
-                failures.failed(exc)
-            except Exception:  # a bug costs one sync, not the agent's reclaiming for good
-                log.exception("sync failed unexpectedly")
-
-    def sync_once(self) -> None:
-        # One sync at a time: two could both see a reservation as expired, and the one that does not
-        # get its (already drained) ack would free an object the other one just committed.
-        with self._sync_lock:
-            self._sync_once()
-
-    def _sync_once(self) -> None:
-        tables = self._tables()
-        for table in tables:
-            table.release_held()  # a reaped node's memory, once the leases on it ran out
-        deadlines: dict[int, float] = {}
-        for table in tables:
-            deadlines.update(table.reserved_deadlines())
-        # A slice per call: 200,000 expired at once held the index 0.35 s (a million: past the timeout).
-        expired = expired_reservations(deadlines, time.monotonic())[:MAX_EXPIRED_PER_SYNC]
-        put_ids = [next((t.put_id_of(a) for t in tables if a in t), None) or b"" for a in expired]
-        put_ids_hex = [p.hex() for p in put_ids]
-        # Until this reply is applied, the index keeps what it carries for the next sync.
-        applied_last, self._sync_applied = self._sync_applied, False
-        result = self.index.agent_sync(
-            self.node_id, incarnation=self.incarnation, expired_put_ids=put_ids_hex, applied_last=applied_last
-        )
-        plan = plan_sync(
-            expired=expired,
-            expired_status=result.expired_status,
-            acked=result.acked_alloc_ids,
-            graves=result.graves,
-            holds=self.holds,
-        )
-        for table in tables:
-            table.commit(plan.commit)
-        if self.inbox is not None:
-            # Spilled chunk files whose swaps landed: disk allocations now, known by their keys.
-            for alloc_id in self.inbox.settle(plan.commit):
-                if alloc_id in result.acked_keys:
-                    self.disk_keys[alloc_id] = result.acked_keys[alloc_id]
-        if plan.free:
-            self.free_allocations(plan.free)
-        self._count_spills_in(plan.commit, plan.free)
-        self._sync_applied = True

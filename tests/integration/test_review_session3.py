@@ -21,7 +21,7 @@ import pytest
 from helpers import put_on, replicas_of, wait_until
 
 from mooncake_store import connect
-from mooncake_store.agent import node as node_module
+from mooncake_store.agent import syncing
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
@@ -199,7 +199,7 @@ def test_disk_drain_does_not_evict_again_what_the_last_pass_already_evicted(
     a.sync_once()  # the host blocks of the demotions are freed
     capacity = a.disk.capacity_bytes
     assert a.disk.used_bytes > 0.9 * capacity  # past the high watermark: a drain starts
-    monkeypatch.setattr(node_module, "RECLAIM_MIN_INTERVAL_S", 5.0)
+    monkeypatch.setattr(syncing, "RECLAIM_MIN_INTERVAL_S", 5.0)
     a.reclaim_now()  # as the end of the host tier's last pass does, just before the disk passes
     for _ in range(32):  # PressureManager.run's disk loop
         if a.pressure.relieve_disk() == 0:

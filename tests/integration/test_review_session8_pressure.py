@@ -293,9 +293,9 @@ def test_a_pass_that_finds_the_room_in_graves_due_now_frees_them(
     refused RESERVEs: seen once in a full run, where the two passes came that close), so the pass
     moved nothing and freed nothing, and the writer waited for the next sync. The interval is
     widened here to make that timing certain."""
-    from mooncake_store.agent import node
+    from mooncake_store.agent import syncing
 
-    monkeypatch.setattr(node, "RECLAIM_MIN_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(syncing, "RECLAIM_MIN_INTERVAL_S", 3600.0)
     agent = proxied_agent(namespace)
     client = client_of(namespace)
     fill(client, agent, n=10)  # 2.5 MiB of 4: under the high watermark

@@ -7,16 +7,18 @@ A real in-process agent with the session's real Redis; its reservations are made
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from mooncake_store.agent import node as agent_node
+from mooncake_store.agent import syncing
 from mooncake_store.agent.node import Agent
 
 
 def test_expired_reservations_go_to_the_index_a_slice_per_sync(make_inproc_agent: Callable[..., Agent]) -> None:
     agent = make_inproc_agent(host_bytes=16 << 20, reserve_timeout_s=0.2)
-    count = agent_node.MAX_EXPIRED_PER_SYNC + 1000
+    count = syncing.MAX_EXPIRED_PER_SYNC + 1000
     reserved = agent.table.reserve([(64, i.to_bytes(16, "little")) for i in range(count)])
     assert reserved is not None and len(agent.table.reserved_deadlines()) == count
     time.sleep(0.3)  # all expired now, none of them committed
@@ -25,3 +27,31 @@ def test_expired_reservations_go_to_the_index_a_slice_per_sync(make_inproc_agent
     agent.sync_once()
     assert agent.table.reserved_deadlines() == {}
     assert agent.table.usage()[0] == 0  # all of their room is back
+
+
+def test_refused_reservations_wait_for_the_sync_under_way_rather_than_queue_their_own(
+    make_inproc_agent: Callable[..., Agent],
+) -> None:
+    """A refused RESERVE reclaims first: one sync on the connection thread. With the index slow,
+    each refused RESERVE queued a sync of its own behind the one holding the lock, each a round
+    trip: the k-th waited k of them, past its client's timeout. Now one that finds a sync under way
+    waits for that one's end, which freed what is due as well."""
+    agent = make_inproc_agent()
+    real_sync = agent.index.agent_sync
+    calls: list[float] = []
+
+    def slow_sync(*args: Any, **kwargs: Any) -> Any:
+        calls.append(time.monotonic())
+        time.sleep(0.5)
+        return real_sync(*args, **kwargs)
+
+    agent.index.agent_sync = slow_sync  # type: ignore[method-assign]
+    threads = []
+    for _ in range(5):  # refused reservations 30 ms apart, each past the reclaims' rate limit
+        threads.append(threading.Thread(target=agent.reclaim_now))
+        threads[-1].start()
+        time.sleep(0.03)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert 1 <= len(calls) <= 2, f"{len(calls)} syncs for 5 reclaims while one was under way"
