@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 from typing import Any, Protocol
 
 import xxhash
@@ -94,6 +95,14 @@ class AgentOps:
     #: FENCEd alloc ids per connection (only its own thread touches its set).
     _fences: dict[socket.socket, set[int]]
     counters: dict[str, int]
+    _counters_lock: threading.Lock
+
+    def _count(self, op: str, nbytes: int) -> None:
+        """One served READ or WRITE (``op`` "read" or "write") of ``nbytes``: connection threads
+        count at once, and ``+=`` on a shared dict is no atomic step."""
+        with self._counters_lock:
+            self.counters[op + "s"] += 1
+            self.counters[op + "_bytes"] += nbytes
 
     def _bad_request(self, conn: socket.socket, op: int) -> None:
         """Before closing on a frame of another protocol version or an op this agent lacks: a
@@ -164,8 +173,7 @@ class AgentOps:
                 view.release()
         finally:
             self._table.end_read(alloc_id)
-        self.counters["reads"] += 1
-        self.counters["read_bytes"] += length
+        self._count("read", length)
         return True
 
     def _read_other_tier(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
@@ -191,8 +199,7 @@ class AgentOps:
             frames.send_all_by(conn, header, view, self._by(started, length), self._timeout_s)
         finally:
             view.release()
-        self.counters["reads"] += 1
-        self.counters["read_bytes"] += length
+        self._count("read", length)
         self._hooks.after_other_tier_read(alloc_id, data)
         return True
 
@@ -208,8 +215,7 @@ class AgentOps:
             finally:
                 view.release()
                 still_reserved = self._table.end_write(alloc_id)
-            self.counters["writes"] += 1
-            self.counters["write_bytes"] += length
+            self._count("write", length)
             self._reply(conn, Op.WRITE, Status.OK if still_reserved else Status.STALE)
             return True
         staging = self._hooks.other_tier_staging(alloc_id, offset, length)

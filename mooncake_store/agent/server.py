@@ -107,6 +107,7 @@ class AgentServer(AgentOps):
         self._lock = threading.Lock()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="mc-accept", daemon=True)
         self.counters = {"reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0}
+        self._counters_lock = threading.Lock()
 
     def start(self) -> None:
         self._accept_thread.start()

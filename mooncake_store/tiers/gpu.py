@@ -81,14 +81,23 @@ class GpuArena:
         return self.base_ptr + offset
 
     def write_from_host(self, offset: int, src: memoryview) -> None:
-        memcpy(self._check(offset, src.nbytes), host_pointer(src), src.nbytes, self.device_id)
+        self._copy(self._check(offset, src.nbytes), host_pointer(src), src.nbytes)
 
     def read_to_host(self, offset: int, dest: memoryview) -> None:
-        memcpy(host_pointer(dest), self._check(offset, dest.nbytes), dest.nbytes, self.device_id)
+        self._copy(host_pointer(dest), self._check(offset, dest.nbytes), dest.nbytes)
 
     def copy_within(self, offset: int, src_ptr: int, nbytes: int) -> None:
         """Device-to-device (or host) copy from any pointer into the arena."""
-        memcpy(self._check(offset, nbytes), src_ptr, nbytes, self.device_id)
+        self._copy(self._check(offset, nbytes), src_ptr, nbytes)
+
+    def _copy(self, dst: int, src: int, nbytes: int) -> None:
+        """One copy of the agent's own, under the lock close() frees the arena under: a copy that
+        raced close() (a read served while the agent stopped) went through a freed device pointer,
+        which another allocation of this process may hold by then."""
+        with self.lock:
+            if self._memory is None:
+                raise TransferError(f"the GPU arena on device {self.device_id} was closed")
+            memcpy(dst, src, nbytes, self.device_id)
 
     @property
     def closed(self) -> bool:
