@@ -6,8 +6,10 @@ module moves them."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -65,6 +67,43 @@ class MoveTarget:
     counted: Counted
 
 
+class MovesGate:
+    """Moves of this node's own objects (a demotion, a promotion: a target filled here, then
+    swapped in the index) against the reconcile after an index rollback, which dooms what the
+    index does not name: a target filled but not yet swapped when the index was read was doomed,
+    the swap landed after, and the index named memory freed a lease later. Moves go on together;
+    the reconcile waits for those under way and holds new ones back until it is done."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._moving = 0
+        self._reconciling = False
+
+    @contextlib.contextmanager
+    def move(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._reconciling)
+            self._moving += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._moving -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def reconciling(self) -> Iterator[None]:
+        with self._cond:
+            self._reconciling = True
+            self._cond.wait_for(lambda: self._moving == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._reconciling = False
+                self._cond.notify_all()
+
+
 class LocalMoves:
     def __init__(self, agent: Agent, count: CountMove) -> None:
         self.agent = agent
@@ -74,10 +113,15 @@ class LocalMoves:
         #: (a spill's target on a peer is the peer's to free: its sync finds no ack for it).
         self._unsure: dict[tuple[str, int], MoveTarget] = {}
         self._lock = threading.Lock()
+        self.gate = MovesGate()
 
     def demote_to_disk(self, victim: EvictionCandidate, offset: int) -> Demotion:
         """Compress a host-tier object (at ``offset`` in the arena) into a chunk file of this agent's
         disk tier and swap it there; the file is dropped unless the index names it afterwards."""
+        with self.gate.move():
+            return self._demote_to_disk(victim, offset)
+
+    def _demote_to_disk(self, victim: EvictionCandidate, offset: int) -> Demotion:
         agent = self.agent
         assert agent.disk is not None
         disk_id = agent.table.new_id()
@@ -289,6 +333,10 @@ class LocalMoves:
     def demote_gpu(self, victim: EvictionCandidate, gpu_offset: int) -> bool:
         """Copy a GPU-tier object to a host block (one device-to-host copy) and swap it there;
         False when no host block fits it or the object changed meanwhile."""
+        with self.gate.move():
+            return self._demote_gpu(victim, gpu_offset)
+
+    def _demote_gpu(self, victim: EvictionCandidate, gpu_offset: int) -> bool:
         agent = self.agent
         assert agent.gpu is not None
         allocs = agent.table.reserve([(victim.size_bytes, b"demote-gpu" + bytes(6))])
@@ -318,6 +366,10 @@ class LocalMoves:
     def promote(self, disk_id: int, data: bytearray) -> bool:
         """Bring an object read from disk back to host memory, if that leaves the host tier under
         its high watermark (so promotion and demotion do not chase each other)."""
+        with self.gate.move():
+            return self._promote(disk_id, data)
+
+    def _promote(self, disk_id: int, data: bytearray) -> bool:
         agent = self.agent
         key = agent.disk_keys.get(disk_id)
         if key is None:

@@ -346,11 +346,12 @@ class Agent(OtherTierHooks, SyncDuties):
             # Fewer heartbeats than it answered last: the index was restored from an older
             # snapshot. It names replicas of memory freed (and maybe used again) since, and lacks
             # objects committed since: this node's part of it is brought in line with its tables.
-            with self._sync_lock:  # not between a sync's drained acks and its commits
+            # Not between a sync's drained acks and its commits, nor a local move's fill and swap.
+            with self._sync_lock, self.pressure.moves.gate.reconciling():
                 dropped, disk_orphans = reconcile_after_rollback(
                     self.index, self.node_id, self._tables(), set(self.disk_keys)
                 )
-            self.free_allocations(disk_orphans)
+                self.free_allocations(disk_orphans)
             log.error(
                 "the index went back in time (heartbeat %d after %d): dropped %d replica(s) it named here "
                 "of memory %s no longer holds, freeing %d disk file(s) it no longer names",

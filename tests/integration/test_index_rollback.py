@@ -6,13 +6,20 @@ take their nodes' replicas out of it and start afresh."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from mooncake_store import KeyNotFound, LocalCluster, connect
+from mooncake_store.agent.node import Agent
 from mooncake_store.embedded import EmbeddedServer
+from mooncake_store.index.client import VANISHED_HOLD_MS
 
 KiB = 1 << 10
 
@@ -82,3 +89,54 @@ def test_an_index_restored_from_an_older_snapshot_never_serves_other_bytes() -> 
             assert used == want, f"{used} B allocated for {want} B of objects the restored index names"
     finally:
         server.stop()
+
+
+def test_a_promotion_under_way_when_the_index_went_back_keeps_its_target(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """The reconcile after a rollback dooms the committed allocations the index does not name. A
+    promotion (a disk object copied into a committed host block, then swapped in the index) under
+    way as it read the index had its block doomed; the swap landed after, and the index named a
+    block freed a default lease later. The reconcile now waits for local moves under way, and they
+    for it."""
+    agent = make_inproc_agent(host_bytes=8 << 20, disk_path=str(tmp_path), disk_bytes=16 << 20)
+    client = connect(agent.index.url, namespace=agent.namespace)
+    value = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8)
+    try:
+        client.put("obj", value)
+        (victim,) = agent.index.victim_candidates(agent.node_id, "host")
+        location = agent.table.offset_of(victim.alloc_id)
+        assert location is not None and agent.pressure.moves.demote_to_disk(victim, location[0])
+        real_move = agent.index.move_replica
+        swapping, release = threading.Event(), threading.Event()
+
+        def held_promotion(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("promotion"):
+                swapping.set()
+                assert release.wait(30)
+            return real_move(*args, **kwargs)
+
+        agent.index.move_replica = held_promotion  # type: ignore[method-assign]
+        assert np.array_equal(client.get("obj"), value)  # read from disk; the promotion follows
+        assert swapping.wait(10), "no promotion after the disk read"
+        agent._beats = 1 << 40  # the index answers fewer heartbeats than this: it went back
+        reconcile = threading.Thread(target=agent.heartbeat_once)
+        reconcile.start()
+        time.sleep(0.3)  # the reconcile, had it run now, would read the index before the swap
+        release.set()
+        reconcile.join(timeout=30)
+        assert not reconcile.is_alive()
+
+        def promoted() -> int | None:  # the host block the index names, once the swap landed
+            meta = client.object_meta("obj")
+            tiers = [str(r.tier) for r in meta.replicas] if meta is not None else []
+            return meta.replicas[0].alloc_id if meta is not None and tiers == ["host"] else None
+
+        assert wait_until(lambda: promoted() is not None, 10), "the promotion's swap never landed"
+        block = promoted()
+        time.sleep(VANISHED_HOLD_MS / 1000 + 0.5)  # a doomed block is held this long, then freed
+        agent.sync_once()
+        assert block is not None and agent.table.offset_of(block) is not None, "the index names a block the agent freed"
+        assert np.array_equal(client.get("obj"), value)
+    finally:
+        client.close()
