@@ -104,17 +104,7 @@ class Agent(OtherTierHooks, SyncDuties):
         self._stop = threading.Event()
         #: Why this agent can no longer serve (its node id was taken over), once it cannot.
         self.fatal: str | None = None
-        self._sync_lock = threading.Lock()
-        #: Spill reservations granted to peers and not yet landed or freed, with their tier.
-        self._spills_in_flight: dict[int, TierKind] = {}
-        self._spills_lock = threading.Lock()
-        #: Whether the last sync's reply arrived and was applied (agent_sync.lua keeps its acks and
-        #: graves until the next sync says so). True at start: nothing came before.
-        self._sync_applied = True
-        self._last_reclaim = 0.0
-        #: Syncs finished so far, under _synced: a reclaim that finds a sync under way waits for its end.
-        self._syncs_done = 0
-        self._synced = threading.Condition()
+        self._init_sync_state()
         #: The index's count of this node's heartbeats, as last answered (it only grows).
         self._beats = 0
         self._threads: list[threading.Thread] = []

@@ -44,14 +44,21 @@ class SyncDuties:
     inbox: DiskInbox | None
     pressure: PressureManager
     _stop: threading.Event
-    _sync_lock: threading.Lock
-    _sync_applied: bool
-    _last_reclaim: float
-    _syncs_done: int
-    _synced: threading.Condition
     _index_timeout_s: float
-    _spills_lock: threading.Lock
-    _spills_in_flight: dict[int, TierKind]
+
+    def _init_sync_state(self) -> None:
+        """This mixin's own state, set by Agent's constructor."""
+        self._sync_lock = threading.Lock()
+        #: Spill reservations granted to peers and not yet landed or freed, with their tier.
+        self._spills_in_flight: dict[int, TierKind] = {}
+        self._spills_lock = threading.Lock()
+        #: Whether the last sync's reply arrived and was applied (agent_sync.lua keeps its acks and
+        #: graves until the next sync says so). True at start: nothing came before.
+        self._sync_applied = True
+        self._last_reclaim = 0.0
+        #: Syncs finished so far, under _synced: a reclaim that finds a sync under way waits for its end.
+        self._syncs_done = 0
+        self._synced = threading.Condition()
 
     if TYPE_CHECKING:  # Agent's own
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mooncake_store.client.buffers import BFLOAT16, check_dtype, check_fill_dtype
-from mooncake_store.client.gets import LEASE_SAFETY, counts, note_counted, refuse_stale_shm
+from mooncake_store.client.gets import LEASE_SAFETY, lookup, refuse_stale_shm
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
 from mooncake_store.policy.transport_choice import order_replicas
 from mooncake_store.tiers.gpu import GpuSegment, local_device
@@ -223,10 +223,7 @@ def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | N
     for attempt in range(config.max_retries + 1):
         client._check_open()  # a retry after close() cut this read short: none
         started = time.monotonic()
-        counted = counts(attempt)  # once per get
-        result = client.index.lookup([key], lease_ms=config.lease_ms, counted=counted)
-        if counted:
-            note_counted(1)
+        result = lookup(client, [key], attempt)  # counted once per get
         meta = result.objects[0]
         if meta is None:
             raise KeyNotFound(f"key {key!r} not found (no complete replica on a live node)")

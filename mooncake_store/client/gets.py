@@ -31,6 +31,7 @@ from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, Transp
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
+    from mooncake_store.index.client import LookupResult
 
 #: Re-check a read against the index when it ends within this fraction of its lease.
 LEASE_SAFETY = 0.8
@@ -53,15 +54,14 @@ def uncounted() -> Iterator[None]:
         _again.on = before
 
 
-def counts(attempt: int) -> bool:
-    """Whether a read's lookup of this ``attempt`` counts its keys: only a read's first, and not
-    inside uncounted()."""
-    return attempt == 0 and not getattr(_again, "on", False)
-
-
-def note_counted(keys: int) -> None:
-    """A lookup that counted ``keys`` keys returned (on the calling thread)."""
-    _again.counted = counted_keys() + keys
+def lookup(client: Client, keys: list[str], attempt: int) -> LookupResult:
+    """A read's lookup of ``keys`` with a lease, counted in stat() on the read's first ``attempt``
+    only and not inside uncounted(); what it counted is noted for counted_keys()."""
+    counted = attempt == 0 and not getattr(_again, "on", False)
+    result = client.index.lookup(keys, lease_ms=client.config.lease_ms, counted=counted)
+    if counted:
+        _again.counted = counted_keys() + len(keys)
+    return result
 
 
 def counted_keys() -> int:
@@ -113,12 +113,7 @@ class GetPath:
             self.client._check_open()  # a retry after close() cut this call's reads short: none
             started = time.monotonic()
             # Counted once per key and call: a retry's keys were counted by the first lookup.
-            counted = counts(attempt)
-            result = self.client.index.lookup(
-                [keys[i] for i in pending], lease_ms=self.client.config.lease_ms, counted=counted
-            )
-            if counted:
-                note_counted(len(pending))
+            result = lookup(self.client, [keys[i] for i in pending], attempt)
             # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
             # ones); the reads are budgeted against the shortest one this batch got.
             lease_left_ms = result.lease_left_ms(self.client.config.lease_ms)

@@ -70,7 +70,11 @@ def segment_name(namespace: str, node_id: str, pid: int | None = None, incarnati
     the suffix, so that uniqueness survives truncation.
     """
     suffix = f".{os.getpid() if pid is None else pid}" + (f"-{incarnation}" if incarnation else "")
-    prefix = namespace_prefix(namespace) + _UNSAFE.sub("_", node_id)
+    return _bounded(namespace_prefix(namespace) + _UNSAFE.sub("_", node_id), suffix)
+
+
+def _bounded(prefix: str, suffix: str) -> str:
+    """``prefix + suffix`` in MAX_SEGMENT_NAME characters, cut in the prefix's end, never the suffix."""
     return prefix[: MAX_SEGMENT_NAME - len(suffix)] + suffix
 
 
@@ -83,8 +87,7 @@ def namespace_prefix(namespace: str) -> str:
 def _legacy_name(namespace: str, node_id: str, pid: int, incarnation: str) -> str:
     """The name an agent of an earlier version gave its segment (the namespace unmarked): one of
     this node's crashed predecessors may have left it."""
-    suffix = f".{pid}-{incarnation}"
-    return _UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}")[: MAX_SEGMENT_NAME - len(suffix)] + suffix
+    return _bounded(_UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}"), f".{pid}-{incarnation}")
 
 
 def segment_digest(name: str) -> int:
