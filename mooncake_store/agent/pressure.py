@@ -166,10 +166,14 @@ class PressureManager:
                 self.moves.settle()
                 # Evicting a chain's last chunk makes its parent a leaf only then, so one sample can
                 # free little; sample again while passes make progress.
+                # Each pass ends before the next is begun once the agent stops: stop() waits a
+                # few seconds for this thread, then tears down what a pass would still use.
                 for relieve in (self.relieve_gpu, self.relieve_host, self.relieve_disk):
                     for _ in range(MAX_PASSES):
-                        if relieve() == 0:
+                        if stop.is_set() or relieve() == 0:
                             break
+                if stop.is_set():
+                    return
                 if time.monotonic() >= next_repair:  # objects a dead node's loss left short of copies
                     next_repair = time.monotonic() + REPAIR_EVERY_S
                     self.repairs.run_once(self.silent.now())

@@ -9,16 +9,19 @@ Each test fails on the code it was written against, for the reason in its docstr
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 from mooncake_store import Client, connect
+from mooncake_store.agent import pressure
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.pressure import MAX_PASSES
+from mooncake_store.agent.pressure import MAX_PASSES, PressureManager
 from mooncake_store.types import TierKind
 
 KiB = 1 << 10
@@ -172,3 +175,43 @@ def test_eviction_refuses_an_object_read_after_the_sample_was_taken(
     assert np.array_equal(client.get("obj"), chunk("obj"))  # read now: a live lease
     (evicted,) = agent.pressure.moves.evict_many([victim], TierKind.HOST)
     assert not evicted and client.exists("obj"), "an object under a live read lease was evicted"
+
+
+# ---------------------------------------------------------------------------------------------
+def test_the_pressure_loop_begins_no_pass_once_the_agent_stops(
+    make_agent: Callable[..., Agent], open_client: Callable[..., Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Agent.stop() sets the stop event, waits 5 s for its threads, then closes the spiller, the
+    arena and the index connection. The pressure loop ran up to MAX_PASSES passes per tier (and
+    the repair pass) after the event was set, so a stop during a long drain tore those down under
+    a running pass. Here a drain needs ~6 passes of 32 victims (200 objects of 16 KiB in a 4 MiB
+    arena, watermarks 0.5/0.1, nowhere to move: evicted); the stop event is set as the first pass
+    ends, and the loop must return without beginning a second one."""
+    monkeypatch.setattr(pressure, "SAMPLE", 32)
+    agent = make_agent(host_bytes=4 * MiB, high_watermark=0.5, low_watermark=0.1)
+    client = open_client()
+    keys = [f"s{i:03d}" for i in range(200)]
+    client.put_many(
+        {k: np.full(16 * KiB, i % 251, dtype=np.uint8) for i, k in enumerate(keys)}, preferred_node=agent.node_id
+    )
+    agent.sync_once()
+    stop = threading.Event()
+    walks: list[int] = []
+    real_walk = agent.pressure._walk
+
+    def walk_then_stop(*args: Any, **kwargs: Any) -> int:
+        moved = real_walk(*args, **kwargs)
+        walks.append(moved)
+        stop.set()  # what Agent.stop() does while a pass runs
+        return moved
+
+    agent.pressure._walk = walk_then_stop  # type: ignore[method-assign]
+    agent.pressure.wake()
+    loop = threading.Thread(target=PressureManager.run, args=(agent.pressure, stop), daemon=True)
+    loop.start()
+    loop.join(timeout=30)
+    assert not loop.is_alive(), "the pressure loop did not return after the stop event"
+    assert len(walks) == 1 and 0 < walks[0] <= 32 * 16 * KiB, (
+        f"passes after the stop event: {len(walks) - 1} (moved per pass: {walks})"
+    )
+    assert sum(client.exists(k) for k in keys) >= 200 - 32
