@@ -48,8 +48,8 @@ class Agent(OtherTierHooks, SyncDuties):
         self.node_id = config.node_id or default_node_id()
         self.namespace = namespace
         self.incarnation = uuid.uuid4().hex
-        self._index_timeout_s = max(2.0, config.heartbeat_ttl_s)
-        self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=self._index_timeout_s)
+        self.index_timeout_s = max(2.0, config.heartbeat_ttl_s)
+        self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=self.index_timeout_s)
         # The incarnation in the name as well as the pid: an agent restarted with the same pid (PID 1
         # in its container) must not publish its predecessor's name, or clients that mapped the old
         # segment would go on reading (and writing) it as if it were the new one.

@@ -41,7 +41,7 @@ class AgentHooks(Protocol):
         ``counted``: the READ starts at the object's first byte, and counts as the tier's read."""
 
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
-        """Called once the reply is sent (promotion happens here)."""
+        """Called once the reply is sent: queues the promotion (agent/promotions.py)."""
 
     def host_read(self) -> None:
         """A read of an object in the host arena is being served (counted with the host tier's

@@ -169,7 +169,4 @@ class OtherTierHooks:
 
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         if self.config.promote_on_read:
-            try:
-                self.pressure.moves.promote(alloc_id, data)
-            except MooncakeError as exc:
-                log.info("promotion of allocation %d failed: %s", alloc_id, exc)
+            self.pressure.promotions.offer(alloc_id, data)  # not on this connection's thread

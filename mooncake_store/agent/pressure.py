@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.moves import LocalMoves
 from mooncake_store.agent.placing import PassState, Placer
+from mooncake_store.agent.promotions import PromotionQueue
 from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.agent.spill_jobs import SilentPeers
@@ -79,10 +80,13 @@ class PressureManager:
         self.silent = SilentPeers(agent.config.heartbeat_ttl_s)
         self.moves = LocalMoves(agent, self.count)
         self.placer = Placer(agent, self.moves)
+        # A promotion under way when the agent stops may wait out one index call before its arena goes.
+        self.promotions = PromotionQueue(self.moves, join_s=agent.index_timeout_s + 1.0)
         job_of = {TierKind.HOST: self._host_job, TierKind.GPU: self._gpu_job, TierKind.DISK: self._disk_job}
         self.repairs = Repairs(agent, self._spiller, job_of, self.count, self.silent.note)
 
     def close(self) -> None:
+        self.promotions.close()
         self._spiller.close()
 
     # ---- signals from the server ------------------------------------------------------------

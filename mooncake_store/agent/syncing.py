@@ -44,7 +44,7 @@ class SyncDuties:
     inbox: DiskInbox | None
     pressure: PressureManager
     _stop: threading.Event
-    _index_timeout_s: float
+    index_timeout_s: float
 
     def _init_sync_state(self) -> None:
         """This mixin's own state, set by Agent's constructor."""
@@ -96,7 +96,7 @@ class SyncDuties:
                 self._sync_lock.release()
             return
         with self._synced:
-            self._synced.wait_for(lambda: self._syncs_done != seen, timeout=self._index_timeout_s)
+            self._synced.wait_for(lambda: self._syncs_done != seen, timeout=self.index_timeout_s)
 
     def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
         kind = TierKind.DISK if tier == TIER_DISK else TierKind.GPU if tier == TIER_GPU else TierKind.HOST
