@@ -50,6 +50,11 @@ class Agent(OtherTierHooks, SyncDuties):
         self.incarnation = uuid.uuid4().hex
         self.index_timeout_s = max(2.0, config.heartbeat_ttl_s)
         self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=self.index_timeout_s)
+        # A crashed incarnation of this node id left its arena in /dev/shm (no process holds its
+        # lock): it goes before ours is made, or an arena over half of /dev/shm could never be made
+        # again after a crash (NoCapacity every time, and the sweep in start() never ran).
+        for name in sweep_abandoned_segments(namespace, self.node_id, keep=""):
+            log.warning("removed the shared-memory arena %s, left by an earlier agent of node %s", name, self.node_id)
         # The incarnation in the name as well as the pid: an agent restarted with the same pid (PID 1
         # in its container) must not publish its predecessor's name, or clients that mapped the old
         # segment would go on reading (and writing) it as if it were the new one.

@@ -1,9 +1,9 @@
 """An agent killed without its stop (SIGKILL, the OOM killer) leaves its arena in /dev/shm, and a
 restarted agent of the same node creates its own under a new name: each crash leaked an arena's
 memory until /dev/shm filled and agents could not start. An agent now holds a lock on its arena
-for as long as it maps it, and removes, once it has registered its node id, the arenas of earlier
-agents of that id that no process holds, and those of other ids the node table no longer lists
-(the default id is host-pid: each restart is another node)."""
+for as long as it maps it, and removes the arenas of earlier agents of its node id that no process
+holds (before it makes its own) and, once registered, those of other ids the node table no longer
+lists (the default id is host-pid: each restart is another node)."""
 
 from __future__ import annotations
 
@@ -172,3 +172,41 @@ def test_an_arena_being_created_is_never_swept(made: list[Path]) -> None:
             creator.stdin.close()
             creator.wait(timeout=30)
     assert not (SHM_DIR / name).exists()
+
+
+RESTART_IN_SMALL_SHM = """
+from mooncake_store import LocalCluster
+MiB = 1 << 20
+with LocalCluster(0, host_bytes=40 * MiB, heartbeat_ttl_s=2.0) as cluster:
+    cluster.add_agent(node_id="s").kill()
+    cluster.add_agent(node_id="s")
+    print("restarted", flush=True)
+"""
+
+
+def test_an_agent_restarts_after_a_crash_in_a_dev_shm_with_room_for_one_arena() -> None:
+    """The new arena was made before the dead incarnation's was swept (at registration): with
+    /dev/shm holding less than two arenas (a container's shm size, a pod's memory emptyDir kept
+    across restarts) the restart failed with NoCapacity, and every later one, since only a started
+    agent sweeps. Run in a mount namespace of its own with a 64 MiB /dev/shm and 40 MiB arenas."""
+    probe = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a private /dev/shm here (unshare -m and mount need root): {probe.stderr.strip()}")
+    script = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec " + f'{sys.executable} -c "$0"'
+    child = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, RESTART_IN_SMALL_SHM],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()  # by its pid; its LocalCluster's agents exit with their parent
+            child.wait(timeout=30)
+    assert child.returncode == 0 and "restarted" in out, err[-2000:]
