@@ -21,7 +21,13 @@ from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
 from mooncake_store.agent.server import AgentServer
 from mooncake_store.agent.syncing import SyncDuties
-from mooncake_store.agent.takeover import fresh_alloc_tag, reconcile_after_rollback, register_again, register_first
+from mooncake_store.agent.takeover import (
+    PID_START_LABEL,
+    fresh_alloc_tag,
+    reconcile_after_rollback,
+    register_again,
+    register_first,
+)
 from mooncake_store.agent.usage import tier_usages
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError
@@ -33,6 +39,7 @@ from mooncake_store.tiers.gpu import GpuArena
 from mooncake_store.tiers.host import INCARNATION_CHARS, HostArena, segment_name, sweep_abandoned_segments
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import ALLOC_TAG_SHIFT, NodeInfo, TierKind, TierUsage, TransportKind
+from mooncake_store.watchdog import start_time
 
 log = logging.getLogger("mooncake.agent")
 
@@ -202,6 +209,8 @@ class Agent(OtherTierHooks, SyncDuties):
                 "high_watermark": str(self.config.high_watermark),
                 # A prefaulted arena's pages all exist: a same-host peer may map it populated.
                 "prefault": "1" if self.config.prefault else "0",
+                # A restart tells this process from a later one given its pid (holder_gone).
+                PID_START_LABEL: str(start_time(os.getpid()) or 0),
                 # The PCI bus id names the device whatever CUDA_VISIBLE_DEVICES a client runs with.
                 **(
                     {

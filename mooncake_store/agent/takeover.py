@@ -16,11 +16,15 @@ from mooncake_store.index.client import VANISHED_HOLD_MS
 from mooncake_store.index.node_table import NodeIdTaken
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import NodeInfo
+from mooncake_store.watchdog import start_time
 
 log = logging.getLogger("mooncake.agent")
 
 #: How long a start waits for the record of a gone agent of this host to pass its deadline.
 TAKEOVER_WAIT_S = 60.0
+#: The node record's label with its agent's process start time (clock ticks since boot, field 22 of
+#: /proc/PID/stat): with the pid, it tells the agent apart from a later process given that pid.
+PID_START_LABEL = "pid_start"
 
 
 def register_again(
@@ -90,17 +94,26 @@ def register_first(index: RedisIndex, node_info: Callable[[], NodeInfo], *, inca
 
 
 def holder_gone(holder: dict[str, Any]) -> bool:
-    """Whether the agent of a node record is a process of this host that no longer runs."""
+    """Whether the agent of a node record is a process of this host that no longer runs: its pid
+    names no process, a zombie (killed, not yet reaped by its supervisor), or a process started at
+    another time than the one the record names (``pid_start``: the pid was reused, as PID 1 is by
+    a restarted container, whose new agent would otherwise find itself "held by a live agent")."""
     pid = holder.get("pid")
     if holder.get("host_id") != local_host_id() or not isinstance(pid, int) or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False  # there, and not ours to signal
-    return False
+    started = start_time(pid)
+    if started is None:
+        if os.path.exists("/proc/self/stat"):
+            return True  # no such process, or a zombie
+        try:  # no procfs: the pid alone
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False  # there, and not ours to signal
+        return False
+    recorded = str((holder.get("labels") or {}).get(PID_START_LABEL, ""))
+    return recorded.isdigit() and int(recorded) != started
 
 
 def reconcile_after_rollback(

@@ -12,6 +12,8 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,3 +121,69 @@ def test_a_gone_holder_whose_deadline_is_past_the_wait_is_named_as_gone(
         assert "frees at its heartbeat deadline, in 1" in message, message  # ~119 s
     finally:
         index.close()
+
+
+def _register_holder(index: RedisIndex, pid: int, pid_start: int) -> Any:
+    """A node record of this host held by ``pid``, started at ``pid_start`` (clock ticks)."""
+    holder = dataclasses.replace(node_row("z"), host_id=local_host_id(), pid=pid, labels={"pid_start": str(pid_start)})
+    index.register_node(holder, incarnation="old", ttl_ms=120_000)
+    return holder
+
+
+def _start_again(index: RedisIndex, holder: Any) -> str:
+    """The message a start of the same node id in this process gets (TAKEOVER_WAIT_S is short)."""
+    with pytest.raises(NodeIdTaken) as info:
+        takeover.register_first(
+            index, lambda: dataclasses.replace(holder, pid=os.getpid()), incarnation="new", ttl_ms=120_000
+        )
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", ["zombie", "pid reused"])
+def test_a_holder_that_is_a_zombie_or_whose_pid_names_another_process_is_gone(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """The holder's liveness was os.kill(pid, 0) alone: a killed agent its supervisor had not yet
+    reaped (a zombie), or a pid now given to another process (PID 1 of a restarted container is
+    the new agent itself), counted as a live agent, and the start was refused at once ("held by a
+    live agent ... stop that agent") instead of waiting for the record's deadline."""
+    monkeypatch.setattr(takeover, "TAKEOVER_WAIT_S", 0.3)
+    index = RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:10]}")
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        if case == "zombie":
+            started = start_time_of(zombie.pid)
+            assert wait_until(lambda: state_of(zombie.pid) == "Z", 10)
+            holder = _register_holder(index, zombie.pid, started)
+        else:  # this very process, but not the one the record names
+            holder = _register_holder(index, os.getpid(), start_time_of(os.getpid()) - 1)
+        message = _start_again(index, holder)
+        assert "which is gone" in message and "live agent" not in message, message
+    finally:
+        zombie.wait(timeout=10)
+        index.close()
+
+
+def test_a_holder_whose_pid_and_start_time_match_is_live(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same pid started at the same time is the holder itself, alive (an agent of this
+    process): refused at once, not waited for."""
+    monkeypatch.setattr(takeover, "TAKEOVER_WAIT_S", 0.3)
+    index = RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:10]}")
+    try:
+        holder = _register_holder(index, os.getpid(), start_time_of(os.getpid()))
+        message = _start_again(index, holder)
+        assert "held by a live agent" in message, message
+    finally:
+        index.close()
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def start_time_of(pid: int) -> int:
+    return int(_stat(pid)[19])
+
+
+def state_of(pid: int) -> str:
+    return _stat(pid)[0]
