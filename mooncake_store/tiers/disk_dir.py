@@ -9,6 +9,7 @@ import fcntl
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 from mooncake_store.errors import MooncakeError
@@ -20,6 +21,11 @@ SUFFIX = ".mcz"
 #: dead tier's, and the sweep deleted that program's ".tmp" files and its lock.)
 LOCK_NAME = ".mooncake-disk-tier.lock"
 LOCK_MAGIC = b"mooncake-store disk tier\n"
+#: What a sweep writes into the lock file it holds before it removes the directory: a tier claiming
+#: the directory meanwhile (its agent restarted beside another's start sweep) waits for the sweep,
+#: up to SWEEP_WAIT_S, instead of refusing it as "in use by another agent".
+SWEEPING_MAGIC = b"mooncake-store disk tier, being swept\n"
+SWEEP_WAIT_S = 60.0
 #: What a tier writes under its directory (path_of): <2 hex>/<16 hex>.mcz, and .tmp while writing,
 #: the subdirectory named by the file name's last two digits. Nothing else is ever removed.
 _SUBDIR = re.compile(r"[0-9a-f]{2}")
@@ -34,7 +40,10 @@ def claim_dir(root: Path) -> int:
     (sweep_abandoned_tiers) remove every tier directory whose lock file they find free, and one
     created first and locked after could be found free in between."""
     lock_path = root / LOCK_NAME
-    for _ in range(5):  # each retry follows another process's move between two calls
+    moves = 0
+    give_up = time.monotonic() + SWEEP_WAIT_S
+    while moves < 5:  # each retry follows another process's move between two calls
+        moves += 1
         try:
             root.mkdir(parents=True, exist_ok=True, mode=0o700)  # a sweep may have taken it with a free lock
             fd = os.open(lock_path, os.O_RDWR)
@@ -48,7 +57,12 @@ def claim_dir(root: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            swept = _being_swept(fd)
             os.close(fd)
+            if swept and time.monotonic() < give_up:
+                moves -= 1  # not a move: the sweep removes the directory, then this looks again
+                time.sleep(0.05)
+                continue
             raise MooncakeError(
                 f"the disk tier directory {root} is in use by another agent (or another tier in this "
                 "process): each agent needs a disk directory of its own"
@@ -66,7 +80,9 @@ def sweep_abandoned_tiers(parent: Path, *, keep: Path) -> list[Path]:
     of its own: nothing else would ever remove them. The files are unreachable (a dead node's
     replicas leave the index, and a restarted agent starts empty). Only what a tier writes is
     removed (chunk files, temp files, their subdirectories, the lock); a directory holding
-    anything else stays. Returns the directories removed."""
+    anything else stays. The lock is marked (SWEEPING_MAGIC) while the sweep holds it, so that a
+    tier claiming the directory meanwhile waits instead of refusing. Returns the directories
+    removed."""
     removed: list[Path] = []
     for lock in sorted(parent.glob(f"*/{LOCK_NAME}")):
         root = lock.parent
@@ -83,13 +99,32 @@ def sweep_abandoned_tiers(parent: Path, *, keep: Path) -> list[Path]:
                 continue  # its agent is alive
             if not _still_named(fd, lock):
                 continue  # another sweep removed that file, and a new tier may have claimed the directory
-            if os.pread(fd, len(LOCK_MAGIC) + 1, 0) != LOCK_MAGIC:
+            if os.pread(fd, len(SWEEPING_MAGIC) + 1, 0) not in (LOCK_MAGIC, SWEEPING_MAGIC):
                 continue  # not a tier's lock (or one whose claim died before marking it): left alone
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, SWEEPING_MAGIC, 0)
+            except OSError:
+                continue
             if remove_tier_dir(root):
                 removed.append(root)
         finally:
             os.close(fd)
     return removed
+
+
+def _being_swept(fd: int) -> bool:
+    """Whether the lock file another process holds says a sweep holds it. A sweep marks it just
+    after it takes the lock: looked at a few times, 10 ms apart, before a tier is refused."""
+    for attempt in range(3):
+        try:
+            if os.pread(fd, len(SWEEPING_MAGIC) + 1, 0) == SWEEPING_MAGIC:
+                return True
+        except OSError:
+            return False
+        if attempt < 2:
+            time.sleep(0.01)
+    return False
 
 
 def _marked(fd: int, lock_path: Path) -> int:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
+from mooncake_store.tiers import disk_dir
 from mooncake_store.tiers.disk import (
     FLAG_SHUFFLED,
     HEADER,
@@ -389,6 +390,42 @@ def test_a_claim_whose_directory_a_sweep_removed_meanwhile_claims_it_afresh(
     monkeypatch.setattr(os, "open", real_open)
     assert swept == [[root]]
     tier.write(1, memoryview(np.ones(1000, np.uint8)))
+    tier.close()
+
+
+def test_a_claim_while_a_sweep_removes_the_directory_waits_for_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two agents on one disk path restarting together (a host's OOM kill): each sweeps the
+    other's directory before it claims its own. A claim whose lock a sweep held (removing a large
+    crashed tier's files takes seconds) was refused at once as "in use by another agent"; it now
+    waits for the sweep and claims the directory afresh. The sweep is held here until the claim
+    has been waiting for 0.3 s."""
+    root = tmp_path / "agent-0"
+    DiskTier(root, 1 << 20).close(remove_files=False)  # a crashed incarnation: its lock is free
+    real_remove = disk_dir.remove_tier_dir
+    sweeping, finish = threading.Event(), threading.Event()
+
+    def held_removal(path: Path) -> bool:
+        sweeping.set()
+        assert finish.wait(10)
+        return real_remove(path)
+
+    monkeypatch.setattr(disk_dir, "remove_tier_dir", held_removal)
+    swept: list[list[Path]] = []
+    sweep = threading.Thread(target=lambda: swept.append(sweep_abandoned_tiers(tmp_path, keep=tmp_path / "agent-1")))
+    sweep.start()
+    try:
+        assert sweeping.wait(10)
+        threading.Timer(0.3, finish.set).start()
+        tier = DiskTier(root, 1 << 20)
+    finally:
+        finish.set()
+        sweep.join(timeout=10)
+    assert swept == [[root]]
+    tier.write(1, memoryview(np.ones(1000, np.uint8)))  # its directory is there, made afresh
+    with pytest.raises(MooncakeError, match="in use by another agent"):
+        DiskTier(root, 1 << 20)  # a live tier's lock still refuses at once
     tier.close()
 
 
