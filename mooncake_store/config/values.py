@@ -142,21 +142,31 @@ def _parse_host_port(text: object, *, min_port: int = 0) -> tuple[str, int] | st
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***``, so it can go into messages and logs: the one
     in ``user:password@`` and the one redis-py also takes as ``?password=`` (or ``ssl_password``).
-    A URL that does not parse has everything between its scheme and its last ``@`` hidden."""
+    A URL that does not parse, or parses with no host (a mistyped scheme, a missing slash), has
+    everything between its scheme and its last ``@`` hidden: what is there may be a password."""
     hidden = _QUERY_PASSWORD.sub(r"\1\2=***", url)
     try:
         parts = urlsplit(hidden)
-        if parts.password is None:
-            return hidden
+    except ValueError:
+        return _hidden_before_at(hidden)
+    if parts.password is not None:
         netloc = parts.netloc.rpartition("@")
         user = parts.username or ""
         return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
-    except ValueError:
-        scheme, sep, rest = hidden.partition("://")
-        if "@" not in rest:
-            return hidden
-        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+    if parts.netloc or "@" not in hidden:
+        return hidden  # well formed with no password (a user name alone is no secret), or no "@"
+    return _hidden_before_at(hidden)
 
 
+def _hidden_before_at(text: str) -> str:
+    """``text`` with all before its last ``@`` hidden, but a scheme it starts with."""
+    if "@" not in text:
+        return text
+    scheme, sep, rest = text.partition("://")
+    keep = f"{scheme}{sep}" if sep and _SCHEME.fullmatch(scheme) else ""
+    return f"{keep}***@{(rest if keep else text).rpartition('@')[2]}"
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 #: A password in a URL's query (redis-py reads ``password`` and ``ssl_password`` there).
 _QUERY_PASSWORD = re.compile(r"(?i)([?&])((?:ssl_)?password)=[^&#]*")

@@ -445,6 +445,13 @@ def test_a_local_cluster_with_a_bad_arena_size_is_refused_before_it_starts(size:
         ("redis://u:s3cret@h:1/0?password=s3cret", "redis://u:***@h:1/0?password=***"),
         ("redis://:s3cret@[::1/0", "redis://***@[::1/0"),  # does not parse: all before the @ hidden
         ("redis://h:1/0", "redis://h:1/0"),
+        ("redis://user@h:1/0", "redis://user@h:1/0"),  # a user name alone is no secret
+        # Parsed, but with no host: a mistyped scheme or a missing slash was shown whole.
+        ("red is://u:s3cret@x", "***@x"),
+        ("redis:/u:s3cret@h:6379/0", "***@h:6379/0"),
+        ("redis//:s3cret@h:6379/0", "***@h:6379/0"),
+        (":s3cret@h:6379", "***@h:6379"),
+        ("redis:://u:s3cret@h", "***@h"),
     ],
 )
 def test_every_password_redis_py_reads_in_a_url_is_redacted(url: str, shown: str) -> None:
