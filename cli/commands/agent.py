@@ -14,7 +14,14 @@ from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.state import load_state
 
 from mooncake_store.agent.node import Agent
-from mooncake_store.config import Config, agent_flag_overrides, explain_config, format_size, redact_url
+from mooncake_store.config import (
+    Config,
+    agent_flag_names,
+    agent_flag_overrides,
+    explain_config,
+    format_size,
+    redact_url,
+)
 
 
 def agent(
@@ -103,6 +110,7 @@ def agent(
                 no_spill=no_spill,
                 no_spill_shm=no_spill_shm,
             ),
+            override_flags=agent_flag_names(host_flag="--host-mem"),
         )
 
     config, sources = load(

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from mooncake_store import ClusterStats, MooncakeError, connect
-from mooncake_store.config import format_size, load_config, redact_url, split_host_port
+from mooncake_store.config import agent_flag_names, format_size, load_config, redact_url, split_host_port
 from mooncake_store.index.connection import connect_redis
 
 #: How long `mooncake down` waits for an `up` still starting to record its cluster (agents that
@@ -179,7 +179,8 @@ def up(
             "namespace": g.namespace if namespace is None else namespace,
             "agent.host_bytes": host_mem,
             "agent.zone": zone,
-        }
+        },
+        override_flags=agent_flag_names(host_flag="--host-mem"),
     )
     if port and config.redis_url is not None:
         raise CliError(

@@ -15,7 +15,7 @@ import threading
 from types import FrameType
 
 from mooncake_store.agent.node import Agent
-from mooncake_store.config import agent_flag_overrides, load_config
+from mooncake_store.config import agent_flag_names, agent_flag_overrides, load_config
 from mooncake_store.errors import ConfigError, MooncakeError
 from mooncake_store.watchdog import watch_parent
 
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 no_spill=args.no_spill,
                 no_spill_shm=args.no_spill_shm,
             ),
+            override_flags=agent_flag_names(),
         )
         if not config.redis_url:
             raise ConfigError("no Redis URL: pass --redis-url or set MOONCAKE_REDIS_URL")

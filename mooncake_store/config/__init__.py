@@ -25,6 +25,7 @@ never be silently ignored: a misspelt ``host_bytes`` would otherwise leave an ag
 from __future__ import annotations
 
 from mooncake_store.config.loader import (
+    agent_flag_names,
     agent_flag_overrides,
     config_file_path,
     explain_config,
@@ -54,6 +55,7 @@ __all__ = [
     "AgentConfig",
     "ClientConfig",
     "Config",
+    "agent_flag_names",
     "agent_flag_overrides",
     "config_file_path",
     "explain_config",

@@ -266,3 +266,29 @@ def agent_flag_overrides(
         "agent.spill_to_peers": False if no_spill else None,
         "agent.spill_shm": False if no_spill_shm else None,
     }
+
+
+def agent_flag_names(*, host_flag: str = "--host-bytes") -> dict[str, str]:
+    """The command-line flag of each override agent_flag_overrides makes, for its errors
+    (``--disk-mem='12XB': ...`` rather than ``override agent.disk_bytes='12XB': ...``).
+    ``host_flag``: the arena size's flag (``--host-mem`` in the ``mooncake`` CLI)."""
+    return {
+        "redis_url": "--redis-url",
+        "namespace": "--namespace",
+        "agent.host_bytes": host_flag,
+        "agent.node_id": "--node-id",
+        "agent.listen": "--listen",
+        "agent.zone": "--zone",
+        "agent.advertise": "--advertise",
+        "agent.disk_path": "--disk",
+        "agent.disk_bytes": "--disk-mem",
+        "agent.gpu_bytes": "--gpu-mem",
+        "agent.gpu_id": "--gpu-id",
+        "agent.high_watermark": "--high-watermark",
+        "agent.low_watermark": "--low-watermark",
+        "agent.heartbeat_ttl_s": "--heartbeat-ttl-s",
+        "agent.reserve_timeout_s": "--reserve-timeout-s",
+        "agent.prefault": "--no-prefault",
+        "agent.spill_to_peers": "--no-spill",
+        "agent.spill_shm": "--no-spill-shm",
+    }

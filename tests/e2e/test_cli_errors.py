@@ -20,6 +20,14 @@ def _closed_port() -> int:
     ("args", "code", "needle"),
     [
         (["up", "--host-mem", "12x"], 2, "not a size"),
+        # Errors name the flag that gave the value (they said "override agent.host_bytes='1000'").
+        (["up", "--host-mem", "1000"], 2, "--host-mem='1000': must be between 64.0 KiB"),
+        (["agent", "--redis-url", "redis://127.0.0.1:1/0", "--disk-mem", "12XB"], 2, "--disk-mem='12XB': not a size"),
+        (
+            ["agent", "--redis-url", "redis://127.0.0.1:1/0", "--high-watermark", "0.5", "--low-watermark", "0.7"],
+            2,
+            "--low-watermark=0.7: must be below agent.high_watermark=0.5 (from --high-watermark)",
+        ),
         (["up", "--agents", "abc"], 2, "--agents"),
         (["--redis-url", "http://example.com", "stat"], 2, "scheme"),
         (["stat", "--redis-url", "redis://127.0.0.1:notaport/0"], 2, "--redis-url="),
