@@ -22,6 +22,10 @@ log = logging.getLogger("mooncake.agent")
 
 #: How long a start waits for the record of a gone agent of this host to pass its deadline.
 TAKEOVER_WAIT_S = 60.0
+#: How long the alloc tags of a node id's incarnations are remembered (index key tags:<node>): longer
+#: than anything of an incarnation's can be on its way to the index (a put's pending record lives
+#: four reservation timeouts and a minute; a spill's guard less).
+TAG_MEMORY_MS = 3_600_000
 #: The node record's label with its agent's process start time (clock ticks since boot, field 22 of
 #: /proc/PID/stat): with the pid, it tells the agent apart from a later process given that pid.
 PID_START_LABEL = "pid_start"
@@ -45,17 +49,28 @@ def register_again(
 
 
 def fresh_alloc_tag(index: RedisIndex, node_id: str, incarnation: str) -> int:
-    """16 random bits for this incarnation's alloc ids, never those of the incarnation the node
-    table lists under this node id: ids start again at the tag's base, so a predecessor with
-    the same tag handed out the very same ids, and a WRITE of its still on the wire could land
-    in a reservation of this one."""
+    """16 random bits for this incarnation's alloc ids, never those an incarnation of this node id
+    took in the last TAG_MEMORY_MS (its record listed or not) nor the listed one's: ids start again
+    at the tag's base, so a predecessor with the same tag handed out the very same ids, and a
+    commit or a WRITE of its still on the way (a put's pending record lives minutes) could name a
+    reservation of this one. Only the listed record's tag was avoided: after a stop or a reap (no
+    record), or two restarts, one start in 65536 took an earlier incarnation's."""
     tag = int(incarnation[:4], 16) or 1
     try:
         previous = index.nodes().get(node_id)
+        now_ms, used = index.recent_alloc_tags(node_id, within_ms=TAG_MEMORY_MS)
     except MooncakeError:
         return tag  # the index is out of reach: registering will say so
-    if previous is not None and previous.alloc_tag == tag:
+    if previous is not None:
+        used.add(previous.alloc_tag)
+    for _ in range(0xFFFF):
+        if tag not in used:
+            break
         tag = tag % 0xFFFF + 1
+    try:
+        index.note_alloc_tag(node_id, tag, now_ms=now_ms, keep_ms=TAG_MEMORY_MS)
+    except MooncakeError:
+        pass  # as above
     return tag
 
 

@@ -131,3 +131,31 @@ class NodeTableCalls:
         except redis.RedisError as exc:
             raise ConnectError(f"cannot read the replicas of node {node_id} from {self.where}: {exc}") from None
         return out
+
+    def recent_alloc_tags(self, node_id: str, *, within_ms: int) -> tuple[int, set[int]]:
+        """(the index's time in ms, the alloc tags incarnations of ``node_id`` took in the last
+        ``within_ms``, as note_alloc_tag recorded them): whether or not their records are still
+        listed (a record is gone once its node stopped or was reaped, while a commit naming one
+        of its allocations may still be on its way)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(self.prefix + "tags:" + node_id, 0, -1, withscores=True)
+        try:
+            (seconds, micros), rows = pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the alloc tags of {node_id} from {self.where}: {exc}") from None
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        return now_ms, {int(tag) for tag, at in rows if at >= now_ms - within_ms}
+
+    def note_alloc_tag(self, node_id: str, tag: int, *, now_ms: int, keep_ms: int) -> None:
+        """Record ``tag`` as taken by an incarnation of ``node_id`` at ``now_ms``; the record of a
+        node id that no incarnation takes again for ``keep_ms`` goes by itself."""
+        key = self.prefix + "tags:" + node_id
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(key, {str(tag): now_ms})
+        pipe.zremrangebyscore(key, "-inf", now_ms - keep_ms - 1)
+        pipe.pexpire(key, keep_ms)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot record the alloc tag of {node_id} on {self.where}: {exc}") from None

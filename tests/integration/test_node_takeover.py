@@ -5,6 +5,7 @@ every heartbeat, forever, serving nothing). Real agent processes and the session
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 import subprocess
@@ -80,6 +81,35 @@ def test_a_restarted_agent_never_takes_the_alloc_tag_of_the_incarnation_it_repla
     finally:
         second.arena.close(unlink=True)
         second.index.close()
+
+
+def test_no_incarnation_of_a_node_id_takes_an_alloc_tag_an_earlier_one_took_within_the_hour(
+    make_inproc_agent: Callable[..., object], monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """Only the listed record's tag was avoided: once the node stopped (or was reaped) there was
+    no record, and a successor drawing its tag handed out the very ids a put of the stopped
+    incarnation, still pending (its record lives minutes), could commit into. Nor, after two
+    restarts, the tag of the one before last. The three incarnations here draw the same tag."""
+    from mooncake_store.agent.node import Agent
+    from mooncake_store.config import AgentConfig
+
+    draws = (uuid.UUID(f"0001{n:04x}-0000-4000-8000-000000000000") for n in itertools.count(1))
+    monkeypatch.setattr(uuid, "uuid4", lambda: next(draws))
+    namespace = f"t-{os.getpid()}-tags"
+    first = make_inproc_agent(namespace=namespace, node_id="tagged")
+    assert first.alloc_tag == 1  # type: ignore[attr-defined]
+    first.stop()  # type: ignore[attr-defined]  # deregistered: no record lists its tag
+    second = make_inproc_agent(namespace=namespace, node_id="tagged")
+    assert second.alloc_tag == 2, f"the successor of a stopped node drew tag {second.alloc_tag}, its predecessor's"  # type: ignore[attr-defined]
+    # A third, built while the second is listed: neither the listed tag (2) nor the one before (1).
+    third = Agent(
+        AgentConfig(node_id="tagged", host_bytes=4 << 20, prefault=False), redis_url=redis_url, namespace=namespace
+    )
+    try:
+        assert third.alloc_tag == 3, f"the third incarnation drew tag {third.alloc_tag}"
+    finally:
+        third.arena.close(unlink=True)
+        third.index.close()
 
 
 def test_an_agent_restarted_at_once_after_a_crash_waits_for_the_dead_one_s_deadline(
