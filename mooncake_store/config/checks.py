@@ -85,6 +85,24 @@ def _resolvable_name(host: str) -> bool:
     return True
 
 
+def _netloc(url: str) -> str:
+    """The part of ``url`` that urlsplit takes for user, password, host and port: up to the first
+    "/", "?" or "#" after the scheme."""
+    return re.split(r"[/?#]", url.split("://", 1)[-1], maxsplit=1)[0]
+
+
+def _unencoded_in_userinfo(url: str) -> str | None:
+    """What is wrong with a URL whose "@" comes after the end of its host part: a "/", "?" or "#"
+    in the user name or password, which must be percent-encoded (and redis-py would read it as a
+    path, a query or a fragment)."""
+    if "@" in url.split("://", 1)[-1] and "@" not in _netloc(url):
+        return (
+            "not a valid URL: a '/', '?' or '#' in the user name or password must be percent-encoded "
+            "(%2F, %3F, %23), e.g. redis://:p%2Fss@127.0.0.1:6379/0"
+        )
+    return None
+
+
 def _check_redis_url(value: str | None) -> str | None:
     if value is None:
         return None
@@ -97,7 +115,7 @@ def _check_redis_url(value: str | None) -> str | None:
             if not parts.path:
                 return "unix:// needs a socket path, e.g. unix:///run/redis.sock"
         elif not parts.hostname:
-            return "needs a host, e.g. redis://127.0.0.1:6379/0"
+            return _unencoded_in_userinfo(value) or "needs a host, e.g. redis://127.0.0.1:6379/0"
         # redis-py reads port 0 as "no port" and dials 6379: another server than the one named.
         elif parts.port == 0:
             return "port must be 1..65535, e.g. redis://127.0.0.1:6379/0"
@@ -106,11 +124,12 @@ def _check_redis_url(value: str | None) -> str | None:
             # read as a server out of reach (exit 4) rather than a mistake in the URL.
             return f"host {parts.hostname!r} is not a valid host name (empty or over-long label)"
     except ValueError as exc:  # urlsplit's port: out of range or not a number; or a lone bracket
-        hostport = value.split("://", 1)[-1].split("/", 1)[0].rpartition("@")[2]
+        hostport = _netloc(value).rpartition("@")[2]
         port = hostport.rsplit(":", 1)
         if ("[" in hostport) == ("]" in hostport) and len(port) == 2 and is_ascii_digits(port[1]):
             return f"port must be 1..65535, got {port[1]}, e.g. redis://127.0.0.1:6379/0"
-        return f"not a valid URL ({exc})"
+        # The error's text may quote part of a password (urlsplit read it as the port).
+        return _unencoded_in_userinfo(value) or f"not a valid URL ({exc})"
     if scheme != "unix":
         db = parts.path.lstrip("/")
         # ASCII only: redis-py silently drops a database it cannot parse ("²") and uses db 0.

@@ -7,7 +7,7 @@ import math
 import re
 import socket
 from decimal import Decimal, InvalidOperation
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from mooncake_store.errors import ConfigError
 
@@ -153,9 +153,20 @@ def redact_url(url: str) -> str:
         netloc = parts.netloc.rpartition("@")
         user = parts.username or ""
         return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
-    if parts.netloc or "@" not in hidden:
-        return hidden  # well formed with no password (a user name alone is no secret), or no "@"
+    if "@" not in hidden or _well_formed(parts):
+        return hidden  # no password (a user name alone is no secret; an "@" in a query is none)
     return _hidden_before_at(hidden)
+
+
+def _well_formed(parts: SplitResult) -> bool:
+    """A URL with a scheme, a host (or a unix socket's path) and a port that is a number: one
+    whose "@" urlsplit placed where it belongs. In a URL it could not read (a "/", "?" or "#" in
+    a password that is not percent-encoded ends the host part early) an "@" may follow a secret."""
+    try:
+        parts.port  # noqa: B018 (raises ValueError for a port that is no number)
+    except ValueError:
+        return False
+    return bool(parts.scheme) and bool(parts.hostname or (parts.scheme == "unix" and parts.path))
 
 
 def _hidden_before_at(text: str) -> str:

@@ -452,6 +452,10 @@ def test_a_local_cluster_with_a_bad_arena_size_is_refused_before_it_starts(size:
         ("redis//:s3cret@h:6379/0", "***@h:6379/0"),
         (":s3cret@h:6379", "***@h:6379"),
         ("redis:://u:s3cret@h", "***@h"),
+        # A "/", "?" or "#" in a password ends urlsplit's host part early: the "@" is in the path.
+        ("redis://:s3/cret@h:6379/0", "redis://***@h:6379/0"),
+        ("redis://u:s3#cret@h:6379/0", "redis://***@h:6379/0"),
+        ("redis://h:6379/0?client_name=a@b", "redis://h:6379/0?client_name=a@b"),  # parses: no secret
     ],
 )
 def test_every_password_redis_py_reads_in_a_url_is_redacted(url: str, shown: str) -> None:
@@ -459,6 +463,19 @@ def test_every_password_redis_py_reads_in_a_url_is_redacted(url: str, shown: str
     given, by `mooncake stat --json`, `doctor` and every connection error. A URL that did not
     parse was returned whole, password and all."""
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:s3/cret@h:6379/0", "redis://u:s3#cret@h:6379/0", "redis://u:s3?cret@h:6379/0"]
+)
+def test_a_password_with_an_unencoded_delimiter_is_named_as_such_and_never_shown(url: str) -> None:
+    """Such a URL was refused as "needs a host" or "port must be 1..65535, got 6379" (a valid
+    port), with the password in the message: urlsplit ends the host part at the delimiter."""
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"redis_url": url}, override_flags={"redis_url": "--redis-url"})
+    message = str(info.value)
+    assert "must be percent-encoded" in message and "got 6379" not in message, message
+    assert "s3" not in message and "cret" not in message, message
 
 
 def test_a_url_with_a_lone_bracket_is_not_called_a_bad_port() -> None:
