@@ -30,7 +30,7 @@ from mooncake_store.agent.takeover import (
 )
 from mooncake_store.agent.usage import tier_usages
 from mooncake_store.config import AgentConfig
-from mooncake_store.errors import ConnectError, MooncakeError
+from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity
 from mooncake_store.index import RedisIndex
 from mooncake_store.index.node_table import NodeIdTaken
 from mooncake_store.tiers.disk import DiskTier
@@ -57,19 +57,11 @@ class Agent(OtherTierHooks, SyncDuties):
         self.incarnation = uuid.uuid4().hex
         self.index_timeout_s = max(2.0, config.heartbeat_ttl_s)
         self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=self.index_timeout_s)
-        # A crashed incarnation of this node id left its arena in /dev/shm (no process holds its
-        # lock): it goes before ours is made, or an arena over half of /dev/shm could never be made
-        # again after a crash (NoCapacity every time, and the sweep in start() never ran).
-        for name in sweep_abandoned_segments(namespace, self.node_id, keep=""):
-            log.warning("removed the shared-memory arena %s, left by an earlier agent of node %s", name, self.node_id)
-        # The incarnation in the name as well as the pid: an agent restarted with the same pid (PID 1
-        # in its container) must not publish its predecessor's name, or clients that mapped the old
-        # segment would go on reading (and writing) it as if it were the new one.
-        self.arena = HostArena.create(
-            segment_name(namespace, self.node_id, incarnation=self.incarnation[:INCARNATION_CHARS]),
-            config.host_bytes,
-            prefault=config.prefault,
-        )
+        try:
+            self.arena = self._create_arena(config)
+        except BaseException:
+            self.index.close()
+            raise
         try:
             # Every alloc id of this incarnation carries its tag (types.ALLOC_TAG_SHIFT), published
             # in the node table: clients holding a copy of the table from before a restart notice.
@@ -122,6 +114,25 @@ class Agent(OtherTierHooks, SyncDuties):
         self._threads: list[threading.Thread] = []
 
     # ---- tiers ------------------------------------------------------------------------------
+    def _create_arena(self, config: AgentConfig) -> HostArena:
+        """The host arena, under a name with the incarnation as well as the pid: an agent restarted
+        with the same pid (PID 1 in its container) must not publish its predecessor's name, or
+        clients that mapped the old segment would go on reading (and writing) it as if it were the
+        new one. With no room in /dev/shm, the arenas crashed incarnations of this node id left
+        (no process holds their lock) go first, and it is made again: else an arena over half of
+        /dev/shm could never be made after a crash (and only a started agent sweeps, in start()).
+        Only then: until its record's deadline, same-host clients may still read a dead one."""
+        name = segment_name(self.namespace, self.node_id, incarnation=self.incarnation[:INCARNATION_CHARS])
+        try:
+            return HostArena.create(name, config.host_bytes, prefault=config.prefault)
+        except NoCapacity:
+            swept = sweep_abandoned_segments(self.namespace, self.node_id, keep="")
+            if not swept:
+                raise
+        for gone in swept:
+            log.warning("removed the shared-memory arena %s, left by an earlier agent of node %s", gone, self.node_id)
+        return HostArena.create(name, config.host_bytes, prefault=config.prefault)
+
     def _disk_tier(self, config: AgentConfig) -> DiskTier:
         parent = Path(os.path.expanduser(config.disk_path))
         root = parent / self.node_id

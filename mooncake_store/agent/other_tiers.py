@@ -168,5 +168,6 @@ class OtherTierHooks:
         return data is not None and still_reserved
 
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
-        if self.config.promote_on_read:
-            self.pressure.promotions.offer(alloc_id, data)  # not on this connection's thread
+        # Disk reads only (a GPU read comes here too); queued, not run on this connection's thread.
+        if self.config.promote_on_read and alloc_id in self.disk_keys:
+            self.pressure.promotions.offer(alloc_id, data)

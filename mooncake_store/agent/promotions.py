@@ -54,8 +54,15 @@ class PromotionQueue:
             self._queued[disk_id] = data
             self._bytes += len(data)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="mc-promote", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="mc-promote", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # no thread to be had: this read is not promoted
+                    del self._queued[disk_id]
+                    self._bytes -= len(data)
+                    log.warning("promotion of allocation %d left out: %s", disk_id, exc)
+                    return False
+                self._thread = thread
             self._cond.notify()
         return True
 

@@ -23,9 +23,10 @@ log = logging.getLogger("mooncake.agent")
 #: How long a start waits for the record of a gone agent of this host to pass its deadline.
 TAKEOVER_WAIT_S = 60.0
 #: How long the alloc tags of a node id's incarnations are remembered (index key tags:<node>): longer
-#: than anything of an incarnation's can be on its way to the index (a put's pending record lives
-#: four reservation timeouts and a minute; a spill's guard less).
-TAG_MEMORY_MS = 3_600_000
+#: than a commit naming one of an incarnation's allocations can come (a put's pending record lives
+#: four of its reservation TTLs, three client timeouts each, and a minute: 3 min at the default
+#: timeout_s of 10 s, a day at one of 2 h; a spill's guard far less).
+TAG_MEMORY_MS = 86_400_000
 #: The node record's label with its agent's process start time (clock ticks since boot, field 22 of
 #: /proc/PID/stat): with the pid, it tells the agent apart from a later process given that pid.
 PID_START_LABEL = "pid_start"
@@ -50,7 +51,7 @@ def register_again(
 
 def fresh_alloc_tag(index: RedisIndex, node_id: str, incarnation: str) -> int:
     """16 random bits for this incarnation's alloc ids, never those an incarnation of this node id
-    took in the last TAG_MEMORY_MS (its record listed or not) nor the listed one's: ids start again
+    took in the last TAG_MEMORY_MS, a day (its record listed or not) nor the listed one's: ids start again
     at the tag's base, so a predecessor with the same tag handed out the very same ids, and a
     commit or a WRITE of its still on the way (a put's pending record lives minutes) could name a
     reservation of this one. Only the listed record's tag was avoided: after a stop or a reap (no
@@ -118,15 +119,14 @@ def holder_gone(holder: dict[str, Any]) -> bool:
         return False
     started = start_time(pid)
     if started is None:
-        if os.path.exists("/proc/self/stat"):
-            return True  # no such process, or a zombie
-        try:  # no procfs: the pid alone
+        # No such process, a zombie, one /proc hides from this user (hidepid), or no procfs.
+        try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
         except OSError:
-            return False  # there, and not ours to signal
-        return False
+            return False  # there, and not ours to see or signal
+        return os.path.exists("/proc/self/stat")  # signalled, yet no start time: a zombie
     recorded = str((holder.get("labels") or {}).get(PID_START_LABEL, ""))
     return recorded.isdigit() and int(recorded) != started
 

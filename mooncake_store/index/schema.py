@@ -35,8 +35,8 @@ on Redis Cluster::
     mc:{ns}:held:<node>    zset   alloc id -> end of the read lease that ran when a purge took the
                                   node's replica there (a node that comes back keeps that memory till then)
     mc:{ns}:purging        set    nodes whose records are being purged (reaped or taken over)
-    mc:{ns}:tags:<node>    zset   alloc tag -> when an incarnation of the node took it (the last hour,
-                                  PX an hour): a new incarnation takes none of them
+    mc:{ns}:tags:<node>    zset   alloc tag -> when an incarnation of the node took it (the last day,
+                                  PX a day): a new incarnation takes none of them
     mc:{ns}:purged:<node>  string set when a purge removed the node's record (PX a day), taken by its
                                   next registration: a record gone without one went with lost data
     mc:{ns}:version        string object version counter

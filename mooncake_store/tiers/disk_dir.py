@@ -63,6 +63,11 @@ def claim_dir(root: Path) -> int:
                 moves -= 1  # not a move: the sweep removes the directory, then this looks again
                 time.sleep(0.05)
                 continue
+            if swept:
+                raise MooncakeError(
+                    f"another agent's start sweep has held the disk tier directory {root} for {SWEEP_WAIT_S:.0f} s "
+                    "(removing a crashed tier's files); start again once it is done"
+                ) from None
             raise MooncakeError(
                 f"the disk tier directory {root} is in use by another agent (or another tier in this "
                 "process): each agent needs a disk directory of its own"

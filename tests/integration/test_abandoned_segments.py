@@ -2,8 +2,9 @@
 restarted agent of the same node creates its own under a new name: each crash leaked an arena's
 memory until /dev/shm filled and agents could not start. An agent now holds a lock on its arena
 for as long as it maps it, and removes the arenas of earlier agents of its node id that no process
-holds (before it makes its own) and, once registered, those of other ids the node table no longer
-lists (the default id is host-pid: each restart is another node)."""
+holds (once registered, or at once when /dev/shm has no room for its own) and, once registered,
+those of other ids the node table no longer lists (the default id is host-pid: each restart is
+another node)."""
 
 from __future__ import annotations
 
@@ -185,7 +186,8 @@ with LocalCluster(0, host_bytes=40 * MiB, heartbeat_ttl_s=2.0) as cluster:
 
 
 def test_an_agent_restarts_after_a_crash_in_a_dev_shm_with_room_for_one_arena() -> None:
-    """The new arena was made before the dead incarnation's was swept (at registration): with
+    """The new arena was made before the dead incarnation's was swept (at registration), and a
+    full /dev/shm failed the start: with
     /dev/shm holding less than two arenas (a container's shm size, a pod's memory emptyDir kept
     across restarts) the restart failed with NoCapacity, and every later one, since only a started
     agent sweeps. Run in a mount namespace of its own with a 64 MiB /dev/shm and 40 MiB arenas."""

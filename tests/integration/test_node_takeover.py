@@ -83,7 +83,7 @@ def test_a_restarted_agent_never_takes_the_alloc_tag_of_the_incarnation_it_repla
         second.index.close()
 
 
-def test_no_incarnation_of_a_node_id_takes_an_alloc_tag_an_earlier_one_took_within_the_hour(
+def test_no_incarnation_of_a_node_id_takes_an_alloc_tag_an_earlier_one_took_within_a_day(
     make_inproc_agent: Callable[..., object], monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> None:
     """Only the listed record's tag was avoided: once the node stopped (or was reaped) there was

@@ -429,6 +429,32 @@ def test_a_claim_while_a_sweep_removes_the_directory_waits_for_the_sweep(
     tier.close()
 
 
+def test_a_claim_that_waited_out_a_sweep_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep that holds the lock past the wait is named as the reason, not another agent using the
+    directory (the operator's mistake that message describes is not there)."""
+    monkeypatch.setattr(disk_dir, "SWEEP_WAIT_S", 0.2)
+    root = tmp_path / "agent-0"
+    DiskTier(root, 1 << 20).close(remove_files=False)
+    real_remove = disk_dir.remove_tier_dir
+    sweeping, finish = threading.Event(), threading.Event()
+
+    def held_removal(path: Path) -> bool:
+        sweeping.set()
+        assert finish.wait(10)
+        return real_remove(path)
+
+    monkeypatch.setattr(disk_dir, "remove_tier_dir", held_removal)
+    sweep = threading.Thread(target=sweep_abandoned_tiers, args=(tmp_path,), kwargs={"keep": tmp_path / "agent-1"})
+    sweep.start()
+    try:
+        assert sweeping.wait(10)
+        with pytest.raises(MooncakeError, match=r"start sweep has held the disk tier directory .* for 0 s"):
+            DiskTier(root, 1 << 20)
+    finally:
+        finish.set()
+        sweep.join(timeout=10)
+
+
 def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
     """No file fits in it: the tier would only ever evict."""
     block = DiskTier.block_size_of(tmp_path)
