@@ -16,6 +16,7 @@ import numpy as np
 from mooncake_store.client.buffers import as_destination, check_disjoint, mark_written, to_array
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.in_flight import InFlight, on_pool_thread
+from mooncake_store.client.lease_clock import lease_clock_s
 from mooncake_store.client.put_plans import check_put_options
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
@@ -94,8 +95,8 @@ class Client:
         )
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_at = 0.0
-        # Server ms - local monotonic ms, refreshed with the node table (until then: wall clock).
-        self._clock_offset_ms = int((time.time() - time.monotonic()) * 1000)
+        # Server ms - lease-clock ms (lease_clock.py), refreshed with the node table (till then: wall clock).
+        self._clock_offset_ms = int((time.time() - lease_clock_s()) * 1000)
         self._nodes_lock = threading.Lock()
         self._puts = PutPath(self)
         self._gets = GetPath(self)
@@ -209,7 +210,7 @@ class Client:
             return self._nodes  # fresh: no lock on the read path (the dict is replaced, never mutated)
         with self._nodes_lock:
             if refresh or time.monotonic() - self._nodes_at > NODE_TABLE_TTL_S:
-                local_before = time.monotonic() * 1000  # monotonic: no wall-clock step moves it
+                local_before = lease_clock_s() * 1000  # no wall-clock step moves it; a suspend does
                 server_now = self.index.server_time_ms()
                 self._nodes = self.index.nodes()
                 self._clock_offset_ms = int(server_now - local_before)
@@ -231,7 +232,7 @@ class Client:
         return nodes
 
     def _server_now_ms(self) -> int:
-        return int(time.monotonic() * 1000) + self._clock_offset_ms
+        return int(lease_clock_s() * 1000) + self._clock_offset_ms
 
     # ---- puts -------------------------------------------------------------------------------
     def put(self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None) -> None:

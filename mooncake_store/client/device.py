@@ -23,6 +23,7 @@ import numpy as np
 
 from mooncake_store.client.buffers import BFLOAT16, check_dtype, check_fill_dtype
 from mooncake_store.client.gets import LEASE_SAFETY, lookup, refuse_stale_shm
+from mooncake_store.client.lease_clock import lease_clock_s
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
 from mooncake_store.policy.transport_choice import order_replicas
 from mooncake_store.tiers.gpu import GpuSegment, local_device
@@ -222,7 +223,7 @@ def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | N
     target: Any = None
     for attempt in range(config.max_retries + 1):
         client._check_open()  # a retry after close() cut this read short: none
-        started = time.monotonic()
+        started = lease_clock_s()
         result = lookup(client, [key], attempt)  # counted once per get
         meta = result.objects[0]
         if meta is None:
@@ -246,7 +247,7 @@ def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | N
             last_error = exc
             continue
         budget_s = LEASE_SAFETY * result.lease_left_ms(config.lease_ms) / 1000
-        if time.monotonic() - started > budget_s and client._gets.outlived_lease([key], [meta], {0: source}, [0]):
+        if lease_clock_s() - started > budget_s and client._gets.outlived_lease([key], [meta], {0: source}, [0]):
             continue  # the replica read may have been freed meanwhile: read again
         return meta, target
     raise last_error or TransferError(f"could not read {key!r} into device memory: its replicas kept moving")

@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mooncake_store.client.buffers import Destination, check_fill_dtype
+from mooncake_store.client.lease_clock import lease_clock_s
 from mooncake_store.client.replica_writes import checksum_of
 from mooncake_store.errors import (
     AgentBusy,
@@ -111,7 +111,7 @@ class GetPath:
         failing: dict[str, MooncakeError] = {}  # endpoint -> what it answered
         for attempt in range(self.client.config.max_retries + 1):
             self.client._check_open()  # a retry after close() cut this call's reads short: none
-            started = time.monotonic()
+            started = lease_clock_s()  # counts a suspend of this host, as the lease does
             # Counted once per key and call: a retry's keys were counted by the first lookup.
             result = lookup(self.client, [keys[i] for i in pending], attempt)
             # Each lease runs at least 0.9 * lease_ms past now_ms (lookup.lua renews only shorter
@@ -137,7 +137,7 @@ class GetPath:
             retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0, failing=failing)
             last_error = error or last_error
             done = [i for i, _, _ in targets if i not in retry]
-            if done and time.monotonic() - started > LEASE_SAFETY * lease_left_ms / 1000:
+            if done and lease_clock_s() - started > LEASE_SAFETY * lease_left_ms / 1000:
                 retry += self.outlived_lease(keys, metas, used, done)
             if not retry:
                 return metas, buffers

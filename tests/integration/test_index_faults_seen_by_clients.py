@@ -168,3 +168,40 @@ def test_a_wall_clock_step_on_the_client_host_does_not_move_the_servers_now_it_r
     monkeypatch.setattr(time, "time", lambda: real_time() + 3600.0)
     reckoned, actual = client._server_now_ms(), client.index.server_time_ms()
     assert abs(reckoned - actual) < 2_000, f"off by {(reckoned - actual) / 1000:.1f} s after a 1 h step"
+
+
+def test_a_same_host_copy_that_spanned_a_suspend_of_the_reading_host_asks_the_index_again(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease runs on the index's clock, which goes on while the reading host is suspended; the
+    read's budget ran on the monotonic clock, which stops then, so a copy that spanned a suspend
+    longer than the lease looked as quick as it was and its bytes (perhaps of a block freed and
+    reused meanwhile) went unchecked. The suspend is simulated: CLOCK_BOOTTIME, which counts it,
+    jumps 60 s during the copy while the monotonic clock does not move."""
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        pytest.skip("this platform has no CLOCK_BOOTTIME: the budget runs on the monotonic clock")
+    cluster = make_cluster(1, host_bytes=8 * MiB)
+    client = make_client(cluster, transports=("shm",))
+    client.put("slept", np.full(1000, 9, np.uint8))
+    real_read_into, real_lookup, real_clock = client._shm.read_into, client.index.lookup, time.clock_gettime
+    suspended_s = 0.0
+    checks: list[int] = []
+
+    def clock_gettime(clock: int) -> float:
+        return real_clock(clock) + (suspended_s if clock == time.CLOCK_BOOTTIME else 0.0)
+
+    def read_into_across_a_suspend(*args: Any, **kwargs: Any) -> Any:
+        nonlocal suspended_s
+        suspended_s += 60.0
+        return real_read_into(*args, **kwargs)
+
+    def lookup(keys: Any, **kwargs: Any) -> Any:
+        if kwargs.get("lease_ms") == 0:
+            checks.append(len(keys))  # the re-check of a read that outlived its budget
+        return real_lookup(keys, **kwargs)
+
+    monkeypatch.setattr(time, "clock_gettime", clock_gettime)
+    client._shm.read_into = read_into_across_a_suspend  # type: ignore[method-assign]
+    client.index.lookup = lookup  # type: ignore[method-assign]
+    assert client.get("slept").tolist() == [9] * 1000
+    assert checks == [1], "a copy across a suspend longer than its lease was not checked against the index"
