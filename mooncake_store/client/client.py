@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -16,7 +15,7 @@ import numpy as np
 from mooncake_store.client.buffers import as_destination, check_disjoint, mark_written, to_array
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.in_flight import InFlight, on_pool_thread
-from mooncake_store.client.lease_clock import lease_clock_s
+from mooncake_store.client.node_view import NodeView
 from mooncake_store.client.put_plans import check_put_options
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
@@ -44,15 +43,12 @@ from mooncake_store.types import (
     check_key,
     check_keys,
     is_collection_not_text,
-    stale_for,
 )
 
 if TYPE_CHECKING:
     from mooncake_store.client.device import GpuSegments
 
 T = TypeVar("T")
-#: How long a cached copy of the node table is trusted before a put re-reads it.
-NODE_TABLE_TTL_S = 1.0
 #: Errors that answer the call whatever close() did meanwhile: about the caller's input or the
 #: data itself, not about a transfer that close() may have cut.
 STANDING_ERRORS = (InvalidKey, InvalidValue, KeyNotFound, ObjectPinned)
@@ -93,14 +89,10 @@ class Client:
             connections_per_peer=self.config.tcp_connections,
             stripe_bytes=self.config.stripe_bytes,
         )
-        self._nodes: dict[str, NodeInfo] = {}
-        self._nodes_at = 0.0
-        # Server ms - lease-clock ms (lease_clock.py), refreshed with the node table (till then: wall clock).
-        self._clock_offset_ms = int((time.time() - lease_clock_s()) * 1000)
-        self._nodes_lock = threading.Lock()
+        self._gpu: GpuSegments | None = None  # opened on the first device transfer
+        self._view = NodeView(self.index, self._shm, self._tcp, lambda: self._gpu)
         self._puts = PutPath(self)
         self._gets = GetPath(self)
-        self._gpu: GpuSegments | None = None  # opened on the first device transfer
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
@@ -143,6 +135,7 @@ class Client:
             # and its reservations, which no agent can be asked to free any more, are reclaimed by
             # their agents at the reservation timeout, as a dead writer's are. Nothing is committed
             # after its bytes were cut short: the commit follows only writes that all landed.
+            self._view.stop()
             self._tcp.close()
             self._shm.close()
         finally:
@@ -157,6 +150,7 @@ class Client:
                     if self._gpu is not None:
                         self._gpu.close()
                     self.index.close()
+                    self._view.join()
                 finally:
                     self._closed_all.set()
 
@@ -204,35 +198,15 @@ class Client:
         if error is not None:
             raise error from exc
 
-    # ---- node table -------------------------------------------------------------------------
+    # ---- node table (node_view.py) -----------------------------------------------------------
     def _node_table(self, *, refresh: bool = False) -> dict[str, NodeInfo]:
-        if not refresh and time.monotonic() - self._nodes_at <= NODE_TABLE_TTL_S:
-            return self._nodes  # fresh: no lock on the read path (the dict is replaced, never mutated)
-        with self._nodes_lock:
-            if refresh or time.monotonic() - self._nodes_at > NODE_TABLE_TTL_S:
-                local_before = lease_clock_s() * 1000  # no wall-clock step moves it; a suspend does
-                server_now = self.index.server_time_ms()
-                self._nodes = self.index.nodes()
-                self._clock_offset_ms = int(server_now - local_before)
-                self._nodes_at = time.monotonic()
-                # Mappings of agents that left: each keeps the agent's whole arena allocated; and
-                # their pooled connections, each an open descriptor.
-                self._shm.retain({n.shm_name for n in self._nodes.values() if n.shm_name})
-                self._tcp.retain({n.tcp_endpoint for n in self._nodes.values()})
-                if self._gpu is not None:
-                    self._gpu.retain(self._nodes)
-            return self._nodes
+        return self._view.table(refresh=refresh)
 
     def _nodes_for(self, replicas: Iterable[Replica], nodes: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
-        """``nodes``, or the table read afresh when a replica is on a node this copy lacks or was
-        handed out by a later incarnation of its node than this copy knows (a node restarted
-        within NODE_TABLE_TTL_S: its old row names the old arena, whose mapping must not be used)."""
-        if any(r.node_id not in nodes or stale_for(r, nodes[r.node_id]) for r in replicas):
-            return self._node_table(refresh=True)
-        return nodes
+        return self._view.for_replicas(replicas, nodes)
 
     def _server_now_ms(self) -> int:
-        return int(lease_clock_s() * 1000) + self._clock_offset_ms
+        return self._view.server_now_ms()
 
     # ---- puts -------------------------------------------------------------------------------
     def put(self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None) -> None:

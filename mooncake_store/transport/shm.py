@@ -77,6 +77,11 @@ class ShmTransport:
     def mapped_any(self) -> bool:
         return bool(self._segments)
 
+    def vanished(self) -> bool:
+        """Whether the file of a mapped segment is gone from /dev/shm (its agent stopped, or a
+        sweep removed a dead one's): a stat per mapped segment."""
+        return any(not (SHM_DIR / name).exists() for name in list(self._segments))
+
     def mapped(self, shm_name: str) -> bool:
         seg = self._segments.get(shm_name)
         return seg is not None and not seg.closed

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import wait_until
 
 from mooncake_store import Client
 from mooncake_store.agent import pressure as pressure_module
 from mooncake_store.agent.node import Agent
-from mooncake_store.client.client import NODE_TABLE_TTL_S
+from mooncake_store.client import node_view
+from mooncake_store.client.node_view import NODE_TABLE_TTL_S
 
 MiB = 1 << 20
 
@@ -76,4 +78,53 @@ def test_an_agent_closes_its_spill_connections_to_a_peer_that_left(
     leaves.stop()
     assert wait_until(lambda: sockets_to(port) == 0, 5 + 3 * pressure_module.RETAIN_EVERY_S), (
         f"{sockets_to(port)} connection(s) to the departed peer are still open"
+    )
+
+
+def _maps_of(shm_name: str) -> int:
+    """Mappings of this process whose file is the segment ``shm_name`` (deleted or not)."""
+    return sum(shm_name in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+def test_a_client_gone_quiet_unmaps_the_arena_of_an_agent_that_stopped(
+    make_peer_agent: Callable[..., Agent], clients: Callable[..., Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mappings of departed agents were released only by a read of the node table, which only gets
+    and puts make: a client that went quiet, or made only index calls (exists here), kept a
+    stopped agent's whole arena allocated in /dev/shm after its file was unlinked, for good (and
+    with an arena over half of /dev/shm, that agent could not start again). Its own thread now
+    sees the file gone and reads the table."""
+    monkeypatch.setattr(node_view, "RETAIN_EVERY_S", 0.2)
+    stays = make_peer_agent(host_bytes=8 * MiB)
+    leaves = make_peer_agent(host_bytes=8 * MiB)
+    client = clients(stays, transports=("shm",))
+    value = np.arange(MiB, dtype=np.uint8)
+    client.put("on-leaver", value, preferred_node=leaves.node_id)
+    assert np.array_equal(client.get("on-leaver"), value)
+    name = leaves.arena.name
+    assert _maps_of(name) >= 1, "the client did not map the agent's arena"
+    leaves.stop()  # unlinks its arena's file and leaves the node table
+    assert wait_until(lambda: not client.exists("on-leaver") and _maps_of(name) == 0, 5), (
+        f"the client still maps {name} ({_maps_of(name)} mapping(s)) with no get or put since the agent stopped"
+    )
+
+
+def test_a_client_gone_quiet_closes_its_connections_to_an_agent_that_left(
+    make_peer_agent: Callable[..., Agent], clients: Callable[..., Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same over TCP, where no file tells: a quiet client reads the table every REFRESH_EVERY_S
+    while it pools connections."""
+    monkeypatch.setattr(node_view, "RETAIN_EVERY_S", 0.2)
+    monkeypatch.setattr(node_view, "REFRESH_EVERY_S", 0.5)
+    stays = make_peer_agent(host_bytes=8 * MiB)
+    leaves = make_peer_agent(host_bytes=8 * MiB)
+    client = clients(stays, transports=("tcp",))
+    value = np.arange(MiB, dtype=np.uint8)
+    client.put("on-leaver", value, preferred_node=leaves.node_id)
+    assert np.array_equal(client.get("on-leaver"), value)
+    port = _port(leaves)
+    assert sockets_to(port) >= 1, "the client pooled no connection to the agent"
+    leaves.stop()
+    assert wait_until(lambda: sockets_to(port) == 0, 5), (
+        f"{sockets_to(port)} connection(s) to the departed agent are still open in a quiet client"
     )

@@ -16,7 +16,7 @@ import pytest
 from helpers import wait_until
 
 from mooncake_store import Client, ConnectError, KeyNotFound, LocalCluster, MooncakeError, TransferError
-from mooncake_store.client import client as client_module
+from mooncake_store.client import node_view
 from mooncake_store.tiers.host import SHM_DIR, namespace_prefix
 
 # The writer runs the real put path up to the bytes (reserve on the agent, PENDING record in the
@@ -234,7 +234,7 @@ def test_a_put_judged_on_a_cached_node_table_reads_it_again_before_giving_up(
     little older than their node's last heartbeat looked past their deadlines, and replicas=2 puts
     failed at once ("needs 2 live nodes ... only 1 qualify") with every agent up. Here the cache
     is made to outlive the deadlines outright; the put reads the table again and goes through."""
-    monkeypatch.setattr(client_module, "NODE_TABLE_TTL_S", 60.0)
+    monkeypatch.setattr(node_view, "NODE_TABLE_TTL_S", 60.0)
     cluster = make_cluster(2, heartbeat_ttl_s=2.0)
     client = make_client(cluster)
     client._node_table(refresh=True)
