@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -176,14 +176,17 @@ class GpuSegments:
         finally:
             self._release(seg)
 
-    def retain(self, node_ids: Iterable[str]) -> None:
+    def retain(self, nodes: Mapping[str, NodeInfo]) -> None:
         """Close the mappings of agents no longer in the node table (stopped, or reaped), as soon
-        as no copy uses them: on a real device each keeps a dead agent's arena resident."""
-        keep = set(node_ids)
+        as no copy uses them: on a real device each keeps a dead agent's arena resident. Handles
+        that would not open are forgotten with their agents (one entry per incarnation, else)."""
+        handles = {n.labels.get("gpu_ipc") for n in nodes.values()}
         with self._lock:
-            for node_id in [n for n in self._segments if n not in keep]:
+            for node_id in [n for n in self._segments if n not in nodes]:
                 _, seg = self._segments.pop(node_id)
                 self._retire(seg)
+            for handle_hex in [h for h in self._unopenable if h not in handles]:
+                del self._unopenable[handle_hex]
 
     def open_count(self) -> int:
         with self._lock:

@@ -64,3 +64,25 @@ def test_no_mapping_is_opened_once_the_segments_are_closed() -> None:
     with pytest.raises(TransferError, match="the client is closed"):
         segments.read(node, replica, dest.ctypes.data, 16)
     assert segments.open_count() == 0
+
+
+def test_handles_that_would_not_open_are_forgotten_with_their_agents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table of handles that would not open was never pruned: a long-lived client gained an
+    entry per agent incarnation whose handle failed. retain() (the node table read) now drops
+    those of agents no longer listed, and keeps those still listed."""
+    segments = GpuSegments()
+    gone, listed = _gpu_node(bytes(64).hex()), _gpu_node((b"\x01" * 64).hex())
+    replica = Replica(node_id="g", tier=TierKind.GPU, offset=0, size_bytes=16, alloc_id=1, state=ReplicaState.COMPLETE)
+    dest = np.zeros(16, np.uint8)
+
+    def no_runtime(device_id: int, pci_bus_id: str | None = None) -> int:
+        raise GpuUnavailable("CUDA runtime unavailable: the test's")
+
+    monkeypatch.setattr(device_module, "local_device", no_runtime)
+    for node in (gone, listed):
+        with pytest.raises(TransferError):
+            segments.read(node, replica, dest.ctypes.data, 16)
+    assert len(segments._unopenable) == 2
+    segments.retain({"g": listed})
+    assert set(segments._unopenable) == {listed.labels["gpu_ipc"]}
+    segments.close()
