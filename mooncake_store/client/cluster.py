@@ -40,10 +40,15 @@ class AgentProcess:
         """The last ``limit`` bytes of the agent's stderr."""
         if self.log is None or self.log.closed:
             return ""
-        with open(self.log.fileno(), "rb", closefd=False) as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(max(0, size - limit))
-            return f.read().decode(errors="replace")
+        # Read through the descriptor's path, not the descriptor: a log_dir file is opened for
+        # appending only, and a read of that descriptor failed (EBADF) in place of the agent's reason.
+        try:
+            with open(f"/proc/self/fd/{self.log.fileno()}", "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     @property
     def pid(self) -> int:
@@ -201,6 +206,13 @@ class LocalCluster:
         self, *, node_id: str | None = None, zone: str | None = None, extra_args: list[str] | None = None
     ) -> AgentProcess:
         """Start one more agent and wait until it is registered."""
+        # The agent's own rules, before its log file is named after the node id (a "/" there
+        # escaped log_dir) and a process started: a refusal here is a ConfigError saying why.
+        load_config(
+            env={},
+            overrides={"agent.node_id": node_id, "agent.zone": zone},
+            override_flags={"agent.node_id": "node_id", "agent.zone": "zone"},
+        )
         agent = self._spawn(node_id or f"agent-{len(self.agents)}", zone, extra_args or [])
         self._become_ready(agent)
         return agent

@@ -10,10 +10,11 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from mooncake_store import LocalCluster, MooncakeError, connect
+from mooncake_store import ConfigError, LocalCluster, MooncakeError, connect
 from mooncake_store.tiers.host import SHM_DIR
 
 MiB = 1 << 20
@@ -106,3 +107,28 @@ def test_an_agent_that_exits_as_it_starts_is_said_to_have_exited(make_cluster: C
         cluster.add_agent(node_id="bad", extra_args=["--high-watermark", "7"])
     assert "did not become ready" not in str(info.value)
     assert cluster.agents == []
+
+
+def test_with_a_log_dir_an_agent_that_exits_as_it_starts_is_said_to_have_exited_and_why(tmp_path: Path) -> None:
+    """With log_dir the agent's log was opened for appending only, and reading its tail for the
+    message failed with a bare OSError (Bad file descriptor) in place of the agent's reason."""
+    with LocalCluster(0, host_bytes=16 * MiB, log_dir=tmp_path) as cluster:
+        with pytest.raises(MooncakeError, match=r"exited with status 2 as it started.*--high-watermark") as info:
+            cluster.add_agent(node_id="bad", extra_args=["--high-watermark", "7"])
+        assert "did not become ready" not in str(info.value)
+    assert "--high-watermark" in (tmp_path / "bad.log").read_text()
+
+
+@pytest.mark.parametrize(("node_id", "zone"), [("../escape", None), ("a~b", None), ("ok", "a b")])
+def test_add_agent_refuses_a_node_id_or_zone_the_agent_would_before_anything_starts(
+    tmp_path: Path, node_id: str, zone: str | None
+) -> None:
+    """The log file was named after the node id before the agent checked it: "../escape" wrote
+    outside log_dir, and a refusal came back as the agent's exit (or a raw OSError) rather than a
+    ConfigError naming the value."""
+    logs = tmp_path / "logs"
+    with LocalCluster(0, host_bytes=16 * MiB, log_dir=logs) as cluster:
+        with pytest.raises(ConfigError, match=r"node_id=|zone="):
+            cluster.add_agent(node_id=node_id, zone=zone)
+        assert cluster.agents == []
+    assert not (tmp_path / "escape.log").exists()
