@@ -345,8 +345,10 @@ class PutPath:
     def _reserve(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> dict[str, NodeInfo]:
         """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier."""
         client = self.client
-        nodes = client._node_table()
-        now = client._server_now_ms()
+        nodes, now = client._node_table(), client._server_now_ms()
+        if preferred_node in nodes and nodes[preferred_node].heartbeat_deadline_ms < now:
+            # Judged dead on the cached table (ConnectError, from rank_nodes): once more, afresh.
+            nodes, now = client._node_table(refresh=True), client._server_now_ms()
         # Plan against free space as it will be after this batch, so a batch spreads out.
         projected: dict[TierKind, dict[str, int]] = {
             tier: {n.node_id: (n.tier(tier).free_bytes if n.tier(tier) else 0) for n in nodes.values()}

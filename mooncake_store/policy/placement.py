@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from mooncake_store.errors import NoCapacity
+from mooncake_store.errors import ConnectError, NoCapacity
 from mooncake_store.types import ALIGNMENT, NodeInfo, TierKind
 
 
@@ -45,8 +45,10 @@ def rank_nodes(
     end rather than dropped: its agent has the final word when asked to reserve.
     Raises NoCapacity when no live node's tier is large enough at all.
     """
+    nodes = list(nodes)
     alive = [n for n in live_nodes(nodes, now_ms) if tier_capacity(n, tier) >= size_bytes]
     if preferred_node is not None:
+        check_preferred(nodes, preferred_node, now_ms=now_ms)
         alive = [n for n in alive if n.node_id == preferred_node]
     if not alive:
         raise NoCapacity(
@@ -66,6 +68,19 @@ def rank_nodes(
         return (keeps, fits, same_host, same_zone, load, n.node_id)
 
     return sorted(alive, key=score)
+
+
+def check_preferred(nodes: list[NodeInfo], preferred_node: str, *, now_ms: int) -> None:
+    """A preferred node the table lists past its heartbeat deadline is a node that cannot be
+    reached (dead, or stalled until its agent heartbeats again): ConnectError, as for a node that
+    does not answer, not NoCapacity, which says the cluster has no room."""
+    node = next((n for n in nodes if n.node_id == preferred_node), None)
+    if node is not None and node.heartbeat_deadline_ms < now_ms:
+        late_s = (now_ms - node.heartbeat_deadline_ms) / 1000
+        raise ConnectError(
+            f"preferred node {preferred_node!r} is past its heartbeat deadline by {late_s:.1f} s: its agent is dead "
+            "or stalled (a restarted one is back at its first heartbeat); put elsewhere, or again once it is back"
+        )
 
 
 def kept_bytes(node: NodeInfo, tier: TierKind) -> int:
@@ -155,7 +170,13 @@ def no_room_message(
     if not alive:
         return f"need {size_bytes} B on {tier}; no live agent is registered (start one: `mooncake up`)"
     if preferred_node is not None and preferred_node not in {n.node_id for n in alive}:
-        return f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} is not a live agent"
+        return f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} is not a registered agent"
+    if preferred_node is not None:
+        node = next(n for n in alive if n.node_id == preferred_node)
+        return (
+            f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} has {tier_capacity(node, tier)} B "
+            f"of {tier} in all"
+        )
     parts = ", ".join(f"node {n.node_id} has {_free(n, tier)}/{tier_capacity(n, tier)} B free" for n in alive[:8])
     largest = max(tier_capacity(n, tier) for n in alive)
     return f"need {size_bytes} B on {tier}; the largest {tier} arena is {largest} B; {parts}"

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from mooncake_store.errors import NoCapacity
+from mooncake_store.errors import ConnectError, NoCapacity
 from mooncake_store.policy.placement import check_kept, choose_replica_nodes, kept_bytes, no_room_message, rank_nodes
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.policy.transport_choice import choose_transport, order_replicas
@@ -120,8 +120,23 @@ def test_no_live_nodes_says_so() -> None:
 def test_preferred_node_pins_the_choice() -> None:
     nodes = [node("mine", free=90 * MiB), node("b", free=1 * MiB, host="h2")]
     assert ranked_ids(nodes, 1000, preferred_node="b") == ["b"]
-    with pytest.raises(NoCapacity, match="preferred node 'zz'"):
+    with pytest.raises(NoCapacity, match="preferred node 'zz' is not a registered agent"):
         ranked_ids(nodes, 1000, preferred_node="zz")
+
+
+def test_a_preferred_node_past_its_deadline_cannot_be_reached_and_one_too_small_says_its_size() -> None:
+    """Both were NoCapacity "preferred node ... is not a live agent": a dead node is one that
+    cannot be reached (ConnectError, as for one that does not answer), and a live one whose tier is
+    smaller than the object was called not live."""
+    nodes = [
+        node("mine", free=90 * MiB),
+        node("dead", free=90 * MiB, alive=False),
+        node("small", free=MiB, capacity=MiB),
+    ]
+    with pytest.raises(ConnectError, match=r"preferred node 'dead' is past its heartbeat deadline by 0\.0 s"):
+        ranked_ids(nodes, 1000, preferred_node="dead")
+    with pytest.raises(NoCapacity, match=f"preferred node 'small' has {MiB} B of host in all"):
+        ranked_ids(nodes, 2 * MiB, preferred_node="small")
 
 
 def test_replicas_need_distinct_nodes() -> None:
