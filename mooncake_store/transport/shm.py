@@ -80,7 +80,9 @@ class ShmTransport:
     def vanished(self) -> bool:
         """Whether the file of a mapped segment is gone from /dev/shm (its agent stopped, or a
         sweep removed a dead one's): a stat per mapped segment."""
-        return any(not (SHM_DIR / name).exists() for name in list(self._segments))
+        with self._lock:
+            names = list(self._segments)
+        return any(not (SHM_DIR / name).exists() for name in names)
 
     def mapped(self, shm_name: str) -> bool:
         seg = self._segments.get(shm_name)
