@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -75,7 +76,11 @@ class NodeView:
             gpu.retain(self._nodes)
         # Started with the first read: the mappings and connections come right after it.
         if self._janitor is None and not self._stop.is_set():
-            self._janitor = threading.Thread(target=self._look_after, name="mc-node-view", daemon=True)
+            # Given a weak reference only: a client dropped without close() must not be kept
+            # alive by its own thread (the garbage collector closes its sockets and mappings).
+            self._janitor = threading.Thread(
+                target=_look_after, args=(weakref.ref(self), self._stop), name="mc-node-view", daemon=True
+            )
             self._janitor.start()
 
     def for_replicas(self, replicas: Iterable[Replica], nodes: dict[str, NodeInfo]) -> dict[str, NodeInfo]:
@@ -89,15 +94,15 @@ class NodeView:
     def server_now_ms(self) -> int:
         return int(lease_clock_s() * 1000) + self._clock_offset_ms
 
-    def _look_after(self) -> None:
-        while not self._stop.wait(RETAIN_EVERY_S):
-            if not (self._shm.mapped_any() or self._tcp.pooled):
-                continue
-            if self._shm.vanished() or time.monotonic() - self._nodes_at > REFRESH_EVERY_S:
-                try:
-                    self.table(refresh=True)
-                except MooncakeError as exc:  # the index is out of reach: the next look tries again
-                    log.debug("could not read the node table to release departed agents: %s", exc)
+    def look_once(self) -> None:
+        """What the janitor does every RETAIN_EVERY_S."""
+        if not (self._shm.mapped_any() or self._tcp.pooled):
+            return
+        if self._shm.vanished() or time.monotonic() - self._nodes_at > REFRESH_EVERY_S:
+            try:
+                self.table(refresh=True)
+            except MooncakeError as exc:  # the index is out of reach: the next look tries again
+                log.debug("could not read the node table to release departed agents: %s", exc)
 
     def stop(self) -> None:
         """Stop the janitor at its next look (the client is closing)."""
@@ -109,3 +114,13 @@ class NodeView:
         janitor = self._janitor
         if janitor is not None and janitor is not threading.current_thread():
             janitor.join(timeout=10)
+
+
+def _look_after(view: weakref.ref[NodeView], stop: threading.Event) -> None:
+    """The janitor's loop, until the client closes or is dropped."""
+    while not stop.wait(RETAIN_EVERY_S):
+        alive = view()
+        if alive is None:
+            return
+        alive.look_once()
+        del alive

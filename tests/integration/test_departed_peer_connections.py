@@ -5,7 +5,10 @@ now close the pools of endpoints the node table no longer lists when they next r
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from mooncake_store import Client
+from mooncake_store import Client, connect
 from mooncake_store.agent import pressure as pressure_module
 from mooncake_store.agent.node import Agent
 from mooncake_store.client import node_view
@@ -128,3 +131,23 @@ def test_a_client_gone_quiet_closes_its_connections_to_an_agent_that_left(
     assert wait_until(lambda: sockets_to(port) == 0, 5), (
         f"{sockets_to(port)} connection(s) to the departed agent are still open in a quiet client"
     )
+
+
+def test_a_client_dropped_without_close_is_not_kept_alive_by_its_own_thread(
+    make_peer_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread that releases departed agents must hold the client weakly: a client dropped
+    without close() is collected (its sockets and mappings with it), and the thread ends."""
+    monkeypatch.setattr(node_view, "RETAIN_EVERY_S", 0.1)
+    agent = make_peer_agent(host_bytes=8 * MiB)
+    before = set(threading.enumerate())
+    client = connect(agent.index.url, namespace=agent.namespace)
+    client.put("k", np.arange(1000, dtype=np.uint8))
+    assert np.array_equal(client.get("k"), np.arange(1000, dtype=np.uint8))  # a table read: the thread starts
+    janitors = [t for t in set(threading.enumerate()) - before if t.name == "mc-node-view"]
+    assert len(janitors) == 1
+    dropped = weakref.ref(client)
+    del client
+    gc.collect()
+    assert dropped() is None, "the client was kept alive after it was dropped"
+    assert wait_until(lambda: not janitors[0].is_alive(), 5), "its thread outlived the client"
