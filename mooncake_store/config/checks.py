@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import redis
 from redis.connection import Connection, parse_url
@@ -28,6 +28,7 @@ from mooncake_store.config.values import (
     format_size,
     is_ascii_digits,
     is_wildcard_host,
+    misplaced_at,
     parse_size,
     redact_url,
 )
@@ -91,11 +92,12 @@ def _netloc(url: str) -> str:
     return re.split(r"[/?#]", url.split("://", 1)[-1], maxsplit=1)[0]
 
 
-def _unencoded_in_userinfo(url: str) -> str | None:
+def _unencoded_in_userinfo(url: str, parts: SplitResult | None = None) -> str | None:
     """What is wrong with a URL whose "@" comes after the end of its host part: a "/", "?" or "#"
     in the user name or password, which must be percent-encoded (and redis-py would read it as a
-    path, a query or a fragment)."""
-    if "@" in url.split("://", 1)[-1] and "@" not in _netloc(url):
+    path, a query or a fragment). ``parts``: the URL as urlsplit read it, where it could."""
+    misplaced = misplaced_at(parts) if parts is not None else "@" in url.split("://", 1)[-1]
+    if misplaced and "@" not in _netloc(url):
         return (
             "not a valid URL: a '/', '?' or '#' in the user name or password must be percent-encoded "
             "(%2F, %3F, %23), e.g. redis://:p%2Fss@127.0.0.1:6379/0"
@@ -108,6 +110,9 @@ def _check_redis_url(value: str | None) -> str | None:
         return None
     try:
         parts = urlsplit(value)
+        misplaced = _unencoded_in_userinfo(value, parts)
+        if misplaced:
+            return misplaced  # before any message that would quote the rest of the URL
         scheme = parts.scheme.lower()
         if scheme not in ("redis", "rediss", "unix"):
             return "scheme must be redis://, rediss:// or unix://, e.g. redis://127.0.0.1:6379/0"

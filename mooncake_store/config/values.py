@@ -153,20 +153,29 @@ def redact_url(url: str) -> str:
         netloc = parts.netloc.rpartition("@")
         user = parts.username or ""
         return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[2]}"))
-    if "@" not in hidden or _well_formed(parts):
-        return hidden  # no password (a user name alone is no secret; an "@" in a query is none)
+    if "@" not in hidden or (_well_formed(parts) and not misplaced_at(parts)):
+        return hidden  # no password (a user name alone is no secret; an "@" in a query value is none)
     return _hidden_before_at(hidden)
 
 
 def _well_formed(parts: SplitResult) -> bool:
-    """A URL with a scheme, a host (or a unix socket's path) and a port that is a number: one
-    whose "@" urlsplit placed where it belongs. In a URL it could not read (a "/", "?" or "#" in
-    a password that is not percent-encoded ends the host part early) an "@" may follow a secret."""
+    """A URL with a scheme, a host (or a unix socket's path) and a port that is a number."""
     try:
         parts.port  # noqa: B018 (raises ValueError for a port that is no number)
     except ValueError:
         return False
     return bool(parts.scheme) and bool(parts.hostname or (parts.scheme == "unix" and parts.path))
+
+
+def misplaced_at(parts: SplitResult) -> bool:
+    """Whether an "@" that belongs before the host ended up after it: a "/", "?" or "#" in a
+    password that is not percent-encoded ends urlsplit's host part early ("admin:2024#pw@db"
+    reads as host admin, port 2024), and what comes before that "@" may be a secret. An "@" in
+    the path (a Redis database is digits), the fragment, or a query parameter's name is one."""
+    if "@" in parts.netloc:
+        return False
+    names = (part.partition("=")[0] for part in parts.query.split("&"))
+    return "@" in parts.path or "@" in parts.fragment or any("@" in name for name in names)
 
 
 def _hidden_before_at(text: str) -> str:

@@ -456,6 +456,10 @@ def test_a_local_cluster_with_a_bad_arena_size_is_refused_before_it_starts(size:
         ("redis://:s3/cret@h:6379/0", "redis://***@h:6379/0"),
         ("redis://u:s3#cret@h:6379/0", "redis://***@h:6379/0"),
         ("redis://h:6379/0?client_name=a@b", "redis://h:6379/0?client_name=a@b"),  # parses: no secret
+        # A password starting with digits reads as a port: host "admin", port 2024, and the URL parsed.
+        ("redis://admin:2024#s3cret@db:6379", "redis://***@db:6379"),
+        ("redis://admin:8080?s3cret@db:6379/0", "redis://***@db:6379/0"),
+        ("redis://admin:443/s3cret@db:6379", "redis://***@db:6379"),
     ],
 )
 def test_every_password_redis_py_reads_in_a_url_is_redacted(url: str, shown: str) -> None:
@@ -466,7 +470,16 @@ def test_every_password_redis_py_reads_in_a_url_is_redacted(url: str, shown: str
 
 
 @pytest.mark.parametrize(
-    "url", ["redis://:s3/cret@h:6379/0", "redis://u:s3#cret@h:6379/0", "redis://u:s3?cret@h:6379/0"]
+    "url",
+    [
+        "redis://:s3/cret@h:6379/0",
+        "redis://u:s3#cret@h:6379/0",
+        "redis://u:s3?cret@h:6379/0",
+        # Digits first: read as a port, and the URL accepted (host "u") or its "database" quoted.
+        "redis://u:2024#s3cret@h:6379",
+        "redis://u:8080?s3cret@h:6379/0",
+        "redis://u:443/s3cret@h:6379",
+    ],
 )
 def test_a_password_with_an_unencoded_delimiter_is_named_as_such_and_never_shown(url: str) -> None:
     """Such a URL was refused as "needs a host" or "port must be 1..65535, got 6379" (a valid
