@@ -8,7 +8,8 @@ table come with gets and puts only; a client gone quiet, or making only index ca
 remove, a prefix cache's match), kept a stopped agent's arena for good, which could leave no room
 in /dev/shm for that agent's restart. So while the client holds a mapping or a pooled connection,
 a thread of its own looks every RETAIN_EVERY_S whether a mapped arena's file is gone (a stat, no
-index call) and reads the table then, or every REFRESH_EVERY_S in any case.
+index call) and reads the table then, or every REFRESH_EVERY_S in any case (also for a device reader's
+GPU mappings, which no file tells of).
 """
 
 from __future__ import annotations
@@ -55,15 +56,16 @@ class NodeView:
 
     def table(self, *, refresh: bool = False) -> dict[str, NodeInfo]:
         # The module's constant looked up at each call (tests lengthen it).
-        if not refresh and time.monotonic() - self._nodes_at <= NODE_TABLE_TTL_S:
+        # On the lease clock, as server_now_ms: after a suspend the copy is stale, as "now" moved on.
+        if not refresh and lease_clock_s() - self._nodes_at <= NODE_TABLE_TTL_S:
             return self._nodes  # fresh: no lock on the read path (the dict is replaced, never mutated)
         with self._lock:
-            if refresh or time.monotonic() - self._nodes_at > NODE_TABLE_TTL_S:
+            if refresh or lease_clock_s() - self._nodes_at > NODE_TABLE_TTL_S:
                 local_before = lease_clock_s() * 1000  # no wall-clock step moves it; a suspend does
                 server_now = self._index.server_time_ms()
                 self._nodes = self._index.nodes()
                 self._clock_offset_ms = int(server_now - local_before)
-                self._nodes_at = time.monotonic()
+                self._nodes_at = lease_clock_s()
                 self._retain()
             return self._nodes
 
@@ -96,9 +98,11 @@ class NodeView:
 
     def look_once(self) -> None:
         """What the janitor does every RETAIN_EVERY_S."""
-        if not (self._shm.mapped_any() or self._tcp.pooled):
+        gpu = self._gpu()
+        gpu_mapped = gpu is not None and gpu.open_count() > 0  # a device reader's IPC mappings
+        if not (self._shm.mapped_any() or self._tcp.pooled or gpu_mapped):
             return
-        if self._shm.vanished() or time.monotonic() - self._nodes_at > REFRESH_EVERY_S:
+        if self._shm.vanished() or lease_clock_s() - self._nodes_at > REFRESH_EVERY_S:
             try:
                 self.table(refresh=True)
             except MooncakeError as exc:  # the index is out of reach: the next look tries again
@@ -122,5 +126,8 @@ def _look_after(view: weakref.ref[NodeView], stop: threading.Event) -> None:
         alive = view()
         if alive is None:
             return
-        alive.look_once()
+        try:
+            alive.look_once()
+        except Exception:  # a bug must not end the releases for the client's life
+            log.exception("releasing departed agents' mappings and connections failed")
         del alive

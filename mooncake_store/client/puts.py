@@ -335,6 +335,7 @@ class PutPath:
                 tier=plan.tier,
                 preferred_node=preferred,
                 free_bytes=free_bytes,
+                listed=nodes.values(),
             )
 
         first = ranked(preferred_node)
@@ -346,10 +347,9 @@ class PutPath:
         """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier."""
         client = self.client
         nodes, now = client._node_table(), client._server_now_ms()
-        if preferred_node in nodes and nodes[preferred_node].heartbeat_deadline_ms < now:
-            # Judged dead on the cached table (ConnectError, from rank_nodes): once more, afresh.
-            nodes, now = client._node_table(refresh=True), client._server_now_ms()
-        # Plan against free space as it will be after this batch, so a batch spreads out.
+        if preferred_node in nodes and nodes[preferred_node].heartbeat_deadline_ms < now:  # dead on a cached table?
+            nodes, now = client._node_table(refresh=True), client._server_now_ms()  # judged afresh (check_preferred)
+        # Plan against free space as it will be after this batch: a batch spreads out.
         projected: dict[TierKind, dict[str, int]] = {
             tier: {n.node_id: (n.tier(tier).free_bytes if n.tier(tier) else 0) for n in nodes.values()}
             for tier in (TierKind.HOST, TierKind.GPU)

@@ -35,26 +35,36 @@ def rank_nodes(
     tier: TierKind = TierKind.HOST,
     preferred_node: str | None = None,
     free_bytes: dict[str, int] | None = None,
+    listed: Iterable[NodeInfo] | None = None,
 ) -> list[NodeInfo]:
     """Live nodes that may hold ``size_bytes`` in ``tier``, best first.
 
     ``free_bytes`` overrides the table's free space per node: a batch passes what will be left
     after its earlier objects, so one batch spreads over the zone instead of filling one node.
+    ``listed``: the whole node table, where ``nodes`` is a part of it (those this client's
+    transports reach, say): what a refusal says of a preferred node left out is judged on it.
 
     Free space in the node table is a few hundred ms old, so a node that looks full is kept at the
     end rather than dropped: its agent has the final word when asked to reserve.
     Raises NoCapacity when no live node's tier is large enough at all.
     """
     nodes = list(nodes)
+    table = nodes if listed is None else list(listed)
     alive = [n for n in live_nodes(nodes, now_ms) if tier_capacity(n, tier) >= size_bytes]
     if preferred_node is not None:
-        check_preferred(nodes, preferred_node, now_ms=now_ms)
+        check_preferred(table, preferred_node, now_ms=now_ms)
         alive = [n for n in alive if n.node_id == preferred_node]
     if not alive:
-        raise NoCapacity(
-            no_room_message(nodes, size_bytes=size_bytes, now_ms=now_ms, tier=tier, preferred_node=preferred_node),
-            permanent=True,
-        )
+        message = no_room_message(nodes, size_bytes=size_bytes, now_ms=now_ms, tier=tier, preferred_node=preferred_node)
+        if preferred_node is not None and preferred_node not in {n.node_id for n in nodes}:
+            registered = any(n.node_id == preferred_node for n in table)
+            message = f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} " + (
+                "cannot take this put from this client (no transport it allows reaches the node, the node "
+                f"has no {tier} tier it can write, or a write there failed in this put)"
+                if registered
+                else "is not a registered agent"
+            )
+        raise NoCapacity(message, permanent=True)
 
     def score(n: NodeInfo) -> tuple[int, int, int, int, float, str]:
         free = free_bytes[n.node_id] if free_bytes and n.node_id in free_bytes else _free(n, tier)
@@ -71,11 +81,13 @@ def rank_nodes(
 
 
 def check_preferred(nodes: list[NodeInfo], preferred_node: str, *, now_ms: int) -> None:
-    """A preferred node the table lists past its heartbeat deadline is a node that cannot be
-    reached (dead, or stalled until its agent heartbeats again): ConnectError, as for a node that
-    does not answer, not NoCapacity, which says the cluster has no room."""
+    """A preferred node the table lists past its heartbeat deadline, while other nodes are within
+    theirs, is a node that cannot be reached (dead, or stalled until its agent heartbeats again):
+    ConnectError, as for a node that does not answer, not NoCapacity, which says the cluster has no
+    room. With every node past its deadline the index was out of reach (each comes back at its next
+    heartbeat): that is NoCapacity's "none within its heartbeat deadline", which a put waits out."""
     node = next((n for n in nodes if n.node_id == preferred_node), None)
-    if node is not None and node.heartbeat_deadline_ms < now_ms:
+    if node is not None and node.heartbeat_deadline_ms < now_ms and live_nodes(nodes, now_ms):
         late_s = (now_ms - node.heartbeat_deadline_ms) / 1000
         raise ConnectError(
             f"preferred node {preferred_node!r} is past its heartbeat deadline by {late_s:.1f} s: its agent is dead "

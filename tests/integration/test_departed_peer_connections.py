@@ -148,6 +148,8 @@ def test_a_client_dropped_without_close_is_not_kept_alive_by_its_own_thread(
     assert len(janitors) == 1
     dropped = weakref.ref(client)
     del client
-    gc.collect()
-    assert dropped() is None, "the client was kept alive after it was dropped"
+    # A collection while the thread looks (it holds the view for that moment) misses it: again.
+    assert wait_until(lambda: gc.collect() >= 0 and dropped() is None, 5), (
+        "the client was kept alive after it was dropped"
+    )
     assert wait_until(lambda: not janitors[0].is_alive(), 5), "its thread outlived the client"

@@ -205,3 +205,18 @@ def test_a_same_host_copy_that_spanned_a_suspend_of_the_reading_host_asks_the_in
     client.index.lookup = lookup  # type: ignore[method-assign]
     assert client.get("slept").tolist() == [9] * 1000
     assert checks == [1], "a copy across a suspend longer than its lease was not checked against the index"
+
+
+def test_a_put_pinned_to_a_node_right_after_an_index_outage_waits_for_its_heartbeat(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """After an index outage longer than a TTL every node is past its deadline until its next
+    heartbeat, and a put waits for them (within timeout_s). One pinned with preferred_node failed at
+    once with ConnectError ("past its heartbeat deadline"), meant for one dead node among live
+    ones. The outage is written into the index: every deadline long past."""
+    cluster = make_cluster(1, host_bytes=8 * MiB)
+    client = make_client(cluster, timeout_s=10)
+    node_id = cluster.agents[0].node_id
+    client.index.redis.zadd(client.index.prefix + "hb", {node_id: 1000})
+    client.put("after-outage", np.arange(100, dtype=np.uint8), preferred_node=node_id)
+    assert np.array_equal(client.get("after-outage"), np.arange(100, dtype=np.uint8))

@@ -139,6 +139,29 @@ def test_a_preferred_node_past_its_deadline_cannot_be_reached_and_one_too_small_
         ranked_ids(nodes, 2 * MiB, preferred_node="small")
 
 
+def test_a_preferred_node_past_its_deadline_with_every_other_too_is_an_outage_waited_for() -> None:
+    """Every listed node past its deadline is the index's own outage (each is back at its next
+    heartbeat): NoCapacity "none within its heartbeat deadline", which a put waits out, not the
+    ConnectError of one dead node among live ones."""
+    nodes = [node("a", free=90 * MiB, alive=False), node("b", free=90 * MiB, alive=False)]
+    with pytest.raises(NoCapacity, match="none within its heartbeat deadline"):
+        ranked_ids(nodes, 1000, preferred_node="a")
+
+
+def test_a_preferred_node_this_client_cannot_use_is_not_called_unregistered() -> None:
+    """Ranked over the nodes this client's transports reach (``listed`` is the whole table): a
+    registered, live node left out was called "not a registered agent"; and a dead one left out
+    was not found dead."""
+    reached = [node("mine", free=90 * MiB)]
+    table = [*reached, node("remote", free=90 * MiB, host="h9"), node("gone", free=90 * MiB, alive=False)]
+    with pytest.raises(NoCapacity, match="preferred node 'remote' cannot take this put from this client"):
+        ranked_ids(reached, 1000, preferred_node="remote", listed=table)
+    with pytest.raises(ConnectError, match="preferred node 'gone' is past its heartbeat deadline"):
+        ranked_ids(reached, 1000, preferred_node="gone", listed=table)
+    with pytest.raises(NoCapacity, match="preferred node 'zz' is not a registered agent"):
+        ranked_ids(reached, 1000, preferred_node="zz", listed=table)
+
+
 def test_replicas_need_distinct_nodes() -> None:
     nodes = [node("a", free=MiB), node("b", free=MiB, host="h2")]
     assert [n.node_id for n in choose_replica_nodes(nodes, 2)] == ["a", "b"]
