@@ -21,8 +21,9 @@ from typing import IO, Any
 
 from mooncake_store.config import load_config
 from mooncake_store.embedded import EmbeddedServer
-from mooncake_store.errors import MooncakeError, ServerError
+from mooncake_store.errors import ConfigError, MooncakeError, ServerError
 from mooncake_store.tiers.host import segment_paths, segment_pattern
+from mooncake_store.types import is_collection_not_text
 
 
 @dataclass(slots=True)
@@ -104,7 +105,7 @@ class LocalCluster:
         log_dir: str | Path | None = None,
     ) -> None:
         if type(num_agents) is not int or num_agents < 0:
-            raise MooncakeError(f"num_agents must be an int >= 0, got {num_agents!r:.80}")
+            raise ConfigError(f"num_agents must be an int >= 0, got {num_agents!r:.80}")
         # Checked by the agents' own rules before anything starts: a bad size ("12XB", 0) was an
         # agent that "did not become ready", after the server had started.
         # The same for the other values the agents are given (a TTL of 0 was "did not become ready
@@ -113,7 +114,7 @@ class LocalCluster:
         # agent_args and the environment, which the agent reads itself (and an agent that refuses
         # them exits "with status 2", saying why).
         if isinstance(heartbeat_ttl_s, bool) or not isinstance(heartbeat_ttl_s, int | float) or not heartbeat_ttl_s > 0:
-            raise MooncakeError(f"heartbeat_ttl_s must be a number of seconds > 0, got {heartbeat_ttl_s!r:.80}")
+            raise ConfigError(f"heartbeat_ttl_s must be a number of seconds > 0, got {heartbeat_ttl_s!r:.80}")
         checked = load_config(
             env={},
             overrides={
@@ -124,16 +125,26 @@ class LocalCluster:
                 "namespace": namespace,
             },
         )
+        # The rest by type: each was taken as given and failed later, after the server had started,
+        # with a TypeError from deep inside (or, zones="ab", split into zones "a" and "b").
+        if redis_url is not None:
+            load_config(env={}, overrides={"redis_url": redis_url}, override_flags={"redis_url": "redis_url"})
+        if zones is not None and not (is_collection_not_text(zones) and zones):
+            raise ConfigError(f"zones must be a non-empty list of zone names, or None; got {zones!r:.80}")
         for zone in zones or []:
-            load_config(env={}, overrides={"agent.zone": zone})
-        if zones is not None and not zones:
-            raise MooncakeError("zones must name at least one zone, or be None")
+            load_config(env={}, overrides={"agent.zone": zone}, override_flags={"agent.zone": "zones"})
+        if agent_args is not None and not (
+            isinstance(agent_args, list | tuple) and all(isinstance(a, str) for a in agent_args)
+        ):
+            raise ConfigError(f"agent_args must be a list of str (command-line arguments), got {agent_args!r:.80}")
+        if log_dir is not None and not isinstance(log_dir, str | os.PathLike):
+            raise ConfigError(f"log_dir must be a path (str or os.PathLike), got {log_dir!r:.80}")
         if (
             isinstance(startup_timeout_s, bool)
             or not isinstance(startup_timeout_s, int | float)
             or not startup_timeout_s > 0
         ):
-            raise MooncakeError(f"startup_timeout_s must be a number of seconds > 0, got {startup_timeout_s!r:.80}")
+            raise ConfigError(f"startup_timeout_s must be a number of seconds > 0, got {startup_timeout_s!r:.80}")
         self.host_bytes = checked.agent.host_bytes
         self.num_agents = num_agents
         # On its own private server the cluster uses the default namespace, so a plain
@@ -141,8 +152,8 @@ class LocalCluster:
         self.namespace = namespace or ("default" if redis_url is None else f"lc-{uuid.uuid4().hex[:8]}")
         self.heartbeat_ttl_s = float(heartbeat_ttl_s)
         self.reserve_timeout_s = checked.agent.reserve_timeout_s
-        self.zones = zones
-        self.agent_args = agent_args or []
+        self.zones = list(zones) if zones is not None else None
+        self.agent_args = list(agent_args or [])
         self.startup_timeout_s = startup_timeout_s
         self.log_dir = Path(log_dir) if log_dir else None
         self._external_url = redis_url

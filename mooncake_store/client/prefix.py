@@ -35,6 +35,7 @@ from mooncake_store.client.client import Client
 from mooncake_store.client.in_flight import on_pool_thread
 from mooncake_store.client.prefix_chunks import (
     check_chunks_alike,
+    is_sequence_or_stack,
     output_buffers,
     read_run,
     stored_layout,
@@ -47,7 +48,7 @@ from mooncake_store.client.prefix_hash import (
     check_namespace,
     token_chain,
 )
-from mooncake_store.errors import InvalidValue, MooncakeError, ObjectPinned
+from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.transport.cancel import Cancel
 
@@ -132,6 +133,10 @@ class PrefixCache:
         claim_ttl_s: float = 30.0,
         io_threads: int = 4,
     ) -> None:
+        if not isinstance(client, Client):
+            raise ConfigError(
+                f"client must be a mooncake_store Client (from connect()), got {type(client).__name__}: {client!r:.80}"
+            )
         for name, count, top in (
             ("chunk_tokens", chunk_tokens, 1 << 20),
             ("replicas", replicas, 16),
@@ -233,7 +238,7 @@ class PrefixCache:
         """
         self._check_open()
         keys = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
-        if not callable(chunks) and not isinstance(chunks, Sequence):
+        if not callable(chunks) and not is_sequence_or_stack(chunks):
             raise InvalidValue(
                 f"chunks must be a sequence of chunk arrays or a callable chunk(i), got {type(chunks).__name__}"
             )

@@ -75,13 +75,22 @@ def stored_layout(client: Client, keys: list[str], statuses: list[str], tail_ind
     return None
 
 
+def is_sequence_or_stack(value: object) -> bool:
+    """A sequence of buffers, or an array or tensor of two or more dimensions: a row per chunk, as
+    Client.get_many_into takes them (numpy arrays and tensors are no ``Sequence``)."""
+    return isinstance(value, Sequence) or (getattr(value, "ndim", 0) >= 2 and hasattr(value, "__getitem__"))
+
+
 def output_buffers(outs: object, found: int) -> list[object]:
-    """The first ``found`` buffers of ``outs`` (a sequence, or a callable outs(n) returning one)."""
+    """The first ``found`` buffers of ``outs`` (a sequence or a stacked array, or a callable
+    outs(n) returning one)."""
     given = outs(found) if callable(outs) else outs
-    if not isinstance(given, Sequence):
+    if not is_sequence_or_stack(given):
         what = "outs(n) returned" if callable(outs) else "outs is"
-        raise InvalidValue(f"{what} {type(given).__name__}; a sequence of output buffers is wanted")
-    return list(given[:found])
+        raise InvalidValue(
+            f"{what} {type(given).__name__}; a sequence of output buffers (or an array of a row each) is wanted"
+        )
+    return list(given[:found])  # type: ignore[index]
 
 
 def read_run(client: Client, keys: list[str], dests: list[object] | None) -> list[Any]:

@@ -83,11 +83,19 @@ def as_token_array(token_ids: Any) -> np.ndarray:
         array = np.asarray(token_ids)
     except (ValueError, TypeError) as exc:  # lists of uneven lengths, say: no array at all
         raise InvalidValue(f"token ids must be a flat sequence of integers, got {token_ids!r:.80}: {exc}") from None
+    if array.ndim == 0:  # a str, an int, a generator (which it cannot take: read twice)
+        raise InvalidValue(
+            "token ids must be a list, tuple, 1-D array or tensor of ints, got "
+            f"{type(token_ids).__name__}: {token_ids!r:.80}"
+        )
     if array.ndim != 1:
         raise InvalidValue(f"token ids must be 1-D, got shape {array.shape}")
     if array.size == 0:
         return np.empty(0, dtype="<i8")
     if array.dtype.kind not in "iu":
+        ids = array.tolist()
+        if array.dtype == object and all(type(t) is int for t in ids):  # ints past int64 (numpy keeps them as objects)
+            raise InvalidValue(f"token id {max(ids, key=abs)} does not fit in int64")
         raise InvalidValue(f"token ids must be integers, got dtype {array.dtype}")
     if array.dtype.kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > np.iinfo(np.int64).max:
         raise InvalidValue(f"token id {int(array.max())} does not fit in int64")

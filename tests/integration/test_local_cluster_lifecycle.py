@@ -92,12 +92,21 @@ def test_a_stopped_cluster_starts_again_with_only_its_new_agents(redis_url: str)
         ({"zones": []}, "zones"),
         ({"namespace": "x/y"}, "namespace"),
         ({"startup_timeout_s": 0}, "startup_timeout_s"),
+        # By type: each was taken as given, and failed with a TypeError once the server had started
+        # (zones="ab" was split into zones "a" and "b").
+        ({"redis_url": 5}, "redis_url=5"),
+        ({"redis_url": "http://x"}, "redis_url='http://x': scheme"),
+        ({"zones": "ab"}, "zones must be a non-empty list"),
+        ({"agent_args": "--x"}, "agent_args must be a list of str"),
+        ({"log_dir": 123}, "log_dir must be a path"),
     ],
 )
 def test_values_the_agents_would_refuse_are_refused_before_anything_starts(
     kwargs: dict[str, object], named: str
 ) -> None:
-    with pytest.raises(MooncakeError, match=named):
+    # ConfigError, as for every other bad argument (num_agents, the TTL, the timeout and an empty
+    # zones list were the bare MooncakeError, which `except ConfigError` did not catch).
+    with pytest.raises(ConfigError, match=named):
         LocalCluster(1, **kwargs)  # type: ignore[arg-type]
 
 

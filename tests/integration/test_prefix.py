@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from functools import partial
 
@@ -15,7 +16,16 @@ import numpy as np
 import pytest
 from redis_proxy import RedisProxy
 
-from mooncake_store import Client, LocalCluster, MooncakeError, ObjectPinned, PrefixCache, connect
+from mooncake_store import (
+    Client,
+    ConfigError,
+    InvalidValue,
+    LocalCluster,
+    MooncakeError,
+    ObjectPinned,
+    PrefixCache,
+    connect,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -432,3 +442,24 @@ def test_a_cache_on_a_closed_client_says_the_client_is_closed(
             call()
         assert type(info.value) is MooncakeError and str(info.value) == "client is closed", info.value
     cache.close()
+
+
+def test_prefix_cache_arguments_are_checked_and_stacked_chunks_are_taken(client: Client) -> None:
+    """A PrefixCache given no client failed with a raw AttributeError; token ids of the wrong kind
+    were "must be 1-D, got shape ()" whatever they were, and ints past int64 "must be integers";
+    a stacked array of chunks (a row each) was refused where Client.get_many_into takes one."""
+    with pytest.raises(ConfigError, match=r"client must be a mooncake_store Client .* got NoneType"):
+        PrefixCache(None, "t", chunk_tokens=C)  # type: ignore[arg-type]
+    cache = PrefixCache(client, f"t-{uuid.uuid4().hex[:8]}", chunk_tokens=C)
+    try:
+        with pytest.raises(InvalidValue, match="got str: 'abc'"):
+            cache.match("abc")  # type: ignore[arg-type]
+        with pytest.raises(InvalidValue, match=f"token id {2**70} does not fit in int64"):
+            cache.match([2**70] * C)
+        stacked = np.stack(chunk_arrays(3, seed=7))
+        assert cache.store(ids(3 * C), stacked) == 3
+        with cache.load(ids(3 * C), outs=np.zeros_like(stacked)) as hit:
+            assert hit.num_chunks == 3
+            assert all(np.array_equal(got, want) for got, want in zip(hit.chunks, stacked, strict=True))
+    finally:
+        cache.close()
