@@ -128,7 +128,9 @@ class GetPath:
                     out = dests[i]
                     check_fill_dtype(keys[i], meta.dtype, out.dtype)
                     if len(out.view) < meta.size_bytes:
-                        raise InvalidValue(f"out holds {len(out.view)} B but key {keys[i]!r} is {meta.size_bytes} B")
+                        which = f"outs[{i}]" if len(keys) > 1 else "out"  # which, with a key given twice
+                        size = meta.size_bytes
+                        raise InvalidValue(f"{which} holds {len(out.view)} B but key {keys[i]!r} is {size} B")
                     dest = out.view[: meta.size_bytes]
                 else:
                     buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
