@@ -12,13 +12,18 @@ the table forgets it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Iterator
 
 from mooncake_store.agent.allocations import Allocation, AllocationTable
 from mooncake_store.errors import MooncakeError
-from mooncake_store.tiers.disk import DiskTier
+from mooncake_store.tiers.disk import DiskTier, file_bytes_at_most
 
 log = logging.getLogger("mooncake.agent")
+
+#: Bytes of chunk files arriving from peers held in memory at once (the largest file a peer may send
+#: is always taken, one at a time): a file is checked whole before it is stored.
+STAGING_BYTES = 256 << 20
 
 
 class DiskInbox:
@@ -29,6 +34,15 @@ class DiskInbox:
         # The room the files will take is promised in the disk tier itself (DiskTier.promise), so
         # that nothing else stored there meanwhile (a demotion) can take it.
         self.table = AllocationTable(1 << 62, reserve_timeout_s=reserve_timeout_s, alignment=1, ids=ids)
+        # No file larger than this can be taken (write_blob refuses it), and a WRITE into a
+        # reservation holds its whole file in memory while it arrives: a reservation of any size
+        # the disk had room for let a peer's 100-byte frames make the agent zero-fill buffers of up
+        # to 90% of --disk-mem. Received files in memory at once are bounded too (one always).
+        limit = disk.max_blob_raw_bytes
+        self.largest_file = file_bytes_at_most(limit) if limit is not None else None
+        self._staging_limit = max(STAGING_BYTES, self.largest_file or 0)
+        self._staged: dict[int, int] = {}  # alloc id -> bytes of its file in memory, arriving
+        self._staging_lock = threading.Lock()
 
     def __contains__(self, alloc_id: int) -> bool:
         return alloc_id in self.table
@@ -38,6 +52,8 @@ class DiskInbox:
     ) -> list[Allocation] | None:
         """All or nothing, like the host tier; None when the files would not fit on the disk, or
         would take its use past ``ceiling_bytes`` (the disk's high watermark)."""
+        if self.largest_file is not None and any(size > self.largest_file for size, _ in requests):
+            return None
         allocs = self.table.reserve(requests)
         if allocs is None:
             return None
@@ -57,13 +73,25 @@ class DiskInbox:
         a chunk file comes in one WRITE, never in pieces."""
         if self.table.offset_of(alloc_id) != (offset, length):
             return None
+        with self._staging_lock:
+            arriving = sum(self._staged.values())
+            if alloc_id in self._staged or (arriving and arriving + length > self._staging_limit):
+                log.info("chunk file for disk allocation %d refused: %d B of files arriving", alloc_id, arriving)
+                return None  # the sender places it again
+            self._staged[alloc_id] = length
         if not self.table.begin_write(alloc_id, offset, length):
+            self._unstage(alloc_id)
             return None
         try:
             return bytearray(length)
         except MemoryError:  # the fence must not outlive a buffer that could not be made
             self.table.end_write(alloc_id)
+            self._unstage(alloc_id)
             return None
+
+    def _unstage(self, alloc_id: int) -> None:
+        with self._staging_lock:
+            self._staged.pop(alloc_id, None)
 
     def written(self, alloc_id: int, data: bytearray | None) -> bool:
         """Store a received chunk file (None: the transfer broke off) and lift the fence; False
@@ -78,6 +106,7 @@ class DiskInbox:
                     log.warning("chunk file spilled to disk allocation %d refused: %s", alloc_id, exc)
         finally:
             still_reserved = self.table.end_write(alloc_id)
+            self._unstage(alloc_id)
         if stored and not still_reserved:
             self.disk.remove(alloc_id)  # freed while it arrived: nobody will name it
         return stored and still_reserved

@@ -372,14 +372,28 @@ class DiskTier:
         return self._store(alloc_id, blob, raw_bytes=raw, checksum=checksum)
 
     def read_blob(self, alloc_id: int) -> bytes:
-        """The chunk file of ``alloc_id`` as stored (compressed, header included), for a spill."""
-        if self.entry(alloc_id) is None:
+        """The chunk file of ``alloc_id`` as stored (compressed, header included), for a spill or
+        a read; CorruptChunk when its header no longer says what was stored. The checksum covers
+        the plain bytes a file decodes to, and decoding checks a file against its own header: a
+        file swapped for another sound one of the same size (a misdirected write, files copied
+        between directories) decoded cleanly, and was served as this object's bytes."""
+        entry = self.entry(alloc_id)
+        if entry is None:
             raise InvalidValue(f"no disk allocation {alloc_id}")
         path = self.path_of(alloc_id)
         try:
-            return path.read_bytes()
+            blob = path.read_bytes()
         except OSError as exc:
             raise CorruptChunk(f"{path}: cannot read: {exc}") from None
+        _, _, raw, checksum = self.parse_header(blob, where=str(path))
+        if raw != entry.raw_bytes or checksum != entry.checksum:
+            # Damaged (or replaced) since: no caller's mistake (a destination too small), and the
+            # replica must be dropped.
+            raise CorruptChunk(
+                f"{path}: header says {raw} B with checksum {checksum:016x}, but {entry.raw_bytes} B with "
+                f"checksum {entry.checksum:016x} were stored"
+            )
+        return blob
 
     def _store(
         self, alloc_id: int, blob: bytes | bytearray | memoryview, *, raw_bytes: int, checksum: int
@@ -436,15 +450,8 @@ class DiskTier:
         return entry
 
     def read_into(self, alloc_id: int, dest: memoryview) -> int:
-        entry = self.entry(alloc_id)
-        blob = self.read_blob(alloc_id)
-        where = str(self.path_of(alloc_id))
-        _, _, raw, _ = self.parse_header(blob, where=where)
-        if entry is not None and raw != entry.raw_bytes:
-            # A header that no longer says what was stored was damaged since: that is no
-            # caller's mistake (a destination too small), and the replica must be dropped.
-            raise CorruptChunk(f"{where}: header says {raw} B, but {entry.raw_bytes} B were stored")
-        return self.decode_into(blob, dest, where=where)
+        blob = self.read_blob(alloc_id)  # its header checked against what was stored
+        return self.decode_into(blob, dest, where=str(self.path_of(alloc_id)))
 
     def remove(self, alloc_id: int) -> bool:
         with self._lock:

@@ -21,9 +21,10 @@ import pytest
 from helpers import wait_until
 
 from mooncake_store import connect
+from mooncake_store.agent import inbox as inbox_module
 from mooncake_store.agent import server as server_module
 from mooncake_store.agent.node import Agent
-from mooncake_store.errors import MooncakeError
+from mooncake_store.errors import MooncakeError, NoCapacity
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, Op, Status
@@ -126,6 +127,10 @@ def test_a_disk_write_too_large_to_stage_leaks_no_fence(
     monkeypatch.setattr(DiskTier, "_check_room", staticmethod(lambda root, capacity_bytes: None))
     agent = make_inproc_agent(disk_path=str(tmp_path), disk_bytes=disk_bytes)
     assert agent.inbox is not None
+    # A reservation larger than any file the agent takes is refused now (the next test); here the
+    # inbox is made to take any, as it did then: the fence on a MemoryError is what is tested.
+    agent.inbox.largest_file = None
+    agent.inbox._staging_limit = 1 << 62
     peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
     try:
         (res,) = peer.reserve([(1 << 50, b"s" * 16)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG)
@@ -140,6 +145,37 @@ def test_a_disk_write_too_large_to_stage_leaks_no_fence(
         agent.sync_once()  # no commit reached the index: the sync frees it
         assert res.alloc_id not in agent.inbox, "the abandoned disk reservation is still fenced"
         assert agent.disk is not None and agent.disk.free_bytes == disk_bytes
+    finally:
+        peer.close()
+
+
+def test_disk_reservations_and_files_in_memory_are_bounded_by_the_largest_file_the_agent_takes(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk reservation was bounded only by the disk's room, and a WRITE into one zero-fills a
+    buffer of its whole size before any byte arrives: a peer's 100-byte frames made the agent
+    allocate up to 90% of --disk-mem in RAM (four 100 MiB reservations took an agent from 49 to
+    449 MiB), though no file larger than its largest memory tier is ever taken. Such a reservation
+    is refused now, and files in memory at once are bounded (one always fits)."""
+    monkeypatch.setattr(inbox_module, "STAGING_BYTES", 1 << 20)
+    agent = make_inproc_agent(host_bytes=4 << 20, disk_path=str(tmp_path), disk_bytes=512 << 20)
+    assert agent.inbox is not None and agent.inbox.largest_file is not None
+    peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
+    try:
+        with pytest.raises(NoCapacity):
+            peer.reserve([(100 << 20, b"b" * 16)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG)
+        size = 3 << 20  # two of them are past the bound (the largest file, ~4 MiB here)
+        first, second = peer.reserve(
+            [(size, b"1" * 16), (size, b"2" * 16)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG
+        )
+        address = parse_endpoint(agent.server.endpoint)
+        with socket.create_connection(address, timeout=5) as held, socket.create_connection(address, timeout=5) as late:
+            held.sendall(frames.pack(Op.WRITE, 0, first.alloc_id, first.offset, size))  # staged: bytes to come
+            assert wait_until(lambda: first.alloc_id in agent.inbox._staged, 5)
+            late.sendall(frames.pack(Op.WRITE, 0, second.alloc_id, second.offset, size) + bytes(size))
+            assert frames.unpack(late.recv(frames.HEADER_BYTES))[1] == Status.STALE  # drained, not staged
+            assert second.alloc_id not in agent.inbox._staged
+        assert wait_until(lambda: not agent.inbox._staged, 5), "a broken-off WRITE left its bytes counted"
     finally:
         peer.close()
 

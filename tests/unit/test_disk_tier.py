@@ -490,3 +490,20 @@ def test_a_write_that_fails_gives_its_room_back_even_when_its_temp_file_cannot_b
     tier.write(7, memoryview(np.zeros(1000, np.uint8)))  # the id is not left "being written"
     assert tier.objects == 1
     tier.close()
+
+
+def test_a_chunk_file_swapped_for_another_sound_one_is_corrupt_not_served(tmp_path: Path) -> None:
+    """Reads checked a file only against its own header (and its raw size against the entry's): a
+    file replaced by another sound chunk file of the same size (a misdirected write, files copied
+    between directories) decoded cleanly and was served, or spilled, as this object's bytes."""
+    tier = DiskTier(tmp_path / "t", 8 << 20)
+    tier.write(1, memoryview(np.full(4096, 1, np.uint8)))
+    tier.write(2, memoryview(np.full(4096, 2, np.uint8)))
+    tier.path_of(1).write_bytes(tier.path_of(2).read_bytes())
+    out = np.zeros(4096, np.uint8)
+    with pytest.raises(CorruptChunk, match="were stored"):
+        tier.read_into(1, memoryview(out))
+    with pytest.raises(CorruptChunk, match="were stored"):
+        tier.read_blob(1)  # what a spill sends
+    assert not out.any()
+    tier.close()
