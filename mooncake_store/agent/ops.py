@@ -14,7 +14,8 @@ from typing import Any, Protocol
 import xxhash
 
 from mooncake_store.agent.allocations import AllocationTable
-from mooncake_store.errors import MooncakeError
+from mooncake_store.agent.failure_log import FailureLog
+from mooncake_store.errors import MooncakeError, ProtocolError
 from mooncake_store.tiers.disk import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
@@ -96,6 +97,7 @@ class AgentOps:
     _fences: dict[socket.socket, set[int]]
     counters: dict[str, int]
     _counters_lock: threading.Lock
+    _unknown_ops: FailureLog
 
     def _count(self, op: str, nbytes: int) -> None:
         """One served READ or WRITE (``op`` "read" or "write") of ``nbytes``: connection threads
@@ -149,7 +151,7 @@ class AgentOps:
         if op == Op.PING:
             self._reply(conn, Op.PING, Status.OK, frames.VERSION)
             return True
-        log.warning("unknown op %d; closing the connection", op)
+        self._unknown_ops.failed(ProtocolError(f"unknown op {op}; the connection was closed"))
         self._bad_request(conn, op)
         return False
 

@@ -19,6 +19,7 @@ import time
 
 from mooncake_store.agent import ops
 from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.ops import AgentHooks, AgentOps
 from mooncake_store.agent.refusals import Refusals
 from mooncake_store.config import split_host_port
@@ -108,6 +109,9 @@ class AgentServer(AgentOps):
         self._accept_thread = threading.Thread(target=self._accept_loop, name="mc-accept", daemon=True)
         self.counters = {"reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0}
         self._counters_lock = threading.Lock()
+        # Frames of an op this agent lacks: told once, then at most every 30 s with a count (any
+        # client that reaches the port could otherwise fill the log, a line a connection).
+        self._unknown_ops = FailureLog(log, "a peer's frame", every_s=30.0)
 
     def start(self) -> None:
         self._accept_thread.start()

@@ -25,6 +25,7 @@ limits are refused cleanly.
 
 from __future__ import annotations
 
+import logging
 import re
 import select
 import socket
@@ -34,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -623,3 +625,20 @@ def test_the_connection_limit_follows_a_hard_descriptor_limit() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     limit, expected, soft = (int(x) for x in out.stdout.split())
     assert limit == expected and soft == 100
+
+
+def test_frames_of_unknown_ops_are_logged_once_not_a_line_each(
+    make_inproc_agent: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each connection that sent an op this agent lacks was a WARNING line: any client that reaches
+    the port could fill the log (741 lines from one burst). Told once, then with a count every 30 s."""
+    agent = make_inproc_agent()
+    host, port = agent.server.endpoint.rsplit(":", 1)
+    with caplog.at_level(logging.WARNING, logger="mooncake.agent"):
+        for _ in range(40):
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(frames.pack(max(Op) + 1))
+                assert frames.unpack(sock.recv(frames.HEADER_BYTES))[1] == Status.BAD_REQUEST
+                assert sock.recv(1) == b""  # closed after the reply
+    said = [r for r in caplog.records if "unknown op" in r.getMessage()]
+    assert len(said) == 1, f"{len(said)} lines for 40 frames of an unknown op"
