@@ -89,6 +89,23 @@ class DiskInbox:
             self._unstage(alloc_id)
             return None
 
+    def _stage_check(self, alloc_id: int, data: bytearray) -> bool:
+        """Count the plain bytes a received file is checked against (decoded whole) with it; False
+        when that takes the files in memory past the bound. A few bytes of zstd frame may declare
+        the largest size taken, and a check at a time on each connection multiplied it."""
+        try:
+            raw = self.disk.parse_header(data, where=f"chunk file for disk allocation {alloc_id}")[2]
+        except MooncakeError:
+            return True  # write_blob refuses it, and says why
+        with self._staging_lock:
+            others = sum(n for a, n in self._staged.items() if a != alloc_id)
+            mine = self._staged.get(alloc_id, 0) + raw
+            if others and others + mine > self._staging_limit:
+                log.info("chunk file for disk allocation %d refused: %d B of files in memory", alloc_id, others)
+                return False
+            self._staged[alloc_id] = mine
+        return True
+
     def _unstage(self, alloc_id: int) -> None:
         with self._staging_lock:
             self._staged.pop(alloc_id, None)
@@ -98,7 +115,7 @@ class DiskInbox:
         when the file was damaged or the reservation was freed meanwhile."""
         stored = False
         try:
-            if data is not None:
+            if data is not None and self._stage_check(alloc_id, data):
                 try:
                     self.disk.write_blob(alloc_id, data)  # takes the room promised to it
                     stored = True

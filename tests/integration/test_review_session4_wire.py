@@ -241,3 +241,41 @@ def test_idle_connections_are_closed_and_the_client_pool_reconnects(
         assert peer.ping() == frames.VERSION  # a new connection, not the closed one
     finally:
         peer.close()
+
+
+def test_a_small_file_that_decodes_large_counts_its_plain_bytes_against_the_bound(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A received file is checked by decoding it whole: a few hundred bytes of zstd frame that
+    declare the largest size taken made the agent hold that much per connection, with nothing
+    bounding the sum. Its plain bytes count against the bound on files in memory now: with 3 MiB
+    arriving on another connection, a 2 MiB (plain) file of zeros is refused, and placed again by
+    its sender; alone, it is taken."""
+    monkeypatch.setattr(inbox_module, "STAGING_BYTES", 1 << 20)
+    agent = make_inproc_agent(host_bytes=4 << 20, disk_path=str(tmp_path / "agent"), disk_bytes=512 << 20)
+    assert agent.inbox is not None
+    maker = DiskTier(tmp_path / "maker", 64 << 20)
+    blob, _ = maker.encode(memoryview(bytes(2 << 20)), itemsize=1)
+    maker.close()
+    assert len(blob) < 64 << 10  # zeros: the file is small, its plain bytes are not
+    peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
+    address = parse_endpoint(agent.server.endpoint)
+
+    def send_file() -> int:
+        (res,) = peer.reserve(
+            [(len(blob), uuid.uuid4().bytes)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG
+        )
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.sendall(frames.pack(Op.WRITE, 0, res.alloc_id, res.offset, len(blob)) + blob)
+            return frames.unpack(sock.recv(frames.HEADER_BYTES))[1]
+
+    try:
+        (held,) = peer.reserve([(3 << 20, b"h" * 16)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG)
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.sendall(frames.pack(Op.WRITE, 0, held.alloc_id, held.offset, 3 << 20))  # bytes to come
+            assert wait_until(lambda: held.alloc_id in agent.inbox._staged, 5)
+            assert send_file() == Status.STALE
+        assert wait_until(lambda: not agent.inbox._staged, 5)
+        assert send_file() == Status.OK
+    finally:
+        peer.close()
