@@ -299,9 +299,12 @@ class DiskTier:
         """(flags, itemsize, raw size, checksum) of a chunk file, after checking that it is one."""
         if len(blob) < HEADER.size:
             raise CorruptChunk(f"{where}: {len(blob)} B is shorter than the {HEADER.size} B header")
-        magic, flags, itemsize, _, raw, checksum, clen = HEADER.unpack_from(blob)
+        magic, flags, itemsize, reserved, raw, checksum, clen = HEADER.unpack_from(blob)
         if magic != MAGIC or clen != len(blob) - HEADER.size or itemsize == 0:
             raise CorruptChunk(f"{where}: not a disk-tier chunk (magic {magic!r}, {len(blob)} B)")
+        if flags & ~FLAG_SHUFFLED or reserved:
+            # Bits a later format may give a meaning to: such a file would be misread here.
+            raise CorruptChunk(f"{where}: flags {flags:#x} and reserved field {reserved} are not this format's")
         return flags, itemsize, raw, checksum
 
     def decode_into(self, blob: bytes | bytearray | memoryview, dest: memoryview, *, where: str) -> int:

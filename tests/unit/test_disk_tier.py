@@ -507,3 +507,18 @@ def test_a_chunk_file_swapped_for_another_sound_one_is_corrupt_not_served(tmp_pa
         tier.read_blob(1)  # what a spill sends
     assert not out.any()
     tier.close()
+
+
+@pytest.mark.parametrize(("flags", "reserved"), [(0xFE, 0), (0x01 | 0x80, 0), (0, 7)])
+def test_a_chunk_file_with_bits_this_format_does_not_define_is_refused(
+    tmp_path: Path, flags: int, reserved: int
+) -> None:
+    """Unknown flag bits and a nonzero reserved field were accepted: a file of a later format that
+    gives them a meaning would be misread by this build rather than refused."""
+    tier = DiskTier(tmp_path / "t", 8 << 20)
+    blob, _ = tier.encode(memoryview(np.arange(4096, dtype=np.uint8)), itemsize=1)
+    magic, _, itemsize, _, raw, checksum, clen = HEADER.unpack_from(blob)
+    bad = HEADER.pack(magic, flags, itemsize, reserved, raw, checksum, clen) + blob[HEADER.size :]
+    with pytest.raises(CorruptChunk, match="are not this format's"):
+        tier.write_blob(1, bad)
+    tier.close()
