@@ -42,6 +42,7 @@ class DiskInbox:
         self.largest_file = file_bytes_at_most(limit) if limit is not None else None
         self._staging_limit = max(STAGING_BYTES, self.largest_file or 0)
         self._staged: dict[int, int] = {}  # alloc id -> bytes of its file in memory, arriving
+        self._alone: set[int] = set()  # of those, admitted with nothing else arriving: always taken
         self._staging_lock = threading.Lock()
 
     def __contains__(self, alloc_id: int) -> bool:
@@ -79,6 +80,8 @@ class DiskInbox:
                 log.info("chunk file for disk allocation %d refused: %d B of files arriving", alloc_id, arriving)
                 return None  # the sender places it again
             self._staged[alloc_id] = length
+            if not arriving:
+                self._alone.add(alloc_id)
         if not self.table.begin_write(alloc_id, offset, length):
             self._unstage(alloc_id)
             return None
@@ -100,7 +103,8 @@ class DiskInbox:
         with self._staging_lock:
             others = sum(n for a, n in self._staged.items() if a != alloc_id)
             mine = self._staged.get(alloc_id, 0) + raw
-            if others and others + mine > self._staging_limit:
+            # One admitted alone is taken whatever arrived since (it was promised; its bytes are here).
+            if others and others + mine > self._staging_limit and alloc_id not in self._alone:
                 log.info("chunk file for disk allocation %d refused: %d B of files in memory", alloc_id, others)
                 return False
             self._staged[alloc_id] = mine
@@ -109,6 +113,7 @@ class DiskInbox:
     def _unstage(self, alloc_id: int) -> None:
         with self._staging_lock:
             self._staged.pop(alloc_id, None)
+            self._alone.discard(alloc_id)
 
     def written(self, alloc_id: int, data: bytearray | None) -> bool:
         """Store a received chunk file (None: the transfer broke off) and lift the fence; False

@@ -56,6 +56,10 @@ class AgentHooks(Protocol):
         """(free bytes, largest free block, capacity) of tier ``tier`` here, for a refusal's reply
         (zeros when there is no such tier, or it takes no such reservation)."""
 
+    def longest_write(self) -> int:
+        """The longest WRITE a reservation here may take (host arena, GPU tier, a peer's chunk file):
+        one no longer is drained and refused (STALE) with the connection kept; a longer one closes it."""
+
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         """A host buffer to receive a WRITE into an allocation of another tier (which is fenced
         against frees until other_tier_written), or None."""
@@ -230,7 +234,7 @@ class AgentOps:
                 ok = self._hooks.other_tier_written(alloc_id, offset, staging if received else None)
             self._reply(conn, Op.WRITE, Status.OK if ok else Status.STALE)
             return True
-        if length > self._arena.size_bytes:
+        if length > self._hooks.longest_write():
             # Not worth draining: no such write can ever be valid. STALE as for any write that no
             # reservation covers, then the close (the payload, if sent, is not read).
             with contextlib.suppress(OSError):

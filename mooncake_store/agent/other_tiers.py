@@ -145,6 +145,13 @@ class OtherTierHooks:
         free, largest = self.gpu_table.room(ceiling_bytes=self.spill_ceiling(tier) if spill else None)
         return free, largest, self.gpu_table.capacity_bytes
 
+    def longest_write(self) -> int:
+        # A peer's chunk file may be longer than the host arena (the zstd bound of the largest
+        # memory tier): one refused while others arrive is drained, its stream kept.
+        largest_file = self.inbox.largest_file if self.inbox is not None else None
+        gpu = self.gpu_table.capacity_bytes if self.gpu_table is not None else 0
+        return max(self.arena.size_bytes, gpu, largest_file or 0)
+
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         if self.inbox is not None and alloc_id in self.inbox:
             return self.inbox.staging(alloc_id, offset, length)

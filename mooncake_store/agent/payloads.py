@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from mooncake_store.agent.spill_jobs import SpillJob
 from mooncake_store.errors import MooncakeError
-from mooncake_store.tiers.disk import encode_chunk
+from mooncake_store.tiers.disk import CorruptChunk, encode_chunk
 from mooncake_store.types import TierKind
 
 if TYPE_CHECKING:
@@ -32,7 +32,11 @@ def read_payload(agent: Agent, job: SpillJob, source: TierKind, target: TierKind
         if source == TierKind.DISK:
             if target == TierKind.DISK:
                 assert agent.disk is not None
-                return agent.disk.read_blob(alloc_id)  # as stored: the peer checks it whole
+                try:
+                    return agent.disk.read_blob(alloc_id)  # as stored: the peer checks it whole
+                except CorruptChunk:  # no longer the file that was stored: dropped, as a read's is
+                    agent.check_disk_replica(alloc_id)
+                    return None
             return agent.read_disk(alloc_id)  # decoded and checked here
         if source == TierKind.GPU:
             got = agent.read_gpu(alloc_id)

@@ -122,3 +122,21 @@ def test_promotions_are_bounded_in_bytes_and_not_queued_twice(
         assert agent.pressure.counters[TierKind.DISK]["promotions"] == 2
     finally:
         client.close()
+
+
+def test_a_chunk_file_swapped_on_disk_is_dropped_when_a_spill_reads_it(disk_agent: Agent, client: Client) -> None:
+    """A spill to a peer's disk sends the file as stored; one that no longer matches what was stored
+    (another sound file put in its place) was skipped and kept, and chosen again at every pass.
+    Its replica is dropped now, as a read's would be."""
+    from mooncake_store.agent.payloads import read_payload
+    from mooncake_store.agent.spill_jobs import SpillJob
+
+    put_on_disk(disk_agent, client, ["a", "b"])
+    disk = disk_agent.disk
+    assert disk is not None
+    victims = {v.key: v for v in disk_agent.index.victim_candidates(disk_agent.node_id, str(TierKind.DISK))}
+    disk.path_of(victims["a"].alloc_id).write_bytes(disk.path_of(victims["b"].alloc_id).read_bytes())
+    job = SpillJob(victim=victims["a"], offset=0)
+    assert read_payload(disk_agent, job, TierKind.DISK, TierKind.DISK) is None
+    assert client.object_meta("a") is None, "the swapped file's replica is still listed"
+    assert np.array_equal(client.get("b"), value_of("b"))

@@ -150,7 +150,10 @@ def test_a_disk_write_too_large_to_stage_leaks_no_fence(
 
 
 def test_disk_reservations_and_files_in_memory_are_bounded_by_the_largest_file_the_agent_takes(
-    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_inproc_agent: Callable[..., Agent],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A disk reservation was bounded only by the disk's room, and a WRITE into one zero-fills a
     buffer of its whole size before any byte arrives: a peer's 100-byte frames made the agent
@@ -172,8 +175,12 @@ def test_disk_reservations_and_files_in_memory_are_bounded_by_the_largest_file_t
         with socket.create_connection(address, timeout=5) as held, socket.create_connection(address, timeout=5) as late:
             held.sendall(frames.pack(Op.WRITE, 0, first.alloc_id, first.offset, size))  # staged: bytes to come
             assert wait_until(lambda: first.alloc_id in agent.inbox._staged, 5)
-            late.sendall(frames.pack(Op.WRITE, 0, second.alloc_id, second.offset, size) + bytes(size))
-            assert frames.unpack(late.recv(frames.HEADER_BYTES))[1] == Status.STALE  # drained, not staged
+            with caplog.at_level(logging.INFO, logger="mooncake.agent"):
+                late.sendall(frames.pack(Op.WRITE, 0, second.alloc_id, second.offset, size) + bytes(size))
+                assert frames.unpack(late.recv(frames.HEADER_BYTES))[1] == Status.STALE  # drained, not staged
+            assert any(
+                f"{second.alloc_id} refused: {size} B of files arriving" in r.getMessage() for r in caplog.records
+            )
             assert second.alloc_id not in agent.inbox._staged
         assert wait_until(lambda: not agent.inbox._staged, 5), "a broken-off WRITE left its bytes counted"
     finally:
@@ -277,5 +284,34 @@ def test_a_small_file_that_decodes_large_counts_its_plain_bytes_against_the_boun
             assert send_file() == Status.STALE
         assert wait_until(lambda: not agent.inbox._staged, 5)
         assert send_file() == Status.OK
+    finally:
+        peer.close()
+
+
+def test_a_busy_refused_chunk_file_longer_than_the_host_arena_keeps_its_stream(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's chunk file may be longer than the host arena (the zstd bound of the largest memory
+    tier). Refused while others arrive, such a WRITE was answered STALE and its connection closed
+    undrained, for a WRITE longer than the arena: the sender took its stream for broken, gave the
+    batch up and left this peer out for a while. It is drained now, the connection kept."""
+    monkeypatch.setattr(inbox_module, "STAGING_BYTES", 1 << 20)
+    agent = make_inproc_agent(host_bytes=4 << 20, disk_path=str(tmp_path), disk_bytes=512 << 20)
+    assert agent.inbox is not None and agent.inbox.largest_file is not None
+    size = agent.inbox.largest_file
+    assert size > agent.arena.size_bytes
+    peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
+    address = parse_endpoint(agent.server.endpoint)
+    try:
+        first, second = peer.reserve(
+            [(size, b"1" * 16), (size, b"2" * 16)], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG
+        )
+        with socket.create_connection(address, timeout=5) as held, socket.create_connection(address, timeout=5) as late:
+            held.sendall(frames.pack(Op.WRITE, 0, first.alloc_id, first.offset, size))  # bytes to come
+            assert wait_until(lambda: first.alloc_id in agent.inbox._staged, 5)
+            late.sendall(frames.pack(Op.WRITE, 0, second.alloc_id, second.offset, size) + bytes(size))
+            assert frames.unpack(late.recv(frames.HEADER_BYTES))[1] == Status.STALE
+            late.sendall(frames.pack(Op.PING))  # the same connection, in step
+            assert frames.unpack(late.recv(frames.HEADER_BYTES))[1] == Status.OK
     finally:
         peer.close()

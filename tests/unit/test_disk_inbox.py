@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mooncake_store.agent import inbox as inbox_module
 from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.errors import NoCapacity
 from mooncake_store.tiers.disk import DiskTier
@@ -171,3 +172,28 @@ def test_room_under_a_ceiling_counts_files_on_the_wire(tmp_path: Path, blob: byt
     assert inbox.reserve([(len(blob), b"b" * 16)] * 2, ceiling_bytes=3 * room) is not None  # what it said
     assert inbox.room(ceiling_bytes=3 * room) == 0
     assert inbox.reserve([(len(blob), b"c" * 16)], ceiling_bytes=3 * room) is None
+
+
+def test_a_file_admitted_alone_is_taken_whatever_arrived_since(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One file is always taken, the bound said; but the check of its plain bytes, once the whole
+    file was in, refused it when smaller files had been admitted meanwhile: a large file refused
+    after its transfer, and again at every retry while other peers spilled."""
+    monkeypatch.setattr(inbox_module, "STAGING_BYTES", 1 << 20)
+    source = DiskTier(tmp_path / "peer", 16 << 20)
+    rng = np.random.default_rng(9)
+    source.write(1, memoryview(rng.integers(0, 256, 3 << 20, dtype=np.uint8)))  # does not compress
+    source.write(2, memoryview(rng.integers(0, 256, 100_000, dtype=np.uint8)))
+    big, small = source.read_blob(1), source.read_blob(2)
+    disk = DiskTier(tmp_path / "mine", 64 << 20, max_blob_raw_bytes=4 << 20)
+    inbox = DiskInbox(disk, reserve_timeout_s=5.0, ids=itertools.count(100))
+    first, second = inbox.reserve([(len(big), b"a" * 16), (len(small), b"b" * 16)]) or []
+    big_buffer = inbox.staging(first.alloc_id, first.offset, first.length)
+    small_buffer = inbox.staging(second.alloc_id, second.offset, second.length)
+    assert big_buffer is not None and small_buffer is not None  # both admitted by their lengths
+    big_buffer[:] = big
+    small_buffer[:] = small
+    assert inbox.written(first.alloc_id, big_buffer), "the file admitted alone was refused once it had arrived"
+    assert inbox.written(second.alloc_id, small_buffer)
+    assert not inbox._staged and not inbox._alone
+    source.close()
+    disk.close()
