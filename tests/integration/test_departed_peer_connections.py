@@ -89,6 +89,20 @@ def _maps_of(shm_name: str) -> int:
     return sum(shm_name in line for line in Path("/proc/self/maps").read_text().splitlines())
 
 
+def _read_from_a_leaver(
+    make_peer_agent: Callable[..., Agent], clients: Callable[..., Client], transport: str
+) -> tuple[Client, Agent]:
+    """A client (of ``transport`` only) that has put an object on an agent about to leave and read
+    it back, so that it maps that agent's arena or pools a connection to it; and that agent."""
+    stays = make_peer_agent(host_bytes=8 * MiB)
+    leaves = make_peer_agent(host_bytes=8 * MiB)
+    client = clients(stays, transports=(transport,))
+    value = np.arange(MiB, dtype=np.uint8)
+    client.put("on-leaver", value, preferred_node=leaves.node_id)
+    assert np.array_equal(client.get("on-leaver"), value)
+    return client, leaves
+
+
 def test_a_client_gone_quiet_unmaps_the_arena_of_an_agent_that_stopped(
     make_peer_agent: Callable[..., Agent], clients: Callable[..., Client], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -98,12 +112,7 @@ def test_a_client_gone_quiet_unmaps_the_arena_of_an_agent_that_stopped(
     with an arena over half of /dev/shm, that agent could not start again). Its own thread now
     sees the file gone and reads the table."""
     monkeypatch.setattr(node_view, "RETAIN_EVERY_S", 0.2)
-    stays = make_peer_agent(host_bytes=8 * MiB)
-    leaves = make_peer_agent(host_bytes=8 * MiB)
-    client = clients(stays, transports=("shm",))
-    value = np.arange(MiB, dtype=np.uint8)
-    client.put("on-leaver", value, preferred_node=leaves.node_id)
-    assert np.array_equal(client.get("on-leaver"), value)
+    client, leaves = _read_from_a_leaver(make_peer_agent, clients, "shm")
     name = leaves.arena.name
     assert _maps_of(name) >= 1, "the client did not map the agent's arena"
     leaves.stop()  # unlinks its arena's file and leaves the node table
@@ -119,12 +128,7 @@ def test_a_client_gone_quiet_closes_its_connections_to_an_agent_that_left(
     while it pools connections."""
     monkeypatch.setattr(node_view, "RETAIN_EVERY_S", 0.2)
     monkeypatch.setattr(node_view, "REFRESH_EVERY_S", 0.5)
-    stays = make_peer_agent(host_bytes=8 * MiB)
-    leaves = make_peer_agent(host_bytes=8 * MiB)
-    client = clients(stays, transports=("tcp",))
-    value = np.arange(MiB, dtype=np.uint8)
-    client.put("on-leaver", value, preferred_node=leaves.node_id)
-    assert np.array_equal(client.get("on-leaver"), value)
+    _client, leaves = _read_from_a_leaver(make_peer_agent, clients, "tcp")  # kept: a dropped client closes its pools
     port = _port(leaves)
     assert sockets_to(port) >= 1, "the client pooled no connection to the agent"
     leaves.stop()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -393,16 +395,12 @@ def test_a_claim_whose_directory_a_sweep_removed_meanwhile_claims_it_afresh(
     tier.close()
 
 
-def test_a_claim_while_a_sweep_removes_the_directory_waits_for_the_sweep(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two agents on one disk path restarting together (a host's OOM kill): each sweeps the
-    other's directory before it claims its own. A claim whose lock a sweep held (removing a large
-    crashed tier's files takes seconds) was refused at once as "in use by another agent"; it now
-    waits for the sweep and claims the directory afresh. The sweep is held here until the claim
-    has been waiting for 0.3 s."""
-    root = tmp_path / "agent-0"
-    DiskTier(root, 1 << 20).close(remove_files=False)  # a crashed incarnation: its lock is free
+@contextlib.contextmanager
+def a_held_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[list[Path]]]]:
+    """A crashed incarnation's directory ``tmp_path/agent-0`` (its lock free), and another agent's
+    start sweep of it in a thread, held in the removal until the yielded event is set; the sweep's
+    result lands in the yielded list. The sweep is released and joined at the end."""
+    DiskTier(tmp_path / "agent-0", 1 << 20).close(remove_files=False)
     real_remove = disk_dir.remove_tier_dir
     sweeping, finish = threading.Event(), threading.Event()
 
@@ -417,11 +415,24 @@ def test_a_claim_while_a_sweep_removes_the_directory_waits_for_the_sweep(
     sweep.start()
     try:
         assert sweeping.wait(10)
-        threading.Timer(0.3, finish.set).start()
-        tier = DiskTier(root, 1 << 20)
+        yield finish, swept
     finally:
         finish.set()
         sweep.join(timeout=10)
+
+
+def test_a_claim_while_a_sweep_removes_the_directory_waits_for_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two agents on one disk path restarting together (a host's OOM kill): each sweeps the
+    other's directory before it claims its own. A claim whose lock a sweep held (removing a large
+    crashed tier's files takes seconds) was refused at once as "in use by another agent"; it now
+    waits for the sweep and claims the directory afresh. The sweep is held here until the claim
+    has been waiting for 0.3 s."""
+    root = tmp_path / "agent-0"
+    with a_held_sweep(tmp_path, monkeypatch) as (finish, swept):
+        threading.Timer(0.3, finish.set).start()
+        tier = DiskTier(root, 1 << 20)
     assert swept == [[root]]
     tier.write(1, memoryview(np.ones(1000, np.uint8)))  # its directory is there, made afresh
     with pytest.raises(MooncakeError, match="in use by another agent"):
@@ -433,26 +444,11 @@ def test_a_claim_that_waited_out_a_sweep_says_so(tmp_path: Path, monkeypatch: py
     """A sweep that holds the lock past the wait is named as the reason, not another agent using the
     directory (the operator's mistake that message describes is not there)."""
     monkeypatch.setattr(disk_dir, "SWEEP_WAIT_S", 0.2)
-    root = tmp_path / "agent-0"
-    DiskTier(root, 1 << 20).close(remove_files=False)
-    real_remove = disk_dir.remove_tier_dir
-    sweeping, finish = threading.Event(), threading.Event()
-
-    def held_removal(path: Path) -> bool:
-        sweeping.set()
-        assert finish.wait(10)
-        return real_remove(path)
-
-    monkeypatch.setattr(disk_dir, "remove_tier_dir", held_removal)
-    sweep = threading.Thread(target=sweep_abandoned_tiers, args=(tmp_path,), kwargs={"keep": tmp_path / "agent-1"})
-    sweep.start()
-    try:
-        assert sweeping.wait(10)
-        with pytest.raises(MooncakeError, match=r"start sweep has held the disk tier directory .* for 0 s"):
-            DiskTier(root, 1 << 20)
-    finally:
-        finish.set()
-        sweep.join(timeout=10)
+    with (
+        a_held_sweep(tmp_path, monkeypatch),
+        pytest.raises(MooncakeError, match=r"start sweep has held the disk tier directory .* for 0 s"),
+    ):
+        DiskTier(tmp_path / "agent-0", 1 << 20)
 
 
 def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
