@@ -61,7 +61,9 @@ def test_prefix_cache_arguments_of_the_wrong_kind_are_refused_by_name(shared_cli
         with pytest.raises(InvalidValue, match="chunks must be a sequence of chunk arrays or a callable"):
             cache.store(tokens, chunks)  # type: ignore[arg-type]
     assert cache.store(tokens, [np.full(16, i, np.uint8) for i in range(2)]) == 2
-    with pytest.raises(InvalidValue, match="outs is int; a sequence of output buffers is wanted"):
+    with pytest.raises(
+        InvalidValue, match=r"outs is int; a sequence of output buffers \(or an array of a row each\) is wanted"
+    ):
         cache.load(tokens, outs=5)  # type: ignore[arg-type]
     with pytest.raises(InvalidValue, match=r"outs\(n\) returned NoneType; a sequence of output buffers"):
         cache.load(tokens, outs=lambda n: None)  # type: ignore[arg-type,return-value]
