@@ -7,6 +7,7 @@ without importing each other.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -225,3 +226,15 @@ def check_key(key: object) -> str:
         if ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F:
             raise InvalidKey(f"key {shown_key(key)} contains control character {ch!r}")
     return key
+
+
+def as_count(value: object) -> int | None:
+    """``value`` as an int when it is a whole number of the kinds a caller passes for a count: a
+    Python int or a numpy integer (what numpy arithmetic gives: refusing ``np.int64(2)`` where 2 is
+    taken is no help), never a bool; None for anything else."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None

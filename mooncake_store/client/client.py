@@ -246,7 +246,7 @@ class Client:
         that no stored chunk hangs off, later and colder ones first, so chains stay prefix-closed.
         """
         self._check_open()
-        check_put_options(replicas, preferred_node)
+        replicas = check_put_options(replicas, preferred_node)
         plans = self._puts.plan(
             items, chain_pos=chain_pos, chain_parent=chain_parent, preferred_node=preferred_node, replicas=replicas
         )

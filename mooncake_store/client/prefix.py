@@ -51,6 +51,7 @@ from mooncake_store.client.prefix_hash import (
 from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.transport.cancel import Cancel
+from mooncake_store.types import as_count
 
 #: A sequence of chunk arrays, or a function from chunk index to the array (called only for the
 #: chunks that have to be written, so callers need not materialize chunks that are stored already).
@@ -137,13 +138,17 @@ class PrefixCache:
             raise ConfigError(
                 f"client must be a mooncake_store Client (from connect()), got {type(client).__name__}: {client!r:.80}"
             )
-        for name, count, top in (
+        counts: list[int] = []
+        for name, given, top in (
             ("chunk_tokens", chunk_tokens, 1 << 20),
             ("replicas", replicas, 16),
             ("io_threads", io_threads, 1024),
         ):
-            if type(count) is not int or not 1 <= count <= top:
-                raise InvalidValue(f"{name} must be an int in 1..{top}, got {count!r:.80}")
+            count = as_count(given)  # a numpy integer too
+            if count is None or not 1 <= count <= top:
+                raise InvalidValue(f"{name} must be an int in 1..{top}, got {given!r:.80}")
+            counts.append(count)
+        chunk_tokens, replicas, io_threads = counts
         for name, seconds in (("pin_lease_s", pin_lease_s), ("claim_ttl_s", claim_ttl_s)):
             if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds <= MAX_SECONDS:
                 raise InvalidValue(f"{name} must be a number of seconds in (0, {MAX_SECONDS}], got {seconds!r}")
@@ -179,6 +184,8 @@ class PrefixCache:
         ``include_tail``), or of engine-supplied ``block_hashes`` (one full chunk each)."""
         if (token_ids is None) == (block_hashes is None):
             raise InvalidValue("pass token_ids or block_hashes (exactly one)")
+        if not isinstance(include_tail, bool) and type(include_tail).__name__ != "bool_":
+            raise InvalidValue(f"include_tail must be a bool, got {type(include_tail).__name__}: {include_tail!r:.80}")
         if block_hashes is not None:
             digests = block_hash_chain(self.namespace, block_hashes)
         else:
@@ -214,9 +221,10 @@ class PrefixCache:
     def _limit(self, keys: list[str], max_tokens: int | None) -> list[str]:
         if max_tokens is None:
             return keys
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        count = as_count(max_tokens)
+        if count is None or count < 0:
             raise InvalidValue(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        return keys[: max_tokens // self.chunk_tokens]
+        return keys[: count // self.chunk_tokens]
 
     # ---- store ------------------------------------------------------------------------------
     def store(

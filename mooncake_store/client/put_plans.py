@@ -13,7 +13,7 @@ from mooncake_store.client.buffers import Source
 from mooncake_store.client.replica_writes import checksum_of
 from mooncake_store.errors import InvalidKey, InvalidValue
 from mooncake_store.index.client import PendingPut
-from mooncake_store.types import Replica, TierKind, check_key
+from mooncake_store.types import Replica, TierKind, as_count, check_key
 
 if TYPE_CHECKING:
     from mooncake_store.client.device import DeviceSource
@@ -153,13 +153,15 @@ def check_no_loop(chain_parent: Mapping[str, str]) -> None:
 MAX_REPLICAS = 16
 
 
-def check_put_options(replicas: object, preferred_node: object) -> None:
+def check_put_options(replicas: object, preferred_node: object) -> int:
     """A put's options, checked before anything else (an empty batch too: the same call with items
-    must not be the first to say they are wrong)."""
-    if type(replicas) is not int or not 1 <= replicas <= MAX_REPLICAS:
+    must not be the first to say they are wrong); returns ``replicas`` as an int."""
+    count = as_count(replicas)
+    if count is None or not 1 <= count <= MAX_REPLICAS:
         raise InvalidValue(f"replicas must be an int in 1..{MAX_REPLICAS}, got {replicas!r:.80}")
     if preferred_node is not None and not isinstance(preferred_node, str):
         raise InvalidValue(
             "preferred_node must be a node id (str) or None, "
             f"got {type(preferred_node).__name__}: {preferred_node!r:.80}"
         )
+    return count

@@ -463,3 +463,25 @@ def test_prefix_cache_arguments_are_checked_and_stacked_chunks_are_taken(client:
             assert all(np.array_equal(got, want) for got, want in zip(hit.chunks, stacked, strict=True))
     finally:
         cache.close()
+
+
+def test_counts_may_be_numpy_integers_and_include_tail_must_be_a_bool(client: Client) -> None:
+    """Counts that come out of numpy arithmetic (np.int64) were refused where an int is taken
+    (replicas, chunk_tokens, max_tokens); include_tail="no" was taken as true. Bools are still no
+    counts."""
+    cache = PrefixCache(client, f"t-{uuid.uuid4().hex[:8]}", chunk_tokens=np.int64(C), replicas=np.int32(1))
+    try:
+        assert type(cache.chunk_tokens) is int and cache.chunk_tokens == C
+        assert cache.store(ids(2 * C), chunk_arrays(2)) == 2
+        assert cache.match(ids(2 * C), max_tokens=np.int64(C)) == C
+        with pytest.raises(InvalidValue, match="include_tail must be a bool, got str: 'no'"):
+            cache.match(ids(2 * C), include_tail="no")  # type: ignore[arg-type]
+        with pytest.raises(InvalidValue, match="max_tokens must be an int >= 0, got True"):
+            cache.match(ids(2 * C), max_tokens=True)
+    finally:
+        cache.close()
+    client.put("np-replicas", b"x", replicas=np.int64(1))  # type: ignore[arg-type]
+    meta = client.object_meta("np-replicas")
+    assert meta is not None and len(meta.replicas) == 1
+    with pytest.raises(InvalidValue, match=r"replicas must be an int in 1\.\.16, got True"):
+        client.put("np-replicas", b"x", replicas=True)
