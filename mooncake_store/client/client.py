@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
 
+from mooncake_store.client.async_args import snapshot, wait_for_callers_stream
 from mooncake_store.client.buffers import as_destination, check_disjoint, mark_written, to_array
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.in_flight import InFlight, on_pool_thread
@@ -30,7 +31,7 @@ from mooncake_store.errors import (
     ObjectPinned,
 )
 from mooncake_store.index import RedisIndex
-from mooncake_store.tiers.gpu_arrays import describe_device_array, is_device_array
+from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.transport.cancel import current_cancel
 from mooncake_store.transport.shm import ShmTransport, local_host_id
 from mooncake_store.transport.tcp import TcpTransport
@@ -403,7 +404,7 @@ class Client:
         return self._submit(self.get, key, device=device)
 
     def get_into_async(self, key: str, out: object) -> Future[int]:
-        _wait_for_callers_stream(out)
+        wait_for_callers_stream(out)
         return self._submit(self.get_into, key, out)
 
     def put_async(
@@ -411,21 +412,34 @@ class Client:
     ) -> Future[None]:
         """:meth:`put` on a worker thread. The value must not change until the future is done
         (what happens if it does: :meth:`put`)."""
-        _wait_for_callers_stream(value)
+        wait_for_callers_stream(value)
         return self._submit(self.put, key, value, replicas=replicas, preferred_node=preferred_node)
 
+    # Batch calls on a worker: given lists are taken as they are now; what they refuse, the future raises.
+    def get_many_async(self, keys: Sequence[str]) -> Future[list[Any]]:
+        return self._submit(self.get_many, snapshot(keys))
 
-def _wait_for_callers_stream(value: object) -> None:
-    """A device array handed to a worker thread: wait here, in the caller's thread, for the stream
-    the array names. The CUDA Array Interface names the asking thread's current stream (and torch,
-    its current stream), so asked from a worker it would name the worker's, and a caller's side
-    stream still writing the source, or reading the destination, would go unwaited for. A bad array
-    is left for the worker to refuse, through the future, as before."""
-    if is_device_array(value):
-        try:
-            describe_device_array(value)
-        except MooncakeError:
-            pass
+    def get_many_into_async(self, keys: Sequence[str], outs: Sequence[object]) -> Future[list[int]]:
+        outs = snapshot(outs)
+        for out in outs if isinstance(outs, list) else [outs]:
+            wait_for_callers_stream(out)
+        return self._submit(self.get_many_into, snapshot(keys), outs)
+
+    def put_many_async(
+        self,
+        items: Mapping[str, object],
+        *,
+        replicas: int = 1,
+        preferred_node: str | None = None,
+        chain_pos: Mapping[str, int] | None = None,
+        chain_parent: Mapping[str, str] | None = None,
+    ) -> Future[None]:
+        """:meth:`put_many` on a worker thread; the values must not change until it is done."""
+        items = dict(items) if isinstance(items, Mapping) else items
+        for value in items.values() if isinstance(items, dict) else []:
+            wait_for_callers_stream(value)
+        options = {"chain_pos": chain_pos, "chain_parent": chain_parent}
+        return self._submit(self.put_many, items, replicas=replicas, preferred_node=preferred_node, **options)
 
 
 def transport_names(transports: object) -> tuple[str, ...]:

@@ -1,0 +1,26 @@
+"""What the ``*_async`` calls of a Client do in the caller's thread before a worker takes over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mooncake_store.errors import MooncakeError
+from mooncake_store.tiers.gpu_arrays import describe_device_array, is_device_array
+
+
+def snapshot(values: Any) -> Any:
+    """A list of a list or tuple as it is now; anything else as given (for the call to judge)."""
+    return list(values) if isinstance(values, list | tuple) else values
+
+
+def wait_for_callers_stream(value: object) -> None:
+    """A device array handed to a worker thread: wait here, in the caller's thread, for the stream
+    the array names. The CUDA Array Interface names the asking thread's current stream (and torch,
+    its current stream), so asked from a worker it would name the worker's, and a caller's side
+    stream still writing the source, or reading the destination, would go unwaited for. A bad array
+    is left for the worker to refuse, through the future, as before."""
+    if is_device_array(value):
+        try:
+            describe_device_array(value)
+        except MooncakeError:
+            pass
