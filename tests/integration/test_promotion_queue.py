@@ -67,6 +67,10 @@ def put_on_disk(agent: Agent, client: Client, keys: list[str]) -> None:
     assert all(tier_of(client, key) == "disk" for key in keys)
 
 
+def promoted(agent: Agent) -> int:
+    return agent.pressure.counters[TierKind.DISK]["promotions"]
+
+
 def tier_of(client: Client, key: str) -> str | None:
     meta = client.object_meta(key)
     return str(meta.replicas[0].tier) if meta is not None and len(meta.replicas) == 1 else None
@@ -92,7 +96,8 @@ def test_a_promotion_held_by_the_index_does_not_hold_the_next_read_of_its_connec
         held.release.set()
     # Both promotions land once the index answers: the second read's was queued behind the first.
     assert wait_until(lambda: tier_of(client, "a") == "host" and tier_of(client, "b") == "host", 10)
-    assert disk_agent.pressure.counters[TierKind.DISK]["promotions"] == 2
+    # Counted once the swap's call returns, just after the index shows it.
+    assert wait_until(lambda: promoted(disk_agent) == 2, 5), promoted(disk_agent)
 
 
 def test_promotions_are_bounded_in_bytes_and_not_queued_twice(
@@ -114,12 +119,10 @@ def test_promotions_are_bounded_in_bytes_and_not_queued_twice(
             assert np.array_equal(client.get("b"), value_of("b"))  # no room in the queue
         finally:
             held.release.set()
-        assert wait_until(lambda: tier_of(client, "a") == "host", 10)
+        assert wait_until(lambda: tier_of(client, "a") == "host" and promoted(agent) == 1, 10)
         assert tier_of(client, "b") == "disk"
-        assert agent.pressure.counters[TierKind.DISK]["promotions"] == 1
         assert np.array_equal(client.get("b"), value_of("b"))
-        assert wait_until(lambda: tier_of(client, "b") == "host", 10)
-        assert agent.pressure.counters[TierKind.DISK]["promotions"] == 2
+        assert wait_until(lambda: tier_of(client, "b") == "host" and promoted(agent) == 2, 10), promoted(agent)
     finally:
         client.close()
 
