@@ -3,17 +3,15 @@
 A lease runs on the index's clock, which goes on while the reading host is suspended. The
 monotonic clock stops then: a copy that spanned a suspend looked as quick as it was before it, and
 a read that outlived its lease (its block freed and reused meanwhile) went unchecked.
-CLOCK_BOOTTIME is monotonic too (no wall-clock step moves it) and counts the suspend. Where the
-platform has none, the monotonic clock. (A paused VM is covered by neither: its clocks stop with it.)
+CLOCK_BOOTTIME is monotonic too (no wall-clock step moves it) and counts the suspend. (The store
+runs on Linux, which has it. A paused VM is covered by neither: its clocks stop with it.)
 """
 
 from __future__ import annotations
 
 import time
 
-_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
-
 
 def lease_clock_s() -> float:
     """Seconds on the lease clock (an arbitrary origin): only differences mean anything."""
-    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+    return time.clock_gettime(time.CLOCK_BOOTTIME)

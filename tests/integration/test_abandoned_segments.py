@@ -8,6 +8,7 @@ another node)."""
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import sys
@@ -187,20 +188,15 @@ with LocalCluster(0, host_bytes=40 * MiB, heartbeat_ttl_s=2.0) as cluster:
 
 def test_an_agent_restarts_after_a_crash_in_a_dev_shm_with_room_for_one_arena() -> None:
     """The new arena was made before the dead incarnation's was swept (at registration), and a
-    full /dev/shm failed the start: with
-    /dev/shm holding less than two arenas (a container's shm size, a pod's memory emptyDir kept
-    across restarts) the restart failed with NoCapacity, and every later one, since only a started
-    agent sweeps. Run in a mount namespace of its own with a 64 MiB /dev/shm and 40 MiB arenas."""
-    probe = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"cannot make a private /dev/shm here (unshare -m and mount need root): {probe.stderr.strip()}")
+    full /dev/shm failed the start: with /dev/shm holding less than two arenas (a container's shm
+    size, a pod's memory emptyDir kept across restarts) the restart failed with NoCapacity, and
+    every later one, since only a started agent sweeps. Run in a mount namespace of its own with a
+    64 MiB /dev/shm and 40 MiB arenas (as root; else in a user namespace of its own, which may
+    mount a tmpfs where the kernel allows unprivileged user namespaces)."""
+    unshare = ["unshare", "-m", "--propagation", "private"] if os.geteuid() == 0 else ["unshare", "-Urm"]
     script = "mount -t tmpfs -o size=64m tmpfs /dev/shm && exec " + f'{sys.executable} -c "$0"'
     child = subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, RESTART_IN_SMALL_SHM],
+        [*unshare, "sh", "-c", script, RESTART_IN_SMALL_SHM],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
