@@ -38,7 +38,6 @@ class PromotionQueue:
         #: Disk alloc id -> its bytes, in the order the reads were served; the first is the one
         #: being promoted while the worker runs.
         self._queued: dict[int, bytearray] = {}
-        self._bytes = 0
         self._closed = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None  # started by the first promotion
@@ -48,18 +47,17 @@ class PromotionQueue:
         with self._cond:
             if self._closed or disk_id in self._queued:
                 return False
-            if self._queued and self._bytes + len(data) > self._max_bytes:
-                log.debug("promotion of allocation %d left out: %d bytes already queued", disk_id, self._bytes)
+            queued = sum(map(len, self._queued.values()))
+            if queued and queued + len(data) > self._max_bytes:
+                log.debug("promotion of allocation %d left out: %d bytes already queued", disk_id, queued)
                 return False
             self._queued[disk_id] = data
-            self._bytes += len(data)
             if self._thread is None:
                 thread = threading.Thread(target=self._run, name="mc-promote", daemon=True)
                 try:
                     thread.start()
                 except RuntimeError as exc:  # no thread to be had: this read is not promoted
                     del self._queued[disk_id]
-                    self._bytes -= len(data)
                     log.warning("promotion of allocation %d left out: %s", disk_id, exc)
                     return False
                 self._thread = thread
@@ -83,8 +81,7 @@ class PromotionQueue:
                 log.exception("promotion of allocation %d failed unexpectedly", disk_id)
             finally:
                 with self._cond:
-                    if self._queued.pop(disk_id, None) is not None:
-                        self._bytes -= len(data)
+                    self._queued.pop(disk_id, None)
 
     def close(self) -> None:
         """Drop what is queued and wait (up to ``join_s``) for a promotion under way: the agent
@@ -92,7 +89,6 @@ class PromotionQueue:
         with self._cond:
             self._closed = True
             self._queued.clear()
-            self._bytes = 0
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():

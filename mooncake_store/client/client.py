@@ -438,8 +438,14 @@ class Client:
         items = dict(items) if isinstance(items, Mapping) else items
         for value in items.values() if isinstance(items, dict) else []:
             wait_for_callers_stream(value)
-        options = {"chain_pos": chain_pos, "chain_parent": chain_parent}
-        return self._submit(self.put_many, items, replicas=replicas, preferred_node=preferred_node, **options)
+        return self._submit(
+            self.put_many,
+            items,
+            replicas=replicas,
+            preferred_node=preferred_node,
+            chain_pos=chain_pos,
+            chain_parent=chain_parent,
+        )
 
 
 def transport_names(transports: object) -> tuple[str, ...]:

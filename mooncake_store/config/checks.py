@@ -120,7 +120,7 @@ def _check_redis_url(value: str | None) -> str | None:
             if not parts.path:
                 return "unix:// needs a socket path, e.g. unix:///run/redis.sock"
         elif not parts.hostname:
-            return _unencoded_in_userinfo(value) or "needs a host, e.g. redis://127.0.0.1:6379/0"
+            return "needs a host, e.g. redis://127.0.0.1:6379/0"
         # redis-py reads port 0 as "no port" and dials 6379: another server than the one named.
         elif parts.port == 0:
             return "port must be 1..65535, e.g. redis://127.0.0.1:6379/0"

@@ -55,16 +55,12 @@ def rank_nodes(
         check_preferred(table, preferred_node, now_ms=now_ms)
         alive = [n for n in alive if n.node_id == preferred_node]
     if not alive:
-        message = no_room_message(nodes, size_bytes=size_bytes, now_ms=now_ms, tier=tier, preferred_node=preferred_node)
-        if preferred_node is not None and preferred_node not in {n.node_id for n in nodes}:
-            registered = any(n.node_id == preferred_node for n in table)
-            message = f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} " + (
-                "cannot take this put from this client (no transport it allows reaches the node, the node "
-                f"has no {tier} tier it can write, or a write there failed in this put)"
-                if registered
-                else "is not a registered agent"
-            )
-        raise NoCapacity(message, permanent=True)
+        raise NoCapacity(
+            no_room_message(
+                nodes, size_bytes=size_bytes, now_ms=now_ms, tier=tier, preferred_node=preferred_node, listed=table
+            ),
+            permanent=True,
+        )
 
     def score(n: NodeInfo) -> tuple[int, int, int, int, float, str]:
         free = free_bytes[n.node_id] if free_bytes and n.node_id in free_bytes else _free(n, tier)
@@ -169,7 +165,9 @@ def no_room_message(
     now_ms: int,
     tier: TierKind = TierKind.HOST,
     preferred_node: str | None = None,
+    listed: Iterable[NodeInfo] | None = None,
 ) -> str:
+    """Why no node of ``nodes`` takes the object (``listed``: the whole table, as in rank_nodes)."""
     nodes = list(nodes)
     alive = live_nodes(nodes, now_ms)
     if not alive and nodes:
@@ -182,7 +180,17 @@ def no_room_message(
     if not alive:
         return f"need {size_bytes} B on {tier}; no live agent is registered (start one: `mooncake up`)"
     if preferred_node is not None and preferred_node not in {n.node_id for n in alive}:
-        return f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} is not a registered agent"
+        node = next((n for n in (nodes if listed is None else listed) if n.node_id == preferred_node), None)
+        if node is None:
+            why = "is not a registered agent"
+        elif node.heartbeat_deadline_ms < now_ms:
+            why = "is past its heartbeat deadline"
+        else:  # listed, live, and left out of ``nodes``
+            why = (
+                "cannot take this put from this client (no transport it allows reaches the node, the node "
+                f"has no {tier} tier it can write, or a write there failed in this put)"
+            )
+        return f"need {size_bytes} B on {tier}; preferred node {preferred_node!r} {why}"
     if preferred_node is not None:
         node = next(n for n in alive if n.node_id == preferred_node)
         return (

@@ -40,10 +40,9 @@ def claim_dir(root: Path) -> int:
     (sweep_abandoned_tiers) remove every tier directory whose lock file they find free, and one
     created first and locked after could be found free in between."""
     lock_path = root / LOCK_NAME
-    moves = 0
     give_up = time.monotonic() + SWEEP_WAIT_S
-    while moves < 5:  # each retry follows another process's move between two calls
-        moves += 1
+    moves = 0  # another process's moves between two calls, each followed by a look again
+    while moves < 5:
         try:
             root.mkdir(parents=True, exist_ok=True, mode=0o700)  # a sweep may have taken it with a free lock
             fd = os.open(lock_path, os.O_RDWR)
@@ -51,31 +50,39 @@ def claim_dir(root: Path) -> int:
             new = _create_locked(root, lock_path)
             if new is not None:
                 return _marked(new, lock_path)
+            moves += 1
             continue
         except OSError as exc:
             raise MooncakeError(f"cannot open the disk tier's lock file in {root}: {exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            swept = _being_swept(fd)
-            os.close(fd)
-            if swept and time.monotonic() < give_up:
-                moves -= 1  # not a move: the sweep removes the directory, then this looks again
-                time.sleep(0.05)
-                continue
-            if swept:
-                raise MooncakeError(
-                    f"another agent's start sweep has held the disk tier directory {root} for {SWEEP_WAIT_S:.0f} s "
-                    "(removing a crashed tier's files); start again once it is done"
-                ) from None
-            raise MooncakeError(
-                f"the disk tier directory {root} is in use by another agent (or another tier in this "
-                "process): each agent needs a disk directory of its own"
-            ) from None
+            _refuse_unless_swept(fd, root, give_up)  # closes fd
+            time.sleep(0.05)  # the sweep removes the directory, then this looks again
+            continue
         if _still_named(fd, lock_path):
             return _marked(fd, lock_path)
         os.close(fd)  # a sweep removed that free lock file (and perhaps its directory) meanwhile
+        moves += 1
     raise MooncakeError(f"cannot claim the disk tier directory {root}: its lock file kept changing")
+
+
+def _refuse_unless_swept(fd: int, root: Path, give_up: float) -> None:
+    """Close ``fd``, a lock file another process holds, and refuse the directory unless that
+    process is a sweep removing it and ``give_up`` has not come."""
+    swept = _being_swept(fd)
+    os.close(fd)
+    if swept and time.monotonic() < give_up:
+        return
+    if swept:
+        raise MooncakeError(
+            f"another agent's start sweep has held the disk tier directory {root} for {SWEEP_WAIT_S:.0f} s "
+            "(removing a crashed tier's files); start again once it is done"
+        )
+    raise MooncakeError(
+        f"the disk tier directory {root} is in use by another agent (or another tier in this "
+        "process): each agent needs a disk directory of its own"
+    )
 
 
 def sweep_abandoned_tiers(parent: Path, *, keep: Path) -> list[Path]:

@@ -125,10 +125,9 @@ def sweep_abandoned_segments(
     names the node table lists, dead nodes not yet reaped included) is given and does not name
     them: with the default node id (host-pid) every incarnation is a node of its own, and only a
     sweep past its own id frees a crashed predecessor's arena; one still listed may yet be read by
-    same-host clients until its node's deadline, and goes at a later start. An agent calls it
-    before it makes its arena (``keep`` "", no ``listed``: its own node id's only, so that a dead
-    incarnation's arena does not take the room of the new one) and again once registered, with
-    ``listed``. A live agent holds its lock, and is skipped in any case."""
+    same-host clients until its node's deadline, and goes at a later start. An agent calls it once
+    registered, with ``listed``, and before, without (``keep`` "": its own node id's only), when
+    /dev/shm has no room for its arena. A live agent holds its lock, and is skipped in any case."""
     removed = []
     own_prefix = namespace_prefix(namespace)
     for path in SHM_DIR.glob("mooncake.*"):
