@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -101,6 +102,10 @@ class Client:
         #: pool waited forever for workers that do not exist there (see _interrupted).
         self._pid = os.getpid()
         self._closing = threading.Event()  # set with _closed: cuts a put's wait for room short
+        #: Set with _closing: the stop events of threads that wait long on this client's behalf (a
+        #: prefix cache's renewal waits a third of its lease, which may be days). Weak: a dropped
+        #: cache's event goes with it.
+        self._close_events: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._closed_all = threading.Event()  # set when the first close() has done all it does
         #: Puts between their first and last index write: close() waits for them (in_flight.py).
         self._in_flight = InFlight(self._interrupted)
@@ -115,6 +120,8 @@ class Client:
             closing_elsewhere = self._closed
             self._closed = True
             self._closing.set()
+            for event in list(self._close_events):
+                event.set()
             pool = self._pool
         if closing_elsewhere:
             # Another thread's close() is under way: this one returns when that one has, so that

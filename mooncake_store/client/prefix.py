@@ -41,6 +41,7 @@ from mooncake_store.client.prefix_chunks import (
     stored_layout,
     tail_tokens,
 )
+from mooncake_store.client.prefix_claims import Claims
 from mooncake_store.client.prefix_hash import (
     BlockHash,
     block_hash_chain,
@@ -102,17 +103,6 @@ class PrefixHit:
         return f"PrefixHit(num_tokens={self.num_tokens}, num_chunks={self.num_chunks}, released={self._released})"
 
 
-class _Claims:
-    """The chunks one store claimed, renewed while it writes them (a put may outlast the claim's
-    ttl); ``released`` under ``lock``: no renewal after the release (it would claim them again)."""
-
-    def __init__(self, keys: list[str], writer_id: str) -> None:
-        self.keys = keys
-        self.writer_id = writer_id
-        self.lock = threading.Lock()
-        self.released = False
-
-
 class PrefixCache:
     """Prefix-keyed KV chunks on a :class:`~mooncake_store.Client`. Thread-safe.
 
@@ -164,9 +154,10 @@ class PrefixCache:
         self._lock = threading.Lock()
         self._held: weakref.WeakValueDictionary[str, PrefixHit] = weakref.WeakValueDictionary()
         #: Claims of stores under way, by writer id: renewed with the pins of held hits.
-        self._claims: dict[str, _Claims] = {}
+        self._claims: dict[str, Claims] = {}
         self._renewer: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set by close(), and by the client's (its renewal ends with it)
+        client._close_events.add(self._stop)
         self._closed = False
         self._closed_all = threading.Event()
         #: Loads and stores run under it: close() cuts their transfers short, the client staying open.
@@ -258,18 +249,19 @@ class PrefixCache:
         tail = tail_tokens(token_ids, self.chunk_tokens)
         if not keys:
             return 0
-        writer = uuid.uuid4().hex
-        statuses = self.index.claim(keys, writer_id=writer, ttl_ms=self.claim_ttl_ms)
+        claims = Claims(self.index, keys, uuid.uuid4().hex, self.claim_ttl_ms)
+        with self.client._cut_by_close():
+            statuses = claims.claim()
         mine = [i for i, s in enumerate(statuses) if s == "MINE"]
         if not mine:
-            return 0
-        claims = _Claims([keys[i] for i in mine], writer)
+            return 0  # nothing claimed, and so no parent pinned
         self._hold_claims(claims)
         try:
             get = chunks if callable(chunks) else chunks.__getitem__
             values = {i: get(i) for i in mine}
             tail_index = len(keys) - 1 if include_tail and tail else None
-            stored = stored_layout(self.client, keys, statuses, tail_index)
+            with self.client._cut_by_close():
+                stored = stored_layout(self.client, keys, statuses, tail_index)
             check_chunks_alike(values, tail_index=tail_index, stored=stored)
             with self._ops.active():
                 self.client.put_many(
@@ -374,18 +366,16 @@ class PrefixCache:
             self._held[hit.pin_id] = hit
             self._start_renewer()
 
-    def _hold_claims(self, claims: _Claims) -> None:
+    def _hold_claims(self, claims: Claims) -> None:
         with self._lock:
             self._claims[claims.writer_id] = claims
             self._start_renewer()
 
-    def _release_claims(self, claims: _Claims) -> None:
+    def _release_claims(self, claims: Claims) -> None:
         with self._lock:
             self._claims.pop(claims.writer_id, None)
-        with claims.lock:
-            claims.released = True
         try:
-            self.index.release(claims.keys, writer_id=claims.writer_id)
+            claims.release()
         except MooncakeError as exc:
             # The store's own outcome is what its caller must see; the claims run out by their ttl.
             log.info("claims of %d chunk(s) not released (they expire): %s", len(claims.keys), exc)
@@ -409,19 +399,16 @@ class PrefixCache:
     def _renew_loop(self) -> None:
         """Every third of the shorter of the pin lease and the claim ttl: the pins of the hits held
         and the claims of the stores under way, so that neither runs out while its owner is alive
-        (a put longer than the claim's ttl let another writer claim and write the same chunks)."""
+        (a put longer than the claim's ttl let another writer claim and write the same chunks).
+        Ends with the cache's close() or its client's: a closed client renews nothing (the pins and
+        claims run out by their leases), and the thread waited out its interval first, up to a
+        third of the lease, keeping the cache and client alive that long."""
         while not self._stop.wait(min(self.pin_lease_ms, self.claim_ttl_ms) / 3000):
-            if self.client._closing.is_set():
-                # Its client is closed: nothing can be renewed any more (the pins and claims run
-                # out by their leases), and the thread must not outlive the client until close().
-                return
             with self._lock:
                 hits = [h for h in self._held.values() if not h.released]
                 stores = list(self._claims.values())
             for c in stores:
-                self._renew(
-                    c, c.lock, partial(self.index.claim, c.keys, writer_id=c.writer_id, ttl_ms=self.claim_ttl_ms)
-                )
+                self._renew(c, c.lock, c.renew)
             for h in hits:
                 # The keys are read under the hit's lock, in the renewal: load() may have cut them.
                 self._renew(h, h._pin_lock, partial(self._pin_held, h))
@@ -430,7 +417,7 @@ class PrefixCache:
         self.index.pin(hit.keys, pin_id=hit.pin_id, lease_ms=self.pin_lease_ms)
 
     @staticmethod
-    def _renew(owner: _Claims | PrefixHit, lock: threading.Lock, renew: Callable[[], object]) -> None:
+    def _renew(owner: Claims | PrefixHit, lock: threading.Lock, renew: Callable[[], object]) -> None:
         """``renew()`` under the owner's lock, unless it was released since the list was taken (a
         renewal then would pin or claim again what its owner let go)."""
         with lock:

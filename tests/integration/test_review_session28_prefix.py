@@ -1,0 +1,96 @@
+"""Prefix chains under pressure and a cache's life with its client (review, twenty-eighth session)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from mooncake_store import Client, LocalCluster, PrefixCache
+
+pytestmark = pytest.mark.timeout(120)
+
+C = 16  # tokens per chunk
+NS = "session28/f32/L1/kv1/d16/tp0"
+
+
+def chunks_of(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((2, C, 16)).astype(np.float32) for _ in range(n)]
+
+
+def evict_last_copy(client: Client, key: str) -> str:
+    """What a pressure pass does to a leaf chunk (evict.lua, the agent's own call)."""
+    replica = client.object_meta(key).replicas[0]
+    return client.index.evict(key, node_id=replica.node_id, alloc_id=replica.alloc_id)
+
+
+def test_a_store_pins_the_stored_chunk_it_extends_until_its_chunks_are_committed(client: Client) -> None:
+    """A store extending a stored chain (a's 4 chunks, then b = a + 3 more) claimed b's new chunks,
+    and a pressure pass could evict a's last chunk, a leaf until b's chunks hang off it, before
+    they were committed: they were committed under a parent that was gone, unreachable by every
+    match (3 of 7 chunks matched) while store() said 3 were written. Now that chunk is pinned by
+    the store from its claim to its release."""
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    a, b = np.arange(4 * C), np.arange(7 * C)
+    data = chunks_of(7, seed=1)
+    assert cache.store(a, data[:4]) == 4
+    evictions: list[str] = []
+
+    def chunk(i: int) -> np.ndarray:
+        if i == 4:  # the store's first new chunk: its claim was made, its puts are to come
+            evictions.append(evict_last_copy(client, cache.keys(a)[3]))
+        return data[i]
+
+    assert cache.store(b, chunk) == 3
+    assert evictions == ["PINNED"]
+    assert cache.match(b) == 7 * C
+    with cache.load(b) as hit:
+        for got, want in zip(hit.chunks, data, strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert cache.refcounts(b) == [0] * 7  # the store's pin went with its claims
+    cache.close()
+
+
+def test_a_parent_evicted_between_the_claim_and_its_pin_is_written_too(client: Client) -> None:
+    """The pin follows the claim in a second round trip: a parent evicted in between is found gone
+    (the pin says so), and a second claim gives it to this store to write, with the rest."""
+    cache = PrefixCache(client, NS + "/gap", chunk_tokens=C)
+    a, b = np.arange(3 * C) + 500, np.arange(5 * C) + 500
+    data = chunks_of(5, seed=2)
+    assert cache.store(a, data[:3]) == 3
+    claim = cache.index.claim
+    evictions: list[str] = []
+
+    def claim_then_evict(*args: object, **kwargs: object) -> list[str]:
+        statuses = claim(*args, **kwargs)  # type: ignore[arg-type]
+        if not evictions:
+            evictions.append(evict_last_copy(client, cache.keys(a)[2]))
+        return statuses
+
+    cache.index.claim = claim_then_evict  # type: ignore[method-assign]
+    assert cache.store(b, data) == 3  # chunks 3 and 4, and the parent evicted meanwhile
+    assert evictions == ["OK"]
+    assert cache.match(b) == 5 * C
+    assert cache.refcounts(b) == [0] * 5
+    cache.close()
+
+
+def test_the_renewal_thread_ends_at_its_clients_close_whatever_the_lease(
+    cluster: LocalCluster, make_client: Callable[..., Client]
+) -> None:
+    """The renewal thread looked at its client only when it woke, every third of the lease: with
+    a 600 s lease it outlived client.close() by up to 200 s, holding the cache and client."""
+    client = make_client(cluster)
+    cache = PrefixCache(client, NS + "/long", chunk_tokens=C, pin_lease_s=600, claim_ttl_s=600)
+    tokens = np.arange(2 * C) + 900
+    cache.store(tokens, chunks_of(2, seed=3))
+    hit = cache.load(tokens)
+    renewer = cache._renewer
+    assert renewer is not None and renewer.is_alive()
+    client.close()
+    renewer.join(timeout=5)
+    assert not renewer.is_alive(), "the renewal thread outlived its client"
+    assert hit.num_chunks == 2
+    cache.close()
