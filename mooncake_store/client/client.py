@@ -253,13 +253,13 @@ class Client:
         the key of the chunk before it. Under memory pressure the cluster then evicts only chunks
         that no stored chunk hangs off, later and colder ones first, so chains stay prefix-closed.
         """
-        self._check_open()
-        replicas = check_put_options(replicas, preferred_node)
-        plans = self._puts.plan(
-            items, chain_pos=chain_pos, chain_parent=chain_parent, preferred_node=preferred_node, replicas=replicas
-        )
-        if plans:
-            self._puts.run(plans, replicas=replicas, preferred_node=preferred_node)
+        with self._cut_by_close():  # the waits for room read the node table between attempts too
+            replicas = check_put_options(replicas, preferred_node)
+            plans = self._puts.plan(
+                items, chain_pos=chain_pos, chain_parent=chain_parent, preferred_node=preferred_node, replicas=replicas
+            )
+            if plans:
+                self._puts.run(plans, replicas=replicas, preferred_node=preferred_node)
 
     def _gpu_segments(self) -> GpuSegments:
         with self._pool_lock:
@@ -356,7 +356,7 @@ class Client:
         self._check_open()
         try:
             yield
-        except MooncakeError as exc:
+        except Exception as exc:  # redis-py's own errors too, should a close race reach them
             self._raise_if_interrupted(exc)
             raise
 

@@ -301,7 +301,8 @@ class PrefixCache:
         self._check_open()
         keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
         pin_id = uuid.uuid4().hex
-        found = self.index.match(keys, pin_id=pin_id, lease_ms=self.pin_lease_ms).num_chunks
+        with self.client._cut_by_close():
+            found = self.index.match(keys, pin_id=pin_id, lease_ms=self.pin_lease_ms).num_chunks
         matched = keys[:found]
         hit = PrefixHit(self, matched, [], pin_id, self.chunk_tokens)
         if not matched:

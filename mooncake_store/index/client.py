@@ -3,9 +3,11 @@ agent's pressure pass in index/pressure.py, those of the node table in index/nod
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import os
+import socket
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -115,6 +117,23 @@ class _ClosedPool(redis.ConnectionPool):
         raise redis.ConnectionError(f"the index client for {self._closed_url} is closed")
 
 
+def _close_pool(pool: redis.ConnectionPool) -> None:
+    """Close a pool's idle connections, and cut those of calls under way (other threads racing a
+    close) by shutting their sockets down. Disconnecting those too set their sockets to None under
+    the calls using them (redis-py is not made for that): the calls failed with a TypeError or an
+    AttributeError from inside redis-py instead of a connection error. A shut-down socket ends
+    the call's read or write with one; the socket itself is closed once the call is done with it
+    and nothing holds the old pool any more."""
+    with pool._lock:  # redis-py's own lock over its two lists
+        in_use = list(pool._in_use_connections)
+    pool.disconnect(inuse_connections=False)
+    for conn in in_use:
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
 class RedisIndex(NodeTableCalls, PressureCalls):
     """The index of one namespace. Thread-safe (redis-py pools its connections)."""
 
@@ -160,7 +179,7 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         pool, self.redis.connection_pool = self.redis.connection_pool, _ClosedPool(self.where)
         for conn in conns:
             conn.disconnect()
-        pool.disconnect()  # every connection of the old pool, those of calls under way included
+        _close_pool(pool)
 
     def preload(self, names: Sequence[str]) -> None:
         """Load the named scripts into the server now, those it lacks, in one round trip to ask
