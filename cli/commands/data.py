@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
 import sys
@@ -50,8 +49,11 @@ def _progress(total: int, what: str) -> Progress:
 
 @contextmanager
 def _source(path: str) -> Iterator[memoryview | BinaryIO]:
-    """The bytes to put: a file is mapped (no copy before the transfer); stdin, a pipe or a FIFO is
-    a stream, read once the cluster says how much of it could be stored (_read_up_to)."""
+    """The bytes to put: a regular file is read whole, at its size; stdin, a pipe, a FIFO or a file
+    that says it is empty (those of /proc do, and hold bytes) is a stream, read once the cluster
+    says how much of it could be stored (_read_up_to). A file is read, not mapped: a mapped file
+    truncated by another process during the put killed the command with SIGBUS, and its
+    reservation then blocked other puts until it timed out."""
     if path == "-":
         yield sys.stdin.buffer
         return
@@ -66,24 +68,30 @@ def _source(path: str) -> Iterator[memoryview | BinaryIO]:
         raise CliError(f"{path}: permission denied", ExitCode.USAGE) from None
     with fh:
         st = os.fstat(fh.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            # A pipe, a FIFO, a file of /proc: its size says nothing (0), so it is read to its end.
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            # /proc's files are regular files of size 0 and were stored as 0 B: read to the end.
             yield fh
             return
-        size = st.st_size
-        if size == 0:
-            yield memoryview(b"")
-            return
-        mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
-        view = memoryview(mm)
-        try:
-            yield view
-        finally:
-            # After a failed put the exception's frames still hold views of the mapping, and closing
-            # it then raises BufferError; the garbage collector unmaps it once they are gone.
-            with suppress(BufferError):
-                view.release()
-                mm.close()
+        yield _read_file(fh, st.st_size, name=path)
+
+
+def _read_file(fh: BinaryIO, size: int, *, name: str) -> memoryview:
+    """The bytes of a regular file of ``size`` bytes (at most that many: sysfs's files say 4096 and
+    hold fewer); CliError when it cannot be read or was cut short while it was read."""
+    data = memoryview(bytearray(size))
+    got = 0
+    try:
+        while got < size and (n := fh.readinto(data[got:])):
+            got += n
+        now = os.fstat(fh.fileno()).st_size
+    except OSError as exc:  # a file on a device gone, a special file refusing reads: say which
+        raise CliError(f"{name}: cannot read: {exc.strerror or exc}", ExitCode.USAGE) from None
+    if got < size and now < size:
+        raise CliError(
+            f"{name}: was {size} B when opened and {now} B once read (changed meanwhile); nothing was stored",
+            ExitCode.USAGE,
+        )
+    return data[:got]
 
 
 def _read_up_to(stream: BinaryIO, limit: int, *, name: str) -> memoryview:

@@ -327,3 +327,33 @@ def test_rm_of_a_key_named_twice_removes_it_once_and_succeeds(cluster_cli: Moonc
     result = cluster_cli.ok("rm", "twice", "twice")
     assert "removed 1 key(s)" in result.stderr.decode()
     assert_one_line_error(cluster_cli("get", "twice"), 3, "'twice'", "not found")
+
+
+def test_put_of_a_proc_file_stores_its_bytes(cluster_cli: Mooncake) -> None:
+    """A file of /proc is a regular file of size 0: `mooncake put k /proc/version` stored 0 B and
+    said ✓ (only pipes and FIFOs were read to their end)."""
+    cluster_cli.ok("put", "proc-version", "/proc/version")
+    stored = cluster_cli.ok("get", "proc-version").stdout
+    assert stored and stored == Path("/proc/version").read_bytes()
+
+
+def test_a_file_cut_short_while_it_is_read_is_refused_not_stored(tmp_path: Path) -> None:
+    """A file was mapped, and one truncated by another process during the put killed the command
+    with SIGBUS (its reservation then blocked other puts until it timed out). It is read now, and
+    a file that holds less once read than it did when opened is refused, naming both sizes."""
+    from mooncake_cli.commands.data import _read_file
+    from mooncake_cli.exits import CliError
+
+    src = tmp_path / "shrinks.bin"
+    src.write_bytes(os.urandom(1 << 20))
+    with src.open("rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        os.truncate(src, 1000)  # another process, between the open and the read
+        try:
+            _read_file(fh, size, name=str(src))
+        except CliError as exc:
+            assert f"was {1 << 20} B when opened and 1000 B once read" in str(exc)
+        else:
+            raise AssertionError("a file cut short was taken")
+    with src.open("rb") as fh:  # a file whole as opened is read whole
+        assert bytes(_read_file(fh, 1000, name=str(src))) == src.read_bytes()
