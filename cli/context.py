@@ -24,7 +24,7 @@ from rich.console import Console
 
 from mooncake_store import Client, ConnectError, connect
 from mooncake_store.config import Config, explain_config, redact_url
-from mooncake_store.index.connection import connect_redis
+from mooncake_store.index.connection import START_A_CLUSTER, connect_redis
 
 
 def quiet_stdout() -> None:
@@ -53,6 +53,10 @@ class _Console(Console):
 # No emoji codes: ":smile:" inside a key or a message is text, never a picture.
 out = _Console(soft_wrap=True, emoji=False)
 err = _Console(stderr=True, soft_wrap=True, emoji=False)
+#: For live views (`up`, `stat --watch`) on a terminal: a Live display crops the lines of a
+#: soft-wrapping console at the terminal's width, which hid the totals' last counters (evicted,
+#: corrupt, short) in 80 columns; this one wraps them.
+live_out = _Console(soft_wrap=False, emoji=False)
 
 
 def _given_url(value: str | None) -> str | None:
@@ -180,6 +184,14 @@ def open_client(target: Target) -> Client:
         # The recorded cluster's processes run, but its index does not answer (its server died):
         # connect's advice, `mooncake up`, would be refused while it is recorded. Asked again with
         # the advice that applies; should it answer now after all, the first error stands.
-        advice = f"`mooncake down` stops what is left of the cluster recorded in {state_path()}, then `mooncake up`"
-        connect_redis(target.redis_url, timeout_s=5.0, advice=advice).close()
+        connect_redis(target.redis_url, timeout_s=5.0, advice=recorded_cluster_advice(target)).close()
         raise
+
+
+def recorded_cluster_advice(target: Target) -> str:
+    """What to do when the index does not answer: for a cluster recorded here (its server died),
+    `mooncake down` first, since `mooncake up`, connect's own advice, is refused while it is
+    recorded (doctor gave that advice too); connect's otherwise."""
+    if target.state is None:
+        return START_A_CLUSTER
+    return f"`mooncake down` stops what is left of the cluster recorded in {state_path()}, then `mooncake up`"

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 from mooncake_cli import launcher
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, globals_of, out, seconds_between
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, globals_of, live_out, out, seconds_between
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive, ref_of
 from mooncake_cli.render import cluster_view
@@ -272,8 +272,11 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
         state = launcher.launch(plan, owner=owner)
         save_state(state)
         _print_started(state, as_json=as_json)
-        if as_json:
-            _wait_quietly(state, stop_once)  # stdout holds the one JSON document; the tables would follow it there
+        if as_json or not out.is_terminal:
+            # With --json stdout holds the one JSON document, and the tables would follow it there;
+            # into a file or a pipe a live view showed one cropped frame, at the stop, with no
+            # newline before the stop's report.
+            _wait_quietly(state, stop_once)
         else:
             _live_view(state, stop_once)
     except (KeyboardInterrupt, _Stop):
@@ -294,8 +297,8 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
 
 
 def _wait_quietly(state: ClusterState, stop_once: _StopOnce) -> None:
-    """The foreground cluster with --json: nothing more on stdout until it stops; an agent process
-    that exits is reported on stderr, once."""
+    """The foreground cluster with --json, or into a file or a pipe: nothing more on stdout until it
+    stops; an agent process that exits is reported on stderr, once."""
     reported: set[str] = set()
     while True:
         for agent in state.agents:
@@ -310,7 +313,7 @@ def _live_view(state: ClusterState, stop_once: _StopOnce) -> None:
     client = connect(state.redis_url, namespace=state.namespace)
     try:
         prev: tuple[float, ClusterStats] | None = None
-        with Live(console=out, refresh_per_second=2, transient=False, auto_refresh=False) as live:
+        with Live(console=live_out, refresh_per_second=2, transient=False, auto_refresh=False) as live:
             while True:
                 now, stats = time.monotonic(), client.stat()
                 rate = ""

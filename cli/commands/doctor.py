@@ -10,7 +10,16 @@ from enum import StrEnum
 
 import redis
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, Target, out, quiet_stdout, resolve_target
+from mooncake_cli.context import (
+    JsonOpt,
+    NamespaceOpt,
+    RedisUrlOpt,
+    Target,
+    out,
+    quiet_stdout,
+    recorded_cluster_advice,
+    resolve_target,
+)
 from mooncake_cli.exits import CliError, ExitCode
 from rich.markup import escape
 
@@ -49,7 +58,7 @@ class Check:
 def _redis_checks(target: Target) -> tuple[list[Check], bool]:
     checks: list[Check] = []
     try:
-        conn = connect_redis(target.redis_url, timeout_s=3.0)
+        conn = connect_redis(target.redis_url, timeout_s=3.0, advice=recorded_cluster_advice(target))
     except MooncakeError as exc:
         return [Check("redis", Status.FAIL, str(exc))], False
     try:

@@ -7,7 +7,16 @@ import time
 from typing import Annotated
 
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, open_client, out, resolve_target, seconds_between
+from mooncake_cli.context import (
+    JsonOpt,
+    NamespaceOpt,
+    RedisUrlOpt,
+    live_out,
+    open_client,
+    out,
+    resolve_target,
+    seconds_between,
+)
 from mooncake_cli.render import cluster_view, stats_json
 from rich.live import Live
 from rich.text import Text
@@ -54,7 +63,7 @@ def stat(
                 out.print()
                 out.file.flush()
                 time.sleep(interval)
-        with Live(console=out, auto_refresh=False) as live:
+        with Live(console=live_out, auto_refresh=False) as live:
             while True:
                 live.update(cluster_view(client.stat(), header=header), refresh=True)
                 time.sleep(interval)

@@ -120,6 +120,10 @@ def test_a_recorded_cluster_whose_server_died_is_told_to_go_down(
             time.sleep(0.05)
         message = assert_one_line_error(mooncake("ls"), 4, "cannot reach Redis", "`mooncake down` stops what is left")
         assert "mooncake up`" in message and "Start a cluster" not in message
+        # doctor too (it advised `mooncake up`, review of the twenty-eighth session)
+        result = mooncake("doctor")
+        doctor = result.stdout.decode() + result.stderr.decode()
+        assert "`mooncake down` stops what is left" in doctor and "Start a cluster" not in doctor, doctor
     finally:
         down = mooncake("down", "--timeout", "5")
     assert down.returncode == 0, down.stderr
