@@ -291,7 +291,7 @@ class PressureManager:
         # hang off, when eviction is the only way out) is skipped, not the end of the pass.
         for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
             if moved + planned >= need:
-                if not state.evictions:
+                if not (state.evictions or state.chains):
                     break
                 # Enough is on its way out if the queued evictions go: carry them out now, and walk
                 # on past those refused (read, pinned or grown a child since the sample) while the
@@ -309,12 +309,11 @@ class PressureManager:
                 spills.setdefault(move.node_id, []).append(job)
                 state.plan(move.node_id, [job], tier)
                 planned += job.room_bytes
-            elif self._evict_unless_parent(job, state):
+            else:
+                self._queue_eviction(job, state)
                 moved += job.room_bytes
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
         moved -= self._evict_queued(state, tier)
-        if not moved:
-            moved = self._evict_chains(candidates, tier, need, now_ms=now_ms)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
@@ -326,21 +325,18 @@ class PressureManager:
             self._fruitless_until = time.monotonic() + min(FRUITLESS_RETRY_S, agent.config.pressure_interval_s)
         return moved
 
-    def _evict_chains(self, candidates: list[EvictionCandidate], tier: TierKind, need: int, *, now_ms: int) -> int:
-        """A pass that moved nothing else: its victims are chain chunks (the last readable copies)
-        whose later chunks are on other nodes, which may be under their own watermarks and never
-        evict them (a chain spread over nodes). Such chunks go together with their later chunks,
-        those nearest a chain's tail first (evict_chains.lua), as the chain's tail would have gone."""
-        movable = choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms)
-        kept = [c for c in movable if c.children > 0 and not c.other_nodes]
-        if not kept:
-            return 0
+    def _evict_chains(self, victims: list[EvictionCandidate], tier: TierKind, need: int) -> int:
+        """Evict chain chunks, each with every later chunk of its chain, wherever they are, leaves
+        first (evict_chains.lua), until ``need`` bytes of room were made in ``tier`` here; returns
+        the room made. Not one with a later chunk pinned or read, nor one whose later chunks are
+        on another tier of this node that is under pressure: that tier's own pass moves those
+        (demotes them, or evicts them leaves first), and this chunk can then be demoted."""
         disk = self.agent.disk
-        if tier == TierKind.DISK and disk is not None and disk.used_bytes:
-            # The script counts the chunks' plain sizes (the index's); a disk's need is in the
-            # blocks its files take: asked in blocks, it stopped at the first compressible chain.
-            need = -(-need * disk.raw_bytes // disk.used_bytes)
-        return self.moves.evict_chains(kept, tier, need, self._pressed(but=tier))
+        # The script counts the chunks' plain sizes (the index's); a disk's room is in the blocks
+        # its files take: asked in blocks, it stopped at the first compressible chain.
+        scale = disk.raw_bytes / disk.used_bytes if tier == TierKind.DISK and disk and disk.used_bytes else 1.0
+        freed = self.moves.evict_chains(victims, tier, int(need * scale), self._pressed(but=tier))
+        return int(freed / scale)
 
     def _pressed(self, *, but: TierKind) -> list[TierKind]:
         """This node's other tiers past their high watermark or draining: their own passes run
@@ -354,31 +350,40 @@ class PressureManager:
             if t.tier != but and (t.used_bytes > high * t.capacity_bytes or t.tier in draining)
         ]
 
-    def _evict_unless_parent(self, job: SpillJob, state: PassState) -> bool:
-        """Queue a victim for eviction; False when it is the last copy of a chain chunk that
-        stored chunks still hang off (it stays)."""
+    def _queue_eviction(self, job: SpillJob, state: PassState) -> None:
+        """Queue a victim for eviction: alone (_evict_queued), or, when it is the last copy of a
+        chain chunk that stored chunks still hang off, with those (state.chains)."""
         victim = job.victim
         last_replica = not victim.other_nodes
         if last_replica and victim.children - state.children_gone[victim.key] > 0:
-            return False  # evicting it would cut its chain's later chunks off from every match
+            state.chains.append(job)  # alone, it would cut its chain's later chunks off every match
+            return
         state.evictions.append(job)  # evicted at the end of the pass (_evict_queued)
         if last_replica and victim.chain_parent:
             # One child fewer for the parent, if the eviction goes through; if it does not, the
             # parent's own eviction later in the batch finds the child and is refused (PARENT).
             state.children_gone[victim.chain_parent] += 1
-        return True
 
     def _evict_queued(self, state: PassState, tier: TierKind) -> int:
-        """Evict the pass's queued victims in one index round trip; returns the bytes of those that
-        did not go (pinned, read, replaced or still a parent since the sample was taken). A chunk
-        that stayed is its parent's child again: the parent is no leaf for the rest of the pass."""
+        """Evict the pass's queued victims, those alone in one index round trip, then the chain
+        chunks with their later chunks in another; returns the bytes counted for them that did
+        not go (pinned, read, replaced or still a parent since the sample was taken; less what
+        the chains' later chunks freed here). A chunk that stayed is its parent's child again:
+        the parent is no leaf for the rest of the pass."""
         queued, state.evictions = state.evictions, []
-        gone = self.moves.evict_many([job.victim for job in queued], tier)
-        refused = [job for job, ok in zip(queued, gone, strict=True) if not ok]
-        for job in refused:
-            if not job.victim.other_nodes and job.victim.chain_parent:
-                state.children_gone[job.victim.chain_parent] -= 1
-        return sum(job.room_bytes for job in refused)
+        chains, state.chains = state.chains, []
+        short = 0
+        if queued:
+            gone = self.moves.evict_many([job.victim for job in queued], tier)
+            refused = [job for job, ok in zip(queued, gone, strict=True) if not ok]
+            for job in refused:
+                if not job.victim.other_nodes and job.victim.chain_parent:
+                    state.children_gone[job.victim.chain_parent] -= 1
+            short = sum(job.room_bytes for job in refused)
+        if chains:
+            counted = sum(job.room_bytes for job in chains)
+            short += counted - self._evict_chains([job.victim for job in chains], tier, counted)
+        return short
 
     def _carry_out_spills(
         self,
@@ -423,8 +428,8 @@ class PressureManager:
                     state.plan(move.node_id, [job], tier)
                     continue
                 # Out of peers to ask, or none has room: evicted.
-                if self._evict_unless_parent(job, state):
-                    moved += job.room_bytes
+                self._queue_eviction(job, state)
+                moved += job.room_bytes
             if not spills:
                 break
         return moved

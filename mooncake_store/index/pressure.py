@@ -204,12 +204,12 @@ class PressureCalls:
         most_later: int,
         pressed_tiers: Sequence[str] = (),
     ) -> tuple[int, int, list[str]]:
-        """Evict ``node_id``'s replicas (key, alloc id) of chain chunks together with every later chunk
-        of their chain, wherever those are (evict_chains.lua), fewest later chunks first, until
-        ``wanted_bytes`` of the node's ``tier`` went; not those with a later chunk on one of the
-        node's ``pressed_tiers`` (whose own passes move it). Returns the bytes freed there, the
-        objects evicted in all, and a status per victim. One round trip: the caller keeps
-        ``victims`` few (each walks its chain in the script)."""
+        """Cut the chains of ``node_id``'s replicas (key, alloc id) of chain chunks back from their
+        leaves, wherever those are, then the chunks themselves (evict_chains.lua), in the order
+        given, until ``wanted_bytes`` of the node's ``tier`` went; not those with a later chunk on
+        one of the node's ``pressed_tiers`` (whose own passes move it). Returns the bytes freed
+        there, the objects evicted in all, and a status per victim. One round trip: the caller
+        keeps ``victims`` few (each walks its chain in the script)."""
         args = [x for key, alloc_id in victims for x in (key, str(alloc_id))]
         raw = self._run("evict_chains", node_id, tier, wanted_bytes, most_later, ",".join(pressed_tiers), *args)
         return int(raw[0]), int(raw[1]), [str(s) for s in raw[2:]]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from mooncake_store import Client, LocalCluster, PrefixCache
 
@@ -93,4 +95,42 @@ def test_the_renewal_thread_ends_at_its_clients_close_whatever_the_lease(
     renewer.join(timeout=5)
     assert not renewer.is_alive(), "the renewal thread outlived its client"
     assert hit.num_chunks == 2
+    cache.close()
+
+
+def test_cold_chains_are_cut_back_before_a_hot_prompt_or_the_newest_chunks_go(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """One node, ~1000 chunks of 16 KiB, more than a pass samples (256): 100 cold 9-chunk prompts,
+    then a hot one (stored and loaded), then filler chains that take the node past its high
+    watermark. A pass skipped the cold chains' early chunks it sampled (stored chunks hang off
+    them) and evicted the leaves it had instead, warmer ones: the hot prompt lost up to 6 of its
+    9 chunks and the newest filler 13-34 chunks, while cold chains stayed whole. A sampled chunk
+    of a cold chain now stands for its chain, which is cut back from its leaves."""
+    cluster = make_cluster(1, host_bytes=16 << 20)
+    client = make_client(cluster, lease_ms=20, timeout_s=30)
+    cache = PrefixCache(client, NS + "/lru", chunk_tokens=C)
+
+    def chunk(i: int) -> np.ndarray:
+        return np.full((2, C, 128), i, np.float32)  # 16 KiB
+
+    length = 9
+    cold = [np.arange(length * C) + 100_000 * (j + 1) for j in range(100)]
+    for j, tokens in enumerate(cold):
+        cache.store(tokens, [chunk(j)] * length)
+    hot = np.arange(length * C) + 77_000_000
+    cache.store(hot, [chunk(999)] * length)
+    with cache.load(hot) as hit:
+        assert hit.num_chunks == length
+    filler = [np.arange(length * C) + 900_000_000 + 10_000 * j for j in range(20)]
+    for j, tokens in enumerate(filler):
+        cache.store(tokens, [chunk(5000 + j)] * length)
+    assert wait_until(lambda: client.stat().evictions > 0, 10)
+    time.sleep(1.0)  # the drain's last passes
+    assert cache.match(hot) == length * C, "the hot prompt lost chunks"
+    assert [cache.match(t) for t in filler] == [length * C] * len(filler), "the newest chunks went"
+    assert sum(cache.match(t) < length * C for t in cold) > 0  # what went instead
+    with cache.load(hot) as hit:  # the hot prompt's bytes, whole
+        for got in hit.chunks:
+            np.testing.assert_array_equal(got, chunk(999))
     cache.close()

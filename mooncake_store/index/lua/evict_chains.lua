@@ -1,19 +1,22 @@
--- evict_chains: the last resort of a pressure pass whose remaining victims are chain chunks that
--- later chunks of their chain hang off, stored on other nodes (a chain spread over nodes by
--- placement or by spills). evict.lua keeps such a chunk (PARENT), and the node holding the later
--- chunks may be under its own high watermark, never asked to evict them: no node made room, and a
--- put waiting for this one failed with the cluster full of evictable chunks. Here a candidate (this
--- node's last readable copy of a chunk) goes together with every later chunk of its chain, wherever
--- they are, leaves first, so the chain stays prefix-closed as evict.lua keeps it. A candidate goes
--- whole or not at all: not if it or a later chunk is pinned or read (a live lease), nor if more
--- than ARGV[5] chunks hang off it, nor if a later chunk is on another tier of this node that is
--- under pressure (ARGV[6]): that tier's own pass moves those (demotes them, or evicts them leaves
--- first) and this chunk can then be demoted; run before it (the passes go GPU, host, disk), this
--- script evicted whole chains that the next pass of the same wake would have kept on disk. A
--- later chunk on a tier of this node not under pressure goes with the chain: no pass of that tier
--- runs, and a tier just under its high watermark takes no demotion either. Those with the fewest
--- later chunks go first (the input order, coldest first, breaks ties), until ARGV[4] bytes of this
--- node's tier went.
+-- evict_chains: evict chain chunks, cutting their chains back from the leaves. A pressure pass walks
+-- its sample coldest first; a victim that is the last readable copy of a chunk that later chunks
+-- hang off comes here: its chain loses later chunks, leaves first, chunk by chunk, then the victim
+-- itself, until ARGV[4] bytes of this node's tier went, so the chain stays prefix-closed as
+-- evict.lua keeps it. A cold chain's early chunk stands for its later chunks, which no reader has
+-- touched since (a load reads a prompt's chunks from the first). Skipped (evict.lua answers
+-- PARENT), it let a pass with more objects than its sample evict the warmer leaves the sample held,
+-- a hot prompt's among them, while cold chains stayed whole. Cut back only as far as wanted: a
+-- chain's first chunk is its oldest (put before the rest), the coldest of an unread chain, and a
+-- pass needing one chunk would otherwise evict all of it. Candidates go in the order given
+-- (coldest first). The later chunks go wherever they are: the node holding them (a chain spread
+-- over nodes by placement or by spills) may be under its own high watermark, never asked to evict
+-- them. Nothing of a candidate's chain goes if it or a later chunk is pinned or read (a live
+-- lease), if more than ARGV[5] chunks hang off it, or if a later chunk is on another tier of this
+-- node that is under pressure (ARGV[6]): that tier's own pass moves those (demotes them, or evicts
+-- them leaves first) and this chunk can then be demoted; run before it (the passes go GPU, host,
+-- disk), this script evicted whole chains that the next pass of the same wake would have kept on
+-- disk. A later chunk on a tier of this node not under pressure goes with the chain: no pass of
+-- that tier runs, and a tier just under its high watermark takes no demotion either.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node, [3] tier, [4] bytes wanted, [5] most later chunks per candidate,
 --       [6] this node's other tiers under pressure (comma-separated, may be empty), then two per
@@ -21,8 +24,9 @@
 -- Returns: {bytes of node's tier freed, objects evicted in all, then per candidate a status: "OK",
 --   "GONE" (no such replica any more), "PINNED" or "LEASED" (it or a later chunk), "LONG" (more
 --   than ARGV[5] later chunks), "LOCAL" (a later chunk on a tier of ARGV[6] here), "PARENT"
---   (a children set that does not name the stored children), "SKIPPED" (enough went before it), or
---   evict.lua's status for itself}
+--   (a children set that does not name the stored children), "SKIPPED" (enough went before it),
+--   "TRIMMED" (enough went with some of its later chunks: it stays, with the rest), or evict.lua's
+--   status for itself}
 local node, tier = ARGV[2], ARGV[3]
 local wanted, most = tonumber(ARGV[4]), tonumber(ARGV[5])
 local pressed = {}
@@ -85,44 +89,44 @@ local function refusal(key, alloc)
   return nil, later
 end
 
-local order, statuses, depth = {}, {}, {}
+local statuses = {}
 local count = (#ARGV - FIRST + 1) / 2
-for n = 1, count do
-  order[n] = n
-  local why, later = refusal(ARGV[FIRST + 2 * n - 2], ARGV[FIRST + 2 * n - 1])
-  statuses[n] = why or false  -- false: it may go
-  depth[n] = later and #later or 0
-end
-table.sort(order, function(a, b)
-  if depth[a] ~= depth[b] then return depth[a] < depth[b] end
-  return a < b
-end)
-
 local freed, evicted = 0, 0
-for _, n in ipairs(order) do
+
+-- Drop one chunk whose later chunks are gone (every replica, wherever it is), counting what it
+-- frees on node's tier.
+local function drop_later(k)
+  local f = redis.call('HMGET', P .. 'o:' .. k, 'replicas', 'lease_until')
+  if not f[1] then return end
+  local reps = decode_list(f[1])
+  for _, r in ipairs(reps) do
+    if r[1] == node and r[2] == tier then freed = freed + tonumber(r[4]) end
+  end
+  bury(reps, k, math.max(now, tonumber(f[2] or 0)))
+  count_lost(P .. 'o:' .. k, 'evictions', reps, {})
+  drop_object(k)
+  evicted = evicted + 1
+end
+
+for n = 1, count do  -- in the caller's order: coldest first
   local key, alloc = ARGV[FIRST + 2 * n - 2], ARGV[FIRST + 2 * n - 1]
-  if not statuses[n] and freed >= wanted then
+  -- As of now: an earlier candidate may have taken some of its later chunks.
+  local why, later = refusal(key, alloc)
+  if why then
+    statuses[n] = why
+  elseif freed >= wanted then
     statuses[n] = 'SKIPPED'
-  elseif not statuses[n] then
-    -- Again, as of now: an earlier candidate may have taken some of its later chunks.
-    local why, later = refusal(key, alloc)
-    if why then
-      statuses[n] = why
-    else
-      for j = #later, 1, -1 do  -- leaves first: each one's parent loses its last child last
-        local k = later[j]
-        local f = redis.call('HMGET', P .. 'o:' .. k, 'replicas', 'lease_until')
-        if f[1] then
-          local reps = decode_list(f[1])
-          for _, r in ipairs(reps) do
-            if r[1] == node and r[2] == tier then freed = freed + tonumber(r[4]) end
-          end
-          bury(reps, k, math.max(now, tonumber(f[2] or 0)))
-          count_lost(P .. 'o:' .. k, 'evictions', reps, {})
-          drop_object(k)
-          evicted = evicted + 1
-        end
+  else
+    -- Later chunks from the end of the list (parents before children: any tail of it holds every
+    -- chunk that hangs off one in it), so the chain stays prefix-closed wherever this stops.
+    for j = #later, 1, -1 do
+      drop_later(later[j])
+      if freed >= wanted then
+        statuses[n] = 'TRIMMED'  -- the chain cut back from its leaves as far as wanted; the rest stays
+        break
       end
+    end
+    if not statuses[n] then
       local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas')
       local size = 0
       for _, r in ipairs(decode_list(f[1])) do
