@@ -46,7 +46,7 @@ from mooncake_store.errors import (
     ReservationExpired,
     TransferError,
 )
-from mooncake_store.policy.placement import check_kept, choose_replica_nodes, rank_nodes, tier_capacity
+from mooncake_store.policy.placement import check_kept, choose_replica_nodes, rank_nodes, tier_capacity, waited_for_room
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.transport import frames
@@ -179,6 +179,8 @@ class PutPath:
                     # Nodes come back at their next heartbeat: looked for four times a second.
                     delay_s = min(delay_s * 2, 0.25 if settling else 1.0)
                     self.client._node_table(refresh=True)
+                elif isinstance(exc, NoCapacity) and not exc.permanent:
+                    raise NoCapacity(f"{exc}; {waited_for_room(config.timeout_s)}", free_bytes=exc.free_bytes) from None
                 else:
                     raise
             for plan in plans:

@@ -158,6 +158,15 @@ def choose_replica_nodes(
     return chosen
 
 
+def waited_for_room(timeout_s: float) -> str:
+    """Said of a put that waited for room in vain: why room may not come (a node full of prompts
+    that engines held as prefix hits was said only to have little free)."""
+    return (
+        f"no room came within timeout_s ({timeout_s:g} s): objects pinned by a held prefix hit or read "
+        "under a live lease neither move nor are evicted"
+    )
+
+
 def no_room_message(
     nodes: Iterable[NodeInfo],
     *,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from mooncake_store import Client, LocalCluster, PrefixCache
+from mooncake_store import Client, LocalCluster, NoCapacity, PrefixCache
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,4 +133,22 @@ def test_cold_chains_are_cut_back_before_a_hot_prompt_or_the_newest_chunks_go(
     with cache.load(hot) as hit:  # the hot prompt's bytes, whole
         for got in hit.chunks:
             np.testing.assert_array_equal(got, chunk(999))
+    cache.close()
+
+
+def test_a_put_that_waited_in_vain_on_a_node_of_held_prompts_says_why(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A node full of chunks that a held hit pins: a put waited timeout_s and failed saying only
+    how little was free, nothing of the pins that kept the agent from making room."""
+    cluster = make_cluster(1, host_bytes=8 << 20)
+    client = make_client(cluster, timeout_s=1, lease_ms=20)  # read leases out of the way once released
+    cache = PrefixCache(client, NS + "/held", chunk_tokens=C)
+    tokens = np.arange(60 * C)
+    assert cache.store(tokens, [np.zeros((C, 2048), np.float32)] * 60) == 60  # 7.5 of 8 MiB
+    with cache.load(tokens) as hit:
+        assert hit.num_chunks == 60
+        with pytest.raises(NoCapacity, match=r"no room came within timeout_s \(1 s\): objects pinned by a held"):
+            client.put("big", np.zeros(2 << 20, np.uint8))
+    client.put("big", np.zeros(2 << 20, np.uint8))  # released: the chunks may go now
     cache.close()
