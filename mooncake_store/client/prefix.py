@@ -49,6 +49,7 @@ from mooncake_store.client.prefix_hash import (
     check_namespace,
     token_chain,
 )
+from mooncake_store.client.prefix_pins import DroppedHits
 from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.transport.cancel import Cancel
@@ -80,6 +81,7 @@ class PrefixHit:
         #: Serialises release and the renewal of this hit's pins: a renewal that read the hit as
         #: held must not pin it again after its release unpinned it.
         self._pin_lock = threading.Lock()
+        self._on_drop: weakref.finalize | None = None  # unpins it if dropped unreleased (prefix_pins.py)
 
     @property
     def released(self) -> bool:
@@ -149,6 +151,7 @@ class PrefixCache:
         self.pin_lease_ms = max(1, int(pin_lease_s * 1000))
         self.claim_ttl_ms = max(1, int(claim_ttl_s * 1000))
         self.index = PrefixIndex(client.index)
+        self._dropped = DroppedHits(self.index)
         self._io_threads = io_threads
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -204,6 +207,7 @@ class PrefixCache:
         include_tail=True)``). ``max_tokens`` caps the answer at a chunk boundary below it.
         """
         self._check_open()
+        self._dropped.unpin()  # hits dropped unreleased (prefix_pins.py)
         keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
         with self.client._cut_by_close():
             found = self.index.match(keys).num_chunks
@@ -236,6 +240,7 @@ class PrefixCache:
         not written. One round trip decides which chunks to write, one put_many writes them.
         """
         self._check_open()
+        self._dropped.unpin()  # hits dropped unreleased (prefix_pins.py)
         keys = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
         if not callable(chunks) and not is_sequence_or_stack(chunks):
             raise InvalidValue(
@@ -299,6 +304,7 @@ class PrefixCache:
         A chunk that cannot be read after all (its node died in between) ends the hit there.
         """
         self._check_open()
+        self._dropped.unpin()  # hits dropped unreleased (prefix_pins.py)
         keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
         pin_id = uuid.uuid4().hex
         with self.client._cut_by_close():
@@ -363,6 +369,7 @@ class PrefixCache:
             return self.index.refcounts(self.keys(token_ids, block_hashes=block_hashes))
 
     def _hold(self, hit: PrefixHit) -> None:
+        hit._on_drop = self._dropped.watch(hit)
         with self._lock:
             self._held[hit.pin_id] = hit
             self._start_renewer()
@@ -388,6 +395,8 @@ class PrefixCache:
             self._renewer.start()
 
     def _release(self, hit: PrefixHit) -> None:
+        if hit._on_drop is not None:
+            hit._on_drop.detach()
         with self._lock:
             self._held.pop(hit.pin_id, None)
         # Even after close(): a load that raced it pinned its chunks, and the client is still open.
@@ -405,6 +414,7 @@ class PrefixCache:
         claims run out by their leases), and the thread waited out its interval first, up to a
         third of the lease, keeping the cache and client alive that long."""
         while not self._stop.wait(min(self.pin_lease_ms, self.claim_ttl_ms) / 3000):
+            self._dropped.unpin()
             with self._lock:
                 hits = [h for h in self._held.values() if not h.released]
                 stores = list(self._claims.values())
@@ -464,6 +474,7 @@ class PrefixCache:
         self.client._in_flight.drain(self.client.config.timeout_s, cancel=self._ops)
         for hit in hits:
             hit.release()
+        self._dropped.unpin()
         self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=not on_pool_thread(self._pool))

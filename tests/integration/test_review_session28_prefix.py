@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -151,4 +152,29 @@ def test_a_put_that_waited_in_vain_on_a_node_of_held_prompts_says_why(
         with pytest.raises(NoCapacity, match=r"no room came within timeout_s \(1 s\): objects pinned by a held"):
             client.put("big", np.zeros(2 << 20, np.uint8))
     client.put("big", np.zeros(2 << 20, np.uint8))  # released: the chunks may go now
+    cache.close()
+
+
+def test_a_hit_dropped_without_release_is_unpinned_at_the_caches_next_call(client: Client) -> None:
+    """A hit dropped unreleased (no ``with``, no release()) kept its chunks pinned for its whole
+    lease, 30 s: an engine that forgot one release per request kept much of a node pinned, where
+    no pressure pass could move or evict it. The cache now unpins a dropped hit's chunks at its
+    next call (and at each renewal, and at close())."""
+    cache = PrefixCache(client, NS + "/dropped", chunk_tokens=C)
+    tokens = np.arange(3 * C) + 4000
+    cache.store(tokens, chunks_of(3, seed=5))
+    hit = cache.load(tokens)
+    assert cache.refcounts(tokens) == [1, 1, 1]
+    del hit
+    gc.collect()
+    assert cache.match(tokens) == 3 * C  # the next call
+    assert cache.refcounts(tokens) == [0, 0, 0]
+    kept = cache.load(tokens)  # one released as it should be is unpinned once, and no more
+    kept.release()
+    del kept
+    gc.collect()
+    with cache.load(tokens) as held:
+        assert cache.refcounts(tokens) == [1, 1, 1]
+        assert held.num_chunks == 3
+    assert cache.refcounts(tokens) == [0, 0, 0]
     cache.close()
