@@ -29,17 +29,20 @@ def stat(
         bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C (with --json: one JSON line per refresh).")
     ] = False,
     interval: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--interval",
             parser=seconds_between(0.1, 3600),
-            help="Seconds between refreshes with --watch (0.1 to 3600).",
+            help="Seconds between refreshes with --watch (0.1 to 3600; default 1).",
         ),
-    ] = 1.0,
+    ] = None,
     redis_url: RedisUrlOpt = None,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Show the cluster: nodes, zones, endpoints, transports, tier use, objects, heartbeats, totals."""
+    if interval is not None and not watch:  # it was taken and ignored: `stat --interval 5` printed once
+        raise typer.BadParameter("applies to --watch only: add --watch (-w)", param_hint="'--interval'")
+    interval = 1.0 if interval is None else interval
     target = resolve_target(ctx, redis_url, namespace)
     with open_client(target) as client:
         header = Text.assemble(("index ", "dim"), target.shown_url, ("  namespace ", "dim"), target.namespace)

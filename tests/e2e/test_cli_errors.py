@@ -41,6 +41,7 @@ def _closed_port() -> int:
         (["get", "x" * 1100], 2, "1024"),
         (["put"], 2, "Missing argument"),
         (["stat", "--bogus"], 2, "--bogus"),
+        (["stat", "--interval", "5"], 2, "applies to --watch only"),  # was taken and ignored
         (["stat"], 4, "mooncake up"),  # nothing recorded in this test's state dir
         (["get", "k"], 4, "mooncake up"),
         # No cluster to join is "no cluster running" (4), as for every other command; it was 2.
