@@ -111,6 +111,15 @@ class Client:
         self._in_flight = InFlight(self._interrupted)
 
     # ---- life cycle -------------------------------------------------------------------------
+    def _watch_close(self, event: threading.Event) -> None:
+        """Set ``event`` when this client closes, or now if it has (a thread that waits long on
+        its behalf ends with it)."""
+        with self._pool_lock:  # close() copies the set under it: no change while it iterates
+            if not self._closed:
+                self._close_events.add(event)
+                return
+        event.set()
+
     def close(self) -> None:
         """Release connections, mappings and threads. Idempotent; may be called from any thread,
         a done-callback of this client's own futures included. Operations still under way in
@@ -120,9 +129,10 @@ class Client:
             closing_elsewhere = self._closed
             self._closed = True
             self._closing.set()
-            for event in list(self._close_events):
-                event.set()
+            close_events = list(self._close_events)  # added under this lock (watch_close)
             pool = self._pool
+        for event in close_events:
+            event.set()
         if closing_elsewhere:
             # Another thread's close() is under way: this one returns when that one has, so that
             # what close() promises holds for every caller; but not on a worker of this client's

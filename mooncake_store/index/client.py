@@ -116,6 +116,20 @@ class _ClosedPool(redis.ConnectionPool):
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         raise redis.ConnectionError(f"the index client for {self._closed_url} is closed")
 
+    def release(self, connection: Any) -> None:
+        """A connection of the pool this one replaced, handed back by a call that raced the close
+        (redis-py hands it to the client's pool of the moment): closed, not kept."""
+        connection.disconnect()
+
+
+class _ClosingList(list):  # type: ignore[type-arg]
+    """The idle list of a closed pool: a connection handed back to it is closed, not kept (a call
+    that raced the close hands back its connection, whose socket the close shut down, or one it
+    opened again to retry)."""
+
+    def append(self, conn: Any) -> None:
+        conn.disconnect()
+
 
 def _close_pool(pool: redis.ConnectionPool) -> None:
     """Close a pool's idle connections, and cut those of calls under way (other threads racing a
@@ -123,10 +137,16 @@ def _close_pool(pool: redis.ConnectionPool) -> None:
     the calls using them (redis-py is not made for that): the calls failed with a TypeError or an
     AttributeError from inside redis-py instead of a connection error. A shut-down socket ends
     the call's read or write with one; the socket itself is closed once the call is done with it
-    and nothing holds the old pool any more."""
+    and hands it back (_ClosingList: the old pool kept it open, a descriptor each, until a cyclic
+    garbage collection). In a forked child nothing is cut: the
+    sockets are the parent's too (redis-py's own disconnect checks the pid as well)."""
+    if getattr(pool, "pid", os.getpid()) != os.getpid():
+        return
     with pool._lock:  # redis-py's own lock over its two lists
         in_use = list(pool._in_use_connections)
-    pool.disconnect(inuse_connections=False)
+        idle, pool._available_connections = pool._available_connections, _ClosingList()
+    for conn in idle:
+        conn.disconnect()
     for conn in in_use:
         sock = getattr(conn, "_sock", None)
         if sock is not None:
@@ -259,10 +279,13 @@ class RedisIndex(NodeTableCalls, PressureCalls):
 
     def _keep_conn(self, conn: Any) -> None:
         """Keep a script connection for the next call, unless close() ran meanwhile."""
+        self._script_conns.append(conn)
         if self._closed:
-            conn.disconnect()
-        else:
-            self._script_conns.append(conn)
+            # close() sets _closed before it takes the list: one that took it before this append
+            # left the connection in a list nobody closes (a descriptor until the object went).
+            while self._script_conns:
+                with contextlib.suppress(IndexError):
+                    self._script_conns.pop().disconnect()
 
     def _drop_conn(self, conn: Any) -> None:
         if conn is not None:

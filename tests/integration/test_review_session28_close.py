@@ -3,14 +3,19 @@ store's own error, never one from inside redis-py."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 import random
 import threading
 import time
+import uuid
 from collections import Counter
 
 import pytest
 
 from mooncake_store import ConnectError, LocalCluster, MooncakeError, connect
+from mooncake_store.index import RedisIndex
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,3 +65,72 @@ def test_index_calls_racing_its_close_fail_as_connect_errors(shared_cluster: Loc
             pass
     assert seen["ConnectError"] > 0
     assert set(seen) == {"ConnectError"}, seen
+
+
+def _sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+def test_connections_cut_by_a_close_are_closed_when_their_calls_hand_them_back(redis_url: str) -> None:
+    """The sockets a close shut down under calls racing it went back to the old pool open, one
+    descriptor each, until a cyclic garbage collection (22 over 30 closes)."""
+    gc.collect()
+    gc.disable()  # what is left open must not depend on when a collection happens to run
+    try:
+        before = _sockets()
+        for _ in range(20):
+            index = RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+            go = threading.Event()
+
+            def call(index: RedisIndex = index, go: threading.Event = go) -> None:
+                go.wait()
+                for _ in range(5000):
+                    try:
+                        index.server_time_ms()
+                        index.lookup(["absent"], lease_ms=0)
+                    except ConnectError:
+                        return
+
+            threads = [threading.Thread(target=call) for _ in range(8)]
+            for t in threads:
+                t.start()
+            go.set()
+            time.sleep(0.01 + random.random() * 0.04)
+            index.close()
+            for t in threads:
+                t.join(timeout=30)
+            del index, threads
+        assert _sockets() - before <= 2, f"{_sockets() - before} sockets left open by 20 closes"
+    finally:
+        gc.enable()
+
+
+def test_a_forked_childs_close_does_not_cut_its_parents_calls(redis_url: str) -> None:
+    """The child's RedisIndex.close() shut down the sockets of the calls its parent had under way
+    at the fork (the same sockets): a parent's BLPOP failed with a connection error."""
+    index = RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    result: list[object] = []
+
+    def blpop() -> None:
+        try:
+            result.append(index.redis.blpop(["absent-list"], timeout=2))
+        except Exception as exc:  # what the test looks for
+            result.append(exc)
+
+    waiter = threading.Thread(target=blpop)
+    waiter.start()
+    time.sleep(0.3)  # the BLPOP is under way
+    pid = os.fork()
+    if pid == 0:  # the child: close its copy, and leave at once
+        try:
+            index.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    waiter.join(timeout=10)
+    assert result == [None], result  # timed out as a BLPOP does, not cut
+    index.close()
