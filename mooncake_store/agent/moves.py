@@ -310,12 +310,13 @@ class LocalMoves:
     def evict_chains(
         self, victims: list[EvictionCandidate], tier: TierKind, wanted_bytes: int, pressed: list[TierKind]
     ) -> int:
-        """Evict chain chunks that later chunks hang off, each together with those, wherever they
-        are, leaves first (evict_chains.lua), until ``wanted_bytes`` of ``tier`` went here (plain sizes, as the index
-        has them, on the disk tier too); returns the plain bytes that went. Not those with a later
-        chunk on one of this node's ``pressed`` tiers: those tiers' own passes move it. Every object
-        evicted is counted here, those on other nodes and tiers included: this pass evicted them,
-        and their own nodes and passes never hear of it."""
+        """Evict ``victims`` in order (a chain chunk that later chunks hang off goes after them: its
+        chain is cut back from the leaves, wherever they are; evict_chains.lua) until
+        ``wanted_bytes`` of ``tier`` went here (plain sizes, as the index has them, on the disk
+        tier too); returns the plain bytes that went. Not those with a later chunk on one of this
+        node's ``pressed`` tiers: those tiers' own passes move it. Every object evicted is counted
+        here, those on other nodes and tiers included: this pass evicted them, and their own nodes
+        and passes never hear of it."""
         if not victims:
             return 0
         freed, evicted, _ = self.agent.index.evict_chains(

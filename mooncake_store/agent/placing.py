@@ -33,12 +33,9 @@ class PassState:
     #: Victims to evict, in the order the pass chose them, sent in one index round trip once the
     #: pass has chosen enough (evict.lua takes them in order, so a leaf goes before its parent).
     evictions: list[SpillJob] = field(default_factory=list)
-    #: Victims to evict that later chunks of their chain hang off (the last copies): each goes with
-    #: its later chunks, leaves first (evict_chains.lua), after the pass's leaves. A cold chain's
-    #: early chunk stands for its later ones, which no colder reader could have touched since (a
-    #: load reads a prompt's chunks from the first): skipped instead, it let the pass evict the
-    #: warmer leaves its sample held, a hot prompt's among them, while cold chains stayed whole.
-    chains: list[SpillJob] = field(default_factory=list)
+    #: A chain chunk that stored chunks hang off is among the evictions queued: they go through
+    #: evict_chains.lua (PressureManager._evict_queued).
+    chains_queued: bool = False
     #: A demotion failed in this pass (the host tier's room below the GPU was in pieces, or the
     #: disk's writes fail): the next tier down counts as full for the rest of it, so victims spill
     #: before they are evicted.

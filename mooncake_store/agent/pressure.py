@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.failure_log import FailureLog
-from mooncake_store.agent.moves import LocalMoves
+from mooncake_store.agent.moves import CHAIN_VICTIMS, LocalMoves
 from mooncake_store.agent.placing import PassState, Placer
 from mooncake_store.agent.promotions import PromotionQueue
 from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
@@ -287,16 +287,16 @@ class PressureManager:
         # in batches (_evict_queued).
         spills: dict[str, list[SpillJob]] = {}
         moved = planned = 0
-        # Walk the whole cold-first order: a victim that may not leave (a chain chunk that others
-        # hang off, when eviction is the only way out) is skipped, not the end of the pass.
+        # Walk the whole cold-first order: a victim that may not leave (pinned or read since, or a
+        # chain chunk whose chain cannot go) is passed over, not the end of the pass.
         for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
             if moved + planned >= need:
-                if not (state.evictions or state.chains):
+                if not state.evictions:
                     break
                 # Enough is on its way out if the queued evictions go: carry them out now, and walk
                 # on past those refused (read, pinned or grown a child since the sample) while the
                 # rest of the sample can make up for them. One round trip unless some are refused.
-                moved -= self._evict_queued(state, tier)
+                moved -= self._evict_queued(state, tier, need_left=need - planned - moved)
                 if moved + planned >= need:
                     break
             job = job_of(victim)
@@ -313,7 +313,7 @@ class PressureManager:
                 self._queue_eviction(job, state)
                 moved += job.room_bytes
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
-        moved -= self._evict_queued(state, tier)
+        moved -= self._evict_queued(state, tier, need_left=need - moved)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
@@ -326,16 +326,22 @@ class PressureManager:
         return moved
 
     def _evict_chains(self, victims: list[EvictionCandidate], tier: TierKind, need: int) -> int:
-        """Evict chain chunks, each with every later chunk of its chain, wherever they are, leaves
-        first (evict_chains.lua), until ``need`` bytes of room were made in ``tier`` here; returns
-        the room made. Not one with a later chunk pinned or read, nor one whose later chunks are
-        on another tier of this node that is under pressure: that tier's own pass moves those
-        (demotes them, or evicts them leaves first), and this chunk can then be demoted."""
+        """Evict ``victims`` in order, each chain chunk among them with its chain cut back from its
+        leaves first, wherever they are (evict_chains.lua), until ``need`` bytes of room were made
+        in ``tier`` here; returns the room made. Not one with a later chunk pinned or read, nor one
+        whose later chunks are on another tier of this node that is under pressure: that tier's
+        own pass moves those (demotes them, or evicts them leaves first), and this chunk can then
+        be demoted. CHAIN_VICTIMS per round trip, the next ones only while room is still wanted."""
         disk = self.agent.disk
         # The script counts the chunks' plain sizes (the index's); a disk's room is in the blocks
         # its files take: asked in blocks, it stopped at the first compressible chain.
         scale = disk.raw_bytes / disk.used_bytes if tier == TierKind.DISK and disk and disk.used_bytes else 1.0
-        freed = self.moves.evict_chains(victims, tier, int(need * scale), self._pressed(but=tier))
+        wanted, freed = int(need * scale), 0
+        pressed = self._pressed(but=tier)
+        for start in range(0, len(victims), CHAIN_VICTIMS):
+            if freed >= wanted:
+                break
+            freed += self.moves.evict_chains(victims[start : start + CHAIN_VICTIMS], tier, wanted - freed, pressed)
         return int(freed / scale)
 
     def _pressed(self, *, but: TierKind) -> list[TierKind]:
@@ -351,39 +357,49 @@ class PressureManager:
         ]
 
     def _queue_eviction(self, job: SpillJob, state: PassState) -> None:
-        """Queue a victim for eviction: alone (_evict_queued), or, when it is the last copy of a
-        chain chunk that stored chunks still hang off, with those (state.chains)."""
+        """Queue a victim for eviction (_evict_queued), in the walk's cold-first order."""
         victim = job.victim
         last_replica = not victim.other_nodes
         if last_replica and victim.children - state.children_gone[victim.key] > 0:
-            state.chains.append(job)  # alone, it would cut its chain's later chunks off every match
-            return
-        state.evictions.append(job)  # evicted at the end of the pass (_evict_queued)
-        if last_replica and victim.chain_parent:
+            # The last copy of a chain chunk that stored chunks hang off: it stands for its chain,
+            # which is cut back from its leaves (_evict_queued).
+            state.chains_queued = True
+        elif last_replica and victim.chain_parent:
             # One child fewer for the parent, if the eviction goes through; if it does not, the
             # parent's own eviction later in the batch finds the child and is refused (PARENT).
             state.children_gone[victim.chain_parent] += 1
+        state.evictions.append(job)
 
-    def _evict_queued(self, state: PassState, tier: TierKind) -> int:
-        """Evict the pass's queued victims, those alone in one index round trip, then the chain
-        chunks with their later chunks in another; returns the bytes counted for them that did
-        not go (pinned, read, replaced or still a parent since the sample was taken; less what
-        the chains' later chunks freed here). A chunk that stayed is its parent's child again:
-        the parent is no leaf for the rest of the pass."""
+    def _evict_queued(self, state: PassState, tier: TierKind, *, need_left: int) -> int:
+        """Evict the pass's queued victims, in order, in one index round trip (evict.lua); returns
+        the bytes counted for them that did not go (pinned, read, replaced or still a parent since
+        the sample was taken; ``need_left``: what the pass still needed beyond them, <= 0 when
+        they were to make up all of it). A chunk that stayed is its parent's child again: the parent
+        is no leaf for the rest of the pass.
+
+        With a chain chunk among them (the last copy of a chunk stored chunks hang off), they go
+        through evict_chains.lua instead, still in order: each chain chunk stands for its chain,
+        whose later chunks no reader touched since it (a load reads a prompt's chunks from the
+        first; a store counts as an access of the chunks it extends), and the chain is cut back
+        from its leaves, wherever they are, as far as needed. Counted at its own size, a chain
+        chunk makes the walk queue warmer victims than needed: the script stops once the room
+        wanted was made, so those go only when the colder chains did not make it. Skipped instead,
+        such chunks let a pass with more objects than its sample evict the warmer leaves it held,
+        a hot prompt's among them, while cold chains stayed whole."""
         queued, state.evictions = state.evictions, []
-        chains, state.chains = state.chains, []
-        short = 0
-        if queued:
-            gone = self.moves.evict_many([job.victim for job in queued], tier)
-            refused = [job for job, ok in zip(queued, gone, strict=True) if not ok]
-            for job in refused:
-                if not job.victim.other_nodes and job.victim.chain_parent:
-                    state.children_gone[job.victim.chain_parent] -= 1
-            short = sum(job.room_bytes for job in refused)
-        if chains:
-            counted = sum(job.room_bytes for job in chains)
-            short += counted - self._evict_chains([job.victim for job in chains], tier, counted)
-        return short
+        if not queued:
+            return 0
+        counted = sum(job.room_bytes for job in queued)
+        if state.chains_queued:
+            state.chains_queued = False
+            state.children_gone.clear()  # the script judged every one by the index itself
+            return counted - self._evict_chains([job.victim for job in queued], tier, max(0, need_left) + counted)
+        gone = self.moves.evict_many([job.victim for job in queued], tier)
+        refused = [job for job, ok in zip(queued, gone, strict=True) if not ok]
+        for job in refused:
+            if not job.victim.other_nodes and job.victim.chain_parent:
+                state.children_gone[job.victim.chain_parent] -= 1
+        return sum(job.room_bytes for job in refused)
 
     def _carry_out_spills(
         self,

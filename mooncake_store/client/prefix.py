@@ -160,7 +160,7 @@ class PrefixCache:
         self._claims: dict[str, Claims] = {}
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()  # set by close(), and by the client's (its renewal ends with it)
-        client._close_events.add(self._stop)
+        client._watch_close(self._stop)
         self._closed = False
         self._closed_all = threading.Event()
         #: Loads and stores run under it: close() cuts their transfers short, the client staying open.

@@ -14,8 +14,10 @@ still wait for the next store of the prompt.)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
+from mooncake_store.errors import MooncakeError
 from mooncake_store.index.prefix import PrefixIndex
 
 #: Claim rounds when a parent went between the claim and its pin (it is then claimed and written too).
@@ -48,15 +50,23 @@ class Claims:
         claim, so this writer writes it as well."""
         statuses = self.index.claim(self.all_keys, writer_id=self.writer_id, ttl_ms=self.ttl_ms)
         pinned: set[str] = set()
-        for _ in range(GUARD_TRIES):
-            wanted = [k for k in guards_of(self.all_keys, statuses) if k not in pinned]
-            if not wanted:
-                break
-            held = self.index.pin(wanted, pin_id=self.writer_id, lease_ms=self.ttl_ms)
-            pinned.update(k for k, ok in zip(wanted, held, strict=True) if ok)
-            if all(held):
-                break
-            statuses = self.index.claim(self.all_keys, writer_id=self.writer_id, ttl_ms=self.ttl_ms)
+        try:
+            for _ in range(GUARD_TRIES):
+                wanted = [k for k in guards_of(self.all_keys, statuses) if k not in pinned]
+                if not wanted:
+                    break
+                held = self.index.pin(wanted, pin_id=self.writer_id, lease_ms=self.ttl_ms)
+                pinned.update(k for k, ok in zip(wanted, held, strict=True) if ok)
+                if all(held):
+                    break
+                statuses = self.index.claim(self.all_keys, writer_id=self.writer_id, ttl_ms=self.ttl_ms)
+        except BaseException:
+            # A pin or claim that landed before the failure (an index hiccup, a close) would hold
+            # its chunk for the ttl: nobody could remove it or write it meanwhile. Whatever may
+            # have landed goes back, as far as the index answers.
+            with contextlib.suppress(MooncakeError):
+                self.index.release(self.all_keys, writer_id=self.writer_id)
+            raise
         self.keys = [k for k, s in zip(self.all_keys, statuses, strict=True) if s == "MINE"]
         self.guards = sorted(pinned)
         return statuses

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from mooncake_store import Client, LocalCluster, NoCapacity, PrefixCache
+from mooncake_store import Client, ConnectError, LocalCluster, NoCapacity, PrefixCache
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -177,4 +177,63 @@ def test_a_hit_dropped_without_release_is_unpinned_at_the_caches_next_call(clien
         assert cache.refcounts(tokens) == [1, 1, 1]
         assert held.num_chunks == 3
     assert cache.refcounts(tokens) == [0, 0, 0]
+    cache.close()
+
+
+def test_a_store_whose_claim_fails_after_its_pin_landed_leaves_nothing_held(client: Client) -> None:
+    """An index call that failed after the store's pin (or claim) had landed left the parent
+    pinned and the chunks claimed for the claim's ttl: nobody could remove the parent or write
+    the chunks meanwhile."""
+    cache = PrefixCache(client, NS + "/claimfail", chunk_tokens=C)
+    a, b = np.arange(3 * C) + 7000, np.arange(5 * C) + 7000
+    assert cache.store(a, chunks_of(3, seed=6)) == 3
+    pin = cache.index.pin
+
+    def pin_then_fail(*args: object, **kwargs: object) -> list[bool]:
+        pin(*args, **kwargs)  # type: ignore[arg-type]
+        raise ConnectError("the index did not answer (the pin landed)")
+
+    cache.index.pin = pin_then_fail  # type: ignore[method-assign]
+    with pytest.raises(ConnectError):
+        cache.store(b, chunks_of(5, seed=6))
+    cache.index.pin = pin  # type: ignore[method-assign]
+    assert cache.refcounts(b) == [0] * 5
+    other = PrefixCache(client, NS + "/claimfail", chunk_tokens=C)
+    assert other.store(b, chunks_of(5, seed=6)) == 2  # not BUSY: the failed store's claims went
+    assert client.remove(cache.keys(a)[0]) is True  # not pinned
+    other.close()
+    cache.close()
+
+
+def test_a_prompt_extended_by_a_store_alone_keeps_its_prefix_warm(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """Prompt a (4 chunks) stored long ago and never loaded, then b = a + 5 chunks stored (not
+    loaded) after 60 other prompts, then 50 more to take the node past its high watermark. The
+    chain is cut back by the coldness of its earlier chunks: a's, untouched since its store, were
+    the coldest, and b lost 7 of its 9 chunks while older prompts stayed whole. A store now counts
+    as an access of the stored chunks it extends. (Also: chain chunks counted at their own size
+    made a pass queue warmer leaves than it needed, and the newest prompts lost chunks.)"""
+    cluster = make_cluster(1, host_bytes=16 << 20)
+    client = make_client(cluster, lease_ms=20, timeout_s=30)
+    cache = PrefixCache(client, NS + "/extended", chunk_tokens=C)
+
+    def chunk(i: int) -> np.ndarray:
+        return np.full((2, C, 128), i, np.float32)  # 16 KiB
+
+    length = 9
+    a, b = np.arange(4 * C) + 3_000_000_000, np.arange(9 * C) + 3_000_000_000
+    cache.store(a, [chunk(1)] * 4)
+    older = [np.arange(length * C) + 100_000 * (j + 1) for j in range(60)]
+    for j, tokens in enumerate(older):
+        cache.store(tokens, [chunk(10 + j)] * length)
+    assert cache.store(b, [chunk(1)] * 9) == 5
+    newer = [np.arange(length * C) + 900_000_000 + 10_000 * j for j in range(50)]
+    for j, tokens in enumerate(newer):
+        cache.store(tokens, [chunk(500 + j)] * length)
+    assert wait_until(lambda: client.stat().evictions > 0, 10)
+    time.sleep(1.0)  # the drain's last passes
+    assert cache.match(b) == 9 * C, "the extended prompt lost chunks"
+    assert [cache.match(t) // C for t in newer] == [length] * len(newer), "the newest prompts lost chunks"
+    assert sum(cache.match(t) < length * C for t in older) > 0  # what went instead
     cache.close()
