@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, BinaryIO
 
@@ -47,13 +48,19 @@ def _progress(total: int, what: str) -> Progress:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _RegularFile:
+    fh: BinaryIO
+    size: int  # when opened
+
+
 @contextmanager
-def _source(path: str) -> Iterator[memoryview | BinaryIO]:
-    """The bytes to put: a regular file is read whole, at its size; stdin, a pipe, a FIFO or a file
-    that says it is empty (those of /proc do, and hold bytes) is a stream, read once the cluster
-    says how much of it could be stored (_read_up_to). A file is read, not mapped: a mapped file
-    truncated by another process during the put killed the command with SIGBUS, and its
-    reservation then blocked other puts until it timed out."""
+def _source(path: str) -> Iterator[_RegularFile | BinaryIO]:
+    """The bytes to put, read once the cluster says how much of them could be stored: a regular
+    file at its size (_read_file), refused unread when that is too much; stdin, a pipe, a FIFO or
+    a file that says it is empty (those of /proc do, and hold bytes) as a stream (_read_up_to). A
+    file is read, not mapped: a mapped file truncated by another process during the put killed
+    the command with SIGBUS, and its reservation then blocked other puts until it timed out."""
     if path == "-":
         yield sys.stdin.buffer
         return
@@ -72,7 +79,7 @@ def _source(path: str) -> Iterator[memoryview | BinaryIO]:
             # /proc's files are regular files of size 0 and were stored as 0 B: read to the end.
             yield fh
             return
-        yield _read_file(fh, st.st_size, name=path)
+        yield _RegularFile(fh, st.st_size)
 
 
 def _read_file(fh: BinaryIO, size: int, *, name: str) -> memoryview:
@@ -102,12 +109,19 @@ def _read_up_to(stream: BinaryIO, limit: int, *, name: str) -> memoryview:
     while len(data) <= limit and (chunk := stream.read(min(IO_CHUNK, limit + 1 - len(data)))):
         data += chunk
     if len(data) > limit:
-        raise NoCapacity(
-            f"{name} holds more than {limit} B ({format_size(limit)}), the largest host tier of the "
-            "cluster's live agents: no node could store it",
-            permanent=True,
-        )
+        raise _too_large(name, limit)
     return memoryview(data)
+
+
+def _too_large(name: str, limit: int, size: int | None = None) -> NoCapacity:
+    largest = f"{limit} B ({format_size(limit)})"
+    if size is None:
+        held = f"more than {largest}, the"
+    else:
+        held = f"{size} B ({format_size(size)}), more than the {largest} of the"
+    return NoCapacity(
+        f"{name} holds {held} largest host tier of the cluster's live agents: no node could store it", permanent=True
+    )
 
 
 def _largest_host_tier(client: Client) -> int:
@@ -130,11 +144,14 @@ def put(
     with _source(file) as source:
         target = resolve_target(ctx, redis_url, namespace)
         with open_client(target) as client:
-            if isinstance(source, memoryview):
-                view = source
+            name = "stdin" if file == "-" else file
+            limit = _largest_host_tier(client)
+            if not isinstance(source, _RegularFile):
+                view = _read_up_to(source, limit, name=name)
+            elif source.size > limit:  # refused unread: it was read whole first, into memory
+                raise _too_large(name, limit, source.size)
             else:
-                name = "stdin" if file == "-" else file
-                view = _read_up_to(source, _largest_host_tier(client), name=name)
+                view = _read_file(source.fh, source.size, name=name)
             size, took = _put(client, key, view, replicas)
     rate = f", {size / took / 1e9:.2f} GB/s" if size >= PROGRESS_MIN_BYTES and took > 0 else ""
     shown = f"{escape(key)} ({format_size(size)}, {replicas} replica(s))"

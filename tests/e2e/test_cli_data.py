@@ -357,3 +357,19 @@ def test_a_file_cut_short_while_it_is_read_is_refused_not_stored(tmp_path: Path)
             raise AssertionError("a file cut short was taken")
     with src.open("rb") as fh:  # a file whole as opened is read whole
         assert bytes(_read_file(fh, 1000, name=str(src))) == src.read_bytes()
+
+
+def test_a_file_larger_than_any_node_could_store_is_refused_unread(
+    cluster_cli: Mooncake, mooncake: Mooncake, tmp_path: Path
+) -> None:
+    """A file was read whole into memory before the cluster was asked anything: a sparse 40 GiB
+    file ran the command out of memory ("error: out of memory", exit 1), even with no cluster to
+    talk to. Its size is now held against the largest host tier first, as a stream's bytes are."""
+    sparse = tmp_path / "sparse.bin"
+    with sparse.open("wb") as fh:
+        fh.truncate(40 << 30)
+    result = cluster_cli("put", "huge", str(sparse))
+    assert_one_line_error(
+        result, 5, f"holds {40 << 30} B (40.0 GiB), more than the 67108864 B (64.0 MiB)", "no node could store it"
+    )
+    assert_one_line_error(mooncake("put", "k", str(sparse)), 4, "no cluster to talk to")
