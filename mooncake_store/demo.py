@@ -115,8 +115,9 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _int_from(low: int) -> Callable[[str], int]:
-    """An argparse type: an int of at least ``low`` (checked before torch loads, exit status 2)."""
+def _int_from(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``low`` (and at most ``high``), checked before torch
+    loads and the cluster starts (exit status 2)."""
 
     def parse(text: str) -> int:
         try:
@@ -125,6 +126,8 @@ def _int_from(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{value} is more than {high}")
         return value
 
     return parse
@@ -135,7 +138,11 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     positive = _int_from(1)
     p.add_argument("--doc-tokens", type=positive, default=6000, help="document length in tokens (default 6000)")
-    p.add_argument("--chunk-tokens", type=positive, default=256, help="tokens per stored chunk (default 256)")
+    # PrefixCache's bound: refused only once the model was built and the cluster up (~13 s) before.
+    from mooncake_store.client.prefix import MAX_CHUNK_TOKENS
+
+    chunk_tokens = _int_from(1, MAX_CHUNK_TOKENS)
+    p.add_argument("--chunk-tokens", type=chunk_tokens, default=256, help="tokens per stored chunk (default 256)")
     p.add_argument("--new-tokens", type=positive, default=8, help="tokens generated per answer (default 8)")
     p.add_argument("--layers", type=positive, default=8, help="decoder layers of the demo model (default 8)")
     p.add_argument("--threads", type=_int_from(0), default=0, help="torch CPU threads (default 0: torch's choice)")

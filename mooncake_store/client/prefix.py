@@ -65,6 +65,8 @@ Outs = Sequence[object] | Callable[[int], Sequence[object]]
 log = logging.getLogger("mooncake.client")
 #: Upper bound of pin_lease_s and claim_ttl_s (about 115 days): a lease, not a forever.
 MAX_SECONDS = 10_000_000
+#: Upper bound of chunk_tokens.
+MAX_CHUNK_TOKENS = 1 << 20
 
 
 class PrefixHit:
@@ -132,7 +134,7 @@ class PrefixCache:
             )
         counts: list[int] = []
         for name, given, top in (
-            ("chunk_tokens", chunk_tokens, 1 << 20),
+            ("chunk_tokens", chunk_tokens, MAX_CHUNK_TOKENS),
             ("replicas", replicas, 16),
             ("io_threads", io_threads, 1024),
         ):

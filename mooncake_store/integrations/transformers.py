@@ -47,6 +47,7 @@ from mooncake_store.client.buffers import as_source
 from mooncake_store.client.prefix import PrefixCache
 from mooncake_store.client.prefix_hash import as_token_array
 from mooncake_store.errors import DtypeMismatch, GpuUnavailable, InvalidValue
+from mooncake_store.types import as_count
 
 __all__ = ["cache_kwargs", "kv_layout", "kv_namespace", "load_prefix", "output_cache", "save_prefix"]
 
@@ -152,9 +153,15 @@ def _token_ids(input_ids: Any) -> Any:
     return ids
 
 
+def _check_cache(what: str, cache: object) -> None:
+    if not isinstance(cache, PrefixCache):  # a Client, say: an AttributeError from deep inside
+        raise InvalidValue(f"{what} needs a PrefixCache (PrefixCache(client, namespace)), got {type(cache).__name__}")
+
+
 def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int:
     """Store every full chunk of ``input_ids`` from the KV cache a forward pass over them returned.
     Chunks already stored are neither copied out nor written. Returns the chunks written."""
+    _check_cache("save_prefix", cache)
     ids = _token_ids(input_ids)
     layers = _layers(past_key_values)
     if not layers:
@@ -212,10 +219,36 @@ def _verified_chunks(cache: PrefixCache, ids: Any, count: int, shape: tuple[int,
 def _load_device(model: Any, device: Any) -> Any:
     """Where the restored cache goes; a CUDA device torch cannot use is refused before any read
     (torch's own AssertionError came after every chunk had been transferred)."""
-    target = torch.device(device if device is not None else (model.device if model is not None else "cpu"))
+    try:
+        target = torch.device(device if device is not None else (model.device if model is not None else "cpu"))
+    except (RuntimeError, TypeError) as exc:  # torch's own words for "banana"
+        raise InvalidValue(f"load_prefix(device={device!r:.40}): not a torch device: {exc}") from None
     if target.type == "cuda" and not torch.cuda.is_available():
         raise GpuUnavailable(f"load_prefix(device={str(target)!r}): this torch build or machine has no CUDA device")
     return target
+
+
+def _load_dtype(model: Any, config: Any, dtype: Any) -> Any:
+    """The dtype of the chunks a load asks for: ``dtype``, else the model's, else the config's."""
+    if dtype is None and model is not None:
+        dtype = model.dtype
+    elif dtype is None:  # transformers 5 names it dtype (and warns on torch_dtype); 4.x torch_dtype
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    given = dtype
+    if isinstance(dtype, str):  # configs may carry "float16"
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidValue(f"load_prefix(dtype=...): not a torch dtype (torch.float16, 'bfloat16', ...): {given!r:.60}")
+    return dtype
+
+
+class _FewerUsable(Exception):
+    """Raised from a load's outs(n): only the first ``usable`` of the n matched chunks have the
+    layout asked for (a private signal: the load releases its pins, and is made again shorter)."""
+
+    def __init__(self, usable: int) -> None:
+        super().__init__(usable)
+        self.usable = usable
 
 
 def load_prefix(
@@ -232,45 +265,54 @@ def load_prefix(
 
     Returns ``(num_tokens, cache)``, or ``(0, None)`` when nothing matches. At most
     ``len(input_ids) - 1`` tokens are restored (or ``max_tokens``), so the model always has a
-    suffix to compute the next token's logits from. The stored chunks' layout is checked first
-    (one index round trip); the chunks are then read straight into one staging tensor (no
-    intermediate copies) and laid out per layer.
+    suffix to compute the next token's logits from. The stored chunks' layout is checked once
+    they are matched and pinned (one index round trip; pinned, none can be replaced before it is
+    read); the chunks are then read straight into one staging tensor (no intermediate copies)
+    and laid out per layer.
     """
     from transformers import DynamicCache
 
+    _check_cache("load_prefix", cache)
     if model is None and config is None:
         raise InvalidValue("load_prefix needs the model (or its config) to know the KV layout")
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
+    wanted = as_count(max_tokens) if max_tokens is not None else None
+    if max_tokens is not None and (wanted is None or wanted < 0):
         raise InvalidValue(f"max_tokens must be an int >= 0, got {max_tokens!r:.40}")
     ids = as_token_array(_token_ids(input_ids))
-    limit = len(ids) - 1 if max_tokens is None else min(max_tokens, len(ids) - 1)
+    limit = len(ids) - 1 if wanted is None else min(wanted, len(ids) - 1)
     if limit < cache.chunk_tokens:
         return 0, None
     layers, kv_heads, head_dim = kv_layout(model if model is not None else config)
-    if dtype is None and model is not None:
-        dtype = model.dtype
-    elif dtype is None:  # transformers 5 names it dtype (and warns on torch_dtype); 4.x torch_dtype
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):  # configs may carry "float16"
-        dtype = getattr(torch, dtype)
+    dtype = _load_dtype(model, config, dtype)
     device = _load_device(model, device)
     size = cache.chunk_tokens
-    usable = _verified_chunks(cache, ids, limit // size, (layers, 2, kv_heads, size, head_dim), dtype)
-    if usable == 0:
-        return 0, None
+    shape = (layers, 2, kv_heads, size, head_dim)
     staging: list[Any] = []
 
     def outs(n: int) -> list[Any]:
-        staging.append(torch.empty((n, layers, 2, kv_heads, size, head_dim), dtype=dtype))
+        # Matched and pinned: a chunk checked now is the one read (checked before the load, one
+        # replaced in between by another layout of as many bytes was restored as this model's KV).
+        usable = _verified_chunks(cache, ids, n, shape, dtype)
+        if usable < n:
+            raise _FewerUsable(usable)
+        staging[:] = [torch.empty((n, *shape), dtype=dtype)]
         return list(staging[0].unbind(0))
 
-    try:
-        with cache.load(ids, outs=outs, include_tail=False, max_tokens=usable * size) as hit:
-            n = hit.num_chunks
-    except DtypeMismatch as exc:  # replaced by another layout since the check: refused before any byte landed
-        raise InvalidValue(
-            f"the stored KV chunks are {exc.stored}, but this load asked for {exc.out} chunks: {_PASS_WHAT_WAS_SAVED}"
-        ) from None
+    chunks = limit // size
+    for _ in range(3):  # a later chunk of another layout ends the prefix there: loaded again, shorter
+        try:
+            with cache.load(ids, outs=outs, include_tail=False, max_tokens=chunks * size) as hit:
+                n = hit.num_chunks
+            break
+        except _FewerUsable as fewer:
+            chunks = fewer.usable
+        except DtypeMismatch as exc:  # a guard: the check above runs on the pinned chunks first
+            raise InvalidValue(
+                f"the stored KV chunks are {exc.stored}, but this load asked for {exc.out} chunks: "
+                f"{_PASS_WHAT_WAS_SAVED}"
+            ) from None
+    else:
+        n = 0  # the chain kept changing under the loads: a miss
     if n == 0:
         return 0, None
     data = staging[0][:n]

@@ -177,3 +177,11 @@ def test_demo_runs_end_to_end(mooncake: Mooncake) -> None:
     assert rows[2].split()[1] == "pid", text  # Q3 restored in another process
     assert "restored 576 tokens" in text  # 9 full chunks of 64 tokens from the 600-token document
     assert "chunks written by Q1: 9, by Q2/Q3: 0" in text  # the document's chunks, stored once
+
+
+def test_demo_refuses_a_chunk_size_past_the_caches_bound_before_it_starts(mooncake: Mooncake) -> None:
+    """Refused only once the model was built and a cluster started, ~13 s in (then cleaned up)."""
+    result = mooncake("demo", "--chunk-tokens", "2000000", timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert b"2000000 is more than 1048576" in result.stderr and b"Traceback" not in result.stderr
+    assert not (mooncake.state_dir / "cluster.json").exists()

@@ -9,11 +9,12 @@ import sys
 import textwrap
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 import transformers
 
-from mooncake_store import Client, GpuUnavailable, InvalidValue, LocalCluster, PrefixCache
+from mooncake_store import Client, GpuUnavailable, InvalidValue, LocalCluster, ObjectPinned, PrefixCache
 from mooncake_store.integrations.transformers import (
     cache_kwargs,
     kv_namespace,
@@ -304,4 +305,60 @@ def test_a_load_onto_cuda_without_cuda_is_refused_before_any_read(client: Client
         save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
     with pytest.raises(GpuUnavailable, match=r"device='cuda'"):
         load_prefix(cache, ids, model, device="cuda")
+    cache.close()
+
+
+def test_the_layout_is_checked_on_the_pinned_chunks_that_are_then_read(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layout was checked before the load pinned the chunks: another writer replacing the
+    chain in between with chunks of another layout and as many bytes had them restored as this
+    model's KV (a review made the swap right after the check). The check now runs on the matched,
+    pinned chunks, which nobody can remove or replace until the read is done."""
+    import mooncake_store.integrations.transformers as integration
+
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    ids = document(2 * CHUNK + 1)
+    with torch.no_grad():
+        save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
+    check = integration._verified_chunks
+    replaced: list[str] = []
+
+    def check_then_replace(*args: object) -> int:
+        usable = check(*args)  # type: ignore[arg-type]
+        for key in cache.keys(ids)[:2]:  # another writer removes the chunks to store its own
+            try:
+                client.remove(key)
+                replaced.append("removed")
+            except ObjectPinned:
+                replaced.append("pinned")
+        return usable
+
+    monkeypatch.setattr(integration, "_verified_chunks", check_then_replace)
+    assert load_prefix(cache, ids, model)[0] == 2 * CHUNK
+    assert replaced == ["pinned", "pinned"]
+    cache.close()
+
+
+def test_bad_arguments_of_load_and_save_are_invalid_values(client: Client) -> None:
+    """A Client for the cache, a dtype torch does not have and a device it cannot parse were an
+    AttributeError or torch's RuntimeError; a numpy count for max_tokens was refused."""
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    ids = document(2 * CHUNK + 1)
+    with torch.no_grad():
+        past = output_cache(model(ids[None], use_cache=True))
+    with pytest.raises(InvalidValue, match=r"save_prefix needs a PrefixCache .*got Client"):
+        save_prefix(client, ids, past)  # type: ignore[arg-type]
+    save_prefix(cache, ids, past)
+    with pytest.raises(InvalidValue, match=r"load_prefix needs a PrefixCache .*got Client"):
+        load_prefix(client, ids, model)  # type: ignore[arg-type]
+    with pytest.raises(InvalidValue, match=r"not a torch dtype .*'nonsense'"):
+        load_prefix(cache, ids, model, dtype="nonsense")
+    with pytest.raises(InvalidValue, match=r"device='banana'.*not a torch device"):
+        load_prefix(cache, ids, model, device="banana")
+    assert load_prefix(cache, ids, model, dtype="torch.float32")[0] == 2 * CHUNK
+    assert load_prefix(cache, ids, model, max_tokens=np.int64(CHUNK))[0] == CHUNK
+    assert cache.refcounts(ids)[:2] == [0, 0]
     cache.close()
