@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -456,3 +458,13 @@ def server_at_maxmemory(client: Client, redis_url: str) -> Iterator[None]:
     finally:
         server.config_set("maxmemory", 0)
         server.close()
+
+
+def interrupt(proc: subprocess.Popen[bytes], *, timeout_s: float = 15.0) -> None:
+    """Stop a CLI process this test started, as Ctrl-C does (SIGINT to its PID), then SIGKILL."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=10)

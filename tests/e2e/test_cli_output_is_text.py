@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 from pathlib import Path
 
-from helpers import mooncake_bin
+from helpers import interrupt, mooncake_bin
 from mooncake_cli.render import cluster_view
 from rich.console import Console
 
@@ -75,12 +74,7 @@ def test_stat_watch_into_a_pipe_prints_each_refresh(cluster_cli: Mooncake) -> No
         first = proc.stdout.readline()
         assert first.strip(), proc.stderr.read() if proc.poll() is not None and proc.stderr else first
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        interrupt(proc, timeout_s=10)
 
 
 def test_bad_input_on_the_command_line_is_a_usage_error(cluster_cli: Mooncake) -> None:

@@ -14,7 +14,7 @@ import termios
 import time
 from pathlib import Path
 
-from helpers import mooncake_bin
+from helpers import interrupt, mooncake_bin
 
 from .conftest import Mooncake
 
@@ -56,12 +56,7 @@ def test_stat_watch_on_an_80_column_terminal_shows_every_counter(cluster_cli: Mo
     try:
         shown = _read_pty(main, 30, until=b"short")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        interrupt(proc)
         os.close(main)
     text = shown.decode(errors="replace")
     assert "agent-0" in text, text[-2000:]

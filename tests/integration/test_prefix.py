@@ -404,11 +404,16 @@ def test_a_match_of_a_chain_longer_than_the_limit_matches_up_to_it(client: Clien
     assert PrefixIndex(client.index).match(keys).num_chunks == 0
 
 
-def test_the_renewal_thread_ends_with_its_client(cluster: LocalCluster, make_client: Callable[..., Client]) -> None:
+@pytest.mark.parametrize("lease_s", [0.6, 600.0])
+def test_the_renewal_thread_ends_with_its_client(
+    cluster: LocalCluster, make_client: Callable[..., Client], lease_s: float
+) -> None:
     """A cache's renewal thread ran on after its client was closed (failing every third of a
-    lease) until the cache itself was closed."""
+    lease) until the cache itself was closed; and then, until the twenty-eighth session, it looked
+    at its client only when it woke, every third of the lease: with a 600 s lease it outlived
+    client.close() by up to 200 s, holding the cache and client."""
     client = make_client(cluster)
-    cache = PrefixCache(client, NS + "/renewer", chunk_tokens=C, pin_lease_s=0.6)
+    cache = PrefixCache(client, NS + "/renewer", chunk_tokens=C, pin_lease_s=lease_s, claim_ttl_s=lease_s)
     tokens = ids(2 * C, start=11_000)
     cache.store(tokens, chunk_arrays(2))
     hit = cache.load(tokens)

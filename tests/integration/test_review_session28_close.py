@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -20,49 +21,52 @@ from mooncake_store.index import RedisIndex
 pytestmark = pytest.mark.timeout(120)
 
 
+def race_close(
+    index: RedisIndex, calls: list[Callable[[RedisIndex], object]], *, threads: int, within_s: float
+) -> Counter[str]:
+    """``threads`` threads call ``calls[i % len(calls)]`` on ``index`` until one fails, and the
+    index is closed within ``within_s``: what ended each thread (ConnectError, or "Type: message")."""
+    seen: Counter[str] = Counter()
+    go = threading.Event()
+
+    def call(i: int) -> None:
+        go.wait()
+        for _ in range(10_000):  # ends at the first error: the close comes first
+            try:
+                calls[i % len(calls)](index)
+            except ConnectError:
+                seen["ConnectError"] += 1
+                return
+            except Exception as exc:  # what the tests look for
+                seen[f"{type(exc).__name__}: {exc}"] += 1
+                return
+
+    workers = [threading.Thread(target=call, args=(i,)) for i in range(threads)]
+    for t in workers:
+        t.start()
+    go.set()
+    time.sleep(0.01 + random.random() * within_s)
+    index.close()
+    for t in workers:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in workers)
+    return seen
+
+
 def test_index_calls_racing_its_close_fail_as_connect_errors(shared_cluster: LocalCluster) -> None:
     """RedisIndex.close() disconnected the connections other threads were using: redis-py found
     their sockets gone mid-call and raised TypeError ("argument must be an int, or have a fileno()
     method") or AttributeError ("'NoneType' object has no attribute 'sendall'"), ~1 call in 300 of
     a stress run. Now their sockets are shut down, and the calls fail as ConnectError."""
     seen: Counter[str] = Counter()
+    calls = [RedisIndex.nodes, RedisIndex.server_time_ms, lambda index: index.lookup(["absent"], lease_ms=0)]
     rounds_left, deadline = 60, time.monotonic() + 40
     while rounds_left and time.monotonic() < deadline:
         rounds_left -= 1
         client = connect(shared_cluster.redis_url, namespace=shared_cluster.namespace)
-        index = client.index
-        go = threading.Event()
-
-        def call(i: int, index=index, go=go) -> None:  # type: ignore[no-untyped-def]
-            go.wait()
-            for _ in range(10_000):  # ends at the first error: close() comes within 0.15 s
-                try:
-                    if i % 3 == 0:
-                        index.nodes()
-                    elif i % 3 == 1:
-                        index.server_time_ms()
-                    else:
-                        index.lookup(["absent"], lease_ms=0)
-                except ConnectError:
-                    seen["ConnectError"] += 1
-                    return
-                except Exception as exc:  # what the test looks for
-                    seen[f"{type(exc).__name__}: {exc}"] += 1
-                    return
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
-        for t in threads:
-            t.start()
-        go.set()
-        time.sleep(0.02 + random.random() * 0.13)
-        index.close()
-        for t in threads:
-            t.join(timeout=30)
-        assert not any(t.is_alive() for t in threads)
-        try:
+        seen += race_close(client.index, calls, threads=12, within_s=0.14)
+        with contextlib.suppress(MooncakeError):
             client.close()
-        except MooncakeError:
-            pass
     assert seen["ConnectError"] > 0
     assert set(seen) == {"ConnectError"}, seen
 
@@ -78,32 +82,13 @@ def _sockets() -> int:
 def test_connections_cut_by_a_close_are_closed_when_their_calls_hand_them_back(redis_url: str) -> None:
     """The sockets a close shut down under calls racing it went back to the old pool open, one
     descriptor each, until a cyclic garbage collection (22 over 30 closes)."""
+    calls = [RedisIndex.server_time_ms, lambda index: index.lookup(["absent"], lease_ms=0)]
     gc.collect()
     gc.disable()  # what is left open must not depend on when a collection happens to run
     try:
         before = _sockets()
         for _ in range(20):
-            index = RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
-            go = threading.Event()
-
-            def call(index: RedisIndex = index, go: threading.Event = go) -> None:
-                go.wait()
-                for _ in range(5000):
-                    try:
-                        index.server_time_ms()
-                        index.lookup(["absent"], lease_ms=0)
-                    except ConnectError:
-                        return
-
-            threads = [threading.Thread(target=call) for _ in range(8)]
-            for t in threads:
-                t.start()
-            go.set()
-            time.sleep(0.01 + random.random() * 0.04)
-            index.close()
-            for t in threads:
-                t.join(timeout=30)
-            del index, threads
+            race_close(RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}"), calls, threads=8, within_s=0.04)
         assert _sockets() - before <= 2, f"{_sockets() - before} sockets left open by 20 closes"
     finally:
         gc.enable()

@@ -23,6 +23,20 @@ def chunks_of(n: int, seed: int) -> list[np.ndarray]:
     return [rng.standard_normal((2, C, 16)).astype(np.float32) for _ in range(n)]
 
 
+def chunk(i: int) -> np.ndarray:
+    """A 16 KiB chunk of ``i``s: a 16 MiB node holds ~1000, more than a pass samples (256)."""
+    return np.full((2, C, 128), i, np.float32)
+
+
+def one_node_of_small_chunks(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], name: str
+) -> tuple[Client, PrefixCache]:
+    """One 16 MiB node; a client whose read leases end at once (the chunks may go once read)."""
+    cluster = make_cluster(1, host_bytes=16 << 20)
+    client = make_client(cluster, lease_ms=20, timeout_s=30)
+    return client, PrefixCache(client, f"{NS}/{name}", chunk_tokens=C)
+
+
 def evict_last_copy(client: Client, key: str) -> str:
     """What a pressure pass does to a leaf chunk (evict.lua, the agent's own call)."""
     replica = client.object_meta(key).replicas[0]
@@ -41,12 +55,12 @@ def test_a_store_pins_the_stored_chunk_it_extends_until_its_chunks_are_committed
     assert cache.store(a, data[:4]) == 4
     evictions: list[str] = []
 
-    def chunk(i: int) -> np.ndarray:
+    def chunk_evicting_the_parent(i: int) -> np.ndarray:
         if i == 4:  # the store's first new chunk: its claim was made, its puts are to come
             evictions.append(evict_last_copy(client, cache.keys(a)[3]))
         return data[i]
 
-    assert cache.store(b, chunk) == 3
+    assert cache.store(b, chunk_evicting_the_parent) == 3
     assert evictions == ["PINNED"]
     assert cache.match(b) == 7 * C
     with cache.load(b) as hit:
@@ -80,25 +94,6 @@ def test_a_parent_evicted_between_the_claim_and_its_pin_is_written_too(client: C
     cache.close()
 
 
-def test_the_renewal_thread_ends_at_its_clients_close_whatever_the_lease(
-    cluster: LocalCluster, make_client: Callable[..., Client]
-) -> None:
-    """The renewal thread looked at its client only when it woke, every third of the lease: with
-    a 600 s lease it outlived client.close() by up to 200 s, holding the cache and client."""
-    client = make_client(cluster)
-    cache = PrefixCache(client, NS + "/long", chunk_tokens=C, pin_lease_s=600, claim_ttl_s=600)
-    tokens = np.arange(2 * C) + 900
-    cache.store(tokens, chunks_of(2, seed=3))
-    hit = cache.load(tokens)
-    renewer = cache._renewer
-    assert renewer is not None and renewer.is_alive()
-    client.close()
-    renewer.join(timeout=5)
-    assert not renewer.is_alive(), "the renewal thread outlived its client"
-    assert hit.num_chunks == 2
-    cache.close()
-
-
 def test_cold_chains_are_cut_back_before_a_hot_prompt_or_the_newest_chunks_go(
     make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
 ) -> None:
@@ -108,13 +103,7 @@ def test_cold_chains_are_cut_back_before_a_hot_prompt_or_the_newest_chunks_go(
     them) and evicted the leaves it had instead, warmer ones: the hot prompt lost up to 6 of its
     9 chunks and the newest filler 13-34 chunks, while cold chains stayed whole. A sampled chunk
     of a cold chain now stands for its chain, which is cut back from its leaves."""
-    cluster = make_cluster(1, host_bytes=16 << 20)
-    client = make_client(cluster, lease_ms=20, timeout_s=30)
-    cache = PrefixCache(client, NS + "/lru", chunk_tokens=C)
-
-    def chunk(i: int) -> np.ndarray:
-        return np.full((2, C, 128), i, np.float32)  # 16 KiB
-
+    client, cache = one_node_of_small_chunks(make_cluster, make_client, "lru")
     length = 9
     cold = [np.arange(length * C) + 100_000 * (j + 1) for j in range(100)]
     for j, tokens in enumerate(cold):
@@ -214,13 +203,7 @@ def test_a_prompt_extended_by_a_store_alone_keeps_its_prefix_warm(
     the coldest, and b lost 7 of its 9 chunks while older prompts stayed whole. A store now counts
     as an access of the stored chunks it extends. (Also: chain chunks counted at their own size
     made a pass queue warmer leaves than it needed, and the newest prompts lost chunks.)"""
-    cluster = make_cluster(1, host_bytes=16 << 20)
-    client = make_client(cluster, lease_ms=20, timeout_s=30)
-    cache = PrefixCache(client, NS + "/extended", chunk_tokens=C)
-
-    def chunk(i: int) -> np.ndarray:
-        return np.full((2, C, 128), i, np.float32)  # 16 KiB
-
+    client, cache = one_node_of_small_chunks(make_cluster, make_client, "extended")
     length = 9
     a, b = np.arange(4 * C) + 3_000_000_000, np.arange(9 * C) + 3_000_000_000
     cache.store(a, [chunk(1)] * 4)

@@ -12,12 +12,6 @@ for i = 3, #ARGV do
   if redis.call('GET', ck) == ARGV[2] then
     n = n + redis.call('DEL', ck)
   end
-  if redis.call('ZREM', P .. 'pins:' .. key, ARGV[2]) == 1 then
-    if redis.call('EXISTS', P .. 'o:' .. key) == 1 then
-      redis.call('HSET', P .. 'o:' .. key, 'refcount', live_pins(key, now))
-    else
-      redis.call('DEL', P .. 'pins:' .. key)
-    end
-  end
+  unpin_key(key, ARGV[2], now)
 end
 return n
