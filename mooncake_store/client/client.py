@@ -22,6 +22,7 @@ from mooncake_store.client.put_plans import check_put_options
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
 from mooncake_store.config import ClientConfig, load_config
+from mooncake_store.config.values import transport_names
 from mooncake_store.errors import (
     ConfigError,
     ConnectError,
@@ -463,24 +464,6 @@ class Client:
             chain_pos=chain_pos,
             chain_parent=chain_parent,
         )
-
-
-def transport_names(transports: object) -> tuple[str, ...]:
-    """The names in ``transports`` (one name, or an iterable of names), checked for type here
-    (the config check names unknown ones)."""
-    if isinstance(transports, str):
-        return (transports,)  # one name is a transport, not a sequence of one-letter ones
-    try:
-        names = tuple(transports)  # type: ignore[call-overload]
-    except TypeError:
-        raise ConfigError(
-            f"transports must be a name or an iterable of names (shm, tcp, rdma), got "
-            f"{type(transports).__name__}: {transports!r:.80}"
-        ) from None
-    bad = [n for n in names if not isinstance(n, str)]
-    if bad:
-        raise ConfigError(f"transports must be names (shm, tcp, rdma), got {type(bad[0]).__name__}: {bad[0]!r:.80}")
-    return names
 
 
 def connect(

@@ -190,3 +190,21 @@ def _hidden_before_at(text: str) -> str:
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 #: A password in a URL's query (redis-py reads ``password`` and ``ssl_password`` there).
 _QUERY_PASSWORD = re.compile(r"(?i)([?&])((?:ssl_)?password)=[^&#]*")
+
+
+def transport_names(transports: object) -> tuple[str, ...]:
+    """The names in ``transports`` (one name, or an iterable of names), checked for type here
+    (the config check names unknown ones)."""
+    if isinstance(transports, str):
+        return (transports,)  # one name is a transport, not a sequence of one-letter ones
+    try:
+        names = tuple(transports)  # type: ignore[call-overload]
+    except TypeError:
+        raise ConfigError(
+            f"transports must be a name or an iterable of names (shm, tcp, rdma), got "
+            f"{type(transports).__name__}: {transports!r:.80}"
+        ) from None
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise ConfigError(f"transports must be names (shm, tcp, rdma), got {type(bad[0]).__name__}: {bad[0]!r:.80}")
+    return names

@@ -7,7 +7,6 @@ import contextlib
 import heapq
 import json
 import os
-import socket
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,7 +17,7 @@ import redis
 
 from mooncake_store.config import ClientConfig, redact_url
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError
-from mooncake_store.index.connection import connect_redis
+from mooncake_store.index.connection import ClosedPool, close_pool, connect_redis
 from mooncake_store.index.node_table import NodeTableCalls
 from mooncake_store.index.pressure import PressureCalls
 from mooncake_store.index.schema import (
@@ -105,55 +104,6 @@ class KeyListing:
     last_access_ms: int
 
 
-class _ClosedPool(redis.ConnectionPool):
-    """The pool of a closed RedisIndex: every command fails at once (redis.ConnectionError, which
-    the index's calls turn into ConnectError) and none opens a connection."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__()
-        self._closed_url = url
-
-    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        raise redis.ConnectionError(f"the index client for {self._closed_url} is closed")
-
-    def release(self, connection: Any) -> None:
-        """A connection of the pool this one replaced, handed back by a call that raced the close
-        (redis-py hands it to the client's pool of the moment): closed, not kept."""
-        connection.disconnect()
-
-
-class _ClosingList(list):  # type: ignore[type-arg]
-    """The idle list of a closed pool: a connection handed back to it is closed, not kept (a call
-    that raced the close hands back its connection, whose socket the close shut down, or one it
-    opened again to retry)."""
-
-    def append(self, conn: Any) -> None:
-        conn.disconnect()
-
-
-def _close_pool(pool: redis.ConnectionPool) -> None:
-    """Close a pool's idle connections, and cut those of calls under way (other threads racing a
-    close) by shutting their sockets down. Disconnecting those too set their sockets to None under
-    the calls using them (redis-py is not made for that): the calls failed with a TypeError or an
-    AttributeError from inside redis-py instead of a connection error. A shut-down socket ends
-    the call's read or write with one; the socket itself is closed once the call is done with it
-    and hands it back (_ClosingList: the old pool kept it open, a descriptor each, until a cyclic
-    garbage collection). In a forked child nothing is cut: the
-    sockets are the parent's too (redis-py's own disconnect checks the pid as well)."""
-    if getattr(pool, "pid", os.getpid()) != os.getpid():
-        return
-    with pool._lock:  # redis-py's own lock over its two lists
-        in_use = list(pool._in_use_connections)
-        idle, pool._available_connections = pool._available_connections, _ClosingList()
-    for conn in idle:
-        conn.disconnect()
-    for conn in in_use:
-        sock = getattr(conn, "_sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-
 class RedisIndex(NodeTableCalls, PressureCalls):
     """The index of one namespace. Thread-safe (redis-py pools its connections)."""
 
@@ -196,10 +146,10 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         pool's connections on demand, so the client gets a pool that refuses them."""
         self._closed = True
         conns, self._script_conns = self._script_conns, []
-        pool, self.redis.connection_pool = self.redis.connection_pool, _ClosedPool(self.where)
+        pool, self.redis.connection_pool = self.redis.connection_pool, ClosedPool(self.where)
         for conn in conns:
             conn.disconnect()
-        _close_pool(pool)
+        close_pool(pool)
 
     def preload(self, names: Sequence[str]) -> None:
         """Load the named scripts into the server now, those it lacks, in one round trip to ask

@@ -1,7 +1,13 @@
 """Opening a redis-py client for the index's URL: checked with a PING, and every failure a
-ConnectError whose message names the server (password redacted) and what to do."""
+ConnectError whose message names the server (password redacted) and what to do; and closing a
+client's pool for good, under calls racing the close (ClosedPool, close_pool)."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Any
 
 import redis
 
@@ -39,3 +45,52 @@ def connect_redis(url: str, *, timeout_s: float = 10.0, advice: str = START_A_CL
     except redis.RedisError as exc:
         raise ConnectError(f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}. {advice}") from None
     return client
+
+
+class ClosedPool(redis.ConnectionPool):
+    """The pool of a closed RedisIndex: every command fails at once (redis.ConnectionError, which
+    the index's calls turn into ConnectError) and none opens a connection."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self._closed_url = url
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError(f"the index client for {self._closed_url} is closed")
+
+    def release(self, connection: Any) -> None:
+        """A connection of the pool this one replaced, handed back by a call that raced the close
+        (redis-py hands it to the client's pool of the moment): closed, not kept."""
+        connection.disconnect()
+
+
+class _ClosingList(list):  # type: ignore[type-arg]
+    """The idle list of a closed pool: a connection handed back to it is closed, not kept (a call
+    that raced the close hands back its connection, whose socket the close shut down, or one it
+    opened again to retry)."""
+
+    def append(self, conn: Any) -> None:
+        conn.disconnect()
+
+
+def close_pool(pool: redis.ConnectionPool) -> None:
+    """Close a pool's idle connections, and cut those of calls under way (other threads racing a
+    close) by shutting their sockets down. Disconnecting those too set their sockets to None under
+    the calls using them (redis-py is not made for that): the calls failed with a TypeError or an
+    AttributeError from inside redis-py instead of a connection error. A shut-down socket ends
+    the call's read or write with one; the socket itself is closed once the call is done with it
+    and hands it back (_ClosingList: the old pool kept it open, a descriptor each, until a cyclic
+    garbage collection). In a forked child nothing is cut: the
+    sockets are the parent's too (redis-py's own disconnect checks the pid as well)."""
+    if getattr(pool, "pid", os.getpid()) != os.getpid():
+        return
+    with pool._lock:  # redis-py's own lock over its two lists
+        in_use = list(pool._in_use_connections)
+        idle, pool._available_connections = pool._available_connections, _ClosingList()
+    for conn in idle:
+        conn.disconnect()
+    for conn in in_use:
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
