@@ -309,17 +309,17 @@ class LocalMoves:
 
     def evict_chains(
         self, victims: list[EvictionCandidate], tier: TierKind, wanted_bytes: int, pressed: list[TierKind]
-    ) -> int:
+    ) -> list[int]:
         """Evict ``victims`` in order (a chain chunk that later chunks hang off goes after them: its
         chain is cut back from the leaves, wherever they are; evict_chains.lua) until
         ``wanted_bytes`` of ``tier`` went here (plain sizes, as the index has them, on the disk
-        tier too); returns the plain bytes that went. Not those with a later chunk on one of this
+        tier too); returns the alloc ids of ``tier`` here that went. Not those with a later chunk on one of this
         node's ``pressed`` tiers: those tiers' own passes move it. Every object evicted is counted
         here, those on other nodes and tiers included: this pass evicted them, and their own nodes
         and passes never hear of it."""
         if not victims:
-            return 0
-        freed, evicted, _ = self.agent.index.evict_chains(
+            return []
+        _, evicted, _, gone = self.agent.index.evict_chains_here(
             [(v.key, v.alloc_id) for v in victims[:CHAIN_VICTIMS]],
             node_id=self.agent.node_id,
             tier=str(tier),
@@ -329,7 +329,7 @@ class LocalMoves:
         )
         if evicted:
             self.count(tier, "evictions", evicted)
-        return freed
+        return gone
 
     def demote_gpu(self, victim: EvictionCandidate, gpu_offset: int) -> bool:
         """Copy a GPU-tier object to a host block (one device-to-host copy) and swap it there;

@@ -416,15 +416,21 @@ class PrefixCache:
         claims run out by their leases), and the thread waited out its interval first, up to a
         third of the lease, keeping the cache and client alive that long."""
         while not self._stop.wait(min(self.pin_lease_ms, self.claim_ttl_ms) / 3000):
-            self._dropped.unpin()
-            with self._lock:
-                hits = [h for h in self._held.values() if not h.released]
-                stores = list(self._claims.values())
-            for c in stores:
-                self._renew(c, c.lock, c.renew)
-            for h in hits:
-                # The keys are read under the hit's lock, in the renewal: load() may have cut them.
-                self._renew(h, h._pin_lock, partial(self._pin_held, h))
+            self._renew_once()
+
+    def _renew_once(self) -> None:
+        """One renewal, in a frame of its own: the loop's locals held the hits of the last tick
+        while it waited for the next, and a hit dropped then was never collected, its pins renewed
+        for good (prefix_pins.py unpins a hit once it is collected)."""
+        self._dropped.unpin()
+        with self._lock:
+            hits = [h for h in self._held.values() if not h.released]
+            stores = list(self._claims.values())
+        for c in stores:
+            self._renew(c, c.lock, c.renew)
+        for h in hits:
+            # The keys are read under the hit's lock, in the renewal: load() may have cut them.
+            self._renew(h, h._pin_lock, partial(self._pin_held, h))
 
     def _pin_held(self, hit: PrefixHit) -> None:
         self.index.pin(hit.keys, pin_id=hit.pin_id, lease_ms=self.pin_lease_ms)

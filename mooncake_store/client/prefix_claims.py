@@ -48,9 +48,10 @@ class Claims:
         """Claim the missing chunks and pin their parents; returns the status of every key
         (prefix_claim.lua). A parent evicted between the two round trips is missing at the next
         claim, so this writer writes it as well."""
-        statuses = self.index.claim(self.all_keys, writer_id=self.writer_id, ttl_ms=self.ttl_ms)
         pinned: set[str] = set()
         try:
+            # One round trip per 4096 chunks: a later one failing left the earlier ones' claims.
+            statuses = self.index.claim(self.all_keys, writer_id=self.writer_id, ttl_ms=self.ttl_ms)
             for _ in range(GUARD_TRIES):
                 wanted = [k for k in guards_of(self.all_keys, statuses) if k not in pinned]
                 if not wanted:

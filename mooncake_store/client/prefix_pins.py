@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from mooncake_store.client.prefix import PrefixHit
 
 
+#: Dropped hits unpinned by one call of the cache at most (one round trip each).
+UNPINS_AT_ONCE = 64
+
+
 class DroppedHits:
     def __init__(self, index: PrefixIndex) -> None:
         self._index = index
@@ -34,16 +38,18 @@ class DroppedHits:
         return on_drop
 
     def unpin(self) -> int:
-        """Unpin the chunks of the hits dropped so far, one round trip per hit; returns how many."""
+        """Unpin the chunks of the hits dropped so far, one round trip per hit, up to UNPINS_AT_ONCE
+        (the rest at the next call); returns how many. The first that fails ends it: the index is
+        out of reach, and a call must not wait out its timeout once per dropped hit."""
         done = 0
-        while self._queue:
+        while self._queue and done < UNPINS_AT_ONCE:
             try:
                 pin_id, keys = self._queue.popleft()
             except IndexError:  # another thread took the last one
                 break
+            done += 1
             try:
                 self._index.unpin(keys, pin_id=pin_id)
             except MooncakeError:
-                pass  # the index is unreachable: the pins run out by their lease
-            done += 1
+                break  # unreachable: this hit's pins run out by their lease, the others wait
         return done

@@ -236,3 +236,49 @@ def test_the_disk_pass_evicts_chains_by_the_blocks_their_files_free(
         assert not settled_audit(client.index)
     finally:
         client.close()
+
+
+def test_a_disk_pass_counts_the_room_its_chain_cuts_made_in_blocks(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A disk pass whose evictions include a chain chunk sends them all through evict_chains.lua,
+    which counts plain sizes; converted by the disk's average ratio, a compressible chain (64 KiB
+    chunks of zeros, one 4 KiB block each) cut back among incompressible objects was counted at
+    ~140 KiB where 12 KiB of blocks went, and the pass ended with a fifth of its need made (review).
+    The room made is now what the files that went take."""
+    agent = make_inproc_agent(disk_path=str(tmp_path), disk_bytes=8 * MiB, host_bytes=4 * MiB, prepare=idle)
+    client = connect(agent.index.url, namespace=agent.namespace, lease_ms=20)
+    size = 64 << 10
+    chain = [f"A/{i}" for i in range(8)]
+    others = [f"Q/{i}" for i in range(16)]
+    rng = np.random.default_rng(0)
+    try:
+        for i, key in enumerate(chain):
+            client.put_many(
+                {key: np.zeros(size, np.uint8)}, chain_pos={key: i}, chain_parent={key: chain[i - 1]} if i else None
+            )
+        for key in others:
+            client.put(key, rng.integers(0, 255, size, dtype=np.uint8))
+        time.sleep(0.05)  # read leases over
+        pressure = agent.pressure
+        now = agent.index.server_time_ms()
+        assert pressure._walk(TierKind.HOST, 64 * size, pressure._host_job, now_ms=now) > 0  # all to disk
+        disk = agent.disk
+        assert disk is not None and disk.objects == len(chain) + len(others)
+        redis, prefix = client.index.redis, client.index.prefix
+        for i, key in enumerate(chain):  # the chain coldest, the others warmer
+            redis.hset(prefix + "o:" + key, "last_access", now - 100_000 + i)
+        for i, key in enumerate(others):
+            redis.hset(prefix + "o:" + key, "last_access", now - 50_000 + i)
+        time.sleep(0.05)
+        used, need = disk.used_bytes, 64 << 10
+        moved = pressure._walk(TierKind.DISK, need, pressure._disk_job, now_ms=agent.index.server_time_ms())
+        agent.reclaim_now(force=True)
+        freed = used - disk.used_bytes
+        assert moved == freed, f"counted {moved} B of room, {freed} B went"
+        assert freed >= need
+        present = [client.exists(k) for k in chain]
+        assert present == sorted(present, reverse=True), present  # cut back from its leaves
+        assert not settled_audit(client.index)
+    finally:
+        client.close()

@@ -220,3 +220,20 @@ def test_a_prompt_extended_by_a_store_alone_keeps_its_prefix_warm(
     assert [cache.match(t) // C for t in newer] == [length] * len(newer), "the newest prompts lost chunks"
     assert sum(cache.match(t) < length * C for t in older) > 0  # what went instead
     cache.close()
+
+
+def test_a_hit_dropped_after_a_renewal_is_unpinned_too(client: Client) -> None:
+    """The renewal loop's locals held the last tick's hits while it waited for the next: a hit
+    dropped after one renewal was never collected, and its pins were renewed until the cache
+    closed (review of the dropped-hit change)."""
+    cache = PrefixCache(client, NS + "/renewed-drop", chunk_tokens=C, pin_lease_s=0.6, claim_ttl_s=0.6)
+    tokens = np.arange(3 * C) + 8000
+    cache.store(tokens, chunks_of(3, seed=7))
+    hit = cache.load(tokens)
+    time.sleep(0.5)  # past a renewal (every 0.2 s)
+    del hit
+    gc.collect()
+    cache.match(tokens)  # the next call
+    assert cache.refcounts(tokens) == [0, 0, 0]
+    assert wait_until(lambda: not cache._held, 2)
+    cache.close()

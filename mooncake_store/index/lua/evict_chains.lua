@@ -26,7 +26,8 @@
 --   than ARGV[5] later chunks), "LOCAL" (a later chunk on a tier of ARGV[6] here), "PARENT"
 --   (a children set that does not name the stored children), "SKIPPED" (enough went before it),
 --   "TRIMMED" (enough went with some of its later chunks: it stays, with the rest), or evict.lua's
---   status for itself}
+--   status for itself; then the alloc ids of node's tier that went (bytes freed counts their plain
+--   sizes, and a disk tier's room is the blocks of their files)}
 local node, tier = ARGV[2], ARGV[3]
 local wanted, most = tonumber(ARGV[4]), tonumber(ARGV[5])
 local pressed = {}
@@ -92,6 +93,7 @@ end
 local statuses = {}
 local count = (#ARGV - FIRST + 1) / 2
 local freed, evicted = 0, 0
+local gone_here = {}  -- alloc ids of node's tier that went: the caller counts their real room
 
 -- Drop one chunk whose later chunks are gone (every replica, wherever it is), counting what it
 -- frees on node's tier.
@@ -100,7 +102,10 @@ local function drop_later(k)
   if not f[1] then return end
   local reps = decode_list(f[1])
   for _, r in ipairs(reps) do
-    if r[1] == node and r[2] == tier then freed = freed + tonumber(r[4]) end
+    if r[1] == node and r[2] == tier then
+      freed = freed + tonumber(r[4])
+      table.insert(gone_here, r[5])
+    end
   end
   bury(reps, k, math.max(now, tonumber(f[2] or 0)))
   count_lost(P .. 'o:' .. k, 'evictions', reps, {})
@@ -136,10 +141,12 @@ for n = 1, count do  -- in the caller's order: coldest first
       if statuses[n] == 'OK' then
         freed = freed + size
         evicted = evicted + 1
+        table.insert(gone_here, alloc)
       end
     end
   end
 end
 local out = {freed, evicted}
 for n = 1, count do out[#out + 1] = statuses[n] end
+for _, a in ipairs(gone_here) do out[#out + 1] = a end
 return out
