@@ -28,7 +28,7 @@ import xxhash
 import zstandard
 
 from mooncake_store.config import format_size
-from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
+from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, NoCapacity
 from mooncake_store.tiers.disk_dir import SUFFIX, claim_dir, clear_chunk_files, remove_tier_dir
 
 HEADER = struct.Struct("<4sBBHQQQ")
@@ -130,7 +130,8 @@ class DiskTier:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
             self.root.chmod(0o700)
         except OSError as exc:
-            raise MooncakeError(f"cannot create the disk tier directory {self.root}: {exc}") from None
+            # The reason alone: the OSError's own text repeated the path ("[Errno 20] Not a ... : '/x'").
+            raise ConfigError(f"cannot create the disk tier directory {self.root}: {exc.strerror or exc}") from None
         try:
             self._check_room(self.root, capacity_bytes)
         except MooncakeError:
