@@ -319,7 +319,7 @@ class LocalMoves:
         and passes never hear of it."""
         if not victims:
             return []
-        _, evicted, _, gone = self.agent.index.evict_chains_here(
+        _, evicted, _, gone = self.agent.index.evict_chains(
             [(v.key, v.alloc_id) for v in victims[:CHAIN_VICTIMS]],
             node_id=self.agent.node_id,
             tier=str(tier),

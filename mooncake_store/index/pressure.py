@@ -203,35 +203,15 @@ class PressureCalls:
         wanted_bytes: int,
         most_later: int,
         pressed_tiers: Sequence[str] = (),
-    ) -> tuple[int, int, list[str]]:
+    ) -> tuple[int, int, list[str], list[int]]:
         """Cut the chains of ``node_id``'s replicas (key, alloc id) of chain chunks back from their
         leaves, wherever those are, then the chunks themselves (evict_chains.lua), in the order
         given, until ``wanted_bytes`` of the node's ``tier`` went; not those with a later chunk on
-        one of the node's ``pressed_tiers`` (whose own passes move it). Returns the bytes freed
-        there, the objects evicted in all, and a status per victim. One round trip: the caller
-        keeps ``victims`` few (each walks its chain in the script)."""
-        freed, evicted, statuses, _ = self.evict_chains_here(
-            victims,
-            node_id=node_id,
-            tier=tier,
-            wanted_bytes=wanted_bytes,
-            most_later=most_later,
-            pressed_tiers=pressed_tiers,
-        )
-        return freed, evicted, statuses
-
-    def evict_chains_here(
-        self,
-        victims: Sequence[tuple[str, int]],
-        *,
-        node_id: str,
-        tier: str,
-        wanted_bytes: int,
-        most_later: int,
-        pressed_tiers: Sequence[str] = (),
-    ) -> tuple[int, int, list[str], list[int]]:
-        """evict_chains, and the alloc ids of the node's tier that went (what they take there is
-        the room made: on a disk tier, the blocks of their files, not their plain sizes)."""
+        one of the node's ``pressed_tiers`` (whose own passes move it). Returns the plain bytes
+        freed there, the objects evicted in all, a status per victim, and the alloc ids of the
+        node's tier that went (what they take there is the room made: on a disk tier, the blocks of
+        their files). One round trip: the caller keeps ``victims`` few (each walks its chain in the
+        script)."""
         args = [x for key, alloc_id in victims for x in (key, str(alloc_id))]
         raw = self._run("evict_chains", node_id, tier, wanted_bytes, most_later, ",".join(pressed_tiers), *args)
         count = len(victims)

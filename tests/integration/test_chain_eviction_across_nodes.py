@@ -94,9 +94,10 @@ def test_evict_chains_takes_a_chunk_with_its_later_chunks_only_when_none_is_pinn
         return key, meta.replicas[0].alloc_id
 
     def evict(keys_: list[str], wanted: int = MiB, most: int = 64) -> tuple[int, int, list[str]]:
-        return index.evict_chains(
+        freed, evicted, statuses, _ = index.evict_chains(
             [candidate(k) for k in keys_], node_id=nodes[0], tier="host", wanted_bytes=wanted, most_later=most
         )
+        return freed, evicted, statuses
 
     # A later chunk pinned (a prefix match holds it): nothing goes.
     redis.zadd(prefix + "pins:p/3", {"test-pin": index.server_time_ms() + 60_000})
@@ -195,8 +196,8 @@ def test_chunks_whose_later_chunks_are_on_the_nodes_own_disk_are_demoted_not_evi
         evict = functools.partial(
             agent.index.evict_chains, node_id=agent.node_id, tier="host", wanted_bytes=1, most_later=64
         )
-        assert evict(candidate, pressed_tiers=["disk"]) == (0, 0, ["LOCAL"])
-        assert evict(candidate, pressed_tiers=[]) == (MiB, 1 + len(later), ["OK"])
+        assert evict(candidate, pressed_tiers=["disk"])[:3] == (0, 0, ["LOCAL"])
+        assert evict(candidate, pressed_tiers=[])[:3] == (MiB, 1 + len(later), ["OK"])
         assert not any(client.exists(k) for k in [head, *later])
         assert not settled_audit(client.index)
     finally:
