@@ -313,14 +313,15 @@ class LocalMoves:
         """Evict ``victims`` in order (a chain chunk that later chunks hang off goes after them: its
         chain is cut back from the leaves, wherever they are; evict_chains.lua) until
         ``wanted_bytes`` of ``tier`` went here (plain sizes, as the index has them, on the disk
-        tier too); returns the alloc ids of ``tier`` here that went. Not those with a later chunk on one of this
-        node's ``pressed`` tiers: those tiers' own passes move it. Every object evicted is counted
-        here, those on other nodes and tiers included: this pass evicted them, and their own nodes
-        and passes never hear of it."""
+        tier too); returns the alloc ids of ``tier`` here that went. At most CHAIN_VICTIMS (each
+        walks its chain in the one script call; the caller sends more in further calls). Not those
+        with a later chunk on one of this node's ``pressed`` tiers: those tiers' own passes move it.
+        Every object evicted is counted here, those on other nodes and tiers included: this pass
+        evicted them, and their own nodes and passes never hear of it."""
         if not victims:
             return []
         _, evicted, _, gone = self.agent.index.evict_chains(
-            [(v.key, v.alloc_id) for v in victims[:CHAIN_VICTIMS]],
+            [(v.key, v.alloc_id) for v in victims],
             node_id=self.agent.node_id,
             tier=str(tier),
             wanted_bytes=wanted_bytes,

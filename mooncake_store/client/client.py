@@ -367,7 +367,7 @@ class Client:
         self._check_open()
         try:
             yield
-        except Exception as exc:  # redis-py's own errors too, should a close race reach them
+        except MooncakeError as exc:
             self._raise_if_interrupted(exc)
             raise
 

@@ -93,7 +93,7 @@ class GetPath:
     ) -> tuple[list[ObjectMeta | None], list[np.ndarray]]:
         try:
             return self._get_batch(keys, dests, missing_ok=missing_ok)
-        except Exception as exc:  # redis-py's own errors too, should a close race reach them
+        except MooncakeError as exc:
             # Cut short by close(): "client is closed", not the transfer error the close caused.
             self.client._raise_if_interrupted(exc)
             raise

@@ -208,8 +208,7 @@ class PrefixCache:
         A partial last chunk counts only if exactly that tail was stored (``store(...,
         include_tail=True)``). ``max_tokens`` caps the answer at a chunk boundary below it.
         """
-        self._check_open()
-        self._dropped.unpin()  # hits dropped unreleased (prefix_pins.py)
+        self._begin_call()
         keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
         with self.client._cut_by_close():
             found = self.index.match(keys).num_chunks
@@ -241,8 +240,7 @@ class PrefixCache:
         write. A chunk that is already stored, or that another writer is storing right now, is
         not written. One round trip decides which chunks to write, one put_many writes them.
         """
-        self._check_open()
-        self._dropped.unpin()  # hits dropped unreleased (prefix_pins.py)
+        self._begin_call()
         keys = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
         if not callable(chunks) and not is_sequence_or_stack(chunks):
             raise InvalidValue(
@@ -305,8 +303,7 @@ class PrefixCache:
         with no intermediate copy; ``hit.chunks`` is then ``outs``' first ``num_chunks`` buffers).
         A chunk that cannot be read after all (its node died in between) ends the hit there.
         """
-        self._check_open()
-        self._dropped.unpin()  # hits dropped unreleased (prefix_pins.py)
+        self._begin_call()
         keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
         pin_id = uuid.uuid4().hex
         with self.client._cut_by_close():
@@ -448,6 +445,12 @@ class PrefixCache:
                 pass  # Redis unreachable: pins and claims run out by their lease or ttl, as a dead client's do
 
     # ---- life cycle -------------------------------------------------------------------------
+    def _begin_call(self) -> None:
+        """A match, store or load begins: refused once closed; hits dropped unreleased are unpinned
+        first (prefix_pins.py; a round trip, so not under ``_lock`` as load_async's check is)."""
+        self._check_open()
+        self._dropped.unpin()
+
     def _check_open(self) -> None:
         if self._closed:
             raise MooncakeError("PrefixCache is closed")
