@@ -468,3 +468,21 @@ def interrupt(proc: subprocess.Popen[bytes], *, timeout_s: float = 15.0) -> None
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate(timeout=10)
+
+
+def stop_process(pid: int, *, timeout_s: float = 10.0) -> None:
+    """SIGSTOP a process this test started, by its PID, and return once every one of its threads
+    has stopped. kill() returns before they have: the stop reaches the threads as each is next
+    scheduled, and on a loaded machine a thread woken meanwhile (a request that just came in) ran
+    on and read the request a test then expected the stalled process to hold."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def all_stopped() -> bool:
+        states: list[str] = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])  # after "(comm)", which may hold spaces
+        return bool(states) and all(state in "tT" for state in states)
+
+    if not wait_until(all_stopped, timeout_s):
+        raise AssertionError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
-from helpers import requests_waiting_at, wait_until
+from helpers import requests_waiting_at, stop_process, wait_until
 
 from mooncake_store import MAX_KEY_BYTES, Client, InvalidKey, InvalidValue, LocalCluster, MooncakeError, connect
 from mooncake_store.client.prefix import PrefixCache
@@ -93,7 +93,7 @@ def stopped_agent(one_agent: LocalCluster) -> Iterator[Callable[[], None]]:
     stopped: list[bool] = []
 
     def stop() -> None:
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)  # every thread stopped: the requests sent from here on wait unread
         stopped.append(True)
 
     yield stop

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
-from helpers import requests_waiting_at, wait_until
+from helpers import requests_waiting_at, stop_process, wait_until
 
 from mooncake_store import Client, LocalCluster, MooncakeError
 
@@ -35,7 +35,7 @@ def test_a_striped_read_from_a_healthy_agent_does_not_wait_for_a_stalled_ones(
     assert np.array_equal(client.get("on-agent-1"), values["agent-1"])  # connections to both made
     assert np.array_equal(client.get("on-agent-0"), values["agent-0"])
     stalled = cluster.agent("agent-0")
-    os.kill(stalled.pid, signal.SIGSTOP)
+    stop_process(stalled.pid)  # every thread stopped: none reads a READ sent from here on
     ended: list[str] = []
     try:
 
