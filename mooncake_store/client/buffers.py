@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_store.errors import DtypeMismatch, InvalidValue
+from mooncake_store.tiers.gpu_arrays import is_torch_tensor
 
 BFLOAT16 = "bfloat16"
 #: numpy kinds we store: bool, signed/unsigned ints, floats, complex. Objects, strings and
@@ -29,10 +30,6 @@ class Source:
     dtype: str
     shape: tuple[int, ...]
     keepalive: Any = None  # the object whose memory view points into
-
-
-def _is_torch(value: object) -> bool:
-    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
 
 
 def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
@@ -81,7 +78,7 @@ def as_source(value: object) -> Source:
     """A read-only byte view of ``value``; raises InvalidValue for anything without a flat layout."""
     if isinstance(value, bytes | bytearray):
         return Source(memoryview(value).cast("B"), "|u1", (len(value),), value)
-    if _is_torch(value):
+    if is_torch_tensor(value):
         array, dtype = _torch_to_numpy(value)
         return Source(_byte_view(array), dtype, tuple(array.shape), array)
     if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
@@ -169,7 +166,7 @@ def as_destination(out: object) -> Destination:
     """A writable, contiguous byte view of ``out``, and its dtype."""
     dtype = RAW_BYTES
     tensor = None
-    if _is_torch(out):
+    if is_torch_tensor(out):
         if out.requires_grad:  # type: ignore[attr-defined]
             raise InvalidValue(
                 f"out is a torch tensor that requires grad (shape {tuple(out.shape)}): get_into writes its "  # type: ignore[attr-defined]

@@ -341,8 +341,14 @@ class Client:
         ]
 
     def get_many_into(self, keys: Sequence[str], outs: Sequence[object]) -> list[int]:
-        """Like get_into for a batch; returns bytes written per key (KeyNotFound if any is missing)."""
+        """Like get_into for a batch; returns bytes written per key (KeyNotFound if any is missing).
+        With device arrays among ``outs`` (a list or tuple), each key is read as get_into reads it,
+        a lookup each: device memory is filled by the device path, which reads one key at a time."""
         checked = check_keys(keys)
+        if isinstance(outs, list | tuple) and any(is_device_array(o) for o in outs):
+            if len(checked) != len(outs):
+                raise InvalidValue(f"{len(checked)} keys but {len(outs)} output buffers")
+            return [self.get_into(key, out) for key, out in zip(checked, outs, strict=True)]
         # A list of buffers, or one array with a row per key (a flat array's items are scalars).
         if not is_collection_not_text(outs) or (isinstance(outs, np.ndarray) and outs.ndim < 2):
             raise InvalidValue(

@@ -31,6 +31,7 @@ from mooncake_store.tiers.gpu_arrays import (
     describe_device_array,
     empty_device_array,
     host_pointer,
+    is_torch_tensor,
     memcpy,
     parse_device,
 )
@@ -216,6 +217,13 @@ def read_to_device(
     except MooncakeError as exc:
         client._raise_if_interrupted(exc)  # cut short by close(): "client is closed"
         raise
+    finally:
+        if out is not None and is_torch_tensor(out):
+            # Written behind autograd's back (a failed read may have written part of it): bumped
+            # as a CPU tensor's is (buffers.mark_written), so a backward that saved it refuses.
+            import torch
+
+            torch.autograd.graph.increment_version(out)
 
 
 def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | None) -> tuple[ObjectMeta, Any]:

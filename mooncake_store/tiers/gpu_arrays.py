@@ -114,13 +114,14 @@ def _on_device(device_id: int | None) -> Iterator[Any]:
 # ---- device arrays (cupy, CUDA torch tensors, anything with __cuda_array_interface__) --------------
 
 
-def _is_torch(value: object) -> bool:
+def is_torch_tensor(value: object) -> bool:
+    """A torch tensor (CPU or CUDA), told apart without importing torch."""
     return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
 
 
 def is_device_array(value: object) -> bool:
     """A cupy array, a CUDA torch tensor, or anything else exposing __cuda_array_interface__."""
-    if _is_torch(value):
+    if is_torch_tensor(value):
         # torch's __cuda_array_interface__ raises for tensors that require grad, describes bfloat16
         # as "<V2" and names no stream (version 2): ask the tensor itself instead.
         return bool(getattr(value, "is_cuda", False))
@@ -149,8 +150,8 @@ def describe_device_array(value: Any, *, for_writing: bool = False) -> DeviceBuf
     Waits for the stream the array's producer names (CUDA Array Interface v3: the consumer must
     synchronize it before touching the data), so pending kernels on a non-blocking stream have
     finished writing a source, or reading a destination, before we copy."""
-    if _is_torch(value):
-        return _describe_torch(value)
+    if is_torch_tensor(value):
+        return _describe_torch(value, for_writing=for_writing)
     try:
         iface = value.__cuda_array_interface__
     except Exception as exc:
@@ -226,11 +227,28 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
     return shape, dtype, pointer, bool(readonly)
 
 
-def _describe_torch(tensor: Any) -> DeviceBuffer:
+def _describe_torch(tensor: Any, *, for_writing: bool) -> DeviceBuffer:
+    """As a CPU tensor is checked (client/buffers.py): the raw bytes at data_ptr() are what is
+    stored or filled, so a tensor whose values are not those bytes, or whose writes autograd must
+    see, is refused rather than copied as if it were plain memory."""
     import torch  # the caller handed us a tensor, so torch is there
 
     if not tensor.is_cuda:
         raise InvalidValue(f"torch tensor on {tensor.device} is not a device array")
+    if tensor.layout != torch.strided:  # sparse layouts have no flat buffer (is_contiguous raises)
+        raise InvalidValue(f"torch tensor of layout {tensor.layout} has no flat buffer; call .to_dense() first")
+    if tensor.is_conj() or tensor.is_neg():
+        # A lazy view: its memory holds the values before the conjugation or negation, which a
+        # copy of the bytes would store (or fill) as they are.
+        raise InvalidValue(
+            f"torch tensor of shape {tuple(tensor.shape)} is a lazy conjugate or negative view; "
+            "call .resolve_conj() / .resolve_neg() first"
+        )
+    if for_writing and tensor.requires_grad:
+        raise InvalidValue(
+            f"out is a torch tensor that requires grad (shape {tuple(tensor.shape)}): get_into writes its "
+            "memory outside autograd; pass out.detach() (the same memory) if that is what you mean"
+        )
     if not tensor.is_contiguous():
         raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
     if tensor.dtype == torch.bfloat16:

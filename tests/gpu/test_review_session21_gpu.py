@@ -42,6 +42,7 @@ class _ReadOnlyView:
     """A device array whose producer says it must not be written (data[1] is True)."""
 
     def __init__(self, array: Any) -> None:
+        self._owner = array  # the memory lives as long as the view: a put copies from it later
         iface = dict(array.__cuda_array_interface__)
         iface["data"] = (iface["data"][0], True)
         self.__cuda_array_interface__ = iface
