@@ -175,7 +175,9 @@ class GpuSegment:
 def local_device(device_id: int, pci_bus_id: str | None = None) -> int:
     """This process's index for an agent's GPU: by PCI bus id when known (CUDA_VISIBLE_DEVICES may
     number devices differently in the two processes), else by index, else the current device
-    (cudaIpcOpenMemHandle maps handles of devices this process cannot see, through peer access)."""
+    (cudaIpcOpenMemHandle maps handles of devices this process cannot see, through peer access).
+    Device 0 rather than the thread's current device: that one is per thread, and a segment
+    cached for the process must be opened in one context whichever thread asked first."""
     runtime = _cupy().cuda.runtime
     if pci_bus_id:
         with contextlib.suppress(Exception):
@@ -184,4 +186,6 @@ def local_device(device_id: int, pci_bus_id: str | None = None) -> int:
         count = int(runtime.getDeviceCount())
     except _cuda_error() as exc:
         raise GpuUnavailable(f"CUDA runtime unavailable: {exc}") from None
-    return device_id if 0 <= device_id < count else int(runtime.getDevice())
+    if count <= 0:
+        raise GpuUnavailable("CUDA sees no device in this process")
+    return device_id if 0 <= device_id < count else 0

@@ -2,8 +2,9 @@
 directions), puts of device arrays into the tier, device-to-device, host-to-device and TCP-to-device
 gets, CUDA torch tensors (bfloat16 included), demotion to host memory, spills to a peer's GPU tier.
 
-Only copies are used on the device side (cupy.asarray / cupy.empty / cupy.asnumpy): no test needs
-cupy to compile a kernel, so they run on a machine with a driver but no CUDA toolkit (NVRTC)."""
+Mostly copies on the device side (cupy.asarray / cupy.empty / cupy.asnumpy); a few checks (cupy.full
+of a non-zero value, comparisons, .all(), cupy.arange) have cupy compile small kernels, so the
+machine needs NVRTC as well as a driver (the lent H200 machine has it)."""
 
 from __future__ import annotations
 
