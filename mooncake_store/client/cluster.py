@@ -22,6 +22,7 @@ from typing import IO, Any
 from mooncake_store.config import load_config
 from mooncake_store.embedded import EmbeddedServer
 from mooncake_store.errors import ConfigError, MooncakeError, ServerError
+from mooncake_store.tiers.disk_dir import sweep_tier_dir
 from mooncake_store.tiers.host import segment_paths, segment_pattern
 from mooncake_store.types import is_collection_not_text
 
@@ -32,6 +33,7 @@ class AgentProcess:
     process: subprocess.Popen[bytes]
     endpoint: str = ""
     shm_name: str = ""
+    disk_dir: str = ""  # its disk tier's directory, as READY said ("": none)
     args: list[str] = field(default_factory=list)
     #: Where the agent's stderr goes: a file, never a pipe nobody reads (a full pipe would block
     #: every agent thread that logs).
@@ -82,6 +84,10 @@ class AgentProcess:
             # (a pattern before READY: the agent died before it said the name).
             for path in segment_paths(self.shm_name):
                 path.unlink(missing_ok=True)
+        if self.disk_dir:
+            # Nor its disk tier's directory, which only a later agent on the same --disk would
+            # sweep; a successor under the same node id holds its lock, and keeps it.
+            sweep_tier_dir(Path(self.disk_dir))
         for stream in (self.process.stdout, self.process.stderr, self.log):
             if stream is not None:
                 stream.close()
@@ -267,6 +273,7 @@ class LocalCluster:
             agent.stop()
             raise
         agent.endpoint, agent.shm_name = ready["endpoint"], ready["shm_name"]
+        agent.disk_dir = ready.get("disk_dir", "")
 
     def _wait_ready(self, agent: AgentProcess) -> dict[str, Any]:
         assert agent.process.stdout is not None

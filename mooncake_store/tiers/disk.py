@@ -16,9 +16,11 @@ verify the checksum, so a corrupted file is an error, never wrong data.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,11 @@ import zstandard
 from mooncake_store.config import format_size
 from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, NoCapacity
 from mooncake_store.tiers.disk_dir import SUFFIX, claim_dir, clear_chunk_files, remove_tier_dir
+
+log = logging.getLogger(__name__)
+
+#: How often (s) files that could not be removed are tried again, on the next remove().
+STUCK_RETRY_S = 5.0
 
 HEADER = struct.Struct("<4sBBHQQQ")
 MAGIC = b"MCZ1"
@@ -155,6 +162,9 @@ class DiskTier:
         self._promised = 0
         self._stored = 0
         self._raw = 0
+        #: Files that could not be removed, by allocation id: their footprints stay in _used.
+        self._stuck: dict[int, int] = {}
+        self._stuck_tried = 0.0
         self._lock = threading.Lock()
         self._local = threading.local()  # zstd contexts are not thread-safe; one per thread
         self._lock_fd = claim_dir(self.root)
@@ -181,8 +191,8 @@ class DiskTier:
         it changes with other users of the disk; the filesystem's whole size is. Nor a capacity below
         one block, which no file fits in: the tier would only ever evict."""
         block = DiskTier.block_size_of(root)
-        if capacity_bytes < block:
-            raise InvalidValue(
+        if capacity_bytes < block:  # a value the operator gave: bad input (the agent exits 2)
+            raise ConfigError(
                 f"disk tier capacity {capacity_bytes} B is less than one {block} B block of the filesystem "
                 f"under {root}: no chunk file would fit"
             )
@@ -458,19 +468,57 @@ class DiskTier:
         return self.decode_into(blob, dest, where=str(self.path_of(alloc_id)))
 
     def remove(self, alloc_id: int) -> bool:
+        """Forget an allocation and remove its file. A file that cannot be removed (a directory
+        made read-only or immutable under the agent, a directory put in its place) is logged, and
+        its footprint stays counted as used until a later remove() takes it: forgotten, it stayed
+        on the disk uncounted, and the tier promised room the filesystem did not have (and the
+        error escaped into the sync that freed it, cutting the rest of its frees short)."""
         with self._lock:
             entry = self._entries.pop(alloc_id, None)
             if entry is None:
                 return False
-            self._used -= entry.footprint_bytes
             self._stored -= entry.stored_bytes
             self._raw -= entry.raw_bytes
-        self.path_of(alloc_id).unlink(missing_ok=True)
+        self._unlink(alloc_id, entry.footprint_bytes, retry=False)
+        self._unlink_stuck()
         return True
+
+    def _unlink(self, alloc_id: int, footprint: int, *, retry: bool) -> None:
+        path = self.path_of(alloc_id)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            with self._lock:
+                first = alloc_id not in self._stuck
+                self._stuck[alloc_id] = footprint
+            if first:
+                log.warning(
+                    "cannot remove the chunk file %s: %s; its %d B stay counted as used until it can be",
+                    path,
+                    exc.strerror or exc,
+                    footprint,
+                )
+            return
+        with self._lock:
+            # Counted off once: by the first try, or by the retry that finds it still stuck.
+            if self._stuck.pop(alloc_id, None) is not None or not retry:
+                self._used -= footprint
+
+    def _unlink_stuck(self) -> None:
+        """Try the files that could not be removed again, at most every STUCK_RETRY_S."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._stuck or now - self._stuck_tried < STUCK_RETRY_S:
+                return
+            self._stuck_tried = now
+            stuck = list(self._stuck.items())
+        for alloc_id, footprint in stuck:
+            self._unlink(alloc_id, footprint, retry=True)
 
     def close(self, *, remove_files: bool = True) -> None:
         """Release the directory; with ``remove_files``, remove it too (the files and what the tier
-        made around them), as nothing will read them again."""
+        made around them), as nothing will read them again. A file that cannot go stays, and the
+        rest still go."""
         if remove_files:
             for alloc_id in list(self._entries):
                 self.remove(alloc_id)

@@ -98,31 +98,39 @@ def sweep_abandoned_tiers(parent: Path, *, keep: Path) -> list[Path]:
     removed: list[Path] = []
     for lock in sorted(parent.glob(f"*/{LOCK_NAME}")):
         root = lock.parent
-        if root == keep or root.is_symlink():  # a link leads out of parent: never followed
-            continue
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # its agent is alive
-            if not _still_named(fd, lock):
-                continue  # another sweep removed that file, and a new tier may have claimed the directory
-            if os.pread(fd, len(SWEEPING_MAGIC) + 1, 0) not in (LOCK_MAGIC, SWEEPING_MAGIC):
-                continue  # not a tier's lock (or one whose claim died before marking it): left alone
-            try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, SWEEPING_MAGIC, 0)
-            except OSError:
-                continue
-            if remove_tier_dir(root):
-                removed.append(root)
-        finally:
-            os.close(fd)
+        if root != keep and sweep_tier_dir(root):
+            removed.append(root)
     return removed
+
+
+def sweep_tier_dir(root: Path) -> bool:
+    """Remove one disk tier's directory if its owner is gone (its lock file is there and free),
+    as :func:`sweep_abandoned_tiers` does; whether it went. What stops an agent that was killed
+    (LocalCluster) sweeps its directory so."""
+    lock = root / LOCK_NAME
+    if root.is_symlink():  # a link leads out of parent: never followed
+        return False
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its agent is alive
+        if not _still_named(fd, lock):
+            return False  # another sweep removed that file, and a new tier may have claimed the directory
+        if os.pread(fd, len(SWEEPING_MAGIC) + 1, 0) not in (LOCK_MAGIC, SWEEPING_MAGIC):
+            return False  # not a tier's lock (or one whose claim died before marking it): left alone
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, SWEEPING_MAGIC, 0)
+        except OSError:
+            return False
+        return remove_tier_dir(root)
+    finally:
+        os.close(fd)
 
 
 def _being_swept(fd: int) -> bool:

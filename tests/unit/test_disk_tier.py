@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
+from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, NoCapacity
 from mooncake_store.tiers import disk_dir
 from mooncake_store.tiers.disk import (
     FLAG_SHUFFLED,
@@ -454,7 +454,7 @@ def test_a_claim_that_waited_out_a_sweep_says_so(tmp_path: Path, monkeypatch: py
 def test_a_capacity_below_one_block_is_refused(tmp_path: Path) -> None:
     """No file fits in it: the tier would only ever evict."""
     block = DiskTier.block_size_of(tmp_path)
-    with pytest.raises(InvalidValue, match=f"capacity {block - 1} B is less than one {block} B block"):
+    with pytest.raises(ConfigError, match=f"capacity {block - 1} B is less than one {block} B block"):
         DiskTier(tmp_path / "small", block - 1)
     assert not (tmp_path / "small").exists()
     DiskTier(tmp_path / "one", block).close()
