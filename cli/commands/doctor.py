@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
@@ -23,11 +24,13 @@ from mooncake_cli.context import (
 from mooncake_cli.exits import CliError, ExitCode
 from rich.markup import escape
 
+from mooncake_store.agent.self_check import ANOTHER_AGENT, who_answers
 from mooncake_store.config import format_size
 from mooncake_store.errors import MooncakeError
 from mooncake_store.index import RedisIndex
 from mooncake_store.index.connection import connect_redis
 from mooncake_store.tiers.host import SHM_DIR
+from mooncake_store.types import NodeInfo
 
 #: Docker's default /dev/shm is 64 MiB: far too small for an arena, and the commonest setup mistake.
 SHM_WARN_BYTES = 1 << 30
@@ -110,11 +113,38 @@ def _redis_checks(target: Target) -> tuple[list[Check], bool]:
             checks.append(
                 Check("agents", Status.OK if not dead and alive else Status.WARN if alive else Status.FAIL, detail)
             )
+            if alive:
+                checks.append(_endpoint_check(alive))
     except redis.RedisError as exc:
         checks.append(Check("redis", Status.FAIL, f"{target.shown_url} answered PING but then failed: {exc}"))
     finally:
         conn.close()
     return checks, True
+
+
+#: How long (s) doctor waits for each agent's endpoint to answer its PING.
+ENDPOINT_PING_S = 2.0
+
+
+def _ping_problem(node: NodeInfo) -> str | None:
+    """Why ``node``'s published endpoint does not reach it, or None."""
+    problem = who_answers(node.tcp_endpoint, node.shm_name, timeout_s=ENDPOINT_PING_S)
+    if problem == ANOTHER_AGENT:
+        problem += " (its advertised address is wrong)"
+    return None if problem is None else f"{node.node_id} at {node.tcp_endpoint} {problem}"
+
+
+def _endpoint_check(alive: list[NodeInfo]) -> Check:
+    """Each live agent's endpoint, dialled from here as a client dials it: a node whose address
+    is wrong (an agent.advertise nothing listens on, another node's, a host out of reach from
+    here) stays alive in the node table by its heartbeats, and every put or read sent to it fails."""
+    with ThreadPoolExecutor(max_workers=min(16, len(alive))) as pool:
+        problems = [p for p in pool.map(_ping_problem, alive) if p]
+    if not problems:
+        return Check("endpoints", Status.OK, f"{len(alive)} of {len(alive)} live agents answer at their endpoints")
+    shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    status = Status.FAIL if len(problems) == len(alive) else Status.WARN
+    return Check("endpoints", status, f"{len(problems)} of {len(alive)} live agents unreachable from here: {shown}")
 
 
 def _shm_check() -> Check:

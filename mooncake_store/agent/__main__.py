@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         agent.run_until(stop)
     except MooncakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_ERROR  # e.g. another agent's --advertise
     finally:
         # Whatever ended the run (a bug's exception included): deregister and remove the segment.
         agent.stop()

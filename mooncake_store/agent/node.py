@@ -19,6 +19,7 @@ from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.inbox import DiskInbox
 from mooncake_store.agent.other_tiers import OtherTierHooks
 from mooncake_store.agent.pressure import PressureManager
+from mooncake_store.agent.self_check import check_advertised
 from mooncake_store.agent.server import AgentServer
 from mooncake_store.agent.syncing import SyncDuties
 from mooncake_store.agent.takeover import (
@@ -243,6 +244,8 @@ class Agent(OtherTierHooks, SyncDuties):
     # ---- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self.server.start()
+        if self.config.advertise:  # the bound address is this agent's own; an advertised one may not be
+            check_advertised(self.config.advertise, self.arena.name)
         register_first(self.index, self.node_info, incarnation=self.incarnation, ttl_ms=self._ttl_ms)
         if evicting := self.index.eviction_unsafe():
             log.warning("%s", evicting)

@@ -153,7 +153,9 @@ class AgentOps:
         if op == Op.DIGEST:
             return self._digest(conn, a, b, c)
         if op == Op.PING:
-            self._reply(conn, Op.PING, Status.OK, frames.VERSION)
+            # b: whose agent this is (its arena's digest, as the node table names the arena), so
+            # that the agent itself and `doctor` can tell an address answered by another agent.
+            self._reply(conn, Op.PING, Status.OK, frames.VERSION, segment_digest(self._arena.name))
             return True
         self._unknown_ops.failed(ProtocolError(f"unknown op {op}; the connection was closed"))
         self._bad_request(conn, op)

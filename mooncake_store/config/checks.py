@@ -7,6 +7,7 @@ redacted) and the layer it came from.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -184,6 +185,34 @@ def _check_advertise(value: str) -> str | None:
         return result
     if is_wildcard_host(result[0]):
         return f"{result[0]} is not an address peers can dial; name this host's address or name"
+    return _undialable_host(result[0])
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _undialable_host(host: str) -> str | None:
+    """What keeps peers from dialling ``host``: neither an IP address nor a host name (labels of
+    letters, digits, '-' and '_', at most 63 each and 253 in all; the last not all digits, which
+    would be an IPv4 address out of range). Taken as given, such an address ("h o s t",
+    "256.1.1.1", "a..b") was published in the node table, and every peer's dial of it failed."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        ascii_name = host.encode("idna").decode("ascii").rstrip(".")
+    except UnicodeError:
+        ascii_name = ""
+    labels = ascii_name.split(".")
+    if (
+        not ascii_name
+        or len(ascii_name) > 253
+        or not all(_HOST_LABEL.fullmatch(label) for label in labels)
+        or labels[-1].isdigit()
+    ):
+        return f"{host!r} is neither an IP address nor a host name peers can dial"
     return None
 
 

@@ -246,6 +246,13 @@ def agent_flag_overrides(
     """The config overrides an agent's command-line flags make, for both entry points (``python -m
     mooncake_store.agent`` and ``mooncake agent``), so that neither can forget one. A flag not
     given (None, or a switch left off) leaves the file's or the environment's value standing."""
+    if node_id == "":
+        # An unset shell variable (--node-id "$NODE"): taken as "not given", every restart
+        # registered a new node under the derived id (host and pid), as --redis-url "" would.
+        raise ConfigError(
+            "--node-id is empty (an unset shell variable?): name this node, or leave the flag out for the "
+            "default id (host name and process id)"
+        )
     return {
         "redis_url": redis_url,
         "namespace": namespace,

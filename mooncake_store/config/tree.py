@@ -77,9 +77,17 @@ class AgentConfig:
         port on every node, clients would talk to the wrong agent. Checked by the agent and by
         `mooncake up` before it starts anything, not when a config is loaded: a client loading the
         same file has no use for the agent's endpoint."""
+        host, listen_port = split_host_port(self.listen, what="agent.listen")
         if self.advertise:
+            if listen_port == 0:
+                # The port bound is any free one, a new one at each start: none a fixed advertised
+                # port (or a port mapping onto it) could name.
+                raise ConfigError(
+                    f"agent.advertise={self.advertise!r} names a port, but agent.listen={self.listen!r} binds "
+                    "any free port (0), which the advertised one cannot match: give agent.listen that port "
+                    "(--listen HOST:PORT), or leave agent.advertise out"
+                )
             return
-        host, _ = split_host_port(self.listen, what="agent.listen")
         if is_wildcard_host(host):
             raise ConfigError(
                 f"agent.listen={self.listen!r} binds every interface, and peers cannot dial {host}: set "

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from mooncake_store.config import redact_url
-from mooncake_store.errors import ConnectError
+from mooncake_store.errors import ConfigError, ConnectError
 
 #: What a ConnectError for an unreachable server advises, unless the caller says otherwise.
 START_A_CLUSTER = (
@@ -42,6 +42,15 @@ def connect_redis(url: str, *, timeout_s: float = 10.0, advice: str = START_A_CL
             f"Redis at {redact_url(url)} refused the credentials: {str(exc).rstrip('.')} (check the user "
             "and password in the URL, redis://USER:PASSWORD@HOST:PORT/DB, against the server's ACL)"
         ) from None
+    except redis.ResponseError as exc:
+        # Reached, and it refused the handshake: the URL asks for something it lacks. The advice to
+        # start a cluster would send the user the wrong way.
+        if "DB index" in str(exc):
+            raise ConfigError(
+                f"Redis at {redact_url(url)} has no database {client.connection_pool.connection_kwargs.get('db')}: "
+                f"{str(exc).rstrip('.')} (its `databases` setting; pick a lower /DB in the URL)"
+            ) from None
+        raise ConnectError(f"Redis at {redact_url(url)} refused the connection: {str(exc).rstrip('.')}") from None
     except redis.RedisError as exc:
         raise ConnectError(f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}. {advice}") from None
     return client

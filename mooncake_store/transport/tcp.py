@@ -132,13 +132,17 @@ class PeerConnections(ConnectionPool):
         return status, a, b, c
 
     # ---- control ------------------------------------------------------------------------------
-    def ping(self) -> int:
-        def run(sock: socket.socket) -> int:
-            frames.send_all(sock, frames.pack(Op.PING))
-            _status, version, _, _ = self._reply(sock, Op.PING)
-            return version
+    def ping(self) -> tuple[int, int]:
+        """(protocol version, digest of the agent's arena name: tiers.host.segment_digest; 0 from
+        an agent that predates it)."""
 
-        return int(self._call(run))
+        def run(sock: socket.socket) -> tuple[int, int]:
+            frames.send_all(sock, frames.pack(Op.PING))
+            _status, version, arena_digest, _ = self._reply(sock, Op.PING)
+            return version, arena_digest
+
+        version, arena_digest = self._call(run)
+        return int(version), int(arena_digest)
 
     def reserve(
         self, requests: Sequence[tuple[int, bytes]], *, node_id: str, tier: int = 0, flags: int = 0

@@ -116,7 +116,7 @@ def test_doctor_passes_on_a_running_cluster(cluster_cli: Mooncake) -> None:
     text = result.stdout.decode()
     assert result.returncode == 0, text
     names = [line.split()[1] for line in text.splitlines() if line.strip()]
-    assert names == ["redis", "clock", "eviction", "agents", "shm", "tcp", "rdma", "gpu"]
+    assert names == ["redis", "clock", "eviction", "agents", "endpoints", "shm", "tcp", "rdma", "gpu"]
     assert "2 of 2 alive" in text
     checks = json.loads(cluster_cli.ok("doctor", "--json").stdout)
     assert {c["name"]: c["status"] for c in checks}["redis"] == "ok"

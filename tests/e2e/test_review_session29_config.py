@@ -1,0 +1,112 @@
+"""Configuration and multi-host review (session 29). An advertised address was taken as given: a
+host peers cannot dial ("h o s t", "256.1.1.1"), a fixed port beside a listen port of 0 (never
+the one bound), another live agent's address (every put for the node went to that agent and
+failed as a reservation of an agent "restarted since"), or an address nothing answers; doctor
+said ✓ for all of them. An empty --node-id was "not given"; a database the server lacks was
+"cannot reach Redis ... start a cluster"."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mooncake_store import LocalCluster, connect
+from mooncake_store.config import AgentConfig, load_config
+from mooncake_store.errors import ConfigError
+
+from .conftest import Mooncake, assert_one_line_error
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _port() -> int:
+    """A port of 127.0.0.1 that nothing listens on (closed once its number is known)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(num_agents=1, host_bytes=8 << 20, namespace=f"t-{uuid.uuid4().hex[:10]}") as running:
+        yield running
+
+
+def _agent(cluster: LocalCluster, *args: str) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable, "-m", "mooncake_store.agent", "--redis-url", cluster.redis_url,
+        "--namespace", cluster.namespace, "--host-bytes", "4MiB", "--no-prefault", *args,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Its output once it has ended; stopped by its own pid if it still runs."""
+    try:
+        return proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("host", ["h o s t", "256.1.1.1", "a..b", "-x"])
+def test_an_advertised_host_peers_cannot_dial_is_refused(host: str) -> None:
+    with pytest.raises(ConfigError, match="neither an IP address nor a host name"):
+        load_config(env={}, overrides={"agent.advertise": f"{host}:7000"})
+
+
+def test_an_advertised_port_beside_a_listen_port_of_zero_is_refused() -> None:
+    with pytest.raises(ConfigError, match="binds any free port"):
+        AgentConfig(advertise="127.0.0.1:7000").check_published_endpoint()
+    AgentConfig(advertise="node-7:7000", listen="0.0.0.0:7000").check_published_endpoint()  # as compose does
+
+
+def test_an_agent_advertising_another_agents_address_is_refused(cluster: LocalCluster) -> None:
+    taken = cluster.agents[0].endpoint
+    proc = _agent(cluster, "--listen", f"127.0.0.1:{_port()}", "--advertise", taken, "--node-id", "copy-paste")
+    out, err = _stop(proc)
+    assert proc.returncode == 2, (out, err)
+    assert "is answered by another agent" in err and taken in err, err
+    assert "READY" not in out
+    with connect(cluster.redis_url, namespace=cluster.namespace) as client:
+        assert "copy-paste" not in {n.node_id for n in client.stat().nodes}
+
+
+def test_doctor_names_a_live_agent_whose_endpoint_does_not_answer(cluster: LocalCluster, mooncake: Mooncake) -> None:
+    nowhere = f"127.0.0.1:{_port()}"
+    proc = _agent(cluster, "--listen", f"127.0.0.1:{_port()}", "--advertise", nowhere, "--node-id", "astray")
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # started all the same: behind NAT an address need not reach back
+        assert line.startswith("READY "), line
+        result = mooncake("doctor", "--json", "--redis-url", cluster.redis_url, "--namespace", cluster.namespace)
+        checks = {c["name"]: c for c in json.loads(result.stdout)}
+        assert result.returncode == 0, checks  # one of two: a warning
+        assert checks["endpoints"]["status"] == "warn", checks["endpoints"]
+        assert f"astray at {nowhere} does not answer" in checks["endpoints"]["detail"]
+        assert cluster.agents[0].node_id not in checks["endpoints"]["detail"]
+    finally:
+        proc.terminate()
+        _, err = _stop(proc)
+    assert f"agent.advertise={nowhere} does not answer" in err and "this agent's own PING" in err
+
+
+def test_an_empty_node_id_is_refused(cluster: LocalCluster) -> None:
+    proc = _agent(cluster, "--node-id", "")
+    out, err = _stop(proc)
+    assert proc.returncode == 2, (out, err)
+    assert "--node-id is empty" in err
+
+
+def test_a_database_the_server_lacks_is_a_usage_error(cluster: LocalCluster, mooncake: Mooncake) -> None:
+    url = cluster.redis_url.rsplit("/", 1)[0] + "/16"
+    line = assert_one_line_error(mooncake("stat", "--redis-url", url), 2, "has no database 16", "DB index")
+    assert "mooncake up" not in line  # no advice to start a cluster: this one is up
