@@ -61,6 +61,10 @@ def _resolve_file(file: str | Path | None, env: Mapping[str, str]) -> tuple[Path
         path = Path(base) / "mooncake" / "config.toml"
         if path.is_file():
             return path, f"file {path}"
+        if path.is_symlink() or path.exists():
+            # Something is there but no file to read (a dangling link, a directory): silently
+            # loading the defaults instead hid the operator's settings.
+            raise ConfigError(f"file {path}: the default config file is there but is no file it can read")
     return None, ""
 
 
@@ -89,12 +93,20 @@ def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
                 key = f"{name}.{sub}"
                 if key not in _FIELDS:
                     raise _unknown(where, key, list(_FIELDS))
-                found[key] = (sub_value, source)
+                _set_once(found, where, key, (sub_value, source))
         elif name in _FIELDS:
-            found[name] = (value, source)
+            _set_once(found, where, name, (value, source))
         else:
             raise _unknown(where, name, [*_FIELDS, "client", "agent"])
     return found
+
+
+def _set_once(found: dict[str, tuple[object, _Source]], where: str, key: str, entry: tuple[object, _Source]) -> None:
+    """TOML refuses a key given twice in one spelling, not ``"agent.x" = 1`` beside ``[agent] x = 2``:
+    the last one won, unsaid."""
+    if key in found:
+        raise ConfigError(f"{where}: {key} is set twice (as a dotted key and in its table): keep one")
+    found[key] = entry
 
 
 #: Older names of config keys, still read so that deployments setting them keep working; the key's own
@@ -115,7 +127,9 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
             continue
         spec = _FIELDS_BY_ENV.get(var)
         if spec is None:
-            close = difflib.get_close_matches(var, list(_FIELDS_BY_ENV), n=1)
+            # Compared upper-cased: MOONCAKE_AGENT_host_bytes is a case away from its variable.
+            by_upper = {known.upper(): known for known in _FIELDS_BY_ENV}
+            close = [by_upper[m] for m in difflib.get_close_matches(var.upper(), list(by_upper), n=1)]
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigError(
                 f"env {var}: unknown variable{hint}; MOONCAKE_* variables must be config keys "

@@ -203,6 +203,15 @@ def _check_heartbeat(
     """``ttl_as_given`` is the TTL as the user wrote it, so the message quotes their text."""
     # A TTL at or below the interval lets a healthy node's entry expire between two heartbeats.
     if ttl <= interval:
+        # Blame the one the user set, as the watermarks do: with only the interval given, the
+        # default TTL is not the mistake.
+        if ttl_src == _DEFAULT and interval_src != _DEFAULT:
+            raise _fail(
+                _FIELDS["agent.heartbeat_interval_s"],
+                interval,
+                interval_src,
+                f"must be below agent.heartbeat_ttl_s={ttl!r} (from {ttl_src.describe()})",
+            )
         spec = _FIELDS["agent.heartbeat_ttl_s"]
         raise _fail(
             spec,

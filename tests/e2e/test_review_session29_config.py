@@ -110,3 +110,35 @@ def test_a_database_the_server_lacks_is_a_usage_error(cluster: LocalCluster, moo
     url = cluster.redis_url.rsplit("/", 1)[0] + "/16"
     line = assert_one_line_error(mooncake("stat", "--redis-url", url), 2, "has no database 16", "DB index")
     assert "mooncake up" not in line  # no advice to start a cluster: this one is up
+
+
+def test_an_interval_at_or_above_the_default_ttl_blames_the_interval() -> None:
+    """It blamed agent.heartbeat_ttl_s=5.0, which the user never set."""
+    with pytest.raises(ConfigError, match=r"MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S=.*must be below agent.heartbeat_ttl_s"):
+        load_config(env={"MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S": "6"})
+
+
+def test_a_variable_one_case_away_is_suggested() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean MOONCAKE_AGENT_HOST_BYTES\?"):
+        load_config(env={"MOONCAKE_AGENT_host_bytes": "1GiB"})
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "directory"])
+def test_a_default_config_file_that_cannot_be_read_is_an_error(tmp_path: Path, kind: str) -> None:
+    """It was passed over for the defaults, the operator's settings silently gone."""
+    path = tmp_path / "mooncake" / "config.toml"
+    path.parent.mkdir()
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(tmp_path / "moved-away.toml")
+    with pytest.raises(ConfigError, match="the default config file is there but is no file it can read"):
+        load_config(env={"XDG_CONFIG_HOME": str(tmp_path)})
+
+
+def test_a_key_set_twice_in_one_file_is_refused(tmp_path: Path) -> None:
+    """The table's value won over the dotted key's, unsaid."""
+    path = tmp_path / "config.toml"
+    path.write_text('"agent.host_bytes" = "2GiB"\n\n[agent]\nhost_bytes = "3GiB"\n')
+    with pytest.raises(ConfigError, match=r"agent\.host_bytes is set twice"):
+        load_config(file=path, env={})
