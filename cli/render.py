@@ -32,22 +32,32 @@ def use_percent(used: int, capacity: int) -> Text:
     return Text(f"{frac:.0%}", "green" if frac < 0.7 else "yellow" if frac < 0.9 else "red")
 
 
+#: The widest a name column's values may be and keep their line: past it, the column folds them
+#: onto further lines, in lines of this width or more (characters).
+NAME_WIDTH = {"node": 12, "zone": 12, "endpoint": 21, "via": 12}
+
+
+def _name_column(table: Table, name: str, values: list[str]) -> None:
+    """A column of names that fits them as they are, or folds them past NAME_WIDTH: rich cut
+    every unwrappable column short where the table was too wide ("us-east…" for us-east-1a and
+    us-east-1b alike, "8.0 M…", the spill columns gone for a long node id), into a pipe too. One
+    that folds always, though, made rich lay the common table out a column wider than 80."""
+    if max(map(len, values), default=0) <= NAME_WIDTH[name]:
+        table.add_column(name, no_wrap=True)
+    else:
+        table.add_column(name, overflow="fold", min_width=NAME_WIDTH[name])
+
+
 def nodes_table(stats: ClusterStats) -> Table:
     """One row per node and tier; compact on purpose, so that it fits an 80-column terminal."""
     table = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
-    for name, justify in (
-        ("node", "left"),
-        ("zone", "left"),
-        ("endpoint", "left"),
-        ("via", "left"),
-        ("tier", "left"),
-        ("used", "right"),
-        ("capacity", "right"),
-        ("use", "right"),
-        ("objs", "right"),
-        ("hb age", "right"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    _name_column(table, "node", [n.node_id for n in stats.nodes])
+    _name_column(table, "zone", [n.zone for n in stats.nodes])
+    _name_column(table, "endpoint", [n.tcp_endpoint for n in stats.nodes])
+    _name_column(table, "via", [",".join(n.transports) for n in stats.nodes])
+    table.add_column("tier", no_wrap=True)
+    for name in ("used", "capacity", "use", "objs", "hb age"):
+        table.add_column(name, justify="right", no_wrap=True)
     for node in stats.nodes:
         # The heartbeat age, green while the node is inside its deadline, red once past it.
         hb = Text(age(node.heartbeat_age_s) + ("" if node.alive else " dead"), "green" if node.alive else "red")
@@ -86,7 +96,7 @@ def activity_table(stats: ClusterStats) -> Table:
     """What each node's tiers did since their agents started: lookups answered (hits), reads the
     agent served, moves under memory pressure, and the disk tier's compression ratio."""
     table = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
-    table.add_column("node", no_wrap=True)
+    _name_column(table, "node", [n.node_id for n in stats.nodes])
     # Counters count from the agent's start: "up" says how long that is (a restart zeroes them).
     table.add_column("up", justify="right", no_wrap=True)
     table.add_column("tier", no_wrap=True)
