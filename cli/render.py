@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -32,29 +34,46 @@ def use_percent(used: int, capacity: int) -> Text:
     return Text(f"{frac:.0%}", "green" if frac < 0.7 else "yellow" if frac < 0.9 else "red")
 
 
-#: The widest a name column's values may be and keep their line: past it, the column folds them
-#: onto further lines, in lines of this width or more (characters).
-NAME_WIDTH = {"node": 12, "zone": 12, "endpoint": 21, "via": 12}
+#: How narrow (characters) a name column may fold where the table is too wide for the output.
+FOLD_MIN_WIDTH = {"node": 10, "zone": 8, "endpoint": 15, "via": 7}
 
 
-def _name_column(table: Table, name: str, values: list[str]) -> None:
-    """A column of names that fits them as they are, or folds them past NAME_WIDTH: rich cut
-    every unwrappable column short where the table was too wide ("us-east…" for us-east-1a and
-    us-east-1b alike, "8.0 M…", the spill columns gone for a long node id), into a pipe too. One
-    that folds always, though, made rich lay the common table out a column wider than 80."""
-    if max(map(len, values), default=0) <= NAME_WIDTH[name]:
-        table.add_column(name, no_wrap=True)
+def _name_column(table: Table, name: str, values: list[str], *, fold: bool) -> None:
+    """A column of names: kept on their lines, or with ``fold`` folded onto further lines where
+    the width runs short (never narrower than FOLD_MIN_WIDTH, or than its longest name)."""
+    if fold:
+        longest = max(map(len, values), default=len(name))
+        table.add_column(name, overflow="fold", min_width=min(longest, FOLD_MIN_WIDTH[name]))
     else:
-        table.add_column(name, overflow="fold", min_width=NAME_WIDTH[name])
+        table.add_column(name, no_wrap=True)
 
 
-def nodes_table(stats: ClusterStats) -> Table:
+class _Fitted:
+    """A table laid out for the width it is printed in: as built, where it fits; else with its
+    name columns folding. With every column unwrappable, rich cut each one short where the table
+    was too wide ("us-east…" for us-east-1a and us-east-1b alike, "8.0 M…", the spill columns
+    gone for a long node id), into a pipe's 80 columns too; with name columns that fold always,
+    rich laid a table that fits out a column wider than 80."""
+
+    def __init__(self, build: Callable[[bool], Table]) -> None:
+        self._build = build
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        table = self._build(False)
+        # Its narrowest layout (two-word headers folded), measured as if the width were unbounded:
+        # rich clamps a table's measure to the width given.
+        if Measurement.get(console, options.update_width(1 << 16), table).minimum > options.max_width:
+            table = self._build(True)
+        yield table
+
+
+def nodes_table(stats: ClusterStats, *, fold: bool = False) -> Table:
     """One row per node and tier; compact on purpose, so that it fits an 80-column terminal."""
     table = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
-    _name_column(table, "node", [n.node_id for n in stats.nodes])
-    _name_column(table, "zone", [n.zone for n in stats.nodes])
-    _name_column(table, "endpoint", [n.tcp_endpoint for n in stats.nodes])
-    _name_column(table, "via", [",".join(n.transports) for n in stats.nodes])
+    _name_column(table, "node", [n.node_id for n in stats.nodes], fold=fold)
+    _name_column(table, "zone", [n.zone for n in stats.nodes], fold=fold)
+    _name_column(table, "endpoint", [n.tcp_endpoint for n in stats.nodes], fold=fold)
+    _name_column(table, "via", [",".join(n.transports) for n in stats.nodes], fold=fold)
     table.add_column("tier", no_wrap=True)
     for name in ("used", "capacity", "use", "objs", "hb age"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -92,11 +111,11 @@ ACTIVITY = (
 )
 
 
-def activity_table(stats: ClusterStats) -> Table:
+def activity_table(stats: ClusterStats, *, fold: bool = False) -> Table:
     """What each node's tiers did since their agents started: lookups answered (hits), reads the
     agent served, moves under memory pressure, and the disk tier's compression ratio."""
     table = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
-    _name_column(table, "node", [n.node_id for n in stats.nodes])
+    _name_column(table, "node", [n.node_id for n in stats.nodes], fold=fold)
     # Counters count from the agent's start: "up" says how long that is (a restart zeroes them).
     table.add_column("up", justify="right", no_wrap=True)
     table.add_column("tier", no_wrap=True)
@@ -138,7 +157,12 @@ def totals_line(stats: ClusterStats) -> Text:
 def cluster_view(stats: ClusterStats, *, header: Text | None = None) -> Group:
     parts: list[Any] = [header] if header is not None else []
     if stats.nodes:
-        parts += [nodes_table(stats), Text(""), activity_table(stats), Text("")]
+        parts += [
+            _Fitted(lambda fold: nodes_table(stats, fold=fold)),
+            Text(""),
+            _Fitted(lambda fold: activity_table(stats, fold=fold)),
+            Text(""),
+        ]
     else:
         parts.append(Text("no agents registered: start one with `mooncake agent` or `mooncake up`", "yellow"))
     parts.append(totals_line(stats))

@@ -142,7 +142,13 @@ def agent(
         node.start()
         info = node.node_info()
         if ready_json:
-            ready = {"node_id": node.node_id, "endpoint": info.tcp_endpoint, "shm_name": info.shm_name, "pid": info.pid}
+            ready = {
+                "node_id": node.node_id,
+                "endpoint": info.tcp_endpoint,
+                "shm_name": info.shm_name,
+                "disk_dir": str(node.disk.root.resolve()) if node.disk is not None else "",  # as the module's
+                "pid": info.pid,
+            }
             print("READY " + json.dumps(ready), flush=True)
         else:
             out.print(

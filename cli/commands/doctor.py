@@ -21,7 +21,7 @@ from mooncake_cli.context import (
     recorded_cluster_advice,
     resolve_target,
 )
-from mooncake_cli.exits import CliError, ExitCode
+from mooncake_cli.exits import CliError, ExitCode, code_for
 from rich.markup import escape
 
 from mooncake_store.agent.self_check import ANOTHER_AGENT, who_answers
@@ -58,12 +58,14 @@ class Check:
     detail: str
 
 
-def _redis_checks(target: Target) -> tuple[list[Check], bool]:
+def _redis_checks(target: Target) -> tuple[list[Check], ExitCode | None]:
+    """The index's checks, and the exit code its failure gives (None: it was reached)."""
     checks: list[Check] = []
     try:
         conn = connect_redis(target.redis_url, timeout_s=3.0, advice=recorded_cluster_advice(target))
     except MooncakeError as exc:
-        return [Check("redis", Status.FAIL, str(exc))], False
+        # A URL the server refuses (a database it lacks) is bad input, as in every other command.
+        return [Check("redis", Status.FAIL, str(exc))], code_for(exc)
     try:
         info = conn.info("server")
         name = info.get("server_name") or ("valkey" if "valkey_version" in info else "redis")
@@ -119,7 +121,7 @@ def _redis_checks(target: Target) -> tuple[list[Check], bool]:
         checks.append(Check("redis", Status.FAIL, f"{target.shown_url} answered PING but then failed: {exc}"))
     finally:
         conn.close()
-    return checks, True
+    return checks, None
 
 
 #: How long (s) doctor waits for each agent's endpoint to answer its PING.
@@ -202,25 +204,27 @@ def doctor(
 ) -> None:
     """Check the cluster and this machine, one explained line each.
 
-    Redis reachable and its version, agents alive, clock skew against Redis, /dev/shm size, and the
-    transports this machine has (shm, tcp, rdma via pyverbs, GPUs via cupy). Exits 4 when Redis cannot
-    be reached, 1 when another check fails, 0 otherwise (warnings included).
+    Redis reachable and its version, agents alive, each live agent's endpoint answering from here,
+    clock skew against Redis, /dev/shm size, and the transports this machine has (shm, tcp, rdma via
+    pyverbs, GPUs via cupy). Exits 2 for a bad Redis URL (a database the server lacks included), 4 when
+    Redis cannot be reached, 1 when another check fails, 0 otherwise (warnings included).
     """
     checks: list[Check] = []
-    reachable = False
+    failed: ExitCode | None = ExitCode.CANNOT_CONNECT
     try:
         target = resolve_target(ctx, redis_url, namespace)
     except CliError as exc:
         checks.append(Check("redis", Status.FAIL, str(exc)))
+        failed = exc.code if exc.code == ExitCode.USAGE else ExitCode.CANNOT_CONNECT
     else:
-        redis_checks, reachable = _redis_checks(target)
+        redis_checks, failed = _redis_checks(target)
         checks.extend(redis_checks)
     checks.append(_shm_check())
     checks.append(Check("tcp", Status.OK, "always available (loopback and network)"))
     checks.append(_rdma_check())
     checks.append(_gpu_check())
-    if not reachable:
-        code = ExitCode.CANNOT_CONNECT
+    if failed is not None:
+        code = failed
     else:
         code = ExitCode.ERROR if any(c.status == Status.FAIL for c in checks) else ExitCode.OK
     try:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             "node_id": agent.node_id,
             "endpoint": agent.server.endpoint,
             "shm_name": agent.arena.name,
-            "disk_dir": str(agent.disk.root) if agent.disk is not None else "",
+            "disk_dir": str(agent.disk.root.resolve()) if agent.disk is not None else "",  # for any cwd
             "pid": agent.node_info().pid,
         }
         print("READY " + json.dumps(ready), flush=True)

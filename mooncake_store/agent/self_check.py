@@ -28,7 +28,7 @@ def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> str | No
     ANOTHER_AGENT. The agent checks its own advertised address with it, `doctor` every node's."""
     peer = PeerConnections(endpoint, timeout_s=timeout_s, max_idle=0)
     try:
-        _, arena_digest = peer.ping()
+        _, arena_digest = peer.identify()
     except MooncakeError as exc:
         return f"does not answer ({exc})"
     finally:

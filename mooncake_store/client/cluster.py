@@ -6,6 +6,7 @@ memory segments of agents it had to kill are removed too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -87,7 +88,8 @@ class AgentProcess:
         if self.disk_dir:
             # Nor its disk tier's directory, which only a later agent on the same --disk would
             # sweep; a successor under the same node id holds its lock, and keeps it.
-            sweep_tier_dir(Path(self.disk_dir))
+            with contextlib.suppress(OSError):  # one that cannot go stays; the cluster still stops
+                sweep_tier_dir(Path(self.disk_dir))
         for stream in (self.process.stdout, self.process.stderr, self.log):
             if stream is not None:
                 stream.close()

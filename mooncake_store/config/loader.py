@@ -135,6 +135,12 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
                 f"env {var}: unknown variable{hint}; MOONCAKE_* variables must be config keys "
                 f"or one of {', '.join(sorted(NON_CONFIG_ENV_VARS | _ENV_ALIASES.keys()))}"
             )
+        if spec.key == "agent.node_id" and env[var] == "":
+            # As --node-id "": a compose file's ${NODE} unset, and every restart a new node.
+            raise ConfigError(
+                f"env {var} is empty (an unset variable where it is set?): name this node, or leave the "
+                "variable out for the default id (host name and process id)"
+            )
         found[spec.key] = (env[var], _Source(kind="env", detail=var))
     return found
 

@@ -243,6 +243,7 @@ class DiskTier:
         promises included, past ``ceiling_bytes``. Storing a file takes its promise (_store);
         drop_promises() gives back those that will not come."""
         needed = sum(footprints.values())
+        self._unlink_stuck()
         with self._lock:
             if needed > self._room(ceiling_bytes):
                 return False
@@ -412,6 +413,7 @@ class DiskTier:
     def _store(
         self, alloc_id: int, blob: bytes | bytearray | memoryview, *, raw_bytes: int, checksum: int
     ) -> DiskEntry:
+        self._unlink_stuck()
         with self._lock:
             # Two writes of one id at once (a peer sending two WRITEs into one disk reservation):
             # the second is refused, or both would pass the check above and the first be answered
@@ -489,6 +491,8 @@ class DiskTier:
             path.unlink(missing_ok=True)
         except OSError as exc:
             with self._lock:
+                if retry and alloc_id not in self._stuck:
+                    return  # another pass removed it meanwhile, and counted it off
                 first = alloc_id not in self._stuck
                 self._stuck[alloc_id] = footprint
             if first:
@@ -505,7 +509,9 @@ class DiskTier:
                 self._used -= footprint
 
     def _unlink_stuck(self) -> None:
-        """Try the files that could not be removed again, at most every STUCK_RETRY_S."""
+        """Try the files that could not be removed again, at most every STUCK_RETRY_S: at each
+        remove(), and before a write or a promise counts the free room (the room they hold
+        would otherwise come back only with a remove, which a tier full of them never sees)."""
         now = time.monotonic()
         with self._lock:
             if not self._stuck or now - self._stuck_tried < STUCK_RETRY_S:

@@ -250,12 +250,12 @@ def remove_tier_dir(root: Path) -> bool:
     for sub in _tier_subdirs(root):
         with contextlib.suppress(OSError):
             sub.rmdir()  # only if empty
-    for claiming in root.glob(f"{LOCK_NAME}.claiming-*"):
-        # Left by a claim that died halfway; a live claimer that loses its file looks again.
-        claiming.unlink(missing_ok=True)
-    (root / LOCK_NAME).unlink(missing_ok=True)
     try:
+        for claiming in root.glob(f"{LOCK_NAME}.claiming-*"):
+            # Left by a claim that died halfway; a live claimer that loses its file looks again.
+            claiming.unlink(missing_ok=True)
+        (root / LOCK_NAME).unlink(missing_ok=True)
         root.rmdir()
     except OSError:
-        return False  # something else in it: left as it is
+        return False  # something else in it, or a directory that cannot be changed: left as it is
     return True

@@ -174,7 +174,7 @@ class GpuSegment:
 
 def local_device(device_id: int, pci_bus_id: str | None = None) -> int:
     """This process's index for an agent's GPU: by PCI bus id when known (CUDA_VISIBLE_DEVICES may
-    number devices differently in the two processes), else by index, else the current device
+    number devices differently in the two processes), else by index, else device 0
     (cudaIpcOpenMemHandle maps handles of devices this process cannot see, through peer access).
     Device 0 rather than the thread's current device: that one is per thread, and a segment
     cached for the process must be opened in one context whichever thread asked first."""

@@ -11,7 +11,8 @@ anything is received.
 ========  ===================================  ========================================================
 op        request                              reply
 ========  ===================================  ========================================================
-PING      -                                    OK, a = protocol version
+PING      -                                    OK, a = protocol version, b = digest of the agent's
+                                               arena name (tiers.host.segment_digest)
 RESERVE   arg = count, a = tier (0 host,       OK, payload of count x (offset u64, alloc_id u64);
           1 gpu, 2 disk: spills only, size =
           a whole chunk file), b = flags

@@ -132,9 +132,13 @@ class PeerConnections(ConnectionPool):
         return status, a, b, c
 
     # ---- control ------------------------------------------------------------------------------
-    def ping(self) -> tuple[int, int]:
-        """(protocol version, digest of the agent's arena name: tiers.host.segment_digest; 0 from
-        an agent that predates it)."""
+    def ping(self) -> int:
+        """The agent's protocol version."""
+        return self.identify()[0]
+
+    def identify(self) -> tuple[int, int]:
+        """A PING's answer: (protocol version, digest of the agent's arena name: tiers.host's
+        segment_digest; 0 from an agent that predates it)."""
 
         def run(sock: socket.socket) -> tuple[int, int]:
             frames.send_all(sock, frames.pack(Op.PING))

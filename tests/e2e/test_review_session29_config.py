@@ -142,3 +142,18 @@ def test_a_key_set_twice_in_one_file_is_refused(tmp_path: Path) -> None:
     path.write_text('"agent.host_bytes" = "2GiB"\n\n[agent]\nhost_bytes = "3GiB"\n')
     with pytest.raises(ConfigError, match=r"agent\.host_bytes is set twice"):
         load_config(file=path, env={})
+
+
+def test_an_empty_node_id_from_the_environment_is_refused() -> None:
+    """As --node-id "": a compose file's ${NODE} left unset (second diff review)."""
+    with pytest.raises(ConfigError, match="env MOONCAKE_AGENT_NODE_ID is empty"):
+        load_config(env={"MOONCAKE_AGENT_NODE_ID": ""})
+
+
+def test_doctor_calls_a_database_the_server_lacks_bad_input(cluster: LocalCluster, mooncake: Mooncake) -> None:
+    """It exited 4, "cannot be reached", where every other command now exits 2."""
+    url = cluster.redis_url.rsplit("/", 1)[0] + "/16"
+    result = mooncake("doctor", "--json", "--redis-url", url)
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert result.returncode == 2, checks
+    assert checks["redis"]["status"] == "fail" and "has no database 16" in checks["redis"]["detail"]

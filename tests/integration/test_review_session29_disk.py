@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -98,3 +99,79 @@ def test_a_disk_smaller_than_one_block_is_a_usage_error(redis_url: str, tmp_path
             proc.wait(timeout=10)
     assert proc.returncode == 2, err
     assert "disk tier capacity 100 B is less than one" in err and "block" in err, err
+
+
+def test_a_stuck_file_fixed_meanwhile_is_counted_off_once_when_two_retries_overlap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One retry pass failed on a stuck file, another removed it once the directory was fixed and
+    counted it off, then the first recorded its failure: the file was stuck again, and the next
+    pass counted it off a second time (used below zero, more free room than capacity). The
+    interleaving is forced by holding the first pass inside its failed unlink (second diff review)."""
+    tier = DiskTier(tmp_path / "node", 16 * MiB)
+    for i in (1, 2, 3, 4):
+        tier.write(i, memoryview(np.full(10_000, i, np.uint8)))
+    stuck = tier.path_of(1)
+    _block_in_place_of(stuck)
+    tier.remove(1)
+    monkeypatch.setattr(disk_module, "STUCK_RETRY_S", 0.0)
+    unlink = Path.unlink
+    failed, go_on = threading.Event(), threading.Event()
+
+    def held_unlink(self: Path, missing_ok: bool = False) -> None:
+        try:
+            unlink(self, missing_ok=missing_ok)
+        except OSError:
+            if self == stuck and threading.current_thread().name == "first-pass":
+                failed.set()
+                go_on.wait(10)  # the failure is recorded only after the other pass
+            raise
+
+    monkeypatch.setattr(Path, "unlink", held_unlink)
+    first = threading.Thread(target=tier.remove, args=(2,), name="first-pass")
+    first.start()
+    assert failed.wait(10)
+    (stuck / "keep").unlink()
+    stuck.rmdir()  # fixed: the other pass removes it
+    tier.remove(3)
+    go_on.set()
+    first.join(10)
+    tier.remove(4)
+    assert tier.used_bytes == 0 and tier.free_bytes == tier.capacity_bytes
+
+
+def test_room_held_by_stuck_files_comes_back_without_another_remove(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retried only at a remove(): a tier whose every file was stuck, and then fixed, refused
+    every write and every peer's spill (NoCapacity, 0 B free) until the agent restarted."""
+    block = DiskTier.block_size_of(tmp_path)
+    tier = DiskTier(tmp_path / "node", 2 * block)
+    for i in (1, 2):
+        tier.write(i, memoryview(np.full(100, i, np.uint8)))
+        _block_in_place_of(tier.path_of(i))
+        tier.remove(i)
+    assert tier.free_bytes == 0
+    for i in (1, 2):  # fixed
+        (tier.path_of(i) / "keep").unlink()
+        tier.path_of(i).rmdir()
+    monkeypatch.setattr(disk_module, "STUCK_RETRY_S", 0.0)
+    tier.write(3, memoryview(np.full(100, 3, np.uint8)))  # the write tries them again first
+    assert tier.promise({9: block})  # and so does a promise
+    assert tier.used_bytes == block and tier.promised_bytes == block
+
+
+def test_stopping_a_cluster_stops_everything_though_a_killed_agents_directory_cannot_go(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """The sweep's OSError escaped stop(): the other agents were not waited for, the server not
+    stopped (second diff review)."""
+    disks = tmp_path / "disks"
+    cluster = make_cluster(2, host_bytes=4 * MiB, agent_args=["--disk", str(disks), "--disk-mem", str(8 * MiB)])
+    killed, other = cluster.agents
+    killed.kill()
+    claiming = disks / killed.node_id / ".mooncake-disk-tier.lock.claiming-stuck"
+    claiming.mkdir()
+    (claiming / "keep").write_bytes(b"x")  # not a file: its unlink fails (EISDIR)
+    cluster.stop()
+    assert not other.alive() and cluster.server is None and cluster.agents == []

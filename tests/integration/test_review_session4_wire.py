@@ -107,7 +107,7 @@ def test_running_out_of_file_descriptors_does_not_kill_the_accept_loop(
     peer = PeerConnections(agent.server.endpoint, timeout_s=2, max_idle=1)
     try:
         assert wait_until(agent.server._accept_thread.is_alive, 1), "the accept loop died on EMFILE"
-        assert peer.ping()[0] == frames.VERSION
+        assert peer.ping() == frames.VERSION
     finally:
         peer.close()
 
@@ -225,7 +225,7 @@ def test_connections_past_the_limit_are_closed_and_the_agent_keeps_serving(
         assert wait_until(lambda: len(agent.server._conns) == 3, 5)
         peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=1)
         try:
-            assert peer.ping()[0] == frames.VERSION
+            assert peer.ping() == frames.VERSION
         finally:
             peer.close()
     finally:
@@ -243,9 +243,9 @@ def test_idle_connections_are_closed_and_the_client_pool_reconnects(
     agent = make_inproc_agent()
     peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
     try:
-        assert peer.ping()[0] == frames.VERSION
+        assert peer.ping() == frames.VERSION
         assert wait_until(lambda: len(agent.server._conns) == 0, 5), "an idle connection was not closed"
-        assert peer.ping()[0] == frames.VERSION  # a new connection, not the closed one
+        assert peer.ping() == frames.VERSION  # a new connection, not the closed one
     finally:
         peer.close()
 

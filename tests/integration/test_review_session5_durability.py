@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import count_read_requests, guarded_spill_copy, wait_until
+from helpers import count_read_requests, guarded_spill_copy, stop_process, wait_until
 
 from mooncake_store import Client, LocalCluster, PrefixCache, connect
 from mooncake_store.agent.node import Agent
@@ -227,7 +227,7 @@ def test_a_batch_read_pays_a_stalled_replica_once_not_once_per_key(
     # whole timeout. Counted rather than timed: timing belongs in benchmarks/.
     peer = reader._tcp.peer(stalled.endpoint)
     asked = count_read_requests(peer)
-    os.kill(stalled.pid, signal.SIGSTOP)
+    stop_process(stalled.pid)  # every thread stopped: none answers a request sent from here on
     try:
         got = reader.get_many(list(values))
     finally:

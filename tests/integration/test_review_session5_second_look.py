@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import redis
-from helpers import count_read_requests, random_bytes, replicas_of, wait_until
+from helpers import count_read_requests, random_bytes, replicas_of, stop_process, wait_until
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -129,7 +129,7 @@ def test_a_batch_read_waits_for_a_stalled_agent_once_even_without_other_replicas
     reader = make_client(cluster, transports=("tcp",), timeout_s=0.5, max_retries=0)
     peer = reader._tcp.peer(stalled.endpoint)
     asked = count_read_requests(peer)
-    os.kill(stalled.pid, signal.SIGSTOP)
+    stop_process(stalled.pid)  # every thread stopped: none answers a request sent from here on
     try:
         with pytest.raises(TransferError):
             reader.get_many(keys)
