@@ -61,6 +61,24 @@ def budget_for(size: int, *, quick: bool, seconds: float | None = None) -> Budge
     return Budget(count=count, seconds=secs)
 
 
+def stamp(buf: np.ndarray, i: int) -> None:
+    """Key ``i``'s bytes: the case's shared source with ``i`` in its first 8 bytes, so that a read
+    of another key's bytes, or one that wrote nothing over the warm-up's, is caught (check_reads)."""
+    buf[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+
+
+def check_reads(read: Callable[[int], Any], src: np.ndarray, dst: np.ndarray, count: int, what: str) -> None:
+    """After a timed loop of reads: each of its ``count`` keys read once more, by ``read(i)`` into
+    ``dst`` zeroed first, against its own stamp. A check of the loop's last read alone passed a
+    get that copied nothing after the warm-up (every key held the same bytes)."""
+    for i in range(count):
+        dst[:] = 0
+        read(i)
+        stamp(src, i)
+        if not np.array_equal(src, dst):
+            raise RuntimeError(f"{what}: key {i} read back wrong bytes")
+
+
 def timed_loop(fn: Callable[[int], Any], budget: Budget, *, warmup: int = 2) -> tuple[int, float, list[float]]:
     """Run ``fn(i)`` until the budget runs out; return (iterations, total seconds, per-call seconds)."""
     for i in range(warmup):
@@ -271,12 +289,16 @@ def _store_measure(
             nkeys = footprint_slots(size)
             keys = [f"{tag}-{size}-{i}" for i in range(nkeys)]
             b = budget_for(size, quick=quick)
-            n, secs, _ = timed_loop(lambda i, k=keys, s=src: put_retrying(client, k[i % len(k)], s, stalls), b)
+
+            def put(i: int, k: list[str] = keys, s: np.ndarray = src) -> None:
+                stamp(s, i % len(k))  # 8 bytes: each key's own value
+                put_retrying(client, k[i % len(k)], s, stalls)
+
+            n, secs, _ = timed_loop(put, b)
             out["put"][size] = gbps(n * size, secs)
             n, secs, _ = timed_loop(lambda i, k=keys, d=dst: client.get_into(k[i % len(k)], d), b)
             out["get"][size] = gbps(n * size, secs)
-            if not np.array_equal(src, dst):
-                raise RuntimeError(f"{transport} get_into of {size} B returned wrong bytes")
+            check_reads(lambda i, k=keys, d=dst: client.get_into(k[i], d), src, dst, nkeys, f"{transport} get_into")
             client.remove_many(keys)
         # 4 KiB latency: one key, many gets.
         small = np.arange(4 * KiB, dtype=np.uint8)

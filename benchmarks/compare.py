@@ -40,6 +40,7 @@ from benchlib import (
     as_jsonable,
     budget_for,
     check_host_bytes,
+    check_reads,
     emit_report,
     exit_on_sigterm,
     footprint_slots,
@@ -49,6 +50,7 @@ from benchlib import (
     merge_memcpy,
     percentile_us,
     run_in_process,
+    stamp,
     store_worker,
     timed_loop,
 )
@@ -240,7 +242,12 @@ def _mooncake_measure(master_addr: str, sizes: tuple[int, ...], quick: bool) -> 
         for size in sizes:
             keys = [f"mc-{size}-{i}" for i in range(footprint_slots(size))]
             b = budget_for(size, quick=quick)
-            n, secs, _ = timed_loop(lambda i, k=keys, s=size: _check(store.upsert_from(k[i % len(k)], sp, s), "put"), b)
+
+            def put(i: int, k: list[str] = keys, s: int = size) -> None:
+                stamp(src, i % len(k))  # 8 bytes: each key's own value
+                _check(store.upsert_from(k[i % len(k)], sp, s), "put")
+
+            n, secs, _ = timed_loop(put, b)
             out["put"][size] = gbps(n * size, secs)
 
             def get(i: int, k: list[str] = keys, s: int = size) -> None:
@@ -248,11 +255,9 @@ def _mooncake_measure(master_addr: str, sizes: tuple[int, ...], quick: bool) -> 
                 if got != s:
                     raise RuntimeError(f"mooncake get_into returned {got} for {s} B")
 
-            dst[:size] = 0  # what the check below reads was written by these gets, not left over
             n, secs, times = timed_loop(get, b)
             out["get"][size] = gbps(n * size, secs)
-            if not np.array_equal(src[:size], dst[:size]):
-                raise RuntimeError(f"mooncake get_into of {size} B returned wrong bytes")
+            check_reads(lambda i, k=keys, s=size: get(i, k, s), src[:size], dst[:size], len(keys), "mooncake get_into")
             if size == 4 * KiB:
                 _n, _s, times = timed_loop(get, Budget(count=2000 if quick else 10000, seconds=3.0), warmup=50)
                 out["lat"] = {"p50_us": percentile_us(times, 50), "p99_us": percentile_us(times, 99)}

@@ -138,7 +138,13 @@ def bench_restore(cluster: LocalCluster, *, quick: bool) -> None:
         print("\n== restore vs prefill: skipped, torch/transformers not installed (pip install 'mooncake-store[hf]')")
         return
     from mooncake_store.demo import DemoModel, document_and_questions
-    from mooncake_store.integrations.transformers import kv_namespace, load_prefix, output_cache, save_prefix
+    from mooncake_store.integrations.transformers import (
+        _layers,
+        kv_namespace,
+        load_prefix,
+        output_cache,
+        save_prefix,
+    )
 
     spec = DemoModel(max_position_embeddings=32768)
     model = spec.build()
@@ -166,10 +172,16 @@ def bench_restore(cluster: LocalCluster, *, quick: bool) -> None:
         t = time.perf_counter()
         save_prefix(cache, doc, output_cache(out))
         store = time.perf_counter() - t
+        first_keys = _layers(output_cache(out))[0][0].clone()  # for the check below
         del out
         prompt = torch.cat([doc, doc[:1]])
         restore = timings(lambda: load_prefix(cache, prompt, model), count=5 if quick else 15, seconds=5.0, warmup=1)  # noqa: B023
         r = statistics.median(restore)
+        # What was timed restored the whole prefix, as it was stored: a restore that found
+        # nothing takes ~1 ms and would pass for a fast one.
+        restored, kv = load_prefix(cache, prompt, model)
+        if restored != n or not torch.equal(_layers(kv)[0][0], first_keys):
+            raise RuntimeError(f"restore of {n} tokens restored {restored}, or other keys than were stored")
         print(f"{n:>7}{prefill:>11.2f}s{store * 1e3:>7.0f}ms{r * 1e3:>11.1f}ms{r / prefill:>16.1%}")
     cache.close()
     client.close()
