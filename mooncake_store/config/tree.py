@@ -147,6 +147,26 @@ def _validate_instance(obj: object, section: str | None) -> None:
         _check_disk(obj.disk_path, obj.disk_bytes, _CODE, _CODE)
 
 
+@dataclass(frozen=True, slots=True)
+class _Side:
+    """One of two values that must be in order: its key, value, text as given, source, and what
+    it must be against the other ("must be below")."""
+
+    key: str
+    value: object
+    raw: object
+    src: _Source
+    must: str
+
+
+def _refuse_pair(first: _Side, second: _Side) -> ConfigError:
+    """The error for two values out of order. It blames ``first``, unless only ``second`` was set:
+    then the other's default is not the mistake."""
+    blamed, other = (second, first) if first.src == _DEFAULT and second.src != _DEFAULT else (first, second)
+    against = f"{other.key}={other.value!r} (from {other.src.describe()})"
+    return _fail(_FIELDS[blamed.key], blamed.raw, blamed.src, f"{blamed.must} {against}")
+
+
 def _check_watermarks(
     low: float, high: float, low_src: _Source, high_src: _Source, *, as_given: tuple[object, object] = (None, None)
 ) -> None:
@@ -156,20 +176,9 @@ def _check_watermarks(
         return
     low_raw = low if as_given[0] is None else as_given[0]
     high_raw = high if as_given[1] is None else as_given[1]
-    # Blame the one the user set: with only the high watermark given, the default low one is not
-    # the mistake.
-    if low_src == _DEFAULT and high_src != _DEFAULT:
-        raise _fail(
-            _FIELDS["agent.high_watermark"],
-            high_raw,
-            high_src,
-            f"must be above agent.low_watermark={low!r} (from {low_src.describe()})",
-        )
-    raise _fail(
-        _FIELDS["agent.low_watermark"],
-        low_raw,
-        low_src,
-        f"must be below agent.high_watermark={high!r} (from {high_src.describe()})",
+    raise _refuse_pair(
+        _Side("agent.low_watermark", low, low_raw, low_src, "must be below"),
+        _Side("agent.high_watermark", high, high_raw, high_src, "must be above"),
     )
 
 
@@ -203,19 +212,8 @@ def _check_heartbeat(
     """``ttl_as_given`` is the TTL as the user wrote it, so the message quotes their text."""
     # A TTL at or below the interval lets a healthy node's entry expire between two heartbeats.
     if ttl <= interval:
-        # Blame the one the user set, as the watermarks do: with only the interval given, the
-        # default TTL is not the mistake.
-        if ttl_src == _DEFAULT and interval_src != _DEFAULT:
-            raise _fail(
-                _FIELDS["agent.heartbeat_interval_s"],
-                interval,
-                interval_src,
-                f"must be below agent.heartbeat_ttl_s={ttl!r} (from {ttl_src.describe()})",
-            )
-        spec = _FIELDS["agent.heartbeat_ttl_s"]
-        raise _fail(
-            spec,
-            ttl if ttl_as_given is None else ttl_as_given,
-            ttl_src,
-            f"must be greater than agent.heartbeat_interval_s={interval!r} (from {interval_src.describe()})",
+        ttl_raw = ttl if ttl_as_given is None else ttl_as_given
+        raise _refuse_pair(
+            _Side("agent.heartbeat_ttl_s", ttl, ttl_raw, ttl_src, "must be greater than"),
+            _Side("agent.heartbeat_interval_s", interval, interval, interval_src, "must be below"),
         )
