@@ -49,7 +49,9 @@ class DtypeMismatch(InvalidValue):
     """``get_into`` was given a typed buffer of another dtype than the object's (``stored``,
     ``out``: numpy's ``dtype.str``, or ``bfloat16``)."""
 
-    def __init__(self, message: str, *, stored: str, out: str) -> None:
+    # Defaults, so that it pickles (rebuilt as cls(message), its attributes then restored): a
+    # process pool's worker that raised it broke the pool instead.
+    def __init__(self, message: str, *, stored: str = "", out: str = "") -> None:
         super().__init__(message)
         self.stored = stored
         self.out = out

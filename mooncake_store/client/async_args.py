@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mooncake_store.errors import MooncakeError
-from mooncake_store.tiers.gpu_arrays import describe_device_array, is_device_array
+from mooncake_store.tiers.gpu_arrays import describe_device_array, is_device_array, is_torch_tensor
 
 
 def snapshot(values: Any) -> Any:
@@ -24,3 +26,15 @@ def wait_for_callers_stream(value: object) -> None:
             describe_device_array(value)
         except MooncakeError:
             pass
+
+
+def tokens_as_now(token_ids: Any) -> Any:
+    """Token ids as they are now: a list or tuple copied, an array or a tensor cloned (anything
+    else as given, for the call to judge)."""
+    if isinstance(token_ids, list | tuple):
+        return list(token_ids)
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.copy()
+    if is_torch_tensor(token_ids):
+        return token_ids.detach().clone()
+    return token_ids

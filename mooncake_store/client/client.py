@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import numpy as np
 
-from mooncake_store.client.async_args import snapshot, wait_for_callers_stream
+from mooncake_store.client.async_calls import AsyncCalls
 from mooncake_store.client.buffers import as_destination, check_disjoint, mark_written, to_array
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.in_flight import InFlight, on_pool_thread
@@ -21,7 +21,7 @@ from mooncake_store.client.node_view import NodeView
 from mooncake_store.client.put_plans import check_put_options
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
-from mooncake_store.config import ClientConfig, load_config
+from mooncake_store.config import ClientConfig, load_config, redact_url
 from mooncake_store.config.values import transport_names
 from mooncake_store.errors import (
     ConfigError,
@@ -57,7 +57,7 @@ T = TypeVar("T")
 STANDING_ERRORS = (InvalidKey, InvalidValue, KeyNotFound, ObjectPinned)
 
 
-class Client:
+class Client(AsyncCalls):
     """A connection to one mooncake-store cluster (one Redis index, one namespace).
 
     Thread-safe. Every method that takes keys checks them (UTF-8 text, at most
@@ -414,6 +414,10 @@ class Client:
             objects, per_node, counters = self.index.counts(list(nodes))
             return build_stats(nodes, per_node, objects, counters, now_ms=self._server_now_ms())
 
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<Client {redact_url(self.redis_url)} namespace={self.namespace!r}{state}>"
+
     # ---- futures ----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         # Checked under the lock that close() sets it under: a call racing close() gets "client is
@@ -423,53 +427,6 @@ class Client:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="mc-io")
             return self._pool.submit(fn, *args, **kwargs)
-
-    def get_async(self, key: str, *, device: str | None = None) -> Future[Any]:
-        return self._submit(self.get, key, device=device)
-
-    def get_into_async(self, key: str, out: object) -> Future[int]:
-        wait_for_callers_stream(out)
-        return self._submit(self.get_into, key, out)
-
-    def put_async(
-        self, key: str, value: object, *, replicas: int = 1, preferred_node: str | None = None
-    ) -> Future[None]:
-        """:meth:`put` on a worker thread. The value must not change until the future is done
-        (what happens if it does: :meth:`put`)."""
-        wait_for_callers_stream(value)
-        return self._submit(self.put, key, value, replicas=replicas, preferred_node=preferred_node)
-
-    # Batch calls on a worker: given lists are taken as they are now; what they refuse, the future raises.
-    def get_many_async(self, keys: Sequence[str]) -> Future[list[Any]]:
-        return self._submit(self.get_many, snapshot(keys))
-
-    def get_many_into_async(self, keys: Sequence[str], outs: Sequence[object]) -> Future[list[int]]:
-        outs = snapshot(outs)
-        for out in outs if isinstance(outs, list) else [outs]:
-            wait_for_callers_stream(out)
-        return self._submit(self.get_many_into, snapshot(keys), outs)
-
-    def put_many_async(
-        self,
-        items: Mapping[str, object],
-        *,
-        replicas: int = 1,
-        preferred_node: str | None = None,
-        chain_pos: Mapping[str, int] | None = None,
-        chain_parent: Mapping[str, str] | None = None,
-    ) -> Future[None]:
-        """:meth:`put_many` on a worker thread; the values must not change until it is done."""
-        items = dict(items) if isinstance(items, Mapping) else items
-        for value in items.values() if isinstance(items, dict) else []:
-            wait_for_callers_stream(value)
-        return self._submit(
-            self.put_many,
-            items,
-            replicas=replicas,
-            preferred_node=preferred_node,
-            chain_pos=chain_pos,
-            chain_parent=chain_parent,
-        )
 
 
 def connect(

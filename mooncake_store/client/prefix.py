@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
+from mooncake_store.client.async_args import snapshot, tokens_as_now
 from mooncake_store.client.client import Client
 from mooncake_store.client.in_flight import on_pool_thread
 from mooncake_store.client.prefix_chunks import (
@@ -352,8 +353,17 @@ class PrefixCache:
             raise
         return hit
 
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<PrefixCache namespace={self.namespace!r} chunk_tokens={self.chunk_tokens}{state}>"
+
     def load_async(self, token_ids: Any = None, **kwargs: Any) -> Future[PrefixHit]:
-        """:meth:`load` on a worker thread."""
+        """:meth:`load` on a worker thread. The token ids and block hashes are taken as they are
+        now (a list reused by the caller at once matched another prompt, or none); ``outs`` are
+        written until the future is done."""
+        token_ids = tokens_as_now(token_ids)
+        if "block_hashes" in kwargs:
+            kwargs["block_hashes"] = snapshot(kwargs["block_hashes"])
         with self._lock:  # close() sets _closed under it: no submit to a pool shut down meanwhile
             self._check_open()
             if self._pool is None:
