@@ -48,6 +48,9 @@ class NodeView:
         self._index, self._shm, self._tcp, self._gpu = index, shm, tcp, gpu
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_at = 0.0
+        #: Whether a read of the table ever found a node: an empty one read after that is in flux
+        #: (the index restarted empty; its agents register again at their next heartbeats).
+        self.seen_nodes = False
         # Server ms - lease-clock ms (lease_clock.py), refreshed with each read (till then: wall clock).
         self._clock_offset_ms = int((time.time() - lease_clock_s()) * 1000)
         self._lock = threading.Lock()
@@ -64,6 +67,7 @@ class NodeView:
                 local_before = lease_clock_s() * 1000  # no wall-clock step moves it; a suspend does
                 server_now = self._index.server_time_ms()
                 self._nodes = self._index.nodes()
+                self.seen_nodes = self.seen_nodes or bool(self._nodes)
                 self._clock_offset_ms = int(server_now - local_before)
                 self._nodes_at = lease_clock_s()
                 self._retain()

@@ -160,7 +160,9 @@ class PutPath:
                 settling = node_gone and isinstance(exc, ReservationExpired | NoCapacity)
                 # Or nodes are registered but past their deadlines: after an index outage longer
                 # than a TTL every one is, until its next heartbeat (or its reap, if it died).
-                settling = settling or (fresh_table_tried and isinstance(exc, NoCapacity) and self._stale_nodes())
+                # Or none at all where there were some: the index restarted empty, and forgot every
+                # node until its next heartbeat (a put failed at once, "no live agent is registered").
+                settling = settling or (fresh_table_tried and isinstance(exc, NoCapacity) and self._in_flux())
                 if isinstance(exc, ReservationExpired) and not exc.node_gone:
                     expired_tries += 1
                     if expired_tries > config.max_retries:
@@ -189,8 +191,11 @@ class PutPath:
                 plan.assigned = set()
                 plan.landed = []
 
-    def _stale_nodes(self) -> bool:
+    def _in_flux(self) -> bool:
+        """Registered nodes past their deadlines, or an empty table where nodes were seen before."""
         nodes = self.client._node_table()  # first: a read of it sets the clock offset
+        if not nodes:
+            return self.client._view.seen_nodes
         now = self.client._server_now_ms()
         return any(n.heartbeat_deadline_ms < now for n in nodes.values())
 

@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from mooncake_store.config import ClientConfig, redact_url
-from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError
+from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError, ProtocolError
 from mooncake_store.index.connection import ClosedPool, close_pool, connect_redis
 from mooncake_store.index.node_table import NodeTableCalls
 from mooncake_store.index.pressure import PressureCalls
@@ -356,8 +356,8 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     dtype=meta.dtype,
                     shape=meta.shape,
                     replicas=meta.replicas,
-                    created_ms=int(fields[6] or 0),
-                    last_access_ms=int(fields[7] or 0),
+                    created_ms=_record_int(fields[6], f"o:{key} created"),
+                    last_access_ms=_record_int(fields[7], f"o:{key} last_access"),
                 )
             )
         return out
@@ -452,7 +452,7 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         except redis.RedisError as exc:
             raise MooncakeError(f"Redis at {self.where} refused reading the counts: {exc}") from None
         per_node = {node: int(n) for node, n in zip(node_ids, raw[1:-1:2], strict=True)}
-        stats = {k: int(v) for k, v in raw[-1].items()}
+        stats = {k: _record_int(v, f"stats {k}") for k, v in raw[-1].items()}
         stats["short"] = sum(int(n) for n in raw[2:-1:2])
         return int(raw[0]), per_node, stats
 
@@ -484,3 +484,13 @@ def first_in_order(names: Iterable[str], limit: int) -> list[str]:
             kept.discard(heapq.heapreplace(heap, _Largest(name)).name)
             kept.add(name)
     return [entry.name for entry in heap]
+
+
+def _record_int(value: str | None, where: str) -> int:
+    """An integer field of an index record (0 when absent); ProtocolError naming the field when
+    it is no integer (written by hand, or by another build): a bare ValueError reached `mooncake
+    ls` and stat() as an internal error."""
+    try:
+        return int(value or 0)
+    except ValueError:
+        raise ProtocolError(f"malformed index record: {where}={value!r:.60} is no integer") from None

@@ -1,7 +1,10 @@
 """Key layout and record encoding of the index.
 
-Every key of a namespace shares one hash tag, ``mc:{ns}:``, so multi-key scripts stay in one slot
-on Redis Cluster::
+Every key of a namespace shares one hash tag, ``mc:{ns}:``, so that a namespace's keys hash to one
+slot. That is a first step toward Redis Cluster, not support for it: the scripts name their keys
+through the prefix in ARGV rather than in KEYS, and the client is a plain redis.Redis, so a
+cluster node that does not own the slot refuses them. One server (or a replicated primary) is
+the supported index::
 
     mc:{ns}:o:<key>        hash   object record: size, dtype, shape, checksum, version, replicas,
                                   lease_until, last_access, created, refcount (mirror of live pins),

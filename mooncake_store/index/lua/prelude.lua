@@ -1,7 +1,7 @@
 -- Shared prelude, prepended to every script by index/scripts.py.
 -- Every key lives under one hash-tagged prefix "mc:{ns}:" (ARGV[1] of every script), so all keys
--- of a namespace hash to one slot and multi-key scripts stay valid on Redis Cluster. Keys derived
--- here from node ids (nobj:, tobj:, gc:, acks:) share that tag.
+-- of a namespace hash to one slot; keys derived here from node ids (nobj:, tobj:, gc:, acks:)
+-- share that tag. Not Redis Cluster support: the keys come through ARGV, not KEYS (schema.py).
 -- Replica encoding (compact JSON array): [node_id, tier, offset, size, alloc_id (string), state]
 local P = ARGV[1]
 -- Scripts write after TIME (and SRANDMEMBER): effects replication, the default since Redis 5 and

@@ -66,9 +66,15 @@ for i, put_id in ipairs(ids) do
     elseif out_of_order(e) then
       table.insert(out, 'LOOP')
     else
-      if old[1] then
+      -- What can fail (a record or a counter not of its type) goes before the first write: Redis
+      -- keeps the writes a script made before its error, and a commit that buried the old
+      -- replicas and then failed left the record naming freed memory (reads of another object's
+      -- bytes once it was reused) and the new allocations acked for nothing.
+      local old_replicas = old[1] and decode_list(old[1])
+      local version = redis.call('INCR', P .. 'version')
+      if old_replicas then
         local free_at = math.max(now, tonumber(old[2] or 0))
-        bury(decode_list(old[1]), e.key, free_at)
+        bury(old_replicas, e.key, free_at)
       end
       for _, r in ipairs(e.replicas) do
         r[6] = 'COMPLETE'
@@ -76,7 +82,6 @@ for i, put_id in ipairs(ids) do
         redis.call('SADD', tier_set(r[1], r[2]), e.key)
         redis.call('RPUSH', P .. 'acks:' .. r[1], r[5])
       end
-      local version = redis.call('INCR', P .. 'version')
       redis.call('HSET', ok, 'size', e.size, 'dtype', e.dtype, 'shape', e.shape,
         'checksum', e.checksum, 'version', version, 'replicas', encode_list(e.replicas),
         'lease_until', 0, 'last_access', now, 'created', now, 'copies', #e.replicas)

@@ -1,0 +1,90 @@
+"""Index review (session 29): what one malformed key or an index that restarted empty did.
+put_commit buried the old replicas and acked the new allocations before an INCR that could fail
+(the record then named freed memory: reads of another object's bytes once it was reused); one
+malformed node row failed every client's calls in the namespace; `created` or a counter that is
+no integer reached `mooncake ls` and stat() as a bare ValueError; a put just after the index
+restarted empty failed at once ("no live agent is registered") where the README says it waits."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from mooncake_store import Client, LocalCluster, MooncakeError
+from mooncake_store.errors import ProtocolError
+
+MiB = 1 << 20
+
+
+def _graves(client: Client, node_id: str) -> list[str]:
+    return client.index.redis.zrange(client.index.prefix + "gc:" + node_id, 0, -1)
+
+
+def test_a_commit_that_fails_on_a_bad_counter_writes_nothing(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    cluster = make_cluster(1, host_bytes=8 * MiB)
+    client = make_client(cluster)
+    first = np.full(MiB // 4, 1, np.float32)
+    client.put("r", first)
+    record = client.index.redis.hgetall(client.index.prefix + "o:r")
+    version_key = client.index.prefix + "version"
+    version = client.index.redis.get(version_key)
+    client.index.redis.set(version_key, "abc")  # a counter written over by hand
+    try:
+        with pytest.raises(MooncakeError, match="put_commit"):
+            client.put("r", np.full(MiB // 4, 2, np.float32))
+        assert client.index.redis.hgetall(client.index.prefix + "o:r") == record  # not buried, not replaced
+        assert _graves(client, cluster.agents[0].node_id) == []
+    finally:
+        client.index.redis.set(version_key, version or "0")
+    assert np.array_equal(client.get("r"), first)
+    for i in range(6):  # the arena's memory is reused: the record's replica must still be its own
+        client.put(f"fill{i}", np.full(MiB // 4, 7, np.float32))
+    assert np.array_equal(client.get("r"), first)
+
+
+def test_a_malformed_node_row_is_left_out_and_named_once(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = make_cluster(1)
+    client = make_client(cluster)
+    client.index.redis.hset(client.index.prefix + "nodes", "ghost", "garbage{")
+    client.put("k", b"value")
+    assert client.get("k").tobytes() == b"value"
+    assert [n.node_id for n in client.stat().nodes] == [cluster.agents[0].node_id]
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "'ghost' left out" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize(("key", "field"), [("o:k", "created"), ("stats", "hits")])
+def test_an_index_field_that_is_no_integer_is_a_protocol_error_naming_it(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], key: str, field: str
+) -> None:
+    cluster = make_cluster(1)
+    client = make_client(cluster)
+    client.put("k", b"value")
+    client.index.redis.hset(client.index.prefix + key, field, "abc")
+    with pytest.raises(ProtocolError, match=f"{key.replace('stats', 'stats ')}.*{field}.*'abc' is no integer"):
+        if key == "stats":
+            client.stat()
+        else:
+            client.index.list_keys()
+
+
+def test_a_put_just_after_the_index_restarted_empty_waits_for_the_agents(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    cluster = make_cluster(2)
+    client = make_client(cluster, timeout_s=20.0)
+    client.put("before", b"x")
+    redis = client.index.redis
+    # The namespace's keys gone at once, as after a restart of its server with nothing persisted.
+    keys = list(redis.scan_iter(client.index.prefix + "*", count=1000))
+    redis.delete(*keys)
+    client._node_table(refresh=True)  # the client sees the empty table
+    client.put("after", b"y")  # waits for the agents' next heartbeats (about a second)
+    assert client.get("after").tobytes() == b"y"
