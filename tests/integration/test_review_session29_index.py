@@ -88,3 +88,16 @@ def test_a_put_just_after_the_index_restarted_empty_waits_for_the_agents(
     client._node_table(refresh=True)  # the client sees the empty table
     client.put("after", b"y")  # waits for the agents' next heartbeats (about a second)
     assert client.get("after").tobytes() == b"y"
+
+
+def test_a_malformed_replica_list_is_named_as_such_and_a_remove_of_it_buries_nothing(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    cluster = make_cluster(1)
+    client = make_client(cluster)
+    client.put("bad", b"value")
+    client.index.redis.hset(client.index.prefix + "o:bad", "replicas", "[[garbage")
+    with pytest.raises(MooncakeError, match=r"malformed list in an index record: \[\[garbage"):
+        client.remove("bad")
+    assert client.index.redis.hget(client.index.prefix + "o:bad", "replicas") == "[[garbage"
+    assert _graves(client, cluster.agents[0].node_id) == []

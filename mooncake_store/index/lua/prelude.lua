@@ -38,7 +38,11 @@ end
 
 local function decode_list(s)
   if not s or s == '' then return {} end
-  local v = cjson.decode(s)
+  local ok, v = pcall(cjson.decode, s)
+  if not ok then
+    -- Said as what it is (a record written by hand or by another build), not cjson's words.
+    error('malformed list in an index record: ' .. string.sub(s, 1, 80), 0)
+  end
   if type(v) ~= 'table' then return {} end
   return v
 end

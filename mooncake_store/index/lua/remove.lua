@@ -15,8 +15,11 @@ for i = 2, #ARGV do
   elseif live_pins(key, now) > 0 then
     table.insert(out, 'PINNED')
   else
-    bury(decode_list(f[1]), key, math.max(now, tonumber(f[2] or 0)))
+    -- The record goes before its replicas are buried: what can fail on a malformed record (its
+    -- decode, the parent's child count) then fails with the record whole, never buried under it.
+    local reps = decode_list(f[1])
     drop_object(key)
+    bury(reps, key, math.max(now, tonumber(f[2] or 0)))
     table.insert(out, 1)
   end
 end
