@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from mooncake_store.errors import ConfigError, MooncakeError
+from mooncake_store.errors import ConfigError, MooncakeError, ProtocolError
 from mooncake_store.tiers.host import segment_digest
 from mooncake_store.transport.tcp import PeerConnections
 
@@ -29,6 +29,8 @@ def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> str | No
     peer = PeerConnections(endpoint, timeout_s=timeout_s, max_idle=0)
     try:
         _, arena_digest = peer.identify()
+    except ProtocolError as exc:  # something listens there, speaking another protocol
+        return f"answers, but not as an agent ({exc})"
     except MooncakeError as exc:
         return f"does not answer ({exc})"
     finally:

@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,3 +158,25 @@ def test_doctor_calls_a_database_the_server_lacks_bad_input(cluster: LocalCluste
     checks = {c["name"]: c for c in json.loads(result.stdout)}
     assert result.returncode == 2, checks
     assert checks["redis"]["status"] == "fail" and "has no database 16" in checks["redis"]["detail"]
+
+
+def test_an_address_answered_by_another_protocol_is_told_from_one_that_does_not_answer() -> None:
+    """It read "does not answer (bad frame magic b'HT' ...)" for a web server at the address."""
+    from mooncake_store.agent.self_check import who_answers
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 40)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        problem = who_answers(f"127.0.0.1:{port}", "any-arena", timeout_s=5.0)
+        thread.join(10)
+    assert problem is not None and problem.startswith("answers, but not as an agent (bad frame magic"), problem
