@@ -168,7 +168,7 @@ def unshuffle_u16(planes: np.ndarray, out: np.ndarray) -> None:
 
 def measure_shuffle_kernels(chunks: list[np.ndarray], *, quick: bool) -> dict[str, float]:
     """GB/s of disk.py's shuffle_planes/unshuffle_planes against the uint16-arithmetic kernels."""
-    from mooncake_store.tiers.disk import shuffle_planes, unshuffle_planes
+    from mooncake_store.tiers.chunk_format import shuffle_planes, unshuffle_planes
 
     raw = sum(len(c) for c in chunks)
     outs = [np.empty_like(c) for c in chunks]

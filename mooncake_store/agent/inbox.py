@@ -17,7 +17,8 @@ from collections.abc import Iterable, Iterator
 
 from mooncake_store.agent.allocations import Allocation, AllocationTable
 from mooncake_store.errors import MooncakeError
-from mooncake_store.tiers.disk import DiskTier, file_bytes_at_most
+from mooncake_store.tiers.chunk_format import file_bytes_at_most
+from mooncake_store.tiers.disk import DiskTier
 
 log = logging.getLogger("mooncake.agent")
 

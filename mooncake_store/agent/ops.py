@@ -16,7 +16,7 @@ import xxhash
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.errors import MooncakeError, ProtocolError
-from mooncake_store.tiers.disk import HEADER as DISK_HEADER
+from mooncake_store.tiers.chunk_format import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST, Op, Status

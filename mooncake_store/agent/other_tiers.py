@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.errors import MooncakeError
-from mooncake_store.tiers.disk import CorruptChunk
+from mooncake_store.tiers.chunk_format import CorruptChunk
 from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
 from mooncake_store.types import TierKind
 

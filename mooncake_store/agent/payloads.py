@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from mooncake_store.agent.spill_jobs import SpillJob
 from mooncake_store.errors import MooncakeError
-from mooncake_store.tiers.disk import CorruptChunk, encode_chunk
+from mooncake_store.tiers.chunk_format import CorruptChunk, encode_chunk
 from mooncake_store.types import TierKind
 
 if TYPE_CHECKING:

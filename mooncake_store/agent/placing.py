@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from mooncake_store.agent.moves import Demotion, LocalMoves
 from mooncake_store.agent.spill import SpillJob
 from mooncake_store.policy.eviction import Move, MoveKind, choose_move, next_tier
-from mooncake_store.tiers.disk import file_bytes_at_most
+from mooncake_store.tiers.chunk_format import file_bytes_at_most
 from mooncake_store.types import NodeInfo, TierKind
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ from mooncake_store.agent.node import Agent
 from mooncake_store.agent.placing import PassState
 from mooncake_store.errors import KeyNotFound, MooncakeError, NoCapacity
 from mooncake_store.policy.eviction import MoveKind
-from mooncake_store.tiers.disk import HEADER, DiskTier
+from mooncake_store.tiers.chunk_format import HEADER
+from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport.tcp import PeerConnections
 from mooncake_store.types import TierKind
 

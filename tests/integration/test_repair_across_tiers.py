@@ -21,7 +21,8 @@ from helpers import counter
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
-from mooncake_store.tiers.disk import FLAG_SHUFFLED, DiskTier
+from mooncake_store.tiers.chunk_format import FLAG_SHUFFLED
+from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport.tcp import TcpTransport
 from mooncake_store.types import Replica, TierKind
 

@@ -26,7 +26,8 @@ from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.errors import NoCapacity, StaleLocation
-from mooncake_store.tiers.disk import HEADER, DiskTier
+from mooncake_store.tiers.chunk_format import HEADER
+from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK
 from mooncake_store.transport.tcp import PeerConnections

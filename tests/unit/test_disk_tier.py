@@ -15,15 +15,15 @@ import pytest
 
 from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, NoCapacity
 from mooncake_store.tiers import disk_dir
-from mooncake_store.tiers.disk import (
+from mooncake_store.tiers.chunk_format import (
     FLAG_SHUFFLED,
     HEADER,
     MAGIC,
     CorruptChunk,
-    DiskTier,
     shuffle_planes,
     unshuffle_planes,
 )
+from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.disk_dir import LOCK_NAME, sweep_abandoned_tiers
 
 
