@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from mooncake_store import Client, LocalCluster, MooncakeError
 from mooncake_store.errors import ProtocolError
@@ -101,3 +102,26 @@ def test_a_malformed_replica_list_is_named_as_such_and_a_remove_of_it_buries_not
         client.remove("bad")
     assert client.index.redis.hget(client.index.prefix + "o:bad", "replicas") == "[[garbage"
     assert _graves(client, cluster.agents[0].node_id) == []
+
+
+def test_a_malformed_record_is_passed_over_by_a_pressure_sample_and_a_dead_nodes_purge(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """With one record's replica list of the wrong shape, every pressure pass of its node failed
+    ("victims failed"), and its node, once dead, was never reaped (every node_reap call failed,
+    holding up the other dead nodes of the call too)."""
+    cluster = make_cluster(1, heartbeat_ttl_s=2.0)
+    client = make_client(cluster)
+    node = cluster.agents[0].node_id
+    for key in ("good", "bad"):
+        client.put(key, b"value")
+    index = client.index
+    good_replicas = index.redis.hget(index.prefix + "o:good", "replicas")
+    index.redis.hset(index.prefix + "o:bad", "replicas", '[["' + node + '", "host", 0, 5, "1", "COMPLETE"], 5]')
+    sampled = {c.key for c in index.victim_candidates(node, "host")}
+    assert sampled == {"good"}, sampled
+    cluster.agents[0].kill()
+    assert wait_until(lambda: node in index.reap_dead_nodes(grace_ms=0), 30)
+    assert node not in index.nodes()
+    assert not index.redis.exists(index.prefix + "nobj:" + node)
+    assert index.redis.hget(index.prefix + "o:good", "replicas") != good_replicas  # its replica left with its node

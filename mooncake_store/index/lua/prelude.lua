@@ -46,6 +46,18 @@ local function decode_list(s)
   if type(v) ~= 'table' then return {} end
   return v
 end
+-- A record's replica list, or nil when it is malformed (written by hand or by another build):
+-- what walks a node's objects (a pressure pass's sample, a dead node's purge) passes such a record
+-- over, where one of them failed every pass of the node, and every reap of it and of the nodes
+-- after it in the same call.
+local function well_formed_replicas(raw)
+  local ok, reps = pcall(decode_list, raw)
+  if not ok then return nil end
+  for _, r in ipairs(reps) do
+    if type(r) ~= 'table' or type(r[1]) ~= 'string' or r[2] == nil or r[5] == nil then return nil end
+  end
+  return reps
+end
 local function encode_list(t)
   if #t == 0 then return '[]' end
   return cjson.encode(t)
@@ -212,9 +224,10 @@ local function purge_node(node, max_keys)
   -- the objects it holds, would not meet the object.
   for _, key in ipairs(redis.call('SPOP', P .. 'repair:' .. node, max_keys)) do
     local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas', 'copies')
-    if f[1] then
+    local reps = f[1] and well_formed_replicas(f[1])
+    if reps then
       local others = {}
-      for _, r in ipairs(decode_list(f[1])) do
+      for _, r in ipairs(reps) do
         if r[1] ~= node then table.insert(others, r) end
       end
       note_short(key, others, tonumber(f[2] or 0) or 0, now)
@@ -231,7 +244,12 @@ local function purge_node(node, max_keys)
     local f = redis.call('HMGET', ok, 'replicas', 'copies', 'lease_until')
     local lease = tonumber(f[3] or 0) or 0
     local keep = {}
-    for _, r in ipairs(decode_list(f[1])) do
+    local reps = well_formed_replicas(f[1])
+    if not reps then
+      -- Malformed: left to whoever reads it (an error naming it), and out of this node's way.
+      reps, keep = {}, nil
+    end
+    for _, r in ipairs(reps) do
       if r[1] ~= node then
         table.insert(keep, r)
       else
@@ -242,7 +260,8 @@ local function purge_node(node, max_keys)
         end
       end
     end
-    if #keep == 0 then
+    if keep == nil then  -- a malformed record, passed over
+    elseif #keep == 0 then
       drop_object(key)
     else
       redis.call('HSET', ok, 'replicas', encode_list(keep))

@@ -19,8 +19,8 @@ local listed = {}  -- keys in the order they are in out, for their children coun
 for _, key in ipairs(keys) do
   local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype',
     'chain_parent')
-  if f[1] then
-    local reps = decode_list(f[4])
+  local reps = f[1] and well_formed_replicas(f[4])
+  if reps then  -- a malformed record is passed over: it failed every pass of its node
     local others = {}
     -- Other nodes with a readable copy: one past its heartbeat deadline is no redundancy.
     for _, r in ipairs(reps) do
