@@ -20,6 +20,9 @@ ADVERTISE_CHECK_S = 2.0
 
 #: What :func:`who_answers` says of an endpoint another agent answers.
 ANOTHER_AGENT = "is answered by another agent"
+#: What it says (before the reason) of one that answers in another protocol: another service, or
+#: an agent of a build that speaks another version.
+NOT_OUR_PROTOCOL = "answers, but not in this build's protocol"
 
 
 def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> str | None:
@@ -29,8 +32,8 @@ def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> str | No
     peer = PeerConnections(endpoint, timeout_s=timeout_s, max_idle=0)
     try:
         _, arena_digest = peer.identify()
-    except ProtocolError as exc:  # something listens there, speaking another protocol
-        return f"answers, but not as an agent ({exc})"
+    except ProtocolError as exc:  # something listens there: another service, or another build
+        return f"{NOT_OUR_PROTOCOL} ({exc})"
     except MooncakeError as exc:
         return f"does not answer ({exc})"
     finally:
@@ -42,12 +45,14 @@ def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> str | No
 
 def check_advertised(advertise: str, arena_name: str, *, timeout_s: float = ADVERTISE_CHECK_S) -> None:
     """ConfigError when ``advertise`` is answered by another agent than the one whose arena is
-    ``arena_name``; a warning when it does not answer at all."""
+    ``arena_name``, or by something speaking another protocol; a warning when nothing answers."""
     problem = who_answers(advertise, arena_name, timeout_s=timeout_s)
-    if problem == ANOTHER_AGENT:
+    if problem == ANOTHER_AGENT or (problem or "").startswith(NOT_OUR_PROTOCOL):
+        # Something else answers there: peers would send this node's reads and writes to it.
+        who = f"{ANOTHER_AGENT}, not this one" if problem == ANOTHER_AGENT else problem
         raise ConfigError(
-            f"agent.advertise={advertise!r} {ANOTHER_AGENT}, not this one: peers would send this node's reads "
-            "and writes there; give this node's own address (--advertise HOST:PORT)"
+            f"agent.advertise={advertise!r} {who}: peers would send this node's reads and writes there; "
+            "give this node's own address (--advertise HOST:PORT)"
         )
     if problem is not None:
         log.warning(

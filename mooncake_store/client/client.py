@@ -31,6 +31,7 @@ from mooncake_store.errors import (
     KeyNotFound,
     MooncakeError,
     ObjectPinned,
+    ProtocolError,
 )
 from mooncake_store.index import RedisIndex
 from mooncake_store.tiers.gpu_arrays import is_device_array
@@ -395,6 +396,13 @@ class Client(AsyncCalls):
         checked = check_keys(keys)
         with self._cut_by_close():
             statuses = self.index.remove(checked)
+        malformed = [k for k, s in zip(checked, statuses, strict=True) if s == "MALFORMED"]
+        if malformed:  # left in place; the rest of the batch went as asked
+            removed = [k for k, s in zip(checked, statuses, strict=True) if s == 1]
+            raise ProtocolError(
+                f"key(s) {malformed[:5]!r}: their index records are malformed (written by hand or by another "
+                "build) and were left in place" + (f"; removed the other {len(removed)} key(s)" if removed else "")
+            )
         pinned = [k for k, s in zip(checked, statuses, strict=True) if s == "PINNED"]
         if pinned:
             # The unpinned keys of the batch are gone all the same: say which.

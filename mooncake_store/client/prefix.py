@@ -51,6 +51,7 @@ from mooncake_store.client.prefix_hash import (
     token_chain,
 )
 from mooncake_store.client.prefix_pins import DroppedHits
+from mooncake_store.config import redact_url
 from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.transport.cancel import Cancel
@@ -355,7 +356,8 @@ class PrefixCache:
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
-        return f"<PrefixCache namespace={self.namespace!r} chunk_tokens={self.chunk_tokens}{state}>"
+        where = redact_url(self.client.redis_url)
+        return f"<PrefixCache {where} namespace={self.namespace!r} chunk_tokens={self.chunk_tokens}{state}>"
 
     def load_async(self, token_ids: Any = None, **kwargs: Any) -> Future[PrefixHit]:
         """:meth:`load` on a worker thread. The token ids and block hashes are taken as they are

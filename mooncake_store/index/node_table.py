@@ -18,8 +18,9 @@ from mooncake_store.types import NodeInfo, TierUsage
 
 log = logging.getLogger("mooncake.index")
 
-#: Malformed node rows already warned of (node id, record), bounded: each is logged once a process.
-_WARNED_ROWS: set[tuple[str, str]] = set()
+#: Node ids whose malformed rows were warned of, bounded: each is logged once a process (a row
+#: rewritten at every heartbeat would otherwise be logged at every read of the table).
+_WARNED_ROWS: set[str] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +125,8 @@ class NodeTableCalls:
             except ProtocolError as exc:
                 # Left out, named once: one row written by hand or by another build failed every
                 # client's gets, puts and stat in the namespace, naming no node.
-                if (node, raw) not in _WARNED_ROWS and len(_WARNED_ROWS) < 1024:
-                    _WARNED_ROWS.add((node, raw))
+                if node not in _WARNED_ROWS and len(_WARNED_ROWS) < 1024:
+                    _WARNED_ROWS.add(node)
                     log.warning("node %r left out of the node table at %s: %s", node, self.where, exc)
         return table
 

@@ -179,4 +179,28 @@ def test_an_address_answered_by_another_protocol_is_told_from_one_that_does_not_
         thread.start()
         problem = who_answers(f"127.0.0.1:{port}", "any-arena", timeout_s=5.0)
         thread.join(10)
-    assert problem is not None and problem.startswith("answers, but not as an agent (bad frame magic"), problem
+    assert problem is not None, problem
+    assert problem.startswith("answers, but not in this build's protocol (bad frame magic"), problem
+
+
+def test_an_agent_advertising_an_address_another_service_answers_is_refused(cluster: LocalCluster) -> None:
+    """It logged a garbled warning about NAT and started, published at a web server's address."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        server.settimeout(30)
+        port = server.getsockname()[1]
+
+        def serve_one() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 40)
+
+        thread = threading.Thread(target=serve_one)
+        thread.start()
+        proc = _agent(cluster, "--listen", f"127.0.0.1:{_port()}", "--advertise", f"127.0.0.1:{port}")
+        out, err = _stop(proc)
+        thread.join(30)
+    assert proc.returncode == 2, (out, err)
+    assert "answers, but not in this build's protocol" in err and "give this node's own address" in err, err

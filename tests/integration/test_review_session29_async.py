@@ -117,7 +117,7 @@ def test_reprs_say_where_and_whether_closed(
     client = make_client(cluster)
     cache = PrefixCache(client, "rv29-repr", chunk_tokens=4)
     assert repr(client) == f"<Client {cluster.redis_url} namespace={cluster.namespace!r}>"
-    assert repr(cache) == "<PrefixCache namespace='rv29-repr' chunk_tokens=4>"
+    assert repr(cache) == f"<PrefixCache {cluster.redis_url} namespace='rv29-repr' chunk_tokens=4>"
     cache.close()
     client.close()
     assert repr(client).endswith(" closed>") and repr(cache).endswith(" closed>")

@@ -99,13 +99,23 @@ def test_a_malformed_replica_list_is_named_as_such_and_a_remove_of_it_buries_not
     client.put("bad", b"value")
     client.index.redis.hset(client.index.prefix + "o:bad", "replicas", "[[garbage")
     with pytest.raises(MooncakeError, match=r"malformed list in an index record: \[\[garbage"):
+        client.get("bad")
+    with pytest.raises(ProtocolError, match=r"\['bad'\]: their index records are malformed"):
         client.remove("bad")
     assert client.index.redis.hget(client.index.prefix + "o:bad", "replicas") == "[[garbage"
     assert _graves(client, cluster.agents[0].node_id) == []
 
 
+MALFORMED_LISTS = {
+    "a number among the replicas": '[["{node}", "host", 0, 5, "1", "COMPLETE"], 5]',
+    "a null tier": '[["{node}", null, 0, 5, "1", "COMPLETE"]]',
+    "a null alloc id": '[["{node}", "host", 0, 5, null, "COMPLETE"]]',
+}
+
+
+@pytest.mark.parametrize("malformed", list(MALFORMED_LISTS))
 def test_a_malformed_record_is_passed_over_by_a_pressure_sample_and_a_dead_nodes_purge(
-    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], malformed: str
 ) -> None:
     """With one record's replica list of the wrong shape, every pressure pass of its node failed
     ("victims failed"), and its node, once dead, was never reaped (every node_reap call failed,
@@ -117,7 +127,7 @@ def test_a_malformed_record_is_passed_over_by_a_pressure_sample_and_a_dead_nodes
         client.put(key, b"value")
     index = client.index
     good_replicas = index.redis.hget(index.prefix + "o:good", "replicas")
-    index.redis.hset(index.prefix + "o:bad", "replicas", '[["' + node + '", "host", 0, 5, "1", "COMPLETE"], 5]')
+    index.redis.hset(index.prefix + "o:bad", "replicas", MALFORMED_LISTS[malformed].replace("{node}", node))
     sampled = {c.key for c in index.victim_candidates(node, "host")}
     assert sampled == {"good"}, sampled
     cluster.agents[0].kill()
@@ -125,3 +135,43 @@ def test_a_malformed_record_is_passed_over_by_a_pressure_sample_and_a_dead_nodes
     assert node not in index.nodes()
     assert not index.redis.exists(index.prefix + "nobj:" + node)
     assert index.redis.hget(index.prefix + "o:good", "replicas") != good_replicas  # its replica left with its node
+
+
+def test_a_commit_onto_a_malformed_record_or_count_fails_having_written_nothing(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """Two steps could still fail after the first write: the old replica list (decoded, but of
+    the wrong shape) and the chain parent's child count (a put then raised with its object
+    stored, acked and readable, but not listed). Second diff review."""
+    cluster = make_cluster(1)
+    client = make_client(cluster)
+    index, node = client.index, cluster.agents[0].node_id
+    client.put("old", b"first")
+    index.redis.hset(index.prefix + "o:old", "replicas", '[["' + node + '", "host", 0, 5, "1", "COMPLETE"], 5]')
+    version = index.redis.get(index.prefix + "version")
+    with pytest.raises(MooncakeError, match="malformed replica list in the index record o:old"):
+        client.put("old", b"second")
+    assert index.redis.get(index.prefix + "version") == version and _graves(client, node) == []
+    client.put_many({"a": b"parent"}, chain_pos={"a": 0})
+    index.redis.hset(index.prefix + "children", "a", "abc")
+    with pytest.raises(MooncakeError, match="malformed children count"):
+        client.put_many({"b": b"child"}, chain_pos={"b": 1}, chain_parent={"b": "a"})
+    assert not index.redis.exists(index.prefix + "o:b")
+    assert not index.redis.sismember(index.prefix + "kids:a", "b")
+
+
+def test_a_remove_leaves_a_malformed_record_untouched_and_removes_the_rest(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """It deleted the record and buried a replica, then failed on the list's shape (second diff review)."""
+    cluster = make_cluster(1)
+    client = make_client(cluster)
+    index, node = client.index, cluster.agents[0].node_id
+    client.put_many({"good": b"g", "bad": b"b"})
+    bad_list = '[["' + node + '", "host", 0, 5, "1", "COMPLETE"], 5]'
+    index.redis.hset(index.prefix + "o:bad", "replicas", bad_list)
+    with pytest.raises(ProtocolError, match=r"\['bad'\]: their index records are malformed.*removed the other 1"):
+        client.remove_many(["good", "bad"])
+    assert index.redis.hget(index.prefix + "o:bad", "replicas") == bad_list
+    assert not index.redis.exists(index.prefix + "o:good")
+    assert len(_graves(client, node)) == 1  # good's replica alone

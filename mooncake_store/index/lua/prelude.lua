@@ -54,7 +54,11 @@ local function well_formed_replicas(raw)
   local ok, reps = pcall(decode_list, raw)
   if not ok then return nil end
   for _, r in ipairs(reps) do
-    if type(r) ~= 'table' or type(r[1]) ~= 'string' or r[2] == nil or r[5] == nil then return nil end
+    -- Types, not nil: cjson decodes a JSON null as cjson.null, which is no nil.
+    if type(r) ~= 'table' or type(r[1]) ~= 'string' or type(r[2]) ~= 'string'
+        or (type(r[5]) ~= 'string' and type(r[5]) ~= 'number') then
+      return nil
+    end
   end
   return reps
 end
@@ -150,6 +154,13 @@ local function adjust_children(parent, child, delta)
       redis.call('DEL', P .. 'kids:' .. parent)
     end
   end
+end
+-- Whether adjust_children(parent, ...) can run: the parent's count is absent or a number (a
+-- HINCRBY on anything else fails, after the writes a script made before it).
+local function children_ok(parent)
+  if not parent or parent == '' then return true end
+  local n = redis.call('HGET', P .. 'children', parent)
+  return not n or tonumber(n) ~= nil
 end
 local function children_of(key)
   return tonumber(redis.call('HGET', P .. 'children', key) or 0)

@@ -70,7 +70,14 @@ for i, put_id in ipairs(ids) do
       -- keeps the writes a script made before its error, and a commit that buried the old
       -- replicas and then failed left the record naming freed memory (reads of another object's
       -- bytes once it was reused) and the new allocations acked for nothing.
-      local old_replicas = old[1] and decode_list(old[1])
+      local old_replicas = old[1] and well_formed_replicas(old[1])
+      if old[1] and not old_replicas then
+        error('malformed replica list in the index record o:' .. e.key .. ': ' .. string.sub(old[1], 1, 80), 0)
+      end
+      local new_parent = e.chain_parent or ''
+      if (old[3] or '') ~= new_parent and not (children_ok(old[3]) and children_ok(new_parent)) then
+        error('malformed children count in the index for the chain parent of ' .. e.key, 0)
+      end
       local version = redis.call('INCR', P .. 'version')
       if old_replicas then
         local free_at = math.max(now, tonumber(old[2] or 0))
@@ -93,7 +100,6 @@ for i, put_id in ipairs(ids) do
       end
       -- Children hang off the key, not the object: a replaced object keeps them. The parent link is
       -- the new object's.
-      local new_parent = e.chain_parent or ''
       if (old[3] or '') ~= new_parent then
         adjust_children(old[3], e.key, -1)
         adjust_children(new_parent, e.key, 1)
