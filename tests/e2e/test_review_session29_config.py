@@ -7,6 +7,7 @@ said ✓ for all of them. An empty --node-id was "not given"; a database the ser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -160,36 +161,13 @@ def test_doctor_calls_a_database_the_server_lacks_bad_input(cluster: LocalCluste
     assert checks["redis"]["status"] == "fail" and "has no database 16" in checks["redis"]["detail"]
 
 
-def test_an_address_answered_by_another_protocol_is_told_from_one_that_does_not_answer() -> None:
-    """It read "does not answer (bad frame magic b'HT' ...)" for a web server at the address."""
-    from mooncake_store.agent.self_check import who_answers
-
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(1)
-        port = server.getsockname()[1]
-
-        def serve() -> None:
-            conn, _ = server.accept()
-            with conn:
-                conn.recv(64)
-                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 40)
-
-        thread = threading.Thread(target=serve)
-        thread.start()
-        problem = who_answers(f"127.0.0.1:{port}", "any-arena", timeout_s=5.0)
-        thread.join(10)
-    assert problem is not None, problem
-    assert problem.startswith("answers, but not in this build's protocol (bad frame magic"), problem
-
-
-def test_an_agent_advertising_an_address_another_service_answers_is_refused(cluster: LocalCluster) -> None:
-    """It logged a garbled warning about NAT and started, published at a web server's address."""
+@contextlib.contextmanager
+def _web_server() -> Iterator[int]:
+    """A port of 127.0.0.1 where one connection gets an HTTP answer to whatever it sends."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(4)
         server.settimeout(30)
-        port = server.getsockname()[1]
 
         def serve_one() -> None:
             conn, _ = server.accept()
@@ -199,8 +177,26 @@ def test_an_agent_advertising_an_address_another_service_answers_is_refused(clus
 
         thread = threading.Thread(target=serve_one)
         thread.start()
+        try:
+            yield server.getsockname()[1]
+        finally:
+            thread.join(30)
+
+
+def test_an_address_answered_by_another_protocol_is_told_from_one_that_does_not_answer() -> None:
+    """It read "does not answer (bad frame magic b'HT' ...)" for a web server at the address."""
+    from mooncake_store.agent.self_check import who_answers
+
+    with _web_server() as port:
+        problem = who_answers(f"127.0.0.1:{port}", "any-arena", timeout_s=5.0)
+    assert problem is not None, problem
+    assert problem.startswith("answers, but not in this build's protocol (bad frame magic"), problem
+
+
+def test_an_agent_advertising_an_address_another_service_answers_is_refused(cluster: LocalCluster) -> None:
+    """It logged a garbled warning about NAT and started, published at a web server's address."""
+    with _web_server() as port:
         proc = _agent(cluster, "--listen", f"127.0.0.1:{_port()}", "--advertise", f"127.0.0.1:{port}")
         out, err = _stop(proc)
-        thread.join(30)
     assert proc.returncode == 2, (out, err)
     assert "answers, but not in this build's protocol" in err and "give this node's own address" in err, err
