@@ -50,13 +50,18 @@ def _agent(cluster: LocalCluster, *args: str) -> subprocess.Popen[str]:
 
 
 def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    """Its output once it has ended; stopped by its own pid if it still runs."""
+    """Its output once it has ended; stopped by its own pid if it still runs (SIGTERM first, so
+    that an agent that started after all removes its arena)."""
     try:
         return proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 @pytest.mark.parametrize("host", ["h o s t", "256.1.1.1", "a..b", "-x"])
