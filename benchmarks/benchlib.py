@@ -296,9 +296,10 @@ def _store_measure(
 
             n, secs, _ = timed_loop(put, b)
             out["put"][size] = gbps(n * size, secs)
-            n, secs, _ = timed_loop(lambda i, k=keys, d=dst: client.get_into(k[i % len(k)], d), b)
+            stored = min(nkeys, max(n, 2))  # the keys the loop reached (its warm-up puts two)
+            n, secs, _ = timed_loop(lambda i, k=keys[:stored], d=dst: client.get_into(k[i % len(k)], d), b)
             out["get"][size] = gbps(n * size, secs)
-            check_reads(lambda i, k=keys, d=dst: client.get_into(k[i], d), src, dst, nkeys, f"{transport} get_into")
+            check_reads(lambda i, k=keys, d=dst: client.get_into(k[i], d), src, dst, stored, f"{transport} get_into")
             client.remove_many(keys)
         # 4 KiB latency: one key, many gets.
         small = np.arange(4 * KiB, dtype=np.uint8)

@@ -195,10 +195,12 @@ class PutPath:
                 plan.landed = []
 
     def _in_flux(self) -> bool:
-        """Registered nodes past their deadlines, or an empty table where nodes were seen before."""
+        """Registered nodes past their deadlines, or an empty table where nodes were seen before
+        and the index has recorded no heartbeat since (it restarted; agents that were stopped
+        leave their last heartbeat recorded, and a put fails at once)."""
         nodes = self.client._node_table()  # first: a read of it sets the clock offset
         if not nodes:
-            return self.client._view.seen_nodes
+            return self.client._view.seen_nodes and not self.client.index.heartbeat_recorded()
         now = self.client._server_now_ms()
         return any(n.heartbeat_deadline_ms < now for n in nodes.values())
 

@@ -108,6 +108,16 @@ class NodeTableCalls:
         grace = "" if grace_ms is None else grace_ms
         return list(self._run("node_reap", grace, max_keys, older_grace_ms or 0, reaper, turn_ms))
 
+    def heartbeat_recorded(self) -> bool:
+        """Whether an agent of this namespace has heartbeat since the index last started empty
+        (``hb_last``, which no deregistration removes): an empty node table without it is an
+        index that restarted, whose agents register again at their next heartbeats; with it,
+        agents that left."""
+        try:
+            return bool(self.redis.exists(self.prefix + "hb_last"))
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the node table from {self.where}: {exc}") from None
+
     def nodes(self) -> dict[str, NodeInfo]:
         """Every registered node (live or not) with its heartbeat deadline; one round trip."""
         pipe = self.redis.pipeline(transaction=False)

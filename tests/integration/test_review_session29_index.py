@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from mooncake_store import Client, LocalCluster, MooncakeError
+from mooncake_store import Client, LocalCluster, MooncakeError, NoCapacity
 from mooncake_store.errors import ProtocolError
 
 MiB = 1 << 20
@@ -175,3 +175,19 @@ def test_a_remove_leaves_a_malformed_record_untouched_and_removes_the_rest(
     assert index.redis.hget(index.prefix + "o:bad", "replicas") == bad_list
     assert not index.redis.exists(index.prefix + "o:good")
     assert len(_graves(client, node)) == 1  # good's replica alone
+
+
+def test_a_put_after_every_agent_was_stopped_fails_at_once(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """Agents stopped on purpose leave their last heartbeat recorded: no restart is under way,
+    and the put fails as before instead of waiting timeout_s for nodes that will not come
+    (second diff review of the restart wait)."""
+    cluster = make_cluster(1)
+    client = make_client(cluster, timeout_s=30.0)
+    client.put("before", b"x")
+    cluster.agents[0].stop()
+    client._node_table(refresh=True)
+    with pytest.raises(NoCapacity) as caught:
+        client.put("after", b"y")
+    assert "no live agent is registered" in str(caught.value) and "waited" not in str(caught.value)
