@@ -386,6 +386,15 @@ def source_commit() -> str:
     return (head + ("+dirty" if dirty else "")) if head else "unknown"
 
 
+def machine_line(info: dict[str, Any] | None = None) -> str:
+    """The report's "machine: ..." line: CPU, CPUs, Python, kernel and the commit it ran from."""
+    info = info or machine_info()
+    return (
+        f"machine: {info.get('cpu', '?')}, {info['cpus']} CPUs, Python {info['python']}, "
+        f"kernel {info['kernel']}; commit {info['commit']}"
+    )
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -428,10 +437,7 @@ def emit_report(
     """Print a benchmark's markdown report (machine line, table, verdicts) and write its raw JSON;
     returns the machine description it printed."""
     info = machine_info()
-    print(
-        f"## mooncake-store {title}\n\nmachine: {info.get('cpu', '?')}, {info['cpus']} CPUs, "
-        f"Python {info['python']}, kernel {info['kernel']}; commit {info['commit']}; {setting}\n"
-    )
+    print(f"## mooncake-store {title}\n\n{machine_line(info)}; {setting}\n")
     print(table)
     print(f"\n### {verdicts_heading}\n")
     for verdict in verdicts:

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import exit_on_sigterm
+from benchlib import exit_on_sigterm, machine_line
 
 from mooncake_store import LocalCluster, PrefixCache, connect
 
@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=("match", "layout", "restore"))
     args = p.parse_args(argv)
     exit_on_sigterm()
+    print(machine_line())
     with LocalCluster(num_agents=2, host_bytes=1024 * MiB) as cluster:
         for name, fn in (("match", bench_match), ("layout", bench_layout), ("restore", bench_restore)):
             if args.only in (None, name):
