@@ -24,7 +24,7 @@ from mooncake_cli.context import (
 from mooncake_cli.exits import CliError, ExitCode, code_for
 from rich.markup import escape
 
-from mooncake_store.agent.self_check import ANOTHER_AGENT, who_answers
+from mooncake_store.agent.self_check import who_answers
 from mooncake_store.config import format_size
 from mooncake_store.errors import MooncakeError
 from mooncake_store.index import RedisIndex
@@ -130,10 +130,8 @@ ENDPOINT_PING_S = 2.0
 
 def _ping_problem(node: NodeInfo) -> str | None:
     """Why ``node``'s published endpoint does not reach it, or None."""
-    problem = who_answers(node.tcp_endpoint, node.shm_name, timeout_s=ENDPOINT_PING_S)
-    if problem == ANOTHER_AGENT:
-        problem += " (its advertised address is wrong)"
-    return None if problem is None else f"{node.node_id} at {node.tcp_endpoint} {problem}"
+    astray = who_answers(node.tcp_endpoint, node.shm_name, timeout_s=ENDPOINT_PING_S)
+    return None if astray is None else f"{node.node_id} at {node.tcp_endpoint} {astray}"
 
 
 def _endpoint_check(alive: list[NodeInfo]) -> Check:

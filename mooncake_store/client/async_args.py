@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,10 @@ from mooncake_store.tiers.gpu_arrays import describe_device_array, is_device_arr
 
 
 def snapshot(values: Any) -> Any:
-    """A list of a list or tuple as it is now; anything else as given (for the call to judge)."""
+    """A list or tuple as a list as it is now, a mapping as a dict; anything else as given (for
+    the call to judge)."""
+    if isinstance(values, Mapping):
+        return dict(values)
     return list(values) if isinstance(values, list | tuple) else values
 
 
@@ -29,12 +33,9 @@ def wait_for_callers_stream(value: object) -> None:
 
 
 def tokens_as_now(token_ids: Any) -> Any:
-    """Token ids as they are now: a list or tuple copied, an array or a tensor cloned (anything
-    else as given, for the call to judge)."""
-    if isinstance(token_ids, list | tuple):
-        return list(token_ids)
+    """Token ids as they are now: an array or a tensor cloned, else as :func:`snapshot` takes them."""
     if isinstance(token_ids, np.ndarray):
         return token_ids.copy()
     if is_torch_tensor(token_ids):
         return token_ids.detach().clone()
-    return token_ids
+    return snapshot(token_ids)

@@ -16,11 +16,6 @@ from mooncake_store.client.async_args import snapshot, wait_for_callers_stream
 T = TypeVar("T")
 
 
-def _copied(mapping: Mapping[str, T] | None) -> Mapping[str, T] | None:
-    """A mapping as it is now (anything else as given, for the call to refuse)."""
-    return dict(mapping) if isinstance(mapping, Mapping) else mapping
-
-
 class AsyncCalls:
     """Mixed into Client, which provides ``_submit`` and the blocking calls."""
 
@@ -76,7 +71,7 @@ class AsyncCalls:
         """:meth:`put_many` on a worker thread; the values must not change until it is done. The
         mappings are taken as they are now (``chain_pos`` and ``chain_parent`` were read by the
         worker: a key added to one after the call made the put fail)."""
-        items = dict(items) if isinstance(items, Mapping) else items
+        items = snapshot(items)
         for value in items.values() if isinstance(items, dict) else []:
             wait_for_callers_stream(value)
         return self._submit(
@@ -84,6 +79,6 @@ class AsyncCalls:
             items,
             replicas=replicas,
             preferred_node=preferred_node,
-            chain_pos=_copied(chain_pos),
-            chain_parent=_copied(chain_parent),
+            chain_pos=snapshot(chain_pos),
+            chain_parent=snapshot(chain_parent),
         )

@@ -396,17 +396,16 @@ class Client(AsyncCalls):
         checked = check_keys(keys)
         with self._cut_by_close():
             statuses = self.index.remove(checked)
+        # Keys left in place (malformed, pinned): the rest of the batch is gone all the same: say which.
+        removed = [k for k, s in zip(checked, statuses, strict=True) if s == 1]
         malformed = [k for k, s in zip(checked, statuses, strict=True) if s == "MALFORMED"]
-        if malformed:  # left in place; the rest of the batch went as asked
-            removed = [k for k, s in zip(checked, statuses, strict=True) if s == 1]
+        if malformed:
             raise ProtocolError(
                 f"key(s) {malformed[:5]!r}: their index records are malformed (written by hand or by another "
                 "build) and were left in place" + (f"; removed the other {len(removed)} key(s)" if removed else "")
             )
         pinned = [k for k, s in zip(checked, statuses, strict=True) if s == "PINNED"]
         if pinned:
-            # The unpinned keys of the batch are gone all the same: say which.
-            removed = [k for k, s in zip(checked, statuses, strict=True) if s == 1]
             raise ObjectPinned(
                 f"key(s) {pinned[:5]!r} are pinned; release their pins first"
                 + (f"; removed the other {len(removed)} key(s): {removed[:5]!r}" if removed else ""),

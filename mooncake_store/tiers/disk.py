@@ -111,7 +111,8 @@ class DiskTier:
         self._promised = 0
         self._stored = 0
         self._raw = 0
-        #: Files that could not be removed, by allocation id: their footprints stay in _used.
+        #: Footprints of removed allocations whose files are not gone yet (being removed, or could
+        #: not be), by id: they stay in _used, and whoever takes one off this dict counts it off.
         self._stuck: dict[int, int] = {}
         self._stuck_tried = 0.0
         self._lock = threading.Lock()
@@ -421,8 +422,8 @@ class DiskTier:
     def remove(self, alloc_id: int) -> bool:
         """Forget an allocation and remove its file. A file that cannot be removed (a directory
         made read-only or immutable under the agent, a directory put in its place) is logged, and
-        its footprint stays counted as used until a later remove() takes it: forgotten, it stayed
-        on the disk uncounted, and the tier promised room the filesystem did not have (and the
+        its footprint stays counted as used until a later try takes it: forgotten, it stayed on
+        the disk uncounted, and the tier promised room the filesystem did not have (and the
         error escaped into the sync that freed it, cutting the rest of its frees short)."""
         with self._lock:
             entry = self._entries.pop(alloc_id, None)
@@ -430,45 +431,37 @@ class DiskTier:
                 return False
             self._stored -= entry.stored_bytes
             self._raw -= entry.raw_bytes
-        self._unlink(alloc_id, entry.footprint_bytes, retry=False)
+            self._stuck[alloc_id] = entry.footprint_bytes
+        self._unlink(alloc_id, first=True)
         self._unlink_stuck()
         return True
 
-    def _unlink(self, alloc_id: int, footprint: int, *, retry: bool) -> None:
+    def _unlink(self, alloc_id: int, *, first: bool) -> None:
         path = self.path_of(alloc_id)
         try:
             path.unlink(missing_ok=True)
         except OSError as exc:
-            with self._lock:
-                if retry and alloc_id not in self._stuck:
-                    return  # another pass removed it meanwhile, and counted it off
-                first = alloc_id not in self._stuck
-                self._stuck[alloc_id] = footprint
             if first:
-                log.warning(
-                    "cannot remove the chunk file %s: %s; its %d B stay counted as used until it can be",
-                    path,
-                    exc.strerror or exc,
-                    footprint,
-                )
+                log.warning("cannot remove the chunk file %s: %s; its room stays counted as used until it can be",
+                            path, exc.strerror or exc)  # fmt: skip
             return
         with self._lock:
-            # Counted off once: by the first try, or by the retry that finds it still stuck.
-            if self._stuck.pop(alloc_id, None) is not None or not retry:
-                self._used -= footprint
+            self._used -= self._stuck.pop(alloc_id, 0)  # once, whichever try removed it
 
     def _unlink_stuck(self) -> None:
         """Try the files that could not be removed again, at most every STUCK_RETRY_S: at each
         remove(), and before a write or a promise counts the free room (the room they hold
         would otherwise come back only with a remove, which a tier full of them never sees)."""
+        if not self._stuck:  # the common case, read without the lock: nothing to try
+            return
         now = time.monotonic()
         with self._lock:
             if not self._stuck or now - self._stuck_tried < STUCK_RETRY_S:
                 return
             self._stuck_tried = now
-            stuck = list(self._stuck.items())
-        for alloc_id, footprint in stuck:
-            self._unlink(alloc_id, footprint, retry=True)
+            stuck = list(self._stuck)
+        for alloc_id in stuck:
+            self._unlink(alloc_id, first=False)
 
     def close(self, *, remove_files: bool = True) -> None:
         """Release the directory; with ``remove_files``, remove it too (the files and what the tier

@@ -194,8 +194,8 @@ def test_an_address_answered_by_another_protocol_is_told_from_one_that_does_not_
 
     with _web_server() as port:
         problem = who_answers(f"127.0.0.1:{port}", "any-arena", timeout_s=5.0)
-    assert problem is not None, problem
-    assert problem.startswith("answers, but not in this build's protocol (bad frame magic"), problem
+    assert problem is not None and problem.answered, problem
+    assert str(problem).startswith("answers, but not in this build's protocol (bad frame magic"), problem
 
 
 def test_an_agent_advertising_an_address_another_service_answers_is_refused(cluster: LocalCluster) -> None:
