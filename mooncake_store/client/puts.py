@@ -43,6 +43,7 @@ from mooncake_store.errors import (
     MooncakeError,
     NoCapacity,
     ObjectPinned,
+    ProtocolError,
     ReservationExpired,
     TransferError,
 )
@@ -278,6 +279,13 @@ class PutPath:
                     f"chain positions grow from parent to child, and {loop.chain_pos} is not after "
                     f"{loop.chain_parent!r}'s or not before that of a stored child of {loop.key!r} (out of order, "
                     "links could loop, and no chunk of a loop could ever be evicted)" + landed
+                )
+            malformed = [f"o:{p.key}" for p, s in failed if s == "MALFORMED"]
+            malformed += [f"the chain parent child count for {p.key!r}" for p, s in failed if s == "BAD_COUNT"]
+            if malformed:
+                raise ProtocolError(
+                    f"cannot commit, since their index records are malformed (written by hand or by another "
+                    f"build; left as they are): {malformed[:5]!r}" + landed
                 )
             pinned = [p.key for p, s in failed if s == "PINNED"]
             if pinned:

@@ -35,6 +35,10 @@ from mooncake_store.types import ObjectMeta, Replica, check_pattern
 #: retry's connect may take up to 5 s more (connection.py).
 RETRY_WITHIN_S = ONCE_TTL_MS / 4 / 1000
 
+#: How the scripts' own errors about an index record they cannot read begin (a hand edit, another
+#: build): a ProtocolError naming the record, not a failed script.
+MALFORMED_SAID = "malformed "
+
 #: Decoded lookup records kept for reuse (an object read again decodes to the same ObjectMeta).
 DECODED_MEMO_ENTRIES = 16_384
 
@@ -218,6 +222,13 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                 raise ConnectError(f"Redis at {self.where} did not answer {name}: {exc}") from None
             except redis.ResponseError as exc:
                 self._keep_conn(conn)  # the reply was read whole: the connection is fine
+                said = str(exc)
+                if said.startswith(MALFORMED_SAID):
+                    # The scripts' own word on a record they cannot read (prelude's
+                    # record_replicas), which names it; the server's "script: on @user_script:N"
+                    # tail points into the script, not at the record.
+                    named = said.split(" script: ")[0]
+                    raise ProtocolError(f"{named} (namespace {self.prefix!r} at {self.where})") from None
                 advice = self._oom_advice(exc)
                 raise MooncakeError(f"index script {name} failed on {self.where}: {exc}{advice}") from None
             except BaseException:

@@ -98,7 +98,7 @@ def test_a_malformed_replica_list_is_named_as_such_and_a_remove_of_it_buries_not
     client = make_client(cluster)
     client.put("bad", b"value")
     client.index.redis.hset(client.index.prefix + "o:bad", "replicas", "[[garbage")
-    with pytest.raises(MooncakeError, match=r"malformed list in an index record: \[\[garbage"):
+    with pytest.raises(ProtocolError, match=r"malformed replica list in the index record o:bad: \[\[garbage"):
         client.get("bad")
     with pytest.raises(ProtocolError, match=r"\['bad'\]: their index records are malformed"):
         client.remove("bad")
@@ -149,12 +149,12 @@ def test_a_commit_onto_a_malformed_record_or_count_fails_having_written_nothing(
     client.put("old", b"first")
     index.redis.hset(index.prefix + "o:old", "replicas", '[["' + node + '", "host", 0, 5, "1", "COMPLETE"], 5]')
     version = index.redis.get(index.prefix + "version")
-    with pytest.raises(MooncakeError, match="malformed replica list in the index record o:old"):
+    with pytest.raises(ProtocolError, match=r"index records are malformed.*\['o:old'\]"):
         client.put("old", b"second")
     assert index.redis.get(index.prefix + "version") == version and _graves(client, node) == []
     client.put_many({"a": b"parent"}, chain_pos={"a": 0})
     index.redis.hset(index.prefix + "children", "a", "abc")
-    with pytest.raises(MooncakeError, match="malformed children count"):
+    with pytest.raises(ProtocolError, match=r"index records are malformed.*the chain parent child count for 'b'"):
         client.put_many({"b": b"child"}, chain_pos={"b": 1}, chain_parent={"b": "a"})
     assert not index.redis.exists(index.prefix + "o:b")
     assert not index.redis.sismember(index.prefix + "kids:a", "b")

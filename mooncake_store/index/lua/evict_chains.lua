@@ -65,7 +65,7 @@ local function refusal(key, alloc)
   local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas', 'lease_until')
   if not f[1] then return 'GONE' end
   local here, elsewhere = false, false
-  for _, r in ipairs(decode_list(f[1])) do
+  for _, r in ipairs(record_replicas(key, f[1])) do
     if r[1] == node and r[5] == alloc then
       here = true
     elseif r[6] == 'COMPLETE' and node_live(r[1], now) then
@@ -80,7 +80,7 @@ local function refusal(key, alloc)
   for i, k in ipairs({key, unpack(later)}) do
     local g = redis.call('HMGET', P .. 'o:' .. k, 'replicas', 'lease_until')
     if i > 1 then  -- a later chunk
-      for _, r in ipairs(decode_list(g[1])) do
+      for _, r in ipairs(record_replicas(k, g[1])) do
         if r[1] == node and r[2] ~= tier and pressed[r[2]] then return 'LOCAL' end
       end
     end
@@ -100,7 +100,7 @@ local gone_here = {}  -- alloc ids of node's tier that went: the caller counts t
 local function drop_later(k)
   local f = redis.call('HMGET', P .. 'o:' .. k, 'replicas', 'lease_until')
   if not f[1] then return end
-  local reps = decode_list(f[1])
+  local reps = record_replicas(k, f[1])
   for _, r in ipairs(reps) do
     if r[1] == node and r[2] == tier then
       freed = freed + tonumber(r[4])
@@ -134,7 +134,7 @@ for n = 1, count do  -- in the caller's order: coldest first
     if not statuses[n] then
       local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas')
       local size = 0
-      for _, r in ipairs(decode_list(f[1])) do
+      for _, r in ipairs(record_replicas(key, f[1])) do
         if r[1] == node and r[5] == alloc then size = tonumber(r[4]) end
       end
       statuses[n] = evict_replica(key, node, alloc, now)

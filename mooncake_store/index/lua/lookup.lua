@@ -31,7 +31,7 @@ for i = 4, #ARGV do
       if not node_live(node, now) then reps = nil end
     else
       local live, best = {}, nil
-      for _, r in ipairs(decode_list(reps)) do
+      for _, r in ipairs(record_replicas(ARGV[i], reps)) do
         if r[6] == 'COMPLETE' and node_live(r[1], now) then
           live[#live + 1] = r
           -- Hits go to the replica a reader on another host takes: the cheapest tier.
@@ -61,8 +61,8 @@ for i = 4, #ARGV do
 end
 if counted then
   local misses = #ARGV - 3 - hits
-  if hits > 0 then redis.call('HINCRBY', P .. 'stats', 'hits', hits) end
-  if misses > 0 then redis.call('HINCRBY', P .. 'stats', 'misses', misses) end
-  for name, n in pairs(tier_hits) do redis.call('HINCRBY', P .. 'stats', name, n) end
+  if hits > 0 then add_stat('hits', hits) end
+  if misses > 0 then add_stat('misses', misses) end
+  for name, n in pairs(tier_hits) do add_stat(name, n) end
 end
 return out

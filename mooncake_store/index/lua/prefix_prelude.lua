@@ -13,7 +13,7 @@ local function readable(key, now)
     local node = string.match(reps, '^%[%["([^"\\]*)"')
     if node then return node_live(node, now) end
   end
-  for _, r in ipairs(decode_list(reps)) do
+  for _, r in ipairs(record_replicas(key, reps)) do
     if r[6] == 'COMPLETE' and node_live(r[1], now) then return true end
   end
   return false

@@ -62,6 +62,22 @@ local function well_formed_replicas(raw)
   end
   return reps
 end
+-- A record's replica list, or an error naming the record: a reader or a move cannot pass a
+-- malformed one over (it would call a stored object missing), so it says which key to look at,
+-- where cjson's own error named neither the key nor the list.
+local function record_replicas(key, raw)
+  local reps = well_formed_replicas(raw)
+  if not reps then
+    error('malformed replica list in the index record o:' .. key .. ': ' .. string.sub(raw or '', 1, 80), 0)
+  end
+  return reps
+end
+-- Counters are what `stat` shows, nothing depends on them: one that a hand edit left no integer
+-- (stat names it) must not fail the read, eviction or move that counts it, after that script's
+-- writes (Redis keeps them), so its HINCRBY's error is let go.
+local function add_stat(name, n)
+  redis.pcall('HINCRBY', P .. 'stats', name, n)
+end
 local function encode_list(t)
   if #t == 0 then return '[]' end
   return cjson.encode(t)
@@ -148,7 +164,11 @@ local function adjust_children(parent, child, delta)
     else
       redis.call('SREM', P .. 'kids:' .. parent, child)
     end
-    if redis.call('HINCRBY', P .. 'children', parent, delta) <= 0 then
+    -- A count a hand edit left no integer stays as it is (put_commit and remove refuse to
+    -- touch its chain, naming it; eviction keeps its parent): failing here would fail the script
+    -- after its writes, which Redis keeps.
+    local n = redis.pcall('HINCRBY', P .. 'children', parent, delta)
+    if type(n) == 'number' and n <= 0 then
       redis.call('HDEL', P .. 'children', parent)
       redis.call('HDEL', P .. 'minchild', parent)
       redis.call('DEL', P .. 'kids:' .. parent)
@@ -162,8 +182,9 @@ local function children_ok(parent)
   local n = redis.call('HGET', P .. 'children', parent)
   return not n or tonumber(n) ~= nil
 end
+-- A count that is no integer counts as children without end: its chunk is kept (the safe side).
 local function children_of(key)
-  return tonumber(redis.call('HGET', P .. 'children', key) or 0)
+  return tonumber(redis.call('HGET', P .. 'children', key) or 0) or math.huge
 end
 -- Remove every trace of one object record, and its place in its parent's child count.
 local function drop_object(key)
@@ -407,7 +428,7 @@ local function swap_record(key, swaps)
     if not f[1] then return nil end
     local lease = tonumber(f[2] or 0)
     if lease == nil then error('o:' .. key .. ' lease_until is not a number: ' .. tostring(f[2])) end
-    rec = {reps = decode_list(f[1]), lease = lease}
+    rec = {reps = record_replicas(key, f[1]), lease = lease}
     swaps.records[key] = rec
   end
   return rec
@@ -519,7 +540,7 @@ local function count_lost(ok, what, dropped, left)
     end
     if seen then return end
   end
-  redis.call('HINCRBY', P .. 'stats', what, 1)
+  add_stat(what, 1)
   local ids = {}
   for _, r in ipairs(left) do table.insert(ids, r[1] .. ':' .. r[5]) end
   redis.call('HSET', ok, 'lost', ',' .. table.concat(ids, ',') .. ',')
@@ -529,7 +550,7 @@ local function evict_replica(key, node, alloc, now, damaged)
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until', 'copies')
   if not f[1] then return 'GONE' end
   local keep, found = {}, nil
-  for _, r in ipairs(decode_list(f[1])) do
+  for _, r in ipairs(record_replicas(key, f[1])) do
     if r[1] == node and r[5] == alloc then found = r else table.insert(keep, r) end
   end
   if not found then return 'GONE' end

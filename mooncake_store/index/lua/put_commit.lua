@@ -7,8 +7,10 @@
 -- past its heartbeat deadline, or restarted since the reservation: an index restarted empty forgets
 -- every node until its next heartbeat, so a writer may wait for the table and try again; clients
 -- of earlier builds read it as any status but OK, a failed put), "PINNED" (the key exists and
--- holds live pins, so it cannot be replaced) or "LOOP" (its chain link is out of order: see
--- out_of_order below; the order is what keeps chains from looping).
+-- holds live pins, so it cannot be replaced), "LOOP" (its chain link is out of order: see
+-- out_of_order below; the order is what keeps chains from looping), "MALFORMED" (the record under
+-- the key has a replica list this build cannot read) or "BAD_COUNT" (a chain parent's child count
+-- is no integer): both written by hand or by another build, left as they are.
 -- On OK an older object under the key is replaced in one step: its replicas go to their agents'
 -- graveyards, to be freed once every read lease granted on it has expired.
 local now = now_ms()
@@ -65,19 +67,18 @@ for i, put_id in ipairs(ids) do
       table.insert(out, 'PINNED')
     elseif out_of_order(e) then
       table.insert(out, 'LOOP')
+    elseif old[1] and not well_formed_replicas(old[1]) then
+      -- What can fail (a record or a counter not of its type) is refused before the entry's first
+      -- write, as a status of its own: Redis keeps the writes a script made before an error, and a
+      -- commit that buried the old replicas and then failed left the record naming freed memory
+      -- (reads of another object's bytes once it was reused) and the new allocations acked for
+      -- nothing; an error also cut the batch short after the entries before it had committed.
+      table.insert(out, 'MALFORMED')
+    elseif (old[3] or '') ~= (e.chain_parent or '') and not (children_ok(old[3]) and children_ok(e.chain_parent)) then
+      table.insert(out, 'BAD_COUNT')
     else
-      -- What can fail (a record or a counter not of its type) goes before the first write: Redis
-      -- keeps the writes a script made before its error, and a commit that buried the old
-      -- replicas and then failed left the record naming freed memory (reads of another object's
-      -- bytes once it was reused) and the new allocations acked for nothing.
       local old_replicas = old[1] and well_formed_replicas(old[1])
-      if old[1] and not old_replicas then
-        error('malformed replica list in the index record o:' .. e.key .. ': ' .. string.sub(old[1], 1, 80), 0)
-      end
       local new_parent = e.chain_parent or ''
-      if (old[3] or '') ~= new_parent and not (children_ok(old[3]) and children_ok(new_parent)) then
-        error('malformed children count in the index for the chain parent of ' .. e.key, 0)
-      end
       local version = redis.call('INCR', P .. 'version')
       if old_replicas then
         local free_at = math.max(now, tonumber(old[2] or 0))

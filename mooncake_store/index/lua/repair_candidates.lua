@@ -15,7 +15,7 @@ local out = {}
 for _, key in ipairs(redis.call('SRANDMEMBER', set, tonumber(ARGV[3]))) do
   local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'replicas', 'copies', 'dtype')
   local mine, holders = nil, {}
-  local reps = f[1] and decode_list(f[2]) or {}
+  local reps = f[1] and record_replicas(key, f[2]) or {}
   for _, r in ipairs(reps) do
     table.insert(holders, r[1])
     if r[1] == node and r[6] == 'COMPLETE' then mine = r end

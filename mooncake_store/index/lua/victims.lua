@@ -9,7 +9,8 @@
 -- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
 -- count) so the policy, not this script, owns the rule.
 -- Read only: live pins are counted (ZCOUNT), not cleaned; the chain counts come in one HMGET at
--- the end. A call costs two commands per sampled object, which the start of every pressure pass
+-- the end (a count that is no integer, a hand edit, is sent as 1: a nil would cut the reply
+-- short there). A call costs two commands per sampled object, which the start of every pressure pass
 -- waits for.
 local node, tier = ARGV[2], ARGV[3]
 local now = now_ms()
@@ -45,5 +46,5 @@ for _, key in ipairs(keys) do
     end
   end
 end
-for i, c in ipairs(chunked('HMGET', P .. 'children', listed)) do out[(i - 1) * 11 + 9] = tonumber(c or 0) end
+for i, c in ipairs(chunked('HMGET', P .. 'children', listed)) do out[(i - 1) * 11 + 9] = tonumber(c or 0) or 1 end
 return out
