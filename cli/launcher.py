@@ -116,7 +116,7 @@ def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
         state.servers.append(ref_of(proc.pid))
     line = wait_for_line(proc, out, "redis://", plan.timeout_s)
     if line is None:
-        raise CliError(f"the embedded Redis server {_not_up(proc, log, plan.timeout_s)}")
+        raise CliError(f"the embedded Redis server {_not_up(proc, log, plan.timeout_s)}", _code_of(proc))
     # The wrapper prints the server's own pid right after the URL; recording it lets `down` stop
     # the server even if the wrapper was killed outright.
     found = wait_for_match(proc, log, _SERVER_PID_RE, 2.0)
@@ -145,6 +145,12 @@ def _not_up(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:
         return f"{why}: {said}"
     tail = log_tail(log)
     return f"{why}: {tail}" if tail else why
+
+
+def _code_of(proc: subprocess.Popen[bytes]) -> ExitCode:
+    """A process that refused what it was given (exit 2: a port in use, a bad value) is a usage
+    error of this command too; any other end, or none yet, is an error."""
+    return ExitCode.USAGE if proc.poll() == ExitCode.USAGE else ExitCode.ERROR
 
 
 def _agent_env(redis_url: str, namespace: str) -> dict[str, str]:
@@ -183,7 +189,7 @@ def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState) -> None:
     for record, (node_id, proc, out, log) in zip(state.agents, started, strict=True):
         line = wait_for_line(proc, out, "READY ", plan.timeout_s)
         if line is None:
-            raise CliError(f"agent {node_id} {_not_up(proc, log, plan.timeout_s)}")
+            raise CliError(f"agent {node_id} {_not_up(proc, log, plan.timeout_s)}", _code_of(proc))
         ready = json.loads(line[len("READY ") :])
         record.shm_name = str(ready["shm_name"])
         record.endpoint = str(ready["endpoint"])

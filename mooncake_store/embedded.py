@@ -29,8 +29,11 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from mooncake_store.errors import ServerError
+from mooncake_store.errors import PortInUse, ServerError
 from mooncake_store.watchdog import start_time, watch_parent
+
+#: The wrapper's exit status for a port in use, as an agent's for a --listen port in use.
+USAGE_EXIT = 2
 
 
 def watchdog_command() -> list[str]:
@@ -294,7 +297,7 @@ class EmbeddedServer:
                     if in_use and not last_attempt:
                         return False
                     if in_use:  # the log says no more than this, after unrelated warnings
-                        raise ServerError(
+                        raise PortInUse(
                             f"port {port} on {self.host} is already in use by another process; choose "
                             "another port, or none to have a free one picked"
                         )
@@ -414,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         server = EmbeddedServer(host=args.host, port=args.port, persist_dir=args.persist_dir).start()
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        # 2, as an agent given a --listen port in use exits: `mooncake up` reports it as usage.
+        return USAGE_EXIT if isinstance(exc, PortInUse) else 1
     try:
         print(server.url, flush=True)
         # The pid and the temp dir let `mooncake down` stop the server and remove its files even

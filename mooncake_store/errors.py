@@ -12,13 +12,14 @@
     ├── ObjectPinned           remove/replace of an object whose refcount is above zero
     ├── ConnectError           Redis or an agent cannot be reached
     │   └── AgentBusy          the agent is up but at its connection limit (it answered BUSY)
-    ├── ProtocolError          a malformed or unexpected frame on the wire
+    ├── ProtocolError          a malformed or unexpected frame on the wire, or index record
     ├── TransferError          a peer failed or died mid-transfer
     │   ├── StaleLocation      the replica's generation no longer matches (freed or moved); retry
     │   └── TransferTimeout    a peer took longer than the timeout (each recv, or a whole reply)
     ├── ReservationExpired     a put took longer than the agent's reservation timeout, or its node left
     ├── GpuUnavailable         no usable CUDA device (cupy missing, no driver, no such device)
     └── ServerError            the embedded Redis-compatible server failed to start or stop
+        └── PortInUse          the port it was given is another process's
 
 Messages carry the offending value and the limit it broke, for example
 ``need 33554432 B on host; node a1 has 1048576/1073741824 B free``.
@@ -94,7 +95,8 @@ class AgentBusy(ConnectError):
 
 
 class ProtocolError(MooncakeError):
-    """A frame on the wire is malformed or unexpected."""
+    """A frame on the wire is malformed or unexpected, or an index record is not of this build's
+    making (written by hand or by another build)."""
 
 
 class TransferError(MooncakeError):
@@ -124,3 +126,8 @@ class GpuUnavailable(MooncakeError):
 
 class ServerError(MooncakeError):
     """The embedded Redis-compatible server could not be started or stopped."""
+
+
+class PortInUse(ServerError):
+    """The port the embedded server was given is held by another process (a usage error: the
+    command line names another port, or none)."""

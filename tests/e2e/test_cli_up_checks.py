@@ -132,13 +132,14 @@ def test_a_recorded_cluster_whose_server_died_is_told_to_go_down(
 
 def test_up_on_a_port_in_use_says_so_in_one_line(mooncake: Mooncake) -> None:
     """Its error was the server log's last lines, opening with an unrelated warning (memory
-    overcommit), after ~25 s spent waiting on a listener that never answered."""
+    overcommit), after ~25 s spent waiting on a listener that never answered. It is a usage
+    error (exit 2), as an agent's --listen port in use is; it was exit 1."""
     with socket.socket() as listener:  # listening, never answering
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
         result = mooncake("up", "--detach", "--agents", "0", "--port", str(port))
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     (message,) = [line for line in error_lines(result) if line.startswith("error: ")]  # after "starting ..."
     assert f"port {port} on 127.0.0.1 is already in use" in message and "WARNING" not in message
     assert not (mooncake.state_dir / "cluster.json").exists()

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from mooncake_store.embedded import EmbeddedServer, find_server_binary
-from mooncake_store.errors import ServerError
+from mooncake_store.errors import PortInUse, ServerError
 
 
 def pid_alive(pid: int) -> bool:
@@ -99,7 +99,7 @@ def test_persist_dir_keeps_data_across_restart(tmp_path: Path) -> None:
 def test_explicit_port_in_use_raises_saying_so(server: EmbeddedServer) -> None:
     """The cause alone: the server's log tail opened with unrelated warnings (overcommit), with
     the bind error below them, and `mooncake up` showed those as its error."""
-    with pytest.raises(ServerError) as info:
+    with pytest.raises(PortInUse) as info:
         EmbeddedServer(port=server.port).start()
     message = str(info.value)
     assert message.startswith(f"port {server.port} on 127.0.0.1 is already in use"), message
