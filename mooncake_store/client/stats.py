@@ -1,10 +1,15 @@
-"""What ``Client.stat()`` returns: the node table and totals, as values and as plain dicts."""
+"""What ``Client.stat()`` returns: the node table and totals, as values and as plain dicts.
+
+Their reprs are one line each, with sizes in binary units and only the counters that are not 0
+(``print(client.stat())`` printed every field of every tier of every node); every field is still
+an attribute, and ``as_dict()`` gives them all."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mooncake_store.config.values import format_size
 from mooncake_store.types import NodeInfo, TierUsage
 
 
@@ -24,6 +29,27 @@ class TierStats:
     corrupt: int = 0  # replicas found damaged here (a chunk file that failed its checksum), dropped
     copies_out: int = 0  # objects copied to other nodes to restore their replica count after a node's loss
     compression_ratio: float = 1.0  # raw bytes over stored bytes (disk tier)
+
+    def __repr__(self) -> str:
+        said = [f"{format_size(self.used_bytes)} of {format_size(self.capacity_bytes)}", f"{self.objects} objects"]
+        said += [f"{name} {getattr(self, name)}" for name in _TIER_COUNTERS if getattr(self, name)]
+        if self.compression_ratio != 1.0:
+            said.append(f"compression {self.compression_ratio:.2f}x")
+        return f"TierStats({self.tier}: {', '.join(said)})"
+
+
+#: The counters a TierStats repr names when they are not 0, in the order `mooncake stat` shows them.
+_TIER_COUNTERS = (
+    "hits",
+    "reads",
+    "demotions",
+    "promotions",
+    "spills_out",
+    "spills_in",
+    "evictions",
+    "corrupt",
+    "copies_out",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +73,11 @@ class NodeStats:
     #: Seconds since then, by the index server's clock (0: unknown).
     uptime_s: float = 0.0
 
+    def __repr__(self) -> str:
+        state = "live" if self.alive else f"down {self.heartbeat_age_s:.1f} s"
+        where = f"{self.tcp_endpoint}" + (f", zone {self.zone!r}" if self.zone else "")
+        return f"NodeStats({self.node_id!r} {state}, {where}, {self.objects} objects, tiers={list(self.tiers)!r})"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterStats:
@@ -65,6 +96,17 @@ class ClusterStats:
     #: yet made (re-replication). The next node may go once this is 0 and the last one has left the
     #: node table: a node that died unstopped counts here only once it is reaped.
     short: int = 0
+
+    def __repr__(self) -> str:
+        said = [
+            f"{len(self.live_nodes)} of {len(self.nodes)} nodes live",
+            f"{self.objects} objects",
+            f"{format_size(self.used_bytes)} of {format_size(self.capacity_bytes)} used",
+            f"hits {self.hits}",
+            f"misses {self.misses}",
+        ]
+        said += [f"{name} {getattr(self, name)}" for name in ("evictions", "corrupt", "short") if getattr(self, name)]
+        return f"ClusterStats({', '.join(said)}; nodes={list(self.nodes)!r})"
 
     @property
     def live_nodes(self) -> tuple[NodeStats, ...]:
