@@ -213,7 +213,7 @@ def explain_config(
         float(values["agent.heartbeat_ttl_s"]),  # type: ignore[arg-type]
         sources["agent.heartbeat_interval_s"],
         sources["agent.heartbeat_ttl_s"],
-        ttl_as_given=as_given("agent.heartbeat_ttl_s"),
+        as_given=(as_given("agent.heartbeat_interval_s"), as_given("agent.heartbeat_ttl_s")),
     )
 
     _check_watermarks(

@@ -207,13 +207,19 @@ def _check_disk(
 
 
 def _check_heartbeat(
-    interval: float, ttl: float, interval_src: _Source, ttl_src: _Source, *, ttl_as_given: object = None
+    interval: float,
+    ttl: float,
+    interval_src: _Source,
+    ttl_src: _Source,
+    *,
+    as_given: tuple[object, object] = (None, None),
 ) -> None:
-    """``ttl_as_given`` is the TTL as the user wrote it, so the message quotes their text."""
+    """``as_given`` is (interval, TTL) as the user wrote them, so the message quotes their text."""
     # A TTL at or below the interval lets a healthy node's entry expire between two heartbeats.
     if ttl <= interval:
-        ttl_raw = ttl if ttl_as_given is None else ttl_as_given
+        interval_raw = interval if as_given[0] is None else as_given[0]
+        ttl_raw = ttl if as_given[1] is None else as_given[1]
         raise _refuse_pair(
             _Side("agent.heartbeat_ttl_s", ttl, ttl_raw, ttl_src, "must be greater than"),
-            _Side("agent.heartbeat_interval_s", interval, interval, interval_src, "must be below"),
+            _Side("agent.heartbeat_interval_s", interval, interval_raw, interval_src, "must be below"),
         )

@@ -123,6 +123,9 @@ def test_an_interval_at_or_above_the_default_ttl_blames_the_interval() -> None:
     """It blamed agent.heartbeat_ttl_s=5.0, which the user never set."""
     with pytest.raises(ConfigError, match=r"MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S=.*must be below agent.heartbeat_ttl_s"):
         load_config(env={"MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S": "6"})
+    # As given, not as parsed (it said '6.0'; session 30).
+    with pytest.raises(ConfigError, match=r"HEARTBEAT_INTERVAL_S='6e0': must be below"):
+        load_config(env={"MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S": "6e0"})
 
 
 def test_a_variable_one_case_away_is_suggested() -> None:
