@@ -3,6 +3,7 @@ where errors become a red line and an exit code (tracebacks only with --debug)."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -115,10 +116,17 @@ _add(demo.demo, "Demos", context_settings=demo.CONTEXT_SETTINGS, add_help_option
 
 
 def _fail(message: str, code: int, *, debug: bool) -> int:
-    if debug:
-        err.print_exception(show_locals=False)
-    # One line, never wrapped or markup-parsed: scripts and tests read it, and messages hold "[...]".
-    err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
+    # With nobody reading stderr (`mooncake get k 2>&1 | true`), the print's BrokenPipeError
+    # escaped and Python exited 1: the command's own code (3, key not found) is what scripts read.
+    try:
+        if debug:
+            err.print_exception(show_locals=False)
+        # One line, never wrapped or markup-parsed: scripts and tests read it, and messages hold "[...]".
+        err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
+    except OSError:
+        # What is left in stderr's buffer would fail again at exit (Python then exits 120).
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     return code
 
 

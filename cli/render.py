@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from mooncake_store import ClusterStats
+from mooncake_store import ClusterStats, NodeStats
+from mooncake_store.client.stats import TierStats
 from mooncake_store.config import format_size
 
 
@@ -35,7 +37,7 @@ def use_percent(used: int, capacity: int) -> Text:
 
 
 #: How narrow (characters) a name column may fold where the table is too wide for the output.
-FOLD_MIN_WIDTH = {"node": 10, "zone": 8, "endpoint": 15, "via": 7}
+FOLD_MIN_WIDTH = {"node": 8, "zone": 8, "endpoint": 15, "via": 7}
 
 
 def _name_column(table: Table, name: str, values: list[str], *, fold: bool) -> None:
@@ -49,22 +51,110 @@ def _name_column(table: Table, name: str, values: list[str], *, fold: bool) -> N
 
 
 class _Fitted:
-    """A table laid out for the width it is printed in: as built, where it fits; else with its
-    name columns folding. With every column unwrappable, rich cut each one short where the table
-    was too wide ("us-east…" for us-east-1a and us-east-1b alike, "8.0 M…", the spill columns
-    gone for a long node id), into a pipe's 80 columns too; with name columns that fold always,
-    rich laid a table that fits out a column wider than 80."""
+    """A table laid out for the width it is printed in, with nothing cut short: as built, where
+    it fits; else with each column set to a width that cuts nothing (name columns folding onto
+    further lines, two-word headers on two), the room left going to the names first; else, in a
+    width no table fits, as lines of "name value" pairs that wrap (``narrow``).
 
-    def __init__(self, build: Callable[[bool], Table]) -> None:
+    With every column unwrappable, rich cut each one short where the table was too wide
+    ("us-east…", "8.0 M…", the spill columns gone for a long node id), into a pipe's 80 columns
+    too. Left to share out the width itself, rich squeezes columns it may not wrap (figures) once
+    the wrappable ones are down to one width, and drops whole columns below that: in 58 columns
+    "spill out" was gone, in 55 the node column."""
+
+    def __init__(self, build: Callable[[bool], Table], narrow: Callable[[int], Text]) -> None:
         self._build = build
+        self._narrow = narrow
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        unbounded = options.update_width(1 << 16)  # rich clamps a measure to the width given
         table = self._build(False)
-        # Its narrowest layout (two-word headers folded), measured as if the width were unbounded:
-        # rich clamps a table's measure to the width given.
-        if Measurement.get(console, options.update_width(1 << 16), table).minimum > options.max_width:
-            table = self._build(True)
-        yield table
+        if Measurement.get(console, unbounded, table).maximum <= options.max_width:
+            yield table
+            return
+        table = self._build(True)
+        if _set_widths(console, unbounded, table, options.max_width):
+            yield table
+        else:
+            yield self._narrow(options.max_width)
+
+
+def _set_widths(console: Console, options: ConsoleOptions, table: Table, width: int) -> bool:
+    """Give each column of ``table`` a fixed width that cuts nothing, within ``width`` if it can
+    (False if not): a figure its whole width, a folding name or a two-word header its narrowest;
+    then the room left to names, each step the one that makes a name whole for the fewest
+    characters (as many names as can be stay whole), and last to two-word headers."""
+    least: list[int] = []
+    lengths: list[list[int]] = []  # of each cell, header included
+    for column in table.columns:
+        measured = [Measurement.get(console, options, cell) for cell in (column.header, *column.cells)]
+        lengths.append([m.maximum for m in measured])
+        if column.no_wrap:
+            least.append(max(lengths[-1]))
+        elif column.overflow == "fold":
+            least.append(column.min_width or max(lengths[-1]))
+        else:  # words wrap between lines: the longest one
+            least.append(max(column.min_width or 0, *(m.minimum for m in measured)))
+    gaps = len(table.columns) - 1  # padding (0, 1), collapsed, none at the edges: one space between
+    spare = width - sum(least) - gaps
+    if spare < 0:
+        return False
+    names = [i for i, column in enumerate(table.columns) if column.overflow == "fold"]
+    while True:
+        steps = [(n - least[i], i, n) for i in names for n in lengths[i] if least[i] < n <= least[i] + spare]
+        if not steps:
+            break
+        cost, i, least[i] = min(steps)
+        spare -= cost
+    for i, column in enumerate(table.columns):
+        if not column.no_wrap and column.overflow != "fold" and max(lengths[i]) - least[i] <= spare:
+            spare -= max(lengths[i]) - least[i]
+            least[i] = max(lengths[i])
+    for column, fixed in zip(table.columns, least, strict=True):
+        column.width = fixed
+    return True
+
+
+def _pairs(name: Text, pairs: list[tuple[str, str | Text]], width: int) -> Text:
+    """``name`` then "label value" pairs, as many to a line as ``width`` holds, further lines
+    indented; a pair is never split between lines, and one wider than the whole width folds."""
+    line, lines = name.copy(), []
+    for label, value in pairs:
+        pair = Text.assemble((label + " ", "dim"), value)
+        if line.cell_len + 2 + pair.cell_len > width and line.plain.strip():
+            lines.append(line)
+            line = Text("    ")
+        else:
+            line.append("  ")
+        line.append_text(pair)
+    lines.append(line)
+    folded = [part for text in lines for part in text.wrap(_MEASURE, width, overflow="fold")]
+    return Text("\n").join(folded)
+
+
+#: Only measures text for _pairs' folding (Text.wrap asks a console for nothing else).
+_MEASURE = Console(width=1 << 16, file=io.StringIO())
+
+
+def _heartbeat(node: NodeStats) -> Text:
+    """The heartbeat age, green while the node is inside its deadline, red once past it."""
+    return Text(age(node.heartbeat_age_s) + ("" if node.alive else " dead"), "green" if node.alive else "red")
+
+
+def _node_names(node: NodeStats) -> list[tuple[str, str | Text]]:
+    # Text, not markup: "[fd00::7]:7000" is no style tag.
+    return [("zone", Text(node.zone)), ("endpoint", Text(node.tcp_endpoint)), ("via", ",".join(node.transports))]
+
+
+def _tier_use(tier: TierStats | None, node: NodeStats) -> list[tuple[str, str | Text]]:
+    if tier is None:
+        return [("used", "-"), ("capacity", "-"), ("use", ""), ("objs", str(node.objects))]
+    return [
+        ("used", format_size(tier.used_bytes)),
+        ("capacity", format_size(tier.capacity_bytes)),
+        ("use", use_percent(tier.used_bytes, tier.capacity_bytes)),
+        ("objs", str(tier.objects)),  # what the tier holds
+    ]
 
 
 def nodes_table(stats: ClusterStats, *, fold: bool = False) -> Table:
@@ -78,24 +168,28 @@ def nodes_table(stats: ClusterStats, *, fold: bool = False) -> Table:
     for name in ("used", "capacity", "use", "objs", "hb age"):
         table.add_column(name, justify="right", no_wrap=True)
     for node in stats.nodes:
-        # The heartbeat age, green while the node is inside its deadline, red once past it.
-        hb = Text(age(node.heartbeat_age_s) + ("" if node.alive else " dead"), "green" if node.alive else "red")
         for i, tier in enumerate(node.tiers or [None]):
             first = i == 0
-            row: list[Any] = [
+            names = [value for _, value in _node_names(node)] if first else ["", "", ""]
+            use = [value for _, value in _tier_use(tier, node)]
+            table.add_row(
                 Text(node.node_id, "bold") if first else "",
-                Text(node.zone) if first else "",
-                Text(node.tcp_endpoint) if first else "",  # "[fd00::7]:7000" is no style tag
-                ",".join(node.transports) if first else "",
+                *names,
                 tier.tier if tier else "-",
-                format_size(tier.used_bytes) if tier else "-",
-                format_size(tier.capacity_bytes) if tier else "-",
-                use_percent(tier.used_bytes, tier.capacity_bytes) if tier else "",
-                str(tier.objects) if tier else str(node.objects),  # what the tier holds
-                hb if first else "",
-            ]
-            table.add_row(*row)
+                *use,
+                _heartbeat(node) if first else "",
+            )
     return table
+
+
+def nodes_lines(stats: ClusterStats, width: int) -> Text:
+    """The nodes table as lines of pairs, for a width no table fits."""
+    lines: list[Text] = []
+    for node in stats.nodes:
+        lines.append(_pairs(Text(node.node_id, "bold"), [*_node_names(node), ("hb age", _heartbeat(node))], width))
+        for tier in node.tiers or [None]:
+            lines.append(_pairs(Text("  " + (tier.tier if tier else "-")), _tier_use(tier, node), width))
+    return Text("\n").join(lines)
 
 
 #: Per-tier counters of the activity table: (column, TierStats field).
@@ -111,12 +205,21 @@ ACTIVITY = (
 )
 
 
+def _uptime(node: NodeStats) -> str:
+    # Counters count from the agent's start: "up" says how long that is (a restart zeroes them).
+    return age(node.uptime_s) if node.started_ms else "-"
+
+
+def _activity(tier: TierStats) -> list[tuple[str, str | Text]]:
+    counts: list[tuple[str, str | Text]] = [(name, str(getattr(tier, field))) for name, field in ACTIVITY]
+    return [*counts, ("ratio", f"{tier.compression_ratio:.2f}x" if tier.tier == "disk" else "")]
+
+
 def activity_table(stats: ClusterStats, *, fold: bool = False) -> Table:
     """What each node's tiers did since their agents started: lookups answered (hits), reads the
     agent served, moves under memory pressure, and the disk tier's compression ratio."""
     table = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
     _name_column(table, "node", [n.node_id for n in stats.nodes], fold=fold)
-    # Counters count from the agent's start: "up" says how long that is (a restart zeroes them).
     table.add_column("up", justify="right", no_wrap=True)
     table.add_column("tier", no_wrap=True)
     for name, _ in ACTIVITY:
@@ -125,13 +228,21 @@ def activity_table(stats: ClusterStats, *, fold: bool = False) -> Table:
         table.add_column(name, justify="right", no_wrap=" " not in name, min_width=len(max(name.split(), key=len)))
     table.add_column("ratio", justify="right", no_wrap=True)
     for node in stats.nodes:
-        up = age(node.uptime_s) if node.started_ms else "-"
         for i, tier in enumerate(node.tiers):
-            counts = [str(getattr(tier, field)) for _, field in ACTIVITY]
-            ratio = f"{tier.compression_ratio:.2f}x" if tier.tier == "disk" else ""
             first = i == 0
-            table.add_row(Text(node.node_id, "bold") if first else "", up if first else "", tier.tier, *counts, ratio)
+            names = [Text(node.node_id, "bold"), _uptime(node)] if first else ["", ""]
+            table.add_row(*names, tier.tier, *(value for _, value in _activity(tier)))
     return table
+
+
+def activity_lines(stats: ClusterStats, width: int) -> Text:
+    """The activity table as lines of pairs, for a width no table fits."""
+    lines: list[Text] = []
+    for node in stats.nodes:
+        lines.append(_pairs(Text(node.node_id, "bold"), [("up", _uptime(node))], width))
+        for tier in node.tiers:
+            lines.append(_pairs(Text("  " + tier.tier), [(k, v) for k, v in _activity(tier) if v != ""], width))
+    return Text("\n").join(lines)
 
 
 def totals_line(stats: ClusterStats) -> Text:
@@ -158,9 +269,9 @@ def cluster_view(stats: ClusterStats, *, header: Text | None = None) -> Group:
     parts: list[Any] = [header] if header is not None else []
     if stats.nodes:
         parts += [
-            _Fitted(lambda fold: nodes_table(stats, fold=fold)),
+            _Fitted(lambda fold: nodes_table(stats, fold=fold), lambda width: nodes_lines(stats, width)),
             Text(""),
-            _Fitted(lambda fold: activity_table(stats, fold=fold)),
+            _Fitted(lambda fold: activity_table(stats, fold=fold), lambda width: activity_lines(stats, width)),
             Text(""),
         ]
     else:
