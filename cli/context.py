@@ -194,4 +194,9 @@ def recorded_cluster_advice(target: Target) -> str:
     recorded (doctor gave that advice too); connect's otherwise."""
     if target.state is None:
         return START_A_CLUSTER
+    return down_then_up()
+
+
+def down_then_up() -> str:
+    """The advice for a recorded cluster that is partly gone."""
     return f"`mooncake down` stops what is left of the cluster recorded in {state_path()}, then `mooncake up`"

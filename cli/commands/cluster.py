@@ -13,7 +13,17 @@ from typing import Annotated
 
 import typer
 from mooncake_cli import launcher
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, globals_of, live_out, out, seconds_between
+from mooncake_cli.context import (
+    JsonOpt,
+    NamespaceOpt,
+    RedisUrlOpt,
+    down_then_up,
+    err,
+    globals_of,
+    live_out,
+    out,
+    seconds_between,
+)
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive, ref_of
 from mooncake_cli.render import cluster_view
@@ -120,6 +130,15 @@ def _refuse_if_running() -> None:
     if state is None:
         return
     if state.running():
+        if state.servers and not any(alive(p) for p in state.servers):
+            # Its server died (killed, out of memory) while agents run on: "already running" was
+            # no help in finding out why its stat and ls fail.
+            raise CliError(
+                f"the cluster recorded in {state_path()} lost its embedded server "
+                f"({redact_url(state.redis_url)}) while its agents run on: "
+                f"{down_then_up()}",
+                ExitCode.ERROR,
+            )
         raise CliError(
             f"a cluster is already running ({redact_url(state.redis_url)}, recorded in {state_path()}); "
             "stop it with `mooncake down` first",

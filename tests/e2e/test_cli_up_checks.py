@@ -124,6 +124,12 @@ def test_a_recorded_cluster_whose_server_died_is_told_to_go_down(
         result = mooncake("doctor")
         doctor = result.stdout.decode() + result.stderr.decode()
         assert "`mooncake down` stops what is left" in doctor and "Start a cluster" not in doctor, doctor
+        # and `up`, which said "a cluster is already running" (README walk-through, session 30),
+        # once the server's wrapper has seen its server go too
+        wrapper = int(state["servers"][0]["pid"])
+        while pid_alive(wrapper) and time.monotonic() < deadline + 5:
+            time.sleep(0.05)
+        assert_one_line_error(mooncake("up", "--detach"), 1, "lost its embedded server", "`mooncake down` stops what")
     finally:
         down = mooncake("down", "--timeout", "5")
     assert down.returncode == 0, down.stderr
