@@ -19,7 +19,7 @@ from mooncake_store.errors import MooncakeError, ProtocolError
 from mooncake_store.tiers.chunk_format import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
-from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST, Op, Status
+from mooncake_store.transport.frames import PROBE_FLAG, SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST, Op, Status
 
 log = logging.getLogger("mooncake.agent")
 
@@ -48,7 +48,9 @@ class AgentHooks(Protocol):
         """A read of an object in the host arena is being served (counted with the host tier's
         activity): one per object, its first stripe's READ."""
 
-    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
+    def reserve_other_tier(
+        self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool, make_room: bool
+    ) -> list[Any] | None:
         """Reservations in tier ``tier`` (1: GPU, 2: disk, for spills only); None when the agent has
         no room or no such tier."""
 
@@ -283,7 +285,9 @@ class AgentOps:
             self._reply(conn, Op.RESERVE, Status.BAD_REQUEST)
             return True
         if tier != TIER_HOST:
-            allocs = self._hooks.reserve_other_tier(tier, requests, spill=bool(flags & SPILL_FLAG))
+            allocs = self._hooks.reserve_other_tier(
+                tier, requests, spill=bool(flags & SPILL_FLAG), make_room=not flags & (SPILL_FLAG | PROBE_FLAG)
+            )
             if allocs is None:
                 free, largest, capacity = self._hooks.other_tier_room(tier, spill=bool(flags & SPILL_FLAG))
                 self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, capacity)
@@ -303,7 +307,9 @@ class AgentOps:
         if allocs is None:
             free, largest = self._table.room(ceiling_bytes=ceiling)
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
-            if not flags & SPILL_FLAG:  # a refused spill goes to another peer: no room is made for it
+            # A refused spill goes to another peer, and a probing writer to another node: no room
+            # is made for either.
+            if not flags & (SPILL_FLAG | PROBE_FLAG):
                 self._hooks.no_room(sum(size for size, _ in requests))
             return True
         if flags & SPILL_FLAG:

@@ -122,7 +122,9 @@ class OtherTierHooks:
             capacity = self.table.capacity_bytes
         return int(self.config.high_watermark * capacity)
 
-    def reserve_other_tier(self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool) -> list[Any] | None:
+    def reserve_other_tier(
+        self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool, make_room: bool
+    ) -> list[Any] | None:
         if tier == TIER_DISK:
             if self.inbox is None or not spill:
                 return None  # a disk takes spills only, each up to its high watermark
@@ -130,7 +132,7 @@ class OtherTierHooks:
         if self.gpu_table is None:
             return None
         allocs = self.gpu_table.reserve(requests, ceiling_bytes=self.spill_ceiling(tier) if spill else None)
-        if allocs is None and not spill:  # a refused spill goes to another peer: no room is made for it
+        if allocs is None and make_room:  # not for a spill or a probe (ops.py): each goes elsewhere
             self.pressure.want_room(sum(size for size, _ in requests), tier=TierKind.GPU)
         return allocs
 

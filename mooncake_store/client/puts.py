@@ -47,7 +47,14 @@ from mooncake_store.errors import (
     ReservationExpired,
     TransferError,
 )
-from mooncake_store.policy.placement import check_kept, choose_replica_nodes, rank_nodes, tier_capacity, waited_for_room
+from mooncake_store.policy.placement import (
+    check_batch_fits,
+    check_kept,
+    choose_replica_nodes,
+    rank_nodes,
+    tier_capacity,
+    waited_for_room,
+)
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.transport import frames
@@ -369,6 +376,11 @@ class PutPath:
         nodes, now = client._node_table(), client._server_now_ms()
         if preferred_node in nodes and nodes[preferred_node].heartbeat_deadline_ms < now:  # dead on a cached table?
             nodes, now = client._node_table(refresh=True), client._server_now_ms()  # judged afresh (check_preferred)
+        for tier in {p.tier for p in plans}:
+            sizes = [p.size_bytes for p in plans if p.tier == tier]
+            check_batch_fits(
+                nodes.values(), sizes, replicas=replicas, now_ms=now, tier=tier, preferred_node=preferred_node
+            )
         # Plan against free space as it will be after this batch: a batch spreads out.
         projected: dict[TierKind, dict[str, int]] = {
             tier: {n.node_id: (n.tier(tier).free_bytes if n.tier(tier) else 0) for n in nodes.values()}
@@ -393,8 +405,14 @@ class PutPath:
             for (node_id, tier), group in groups.items():
                 node = nodes[node_id]
                 try:
+                    # A probe, unless the caller pinned the put here: refused, the node makes no
+                    # room for a writer with other nodes to try (_reserve_elsewhere asks it to,
+                    # once none of them has room).
                     got = client._tcp.peer(node.tcp_endpoint).reserve(
-                        [(p.size_bytes, p.put_id) for p in group], node_id=node_id, tier=WIRE_TIER[tier]
+                        [(p.size_bytes, p.put_id) for p in group],
+                        node_id=node_id,
+                        tier=WIRE_TIER[tier],
+                        flags=0 if node_id == preferred_node else frames.PROBE_FLAG,
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     if not isinstance(exc, NoCapacity):
@@ -424,14 +442,17 @@ class PutPath:
         refusal: MooncakeError,
     ) -> dict[str, NodeInfo]:
         """One object at a time on the remaining candidates, after a node turned a batch down
-        (``refusal``: what it said). The preferred node's replica has no other candidate: NoCapacity,
-        and the put waits for that node to make room. A node that could not be reached (dead, hung,
-        or at its connection limit: AgentBusy) is no node without room: when that is all that stood
-        in the way the put fails at once with what happened, rather than wait out timeout_s for
-        room and then blame a lack of it. Returns the node table it ranked by: read afresh after a
-        node that did not answer (its timeout may have outlasted every deadline of the older one,
-        and every other node then looked dead: "no live agent is registered"). A node that table
-        lists at another endpoint restarted under its id since: it is asked again there."""
+        (``refusal``: what it said), each asked as a probe. Where none has room, the node that
+        refused is asked once more, now to make room (its pressure pass demotes, spills or evicts
+        for it), and the put waits for that node's room. The preferred node's replica has no other
+        candidate: NoCapacity, and the put waits for that node to make room. A node that could not
+        be reached (dead, hung, or at its connection limit: AgentBusy) is no node without room: when
+        that is all that stood in the way the put fails at once with what happened, rather than
+        wait out timeout_s for room and then blame a lack of it. Returns the node table it ranked
+        by: read afresh after a node that did not answer (its timeout may have outlasted every
+        deadline of the older one, and every other node then looked dead: "no live agent is
+        registered"). A node that table lists at another endpoint restarted under its id since:
+        it is asked again there."""
         client = self.client
         failed_endpoint = nodes[failed_node].tcp_endpoint
         unreachable = not isinstance(refusal, NoCapacity)
@@ -460,7 +481,10 @@ class PutPath:
                     continue
                 try:
                     (res,) = client._tcp.peer(node.tcp_endpoint).reserve(
-                        [(plan.size_bytes, plan.put_id)], node_id=node.node_id, tier=WIRE_TIER[plan.tier]
+                        [(plan.size_bytes, plan.put_id)],
+                        node_id=node.node_id,
+                        tier=WIRE_TIER[plan.tier],
+                        flags=frames.PROBE_FLAG,
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     errors.append(exc)
@@ -469,6 +493,8 @@ class PutPath:
                 plan.assigned.add(node.node_id)
                 break
             else:
+                if not unreachable and not moved and self._room_made(plan, nodes[failed_node], errors):
+                    continue
                 why = "; ".join(str(e) for e in errors)
                 if not any(isinstance(e, NoCapacity) for e in errors):
                     # Not one refused for room: waiting for room would wait for nothing.
@@ -478,6 +504,21 @@ class PutPath:
                     f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
                 )
         return nodes
+
+    def _room_made(self, plan: PlannedPut, node: NodeInfo, errors: list[MooncakeError]) -> bool:
+        """Ask ``node``, which refused ``plan`` as a probe, for it again, now making room: True
+        when it takes it after all (room came meanwhile), else its refusal goes into ``errors``
+        and its pressure pass makes room for the put's next try."""
+        try:
+            (res,) = self.client._tcp.peer(node.tcp_endpoint).reserve(
+                [(plan.size_bytes, plan.put_id)], node_id=node.node_id, tier=WIRE_TIER[plan.tier]
+            )
+        except (NoCapacity, ConnectError, TransferError) as exc:
+            errors[0] = exc  # what it says now
+            return False
+        plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
+        plan.assigned.add(node.node_id)
+        return True
 
     @staticmethod
     def _replica(node_id: str, tier: TierKind, offset: int, alloc_id: int, size: int) -> Replica:

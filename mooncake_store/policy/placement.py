@@ -134,6 +134,55 @@ def check_kept(nodes: Iterable[NodeInfo], *, size_bytes: int, now_ms: int, tier:
     )
 
 
+def check_batch_fits(
+    nodes: Iterable[NodeInfo],
+    sizes: list[int],
+    *,
+    replicas: int,
+    now_ms: int,
+    tier: TierKind = TierKind.HOST,
+    preferred_node: str | None = None,
+) -> None:
+    """NoCapacity (permanent) for a batch whose objects the live nodes' ``tier`` cannot hold all
+    at once (a batch's reservations are all held until it commits), however empty they were: a
+    node holds at most as many of them as its smallest ones fill. Such a batch waited out
+    timeout_s, then blamed pinned and leased objects that did not exist. Only this bound is
+    checked: a batch that passes may still not fit, and then waits for room as any put does."""
+    if len(sizes) < 2:
+        return  # one object: rank_nodes and check_kept say why, if it cannot be held
+    ordered = sorted(sizes)
+    alive = [n for n in live_nodes(nodes, now_ms) if tier_capacity(n, tier) > 0]
+
+    def most_held(node: NodeInfo) -> int:
+        room, held = tier_capacity(node, tier), 0
+        for size in ordered:
+            room -= max(ALIGNMENT, -(-size // ALIGNMENT) * ALIGNMENT)  # whole 64 B units, one at least
+            if room < 0:
+                break
+            held += 1
+        return held
+
+    if preferred_node is not None:
+        first = [n for n in alive if n.node_id == preferred_node]
+        if not first:
+            return  # rank_nodes says why the preferred node cannot take it
+        groups = [(first, len(sizes)), ([n for n in alive if n.node_id != preferred_node], len(sizes) * (replicas - 1))]
+    else:
+        groups = [(alive, len(sizes) * replicas)]
+    for group, needed in groups:
+        held = sum(most_held(n) for n in group)
+        if needed and held < needed:
+            where = ", ".join(f"{n.node_id} {tier_capacity(n, tier)} B" for n in group) or "none"
+            raise NoCapacity(
+                f"a batch of {len(sizes)} object(s) ({sum(sizes)} B on {tier}, replicas={replicas}) cannot be held "
+                f"at once: each object's room is held until the batch commits, and the {tier} tiers it may go to "
+                f"({where}) hold at most {held} of the {needed} {'objects' if replicas == 1 else 'copies'} it needs "
+                "together, even empty; "
+                "put it in smaller batches",
+                permanent=True,
+            )
+
+
 def choose_replica_nodes(
     ranked: list[NodeInfo], replicas: int, *, has_room: Callable[[NodeInfo], bool] | None = None
 ) -> list[NodeInfo]:

@@ -16,7 +16,9 @@ PING      -                                    OK, a = protocol version, b = dig
 RESERVE   arg = count, a = tier (0 host,       OK, payload of count x (offset u64, alloc_id u64);
           1 gpu, 2 disk: spills only, size =
           a whole chunk file), b = flags
-          (1: a spill from a peer), payload    NO_CAPACITY, a = free, b = largest free, c = capacity
+          (1: a spill from a peer; 2: a probe,
+          refused without making room),
+          payload                              NO_CAPACITY, a = free, b = largest free, c = capacity
           of count x (size u64, put_id 16 B)   (host tier; other tiers leave a, b, c zero)
 FREE      arg = count, payload count x u64     OK, a = reservations expired now (freed by the next
           (writer abandons its reservations)   sync unless their commit reached the index)
@@ -78,6 +80,11 @@ TIER_DISK = 2
 TIER_NAMES = {TIER_HOST: "host", TIER_GPU: "gpu", TIER_DISK: "disk"}
 #: RESERVE flag (header field b): the reservation is a spill from a peer agent.
 SPILL_FLAG = 1
+#: RESERVE flag: a writer that has other nodes to try asks; a refusal makes no room here (it is
+#: asked again without the flag once no node takes the object). A node refused first, and full of
+#: objects, evicted for a writer who went to another node with room. Agents of earlier builds
+#: ignore it and make room, as they did.
+PROBE_FLAG = 2
 #: The slowest a request's bytes may arrive (and a READ's reply leave), beyond the first
 #: timeout_s: a request must be done by timeout_s + its length / MIN_RATE_BPS from its header's
 #: first byte. timeout_s bounds each recv and send only, so a peer sending a byte per timeout

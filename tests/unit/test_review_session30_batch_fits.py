@@ -1,0 +1,49 @@
+"""A batch the live nodes cannot hold all at once, however empty (its reservations are all held
+until it commits), waited out timeout_s and then blamed pinned and leased objects that did not
+exist: 3 x 600 KiB, or 5 x 400 KiB, on two 1 MiB agents (README walk-through, session 30)."""
+
+from __future__ import annotations
+
+import pytest
+from test_policy import NOW, node
+
+from mooncake_store.errors import NoCapacity
+from mooncake_store.policy.placement import check_batch_fits
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("sizes", "replicas", "fits"),
+    [
+        ([600 * KiB] * 2, 1, True),
+        ([600 * KiB] * 3, 1, False),  # one per node: nothing fills the rest of a node
+        ([400 * KiB] * 4, 1, True),
+        ([400 * KiB] * 5, 1, False),  # two per node at most
+        ([900 * KiB, 100 * KiB, 100 * KiB, 100 * KiB], 1, True),  # the small ones pack
+        ([300 * KiB] * 3, 2, True),  # six copies, three per node
+        ([300 * KiB] * 4, 2, False),
+        ([MiB // 64] * 128, 1, True),  # exactly full, in whole 64 B units
+        ([MiB // 64 + 1] * 128, 1, False),  # each rounds up to one unit more
+    ],
+)
+def test_a_batch_is_refused_at_once_only_when_no_layout_could_hold_it(
+    sizes: list[int], replicas: int, fits: bool
+) -> None:
+    nodes = [node("a", free=MiB, capacity=MiB), node("b", free=0, capacity=MiB), node("dead", free=MiB, alive=False)]
+    if fits:
+        check_batch_fits(nodes, sizes, replicas=replicas, now_ms=NOW)
+    else:
+        with pytest.raises(NoCapacity, match=r"cannot be held at once.*a 1048576 B, b 1048576 B\)") as caught:
+            check_batch_fits(nodes, sizes, replicas=replicas, now_ms=NOW)
+        assert caught.value.permanent
+
+
+def test_a_preferred_node_is_judged_alone_for_the_first_copies() -> None:
+    nodes = [node("a", free=MiB, capacity=MiB), node("b", free=MiB, capacity=100 * MiB)]
+    check_batch_fits(nodes, [600 * KiB] * 3, replicas=1, now_ms=NOW, preferred_node="b")
+    with pytest.raises(NoCapacity, match=r"\(a 1048576 B\) hold at most 1 of the 3 objects"):
+        check_batch_fits(nodes, [600 * KiB] * 3, replicas=1, now_ms=NOW, preferred_node="a")
+    with pytest.raises(NoCapacity, match=r"\(a 1048576 B\) hold at most 1 of the 3 copies"):
+        check_batch_fits(nodes, [600 * KiB] * 3, replicas=2, now_ms=NOW, preferred_node="b")
+    check_batch_fits(nodes, [600 * KiB], replicas=1, now_ms=NOW, preferred_node="a")  # one object: not judged here
