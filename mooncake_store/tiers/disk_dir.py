@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from mooncake_store.errors import MooncakeError
+from mooncake_store.errors import ConfigError, MooncakeError
 
 SUFFIX = ".mcz"
 #: Held (flock) by the tier that owns the directory. Its name and its content (LOCK_MAGIC) are
@@ -79,7 +79,8 @@ def _refuse_unless_swept(fd: int, root: Path, give_up: float) -> None:
             f"another agent's start sweep has held the disk tier directory {root} for {SWEEP_WAIT_S:.0f} s "
             "(removing a crashed tier's files); start again once it is done"
         )
-    raise MooncakeError(
+    # A setting to change (exit 2, as a --listen port in use is), not a failure to retry.
+    raise ConfigError(
         f"the disk tier directory {root} is in use by another agent (or another tier in this "
         "process): each agent needs a disk directory of its own"
     )

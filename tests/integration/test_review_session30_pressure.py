@@ -8,8 +8,11 @@ its first choice asked to make room."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,3 +77,26 @@ def test_a_batch_no_layout_could_hold_fails_at_once_naming_the_limit(
     assert caught.value.permanent and time.monotonic() - started < 5.0  # it waited out timeout_s
     assert not any(client.exists(f"b{i}") for i in range(3))
     client.put_many({f"b{i}": _value(i) for i in range(2)})  # what fits is stored as before
+
+
+def test_an_agent_given_another_agents_disk_directory_exits_2(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """It exited 1, as for a failure, where a --listen port in use exits 2 (README walk-through)."""
+    disks = tmp_path / "disks"
+    cluster = make_cluster(0)
+    cluster.add_agent(node_id="d1", extra_args=["--disk", str(disks), "--disk-mem", "4MiB"])
+    cmd = [
+        sys.executable, "-m", "mooncake_store.agent", "--redis-url", cluster.redis_url,
+        "--namespace", cluster.namespace, "--node-id", "d1", "--host-bytes", "4MiB", "--no-prefault",
+        "--disk", str(disks), "--disk-mem", "4MiB",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # it must not have started; stopped by its own pid
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 2, err
+    assert f"the disk tier directory {disks / 'd1'} is in use by another agent" in err, err

@@ -154,7 +154,7 @@ def test_leftovers_of_an_earlier_incarnation_are_cleared(tmp_path: Path) -> None
 def test_a_directory_in_use_is_refused_and_its_files_left_alone(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 1 << 20)
     tier.write(1, memoryview(b"live"))
-    with pytest.raises(MooncakeError, match="in use by another agent"):
+    with pytest.raises(ConfigError, match="in use by another agent"):  # a setting to change: exit 2
         DiskTier(tmp_path, 1 << 20)
     assert tier.path_of(1).exists()
     tier.close()
