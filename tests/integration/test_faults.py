@@ -29,7 +29,7 @@ WRITER = textwrap.dedent(
 
     client = connect(sys.argv[1], namespace=sys.argv[2], transports=(sys.argv[3],))
     (plan,) = client._puts.plan({"doomed": np.full(8 << 20, 7, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
-    nodes = client._puts._reserve([plan], 1, None)
+    nodes = client._puts.reserver.reserve([plan], 1, None)
     client.index.put_start([plan.pending()], ttl_ms=60000)
     for r in plan.replicas:
         client._puts.writes.write_replica(nodes[r.node_id], r, plan)

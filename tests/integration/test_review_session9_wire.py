@@ -109,7 +109,7 @@ def test_a_put_to_an_agent_at_its_connection_limit_raises_connect_error_at_once(
 ) -> None:
     """README: a client turned away at the limit raises ConnectError naming the agent and the limit
     (the agent is up but full: callers use other replicas and nodes). A put's RESERVE is its first
-    request: the ConnectError is caught in PutPath._reserve, _reserve_elsewhere finds no other
+    request: the ConnectError is caught in Reserver.reserve, _reserve_elsewhere finds no other
     node and raises NoCapacity (not permanent) with the BUSY text inside, and PutPath.run takes that
     for a full cluster whose space leases will free, retrying with backoff until timeout_s. The
     user is told the cluster has no room (NoCapacity, exit code 5) for a 4 KiB object on an agent

@@ -1,0 +1,256 @@
+"""Where a put's replicas go: the ranking of nodes for each object, and the RESERVE frames that
+ask the chosen agents for room (one per agent and tier), with the fallbacks when one refuses.
+
+A writer with other nodes to try asks as a probe (transport/frames.py PROBE_FLAG): refused, the
+node makes no room. Only once no node takes an object is the node that refused it first asked
+again, now to make room, and the put waits for that room (PutPath.run). Asked plainly everywhere,
+every node a writer tried made room for it, each an eviction when nothing could move: three
+600 KiB puts on two 1 MiB agents lost two objects instead of one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from mooncake_store.client.put_plans import PlannedPut
+from mooncake_store.errors import AgentBusy, ConnectError, MooncakeError, NoCapacity, TransferError
+from mooncake_store.policy.placement import (
+    check_batch_fits,
+    check_kept,
+    choose_replica_nodes,
+    rank_nodes,
+)
+from mooncake_store.policy.transport_choice import gpu_ipc_node
+from mooncake_store.transport import frames
+from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind
+
+if TYPE_CHECKING:
+    from mooncake_store.client.client import Client
+
+#: RESERVE tier numbers on the wire (transport/frames.py).
+WIRE_TIER = {TierKind.HOST: frames.TIER_HOST, TierKind.GPU: frames.TIER_GPU}
+
+#: How a put undoes reservations it will not use (PutPath.abandon).
+Abandon = Callable[..., None]
+
+
+class Reserver:
+    """The reservations of one put attempt (PutPath._put_once): ``reserve`` returns the node
+    table it placed by, every plan's replicas reserved, or raises having undone them (``abandon``)."""
+
+    def __init__(self, client: Client, abandon: Abandon) -> None:
+        self.client = client
+        self._abandon = abandon
+
+    def _candidates(
+        self,
+        plan: PlannedPut,
+        nodes: dict[str, NodeInfo],
+        *,
+        now: int,
+        preferred_node: str | None,
+        replicas: int,
+        free_bytes: dict[str, int] | None = None,
+    ) -> list[NodeInfo]:
+        """Nodes for the plan's replicas, best first. ``preferred_node`` takes the first replica
+        (and with one replica it is the only candidate: the put waits for its room); further
+        replicas go where the ranking puts them."""
+        # Over every live node: one that does not keep the object spills it to one that does.
+        check_kept(nodes.values(), size_bytes=plan.size_bytes, now_ms=now, tier=plan.tier)
+        pool = [n for n in nodes.values() if n.node_id not in plan.avoid]
+        if plan.tier == TierKind.GPU:
+            pool = [n for n in pool if gpu_ipc_node(n, self.client.host_id)]
+        else:
+            # Only where this client's transports can carry the bytes: a put must not store what the
+            # same client could not read back (transports=("shm",) forces the same-host path).
+            reachable = [n for n in pool if self.client._can_write_to(n)]
+            if pool and not reachable:
+                allowed = tuple(str(t) for t in self.client.transports)
+                why = [
+                    f"shm reaches only agents on this host ({', '.join(sorted(n.node_id for n in pool))} are "
+                    "not, or their arenas cannot be mapped here)"
+                    if "shm" in allowed
+                    else "shm is not allowed",
+                    "tcp is not allowed",
+                ]
+                if "rdma" in allowed:
+                    why.append("rdma is not built yet (README, Not built yet)")
+                raise TransferError(
+                    f"no allowed transport {allowed} reaches an agent for a put of {plan.key!r}: " + "; ".join(why)
+                )
+            pool = reachable
+
+        def ranked(preferred: str | None) -> list[NodeInfo]:
+            return rank_nodes(
+                pool,
+                size_bytes=max(1, plan.size_bytes),
+                now_ms=now,
+                host_id=self.client.host_id,
+                zone=self.client.zone,
+                tier=plan.tier,
+                preferred_node=preferred,
+                free_bytes=free_bytes,
+                listed=nodes.values(),
+            )
+
+        first = ranked(preferred_node)
+        if preferred_node is None or replicas == 1:
+            return first
+        return first + [n for n in ranked(None) if n.node_id != preferred_node]
+
+    def reserve(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> dict[str, NodeInfo]:
+        """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier."""
+        client = self.client
+        nodes, now = client._node_table(), client._server_now_ms()
+        if preferred_node in nodes and nodes[preferred_node].heartbeat_deadline_ms < now:  # dead on a cached table?
+            nodes, now = client._node_table(refresh=True), client._server_now_ms()  # judged afresh (check_preferred)
+        for tier in {p.tier for p in plans}:
+            sizes = [p.size_bytes for p in plans if p.tier == tier]
+            check_batch_fits(
+                nodes.values(), sizes, replicas=replicas, now_ms=now, tier=tier, preferred_node=preferred_node
+            )
+        # Plan against free space as it will be after this batch: a batch spreads out.
+        projected: dict[TierKind, dict[str, int]] = {
+            tier: {n.node_id: (n.tier(tier).free_bytes if n.tier(tier) else 0) for n in nodes.values()}
+            for tier in (TierKind.HOST, TierKind.GPU)
+        }
+        groups: dict[tuple[str, TierKind], list[PlannedPut]] = {}
+        for plan in plans:
+            free = projected[plan.tier]
+            ranked = self._candidates(
+                plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas, free_bytes=free
+            )
+            size = max(1, plan.size_bytes)
+
+            def has_room(n: NodeInfo, free: dict[str, int] = free, size: int = size) -> bool:
+                return free.get(n.node_id, 0) >= size
+
+            for node in choose_replica_nodes(ranked, replicas, has_room=has_room):
+                free[node.node_id] = free.get(node.node_id, 0) - size
+                groups.setdefault((node.node_id, plan.tier), []).append(plan)
+                plan.assigned.add(node.node_id)
+        try:
+            for (node_id, tier), group in groups.items():
+                node = nodes[node_id]
+                try:
+                    # A probe, unless the caller pinned the put here: refused, the node makes no
+                    # room for a writer with other nodes to try (_reserve_elsewhere asks it to,
+                    # once none of them has room).
+                    got = client._tcp.peer(node.tcp_endpoint).reserve(
+                        [(p.size_bytes, p.put_id) for p in group],
+                        node_id=node_id,
+                        tier=WIRE_TIER[tier],
+                        flags=0 if node_id == preferred_node else frames.PROBE_FLAG,
+                    )
+                except (NoCapacity, ConnectError, TransferError) as exc:
+                    if not isinstance(exc, NoCapacity):
+                        client._tcp.drop_peer_after(node.tcp_endpoint, exc)
+                    # Ranked on a table read after the refusal: the wait for a hung node can outlast
+                    # every row's deadline in the table read before it.
+                    nodes = {
+                        **nodes,
+                        **self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node, refusal=exc),
+                    }
+                    continue
+                for plan, res in zip(group, got, strict=True):
+                    plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
+        except BaseException:
+            self._abandon(plans, nodes, started=False)
+            raise
+        return nodes
+
+    def _reserve_elsewhere(
+        self,
+        group: list[PlannedPut],
+        nodes: dict[str, NodeInfo],
+        failed_node: str,
+        replicas: int,
+        preferred_node: str | None,
+        *,
+        refusal: MooncakeError,
+    ) -> dict[str, NodeInfo]:
+        """One object at a time on the remaining candidates, after a node turned a batch down
+        (``refusal``: what it said), each asked as a probe. Where none has room, the node that
+        refused is asked once more, now to make room (its pressure pass demotes, spills or evicts
+        for it), and the put waits for that node's room. The preferred node's replica has no other
+        candidate: NoCapacity, and the put waits for that node to make room. A node that could not
+        be reached (dead, hung, or at its connection limit: AgentBusy) is no node without room: when
+        that is all that stood in the way the put fails at once with what happened, rather than
+        wait out timeout_s for room and then blame a lack of it. Returns the node table it ranked
+        by: read afresh after a node that did not answer (its timeout may have outlasted every
+        deadline of the older one, and every other node then looked dead: "no live agent is
+        registered"). A node that table lists at another endpoint restarted under its id since:
+        it is asked again there."""
+        client = self.client
+        failed_endpoint = nodes[failed_node].tcp_endpoint
+        unreachable = not isinstance(refusal, NoCapacity)
+        if unreachable:
+            nodes = client._node_table(refresh=True)
+        moved = unreachable and failed_node in nodes and nodes[failed_node].tcp_endpoint != failed_endpoint
+        now = client._server_now_ms()
+        if failed_node == preferred_node and not moved:
+            if unreachable:
+                raise type(refusal)(f"preferred_node {preferred_node!r}: {refusal}") from refusal
+            raise NoCapacity(
+                f"preferred_node {preferred_node!r} has no room for {len(group)} object(s) "
+                f"(first key {group[0].key!r}): {refusal}"
+            )
+        for plan in group:
+            # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
+            taken = {r.node_id for r in plan.replicas} | plan.assigned
+            if moved:
+                taken.discard(failed_node)  # assigned to it, but not reserved there: ask it where it is now
+            else:
+                taken.add(failed_node)
+            errors: list[MooncakeError] = [refusal]
+            candidates = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas)
+            for node in candidates:
+                if node.node_id in taken:
+                    continue
+                try:
+                    (res,) = client._tcp.peer(node.tcp_endpoint).reserve(
+                        [(plan.size_bytes, plan.put_id)],
+                        node_id=node.node_id,
+                        tier=WIRE_TIER[plan.tier],
+                        flags=frames.PROBE_FLAG,
+                    )
+                except (NoCapacity, ConnectError, TransferError) as exc:
+                    errors.append(exc)
+                    continue
+                plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
+                plan.assigned.add(node.node_id)
+                break
+            else:
+                if not unreachable and not moved and self._room_made(plan, nodes[failed_node], errors):
+                    continue
+                why = "; ".join(str(e) for e in errors)
+                if not any(isinstance(e, NoCapacity) for e in errors):
+                    # Not one refused for room: waiting for room would wait for nothing.
+                    kind = next((type(e) for e in errors if isinstance(e, AgentBusy)), type(errors[0]))
+                    raise kind(f"no node could take key {plan.key!r} (replicas={replicas}): {why}")
+                raise NoCapacity(
+                    f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
+                )
+        return nodes
+
+    def _room_made(self, plan: PlannedPut, node: NodeInfo, errors: list[MooncakeError]) -> bool:
+        """Ask ``node``, which refused ``plan`` as a probe, for it again, now making room: True
+        when it takes it after all (room came meanwhile), else its refusal goes into ``errors``
+        and its pressure pass makes room for the put's next try."""
+        try:
+            (res,) = self.client._tcp.peer(node.tcp_endpoint).reserve(
+                [(plan.size_bytes, plan.put_id)], node_id=node.node_id, tier=WIRE_TIER[plan.tier]
+            )
+        except (NoCapacity, ConnectError, TransferError) as exc:
+            errors[0] = exc  # what it says now
+            return False
+        plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
+        plan.assigned.add(node.node_id)
+        return True
+
+    @staticmethod
+    def _replica(node_id: str, tier: TierKind, offset: int, alloc_id: int, size: int) -> Replica:
+        return Replica(
+            node_id=node_id, tier=tier, offset=offset, size_bytes=size, alloc_id=alloc_id, state=ReplicaState.PENDING
+        )
