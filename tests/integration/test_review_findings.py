@@ -160,7 +160,7 @@ def test_reaped_agent_does_not_free_reservations_of_puts_in_flight(
     node_id = cluster.agents[0].node_id
     puts = client._puts
     (plan,) = puts.plan({"a": np.full(SIZE, 0xAA, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
-    nodes = puts._reserve([plan], 1, None)
+    nodes = puts.reserver.reserve([plan], 1, None)
     _start_pending(client, plan)
     # The agent stalls past its deadline and a peer reaps it (forced here: deadline 0, grace 0).
     r = client.index.redis
@@ -229,7 +229,7 @@ def test_commit_to_a_node_that_left_the_table_fails(
     agent = cluster.agents[0]
     puts = client._puts
     (plan,) = puts.plan({"late": np.full(SIZE, 0x5A, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
-    puts._reserve([plan], 1, None)
+    puts.reserver.reserve([plan], 1, None)
     _start_pending(client, plan)
     agent.kill()  # dies for good: nobody revokes the pending record
     assert wait_until(lambda: agent.node_id in client.index.reap_dead_nodes(grace_ms=0), 5.0)

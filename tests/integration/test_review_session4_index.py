@@ -43,7 +43,7 @@ def test_a_put_reserved_on_a_dead_incarnation_cannot_commit_onto_its_successor(
         ghost = _key("ghost")
         puts = client._puts
         (plan,) = puts.plan({ghost: np.full(SIZE, 0xAA, dtype=np.uint8)}, chain_pos=None, chain_parent=None)
-        nodes = puts._reserve([plan], 1, None)
+        nodes = puts.reserver.reserve([plan], 1, None)
         client.index.put_start([plan.pending()], ttl_ms=60_000)
         puts.writes.write_replica(nodes[node_id], plan.replicas[0], plan)
         first.stop()  # the node goes away (crash or restart) between the write and the commit

@@ -113,7 +113,7 @@ def test_no_capacity_after_waiting_on_a_full_preferred_node_names_its_free_space
     """A put pinned to a node full of pinned objects waits timeout_s, then fails: rightly. But the
     error it ends with is _reserve_elsewhere's "no node could take 2097152 B for key 'x'
     (replicas=1): node a-.. is full": the agent's own answer, with the node's free bytes, largest
-    free block and capacity (TcpTransport.reserve), is dropped in PutPath._reserve, so the message
+    free block and capacity (TcpTransport.reserve), is dropped in Reserver.reserve, so the message
     names the value but not the limit (DESIGN.md §3.6, §6)."""
     ns, a, _b = two_agents(make_inproc_agent, 4 * MiB, 16 * MiB)
     writer = clients(ns, timeout_s=1.0, lease_ms=300)

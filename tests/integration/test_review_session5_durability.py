@@ -52,7 +52,7 @@ def test_put_commit_onto_a_node_past_its_deadline_is_not_reported_stored(
     puts = client._puts
     value = np.full(64 << 10, 0x3C, dtype=np.uint8)
     (plan,) = puts.plan({"late": value}, chain_pos=None, chain_parent=None, preferred_node="agent-1")
-    nodes = puts._reserve([plan], 1, "agent-1")
+    nodes = puts.reserver.reserve([plan], 1, "agent-1")
     assert [r.node_id for r in plan.replicas] == ["agent-1"]
     client.index.put_start([plan.pending()], ttl_ms=60_000)
     for replica in plan.replicas:

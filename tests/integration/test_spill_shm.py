@@ -199,7 +199,7 @@ def test_a_same_host_put_never_writes_into_a_block_its_agent_gave_away(
     try:
         puts = client._puts
         (plan,) = puts.plan({"late": np.full(SIZE, 0x5A, np.uint8)}, chain_pos=None, chain_parent=None)
-        nodes = puts._reserve([plan], 1, None)
+        nodes = puts.reserver.reserve([plan], 1, None)
         (replica,) = plan.replicas
         time.sleep(0.5)  # the writer stalls past the agent's reservation timeout
         agent.sync_once()  # never committed: the agent frees the reservation
