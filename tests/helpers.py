@@ -40,6 +40,21 @@ def mooncake_bin() -> str:
     return found
 
 
+def refused_agent(*args: str, timeout_s: float = 60.0) -> tuple[int, str]:
+    """Run ``python -m mooncake_store.agent ARGS``, which must refuse to start: its exit status and
+    stderr. One that started after all is stopped by its own pid."""
+    cmd = [sys.executable, "-m", "mooncake_store.agent", *args]
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return proc.returncode, err
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
     """Poll ``predicate`` until it holds or ``timeout_s`` passes; its last answer either way."""
     end = time.monotonic() + timeout_s

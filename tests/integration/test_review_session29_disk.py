@@ -6,8 +6,6 @@ below one block exited 1 where bad input exits 2."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -15,13 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import refused_agent, wait_until
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.tiers import disk as disk_module
 from mooncake_store.tiers.disk import DiskTier
 
-REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 
@@ -85,19 +82,11 @@ def test_stopping_a_cluster_removes_a_killed_agents_disk_directory(
 
 
 def test_a_disk_smaller_than_one_block_is_a_usage_error(redis_url: str, tmp_path: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "mooncake_store.agent", "--redis-url", redis_url,
-        "--namespace", f"t-{uuid.uuid4().hex[:10]}", "--host-bytes", "4MiB", "--no-prefault",
-        "--disk", str(tmp_path / "disks"), "--disk-mem", "100",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:  # it must not have started; stopped by its own pid
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode == 2, err
+    status, err = refused_agent(
+        "--redis-url", redis_url, "--namespace", f"t-{uuid.uuid4().hex[:10]}", "--host-bytes", "4MiB",
+        "--no-prefault", "--disk", str(tmp_path / "disks"), "--disk-mem", "100",
+    )  # fmt: skip
+    assert status == 2, err
     assert "disk tier capacity 100 B is less than one" in err and "block" in err, err
 
 

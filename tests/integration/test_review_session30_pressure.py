@@ -8,14 +8,13 @@ its first choice asked to make room."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import refused_agent
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import NoCapacity
@@ -86,17 +85,9 @@ def test_an_agent_given_another_agents_disk_directory_exits_2(
     disks = tmp_path / "disks"
     cluster = make_cluster(0)
     cluster.add_agent(node_id="d1", extra_args=["--disk", str(disks), "--disk-mem", "4MiB"])
-    cmd = [
-        sys.executable, "-m", "mooncake_store.agent", "--redis-url", cluster.redis_url,
-        "--namespace", cluster.namespace, "--node-id", "d1", "--host-bytes", "4MiB", "--no-prefault",
-        "--disk", str(disks), "--disk-mem", "4MiB",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:  # it must not have started; stopped by its own pid
-            proc.kill()
-            proc.wait(timeout=10)
-    assert proc.returncode == 2, err
+    status, err = refused_agent(
+        "--redis-url", cluster.redis_url, "--namespace", cluster.namespace, "--node-id", "d1",
+        "--host-bytes", "4MiB", "--no-prefault", "--disk", str(disks), "--disk-mem", "4MiB",
+    )  # fmt: skip
+    assert status == 2, err
     assert f"the disk tier directory {disks / 'd1'} is in use by another agent" in err, err
