@@ -120,9 +120,10 @@ class PutPath:
         expired_tries = failed_writes = 0
         fresh_table_tried = node_gone = False
         delay_s = 0.05
+        room_asks = 1
         while True:
             try:
-                self._put_once(plans, replicas, preferred_node)
+                self._put_once(plans, replicas, preferred_node, room_asks=room_asks)
                 return
             except ReplicaWriteFailed as failed:
                 # The attempt was abandoned; its agent died or broke after granting the room. Place
@@ -171,6 +172,7 @@ class PutPath:
                         self.client._check_open()
                     # Nodes come back at their next heartbeat: looked for four times a second.
                     delay_s = min(delay_s * 2, 0.25 if settling else 1.0)
+                    room_asks += 1  # one more node that refused is asked to make room (reserving.py)
                     self.client._node_table(refresh=True)
                 elif isinstance(exc, NoCapacity) and not exc.permanent:
                     raise NoCapacity(f"{exc}; {waited_for_room(config.timeout_s)}", free_bytes=exc.free_bytes) from None
@@ -196,13 +198,14 @@ class PutPath:
         return any(n.heartbeat_deadline_ms < now for n in nodes.values())
 
     # ---- one attempt ------------------------------------------------------------------------
-    def _put_once(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> None:
+    def _put_once(
+        self, plans: list[PlannedPut], replicas: int, preferred_node: str | None, *, room_asks: int = 1
+    ) -> None:
         client = self.client
         # The reservations' ids name the incarnation that granted them: a node restarted since this
         # copy of the table was read has a new arena under a new name, to be written through.
-        nodes = client._nodes_for(
-            (r for p in plans for r in p.replicas), self.reserver.reserve(plans, replicas, preferred_node)
-        )
+        reserved_by = self.reserver.reserve(plans, replicas, preferred_node, room_asks=room_asks)
+        nodes = client._nodes_for((r for p in plans for r in p.replicas), reserved_by)
         with contextlib.ExitStack() as counted:
             try:
                 counted.enter_context(client._in_flight.entered())  # close() waits for its index work

@@ -99,8 +99,12 @@ class Reserver:
             return first
         return first + [n for n in ranked(None) if n.node_id != preferred_node]
 
-    def reserve(self, plans: list[PlannedPut], replicas: int, preferred_node: str | None) -> dict[str, NodeInfo]:
-        """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier."""
+    def reserve(
+        self, plans: list[PlannedPut], replicas: int, preferred_node: str | None, *, room_asks: int = 1
+    ) -> dict[str, NodeInfo]:
+        """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier.
+        ``room_asks``: how many of the nodes that refused an object for want of room are asked to
+        make it (_ask_for_room), one more for each time the put waited for room."""
         client = self.client
         nodes, now = client._node_table(), client._server_now_ms()
         if preferred_node in nodes and nodes[preferred_node].heartbeat_deadline_ms < now:  # dead on a cached table?
@@ -148,10 +152,10 @@ class Reserver:
                         client._tcp.drop_peer_after(node.tcp_endpoint, exc)
                     # Ranked on a table read after the refusal: the wait for a hung node can outlast
                     # every row's deadline in the table read before it.
-                    nodes = {
-                        **nodes,
-                        **self._reserve_elsewhere(group, nodes, node_id, replicas, preferred_node, refusal=exc),
-                    }
+                    elsewhere = self._reserve_elsewhere(
+                        group, nodes, node_id, replicas, preferred_node, refusal=exc, room_asks=room_asks
+                    )
+                    nodes = {**nodes, **elsewhere}
                     continue
                 for plan, res in zip(group, got, strict=True):
                     plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
@@ -169,19 +173,20 @@ class Reserver:
         preferred_node: str | None,
         *,
         refusal: MooncakeError,
+        room_asks: int = 1,
     ) -> dict[str, NodeInfo]:
         """One object at a time on the remaining candidates, after a node turned a batch down
-        (``refusal``: what it said), each asked as a probe. Where none has room, the node that
-        refused is asked once more, now to make room (its pressure pass demotes, spills or evicts
-        for it), and the put waits for that node's room. The preferred node's replica has no other
-        candidate: NoCapacity, and the put waits for that node to make room. A node that could not
-        be reached (dead, hung, or at its connection limit: AgentBusy) is no node without room: when
-        that is all that stood in the way the put fails at once with what happened, rather than
-        wait out timeout_s for room and then blame a lack of it. Returns the node table it ranked
-        by: read afresh after a node that did not answer (its timeout may have outlasted every
-        deadline of the older one, and every other node then looked dead: "no live agent is
-        registered"). A node that table lists at another endpoint restarted under its id since:
-        it is asked again there."""
+        (``refusal``: what it said), each asked as a probe. What none of them takes is asked of
+        the nodes that refused it for want of room, now to make room (_ask_for_room), and the put
+        then waits for that room. The preferred node's replica has no other candidate: NoCapacity,
+        and the put waits for that node to make room. A node that could not be reached (dead,
+        hung, or at its connection limit: AgentBusy) is no node without room: when that is all
+        that stood in the way the put fails at once with what happened, rather than wait out
+        timeout_s for room and then blame a lack of it. Returns the node table it ranked by: read
+        afresh after a node that did not answer (its timeout may have outlasted every deadline of
+        the older one, and every other node then looked dead: "no live agent is registered"). A
+        node that table lists at another endpoint restarted under its id since: it is asked again
+        there."""
         client = self.client
         failed_endpoint = nodes[failed_node].tcp_endpoint
         unreachable = not isinstance(refusal, NoCapacity)
@@ -196,6 +201,7 @@ class Reserver:
                 f"preferred_node {preferred_node!r} has no room for {len(group)} object(s) "
                 f"(first key {group[0].key!r}): {refusal}"
             )
+        homeless: list[tuple[PlannedPut, list[tuple[str, MooncakeError]]]] = []
         for plan in group:
             # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
             taken = {r.node_id for r in plan.replicas} | plan.assigned
@@ -203,7 +209,7 @@ class Reserver:
                 taken.discard(failed_node)  # assigned to it, but not reserved there: ask it where it is now
             else:
                 taken.add(failed_node)
-            errors: list[MooncakeError] = [refusal]
+            errors: list[tuple[str, MooncakeError]] = [(failed_node, refusal)]
             candidates = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas)
             for node in candidates:
                 if node.node_id in taken:
@@ -216,38 +222,66 @@ class Reserver:
                         flags=frames.PROBE_FLAG,
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
-                    errors.append(exc)
+                    errors.append((node.node_id, exc))
                     continue
                 plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
                 plan.assigned.add(node.node_id)
                 break
             else:
-                if not unreachable and not moved and self._room_made(plan, nodes[failed_node], errors):
-                    continue
-                why = "; ".join(str(e) for e in errors)
-                if not any(isinstance(e, NoCapacity) for e in errors):
+                said = [exc for _, exc in errors]
+                if not any(isinstance(exc, NoCapacity) for exc in said):
                     # Not one refused for room: waiting for room would wait for nothing.
-                    kind = next((type(e) for e in errors if isinstance(e, AgentBusy)), type(errors[0]))
+                    why = "; ".join(str(exc) for exc in said)
+                    kind = next((type(exc) for exc in said if isinstance(exc, AgentBusy)), type(said[0]))
                     raise kind(f"no node could take key {plan.key!r} (replicas={replicas}): {why}")
-                raise NoCapacity(
-                    f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
-                )
+                homeless.append((plan, errors))
+        if homeless:
+            self._ask_for_room(homeless, nodes, failed_node if not moved else None, room_asks, replicas)
         return nodes
 
-    def _room_made(self, plan: PlannedPut, node: NodeInfo, errors: list[MooncakeError]) -> bool:
-        """Ask ``node``, which refused ``plan`` as a probe, for it again, now making room: True
-        when it takes it after all (room came meanwhile), else its refusal goes into ``errors``
-        and its pressure pass makes room for the put's next try."""
-        try:
-            (res,) = self.client._tcp.peer(node.tcp_endpoint).reserve(
-                [(plan.size_bytes, plan.put_id)], node_id=node.node_id, tier=WIRE_TIER[plan.tier]
+    def _ask_for_room(
+        self,
+        homeless: list[tuple[PlannedPut, list[tuple[str, MooncakeError]]]],
+        nodes: dict[str, NodeInfo],
+        first_choice: str | None,
+        room_asks: int,
+        replicas: int,
+    ) -> None:
+        """Ask the first ``room_asks`` nodes that refused these plans for want of room (the first
+        choice first) for them again, not as a probe: refused, a node makes room for all of them
+        together, and the put's next try finds it; a node with room by now takes them. The put
+        asks one more node each time it waits (PutPath.run): a first choice whose objects are all
+        pinned made no room, and the put waited out timeout_s while other nodes could have made
+        it. NoCapacity for what none of them takes."""
+        refused = (node_id for _, errors in homeless for node_id, exc in errors if isinstance(exc, NoCapacity))
+        refusers = [node_id for node_id in dict.fromkeys(refused) if node_id in nodes]
+        for node_id in refusers[: max(1, room_asks)]:
+            wanting = [
+                plan
+                for plan, _ in homeless
+                if node_id == first_choice or node_id not in ({r.node_id for r in plan.replicas} | plan.assigned)
+            ]
+            if not wanting:
+                continue
+            for tier in {plan.tier for plan in wanting}:
+                of_tier = [plan for plan in wanting if plan.tier == tier]
+                try:
+                    got = self.client._tcp.peer(nodes[node_id].tcp_endpoint).reserve(
+                        [(plan.size_bytes, plan.put_id) for plan in of_tier], node_id=node_id, tier=WIRE_TIER[tier]
+                    )
+                except (NoCapacity, ConnectError, TransferError):
+                    continue  # asked to make room: the put's next try finds it, here or where else it was asked
+                for plan, res in zip(of_tier, got, strict=True):
+                    plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
+                    plan.assigned.add(node_id)
+                homeless = [(plan, errors) for plan, errors in homeless if plan not in of_tier]
+        if homeless:
+            plan, errors = homeless[0]
+            why = "; ".join(str(exc) for _, exc in errors)
+            raise NoCapacity(
+                f"no node could take {plan.size_bytes} B for key {plan.key!r} (replicas={replicas}): {why}"
+                + (f" (and {len(homeless) - 1} more object(s) of the batch)" if len(homeless) > 1 else "")
             )
-        except (NoCapacity, ConnectError, TransferError) as exc:
-            errors[0] = exc  # what it says now
-            return False
-        plan.replicas.append(self._replica(node.node_id, plan.tier, res.offset, res.alloc_id, plan.size_bytes))
-        plan.assigned.add(node.node_id)
-        return True
 
     @staticmethod
     def _replica(node_id: str, tier: TierKind, offset: int, alloc_id: int, size: int) -> Replica:

@@ -91,3 +91,38 @@ def test_an_agent_given_another_agents_disk_directory_exits_2(
     )  # fmt: skip
     assert status == 2, err
     assert f"the disk tier directory {disks / 'd1'} is in use by another agent" in err, err
+
+
+def test_a_first_choice_that_cannot_make_room_hands_the_put_to_a_node_that_can(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """Only the first choice was asked to make room, attempt after attempt: with its objects all
+    pinned (a node full of held prefix hits), the put waited out timeout_s, though another node
+    could have evicted for it (second diff review of the probes)."""
+    cluster = make_cluster(2, host_bytes=MiB)
+    client = make_client(cluster, timeout_s=10.0)
+    a, b = (agent.node_id for agent in cluster.agents)
+    index = client.index
+    for i in range(3):
+        client.put(f"a{i}", np.full(290 * KiB, i, np.uint8), preferred_node=a)
+        index.redis.zadd(index.prefix + f"pins:a{i}", {"held": index.server_time_ms() + 120_000})
+        client.put(f"b{i}", np.full(290 * KiB, i, np.uint8), preferred_node=b)
+    started = time.monotonic()
+    client.put("new", np.full(200 * KiB, 7, np.uint8))
+    assert time.monotonic() - started < 5.0
+    assert client.object_meta("new").replicas[0].node_id == b  # type: ignore[union-attr]
+    assert all(client.exists(f"a{i}") for i in range(3))  # pinned: kept
+
+
+def test_a_batch_into_a_full_cluster_gets_room_for_all_of_its_objects(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """Room was asked for one homeless object per attempt (the agent keeps the largest request,
+    not the sum): six objects of 150 KiB into two full 1 MiB agents waited out timeout_s."""
+    cluster = make_cluster(2, host_bytes=MiB)
+    client = make_client(cluster, timeout_s=3.0)
+    for i in range(20):
+        client.put(f"f{i}", np.full(90 * KiB, i, np.uint8))
+    batch = {f"n{i}": np.full(150 * KiB, i, np.uint8) for i in range(6)}
+    client.put_many(batch)
+    assert all(np.array_equal(client.get(key), value) for key, value in batch.items())
