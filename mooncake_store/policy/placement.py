@@ -154,6 +154,7 @@ def check_batch_fits(
     alive = [n for n in live_nodes(nodes, now_ms) if tier_capacity(n, tier) > 0]
 
     def most_held(node: NodeInfo) -> int:
+        """Of the batch's objects, at most one copy each, as many as its smallest ones fill."""
         room, held = tier_capacity(node, tier), 0
         for size in ordered:
             room -= max(ALIGNMENT, -(-size // ALIGNMENT) * ALIGNMENT)  # whole 64 B units, one at least
@@ -162,6 +163,8 @@ def check_batch_fits(
             held += 1
         return held
 
+    if len(alive) < replicas:
+        return  # choose_replica_nodes says that replicas=N needs N live nodes
     if preferred_node is not None:
         first = [n for n in alive if n.node_id == preferred_node]
         if not first:

@@ -47,3 +47,10 @@ def test_a_preferred_node_is_judged_alone_for_the_first_copies() -> None:
     with pytest.raises(NoCapacity, match=r"\(a 1048576 B\) hold at most 1 of the 3 copies"):
         check_batch_fits(nodes, [600 * KiB] * 3, replicas=2, now_ms=NOW, preferred_node="b")
     check_batch_fits(nodes, [600 * KiB], replicas=1, now_ms=NOW, preferred_node="a")  # one object: not judged here
+
+
+def test_more_replicas_than_live_nodes_is_left_to_the_replica_rule() -> None:
+    """It said "put it in smaller batches", and a batch of one then failed on "replicas=2 needs 2
+    live nodes" (diff review): that rule names the cause, in choose_replica_nodes."""
+    nodes = [node("a", free=MiB, capacity=MiB), node("dead", free=MiB, capacity=MiB, alive=False)]
+    check_batch_fits(nodes, [100 * KiB] * 2, replicas=2, now_ms=NOW)
