@@ -35,9 +35,9 @@ from mooncake_store.types import ObjectMeta, Replica, check_pattern
 #: retry's connect may take up to 5 s more (connection.py).
 RETRY_WITHIN_S = ONCE_TTL_MS / 4 / 1000
 
-#: How the scripts' own errors about an index record they cannot read begin (a hand edit, another
+#: What the scripts say of an index record they cannot read (a hand edit, another
 #: build): a ProtocolError naming the record, not a failed script.
-MALFORMED_SAID = "malformed "
+MALFORMED_SAID = "malformed replica list in the index record "
 
 #: Decoded lookup records kept for reuse (an object read again decodes to the same ObjectMeta).
 DECODED_MEMO_ENTRIES = 16_384
@@ -223,11 +223,12 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             except redis.ResponseError as exc:
                 self._keep_conn(conn)  # the reply was read whole: the connection is fine
                 said = str(exc)
-                if said.startswith(MALFORMED_SAID):
+                if MALFORMED_SAID in said:
                     # The scripts' own word on a record they cannot read (prelude's
-                    # record_replicas), which names it; the server's "script: on @user_script:N"
-                    # tail points into the script, not at the record.
-                    named = said.split(" script: ")[0]
+                    # record_replicas), which names it. The server's wrapping (Redis 6.2's "Error
+                    # running script (call to f_...): " before it, a "script: on @user_script:N"
+                    # tail after it) points into the script, not at the record.
+                    named = said[said.index(MALFORMED_SAID) :].split(" script: ")[0]
                     raise ProtocolError(f"{named} (namespace {self.prefix!r} at {self.where})") from None
                 advice = self._oom_advice(exc)
                 raise MooncakeError(f"index script {name} failed on {self.where}: {exc}{advice}") from None

@@ -175,8 +175,8 @@ class PressureCalls:
 
     def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
         """Drop one replica (the object too if it was the last); "OK", "GONE", "PINNED", "LEASED"
-        (read since the sample that chose it) or "PARENT" (the last replica of a chunk that stored
-        chunks of its chain hang off)."""
+        (read since the sample that chose it), "PARENT" (the last replica of a chunk that stored
+        chunks of its chain hang off) or "MALFORMED" (a record this build cannot read)."""
         return self.evict_many([(key, alloc_id)], node_id=node_id)[0]
 
     def drop_corrupt(self, key: str, alloc_id: int, *, node_id: str) -> bool:

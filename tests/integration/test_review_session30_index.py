@@ -76,3 +76,45 @@ def test_a_child_count_that_is_no_integer_fails_no_eviction_and_keeps_the_parent
     assert not client.exists("c") and np.array_equal(client.get("p"), chunk)
     assert not index.redis.sismember(index.prefix + "kids:p", "c")
     assert index.redis.hget(index.prefix + "children", "p") == "abc"  # left for put and remove to name
+
+
+def test_a_lease_that_is_no_number_leaves_its_record_alone_and_fails_nothing_else(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A remove deleted the record, then failed before its replica reached the graveyard (its
+    memory never freed); a put_commit and an eviction failed after the batch's earlier writes; the
+    pressure sample raised ValueError on it (diff review)."""
+    cluster = make_cluster(1)
+    client = make_client(cluster)
+    index, node = client.index, cluster.agents[0].node_id
+    client.put_many({"l1": b"1", "bad": b"2", "l3": b"3"})
+    allocs = {key: index.replicas_listed(key)[0].alloc_id for key in ("l1", "bad")}  # type: ignore[index]
+    index.redis.hset(index.prefix + "o:bad", "lease_until", "abc")
+    record = index.redis.hgetall(index.prefix + "o:bad")
+    with pytest.raises(ProtocolError, match=r"\['o:bad'\]; stored the other 2 key\(s\)"):
+        client.put_many({"n1": b"n", "bad": b"x", "n3": b"z"})
+    assert index.evict_many([("l1", allocs["l1"]), ("bad", allocs["bad"])], node_id=node) == ["OK", "MALFORMED"]
+    assert "bad" not in {c.key for c in index.victim_candidates(node, "host")}
+    with pytest.raises(ProtocolError, match=r"\['bad'\].*removed the other 1"):
+        client.remove_many(["l3", "bad"])
+    assert index.redis.hgetall(index.prefix + "o:bad") == record  # untouched by all of it
+    assert client.exists("n1") and client.exists("n3") and not client.exists("l1") and not client.exists("l3")
+
+
+def test_a_malformed_later_chunk_keeps_its_chain_and_fails_no_other_candidate(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """evict_chains failed on it after the candidates before it were evicted: their ids were
+    lost to the agent, and every later pass that sampled the chain failed again (diff review)."""
+    cluster = make_cluster(1)
+    client = make_client(cluster)
+    index, node = client.index, cluster.agents[0].node_id
+    client.put_many({"A0": b"a0", "B0": b"b0"}, chain_pos={"A0": 0, "B0": 0})
+    client.put_many({"A1": b"a1", "B1": b"b1"}, chain_pos={"A1": 1, "B1": 1}, chain_parent={"A1": "A0", "B1": "B0"})
+    allocs = {key: index.replicas_listed(key)[0].alloc_id for key in ("A0", "B0")}  # type: ignore[index]
+    index.redis.hset(index.prefix + "o:B1", "replicas", f'[["{node}"]]')  # JSON, not this build's shape
+    freed, evicted, statuses, gone = index.evict_chains(
+        [("A0", allocs["A0"]), ("B0", allocs["B0"])], node_id=node, tier="host", wanted_bytes=1 << 30, most_later=64
+    )
+    assert (freed, evicted, statuses) == (4, 2, ["OK", "MALFORMED"]) and allocs["A0"] in gone
+    assert not client.exists("A0") and not client.exists("A1") and client.exists("B0")

@@ -6,8 +6,9 @@
 -- Returns: one status per entry, in order: "OK" (the replica is in its agent's graveyard; if it
 -- was the last one the object is gone and counted in stats.evictions), "GONE" (no such replica any
 -- more), "PINNED", "LEASED" (a reader looked it up since the sample that chose it: it is hot, and
--- a read lease is live), or "PARENT" (its last replica, and stored chunks of its prefix chain hang
--- off it: the sample that chose it was stale).
+-- a read lease is live), "PARENT" (its last replica, and stored chunks of its prefix chain hang
+-- off it: the sample that chose it was stale), or "MALFORMED" (a record this build cannot read:
+-- left as it is).
 local node = ARGV[2]
 local now = now_ms()
 local out = {}

@@ -24,7 +24,8 @@
 -- Returns: {bytes of node's tier freed, objects evicted in all, then per candidate a status: "OK",
 --   "GONE" (no such replica any more), "PINNED" or "LEASED" (it or a later chunk), "LONG" (more
 --   than ARGV[5] later chunks), "LOCAL" (a later chunk on a tier of ARGV[6] here), "PARENT"
---   (a children set that does not name the stored children), "SKIPPED" (enough went before it),
+--   (a children set that does not name the stored children), "MALFORMED" (a record of its chain
+--   this build cannot read: nothing of the chain goes), "SKIPPED" (enough went before it),
 --   "TRIMMED" (enough went with some of its later chunks: it stays, with the rest), or evict.lua's
 --   status for itself; then the alloc ids of node's tier that went (bytes freed counts their plain
 --   sizes, and a disk tier's room is the blocks of their files)}
@@ -64,6 +65,7 @@ end
 local function refusal(key, alloc)
   local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas', 'lease_until')
   if not f[1] then return 'GONE' end
+  if not sound_record(f[1], f[2]) then return 'MALFORMED' end
   local here, elsewhere = false, false
   for _, r in ipairs(record_replicas(key, f[1])) do
     if r[1] == node and r[5] == alloc then
@@ -79,6 +81,9 @@ local function refusal(key, alloc)
   if later == nil then return why end
   for i, k in ipairs({key, unpack(later)}) do
     local g = redis.call('HMGET', P .. 'o:' .. k, 'replicas', 'lease_until')
+    -- Checked before the first chunk of any candidate goes: an error here failed the script
+    -- after the candidates before it had been evicted.
+    if g[1] and not sound_record(g[1], g[2]) then return 'MALFORMED' end
     if i > 1 then  -- a later chunk
       for _, r in ipairs(record_replicas(k, g[1])) do
         if r[1] == node and r[2] ~= tier and pressed[r[2]] then return 'LOCAL' end

@@ -62,6 +62,14 @@ local function well_formed_replicas(raw)
   end
   return reps
 end
+-- Whether the fields of a record that removes, replacements, moves and evictions read are of their
+-- types: its replica list, and its lease_until (a number, or absent). One that is not (written by
+-- hand, or by another build) is left as it is, status MALFORMED, before the script writes anything:
+-- Redis keeps the writes of a script that fails half-way (a remove deleted the record and then
+-- failed before its replicas reached the graveyard: their memory was never freed).
+local function sound_record(raw_replicas, lease_until)
+  return well_formed_replicas(raw_replicas) ~= nil and (not lease_until or tonumber(lease_until) ~= nil)
+end
 -- A record's replica list, or an error naming the record: a reader or a move cannot pass a
 -- malformed one over (it would call a stored object missing), so it says which key to look at,
 -- where cjson's own error named neither the key nor the list.
@@ -180,7 +188,7 @@ end
 local function children_ok(parent)
   if not parent or parent == '' then return true end
   local n = redis.call('HGET', P .. 'children', parent)
-  return not n or tonumber(n) ~= nil
+  return not n or string.match(n, '^-?%d+$') ~= nil  -- what HINCRBY takes: "1.5" is no count
 end
 -- A count that is no integer counts as children without end: its chunk is kept (the safe side).
 local function children_of(key)
@@ -549,6 +557,7 @@ local function evict_replica(key, node, alloc, now, damaged)
   local ok = P .. 'o:' .. key
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until', 'copies')
   if not f[1] then return 'GONE' end
+  if not sound_record(f[1], f[2]) then return 'MALFORMED' end
   local keep, found = {}, nil
   for _, r in ipairs(record_replicas(key, f[1])) do
     if r[1] == node and r[5] == alloc then found = r else table.insert(keep, r) end

@@ -9,7 +9,7 @@
 -- of earlier builds read it as any status but OK, a failed put), "PINNED" (the key exists and
 -- holds live pins, so it cannot be replaced), "LOOP" (its chain link is out of order: see
 -- out_of_order below; the order is what keeps chains from looping), "MALFORMED" (the record under
--- the key has a replica list this build cannot read) or "BAD_COUNT" (a chain parent's child count
+-- the key has a replica list or a lease_until this build cannot read) or "BAD_COUNT" (a chain parent's child count
 -- is no integer): both written by hand or by another build, left as they are.
 -- On OK an older object under the key is replaced in one step: its replicas go to their agents'
 -- graveyards, to be freed once every read lease granted on it has expired.
@@ -67,7 +67,7 @@ for i, put_id in ipairs(ids) do
       table.insert(out, 'PINNED')
     elseif out_of_order(e) then
       table.insert(out, 'LOOP')
-    elseif old[1] and not well_formed_replicas(old[1]) then
+    elseif old[1] and not sound_record(old[1], old[2]) then
       -- What can fail (a record or a counter not of its type) is refused before the entry's first
       -- write, as a status of its own: Redis keeps the writes a script made before an error, and a
       -- commit that buried the old replicas and then failed left the record naming freed memory

@@ -2,8 +2,8 @@
 -- KEYS: none
 -- ARGV: [1] prefix, [2..n] keys
 -- Returns: one status per key: 1 removed, 0 absent, "PINNED" (live pins: left in place),
--- "MALFORMED" (a record this build cannot read, or whose chain parent's count is no number: left
--- in place, untouched).
+-- "MALFORMED" (a record this build cannot read, a replica list or a lease_until, or whose chain
+-- parent's count is no number: left in place, untouched).
 -- The replicas go to their agents' graveyards and are freed only after the object's last read
 -- lease has run out, so a reader that looked the key up before the remove still reads whole bytes.
 local now = now_ms()
@@ -12,7 +12,7 @@ for i = 2, #ARGV do
   local key = ARGV[i]
   local ok = P .. 'o:' .. key
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent')
-  local reps = f[1] and well_formed_replicas(f[1])
+  local reps = f[1] and sound_record(f[1], f[2]) and well_formed_replicas(f[1])
   if not f[1] then
     table.insert(out, 0)
   elseif live_pins(key, now) > 0 then

@@ -20,8 +20,11 @@ local listed = {}  -- keys in the order they are in out, for their children coun
 for _, key in ipairs(keys) do
   local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'last_access', 'lease_until', 'replicas', 'chain_pos', 'dtype',
     'chain_parent')
-  local reps = f[1] and well_formed_replicas(f[4])
-  if reps then  -- a malformed record is passed over: it failed every pass of its node
+  -- A malformed record is passed over: it failed every pass of its node. The numbers it sends
+  -- must be numbers (the agent reads them as such).
+  local numbers = tonumber(f[1]) and tonumber(f[2] or 0) and tonumber(f[3] or 0) and tonumber(f[5] or -1)
+  local reps = numbers and well_formed_replicas(f[4])
+  if reps then
     local others = {}
     -- Other nodes with a readable copy: one past its heartbeat deadline is no redundancy.
     for _, r in ipairs(reps) do
