@@ -115,19 +115,38 @@ def _set_widths(console: Console, options: ConsoleOptions, table: Table, width: 
     return True
 
 
+#: How far _pairs indents a node's further lines.
+INDENT = "    "
+
+
 def _pairs(name: Text, pairs: list[tuple[str, str | Text]], width: int) -> Text:
     """``name`` then "label value" pairs, as many to a line as ``width`` holds, further lines
-    indented; a pair is never split between lines, and one wider than the whole width folds."""
+    indented; a pair is never split between lines unless it is wider than an indented line by
+    itself: then its label and the pieces of its value take indented lines of their own (folded
+    at column 0, a value read as the next node's name). A pair with no value is left out."""
+    room = width - len(INDENT)
     line, lines = name.copy(), []
     for label, value in pairs:
+        if not (value.plain if isinstance(value, Text) else value):
+            continue
         pair = Text.assemble((label + " ", "dim"), value)
-        if line.cell_len + 2 + pair.cell_len > width and line.plain.strip():
+        fresh = line.plain == INDENT
+        if pair.cell_len > room and room >= 2 * len(INDENT):
+            if not fresh:
+                lines.append(line)
+            for text in (Text(label, "dim"), value if isinstance(value, Text) else Text(value)):
+                lines += [Text(INDENT) + piece for piece in text.wrap(_MEASURE, room, overflow="fold")]
+            line = Text(INDENT)
+            continue
+        if not fresh and line.cell_len + 2 + pair.cell_len > width:
             lines.append(line)
-            line = Text("    ")
-        else:
+            line, fresh = Text(INDENT), True
+        if not fresh:
             line.append("  ")
         line.append_text(pair)
-    lines.append(line)
+    if line.plain != INDENT:
+        lines.append(line)
+    # What is still too wide (a name wider than the line, or a width too narrow to indent in) folds.
     folded = [part for text in lines for part in text.wrap(_MEASURE, width, overflow="fold")]
     return Text("\n").join(folded)
 
@@ -228,6 +247,8 @@ def activity_table(stats: ClusterStats, *, fold: bool = False) -> Table:
         table.add_column(name, justify="right", no_wrap=" " not in name, min_width=len(max(name.split(), key=len)))
     table.add_column("ratio", justify="right", no_wrap=True)
     for node in stats.nodes:
+        if not node.tiers:  # a row all the same, so that its uptime shows
+            table.add_row(Text(node.node_id, "bold"), _uptime(node), "-", *([""] * (len(ACTIVITY) + 1)))
         for i, tier in enumerate(node.tiers):
             first = i == 0
             names = [Text(node.node_id, "bold"), _uptime(node)] if first else ["", ""]
@@ -241,7 +262,7 @@ def activity_lines(stats: ClusterStats, width: int) -> Text:
     for node in stats.nodes:
         lines.append(_pairs(Text(node.node_id, "bold"), [("up", _uptime(node))], width))
         for tier in node.tiers:
-            lines.append(_pairs(Text("  " + tier.tier), [(k, v) for k, v in _activity(tier) if v != ""], width))
+            lines.append(_pairs(Text("  " + tier.tier), _activity(tier), width))
     return Text("\n").join(lines)
 
 

@@ -31,11 +31,15 @@ class TierStats:
     compression_ratio: float = 1.0  # raw bytes over stored bytes (disk tier)
 
     def __repr__(self) -> str:
-        said = [f"{format_size(self.used_bytes)} of {format_size(self.capacity_bytes)}", f"{self.objects} objects"]
+        said = [f"{format_size(self.used_bytes)} of {format_size(self.capacity_bytes)}", _objects(self.objects)]
         said += [f"{name} {getattr(self, name)}" for name in _TIER_COUNTERS if getattr(self, name)]
         if self.compression_ratio != 1.0:
             said.append(f"compression {self.compression_ratio:.2f}x")
         return f"TierStats({self.tier}: {', '.join(said)})"
+
+
+def _objects(count: int) -> str:
+    return f"{count} object" + ("" if count == 1 else "s")
 
 
 #: The counters a TierStats repr names when they are not 0, in the order `mooncake stat` shows them.
@@ -76,7 +80,7 @@ class NodeStats:
     def __repr__(self) -> str:
         state = "live" if self.alive else f"down {self.heartbeat_age_s:.1f} s"
         where = f"{self.tcp_endpoint}" + (f", zone {self.zone!r}" if self.zone else "")
-        return f"NodeStats({self.node_id!r} {state}, {where}, {self.objects} objects, tiers={list(self.tiers)!r})"
+        return f"NodeStats({self.node_id!r} {state}, {where}, {_objects(self.objects)}, tiers={list(self.tiers)!r})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,12 +104,11 @@ class ClusterStats:
     def __repr__(self) -> str:
         said = [
             f"{len(self.live_nodes)} of {len(self.nodes)} nodes live",
-            f"{self.objects} objects",
+            _objects(self.objects),
             f"{format_size(self.used_bytes)} of {format_size(self.capacity_bytes)} used",
-            f"hits {self.hits}",
-            f"misses {self.misses}",
         ]
-        said += [f"{name} {getattr(self, name)}" for name in ("evictions", "corrupt", "short") if getattr(self, name)]
+        counters = ("hits", "misses", "evictions", "corrupt", "short")
+        said += [f"{name} {getattr(self, name)}" for name in counters if getattr(self, name)]
         return f"ClusterStats({', '.join(said)}; nodes={list(self.nodes)!r})"
 
     @property

@@ -46,6 +46,12 @@ CLUSTERS = {
         _node("ip-10-0-12-34.ec2.internal-12345", "us-east-1a", "10.100.12.34:7601", disk=True),
         _node("gpu-node-02", "us-east-1b", "[fd00::7]:7000", disk=True),
     ),
+    # A node with no tiers had no activity row (its uptime unseen), and a dangling "use" label in
+    # the lines of pairs; a zone wider than the width folded to column 0, read as a node's name.
+    "bare node, long zone": (
+        _node("agent-0", "a-very-long-zone-name-of-a-rack", "127.0.0.1:40001", disk=False),
+        replace(_node("bare", "z", "127.0.0.1:40002", disk=False), tiers=()),
+    ),
 }
 
 
@@ -83,8 +89,13 @@ def test_stat_at_any_width_shows_every_character_of_its_tables_within_the_width(
             chars = _chars(text)
             form = "table" if chars == table else "lines"
             assert form == "table" or chars == lines, (width, part, text)
+            if form == "lines":  # only a node's name starts at column 0, whole or folded
+                starts = [line.split()[0] for line in text.splitlines() if line and not line[0].isspace()]
+                assert all(any(start in n.node_id for n in CLUSTERS[name]) for start in starts), (width, text)
             forms_seen.add((part, form))
     assert ("nodes", "lines") in forms_seen and ("activity", "table") in forms_seen, forms_seen
+    wide = _text(render.cluster_view(stats), WIDE, soft_wrap=True)
+    assert all(f"{node.node_id} " in wide.split("\n\n")[1] for node in CLUSTERS[name]), wide  # a row each
 
 
 def test_the_common_cluster_keeps_its_tables_in_80_columns() -> None:

@@ -32,5 +32,7 @@ def test_stats_reprs_are_short_with_sizes_in_units_and_nonzero_counters_only() -
         "ClusterStats(1 of 2 nodes live, 6 objects, 6.0 MiB of 512.0 MiB used, hits 10, misses 1, evictions 4; nodes=["
     ), text
     assert "\n" not in text and "corrupt" not in text and "capacity_bytes" not in text
+    empty = ClusterStats(nodes=(), objects=1, capacity_bytes=0, used_bytes=0, hits=0, misses=0)
+    assert repr(empty) == "ClusterStats(0 of 0 nodes live, 1 object, 0 B of 0 B used; nodes=[])"  # no zero counters
     assert len(text) < 600, len(text)
     assert stats.as_dict()["nodes"][0]["tiers"][0]["capacity_bytes"] == 256 * MiB  # every field is still there
