@@ -8,15 +8,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from mooncake_store.errors import (
-    ConfigError,
-    ConnectError,
-    InvalidKey,
-    InvalidValue,
-    KeyNotFound,
-    MooncakeError,
-    NoCapacity,
-)
+from mooncake_store.errors import exit_status
 
 
 class ExitCode(IntEnum):
@@ -52,15 +44,4 @@ def code_for(exc: BaseException) -> ExitCode:
     """The exit code for an exception that reached the top level."""
     if isinstance(exc, CliError):
         return exc.code
-    # Order matters: KeyNotFound is also a KeyError, InvalidKey/InvalidValue are also ValueErrors.
-    if isinstance(exc, KeyNotFound):
-        return ExitCode.NOT_FOUND
-    if isinstance(exc, ConfigError | InvalidKey | InvalidValue):
-        return ExitCode.USAGE
-    if isinstance(exc, ConnectError):
-        return ExitCode.CANNOT_CONNECT
-    if isinstance(exc, NoCapacity):
-        return ExitCode.NO_CAPACITY
-    if isinstance(exc, MooncakeError):
-        return ExitCode.ERROR
-    return ExitCode.ERROR
+    return ExitCode(exit_status(exc))  # the agent module's codes too

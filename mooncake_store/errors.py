@@ -131,3 +131,19 @@ class ServerError(MooncakeError):
 class PortInUse(ServerError):
     """The port the embedded server was given is held by another process (a usage error: the
     command line names another port, or none)."""
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status a command ends with for ``exc``: the `mooncake` CLI's codes (cli/exits.py),
+    which `python -m mooncake_store.agent` shares: 2 bad input, 3 key not found, 4 cannot connect,
+    5 no room, 1 anything else. Order matters: KeyNotFound is also a KeyError, InvalidKey and
+    InvalidValue are also ValueErrors."""
+    if isinstance(exc, KeyNotFound):
+        return 3
+    if isinstance(exc, ConfigError | InvalidKey | InvalidValue):
+        return 2
+    if isinstance(exc, ConnectError):
+        return 4
+    if isinstance(exc, NoCapacity):
+        return 5
+    return 1

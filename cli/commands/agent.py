@@ -14,6 +14,7 @@ from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.state import load_state
 
 from mooncake_store.agent.node import Agent
+from mooncake_store.agent.takeover import StartCancelled
 from mooncake_store.config import (
     Config,
     agent_flag_names,
@@ -139,7 +140,12 @@ def agent(
         signal.signal(signum, on_signal)
     node = Agent(config.agent, redis_url=config.redis_url, namespace=config.namespace)
     try:
-        node.start()
+        if stop.is_set():
+            return  # told to stop while its arena was made: the finally below removes it
+        try:
+            node.start(stop)
+        except StartCancelled:
+            return  # a stop asked for while the start waited for its node id
         info = node.node_info()
         if ready_json:
             ready = {

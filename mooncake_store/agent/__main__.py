@@ -15,12 +15,13 @@ import threading
 from types import FrameType
 
 from mooncake_store.agent.node import Agent
+from mooncake_store.agent.takeover import StartCancelled
 from mooncake_store.config import agent_flag_names, agent_flag_overrides, load_config
-from mooncake_store.errors import ConfigError, MooncakeError
+from mooncake_store.errors import ConfigError, MooncakeError, exit_status
 from mooncake_store.watchdog import watch_parent
 
-#: Exit codes, as the `mooncake` CLI's (cli/exits.py): 2 for bad input, 1 for any other failure.
-EXIT_ERROR = 1
+#: Exit codes, as the `mooncake` CLI's (cli/exits.py, errors.exit_status): 2 for bad input, 4 no
+#: Redis, 5 no room (/dev/shm, the disk), 1 any other failure.
 EXIT_USAGE = 2
 
 
@@ -65,6 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    # Before the arena is made: a signal while it was prefaulted (seconds for gigabytes) killed
+    # the agent by its default action, its arena left in /dev/shm. A hang-up too (its terminal
+    # closed, as `mooncake agent` takes it).
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     try:
         config = load_config(
             file=args.config,
@@ -95,21 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         agent = Agent(config.agent, redis_url=config.redis_url, namespace=config.namespace)
     except MooncakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        # As the `mooncake` CLI: 2 is bad input only; no room, no Redis or no GPU is a failure (1).
-        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_ERROR
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    # A hang-up too (its terminal closed, as `mooncake agent` takes it): by the default action the
-    # agent died without its stop, and its arena stayed in /dev/shm.
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+        return exit_status(exc)  # as the `mooncake` CLI's: 4 no Redis, 5 no room for the arena
     if args.exit_with_parent is not None:
         watch_parent(args.exit_with_parent, stop, what="agent")
     try:
-        agent.start()
+        if stop.is_set():
+            return 0  # told to stop while its arena was made: the finally below removes it
+        agent.start(stop)
         ready = {
             "node_id": agent.node_id,
             "endpoint": agent.server.endpoint,
@@ -119,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         print("READY " + json.dumps(ready), flush=True)
         agent.run_until(stop)
+    except StartCancelled:
+        return 0  # a stop asked for while the start waited
     except MooncakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_ERROR  # e.g. another agent's --advertise
+        return exit_status(exc)  # e.g. 2 for another agent's --advertise
     finally:
         # Whatever ended the run (a bug's exception included): deregister and remove the segment.
         agent.stop()

@@ -242,11 +242,13 @@ class Agent(OtherTierHooks, SyncDuties):
         return int(self.config.heartbeat_ttl_s * 1000)
 
     # ---- life cycle ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Serve, register and start the background duties. ``stop`` (its process's signals) ends
+        a wait for the node id's record to free (StartCancelled)."""
         self.server.start()
         if self.config.advertise:  # the bound address is this agent's own; an advertised one may not be
             check_advertised(self.config.advertise, self.arena.name)
-        register_first(self.index, self.node_info, incarnation=self.incarnation, ttl_ms=self._ttl_ms)
+        register_first(self.index, self.node_info, incarnation=self.incarnation, ttl_ms=self._ttl_ms, stop=stop)
         if evicting := self.index.eviction_unsafe():
             log.warning("%s", evicting)
         # The node id is this agent's now: arenas earlier agents of it left behind go, and those

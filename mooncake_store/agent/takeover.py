@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,13 +76,28 @@ def fresh_alloc_tag(index: RedisIndex, node_id: str, incarnation: str) -> int:
     return tag
 
 
-def register_first(index: RedisIndex, node_info: Callable[[], NodeInfo], *, incarnation: str, ttl_ms: int) -> None:
+class StartCancelled(MooncakeError):
+    """The agent was told to stop (SIGTERM, SIGINT, SIGHUP) while its start waited: a stop asked
+    for, not a failure."""
+
+
+def register_first(
+    index: RedisIndex,
+    node_info: Callable[[], NodeInfo],
+    *,
+    incarnation: str,
+    ttl_ms: int,
+    stop: threading.Event | None = None,
+) -> None:
     """Register a starting agent's node id. One still held by an agent of this host whose process
     is gone (killed without its stop: a crash, then a supervisor's restart at once) is free once
     its record's heartbeat deadline passes: wait for it, up to TAKEOVER_WAIT_S, rather than refuse
-    the start with a message about a live agent that is not there. A live holder is refused at
-    once (NodeIdTaken)."""
+    the start with a message about a live agent that is not there; one whose deadline is further
+    off than that is refused at once. A live holder is refused at once (NodeIdTaken). ``stop`` ends
+    the wait (StartCancelled): a sleep held SIGTERM off for the whole wait, and `docker stop` then
+    killed the agent."""
     give_up = time.monotonic() + TAKEOVER_WAIT_S
+    stop = stop or threading.Event()
     while True:
         info = node_info()
         try:
@@ -90,7 +106,7 @@ def register_first(index: RedisIndex, node_info: Callable[[], NodeInfo], *, inca
         except NodeIdTaken as exc:
             if not holder_gone(exc.holder):
                 raise
-            if time.monotonic() >= give_up:
+            if time.monotonic() + exc.left_ms / 1000 > give_up:
                 # Not "held by a live agent ... stop that agent": there is none to stop.
                 raise NodeIdTaken(
                     f"node id {info.node_id!r} was held by pid {exc.holder.get('pid')} of this host, which is "
@@ -106,7 +122,8 @@ def register_first(index: RedisIndex, node_info: Callable[[], NodeInfo], *, inca
                 exc.holder.get("pid"),
                 wait_s,
             )
-            time.sleep(wait_s)
+            if stop.wait(wait_s):
+                raise StartCancelled(f"stopped while waiting for node id {info.node_id!r} to be free") from None
 
 
 def holder_gone(holder: dict[str, Any]) -> bool:

@@ -421,8 +421,11 @@ class TcpTransport:
         later ends with MooncakeError instead of opening new ones."""
         with self._lock:
             self._closed = True
+            # Listed before the pool lets them go: _made holds them weakly, and a peer only the
+            # pool held was collected in between, its sockets left to the garbage collector
+            # (ResourceWarning: unclosed socket) instead of closed here.
+            peers = [*self._peers.values(), *self._made]
             self._peers = {}
-            peers = list(self._made)
         for peer in peers:
             peer.abort()
         self._stripes.shutdown(wait=False, cancel_futures=True)
