@@ -148,9 +148,12 @@ def _not_up(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> str:
 
 
 def _code_of(proc: subprocess.Popen[bytes]) -> ExitCode:
-    """A process that refused what it was given (exit 2: a port in use, a bad value) is a usage
-    error of this command too; any other end, or none yet, is an error."""
-    return ExitCode.USAGE if proc.poll() == ExitCode.USAGE else ExitCode.ERROR
+    """The exit status of a process that ended as it started, where it says what this command's
+    would (agents and the server's wrapper share its codes: 2 a port in use or a bad value, 4 no
+    Redis, 5 no room for an arena); any other end, or none yet, is an error."""
+    code = proc.poll()
+    passed = (ExitCode.USAGE, ExitCode.CANNOT_CONNECT, ExitCode.NO_CAPACITY)
+    return ExitCode(code) if code in passed else ExitCode.ERROR
 
 
 def _agent_env(redis_url: str, namespace: str) -> dict[str, str]:
