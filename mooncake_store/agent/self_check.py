@@ -7,11 +7,12 @@ reservations of an agent "restarted since". One that does not answer here may st
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 
-from mooncake_store.errors import ConfigError, MooncakeError, ProtocolError
+from mooncake_store.errors import ConfigError, MooncakeError, ProtocolError, TransferTimeout
 from mooncake_store.tiers.host import segment_digest
-from mooncake_store.transport.tcp import PeerConnections
+from mooncake_store.transport.tcp import PeerConnections, parse_endpoint
 
 log = logging.getLogger("mooncake.agent")
 
@@ -41,6 +42,12 @@ def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> Astray |
         _, arena_digest = peer.identify()
     except ProtocolError as exc:  # something listens there: another service, or another build
         return Astray(True, f"answers, but not in this build's protocol ({exc})")
+    except TransferTimeout as exc:
+        # Connected, and silent: a Redis server waits for the end of a line that our frame never
+        # sends (an --advertise copied from the Redis URL was taken, with a warning only).
+        if speaks_resp(endpoint, timeout_s=timeout_s):
+            return Astray(True, "answers, but as a Redis server (RESP), not in this build's protocol")
+        return Astray(False, f"does not answer ({exc})")
     except MooncakeError as exc:
         return Astray(False, f"does not answer ({exc})")
     finally:
@@ -48,6 +55,19 @@ def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> Astray |
     if arena_digest and arena_digest != segment_digest(arena_name):
         return Astray(True, "is answered by another agent")
     return None
+
+
+def speaks_resp(endpoint: str, *, timeout_s: float) -> bool:
+    """Whether ``endpoint`` answers a RESP PING as a Redis-compatible server does (PONG, or an
+    error such as NOAUTH)."""
+    host, port = parse_endpoint(endpoint)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            reply = sock.recv(64)
+    except OSError:
+        return False
+    return reply.startswith((b"+PONG", b"-"))
 
 
 def check_advertised(advertise: str, arena_name: str, *, timeout_s: float = ADVERTISE_CHECK_S) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -119,3 +120,18 @@ def test_a_closed_client_closes_its_pooled_connections_itself(make_cluster: Call
     )
     assert result.returncode == 0, result.stderr
     assert "ResourceWarning" not in result.stderr, result.stderr
+
+
+def test_an_advertised_address_that_is_the_redis_servers_is_refused(redis_url: str) -> None:
+    """The Redis server never answers the agent's frame (it waits for the end of a line), so the
+    self-check found "no answer" and only warned: every put for the node then went to Redis."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+    redis_endpoint = redis_url.removeprefix("redis://").split("/")[0]
+    status, err = refused_agent(
+        "--redis-url", redis_url, "--namespace", f"t-{uuid.uuid4().hex[:10]}", "--host-bytes", "4MiB",
+        "--no-prefault", "--listen", f"127.0.0.1:{port}", "--advertise", redis_endpoint,
+    )  # fmt: skip
+    assert status == 2, err
+    assert f"agent.advertise={redis_endpoint!r} answers, but as a Redis server" in err, err
