@@ -232,8 +232,11 @@ def _load_dtype(model: Any, config: Any, dtype: Any) -> Any:
     """The dtype of the chunks a load asks for: ``dtype``, else the model's, else the config's."""
     if dtype is None and model is not None:
         dtype = model.dtype
-    elif dtype is None:  # transformers 5 names it dtype (and warns on torch_dtype); 4.x torch_dtype
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    elif dtype is None:
+        # transformers 5 names it dtype and warns on any read of torch_dtype, even where dtype is
+        # None (a config that names none); 4.x names it torch_dtype.
+        named = "dtype" if hasattr(config, "dtype") else "torch_dtype"
+        dtype = getattr(config, named, None) or torch.float32
     given = dtype
     if isinstance(dtype, str):  # configs may carry "float16"
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
