@@ -29,7 +29,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mooncake_store.agent", description=__doc__.splitlines()[0])
     p.add_argument("--redis-url", help="index server (env MOONCAKE_REDIS_URL)")
     p.add_argument("--namespace", help="key namespace (env MOONCAKE_NAMESPACE; default 'default')")
-    p.add_argument("--host-bytes", help="host-DRAM arena size, e.g. 1GiB (default 1GiB)")
+    # --host-mem as `mooncake agent` and docker-compose spell it; --host-bytes as this module always has.
+    p.add_argument(
+        "--host-bytes", "--host-mem", dest="host_bytes", help="host-DRAM arena size, e.g. 1GiB (default 1GiB)"
+    )
     p.add_argument("--node-id", help="node id (default HOSTNAME-PID)")
     p.add_argument("--listen", help="HOST:PORT for the data/control server (default 127.0.0.1:0)")
     p.add_argument("--advertise", help="HOST:PORT that peers dial, when it differs from --listen (0.0.0.0:7000)")

@@ -135,3 +135,9 @@ def test_an_advertised_address_that_is_the_redis_servers_is_refused(redis_url: s
     )  # fmt: skip
     assert status == 2, err
     assert f"agent.advertise={redis_endpoint!r} answers, but as a Redis server" in err, err
+
+
+def test_the_agent_module_takes_host_mem_as_the_cli_does(redis_url: str) -> None:
+    """`mooncake agent` and docker-compose say --host-mem, this module only --host-bytes."""
+    status, err = refused_agent("--redis-url", redis_url, "--host-mem", "100", "--no-prefault")
+    assert status == 2 and "100" in err and "unrecognized arguments" not in err, err  # the size refused, not the flag
