@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mooncake.client")
 
+#: How long a put waits for its first choice to make room before it asks one more node (reserving.py).
+WIDEN_ROOM_ASK_S = 1.0
+
 
 class PutPath:
     def __init__(self, client: Client) -> None:
@@ -120,9 +123,15 @@ class PutPath:
         expired_tries = failed_writes = 0
         fresh_table_tried = node_gone = False
         delay_s = 0.05
-        room_asks = 1
+        first_wait: float | None = None  # when this put first waited for room
         while True:
             try:
+                # One more node that refused is asked to make room (reserving.py) for each
+                # WIDEN_ROOM_ASK_S the put has waited: time for the first choice's pressure pass
+                # and the reclaim after it. Widened at each wait (the first is 50 ms), a put that
+                # a pass of many small evictions took longer for made room on every node.
+                waited = 0.0 if first_wait is None else time.monotonic() - first_wait
+                room_asks = 1 + int(waited / WIDEN_ROOM_ASK_S)
                 self._put_once(plans, replicas, preferred_node, room_asks=room_asks)
                 return
             except ReplicaWriteFailed as failed:
@@ -172,7 +181,7 @@ class PutPath:
                         self.client._check_open()
                     # Nodes come back at their next heartbeat: looked for four times a second.
                     delay_s = min(delay_s * 2, 0.25 if settling else 1.0)
-                    room_asks += 1  # one more node that refused is asked to make room (reserving.py)
+                    first_wait = time.monotonic() if first_wait is None else first_wait
                     self.client._node_table(refresh=True)
                 elif isinstance(exc, NoCapacity) and not exc.permanent:
                     raise NoCapacity(f"{exc}; {waited_for_room(config.timeout_s)}", free_bytes=exc.free_bytes) from None

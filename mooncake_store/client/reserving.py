@@ -250,19 +250,23 @@ class Reserver:
         """Ask the first ``room_asks`` nodes that refused these plans for want of room (the first
         choice first) for them again, not as a probe: refused, a node makes room for all of them
         together, and the put's next try finds it; a node with room by now takes them. The put
-        asks one more node each time it waits (PutPath.run): a first choice whose objects are all
+        asks one more node for each second it has waited (PutPath.run): a first choice whose objects are all
         pinned made no room, and the put waited out timeout_s while other nodes could have made
         it. NoCapacity for what none of them takes."""
         refused = (node_id for _, errors in homeless for node_id, exc in errors if isinstance(exc, NoCapacity))
         refusers = [node_id for node_id in dict.fromkeys(refused) if node_id in nodes]
-        for node_id in refusers[: max(1, room_asks)]:
+        asked = 0
+        for node_id in refusers:
+            if asked >= max(1, room_asks) or not homeless:
+                break
             wanting = [
                 plan
                 for plan, _ in homeless
                 if node_id == first_choice or node_id not in ({r.node_id for r in plan.replicas} | plan.assigned)
             ]
             if not wanting:
-                continue
+                continue  # no ask spent on a node none of them may go to
+            asked += 1
             for tier in {plan.tier for plan in wanting}:
                 of_tier = [plan for plan in wanting if plan.tier == tier]
                 try:

@@ -6,6 +6,7 @@ that eviction's writes, and cut the pressure sample's reply short at its nil."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import numpy as np
@@ -101,8 +102,9 @@ def test_a_lease_that_is_no_number_leaves_its_record_alone_and_fails_nothing_els
     assert client.exists("n1") and client.exists("n3") and not client.exists("l1") and not client.exists("l3")
 
 
+@pytest.mark.parametrize("malformed", ["shape", "size"])
 def test_a_malformed_later_chunk_keeps_its_chain_and_fails_no_other_candidate(
-    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], malformed: str
 ) -> None:
     """evict_chains failed on it after the candidates before it were evicted: their ids were
     lost to the agent, and every later pass that sampled the chain failed again (diff review)."""
@@ -112,7 +114,12 @@ def test_a_malformed_later_chunk_keeps_its_chain_and_fails_no_other_candidate(
     client.put_many({"A0": b"a0", "B0": b"b0"}, chain_pos={"A0": 0, "B0": 0})
     client.put_many({"A1": b"a1", "B1": b"b1"}, chain_pos={"A1": 1, "B1": 1}, chain_parent={"A1": "A0", "B1": "B0"})
     allocs = {key: index.replicas_listed(key)[0].alloc_id for key in ("A0", "B0")}  # type: ignore[index]
-    index.redis.hset(index.prefix + "o:B1", "replicas", f'[["{node}"]]')  # JSON, not this build's shape
+    if malformed == "shape":
+        index.redis.hset(index.prefix + "o:B1", "replicas", f'[["{node}"]]')  # JSON, not this build's shape
+    else:  # a size that is no number: the arithmetic on it failed the script (second diff review)
+        replicas = json.loads(index.redis.hget(index.prefix + "o:B1", "replicas"))
+        replicas[0][3] = "big"
+        index.redis.hset(index.prefix + "o:B1", "replicas", json.dumps(replicas))
     freed, evicted, statuses, gone = index.evict_chains(
         [("A0", allocs["A0"]), ("B0", allocs["B0"])], node_id=node, tier="host", wanted_bytes=1 << 30, most_later=64
     )

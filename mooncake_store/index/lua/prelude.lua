@@ -55,7 +55,10 @@ local function well_formed_replicas(raw)
   if not ok then return nil end
   for _, r in ipairs(reps) do
     -- Types, not nil: cjson decodes a JSON null as cjson.null, which is no nil.
+    -- The offset and size too: a size that is no number passed, and an eviction then failed on
+    -- its arithmetic after the chains before it had gone.
     if type(r) ~= 'table' or type(r[1]) ~= 'string' or type(r[2]) ~= 'string'
+        or type(r[3]) ~= 'number' or type(r[4]) ~= 'number'
         or (type(r[5]) ~= 'string' and type(r[5]) ~= 'number') then
       return nil
     end
