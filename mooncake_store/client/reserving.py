@@ -104,7 +104,7 @@ class Reserver:
     ) -> dict[str, NodeInfo]:
         """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier.
         ``room_asks``: how many of the nodes that refused an object for want of room are asked to
-        make it (_ask_for_room), one more for each time the put waited for room."""
+        make it (_ask_for_room), one more for each second the put has waited for room."""
         client = self.client
         nodes, now = client._node_table(), client._server_now_ms()
         if preferred_node in nodes and nodes[preferred_node].heartbeat_deadline_ms < now:  # dead on a cached table?
@@ -250,9 +250,9 @@ class Reserver:
         """Ask the first ``room_asks`` nodes that refused these plans for want of room (the first
         choice first) for them again, not as a probe: refused, a node makes room for all of them
         together, and the put's next try finds it; a node with room by now takes them. The put
-        asks one more node for each second it has waited (PutPath.run): a first choice whose objects are all
-        pinned made no room, and the put waited out timeout_s while other nodes could have made
-        it. NoCapacity for what none of them takes."""
+        asks one more node for each second it has waited (PutPath.run): a first choice whose
+        objects are all pinned made no room, and the put waited out timeout_s while other nodes
+        could have made it. NoCapacity for what none of them takes."""
         refused = (node_id for _, errors in homeless for node_id, exc in errors if isinstance(exc, NoCapacity))
         refusers = [node_id for node_id in dict.fromkeys(refused) if node_id in nodes]
         asked = 0
