@@ -140,29 +140,35 @@ def agent(
         signal.signal(signum, on_signal)
     node = Agent(config.agent, redis_url=config.redis_url, namespace=config.namespace)
     try:
-        if stop.is_set():
-            return  # told to stop while its arena was made: the finally below removes it
-        try:
-            node.start(stop)
-        except StartCancelled:
-            return  # a stop asked for while the start waited for its node id
-        info = node.node_info()
-        if ready_json:
-            ready = {
-                "node_id": node.node_id,
-                "endpoint": info.tcp_endpoint,
-                "shm_name": info.shm_name,
-                "disk_dir": str(node.disk.root.resolve()) if node.disk is not None else "",  # as the module's
-                "pid": info.pid,
-            }
-            print("READY " + json.dumps(ready), flush=True)
-        else:
-            out.print(
-                f"[green]✓[/green] agent {node.node_id} serving {info.tcp_endpoint}, "
-                f"{format_size(config.agent.host_bytes)} host arena /dev/shm/{info.shm_name}, "
-                f"zone {config.agent.zone}, index {redact_url(config.redis_url)} namespace {config.namespace}"
-            )
-        node.run_until(stop)  # a MooncakeError (taken over while stalled) exits 1 through main's handler
+        _serve(node, config, stop, ready_json=ready_json)
     finally:
         node.stop()
     err.print(f"agent {node.node_id} stopped")
+
+
+def _serve(node: Agent, config: Config, stop: threading.Event, *, ready_json: bool) -> None:
+    """Start ``node`` and serve until ``stop``; a stop asked for while its arena was made, or
+    while its start waited for its node id, ends it before it serves."""
+    if stop.is_set():
+        return
+    try:
+        node.start(stop)
+    except StartCancelled:
+        return
+    info = node.node_info()
+    if ready_json:
+        ready = {
+            "node_id": node.node_id,
+            "endpoint": info.tcp_endpoint,
+            "shm_name": info.shm_name,
+            "disk_dir": str(node.disk.root.resolve()) if node.disk is not None else "",  # as the module's
+            "pid": info.pid,
+        }
+        print("READY " + json.dumps(ready), flush=True)
+    else:
+        out.print(
+            f"[green]✓[/green] agent {node.node_id} serving {info.tcp_endpoint}, "
+            f"{format_size(config.agent.host_bytes)} host arena /dev/shm/{info.shm_name}, "
+            f"zone {config.agent.zone}, index {redact_url(config.redis_url)} namespace {config.namespace}"
+        )
+    node.run_until(stop)  # a MooncakeError (taken over while stalled) exits 1 through main's handler
