@@ -8,7 +8,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -123,22 +122,25 @@ def test_an_agent_at_its_connection_limit_keeps_the_clients_pooled_connections(
         for sock, _ in pool._idle[1:]:  # exactly one pooled connection: the read needs a second
             sock.close()
         del pool._idle[1:]
-    # The two stripes' reads start together: on a loaded machine the second one could still be
-    # queued when the first was done, and then ran after it on the same (pooled) connection.
-    real_read_many = pool.read_many
+    # Each stripe goes on only once both hold a connection: on a loaded machine the second one
+    # could otherwise take its connection when the first was done, the same (pooled) one, and
+    # was never turned away. (Started together was not enough: the first read 2 MiB before the
+    # second thread woke from the barrier.)
+    real_acquire = pool._acquire
     stripes = threading.Barrier(2, timeout=10)
 
-    def stripes_together(*args: Any, **kwargs: Any) -> None:
+    def connection_each_at_once() -> socket.socket:
+        sock = real_acquire()
         stripes.wait()
-        real_read_many(*args, **kwargs)
+        return sock
 
-    pool.read_many = stripes_together  # type: ignore[method-assign]
+    pool._acquire = connection_each_at_once  # type: ignore[method-assign]
     with _one_place_held(cluster):
         try:
             with pytest.raises(AgentBusy, match=r"connection limit of 2\b"):
                 client.get("s22-busy")
         finally:
-            del pool.read_many  # the class's again
+            del pool._acquire  # the class's again
         assert client._tcp.peer(endpoint) is pool, "the pool was dropped on a BUSY refusal"
         assert len(pool._idle) == 1, "the healthy connection of the read was closed, not pooled"
     # The agent counts the held connection until it has seen its close: read again until it has.
