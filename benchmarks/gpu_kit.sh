@@ -6,7 +6,8 @@
 #   here:   bash benchmarks/gpu_kit.sh prepare   # wheels for Python 3.12 x86-64 into .whl/ (~8 MB)
 #   there:  bash benchmarks/gpu_kit.sh run       # install them, run tests/gpu and benchmarks/gpu.py
 #           bash benchmarks/gpu_kit.sh run all   # ... and the whole suite as well
-#           bash benchmarks/gpu_kit.sh spill     # benchmarks/tiers.py --spill-only on its CPUs
+#           bash benchmarks/gpu_kit.sh spill     # benchmarks/tiers.py --quick --spill-only on its CPUs
+#           bash benchmarks/gpu_kit.sh spill full  # ... at full size instead
 #
 # With the device tool: run(command="bash benchmarks/gpu_kit.sh run", carry=[".whl"], timeout_s=500).
 # Results go to $OUT (the device tool brings that folder back), else to /tmp/gpu-kit:
@@ -62,16 +63,21 @@ report() {
 }
 
 # The spill benchmark on the lent machine's 16 CPUs (it needs no GPU): on the 2-vCPU development
-# VM the spill's copies and its per-object work share two CPUs. Quick first, then full size.
+# VM the spill's copies and its per-object work share two CPUs. Quick (205 MiB per burst, ~2 min:
+# most of it filling the arenas and the raw TCP trials beside each burst), or with "full" the full
+# size (820 MiB per burst) instead; both do not fit in one 10-minute call with room to spare.
 spill() {
     local out="${OUT:-/tmp/gpu-kit}"
     mkdir -p "$out"
     install "$out" || return 1
     local failed=()
-    step "tiers.py --quick --spill-only" "$out/spill_quick.md" \
-        in_benchmarks timeout 100 python3 tiers.py --quick --spill-only --json "$out/spill_quick.json"
-    step "tiers.py --spill-only" "$out/spill_full.md" \
-        in_benchmarks timeout 200 python3 tiers.py --spill-only --json "$out/spill_full.json"
+    if [[ "${1:-}" == "full" ]]; then
+        step "tiers.py --spill-only" "$out/spill_full.md" \
+            in_benchmarks timeout 540 python3 tiers.py --spill-only --json "$out/spill_full.json"
+    else
+        step "tiers.py --quick --spill-only" "$out/spill_quick.md" \
+            in_benchmarks timeout 300 python3 tiers.py --quick --spill-only --json "$out/spill_quick.json"
+    fi
     report "$out"
 }
 
@@ -96,6 +102,6 @@ run() {
 case "${1:-}" in
     prepare) prepare ;;
     run) shift; run "$@" ;;
-    spill) spill ;;
-    *) echo "usage: $0 prepare | run [all] | spill" >&2; exit 2 ;;
+    spill) shift; spill "$@" ;;
+    *) echo "usage: $0 prepare | run [all] | spill [full]" >&2; exit 2 ;;
 esac
