@@ -118,7 +118,9 @@ def test_an_agent_restarted_at_once_after_a_crash_waits_for_the_dead_one_s_deadl
     """A supervisor restarting a crashed agent at once met "node id 'y' is held by a live agent
     (pid N ...)", about a pid that no longer ran, and the start failed; it succeeded only once the
     dead record's deadline had passed. An agent of this host that is gone is waited for."""
-    cluster = make_cluster(0, heartbeat_ttl_s=1.5)
+    # A TTL that outlasts the restart on a loaded machine (1.5-1.8 s there for add_agent): with
+    # 1.5 s the dead record could expire first, and nothing would be waited for or said.
+    cluster = make_cluster(0, heartbeat_ttl_s=6.0)
     crashed = cluster.add_agent(node_id="y")
     crashed.kill()
     again = cluster.add_agent(node_id="y")  # failed before: the dead agent's record was live still

@@ -363,7 +363,9 @@ def test_spilled_file_key_with_spaces_and_unicode_reaches_the_peer_and_promotes(
     try:
         assert np.array_equal(client.get(key), value)
         # The promotion runs once the reply is sent.
-        assert wait_until(lambda: [(r.node_id, r.tier) for r in replicas_of(a, key)] == [(b.node_id, TierKind.HOST)], 2)
+        assert wait_until(
+            lambda: [(r.node_id, r.tier) for r in replicas_of(a, key)] == [(b.node_id, TierKind.HOST)], 15
+        )
     finally:
         client.close()
     time.sleep(0.1)
