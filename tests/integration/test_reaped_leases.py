@@ -49,11 +49,13 @@ def test_a_reaped_node_holds_its_objects_memory_until_their_read_leases_end(
         if synced:
             agent.sync_once()
         lease_ms = 2500
+        # Taken before the lookup that starts the lease: the checks below bound the time since the
+        # lease began from both sides, and a stamp taken later on a loaded machine moves both.
+        leased_at = time.monotonic()
         (read,) = agent.index.lookup(["read"], lease_ms=lease_ms).objects  # a same-host reader's lookup
         (unread,) = agent.index.lookup(["unread"], lease_ms=0).objects
         assert read is not None and unread is not None
         leased, idle = read.replicas[0], unread.replicas[0]
-        leased_at = time.monotonic()
         reap(agent)
         agent.heartbeat_once()  # it wakes: its record is gone, it drops everything and registers again
         assert agent.node_id in agent.index.nodes()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import guarded_spill_copy, wait_until, write_fenced
+from helpers import guarded_spill_copy, synced_after, wait_until, write_fenced
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -172,7 +172,9 @@ def test_reaped_agent_does_not_free_reservations_of_puts_in_flight(
     # The writer, unaware, writes (same host: under the agent's fence, which may refuse it) and commits.
     with contextlib.suppress(ReservationExpired):
         write_fenced(puts, nodes[node_id], [(plan.replicas[0], plan)])
-    time.sleep(0.5)  # the re-registered agent's next sync revokes the reservation it expired
+    # The re-registered agent's next sync revokes the reservation it expired (waited for: a sync
+    # late on a loaded machine would let the commit win, as it should then).
+    assert wait_until(synced_after(client, node_id), 10)
     statuses = client.index.put_commit([plan.put_id.hex()])
     # The late commit fails instead of naming reusable memory: revoked (EXPIRED), or refused for
     # naming the previous incarnation's alloc (GONE), whichever the re-registered agent's sync left.

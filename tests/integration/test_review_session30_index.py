@@ -7,10 +7,13 @@ that eviction's writes, and cut the pressure sample's reply short at its nil."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import stop_process
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.errors import ProtocolError
@@ -50,9 +53,15 @@ def test_a_stats_counter_that_is_no_integer_fails_no_read_and_no_eviction(
     assert client.get("a").tobytes() == b"aa"
     assert client.get_many(["b", "missing"])[0].tobytes() == b"bb"
     alloc = index.replicas_listed("cold")[0].alloc_id  # type: ignore[index]
-    assert index.evict_many([("cold", alloc)], node_id=node) == ["OK"]  # its last replica: a loss counted
-    assert not client.exists("cold") and not index.redis.exists(index.prefix + "o:cold")
-    assert index.redis.zscore(index.prefix + "gc:" + node, str(alloc)) is not None  # its memory is freed
+    # The agent stopped, so that its sync (every 0.2 s) cannot take the due grave before it is seen.
+    agent_pid = cluster.agents[0].pid
+    stop_process(agent_pid)
+    try:
+        assert index.evict_many([("cold", alloc)], node_id=node) == ["OK"]  # its last replica: a loss counted
+        assert not client.exists("cold") and not index.redis.exists(index.prefix + "o:cold")
+        assert index.redis.zscore(index.prefix + "gc:" + node, str(alloc)) is not None  # its memory is freed
+    finally:
+        os.kill(agent_pid, signal.SIGCONT)
     with pytest.raises(ProtocolError, match=r"stats.*'abc' is no integer"):
         client.stat()  # where the hand edit shows
 
