@@ -55,8 +55,14 @@ def reap_and_rejoin(agent: Agent) -> None:
     record is purged, the agent drops everything (its reservations only expire) and registers again
     under the same incarnation (Agent.heartbeat_once)."""
     index = agent.index
-    index.redis.zadd(index.prefix + "hb", {agent.node_id: 0})
-    assert agent.node_id in index.reap_dead_nodes(grace_ms=0)
+    # The agent's own heartbeat thread (every second) may move the deadline back between the two
+    # calls: then the reap finds it alive, and is tried again.
+    for _ in range(10):
+        index.redis.zadd(index.prefix + "hb", {agent.node_id: 0})
+        if agent.node_id in index.reap_dead_nodes(grace_ms=0):
+            break
+    else:
+        raise AssertionError(f"{agent.node_id} was never reaped")
     agent.heartbeat_once()
 
 
