@@ -35,6 +35,12 @@ def _past_deadline(client: Client, node_id: str) -> bool:
 
 
 def _wait_dead_not_reaped(client: Client, node_id: str) -> None:
+    """Wait until the killed node is past its deadline, and keep it from being reaped while the
+    test goes on: a survivor reaps it one of its own TTLs after its deadline (node_heartbeat.lua),
+    a window a loaded machine's puts and waits can outlast. Its reap time is pushed out by ten
+    minutes; a killed agent never beats again to move it back, and liveness is its deadline's."""
+    index = client.index
+    index.redis.zadd(index.prefix + "reap", {node_id: index.server_time_ms() + 600_000})
     assert wait_until(lambda: _past_deadline(client, node_id), 15.0), f"{node_id} never passed its deadline"
     assert node_id in client.index.nodes(), f"{node_id} was reaped before the step under test"
 
@@ -93,7 +99,7 @@ def test_eviction_does_not_count_a_replica_on_a_dead_node_as_redundancy(
     make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
 ) -> None:
     """Chain parent "P" has replicas on agent-0 and agent-1; its child "C" lives on agent-0 only.
-    Agent-1 dies (past its deadline, not reaped: agent-0's reaper waits one of its own TTLs).
+    Agent-1 dies (past its deadline, not reaped: held back by the test, _wait_dead_not_reaped).
     Agent-0 comes under pressure: victims.lua lists agent-1 among P's "other nodes", so pressure.py
     does not treat P as a last replica and evict.lua keeps agent-1's dead replica as the one that
     remains. P's last readable copy is evicted while C hangs off it: the chain has a gap (C is
