@@ -41,9 +41,11 @@ def _stall_first_write(client: Client, seconds: float) -> list[int]:
 def test_a_put_that_outlives_its_reservation_is_placed_again(
     make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client], transport: str
 ) -> None:
-    agent = make_inproc_agent(host_bytes=8 << 20, reserve_timeout_s=0.1, sync_interval_s=0.05)
+    # Each retry must get from its RESERVE to its commit within the timeout: 0.3 s leaves a loaded
+    # machine room for that, and the stall outlasts it five times over.
+    agent = make_inproc_agent(host_bytes=8 << 20, reserve_timeout_s=0.3, sync_interval_s=0.05)
     client = clients(agent, transports=(transport,))
-    calls = _stall_first_write(client, 0.6)
+    calls = _stall_first_write(client, 1.5)
     value = np.arange(1024, dtype=np.int64)
     client.put("late", value)
     assert len(calls) >= 2, "the stalled write was not retried"

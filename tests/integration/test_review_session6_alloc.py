@@ -14,6 +14,7 @@ deadlines is committed; and no RESERVE, sync, heartbeat or usage() call visits e
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import uuid
@@ -27,6 +28,7 @@ from helpers import run_for, wait_until
 from mooncake_store import Client
 from mooncake_store.agent.allocations import AllocationTable, AllocState
 from mooncake_store.agent.node import Agent
+from mooncake_store.errors import ReservationExpired
 from mooncake_store.index.client import PendingPut
 from mooncake_store.policy.reclaim import plan_sync
 from mooncake_store.tiers.disk import DiskTier
@@ -347,7 +349,10 @@ def test_syncs_racing_puts_reads_and_removes_leave_no_drift_and_no_leak(
             while not stop.is_set():
                 key = f"w{seed}/{int(rng.integers(40))}"
                 if rng.random() < 0.7:
-                    c.put(key, rng.integers(0, 256, int(rng.integers(1, 16 * KiB)), dtype=np.uint8))
+                    # A put whose every try outlived the 0.3 s reservations (a loaded machine) gives
+                    # up, as it should: what is checked is that nothing drifts or leaks meanwhile.
+                    with contextlib.suppress(ReservationExpired):
+                        c.put(key, rng.integers(0, 256, int(rng.integers(1, 16 * KiB)), dtype=np.uint8))
                 elif rng.random() < 0.5:
                     c.remove(key)
                 else:

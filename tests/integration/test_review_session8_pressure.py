@@ -394,7 +394,9 @@ def test_written_jobs_of_a_batch_whose_peer_died_mid_write_are_not_swapped_to_it
     (A peer that dies after a clean swap loses objects too; here the pass had the evidence first.)
     The wrapper around write_pulled only orders the two streams (the first takes two pieces of the
     batch, the second the rest) and kills the peer between them."""
-    cluster = make_cluster(0, heartbeat_ttl_s=2.0, host_bytes=16 * MiB)
+    # A TTL of 4 s: with 2 s, one heartbeat of the live peer a second late (a loaded machine) made
+    # it look dead before the drain chose it, and nothing was sent to it.
+    cluster = make_cluster(0, heartbeat_ttl_s=4.0, host_bytes=16 * MiB)
     peer = cluster.add_agent(node_id=f"p-{uuid.uuid4().hex[:4]}")
     a = direct_agent(cluster.namespace, spill_to_peers=True, spill_shm=False)
     client = client_of(cluster.namespace)
@@ -422,7 +424,7 @@ def test_written_jobs_of_a_batch_whose_peer_died_mid_write_are_not_swapped_to_it
     drain_host(a)
     assert calls == [2, -1], f"expected one batch on two streams, got write calls {calls}"
     nodes = a.index
-    assert wait_until(lambda: nodes.nodes()[peer.node_id].heartbeat_deadline_ms < nodes.server_time_ms(), 10.0)
+    assert wait_until(lambda: nodes.nodes()[peer.node_id].heartbeat_deadline_ms < nodes.server_time_ms(), 15.0)
     unreadable = [k for k, v in values.items() if not readable(client, k, v)]
     evicted = counter(a, TierKind.HOST, "evictions")
     assert len(unreadable) == evicted, (
