@@ -14,6 +14,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+from helpers import beat_since, wait_until
 from redis_proxy import RedisProxy
 
 from mooncake_store import (
@@ -310,7 +311,11 @@ def test_concurrent_requests_store_a_shared_prefix_once(
     prefix = observer.index.prefix
     assert int(observer.index.redis.get(prefix + "version")) == num_chunks  # commits ever made
     assert len(observer.index.list_keys("pfx:*")) == num_chunks
-    time.sleep(2.5)  # the agents publish their arena use with each heartbeat (1 s)
+    # The agents publish their arena use with each heartbeat (1 s): waited for from every node,
+    # not slept on (a beat late on a loaded machine showed the use of before the stores).
+    stored_at = time.monotonic()
+    nodes = [n.node_id for n in observer.stat().nodes]
+    assert wait_until(lambda: all(beat_since(observer, stored_at, n) for n in nodes), 15)
     grown = observer.stat().used_bytes - used_before
     assert one_copy <= grown < one_copy * 1.1, (grown, one_copy)
 

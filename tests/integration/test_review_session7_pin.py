@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers import gpu_arrays
@@ -198,10 +199,12 @@ def test_close_waits_for_a_copy_in_flight_then_unregisters_then_unmaps(cuda: Fak
     assert inside.wait(10)
     closer = threading.Thread(target=arena.close, daemon=True)
     closer.start()
+    # Reported unpinned as soon as close() began: waited for, so that what follows sees close()
+    # under way (a loaded machine may start the thread late), not a close() not yet begun.
+    assert wait_until(lambda: not arena.pinned, 5)
     closer.join(0.3)
     assert closer.is_alive(), "close() must wait for the copy through the pinned range"
     assert cuda.is_registered(ptr) and _mapped(arena.name, ptr, arena.size_bytes)
-    assert not arena.pinned  # reported unpinned as soon as close() began
     release.set()
     t.join(10)
     closer.join(10)

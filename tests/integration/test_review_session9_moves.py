@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from helpers import NEED, counter, fill
+from helpers import NEED, counter, fill, wait_until
 from patched_agent import agent_port_fds, connect_raw, read_reply
 from redis_proxy import QUIET, RedisProxy, idle_pressure
 
@@ -235,8 +235,9 @@ def test_a_refused_write_that_declares_a_huge_length_and_sends_nothing_does_not_
             silent.append(sock)
             sock.sendall(frames.pack(Op.WRITE, 0, 12345, 0, 1 << 40))  # and not one payload byte
             assert read_reply(sock)[:3] == (Op.WRITE | frames.REPLY_BIT, Status.BUSY, 1)
-        # Past REFUSE_LINGER_S (1 s) and the server's own timeout (2 s) for a silent request.
-        time.sleep(4.5)
+        # Past REFUSE_LINGER_S (1 s) and the server's own timeout (2 s) for a silent request: due
+        # ~3 s from now, waited for up to 15 s (a loaded machine's agent may close them late).
+        wait_until(lambda: agent_port_fds(cluster) == fds_before, 15)
         fds_after = agent_port_fds(cluster)
         try:
             peer.ping()
@@ -251,7 +252,7 @@ def test_a_refused_write_that_declares_a_huge_length_and_sends_nothing_does_not_
             sock.close()
         held.close()
     assert outcome == "AgentBusy" and fds_after == fds_before, (
-        f"two refused WRITEs that sent nothing for 4.5 s still hold {fds_after - fds_before} descriptor(s) "
+        f"two refused WRITEs that sent nothing for 15 s still hold {fds_after - fds_before} descriptor(s) "
         f"in the agent, and the next client past the limit got {outcome!r} instead of BUSY"
     )
 
