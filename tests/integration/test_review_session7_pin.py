@@ -24,7 +24,9 @@ their docstrings):
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import sys
 import threading
 import time
@@ -121,8 +123,22 @@ def cuda() -> Iterator[FakeRuntime]:
         gpu_arrays._cupy.cache_clear()
 
 
+_created: list[str] = []
+
+
 def _new_arena(size: int = 4 * MiB) -> HostArena:
-    return HostArena.create(f"mooncake-test-review7-{uuid.uuid4().hex}", size)
+    name = f"mooncake-test-review7-{uuid.uuid4().hex}"
+    _created.append(name)
+    return HostArena.create(name, size)
+
+
+@pytest.fixture(autouse=True)
+def _no_segment_left() -> Iterator[None]:
+    """A test that fails before its arena's close() would leave the segment in /dev/shm."""
+    yield
+    while _created:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{_created.pop()}")
 
 
 def _base_ptr(mapping: HostArena | SharedSegment) -> int:
