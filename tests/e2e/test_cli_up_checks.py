@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,18 +60,36 @@ def test_up_refuses_one_fixed_listen_port_for_several_agents(mooncake: Mooncake)
     _no_processes_started(mooncake)
 
 
+def _read_json_document(proc: subprocess.Popen[bytes], *, timeout_s: float) -> bytes:
+    """What ``proc`` prints on stdout until its JSON document has ended (json.dumps with an indent
+    closes it with '}' alone on its line), it exits, or ``timeout_s`` passes. Read from the raw
+    descriptor, so that communicate() later reads the rest."""
+    assert proc.stdout is not None
+    fd, got = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout_s
+    while not got.endswith(b"\n}\n") and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.1)[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
 def test_foreground_up_with_json_prints_one_json_document(mooncake: Mooncake, pid_alive: Callable[[int], bool]) -> None:
     """The live tables followed the JSON on stdout, which then did not parse."""
     proc = mooncake.popen("up", "--agents", "1", "--host-mem", HOST_MEM, "--json")
-    state_file = mooncake.state_dir / "cluster.json"
     try:
-        deadline = time.monotonic() + 30
-        while not state_file.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert state_file.exists(), proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
-        time.sleep(2.5)  # the live view refreshes every second: long enough for it to have printed
+        # The document itself, not the state file (written before it is printed): on a loaded
+        # machine a fixed sleep after the file could end before the live view began.
+        printed = _read_json_document(proc, timeout_s=30)
+        assert printed.endswith(b"\n}\n"), proc.stderr.read() if proc.poll() is not None and proc.stderr else printed
+        # A live view would draw its first frame right after the document (into a pipe, rich shows
+        # it at the stop); this leaves it that and a second one.
+        time.sleep(2.5)
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=30)
+        rest, stderr = proc.communicate(timeout=30)
+        stdout = printed + rest
     finally:
         if proc.poll() is None:
             mooncake("down", "--timeout", "5")

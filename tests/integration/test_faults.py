@@ -213,13 +213,30 @@ def test_a_put_whose_first_choice_hangs_goes_to_the_live_nodes(
     for node in ("agent-0", "agent-2"):  # the hung agent is the emptiest: ranked first
         filler.put(f"fill-{node}", np.zeros(24 << 20, np.uint8), preferred_node=node)
     hung = cluster.agent("agent-1")
-    time.sleep(2.5)  # a heartbeat of each has published its use
     client = make_client(cluster, timeout_s=3.0)
-    client._node_table(refresh=True)  # read before the hang, as a busy client's table would be
+
+    def fills_published() -> bool:
+        # The table read before the hang (as a busy client's table would be) must show both fills,
+        # or agent-1 is not ranked first and the put never waits on it: waited for, not slept.
+        table = client._node_table(refresh=True)
+        return all(table[n].tiers[0].used_bytes >= 24 << 20 for n in ("agent-0", "agent-2"))
+
+    assert wait_until(fills_published, 15.0), "no heartbeat published the fills"
+    # Which node the put gave up on and what it said: the hang path must be the one taken.
+    reserver = client._puts.reserver
+    real_elsewhere = reserver._reserve_elsewhere
+    gave_up_on: list[tuple[str, str]] = []
+
+    def spy_elsewhere(group: object, nodes: object, failed_node: str, *args: object, **kwargs: object) -> object:
+        gave_up_on.append((failed_node, type(kwargs.get("refusal")).__name__))
+        return real_elsewhere(group, nodes, failed_node, *args, **kwargs)  # type: ignore[arg-type]
+
+    reserver._reserve_elsewhere = spy_elsewhere  # type: ignore[method-assign]
     os.kill(hung.process.pid, signal.SIGSTOP)
     try:
         value = np.arange(1 << 20, dtype=np.uint8)
         client.put("past-the-hung", value, replicas=2)
+        assert "agent-1" in [node for node, _ in gave_up_on], f"the put never waited on the hung agent: {gave_up_on}"
         meta = client.object_meta("past-the-hung")
         assert meta is not None and sorted(r.node_id for r in meta.replicas) == ["agent-0", "agent-2"]
         assert np.array_equal(client.get("past-the-hung"), value)

@@ -122,12 +122,24 @@ def test_a_promotion_under_way_when_the_index_went_back_keeps_its_target(
             return real_move(*args, **kwargs)
 
         agent.index.move_replica = held_promotion  # type: ignore[method-assign]
+        real_node_replicas = agent.index.node_replicas
+        read_index = threading.Event()  # the reconcile read the index (before the swap, if now)
+
+        def noted_read(*args: Any, **kwargs: Any) -> Any:
+            read_index.set()
+            return real_node_replicas(*args, **kwargs)
+
+        agent.index.node_replicas = noted_read  # type: ignore[method-assign]
         assert np.array_equal(client.get("obj"), value)  # read from disk; the promotion follows
         assert swapping.wait(10), "no promotion after the disk read"
         agent._beats = 1 << 40  # the index answers fewer heartbeats than this: it went back
         reconcile = threading.Thread(target=agent.heartbeat_once)
         reconcile.start()
-        time.sleep(0.3)  # the reconcile, had it run now, would read the index before the swap
+        # Not a sleep: the reconcile must have got as far as it goes before the swap is let go,
+        # waiting at the moves' gate (as it does now) or reading the index (as it did); a loaded
+        # machine could otherwise release the swap first, and nothing raced.
+        gate = agent.pressure.moves.gate
+        assert wait_until(lambda: gate._reconciling or read_index.is_set(), 10), "the reconcile never ran"
         release.set()
         reconcile.join(timeout=30)
         assert not reconcile.is_alive()

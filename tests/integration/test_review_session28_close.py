@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
+import redis
+from helpers import wait_until
 
 from mooncake_store import ConnectError, LocalCluster, MooncakeError, connect
 from mooncake_store.index import RedisIndex
@@ -98,24 +100,40 @@ def test_a_forked_childs_close_does_not_cut_its_parents_calls(redis_url: str) ->
     """The child's RedisIndex.close() shut down the sockets of the calls its parent had under way
     at the fork (the same sockets): a parent's BLPOP failed with a connection error."""
     index = RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    admin = redis.Redis.from_url(redis_url)
+    waiting_on = f"waited-on-{uuid.uuid4().hex[:8]}"
     result: list[object] = []
 
     def blpop() -> None:
         try:
-            result.append(index.redis.blpop(["absent-list"], timeout=2))
+            result.append(index.redis.blpop([waiting_on], timeout=30))
         except Exception as exc:  # what the test looks for
             result.append(exc)
 
+    def blocked() -> bool:
+        """The server holds a BLPOP blocked: this test's (no product code blocks on a list)."""
+        return any(c.get("cmd") == "blpop" and "b" in c.get("flags", "") for c in admin.client_list())
+
     waiter = threading.Thread(target=blpop)
     waiter.start()
-    time.sleep(0.3)  # the BLPOP is under way
-    pid = os.fork()
-    if pid == 0:  # the child: close its copy, and leave at once
-        try:
-            index.close()
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-    waiter.join(timeout=10)
-    assert result == [None], result  # timed out as a BLPOP does, not cut
-    index.close()
+    try:
+        # Not a sleep: forked before the BLPOP is under way, the child shares no socket of a call
+        # and its close cuts nothing; a loaded machine may start the thread late.
+        assert wait_until(blocked, 10), "the BLPOP never got under way"
+        pid = os.fork()
+        if pid == 0:  # the child: close its copy, and leave at once
+            try:
+                index.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        # Ended by an element pushed only after the child's close, well inside its timeout: the
+        # BLPOP was under way across the close, and a cut one would have failed instead.
+        admin.rpush(waiting_on, b"x")
+        waiter.join(timeout=10)
+        assert result == [(waiting_on, "x")], result  # the index decodes answers
+    finally:
+        admin.delete(waiting_on)
+        admin.close()
+        index.close()
+        waiter.join(timeout=10)

@@ -262,6 +262,33 @@ def test_inbox_reservations_do_not_fragment_a_space_with_no_meaning(make_agent: 
         peer.close()
 
 
+class _WaitsWatched:
+    """An agent's _sync_lock that tells when the thread named ``watched`` asks for it (and so
+    waits, while a sync holds it)."""
+
+    def __init__(self, watched: str) -> None:
+        self._lock = threading.Lock()
+        self._watched = watched
+        self.watched_waits = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if blocking and threading.current_thread().name == self._watched:
+            self.watched_waits.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 @pytest.mark.parametrize("point", ["after agent_sync", "between commit and settle"])
 def test_reap_during_a_sync_leaves_no_spilled_chunk_file(make_agent: Callable[..., Agent], point: str) -> None:
     """The heartbeat thread runs _drop_everything when it finds its node reaped; the sync thread may
@@ -282,11 +309,16 @@ def test_reap_during_a_sync_leaves_no_spilled_chunk_file(make_agent: Callable[..
         b._drop_everything()  # what the heartbeat thread does on finding its record gone
 
     heartbeat = threading.Thread(target=reaped, name="heartbeat-of-the-test")
+    sync_lock = _WaitsWatched(heartbeat.name)
+    b._sync_lock = sync_lock  # type: ignore[assignment]  # no sync under way: nobody holds the old one
 
     def reap_now() -> None:
-        # The heartbeat thread acts here, inside the sync, unless the agent makes it wait.
+        # The heartbeat thread acts here, inside the sync, unless the agent makes it wait. The sync
+        # goes on once the heartbeat has acted, or waits for the sync's lock: a timed join let a
+        # slow deregister and drop land after the sync, and the test pass on code that lets it in.
         heartbeat.start()
-        heartbeat.join(timeout=0.5)
+        settled = wait_until(lambda: not heartbeat.is_alive() or sync_lock.watched_waits.is_set(), 30)
+        assert settled, "the heartbeat thread neither ended nor waited for the sync's lock"
 
     assert b.inbox is not None
     if point == "after agent_sync":

@@ -239,5 +239,8 @@ def test_a_batch_read_pays_a_stalled_replica_once_not_once_per_key(
     finally:
         os.kill(stalled.pid, signal.SIGCONT)
     assert all(np.array_equal(g, v) for g, v in zip(got, values.values(), strict=True))
+    # The stalled node was asked (it is listed first: order_replicas keeps that order on a tie), else
+    # the bound below holds without a stall ever met.
+    assert asked, "the stalled agent was never asked: the case under test never happened"
     # The pipelined train, and at most one single read: not one more timeout per key.
     assert len(asked) <= 2, f"the stalled agent was asked {len(asked)} times for a batch of {len(values)} keys"

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,24 @@ from mooncake_store.errors import TransferError
 
 KiB = 1 << 10
 SIZE = 256 * KiB
+
+
+def failures_of(obj: Any, name: str) -> list[Exception]:
+    """Spy (calling through) on ``obj.name``: each exception a call raised, appended to the returned
+    list. Shows that a loop met an injected index fault, so a check that it survived is not run
+    before the fault was ever hit (on a loaded machine the loop may not have run in a fixed wait)."""
+    failed: list[Exception] = []
+    real = getattr(obj, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return real(*args, **kwargs)
+        except Exception as exc:
+            failed.append(exc)
+            raise
+
+    setattr(obj, name, spy)
+    return failed
 
 
 @pytest.fixture
@@ -78,10 +97,13 @@ def test_a_transient_index_error_in_the_heartbeat_does_not_free_the_agents_objec
         (replica,) = replicas_of(agent, "kept")
         assert replica.alloc_id in agent.table
 
+        failed_beats = failures_of(agent.index, "heartbeat")
         index_fault("oom")
-        # A few heartbeats (every 50 ms) meet the OOM error; nothing else of the agent runs meanwhile.
-        wait_until(lambda: replica.alloc_id not in agent.table, timeout_s=1.5)
+        # Two heartbeats (every 50 ms) meet the OOM error: the loop handled the first one before it
+        # made the second. Waited for, not a fixed time: on a loaded machine none may run in that.
+        wait_until(lambda: len(failed_beats) >= 2 or replica.alloc_id not in agent.table, timeout_s=15.0)
         index_fault(None)
+        assert failed_beats, "no heartbeat met the OOM error: the case under test never happened"
         assert client.get("kept") is not None  # the index still names it on a live node
         client.put("newcomer", np.full(SIZE, 0x5A, np.uint8))
         got = client.get("kept")
@@ -91,6 +113,8 @@ def test_a_transient_index_error_in_the_heartbeat_does_not_free_the_agents_objec
             f"at {replica.offset}) and a reader of 'kept' got the newcomer's bytes"
         )
         assert replica.alloc_id in agent.table, "the agent dropped a committed object the index still names"
+        # Dropped objects stay in the table, doomed and held (drop_after_reap): not dooming is the point.
+        assert replica.alloc_id in agent.table.committed_ids(), "the agent doomed an object the index still names"
     finally:
         client.close()
 
@@ -135,6 +159,7 @@ def test_a_batch_read_waits_for_a_stalled_agent_once_even_without_other_replicas
             reader.get_many(keys)
     finally:
         os.kill(stalled.pid, signal.SIGCONT)
+    assert asked, "the stalled agent was never asked: the case under test never happened"
     assert len(asked) <= 2, f"the stalled agent was asked {len(asked)} times (one timeout each) for {len(keys)} keys"
 
 
@@ -148,9 +173,13 @@ def test_the_sync_loop_survives_a_transient_index_error(
     get the same treatment. Ends the thread on the code as reviewed."""
     agent = make_inproc_agent(sync_interval_s=0.05)
     (sync_thread,) = [t for t in agent._threads if t.name == "mc-sync"]
+    failed_syncs = failures_of(agent.index, "agent_sync")
     index_fault("readonly")  # agent_sync's first write (DEL acksout:) is refused
     try:
-        wait_until(lambda: not sync_thread.is_alive(), timeout_s=1.0)
+        # Until the loop has met the fault twice (it survived the first), or its thread ended.
+        # Waited for, not a fixed time: on a loaded machine no sync may run in that.
+        wait_until(lambda: len(failed_syncs) >= 2 or not sync_thread.is_alive(), timeout_s=15.0)
     finally:
         index_fault(None)
+    assert failed_syncs, "no agent_sync call met the READONLY error: the case under test never happened"
     assert sync_thread.is_alive(), "the agent's sync thread ended on one failed agent_sync call"

@@ -146,10 +146,26 @@ def test_a_drain_is_not_ended_while_movable_objects_remain(
     capacity = agent.table.capacity_bytes
     low = agent.config.low_watermark * capacity
     assert used(agent) > agent.config.high_watermark * capacity
-    lease_ms = 300
+    # Leases that outlast the first drain on a loaded machine: one that ran out before a pass's
+    # batched evict call would not refuse its leaf (LEASED), and the test would pass without its
+    # case. Both are checked: a leaf was refused, and the drain ended while every lease lived.
+    lease_ms = 3000
     read_after_sample(agent, [[a[-1]], [b[-1]]], lease_ms=lease_ms)
+    statuses: list[list[str]] = []
+    evict_many = agent.index.evict_many
+
+    def evict_many_seen(*args: Any, **kwargs: Any) -> list[str]:
+        out = evict_many(*args, **kwargs)
+        statuses.append(list(out))
+        return out
+
+    agent.index.evict_many = evict_many_seen  # type: ignore[method-assign]
+    started = time.monotonic()  # before the reads, which the drain's samples make
     drain_host(agent)
-    time.sleep(2 * lease_ms / 1000)  # the readers' leases have run out: everything is movable
+    took = time.monotonic() - started
+    assert any("LEASED" in call for call in statuses), f"no read leaf was refused in the first drain: {statuses}"
+    assert took < lease_ms / 1000, f"the first drain took {took:.1f} s: a reader's lease may have run out in it"
+    time.sleep(lease_ms / 1000 + 0.5)  # the readers' leases have run out: everything is movable
     drain_host(agent)  # the next pressure tick
     assert used(agent) <= low, (
         f"the tier stays at {used(agent)}/{capacity} B, past its low watermark ({int(low)} B), "

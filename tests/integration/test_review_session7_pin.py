@@ -399,7 +399,7 @@ def test_latent_copy_through_a_view_taken_before_pinning_is_waited_for(cuda: Fak
     waits for every device_view open at the time, pinned or not (e.g. count views in _Mapping
     itself, or read self._pin inside a lock that pin_for_devices also takes)."""
     arena = _new_arena()
-    inside, pinned, release = threading.Event(), threading.Event(), threading.Event()
+    inside, pinned, issued, release = threading.Event(), threading.Event(), threading.Event(), threading.Event()
     seen: list[bool] = []
 
     def copier() -> None:
@@ -408,6 +408,7 @@ def test_latent_copy_through_a_view_taken_before_pinning_is_waited_for(cuda: Fak
             pinned.wait(10)
             p = host_pointer(view)
             started_pinned = cuda.is_registered(p)  # the copy is issued now, on a registered range
+            issued.set()
             release.wait(10)
             seen.append(started_pinned and not cuda.is_registered(p))
 
@@ -417,9 +418,14 @@ def test_latent_copy_through_a_view_taken_before_pinning_is_waited_for(cuda: Fak
         assert inside.wait(10)
         _pin(cuda, arena)
         pinned.set()
-        time.sleep(0.05)
+        # The copy must be issued on the pinned range before close() is asked (a sleep here let a
+        # loaded machine run close() first, and the copy then started unpinned: nothing to check).
+        assert issued.wait(10)
         closer = threading.Thread(target=arena.close, daemon=True)
         closer.start()
+        # Reported unpinned as soon as close() began: waited for, so that is_alive() below judges a
+        # close() under way, not one a loaded machine has not started yet.
+        assert wait_until(lambda: not arena.pinned, 5)
         closer.join(0.3)
         waited = closer.is_alive()
         release.set()

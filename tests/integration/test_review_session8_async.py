@@ -134,6 +134,37 @@ def test_async_calls_racing_close_get_a_mooncake_error_not_a_raw_runtime_error(o
     assert not raw, f"async calls racing close() raised raw errors: {raw} (all outcomes: {outcomes})"
 
 
+class _ArrivalOrderLock:
+    """A lock granted in the order its callers arrived (a ticket lock), which records the names of
+    the threads that asked for it: it pins which of two threads waiting for it runs first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 0
+        self._serving = 0
+        self.arrivals: list[str] = []
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        assert blocking and timeout == -1, "only plain acquire() and with-blocks are supported"
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            self.arrivals.append(threading.current_thread().name)
+            self._cond.wait_for(lambda: self._serving == ticket)
+        return True
+
+    def release(self) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def test_an_async_call_that_raced_close_does_not_start_a_new_pool_after_close(one_agent: LocalCluster) -> None:
     """The other face of the same check outside the lock: on a client that had no pool yet, an
     async call that passed _check_open before close() took the lock creates a fresh
@@ -154,13 +185,19 @@ def test_an_async_call_that_raced_close_does_not_start_a_new_pool_after_close(on
             except BaseException as exc:
                 errors.append(exc)
 
-        with client._pool_lock:
-            closer = threading.Thread(target=client.close)
+        # Sleeps did not place this under load (the call could queue first, or close() get the
+        # lock late), and threading.Lock grants no order: a lock granted in arrival order, that
+        # says who waits for it, places close() first and the call second for certain.
+        lock = _ArrivalOrderLock()
+        client._pool_lock = lock  # type: ignore[assignment]
+        with lock:
+            closer = threading.Thread(target=client.close, name="rv8-closer")
             closer.start()
-            time.sleep(0.05)  # close() waits for the lock, before it sets _closed
-            caller = threading.Thread(target=call)
+            assert wait_until(lambda lock=lock: "rv8-closer" in lock.arrivals, 10)  # before it sets _closed
+            caller = threading.Thread(target=call, name="rv8-caller")
             caller.start()
-            time.sleep(0.05)  # the call passed _check_open and waits for the lock too
+            # The call passed any check made outside the lock and waits for it too.
+            assert wait_until(lambda lock=lock: "rv8-caller" in lock.arrivals, 10)
         closer.join(30)
         caller.join(30)
         assert not closer.is_alive() and not caller.is_alive()

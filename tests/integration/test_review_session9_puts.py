@@ -11,6 +11,7 @@ worth keeping.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import threading
@@ -164,11 +165,27 @@ def _close_while_held(close: Callable[[], None], hold: _Hold) -> None:
     assert closer.outcome(30) == "ok"
 
 
-def _wait_blocked(hold: _Hold, runner: _Runner) -> None:
-    """Until the held call waits on the server (the server counts a blocked client)."""
+def _blocked_on_the_server(hold: _Hold, client: Client) -> bool:
+    """Whether one of ``client``'s own index connections is blocked on the server. INFO's
+    blocked_clients would count any client the server-wide pause holds (other tests' agents share
+    the server); CLIENT LIST's addr says which connections are this client's."""
+    pool = client.index.redis.connection_pool
+    with pool._lock:  # the script connections are checked out of the pool and never returned
+        conns = [*pool._available_connections, *pool._in_use_connections]
+    ours: set[str] = set()
+    for conn in conns:
+        sock = getattr(conn, "_sock", None)
+        with contextlib.suppress(OSError, AttributeError):  # closed or closing meanwhile
+            host, port = sock.getsockname()[:2]
+            ours.add(f"{host}:{port}")
+    return any(c["addr"] in ours and "b" in c["flags"] for c in hold.r.client_list())
+
+
+def _wait_blocked(hold: _Hold, runner: _Runner, client: Client) -> None:
+    """Until the held call of ``client`` waits on the server (one of its connections is blocked)."""
     assert hold.paused.wait(10) or runner.done.is_set(), "the held call was never made"
     assert not runner.done.is_set(), f"the operation ended before its call was held: {runner.outcome(0)}"
-    reached = wait_until(lambda: hold.r.info("clients")["blocked_clients"] >= 1, 5.0)
+    reached = wait_until(lambda: _blocked_on_the_server(hold, client), 5.0)
     assert reached, "the held call never reached the server"
 
 
@@ -210,7 +227,7 @@ def test_a_put_past_its_transfers_is_not_committed_after_close_returned(
     key = _key("late")
     hold = hold_on_the_server(client, "put_commit")
     runner = _Runner(lambda: client.put(key, value))
-    _wait_blocked(hold, runner)
+    _wait_blocked(hold, runner, client)
     assert not r.exists(observer.index.prefix + "o:" + key), "committed before the hold"
     _close_while_held(client.close, hold)
     stored_at_close = observer.exists(key)
@@ -243,7 +260,7 @@ def test_a_put_whose_put_start_waits_on_the_index_at_close_stores_nothing_and_sa
     value = np.random.default_rng(3).integers(0, 256, 8 * MiB, dtype=np.uint8)
     hold = hold_on_the_server(client, "put_start")
     runner = _Runner(lambda: client.put(key, value))
-    _wait_blocked(hold, runner)
+    _wait_blocked(hold, runner, client)
     _close_while_held(client.close, hold)
     outcome = runner.outcome(30)
     assert outcome == "MooncakeError: client is closed", outcome
@@ -307,7 +324,7 @@ def test_a_prefix_store_past_its_transfers_is_not_committed_after_cache_close_re
     cache = PrefixCache(client, "rv9-late", chunk_tokens=4)
     hold = hold_on_the_server(client, "put_commit")
     runner = _Runner(lambda: cache.store(tokens, chunks))
-    _wait_blocked(hold, runner)
+    _wait_blocked(hold, runner, client)
     assert not any(r.exists(observer.index.prefix + "o:" + k) for k in cache.keys(tokens))  # plain reads: not paused
     _close_while_held(cache.close, hold)
     stored_at_close = [observer.exists(k) for k in cache.keys(tokens)]
