@@ -189,6 +189,8 @@ class AllocationTable:
                 count += 1
                 if alloc.readers > 0 or alloc.held_until > now:
                     alloc.doomed = True
+                    if alloc.held_until > now:  # freed by release_held once its hold is over
+                        self._held[alloc_id] = alloc
                 else:
                     self._release(alloc)
         return count
@@ -213,12 +215,15 @@ class AllocationTable:
         purge, which this table never sees: their memory is doomed and held until hold_reaped()
         says how long those leases run (the purge's answer; until then, for good). Reservations of
         puts in flight only expire, so the next sync revokes their pending records before freeing
-        them."""
+        them; their memory is not freed before hold_reaped() either, since a reservation may be an
+        object the lost index had committed (its ack not yet drained here) and readers leased."""
         now = time.monotonic()
         with self._lock:
             for alloc in list(self._allocs.values()):
                 if alloc.state == AllocState.RESERVED:
                     alloc.deadline = min(alloc.deadline, now)
+                    if not alloc.doomed:
+                        alloc.held_until = float("inf")
                 elif not alloc.doomed:
                     alloc.doomed = True
                     alloc.held_until = float("inf")
@@ -261,6 +266,12 @@ class AllocationTable:
             for alloc in self._held.values():
                 hold_ms = max(at_least_ms, held_ms.get(alloc.alloc_id, 0))
                 alloc.held_until = min(alloc.held_until, now + hold_ms / 1000)
+            # The other reservations drop_after_reap kept: a purge names those it found committed
+            # (above), so the rest were puts in flight, free once revoked (at_least_ms 0); an index
+            # that lost the record named none, and any of them may have been read under a lease.
+            for alloc in self._reserved.values():
+                if alloc.alloc_id not in self._held and alloc.held_until == float("inf"):
+                    alloc.held_until = now + at_least_ms / 1000
         self.release_held()
 
     def release_held(self) -> int:

@@ -94,3 +94,28 @@ def test_room_is_what_a_reservation_may_still_take_under_a_ceiling() -> None:
     free, _ = table.room(ceiling_bytes=4096)
     assert table.reserve([(free, b"b")], ceiling_bytes=4096) is not None  # exactly what it said
     assert table.reserve([(1, b"c")], ceiling_bytes=4096) is None
+
+
+def test_after_the_index_lost_the_record_every_reservation_is_held_like_the_objects() -> None:
+    """An index that came back empty named nothing (no purge): a reservation here may be an object
+    it had committed and a reader leased before it went, the commit's ack not yet drained. Its
+    memory was freed at the sync after the reap, and the next put took the block under the
+    reader's copy. It is now held as long as the committed objects (at_least_ms); after a purge,
+    which names the committed ones, the other reservations are freed at once, as before."""
+    import time
+
+    lost = AllocationTable(1 << 20, reserve_timeout_s=60.0, alignment=64)
+    (r,) = (x.alloc_id for x in lost.reserve([(4096, b"p")]))  # type: ignore[union-attr]
+    lost.drop_after_reap()
+    assert lost.free([r]) == 1 and r in lost  # a sync before the new record's answer: held
+    lost.hold_reaped({}, at_least_ms=300)  # no purge: held for a read lease
+    assert r in lost
+    lost.free([r])  # the sync frees the expired reservation: still held
+    assert r in lost and lost.reserve([(1 << 20, b"q")]) is None  # its block is not handed out
+    time.sleep(0.35)
+    assert lost.release_held() == 1 and r not in lost
+    purged = AllocationTable(1 << 20, reserve_timeout_s=60.0, alignment=64)
+    (s,) = (x.alloc_id for x in purged.reserve([(4096, b"p")]))  # type: ignore[union-attr]
+    purged.drop_after_reap()
+    purged.hold_reaped({}, at_least_ms=0)  # a purge that found it uncommitted: a put in flight
+    assert purged.free([s]) == 1 and s not in purged
