@@ -229,6 +229,16 @@ class AllocationTable:
                     alloc.held_until = float("inf")
                     self._held[alloc.alloc_id] = alloc
 
+    def hold_reservations(self, hold_ms: int) -> None:
+        """Free no current reservation before ``hold_ms`` from now, whenever a sync frees it: after
+        the index went back in time, one may be an object it had committed (and leased out) whose
+        ack went back with it, so that the agent only expires it."""
+        until = time.monotonic() + hold_ms / 1000
+        with self._lock:
+            for alloc in self._reserved.values():
+                if not alloc.doomed:
+                    alloc.held_until = max(alloc.held_until, until)
+
     def committed_ids(self) -> list[int]:
         with self._lock:
             return [a.alloc_id for a in self._allocs.values() if a.state == AllocState.COMMITTED and not a.doomed]

@@ -156,7 +156,8 @@ def reconcile_after_rollback(
     from it (its memory was freed and may hold another object now: a same-host read would copy
     those bytes), as a damaged replica is (readers go to the object's other replicas, and one
     short of its copies is copied again); each committed allocation it no longer names is doomed,
-    held a default read lease, then freed (nothing would ever free it). What both still agree on
+    held a default read lease, then freed (nothing would ever free it), and no reservation is
+    freed within such a lease either. What both still agree on
     stays. Returns (replicas dropped, disk allocations to free now: disk files have no same-host
     readers)."""
     named = index.node_replicas(node_id)
@@ -168,4 +169,7 @@ def reconcile_after_rollback(
             dropped += int(index.drop_corrupt(key, alloc_id, node_id=node_id))
     for table in tables:
         table.doom([a for a in table.committed_ids() if a not in named], hold_ms=VANISHED_HOLD_MS)
+        # An object committed after the snapshot whose ack this agent had not drained is a
+        # reservation here, freed once it expires; readers may still copy it under the old leases.
+        table.hold_reservations(VANISHED_HOLD_MS)
     return dropped, sorted(a for a in disk_ids if a not in named)
