@@ -38,6 +38,7 @@ from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.disk_dir import sweep_abandoned_tiers
 from mooncake_store.tiers.gpu import GpuArena
 from mooncake_store.tiers.host import INCARNATION_CHARS, HostArena, segment_name, sweep_abandoned_segments
+from mooncake_store.transport.fence import GPU_FENCE_LABEL
 from mooncake_store.transport.shm import local_host_id
 from mooncake_store.types import ALLOC_TAG_SHIFT, NodeInfo, TierKind, TierUsage, TransportKind
 from mooncake_store.watchdog import start_time
@@ -230,6 +231,9 @@ class Agent(OtherTierHooks, SyncDuties):
                         "gpu_ipc": self.gpu.ipc_handle.hex(),
                         "gpu_pci": self.gpu.pci_bus_id,
                         "host_pinned": "1" if self.arena.pinned else "0",
+                        # FENCE covers GPU reservations too: a same-host writer's IPC copy waits
+                        # for it (an agent without this label is written unfenced, as before).
+                        GPU_FENCE_LABEL: "1",
                     }
                     if self.gpu
                     else {}

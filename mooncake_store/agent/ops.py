@@ -91,6 +91,10 @@ class AgentHooks(Protocol):
     def expire_other_tiers(self, alloc_ids: list[int]) -> int:
         """A FREE's share outside the host arena: reservations in other tiers that expire now."""
 
+    def fence_table(self, alloc_id: int) -> AllocationTable | None:
+        """The table of another tier whose reservations FENCE covers (the GPU tier's, which a
+        same-host writer fills through CUDA IPC) when it holds ``alloc_id``; else None."""
+
 
 class AgentOps:
     """What a connection's requests are answered with; AgentServer sets the state it uses."""
@@ -319,19 +323,31 @@ class AgentOps:
         self._send(conn, started, frames.pack(Op.RESERVE | frames.REPLY_BIT, Status.OK), payload)
         return True
 
+    def _fenceable(self, alloc_id: int) -> AllocationTable | None:
+        """The table FENCE finds ``alloc_id`` in: the host arena's, or the GPU tier's."""
+        return self._table if alloc_id in self._table else self._hooks.fence_table(alloc_id)
+
+    def end_fence(self, alloc_id: int) -> bool:
+        """Lift one fence; whether its reservation was still live (also at a connection's close)."""
+        table = self._fenceable(alloc_id)
+        return table.end_write(alloc_id) if table is not None else False
+
     def _fence(self, conn: socket.socket, started: float, count: int) -> bool:
-        """Fence host-tier reservations for a writer that copies into the shared arena itself (a
-        same-host peer's spill): the reply names this arena (its digest) and says per id whether it
-        is fenced (a live reservation, not being freed). Fences last until UNFENCE on this
-        connection, or its close."""
+        """Fence reservations for a writer that copies into them itself: a same-host peer's spill
+        or put into the shared arena, a same-host put into the GPU tier through CUDA IPC. The reply
+        names this arena (its digest) and says per id whether it is fenced (a live reservation, not
+        being freed). Fences last until UNFENCE on this connection, or its close."""
         ids = self._ids(conn, started, Op.FENCE, count)
         if ids is None:
             return False
         fenced = self._fences.setdefault(conn, set())
         ok = bytearray(len(ids))
         for i, alloc_id in enumerate(ids):
-            location = self._table.offset_of(alloc_id)
-            if alloc_id not in fenced and location is not None and self._table.begin_write(alloc_id, *location):
+            table = self._fenceable(alloc_id)
+            location = table.offset_of(alloc_id) if table is not None else None
+            if table is not None and location is not None and alloc_id not in fenced:
+                if not table.begin_write(alloc_id, *location):
+                    continue
                 fenced.add(alloc_id)
                 ok[i] = 1
         self._reply_flags(conn, started, Op.FENCE, ok, segment_digest(self._arena.name))
@@ -348,7 +364,7 @@ class AgentOps:
         for i, alloc_id in enumerate(ids):
             if alloc_id in fenced:
                 fenced.discard(alloc_id)
-                ok[i] = self._table.end_write(alloc_id)
+                ok[i] = self.end_fence(alloc_id)
         self._reply_flags(conn, started, Op.UNFENCE, ok)
         return True
 

@@ -154,6 +154,9 @@ class OtherTierHooks:
         gpu = self.gpu_table.capacity_bytes if self.gpu_table is not None else 0
         return max(self.arena.size_bytes, gpu, largest_file or 0)
 
+    def fence_table(self, alloc_id: int) -> AllocationTable | None:
+        return self.gpu_table if self.gpu_table is not None and alloc_id in self.gpu_table else None
+
     def other_tier_staging(self, alloc_id: int, offset: int, length: int) -> bytearray | None:
         if self.inbox is not None and alloc_id in self.inbox:
             return self.inbox.staging(alloc_id, offset, length)

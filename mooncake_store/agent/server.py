@@ -253,7 +253,7 @@ class AgentServer(AgentOps):
         finally:
             # Fences this connection still holds end with it (the writer died or broke off).
             for alloc_id in self._fences.pop(conn, set()):
-                self._table.end_write(alloc_id)
+                self.end_fence(alloc_id)
             conn.close()
             with self._lock:
                 self._conns.discard(conn)

@@ -19,11 +19,12 @@ import xxhash
 from mooncake_store.client.buffers import Source
 from mooncake_store.errors import ConnectError, MooncakeError, ReservationExpired, StaleLocation, TransferError
 from mooncake_store.transport import frames
-from mooncake_store.transport.fence import Fence
+from mooncake_store.transport.fence import GPU_FENCE_LABEL, Fence
 from mooncake_store.types import NodeInfo, Replica, TransportKind
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
+    from mooncake_store.client.device import DeviceSource
     from mooncake_store.client.put_plans import PlannedPut
 
 log = logging.getLogger("mooncake.client")
@@ -157,7 +158,10 @@ class ReplicaWriter:
         src = plan.source
         if not isinstance(src, Source):
             try:
-                client._gpu_segments().write(node, replica, src.pointer, src.size_bytes)
+                if GPU_FENCE_LABEL in node.labels:
+                    self._write_device_fenced(node, replica, plan, src)
+                else:  # an agent that predates GPU fences: copied unfenced, as it always was
+                    client._gpu_segments().write(node, replica, src.pointer, src.size_bytes)
                 return
             except TransferError as exc:
                 # The IPC mapping failed (GpuSegments remembers it): the agent takes the bytes over
@@ -174,6 +178,32 @@ class ReplicaWriter:
             # Over TCP the agent fences the reservation while the payload arrives (same-host writes
             # into its shared arena go through fence and copy_fenced).
             self.write_tcp(node, replica, plan, src.view)
+
+    def _write_device_fenced(self, node: NodeInfo, replica: Replica, plan: PlannedPut, src: DeviceSource) -> None:
+        """A device put into a same-host agent's GPU tier through CUDA IPC, under the agent's fence
+        as a host copy is: a reservation it freed meanwhile (this writer stalled past its timeout)
+        is not written, so the bytes never land in a block granted to another object, and one
+        freed while fenced voids the put. Unfenced, such a put was reported stored over the other
+        object's bytes. ReservationExpired places it again; TransferError falls back to TCP."""
+        fence = Fence(self.client._tcp.peer(node.tcp_endpoint), [replica.alloc_id], node.shm_name)
+        try:
+            fenced = fence.fenced()
+            if fenced is None:
+                raise TransferError(f"agent {node.node_id} does not own segment {node.shm_name}")
+            if not fenced[0]:
+                raise ReservationExpired(
+                    f"the GPU reservation for {plan.key!r} on {node.node_id} was gone before its bytes landed"
+                )
+            self.client._gpu_segments().write(node, replica, src.pointer, src.size_bytes)
+            fence.unfence()
+            still = fence.finish()
+        except BaseException:
+            fence.abort()  # the agent lifts the fence as the connection closes
+            raise
+        if not still.get(replica.alloc_id, False):
+            raise ReservationExpired(
+                f"the GPU reservation for {plan.key!r} on {node.node_id} was freed while its bytes were copied"
+            )
 
     def write_tcp(self, node: NodeInfo, replica: Replica, plan: PlannedPut, view: memoryview) -> None:
         """Send a host source over TCP; the agent hashes what landed (DIGEST, behind the WRITE)."""

@@ -16,6 +16,9 @@ from mooncake_store.transport.frames import Op, Status
 if TYPE_CHECKING:
     from mooncake_store.transport.tcp import PeerConnections
 
+#: A node-table label of agents whose FENCE covers GPU-tier reservations as well as host ones.
+GPU_FENCE_LABEL = "gpu_fence"
+
 
 class Fence:
     """FENCE and UNFENCE of one batch of host-tier reservations on one connection to a same-host

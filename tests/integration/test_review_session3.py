@@ -10,8 +10,10 @@ agent's bookkeeping around the tier, not the device copies.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -25,10 +27,12 @@ from mooncake_store.agent import syncing
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
-from mooncake_store.errors import NoCapacity, StaleLocation
+from mooncake_store.client.put_plans import PlannedPut
+from mooncake_store.errors import NoCapacity, ReservationExpired, StaleLocation
 from mooncake_store.tiers.chunk_format import HEADER
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.transport import frames
+from mooncake_store.transport.fence import GPU_FENCE_LABEL, Fence
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK
 from mooncake_store.transport.tcp import PeerConnections
 from mooncake_store.types import Replica, TierKind
@@ -444,3 +448,90 @@ def test_broken_spill_gives_back_the_batch_reserved_ahead(make_agent: Callable[.
         (replica,) = replicas_of(a, f"s{i}")
         assert replica.node_id == a.node_id
         assert bytes(a.arena.view(replica.offset, size)) == bytes([i + 1]) * size
+
+
+# ---- thirty-first session: the GPU tier under the agent's fence ---------------------------------
+def test_a_fence_covers_a_gpu_reservation_as_it_does_a_host_one(make_agent: Callable[..., Agent]) -> None:
+    """A same-host device put copies into the GPU tier through CUDA IPC, which the agent never
+    sees. FENCE looked in the host table only and answered False for a GPU reservation, so such
+    a copy could not be fenced. Now a GPU reservation is fenced: a free meanwhile waits for the
+    UNFENCE, which says the copy is void. A fence lifted by the connection's close ends too."""
+    agent = make_agent(gpu_bytes=1 * MiB)
+    table = agent.gpu_table
+    assert table is not None
+    (res,) = table.reserve([(256 * KiB, b"g" * 16)]) or []
+    peer = PeerConnections(agent.server.endpoint, timeout_s=5, max_idle=2)
+    try:
+        fence = Fence(peer, [res.alloc_id], agent.arena.name)
+        assert fence.fenced() == [True]
+        assert table.free([res.alloc_id]) == 1  # the sync frees it while the copy runs
+        assert res.alloc_id in table and table.reserve([(MiB, b"h" * 16)]) is None  # not granted again
+        fence.unfence()
+        assert fence.finish() == {res.alloc_id: False}  # the copy is void
+        assert res.alloc_id not in table  # freed once the fence ended
+        (other,) = table.reserve([(256 * KiB, b"i" * 16)]) or []
+        fence = Fence(peer, [other.alloc_id], agent.arena.name)
+        assert fence.fenced() == [True]
+        fence.abort()  # the writer's connection broke: the agent lifts the fence
+        table.free([other.alloc_id])
+        assert wait_until(lambda: other.alloc_id not in table, 5), "a fence outlived its connection"
+    finally:
+        peer.close()
+
+
+def test_a_same_host_device_put_copies_only_into_a_gpu_reservation_still_held(
+    make_agent: Callable[..., Agent],
+) -> None:
+    """The writer stalled between its RESERVE and its IPC copy, past the reservation's timeout:
+    the agent's sync freed the block (and could grant it to another put), and the copy landed in
+    it all the same; its commit could then be reported stored over the other object's bytes. The
+    copy now goes under the agent's fence, and a freed reservation is ReservationExpired (the put
+    is placed again), with nothing copied. The IPC copy is a stand-in writing into the host buffer
+    behind this test's GPU arena."""
+    agent = make_agent(gpu_bytes=1 * MiB)
+    assert agent.gpu_table is not None and isinstance(agent.gpu, HostBackedGpu)
+    client = connect(agent.index.url, namespace=agent.namespace)
+    try:
+        node = client._node_table(refresh=True)[agent.node_id]
+        assert GPU_FENCE_LABEL in node.labels
+        mem = (ctypes.c_char * agent.gpu.size_bytes).from_buffer(agent.gpu.mem)
+        copied: list[int] = []
+
+        class IpcStandIn:
+            def write(self, node: object, replica: Replica, src_pointer: int, nbytes: int) -> None:
+                ctypes.memmove(ctypes.addressof(mem) + replica.offset, src_pointer, nbytes)
+                copied.append(replica.alloc_id)
+
+            def retain(self, nodes: object) -> None:
+                pass
+
+            def close(self) -> None:
+                pass
+
+        client._gpu = IpcStandIn()  # type: ignore[assignment]
+        value = np.full(64 * KiB, 7, np.uint8)
+        source = types.SimpleNamespace(pointer=value.ctypes.data, size_bytes=value.nbytes)
+
+        def attempt(free_first: bool) -> int:
+            put_id = uuid.uuid4().bytes
+            (res,) = agent.gpu_table.reserve([(value.nbytes, put_id)]) or []  # type: ignore[union-attr]
+            replica = Replica(
+                node_id=agent.node_id,
+                tier=TierKind.GPU,
+                offset=res.offset,
+                size_bytes=value.nbytes,
+                alloc_id=res.alloc_id,
+            )
+            plan = PlannedPut(key="dev", source=source, put_id=put_id, tier=TierKind.GPU)  # type: ignore[arg-type]
+            if free_first:
+                agent.gpu_table.free([res.alloc_id])  # type: ignore[union-attr]  # the sync, past its timeout
+            client._puts.writes.write_replica(node, replica, plan)
+            return res.offset
+
+        with pytest.raises(ReservationExpired, match="gone before its bytes landed"):
+            attempt(free_first=True)
+        assert copied == [], "the IPC copy went into a reservation the agent had freed"
+        offset = attempt(free_first=False)  # a live one is written, as before
+        assert len(copied) == 1 and bytes(agent.gpu.mem[offset : offset + value.nbytes]) == value.tobytes()
+    finally:
+        client.close()
