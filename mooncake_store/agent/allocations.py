@@ -59,6 +59,9 @@ class AllocationTable:
         self._reserved: dict[int, Allocation] = {}
         #: Doomed allocations held past their last reader until held_until (release_held frees them).
         self._held: dict[int, Allocation] = {}
+        #: Holds that drop_after_reap replaced by "until hold_reaped says" (inf): hold_reaped never
+        #: ends one sooner than it was (a rollback's or an earlier loss's hold on the same block).
+        self._held_before_reap: dict[int, float] = {}
         self._lock = threading.Lock()
         self._reserve_timeout_s = reserve_timeout_s
         # Start alloc ids from the clock so that a restarted agent never reissues an id that an old
@@ -223,11 +226,17 @@ class AllocationTable:
                 if alloc.state == AllocState.RESERVED:
                     alloc.deadline = min(alloc.deadline, now)
                     if not alloc.doomed:
-                        alloc.held_until = float("inf")
+                        self._hold_until_told(alloc)
                 elif not alloc.doomed:
                     alloc.doomed = True
-                    alloc.held_until = float("inf")
+                    self._hold_until_told(alloc)
                     self._held[alloc.alloc_id] = alloc
+
+    def _hold_until_told(self, alloc: Allocation) -> None:
+        """Under the lock: held for good until hold_reaped, which keeps any hold it had before."""
+        if alloc.held_until != float("inf"):
+            self._held_before_reap.setdefault(alloc.alloc_id, alloc.held_until)
+        alloc.held_until = float("inf")
 
     def hold_reservations(self, hold_ms: int) -> None:
         """Free no current reservation before ``hold_ms`` from now, whenever a sync frees it: after
@@ -275,14 +284,23 @@ class AllocationTable:
                     self._held[alloc_id] = alloc
             for alloc in self._held.values():
                 hold_ms = max(at_least_ms, held_ms.get(alloc.alloc_id, 0))
-                alloc.held_until = min(alloc.held_until, now + hold_ms / 1000)
+                self._hold_for(alloc, now + hold_ms / 1000)
             # The other reservations drop_after_reap kept: a purge names those it found committed
             # (above), so the rest were puts in flight, free once revoked (at_least_ms 0); an index
             # that lost the record named none, and any of them may have been read under a lease.
             for alloc in self._reserved.values():
                 if alloc.alloc_id not in self._held and alloc.held_until == float("inf"):
-                    alloc.held_until = now + at_least_ms / 1000
+                    self._hold_for(alloc, now + at_least_ms / 1000)
+            self._held_before_reap.clear()
         self.release_held()
+
+    def _hold_for(self, alloc: Allocation, until: float) -> None:
+        """Under the lock: hold ``alloc`` until ``until``, or longer where an earlier hold (a
+        rollback's, an earlier loss's) runs longer: a reap's answer never cuts one short."""
+        earlier = self._held_before_reap.get(alloc.alloc_id, 0.0)
+        if alloc.held_until != float("inf"):
+            earlier = max(earlier, alloc.held_until)
+        alloc.held_until = max(earlier, until)
 
     def release_held(self) -> int:
         """Free the held allocations whose hold is over and that no TCP read moves; returns how many."""

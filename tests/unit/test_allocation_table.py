@@ -119,3 +119,26 @@ def test_after_the_index_lost_the_record_every_reservation_is_held_like_the_obje
     purged.drop_after_reap()
     purged.hold_reaped({}, at_least_ms=0)  # a purge that found it uncommitted: a put in flight
     assert purged.free([s]) == 1 and s not in purged
+
+
+def test_a_reaps_answer_never_cuts_an_earlier_hold_short() -> None:
+    """hold_reaped set each held block to min(its hold, the purge's answer): after a purge, which
+    lists only the leases the current index knows (at_least_ms 0), a block doomed by a rollback's
+    reconcile, a reservation held after one, or a block held after an earlier loss of the index
+    was freed at once, while readers that leased it from the earlier index could still copy it."""
+    import time
+
+    table = AllocationTable(1 << 20, reserve_timeout_s=60.0, alignment=64)
+    doomed, reserved, lost = (x.alloc_id for x in table.reserve([(4096, b"p")] * 3))  # type: ignore[union-attr]
+    table.commit([doomed, lost])
+    assert table.doom([doomed], hold_ms=300) == 1  # the rollback's reconcile: held a lease
+    table.hold_reservations(300)  # ... and the reservation with it
+    table.drop_after_reap()  # then the index loses the record: held until told
+    table.hold_reaped({}, at_least_ms=300)  # no purge: a lease for everything
+    table.drop_after_reap()  # and a reap of the new record before that lease ran out
+    table.hold_reaped({}, at_least_ms=0)  # a purge that knows no lease on any of them
+    table.free([reserved])  # the sync frees the expired reservation
+    assert {doomed, reserved, lost} <= table.known_ids(), "a hold was cut short by the purge's answer"
+    assert table.release_held() == 0
+    time.sleep(0.35)
+    assert table.release_held() == 3 and not table.known_ids()
