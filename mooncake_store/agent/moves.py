@@ -174,8 +174,14 @@ class LocalMoves:
             if swapped:
                 self.count(*counted)
         except MooncakeError:  # unknown whether the swap landed: ask the index (or settle() will)
+            swapped = None
+        if not swapped:
+            # A refusal may be the answer of a replay: the call is retried after a broken
+            # connection, and a first run that landed, with the object removed since (under a
+            # reader's lease on the target), is answered GONE the second time. Whether the target
+            # is named, buried or recorded as landed decides, not the answer (_keep).
             target = MoveTarget(key, self.agent.node_id, alloc_id, tier, counted)
-            swapped = self.resolve([target]).get(target, True)
+            swapped = self.resolve([target]).get(target, True)  # unsure: kept for settle()
         if not swapped:
             self._drop_target(alloc_id, tier)
         return swapped

@@ -136,15 +136,13 @@ def test_stale_replicas_are_not_readable_while_a_rollback_is_reconciled(
     assert not isinstance(got, np.ndarray) or bool((got == 0xAA).all()), "K read as another object's bytes"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="move_replica is replayed after a lost reply; when the first run landed and the object was "
-    "removed after a reader leased the new host block, the replay answers GONE and the promotion "
-    "frees that block at once (table.free), not through the graveyard at the lease's end",
-)
 def test_a_replayed_promotion_swap_keeps_a_leased_target(
     make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client], tmp_path: Path
 ) -> None:
+    """move_replica is replayed after a lost reply; when the first run landed and the object was
+    removed after a reader leased the new host block, the replay answered GONE and the promotion
+    freed that block at once (table.free), not through the graveyard at the lease's end. A refused
+    local swap now asks the index whether its target landed before it drops it."""
     agent = make_inproc_agent(host_bytes=8 * MiB, disk_path=str(tmp_path), disk_bytes=16 * MiB)
     client = clients(agent)
     client.put("obj", np.full(MiB, 0xAA, np.uint8), preferred_node=agent.node_id)
