@@ -344,10 +344,10 @@ class AgentOps:
         ok = bytearray(len(ids))
         for i, alloc_id in enumerate(ids):
             table = self._fenceable(alloc_id)
-            location = table.offset_of(alloc_id) if table is not None else None
-            if table is not None and location is not None and alloc_id not in fenced:
-                if not table.begin_write(alloc_id, *location):
-                    continue
+            if table is None or alloc_id in fenced:
+                continue
+            location = table.offset_of(alloc_id)
+            if location is not None and table.begin_write(alloc_id, *location):
                 fenced.add(alloc_id)
                 ok[i] = 1
         self._reply_flags(conn, started, Op.FENCE, ok, segment_digest(self._arena.name))

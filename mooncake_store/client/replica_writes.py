@@ -185,9 +185,11 @@ class ReplicaWriter:
         is not written, so the bytes never land in a block granted to another object, and one
         freed while fenced voids the put. Unfenced, such a put was reported stored over the other
         object's bytes. ReservationExpired places it again; TransferError falls back to TCP."""
-        fence = Fence(self.client._tcp.peer(node.tcp_endpoint), [replica.alloc_id], node.shm_name)
+        part = FencedPart(
+            node, [(replica, plan)], Fence(self.client._tcp.peer(node.tcp_endpoint), [replica.alloc_id], node.shm_name)
+        )
         try:
-            fenced = fence.fenced()
+            fenced = part.fence.fenced()
             if fenced is None:
                 raise TransferError(f"agent {node.node_id} does not own segment {node.shm_name}")
             if not fenced[0]:
@@ -195,15 +197,11 @@ class ReplicaWriter:
                     f"the GPU reservation for {plan.key!r} on {node.node_id} was gone before its bytes landed"
                 )
             self.client._gpu_segments().write(node, replica, src.pointer, src.size_bytes)
-            fence.unfence()
-            still = fence.finish()
+            part.fence.unfence()
+            self.check_landed(part)  # freed while fenced: the copy is void
         except BaseException:
-            fence.abort()  # the agent lifts the fence as the connection closes
+            part.fence.abort()  # the agent lifts the fence as the connection closes
             raise
-        if not still.get(replica.alloc_id, False):
-            raise ReservationExpired(
-                f"the GPU reservation for {plan.key!r} on {node.node_id} was freed while its bytes were copied"
-            )
 
     def write_tcp(self, node: NodeInfo, replica: Replica, plan: PlannedPut, view: memoryview) -> None:
         """Send a host source over TCP; the agent hashes what landed (DIGEST, behind the WRITE)."""

@@ -1,6 +1,7 @@
 """FENCE and UNFENCE on one pooled connection (PeerConnections): how a same-host writer copies into
-an agent's shared arena itself, only into reservations the agent fenced, and learns afterwards
-which of them were still live (agent/ops.py answers both; DESIGN.md §3.3)."""
+an agent's shared arena (or, through CUDA IPC, its GPU tier) itself, only into reservations the
+agent fenced, and learns afterwards which of them were still live (agent/ops.py answers both;
+DESIGN.md §3.3)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ GPU_FENCE_LABEL = "gpu_fence"
 
 
 class Fence:
-    """FENCE and UNFENCE of one batch of host-tier reservations on one connection to a same-host
+    """FENCE and UNFENCE of one batch of host-tier (or GPU-tier) reservations on one connection to a same-host
     agent, for a writer that copies into the agent's shared arena itself. The FENCE goes out when
     the Fence is made and the UNFENCE with unfence(), each before its reply is read (fenced(),
     finish()): a writer overlaps them with its own index round trips. Fences last until the

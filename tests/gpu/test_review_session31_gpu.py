@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import random_bytes, wait_until
+from helpers import beat_since, random_bytes, wait_until
 
 from mooncake_store import Client, LocalCluster, PrefixCache, TransferError
+from mooncake_store.client.stats import TierStats
 from mooncake_store.tiers.gpu import GpuArena, GpuSegment
 
 pytestmark = pytest.mark.timeout(180)
@@ -89,11 +90,18 @@ def test_tcp_reads_of_gpu_replicas_queue_no_promotion(  # type: ignore[no-untype
     for _ in range(2):
         for key, value in values.items():
             assert np.array_equal(tcp_only.get(key), value), key
-    time.sleep(1.5)  # a promotion would have run by now (and the counters reached the node table)
+    started = time.monotonic()
+
+    def tiers() -> dict[str, TierStats]:
+        return {t.tier: t for t in client.stat().nodes[0].tiers}
+
+    # The agent's counters reach the node table with its heartbeats: waited for, from a beat after
+    # the reads; by then a promotion would have run too.
+    assert wait_until(lambda: beat_since(client, started) and tiers()["gpu"].reads >= 2 * len(values), 10), tiers()
+    time.sleep(0.5)  # and a little longer for a queued promotion, which must not come
     assert {str(client.object_meta(k).replicas[0].tier) for k in values} == {"gpu"}  # type: ignore[union-attr]
-    tiers = {t.tier: t for t in client.stat().nodes[0].tiers}
-    assert tiers["host"].promotions == 0 and tiers["host"].objects == 0, tiers
-    assert tiers["gpu"].reads >= 2 * len(values), tiers
+    now = tiers()
+    assert now["host"].promotions == 0 and now["host"].objects == 0, now
 
 
 def test_cold_chains_on_the_gpu_tier_are_cut_back_from_their_leaves(  # type: ignore[no-untyped-def]
