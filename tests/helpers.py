@@ -158,7 +158,7 @@ def guarded_spill_copy(
     meta = client.object_meta("obj")
     assert meta is not None and meta.replicas[0].node_id == a.node_id
     put_id = uuid.uuid4().bytes
-    client.index.guard_reservations([put_id.hex()], ttl_ms=guard_ttl_ms)
+    client.index.guard_reservations([put_id.hex()], node_id=b.node_id, ttl_ms=guard_ttl_ms)
     tcp = TcpTransport(timeout_s=10.0, connections_per_peer=1, stripe_bytes=1 << 30)
     try:
         (res,) = tcp.peer(b.endpoint).reserve([(size, put_id)], node_id=b.node_id, flags=SPILL_FLAG)

@@ -122,6 +122,12 @@ class AllocationTable:
         with self._lock:
             return {a.alloc_id: a.deadline for a in self._reserved.values()}
 
+    def live_reservations(self) -> dict[int, bytes]:
+        """alloc id -> put id of the reservations not committed nor freed (a freed one may only be
+        held for readers): the allocations a pending put or a spill's guard may still name."""
+        with self._lock:
+            return {a.alloc_id: a.put_id for a in self._reserved.values() if not a.doomed}
+
     def put_id_of(self, alloc_id: int) -> bytes | None:
         with self._lock:
             alloc = self._allocs.get(alloc_id)

@@ -361,26 +361,32 @@ class Agent(OtherTierHooks, SyncDuties):
         record gone: its replicas are gone from the index, so its memory holds nothing readable
         once the read leases on them end. It starts clean under the same incarnation rules."""
         beats = self.index.heartbeat(
-            self.node_id, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tiers=self.tiers()
+            self.node_id, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tiers=self.tiers(), last_beats=self._beats
         )
-        last, self._beats = self._beats, beats or 0
-        if beats is not None and beats > last:
+        if beats is not None and beats > self._beats:
+            self._beats = beats
             return
         if beats is not None:
             # Fewer heartbeats than it answered last: the index was restored from an older
-            # snapshot. It names replicas of memory freed (and maybe used again) since, and lacks
-            # objects committed since: this node's part of it is brought in line with its tables.
-            # Not between a sync's drained acks and its commits, nor a local move's fill and swap.
+            # snapshot. It names replicas of memory freed (and maybe used again) since, pending
+            # puts this agent revoked, and lacks objects committed since: this node's part of it
+            # is brought in line with its tables, while the index holds the node unreadable (the
+            # beat ended its deadline rather than extend it). Not between a sync's drained acks
+            # and its commits, nor a local move's fill and swap. Should the reconcile fail, the
+            # count stays the higher one, and the next beat finds the index behind again.
             with self._sync_lock, self.pressure.moves.gate.reconciling():
-                dropped, disk_orphans = reconcile_after_rollback(
+                dropped, revoked, disk_orphans = reconcile_after_rollback(
                     self.index, self.node_id, self._tables(), set(self.disk_keys)
                 )
                 self.free_allocations(disk_orphans)
             log.error(
-                "the index went back in time (heartbeat %d after %d): dropped %d replica(s) it named here "
-                "of memory %s no longer holds, freeing %d disk file(s) it no longer names",
-                beats, last, dropped, self.node_id, len(disk_orphans),
+                "the index went back in time (%d heartbeats after %d): dropped %d replica(s) and revoked %d "
+                "pending put(s) it named here of memory %s no longer holds, freeing %d disk file(s) it no "
+                "longer names",
+                beats, self._beats, dropped, revoked, self.node_id, len(disk_orphans),
             )  # fmt: skip
+            self._beats = beats
+            self.heartbeat_once()  # readable again, now that what it lists here is
             return
         log.warning("node record of %s vanished; registering again", self.node_id)
         self._drop_everything()

@@ -224,7 +224,7 @@ class Spiller:
         try:
             # The guard first: should the copy outlive the peer's reservation timeout, the peer's
             # sync deletes the guard and the swap is refused rather than naming freed memory.
-            self.agent.index.guard_reservations([put_id.hex()], ttl_ms=limits.GUARD_TTL_MS)
+            self.agent.index.guard_reservations([put_id.hex()], node_id=peer_node.node_id, ttl_ms=limits.GUARD_TTL_MS)
         except MooncakeError as exc:  # the index's failure, not the peer's
             log.info("spill of %d object(s) to %s: no guard: %s", len(batch), peer_node.node_id, exc)
             self._drop_payloads(batch)

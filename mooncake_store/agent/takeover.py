@@ -150,16 +150,21 @@ def holder_gone(holder: dict[str, Any]) -> bool:
 
 def reconcile_after_rollback(
     index: RedisIndex, node_id: str, tables: list[AllocationTable], disk_ids: set[int]
-) -> tuple[int, list[int]]:
+) -> tuple[int, int, list[int]]:
     """After the index went back in time (restored from a snapshot older than this agent's last
-    heartbeat): each replica it lists here whose allocation this agent no longer holds is dropped
-    from it (its memory was freed and may hold another object now: a same-host read would copy
-    those bytes), as a damaged replica is (readers go to the object's other replicas, and one
-    short of its copies is copied again); each committed allocation it no longer names is doomed,
-    held a default read lease, then freed (nothing would ever free it), and no reservation is
-    freed within such a lease either. What both still agree on
-    stays. Returns (replicas dropped, disk allocations to free now: disk files have no same-host
-    readers)."""
+    heartbeat), while it holds the node unreadable (node_heartbeat.lua): each replica it lists
+    here whose allocation this agent no longer holds is dropped from it (its memory was freed and
+    may hold another object now: a same-host read would copy those bytes), as a damaged replica is
+    (readers go to the object's other replicas, and one short of its copies is copied again);
+    each pending put it lists here that names an allocation this agent does not hold as a
+    reservation is revoked (the restore brought it back after the agent revoked it and gave its
+    memory to another put, or after it committed: a late or replayed commit would land on that
+    memory), and so is each spill guard naming this node whose reservations it no longer holds
+    (a peer's late or replayed swap would land); each committed allocation it no longer names is
+    doomed, held a default read lease, then freed (nothing would ever free it), and no
+    reservation is freed within such a lease either. What both still agree on stays. Returns
+    (replicas dropped, pending puts and guards revoked, disk allocations to free now: disk files
+    have no same-host readers)."""
     named = index.node_replicas(node_id)
     # Not a doomed allocation: its memory is about to go, whatever the index says of it.
     held = set(disk_ids).union(*(set(table.committed_ids()) | set(table.reserved_deadlines()) for table in tables))
@@ -167,9 +172,16 @@ def reconcile_after_rollback(
     for alloc_id, key in named.items():
         if alloc_id not in held:
             dropped += int(index.drop_corrupt(key, alloc_id, node_id=node_id))
+    reserved: dict[int, bytes] = {}
+    for table in tables:
+        reserved.update(table.live_reservations())
+    guarded = {put_id.hex() for put_id in reserved.values()}
+    pending, guards = index.pending_on_node(node_id)
+    stale = [put_id for put_id, allocs in pending.items() if not allocs <= reserved.keys()]
+    revoked = index.put_revoke(stale + sorted(guards - guarded))
     for table in tables:
         table.doom([a for a in table.committed_ids() if a not in named], hold_ms=VANISHED_HOLD_MS)
         # An object committed after the snapshot whose ack this agent had not drained is a
         # reservation here, freed once it expires; readers may still copy it under the old leases.
         table.hold_reservations(VANISHED_HOLD_MS)
-    return dropped, sorted(a for a in disk_ids if a not in named)
+    return dropped, revoked, sorted(a for a in disk_ids if a not in named)

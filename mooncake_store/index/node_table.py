@@ -13,7 +13,14 @@ from typing import Any
 import redis
 
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError, ProtocolError
-from mooncake_store.index.schema import decode_node, decode_replicas, encode_node, encode_tiers, in_batches
+from mooncake_store.index.schema import (
+    decode_node,
+    decode_replicas,
+    encode_node,
+    encode_tiers,
+    guard_value,
+    in_batches,
+)
 from mooncake_store.types import NodeInfo, TierUsage
 
 log = logging.getLogger("mooncake.index")
@@ -75,11 +82,26 @@ class NodeTableCalls:
         purged = len(status) < 4 or int(status[3]) == 1
         return Registered(int(status[1]), {int(rows[i]): int(rows[i + 1]) for i in range(0, len(rows), 2)}, purged)
 
-    def heartbeat(self, node_id: str, *, incarnation: str, ttl_ms: int, tiers: tuple[TierUsage, ...]) -> int | None:
+    def heartbeat(
+        self,
+        node_id: str,
+        *,
+        incarnation: str,
+        ttl_ms: int,
+        tiers: tuple[TierUsage, ...],
+        last_beats: int | None = None,
+    ) -> int | None:
         """Extend the deadline; the record's count of heartbeats, which only grows while the index
-        keeps its data (fewer than last time: it was restored from an older snapshot), or None when
-        the record is gone (the agent must register again)."""
-        status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, json.dumps({"tiers": encode_tiers(tiers)}))
+        keeps its data, or None when the record is gone (the agent must register again). Given
+        ``last_beats`` (the count answered last), a record with fewer (the index was restored from
+        an older snapshot) is not extended but ended, and answers its own count, below
+        ``last_beats``: its node is unreadable until a beat passes a count it does not exceed
+        (node_heartbeat.lua). Without it, such a record is extended and answers its count plus one."""
+        fields = json.dumps({"tiers": encode_tiers(tiers)})
+        extra = () if last_beats is None else (last_beats,)
+        status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, fields, *extra)
+        if status[0] == "BEHIND":
+            return int(status[1])
         if status[0] != "OK":
             return None
         return int(status[2]) if len(status) > 2 else 1
@@ -159,6 +181,34 @@ class NodeTableCalls:
             raise ConnectError(f"cannot read the replicas of node {node_id} from {self.where}: {exc}") from None
         return out
 
+    def pending_on_node(self, node_id: str) -> tuple[dict[str, set[int]], set[str]]:
+        """What the pending records (``pend:*``) say of ``node_id``, found by SCAN (a walk of the
+        whole keyspace, for the rare reconcile after the index went back in time): put id -> the
+        alloc ids on the node of every pending put (entries this build cannot read are left
+        out), and the put ids of the spill guards for reservations on it (pressure.py)."""
+        puts: dict[str, set[int]] = {}
+        guards: set[str] = set()
+        head = self.prefix + "pend:"
+        try:
+            names = list(self.redis.scan_iter(match=head + "*", count=1000))
+            for batch in in_batches(names):
+                pipe = self.redis.pipeline(transaction=False)
+                for name in batch:
+                    pipe.hget(name, "entry")
+                strings = []
+                for name, raw in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+                    if isinstance(raw, redis.ResponseError):  # WRONGTYPE: a guard, a string
+                        strings.append(name)
+                    elif raw is not None and (allocs := _allocs_on(raw, node_id)):
+                        puts[name[len(head) :]] = allocs
+                if strings:
+                    for name, value in zip(strings, self.redis.mget(strings), strict=True):
+                        if value == guard_value(node_id):
+                            guards.add(name[len(head) :])
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the pending puts of node {node_id} from {self.where}: {exc}") from None
+        return puts, guards
+
     def recent_alloc_tags(self, node_id: str, *, within_ms: int) -> tuple[int, set[int]]:
         """(the index's time in ms, the alloc tags incarnations of ``node_id`` took in the last
         ``within_ms``, as note_alloc_tag recorded them): whether or not their records are still
@@ -186,3 +236,12 @@ class NodeTableCalls:
             pipe.execute()
         except redis.RedisError as exc:
             raise ConnectError(f"cannot record the alloc tag of {node_id} on {self.where}: {exc}") from None
+
+
+def _allocs_on(entry: str | bytes, node_id: str) -> set[int]:
+    """The alloc ids on ``node_id`` that a pending put's entry (put_start.lua) names; none for an
+    entry this build cannot read."""
+    try:
+        return {int(r[4]) for r in json.loads(entry)["replicas"] if r[0] == node_id}
+    except (ValueError, TypeError, KeyError, IndexError):
+        return set()

@@ -12,7 +12,7 @@ from typing import Any
 import redis
 
 from mooncake_store.errors import ConnectError, InvalidValue
-from mooncake_store.index.schema import BATCH_LIMIT, decode_replicas, encode_replica, in_batches
+from mooncake_store.index.schema import BATCH_LIMIT, decode_replicas, encode_replica, guard_value, in_batches
 from mooncake_store.types import EvictionCandidate, Replica, TierKind
 
 
@@ -112,12 +112,14 @@ class PressureCalls:
         replica = json.dumps(encode_replica(new))
         return str(self._run("move_replica", key, old_node, str(old_alloc_id), replica, "1" if promotion else "0"))
 
-    def guard_reservations(self, put_ids: Sequence[str], *, ttl_ms: int) -> None:
-        """Guard records for reservations made on another agent: that agent's sync deletes one when
-        its reservation times out, and move_replicas swaps only while it is still there."""
+    def guard_reservations(self, put_ids: Sequence[str], *, node_id: str, ttl_ms: int) -> None:
+        """Guard records for reservations made on another agent, ``node_id``: that agent's sync
+        deletes one when its reservation times out, and move_replicas swaps only while it is
+        still there. Each names the node (guard_value), for that agent's reconcile after the
+        index went back in time."""
         pipe = self.redis.pipeline(transaction=False)
         for put_id in put_ids:
-            pipe.set(self.prefix + "pend:" + put_id, "guard", px=ttl_ms)
+            pipe.set(self.prefix + "pend:" + put_id, guard_value(node_id), px=ttl_ms)
         try:
             pipe.execute()
         except redis.RedisError as exc:

@@ -12,7 +12,8 @@ the supported index::
                                   (replicas it was stored with: re-replication restores them)
     mc:{ns}:keys           set    every committed key (ls, stat)
     mc:{ns}:pend:<put_id>  hash   a put between reserve and commit (invisible to readers); a string
-                                  "guard" for a spill batch's reservations on a peer (one per batch)
+                                  "guard:<node>" for a spill batch's reservations on that peer (one
+                                  per batch)
     mc:{ns}:pins:<key>     zset   pin id -> expiry ms; refcount = live pins
     mc:{ns}:claim:<key>    string writer id (PX ttl) while one writer stores a missing prefix chunk
     mc:{ns}:children       hash   parent key -> stored chunks naming it (survives the parent's removal)
@@ -209,3 +210,9 @@ def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def guard_value(node_id: str) -> str:
+    """A spill guard's value: the node its reservations are on, whose reconcile after a rollback
+    deletes a guard the restore brought back for reservations it no longer holds."""
+    return "guard:" + node_id

@@ -290,7 +290,7 @@ def test_move_replicas_swaps_each_entry_on_its_own(
     assert late is not None
     guarded = [("m/late", late.replicas[0].alloc_id, new_at(55), "no-such-guard")]
     assert client.index.move_replicas(guarded, old_node=node) == ["EXPIRED"]
-    client.index.guard_reservations(["live-guard"], ttl_ms=60_000)
+    client.index.guard_reservations(["live-guard"], node_id="elsewhere", ttl_ms=60_000)
     guarded = [("m/late", late.replicas[0].alloc_id, new_at(56), "live-guard")]
     assert client.index.move_replicas(guarded, old_node=node) == ["OK"]
     assert not redis_exists(client, "pend:live-guard")  # the swap took the guard

@@ -1,6 +1,7 @@
 """Memory reuse under same-host readers after an index rollback or a replayed swap (review,
-thirty-first session): defects found and left open, each an xfail(strict=True) test whose reason
-says what is wrong, so that it turns into a failure once fixed and must then lose its mark.
+thirty-first session; the first two were left open then as strict xfails, and are fixed since:
+the beat that finds the index gone back ends the node's deadline instead of extending it, and the
+reconcile revokes restored pending puts naming memory the agent no longer reserves).
 
 Each runs an in-process agent whose loops are idle, its heartbeats, syncs and moves called by the
 test, and restores the index from a DUMP taken earlier as a server restarted from its last save
@@ -10,14 +11,17 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import redis
+from helpers import guarded_spill_copy
 
-from mooncake_store import Client
+from mooncake_store import Client, MooncakeError
 from mooncake_store.agent.node import Agent
 
 MiB = 1 << 20
@@ -39,12 +43,6 @@ def restore(raw: redis.Redis, prefix: str, snapshot: dict[bytes, bytes], **extra
     pipe.execute()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an index restored from a snapshot brings back a pending record its agent had revoked (and "
-    "whose block it gave to another put), and the late put_commit lands: the key names the other "
-    "object's bytes; reconcile_after_rollback never looks at pending records",
-)
 def test_a_put_commit_revived_by_a_rollback_does_not_land_on_a_reused_block(
     make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:
@@ -84,12 +82,137 @@ def test_a_put_commit_revived_by_a_rollback_does_not_land_on_a_reused_block(
     assert not reader.exists("A") or np.array_equal(reader.get("A"), mine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the heartbeat that finds the index gone back in time extends the node's deadline before "
-    "the reconcile drops its stale replicas (one drop_corrupt round trip each): meanwhile lookups hand "
-    "out blocks that hold other objects now",
-)
+def test_a_commit_during_the_reconcile_after_a_rollback_is_refused(
+    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    """The restored pending record names a block given to another put since; a commit that comes
+    while the agent reconciles (before it revokes the record) must not land either."""
+    agent = make_inproc_agent(
+        host_bytes=4 * MiB, reserve_timeout_s=0.2, heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0
+    )
+    agent.heartbeat_once()
+    writer, other = clients(agent), clients(agent)
+    raw, prefix = agent.index.redis, agent.index.prefix
+    real_commit = writer.index.put_commit
+    real_node_replicas = agent.index.node_replicas
+    seen: dict[str, object] = {}
+
+    def commit_in_the_reconcile(node_id: str) -> dict[int, str]:
+        seen["statuses"] = real_commit(seen.pop("ids"))  # type: ignore[arg-type]
+        return real_node_replicas(node_id)
+
+    def late_commit(ids: list[str], **kwargs: object) -> list[str]:
+        agent.heartbeat_once()
+        snapshot = snapshot_of(raw, prefix)
+        time.sleep(0.3)  # past the reservation: revoked and freed by the sync, then taken
+        agent.sync_once()
+        other.put("B", np.full(MiB, 0xBB, np.uint8))
+        agent.sync_once()
+        agent.heartbeat_once()
+        restore(raw, prefix, snapshot)
+        seen["ids"] = ids
+        agent.index.node_replicas = commit_in_the_reconcile  # type: ignore[method-assign]
+        agent.heartbeat_once()
+        return ["EXPIRED"] * len(ids)
+
+    writer.index.put_commit = late_commit  # type: ignore[method-assign]
+    with pytest.raises(MooncakeError):
+        writer.put("A", np.full(MiB, 0xAA, np.uint8))
+    assert "ids" not in seen, "the reconcile never ran"
+    assert seen["statuses"] != ["OK"], "a commit during the reconcile landed on a block given to another put"
+
+
+def test_a_put_whose_reservation_is_still_held_commits_after_a_rollback(
+    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    """The reconcile revokes only the restored pending puts naming memory the agent no longer
+    reserves: a put in flight across the rollback, its reservation live, still commits."""
+    agent = make_inproc_agent(
+        host_bytes=4 * MiB, reserve_timeout_s=30.0, heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0
+    )
+    agent.heartbeat_once()
+    writer, other, reader = clients(agent), clients(agent), clients(agent)
+    raw, prefix = agent.index.redis, agent.index.prefix
+    mine = np.full(MiB, 0xAA, np.uint8)
+    real_commit = writer.index.put_commit
+    real_pending = agent.index.pending_on_node
+    seen: dict[str, object] = {}
+
+    def noted_pending(node_id: str) -> tuple[dict[str, set[int]], set[str]]:
+        seen["pending"], guards = real_pending(node_id)
+        return seen["pending"], guards  # type: ignore[return-value]
+
+    def commit_after_the_rollback(ids: list[str], **kwargs: object) -> list[str]:
+        agent.heartbeat_once()
+        snapshot = snapshot_of(raw, prefix)
+        other.put("B", np.full(MiB, 0xBB, np.uint8))  # committed after the snapshot
+        agent.sync_once()
+        agent.heartbeat_once()
+        restore(raw, prefix, snapshot)
+        agent.index.pending_on_node = noted_pending  # type: ignore[method-assign]
+        agent.heartbeat_once()  # the reconcile
+        seen["statuses"] = statuses = real_commit(ids, **kwargs)  # type: ignore[arg-type]
+        return statuses
+
+    writer.index.put_commit = commit_after_the_rollback  # type: ignore[method-assign]
+    writer.put("A", mine)
+    assert seen["statuses"] == ["OK"]
+    assert len(seen["pending"]) == 1, "the reconcile did not see the put in flight"  # type: ignore[arg-type]
+    agent.sync_once()
+    assert np.array_equal(reader.get("A"), mine)
+    assert not reader.exists("B")  # the index lost it with the rollback; its memory is doomed here
+
+
+def test_a_beat_behind_the_agents_count_ends_the_deadline_until_a_beat_at_the_index_count(
+    make_inproc_agent: Callable[..., Agent],
+) -> None:
+    agent = make_inproc_agent(heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0)
+    index, node = agent.index, agent.node_id
+    beat = dict(incarnation=agent.incarnation, ttl_ms=60_000, tiers=agent.tiers())
+    counted = index.heartbeat(node, **beat, last_beats=0)  # type: ignore[arg-type]
+    assert counted is not None and counted >= 1
+    behind = index.heartbeat(node, **beat, last_beats=counted + 5)  # type: ignore[arg-type]
+    assert behind == counted  # not extended, not counted
+    now_ms = int(index.redis.time()[0]) * 1000
+    assert index.nodes()[node].heartbeat_deadline_ms < now_ms + 1000, "the node stayed readable"
+    reap_at = index.redis.zscore(index.prefix + "reap", node)
+    assert reap_at is not None and reap_at > now_ms + 60_000, "the node could be reaped while it reconciles"
+    assert index.heartbeat(node, **beat, last_beats=behind) == counted + 1  # type: ignore[arg-type]
+    assert index.nodes()[node].heartbeat_deadline_ms > now_ms + 30_000
+
+
+def test_a_spill_guard_revived_by_a_rollback_lets_no_late_swap_land(
+    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    """A spills "obj" to B (guard, reservation, bytes) and stalls before its swap; B's reservation
+    times out, its sync deletes the guard and frees the block, which another put takes. The index
+    then goes back to a snapshot holding the guard: A's late swap must not name that block."""
+    namespace = f"t-{uuid.uuid4().hex[:10]}"
+    a = make_inproc_agent(namespace=namespace, heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0)
+    b = make_inproc_agent(namespace=namespace, reserve_timeout_s=0.2, heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0)
+    client = clients(a)
+    raw, prefix = a.index.redis, a.index.prefix
+    peer = SimpleNamespace(node_id=b.node_id, endpoint=b.server.endpoint)
+    old, new, guard = guarded_spill_copy(client, a, peer, size=MiB)
+    for agent in (a, b):
+        agent.heartbeat_once()
+    snapshot = snapshot_of(raw, prefix)  # the guard is in it
+    time.sleep(0.3)
+    b.sync_once()  # the reservation timed out: the guard deleted, the block freed...
+    assert raw.get(prefix + "pend:" + guard) is None
+    client.put("other", np.full(MiB, 0xBB, np.uint8), preferred_node=b.node_id)  # ... and taken
+    b.sync_once()
+    for agent in (a, b):
+        agent.heartbeat_once()
+    restore(raw, prefix, snapshot)
+    assert raw.get(prefix + "pend:" + guard) is not None
+    for agent in (a, b):
+        agent.heartbeat_once()  # each finds the index behind and reconciles
+    (status,) = client.index.move_replicas([("obj", old.alloc_id, new, guard)], old_node=a.node_id)
+    assert status != "OK", "the late swap named a block the peer had given to another put"
+    assert bool((client.get("obj") == 0xAA).all())
+
+
 def test_stale_replicas_are_not_readable_while_a_rollback_is_reconciled(
     make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:

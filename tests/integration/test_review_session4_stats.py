@@ -78,7 +78,7 @@ def test_spills_in_counts_only_spills_that_landed(make_inproc_agent: Callable[..
         # a's pressure thread spills "obj" to b exactly as agent/spill.py does: guard, RESERVE
         # (SPILL_FLAG), WRITE, then one compare-and-swap.
         put_id = uuid.uuid4().bytes
-        client.index.guard_reservations([put_id.hex()], ttl_ms=60_000)
+        client.index.guard_reservations([put_id.hex()], node_id=b.node_id, ttl_ms=60_000)
         tcp = TcpTransport(timeout_s=10.0, connections_per_peer=1, stripe_bytes=1 << 30)
         try:
             peer = tcp.peer(b.server.endpoint)

@@ -273,7 +273,7 @@ def test_agent_tables_stay_consistent_through_puts_spills_in_and_syncs(
         # by its key), one written and given up (freed with its file).
         blob = chunk_file(tmp_path, 1)
         put_ids = [uuid.uuid4().bytes, uuid.uuid4().bytes]
-        agent.index.guard_reservations([p.hex() for p in put_ids], ttl_ms=60_000)
+        agent.index.guard_reservations([p.hex() for p in put_ids], node_id=agent.node_id, ttl_ms=60_000)
         kept, abandoned = peer.reserve(
             [(len(blob), p) for p in put_ids], node_id=agent.node_id, tier=TIER_DISK, flags=SPILL_FLAG
         )

@@ -37,7 +37,7 @@ def copy_batch(client: Client, a: Agent, b: Agent) -> tuple[list[tuple[str, int,
     guard = put_id.hex()
     for i, key in enumerate(KEYS):
         client.put(key, random_bytes(SIZE, i), preferred_node=a.node_id)
-    client.index.guard_reservations([guard], ttl_ms=60_000)
+    client.index.guard_reservations([guard], node_id=b.node_id, ttl_ms=60_000)
     tcp = TcpTransport(timeout_s=10.0, connections_per_peer=1, stripe_bytes=1 << 30)
     moves = []
     try:
@@ -292,12 +292,12 @@ def test_move_replicas_refuses_a_guard_shared_by_more_moves_than_one_call_takes(
 
     client = client_of(namespace)
     guard = uuid.uuid4().hex
-    client.index.guard_reservations([guard], ttl_ms=60_000)
+    client.index.guard_reservations([guard], node_id="nowhere", ttl_ms=60_000)
     new = Replica(node_id="nowhere", tier=TierKind.HOST, offset=0, size_bytes=1, alloc_id=1)
     moves = [(f"absent/{i}", i, new, guard) for i in range(BATCH_LIMIT + 1)]
     with pytest.raises(InvalidValue, match=rf"{BATCH_LIMIT + 1} moves share the guard .* at most {BATCH_LIMIT}"):
         client.index.move_replicas(moves, old_node="nobody")
-    assert client.index.redis.get(client.index.prefix + "pend:" + guard) == "guard"
+    assert client.index.redis.get(client.index.prefix + "pend:" + guard) == "guard:nowhere"
 
 
 def test_the_index_remembers_which_swaps_landed_for_a_mover_that_lost_the_reply(

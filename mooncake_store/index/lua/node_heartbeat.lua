@@ -1,11 +1,17 @@
 -- node_heartbeat: extend an agent's deadline and publish its current use.
 -- KEYS: none
--- ARGV: [1] prefix, [2] node id, [3] incarnation, [4] ttl ms, [5] JSON of fields to merge into the node record
--- Returns: {"OK", deadline_ms, beats}, or {"UNKNOWN"} when the record is gone, belongs to another
--- incarnation or is being purged (the agent was reaped while stalled and must register again).
+-- ARGV: [1] prefix, [2] node id, [3] incarnation, [4] ttl ms, [5] JSON of fields to merge into the node
+-- record, [6] (optional) the count of beats the agent was answered last
+-- Returns: {"OK", deadline_ms, beats}, {"BEHIND", beats} or {"UNKNOWN"} when the record is gone,
+-- belongs to another incarnation or is being purged (the agent was reaped while stalled and must
+-- register again).
 -- beats counts this record's heartbeats: an index restored from a snapshot older than the last
--- heartbeat answers fewer than the agent saw last, and may name memory the agent has freed and
--- used again since (the agent then takes its node out of the index and registers afresh).
+-- heartbeat holds fewer than the agent was answered last, and may name memory the agent has freed
+-- and used again since. Then the deadline is not extended but ended ("BEHIND", the record's count):
+-- readers skip the node and commits naming it fail while its agent brings the index in line with
+-- its tables (agent/takeover.py reconcile_after_rollback), which a beat that passes the count it
+-- was answered then ends. Extended at once, the node's stale replicas were readable (another
+-- object's bytes, by memcpy) and a revived pending record could commit for the whole reconcile.
 local node, inc, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
 local raw = redis.call('HGET', P .. 'nodes', node)
@@ -15,6 +21,13 @@ if redis.call('SISMEMBER', P .. 'purging', node) == 1 then return {'UNKNOWN'} en
 local rec = cjson.decode(raw)
 if rec.incarnation ~= inc then return {'UNKNOWN'} end
 heard_from_a_node(now, ttl)
+local last = tonumber(ARGV[6] or '')
+if last ~= nil and (tonumber(rec.beats) or 0) < last then
+  redis.call('ZADD', P .. 'hb', now - 1, node)
+  -- Not reaped while it reconciles: its own TTL past now, as a beat gives it.
+  redis.call('ZADD', P .. 'reap', now + 2 * ttl, node)
+  return {'BEHIND', tonumber(rec.beats) or 0}
+end
 for k, v in pairs(cjson.decode(ARGV[5])) do rec[k] = v end
 rec.last_heartbeat_ms = now
 rec.beats = (tonumber(rec.beats) or 0) + 1
