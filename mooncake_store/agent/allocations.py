@@ -19,6 +19,10 @@ from enum import StrEnum
 
 from mooncake_store.tiers.allocator import ALIGNMENT, OffsetAllocator
 
+#: An allocation's ``held_until`` while drop_after_reap holds it until hold_reaped says how long
+#: (the purge's answer at the next registration): no time frees it before then.
+UNTIL_REAP_ANSWERED = float("inf")
+
 
 class AllocState(StrEnum):
     RESERVED = "RESERVED"
@@ -59,7 +63,7 @@ class AllocationTable:
         self._reserved: dict[int, Allocation] = {}
         #: Doomed allocations held past their last reader until held_until (release_held frees them).
         self._held: dict[int, Allocation] = {}
-        #: Holds that drop_after_reap replaced by "until hold_reaped says" (inf): hold_reaped never
+        #: Holds that drop_after_reap replaced by UNTIL_REAP_ANSWERED: hold_reaped never
         #: ends one sooner than it was (a rollback's or an earlier loss's hold on the same block).
         self._held_before_reap: dict[int, float] = {}
         self._lock = threading.Lock()
@@ -240,9 +244,9 @@ class AllocationTable:
 
     def _hold_until_told(self, alloc: Allocation) -> None:
         """Under the lock: held for good until hold_reaped, which keeps any hold it had before."""
-        if alloc.held_until != float("inf"):
+        if alloc.held_until != UNTIL_REAP_ANSWERED:
             self._held_before_reap.setdefault(alloc.alloc_id, alloc.held_until)
-        alloc.held_until = float("inf")
+        alloc.held_until = UNTIL_REAP_ANSWERED
 
     def hold_reservations(self, hold_ms: int) -> None:
         """Free no current reservation before ``hold_ms`` from now, whenever a sync frees it: after
@@ -286,7 +290,7 @@ class AllocationTable:
                     # Committed in the index but not yet here (the sync that drains its ack had not
                     # run): a reservation, which its sync would free at once; readers have it too.
                     alloc.doomed = True
-                    alloc.held_until = float("inf")
+                    alloc.held_until = UNTIL_REAP_ANSWERED
                     self._held[alloc_id] = alloc
             for alloc in self._held.values():
                 hold_ms = max(at_least_ms, held_ms.get(alloc.alloc_id, 0))
@@ -295,7 +299,7 @@ class AllocationTable:
             # (above), so the rest were puts in flight, free once revoked (at_least_ms 0); an index
             # that lost the record named none, and any of them may have been read under a lease.
             for alloc in self._reserved.values():
-                if alloc.alloc_id not in self._held and alloc.held_until == float("inf"):
+                if alloc.alloc_id not in self._held and alloc.held_until == UNTIL_REAP_ANSWERED:
                     self._hold_for(alloc, now + at_least_ms / 1000)
             self._held_before_reap.clear()
         self.release_held()
@@ -304,7 +308,7 @@ class AllocationTable:
         """Under the lock: hold ``alloc`` until ``until``, or longer where an earlier hold (a
         rollback's, an earlier loss's) runs longer: a reap's answer never cuts one short."""
         earlier = self._held_before_reap.get(alloc.alloc_id, 0.0)
-        if alloc.held_until != float("inf"):
+        if alloc.held_until != UNTIL_REAP_ANSWERED:
             earlier = max(earlier, alloc.held_until)
         alloc.held_until = max(earlier, until)
 
