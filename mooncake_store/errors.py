@@ -120,6 +120,11 @@ class ReservationExpired(MooncakeError):
         self.node_gone = node_gone
 
 
+class NotPicklable(MooncakeError, TypeError):
+    """An object that holds connections and mappings (a Client) was pickled: it is also a
+    TypeError, as pickle's own refusals are, for code (multiprocessing, Ray) that catches those."""
+
+
 class GpuUnavailable(MooncakeError):
     """No usable CUDA device (cupy missing, no driver, or no such device)."""
 

@@ -30,6 +30,7 @@ from mooncake_store.errors import (
     InvalidValue,
     KeyNotFound,
     MooncakeError,
+    NotPicklable,
     ObjectPinned,
     ProtocolError,
 )
@@ -175,7 +176,7 @@ class Client(AsyncCalls):
                     self._closed_all.set()
 
     def __reduce__(self) -> NoReturn:
-        raise TypeError(
+        raise NotPicklable(
             "a mooncake_store Client holds connections and mappings and cannot be pickled; "
             "call mooncake_store.connect() in each process"
         )

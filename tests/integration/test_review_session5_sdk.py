@@ -244,8 +244,9 @@ def test_a_redis_url_with_port_0_is_refused_not_sent_to_6379() -> None:
 def test_pickling_a_client_says_to_connect_in_each_process(shared_client: Client) -> None:
     """pickle.dumps(client) (multiprocessing, Ray, a DataLoader worker) fails deep inside with
     "cannot pickle '_thread.RLock' object"; it should say what to do instead."""
-    with pytest.raises(TypeError, match="connect"):
+    with pytest.raises(TypeError, match="connect") as caught:
         pickle.dumps(shared_client)
+    assert isinstance(caught.value, MooncakeError)  # as every error the store raises
 
 
 # ---- life cycle -----------------------------------------------------------------------------------
