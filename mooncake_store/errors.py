@@ -17,6 +17,7 @@
     │   ├── StaleLocation      the replica's generation no longer matches (freed or moved); retry
     │   └── TransferTimeout    a peer took longer than the timeout (each recv, or a whole reply)
     ├── ReservationExpired     a put took longer than the agent's reservation timeout, or its node left
+    ├── NotPicklable           (also TypeError)   a Client was pickled: connect() in each process
     ├── GpuUnavailable         no usable CUDA device (cupy missing, no driver, no such device)
     └── ServerError            the embedded Redis-compatible server failed to start or stop
         └── PortInUse          the port it was given is another process's
