@@ -33,7 +33,7 @@ from mooncake_store.agent.usage import tier_usages
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity
 from mooncake_store.index import RedisIndex
-from mooncake_store.index.node_table import NodeIdTaken
+from mooncake_store.index.node_table import IndexWentBack, NodeIdTaken
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.disk_dir import sweep_abandoned_tiers
 from mooncake_store.tiers.gpu import GpuArena
@@ -111,8 +111,8 @@ class Agent(OtherTierHooks, SyncDuties):
         #: Why this agent can no longer serve (its node id was taken over), once it cannot.
         self.fatal: str | None = None
         self._init_sync_state()
-        #: The index's count of this node's heartbeats, as last answered (it only grows).
-        self._beats = 0
+        #: One heartbeat at a time: the sync thread beats too when it finds the index gone back.
+        self._beat_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
     # ---- tiers ------------------------------------------------------------------------------
@@ -359,40 +359,65 @@ class Agent(OtherTierHooks, SyncDuties):
     def heartbeat_once(self) -> None:
         """Extend this node's deadline and publish its use. Reaped while stalled, it finds its
         record gone: its replicas are gone from the index, so its memory holds nothing readable
-        once the read leases on them end. It starts clean under the same incarnation rules."""
-        beats = self.index.heartbeat(
-            self.node_id, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tiers=self.tiers(), last_beats=self._beats
-        )
-        if beats is not None and beats > self._beats:
-            self._beats = beats
-            return
-        if beats is not None:
-            # Fewer heartbeats than it answered last: the index was restored from an older
-            # snapshot. It names replicas of memory freed (and maybe used again) since, pending
-            # puts this agent revoked, and lacks objects committed since: this node's part of it
-            # is brought in line with its tables, while the index holds the node unreadable (the
-            # beat ended its deadline rather than extend it). Not between a sync's drained acks
-            # and its commits, nor a local move's fill and swap. Should the reconcile fail, the
-            # count stays the higher one, and the next beat finds the index behind again.
-            with self._sync_lock, self.pressure.moves.gate.reconciling():
-                dropped, revoked, disk_orphans = reconcile_after_rollback(
-                    self.index, self.node_id, self._tables(), set(self.disk_keys)
-                )
-                self.free_allocations(disk_orphans)
-            log.error(
-                "the index went back in time (%d heartbeats after %d): dropped %d replica(s) and revoked %d "
-                "pending put(s) it named here of memory %s no longer holds, freeing %d disk file(s) it no "
-                "longer names",
-                beats, self._beats, dropped, revoked, self.node_id, len(disk_orphans),
-            )  # fmt: skip
-            self._beats = beats
-            self.heartbeat_once()  # readable again, now that what it lists here is
-            return
+        once the read leases on them end. It starts clean under the same incarnation rules. An
+        index gone back in time is reconciled, then beaten again (a few times at most, should it
+        go back again meanwhile)."""
+        with self._beat_lock:
+            for _ in range(3):
+                if self._beat():
+                    return
+
+    def _beat(self) -> bool:
+        """One heartbeat; False when it found the index behind this agent's count and reconciled."""
+        try:
+            count = self.index.heartbeat(
+                self.node_id,
+                incarnation=self.incarnation,
+                ttl_ms=self._ttl_ms,
+                tiers=self.tiers(),
+                last_beats=self._beats,
+            )
+        except IndexWentBack as exc:
+            self._reconcile(exc)
+            return False
+        if count is not None:
+            self._note_count(count)
+            return True
         log.warning("node record of %s vanished; registering again", self.node_id)
         self._drop_everything()
         info = self.node_info()
-        register_again(self.index, info, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tables=self._tables())
-        self._beats = 0
+        # The record goes on from this agent's count: a snapshot from before the reap is told apart.
+        register_again(
+            self.index,
+            info,
+            incarnation=self.incarnation,
+            ttl_ms=self._ttl_ms,
+            tables=self._tables(),
+            beats=self._beats,
+        )
+        return True
+
+    def _reconcile(self, went_back: IndexWentBack) -> None:
+        """The index was restored from an older snapshot (it counts fewer heartbeats and syncs than
+        this agent was answered): it names replicas of memory freed (and maybe used again) since,
+        pending puts and spill guards this agent revoked, and lacks objects committed since. This
+        node's part of it is brought in line with its tables, while the index holds the node
+        unreadable (the beat ended its deadline rather than extend it). Not between a sync's
+        drained acks and its commits, nor a local move's fill and swap. Should the reconcile fail,
+        the count stays the higher one, and the next beat or sync finds the index behind again."""
+        with self._sync_lock, self.pressure.moves.gate.reconciling():
+            dropped, revoked, disk_orphans = reconcile_after_rollback(
+                self.index, self.node_id, self._tables(), set(self.disk_keys)
+            )
+            self.free_allocations(disk_orphans)
+            with self._beats_lock:
+                last, self._beats = self._beats, went_back.count
+        log.error(
+            "the index went back in time (%d heartbeats and syncs after %d): dropped %d replica(s) and "
+            "revoked %d pending put(s) and spill guard(s) it named here of memory %s no longer holds, "
+            "freeing %d disk file(s) it no longer names",
+            went_back.count, last, dropped, revoked, self.node_id, len(disk_orphans),
+        )  # fmt: skip
 
     def _drop_everything(self) -> None:
         """After being reaped: committed objects are gone from the index, so their memory is free

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.errors import MooncakeError
+from mooncake_store.index.node_table import IndexWentBack
 from mooncake_store.policy.reclaim import expired_reservations, plan_sync
 from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
 from mooncake_store.types import TierKind
@@ -59,12 +60,21 @@ class SyncDuties:
         #: Syncs finished so far, under _synced: a reclaim that finds a sync under way waits for its end.
         self._syncs_done = 0
         self._synced = threading.Condition()
+        #: The node record's count of this agent's heartbeats and syncs, as last answered: it only
+        #: grows while the index keeps its data (node_heartbeat.lua, agent_sync.lua).
+        self._beats = 0
+        self._beats_lock = threading.Lock()
 
     if TYPE_CHECKING:  # Agent's own
 
         def _tables(self) -> list[AllocationTable]: ...
         def holds(self, alloc_id: int) -> bool: ...
         def free_allocations(self, alloc_ids: list[int] | tuple[int, ...]) -> None: ...
+        def heartbeat_once(self) -> None: ...
+
+    def _note_count(self, count: int) -> None:
+        with self._beats_lock:
+            self._beats = max(self._beats, count)
 
     def reclaim_now(self, *, force: bool = False) -> None:
         """Free what is due in the graveyard now, not at the next sync. ``force``: even right after
@@ -92,8 +102,13 @@ class SyncDuties:
         if self._sync_lock.acquire(blocking=False):
             try:
                 self._synced_once()
+            except IndexWentBack:
+                pass  # the sync that holds no lock any more takes it up (below)
+            else:
+                return
             finally:
                 self._sync_lock.release()
+            self.heartbeat_once()
             return
         with self._synced:
             self._synced.wait_for(lambda: self._syncs_done != seen, timeout=self.index_timeout_s)
@@ -131,8 +146,14 @@ class SyncDuties:
     def sync_once(self) -> None:
         # One sync at a time: two could both see a reservation as expired, and the one that does not
         # get its (already drained) ack would free an object the other one just committed.
-        with self._sync_lock:
-            self._synced_once()
+        try:
+            with self._sync_lock:
+                self._synced_once()
+        except IndexWentBack:
+            # Restored from an older snapshot: the sync drained nothing. A heartbeat now (the
+            # reconcile takes the sync lock) ends the node's deadline and brings the index in line
+            # with this agent's tables, rather than one at the next beat, up to an interval later.
+            self.heartbeat_once()
 
     def _synced_once(self) -> None:
         """One sync, under _sync_lock; those waiting for its end are told, however it ended."""
@@ -157,8 +178,13 @@ class SyncDuties:
         # Until this reply is applied, the index keeps what it carries for the next sync.
         applied_last, self._sync_applied = self._sync_applied, False
         result = self.index.agent_sync(
-            self.node_id, incarnation=self.incarnation, expired_put_ids=put_ids_hex, applied_last=applied_last
+            self.node_id,
+            incarnation=self.incarnation,
+            expired_put_ids=put_ids_hex,
+            applied_last=applied_last,
+            last_count=self._beats,
         )
+        self._note_count(result.count)
         plan = plan_sync(
             expired=expired,
             expired_status=result.expired_status,

@@ -34,12 +34,13 @@ PID_START_LABEL = "pid_start"
 
 
 def register_again(
-    index: RedisIndex, info: NodeInfo, *, incarnation: str, ttl_ms: int, tables: list[AllocationTable]
+    index: RedisIndex, info: NodeInfo, *, incarnation: str, ttl_ms: int, tables: list[AllocationTable], beats: int = 0
 ) -> None:
     """Register a node whose record vanished (reaped, or the index lost it) after its objects were
     doomed (AllocationTable.drop_after_reap): each one's memory is held while a lease on it may
-    run, as the purge recorded, or VANISHED_HOLD_MS when no purge did, then freed."""
-    registered = index.register_node(info, incarnation=incarnation, ttl_ms=ttl_ms)
+    run, as the purge recorded, or VANISHED_HOLD_MS when no purge did, then freed. ``beats``: the
+    count of heartbeats and syncs the record goes on from."""
+    registered = index.register_node(info, incarnation=incarnation, ttl_ms=ttl_ms, beats=beats)
     if not registered.purged:
         log.warning(
             "the index lost %s's record with no purge: its objects' memory is held %d ms",
@@ -172,11 +173,14 @@ def reconcile_after_rollback(
     for alloc_id, key in named.items():
         if alloc_id not in held:
             dropped += int(index.drop_corrupt(key, alloc_id, node_id=node_id))
+    pending, guards = index.pending_on_node(node_id)
+    # Read after the walk: a put reserved during it (RESERVE is served meanwhile) is among these.
+    # One freed meanwhile was freed by its writer, who revoked its record first (a sync, which
+    # revokes and frees too, is held off by the caller's lock).
     reserved: dict[int, bytes] = {}
     for table in tables:
         reserved.update(table.live_reservations())
     guarded = {put_id.hex() for put_id in reserved.values()}
-    pending, guards = index.pending_on_node(node_id)
     stale = [put_id for put_id, allocs in pending.items() if not allocs <= reserved.keys()]
     revoked = index.put_revoke(stale + sorted(guards - guarded))
     for table in tables:

@@ -18,7 +18,7 @@ import redis
 from mooncake_store.config import ClientConfig, redact_url
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError, ProtocolError
 from mooncake_store.index.connection import ClosedPool, close_pool, connect_redis
-from mooncake_store.index.node_table import NodeTableCalls
+from mooncake_store.index.node_table import NodeTableCalls, went_back
 from mooncake_store.index.pressure import PressureCalls
 from mooncake_store.index.schema import (
     decode_object,
@@ -90,6 +90,8 @@ class SyncResult:
     graves: list[int]
     #: Keys of the acked allocations that a peer moved onto this agent's disk tier.
     acked_keys: dict[int, str] = field(default_factory=dict)
+    #: The node record's count of heartbeats and syncs, this sync's included.
+    count: int = 0
 
 
 class NodeSuperseded(MooncakeError):
@@ -382,19 +384,24 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         expired_put_ids: Sequence[str],
         applied_last: bool,
         max_graves: int = 1000,
+        last_count: int | None = None,
     ) -> SyncResult:
         """What happened to the node's memory since its last confirmed sync. ``applied_last``: the
         agent received and applied the reply of its previous call; if not, that reply's acks and
         graves come again (agent_sync.lua). Raises NodeSuperseded when the node record is not
-        ``incarnation``'s."""
+        ``incarnation``'s, and IndexWentBack, draining nothing, when it counts fewer heartbeats
+        and syncs than ``last_count`` (the count the agent was answered last)."""
+        last = "" if last_count is None else str(last_count)
         reply = self._run(
-            "agent_sync", node_id, max_graves, "1" if applied_last else "0", incarnation, *expired_put_ids
+            "agent_sync", node_id, max_graves, "1" if applied_last else "0", incarnation, last, *expired_put_ids
         )
         if reply == ["SUPERSEDED"]:
             raise NodeSuperseded(
                 f"node {node_id} is not incarnation {incarnation[:12]}'s in the index (reaped, or taken over)"
             )
-        acks, statuses, graves = reply
+        if reply[0] == "BEHIND":
+            raise went_back(node_id, int(reply[1]), last_count or 0)
+        acks, statuses, graves, count = reply
         acked: list[int] = []
         keys: dict[int, str] = {}
         for ack in acks:
@@ -403,7 +410,11 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             if tab:
                 keys[int(alloc_id)] = key
         return SyncResult(
-            acked_alloc_ids=acked, expired_status=list(statuses), graves=[int(g) for g in graves], acked_keys=keys
+            acked_alloc_ids=acked,
+            expired_status=list(statuses),
+            graves=[int(g) for g in graves],
+            acked_keys=keys,
+            count=int(count),
         )
 
     def server_time_ms(self) -> int:

@@ -42,6 +42,15 @@ class Registered:
     purged: bool = True
 
 
+class IndexWentBack(MooncakeError):
+    """The node record counts fewer of the agent's heartbeats and syncs than the agent was
+    answered last: the index was restored from an older snapshot. ``count``: the record's."""
+
+    def __init__(self, message: str, *, count: int) -> None:
+        super().__init__(message)
+        self.count = count
+
+
 class NodeIdTaken(MooncakeError):
     """Registration refused: a live agent of another incarnation holds the node id. ``holder``:
     its node record; ``left_ms``: how long until its heartbeat deadline (0: unknown)."""
@@ -62,9 +71,11 @@ class NodeTableCalls:
     #: RedisIndex._run: one script call, with its retry rules.
     _run: Callable[..., Any]
 
-    def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int) -> Registered:
+    def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int, beats: int = 0) -> Registered:
+        """``beats``: the count the record starts from (an agent registering again after a reap
+        goes on from its own, so that a snapshot from before the reap is told apart)."""
         for _ in range(100_000):  # each call purges a bounded slice of a dead incarnation's keys
-            status = self._run("node_register", info.node_id, encode_node(info, incarnation), ttl_ms)
+            status = self._run("node_register", info.node_id, encode_node(info, incarnation), ttl_ms, beats)
             if status[0] != "PURGING":
                 break
         if status[0] == "IN_USE":
@@ -91,17 +102,17 @@ class NodeTableCalls:
         tiers: tuple[TierUsage, ...],
         last_beats: int | None = None,
     ) -> int | None:
-        """Extend the deadline; the record's count of heartbeats, which only grows while the index
-        keeps its data, or None when the record is gone (the agent must register again). Given
-        ``last_beats`` (the count answered last), a record with fewer (the index was restored from
-        an older snapshot) is not extended but ended, and answers its own count, below
-        ``last_beats``: its node is unreadable until a beat passes a count it does not exceed
-        (node_heartbeat.lua). Without it, such a record is extended and answers its count plus one."""
+        """Extend the deadline; the record's count of the agent's heartbeats and syncs, which only
+        grows while the index keeps its data, or None when the record is gone (the agent must
+        register again). Given ``last_beats`` (the count answered last), a record with fewer (the
+        index was restored from an older snapshot) is not extended but ended: IndexWentBack, and
+        the node is unreadable until a beat passes a count it does not exceed (node_heartbeat.lua).
+        Without it, such a record is extended and answers its count plus one."""
         fields = json.dumps({"tiers": encode_tiers(tiers)})
         extra = () if last_beats is None else (last_beats,)
         status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, fields, *extra)
         if status[0] == "BEHIND":
-            return int(status[1])
+            raise went_back(node_id, int(status[1]), last_beats or 0)
         if status[0] != "OK":
             return None
         return int(status[2]) if len(status) > 2 else 1
@@ -174,7 +185,14 @@ class NodeTableCalls:
                 for key in batch:
                     pipe.hget(self.prefix + "o:" + key, "replicas")
                 for key, raw in zip(batch, pipe.execute(), strict=True):
-                    for replica in decode_replicas(raw) if raw else ():
+                    try:
+                        replicas = decode_replicas(raw) if raw else ()
+                    except ProtocolError as exc:
+                        # Left as it is (no reader gets bytes through it: lookups refuse it too),
+                        # rather than fail the reconcile, and with it the node, at every beat.
+                        log.warning("node %s's replicas: o:%s left out: %s", node_id, key, exc)
+                        continue
+                    for replica in replicas:
                         if replica.node_id == node_id:
                             out[replica.alloc_id] = key
         except redis.RedisError as exc:
@@ -245,3 +263,11 @@ def _allocs_on(entry: str | bytes, node_id: str) -> set[int]:
         return {int(r[4]) for r in json.loads(entry)["replicas"] if r[0] == node_id}
     except (ValueError, TypeError, KeyError, IndexError):
         return set()
+
+
+def went_back(node_id: str, count: int, last: int) -> IndexWentBack:
+    return IndexWentBack(
+        f"the index counts {count} heartbeats and syncs of node {node_id}, fewer than the {last} it "
+        "answered last: it was restored from an older snapshot",
+        count=count,
+    )

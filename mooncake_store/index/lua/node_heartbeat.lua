@@ -1,16 +1,16 @@
 -- node_heartbeat: extend an agent's deadline and publish its current use.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] incarnation, [4] ttl ms, [5] JSON of fields to merge into the node
--- record, [6] (optional) the count of beats the agent was answered last
+-- record, [6] (optional) the count of heartbeats and syncs the agent was answered last
 -- Returns: {"OK", deadline_ms, beats}, {"BEHIND", beats} or {"UNKNOWN"} when the record is gone,
 -- belongs to another incarnation or is being purged (the agent was reaped while stalled and must
 -- register again).
--- beats counts this record's heartbeats: an index restored from a snapshot older than the last
--- heartbeat holds fewer than the agent was answered last, and may name memory the agent has freed
--- and used again since. Then the deadline is not extended but ended ("BEHIND", the record's count):
--- readers skip the node and commits naming it fail while its agent brings the index in line with
--- its tables (agent/takeover.py reconcile_after_rollback), which a beat that passes the count it
--- was answered then ends. Extended at once, the node's stale replicas were readable (another
+-- beats counts this record's heartbeats and syncs (agent_sync.lua): an index restored from a
+-- snapshot older than the last of them holds fewer than the agent was answered last, and may name
+-- memory the agent has freed and used again since. Then the deadline is not extended but ended
+-- ("BEHIND", the record's count): readers skip the node and commits naming it fail while its
+-- agent brings the index in line with its tables (agent/takeover.py reconcile_after_rollback),
+-- which a beat that passes the count it was answered then ends. Extended at once, the node's stale replicas were readable (another
 -- object's bytes, by memcpy) and a revived pending record could commit for the whole reconcile.
 local node, inc, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()

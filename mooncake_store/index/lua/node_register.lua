@@ -1,6 +1,7 @@
 -- node_register: add an agent to the node table, or take over the record of a dead incarnation.
 -- KEYS: none
--- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms
+-- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms,
+--       [5] (optional) the count of heartbeats and syncs the record starts from (node_heartbeat.lua)
 -- Returns: {"OK", deadline_ms, held, purged}, {"IN_USE", other_incarnation_json, its deadline_ms, now_ms}
 -- when a live agent holds the id, or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
 -- purge of this node took from the index while read leases on them still run (an agent reaped while
@@ -32,6 +33,7 @@ if not old or cjson.decode(old).incarnation ~= rec.incarnation then
   for _, t in ipairs({'gpu', 'host', 'disk'}) do redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':' .. t) end
 end
 rec.last_heartbeat_ms = now
+rec.beats = tonumber(ARGV[5] or '') or 0
 heard_from_a_node(now, ttl)
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)
