@@ -23,7 +23,7 @@ from helpers import guarded_spill_copy
 
 from mooncake_store import Client, MooncakeError
 from mooncake_store.agent.node import Agent
-from mooncake_store.index.node_table import IndexWentBack
+from mooncake_store.index.node_table import IndexWentBack, NodeIdTaken
 
 MiB = 1 << 20
 
@@ -228,8 +228,12 @@ def test_a_beat_behind_the_agents_count_ends_the_deadline_until_a_beat_at_the_in
     assert index.nodes()[node].heartbeat_deadline_ms < now_ms, "the node stayed readable"
     reap_at = index.redis.zscore(index.prefix + "reap", node)
     assert reap_at is not None and reap_at > now_ms + 60_000, "the node could be reaped while it reconciles"
+    # Unreadable, yet its node id is not free: a second agent started with it is refused.
+    with pytest.raises(NodeIdTaken):
+        index.register_node(agent.node_info(), incarnation="another", ttl_ms=60_000)
     assert index.heartbeat(node, **beat, last_beats=counted) == counted + 1  # type: ignore[arg-type]
     assert index.nodes()[node].heartbeat_deadline_ms > now_ms + 30_000
+    assert "reconciling_until" not in index.redis.hget(index.prefix + "nodes", node)  # type: ignore[operator]
 
 
 def test_a_sync_counts_and_one_behind_the_agents_count_drains_nothing(

@@ -23,6 +23,10 @@ if rec.incarnation ~= inc then return {'UNKNOWN'} end
 heard_from_a_node(now, ttl)
 local last = tonumber(ARGV[6] or '')
 if last ~= nil and (tonumber(rec.beats) or 0) < last then
+  -- Unreadable, yet held: no agent of another incarnation takes the node id meanwhile
+  -- (node_register.lua), as none may while the deadline runs.
+  rec.reconciling_until = now + 2 * ttl
+  redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
   redis.call('ZADD', P .. 'hb', now - 1, node)
   -- Not reaped while it reconciles: its own TTL past now, as a beat gives it.
   redis.call('ZADD', P .. 'reap', now + 2 * ttl, node)
@@ -30,6 +34,7 @@ if last ~= nil and (tonumber(rec.beats) or 0) < last then
 end
 for k, v in pairs(cjson.decode(ARGV[5])) do rec[k] = v end
 rec.last_heartbeat_ms = now
+rec.reconciling_until = nil
 rec.beats = (tonumber(rec.beats) or 0) + 1
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)

@@ -3,7 +3,7 @@
 -- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms,
 --       [5] (optional) the count of heartbeats and syncs the record starts from (node_heartbeat.lua)
 -- Returns: {"OK", deadline_ms, held, purged}, {"IN_USE", other_incarnation_json, its deadline_ms, now_ms}
--- when a live agent holds the id, or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
+-- when a live agent holds the id (its deadline runs, or it reconciles after the index went back), or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
 -- purge of this node took from the index while read leases on them still run (an agent reaped while
 -- it stalled keeps their memory that long). The replicas of an earlier, dead incarnation point into
 -- memory that no longer exists, so they are purged first, in bounded steps; until the last step the
@@ -14,11 +14,14 @@ local node, info, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
 local old = redis.call('HGET', P .. 'nodes', node)
 if old then
-  local d = redis.call('ZSCORE', P .. 'hb', node)
+  local d = tonumber(redis.call('ZSCORE', P .. 'hb', node) or 0)
   local inc = cjson.decode(info).incarnation
-  local old_inc = cjson.decode(old).incarnation
-  if d and tonumber(d) >= now and old_inc ~= inc then
-    return {'IN_USE', old, tostring(d), tostring(now)}
+  local old_rec = cjson.decode(old)
+  -- A node whose agent reconciles after the index went back is unreadable but held
+  -- (node_heartbeat.lua): its deadline is ended, its reconcile's is not.
+  local held_until = math.max(d, tonumber(old_rec.reconciling_until) or 0)
+  if held_until >= now and old_rec.incarnation ~= inc then
+    return {'IN_USE', old, tostring(held_until), tostring(now)}
   end
   local left = purge_node(node, 5000)  -- as reap and deregister: ~0.1 s of the server per call
   if left > 0 then
