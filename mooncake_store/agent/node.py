@@ -24,6 +24,7 @@ from mooncake_store.agent.server import AgentServer
 from mooncake_store.agent.syncing import SyncDuties
 from mooncake_store.agent.takeover import (
     PID_START_LABEL,
+    REGISTER_COUNT_GAP,
     fresh_alloc_tag,
     reconcile_after_rollback,
     register_again,
@@ -111,7 +112,7 @@ class Agent(OtherTierHooks, SyncDuties):
         #: Why this agent can no longer serve (its node id was taken over), once it cannot.
         self.fatal: str | None = None
         self._init_sync_state()
-        #: One heartbeat at a time: the sync thread beats too when it finds the index gone back.
+        #: One heartbeat at a time (tests and the loop).
         self._beat_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -287,6 +288,7 @@ class Agent(OtherTierHooks, SyncDuties):
         if self._stop.is_set():
             return
         self._stop.set()
+        self._beat_now.set()
         self.pressure.wake()  # its loop waits on its own event, up to pressure_interval_s
         for thread in self._threads:
             thread.join(timeout=5)
@@ -325,7 +327,12 @@ class Agent(OtherTierHooks, SyncDuties):
     def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
         failures = FailureLog(log, "heartbeat")
-        while not self._stop.wait(interval):
+        while True:
+            # A sync that finds the index gone back wakes the loop: the reconcile comes at once.
+            self._beat_now.wait(interval)
+            if self._stop.is_set():
+                return
+            self._beat_now.clear()
             try:
                 self.heartbeat_once()
                 # Every agent reaps, at each heartbeat: a dead node's grace is its own TTL, which
@@ -360,15 +367,15 @@ class Agent(OtherTierHooks, SyncDuties):
         """Extend this node's deadline and publish its use. Reaped while stalled, it finds its
         record gone: its replicas are gone from the index, so its memory holds nothing readable
         once the read leases on them end. It starts clean under the same incarnation rules. An
-        index gone back in time is reconciled, then beaten again (a few times at most, should it
-        go back again meanwhile)."""
+        index gone back in time is reconciled, then beaten again (a few times at most, should its
+        record vanish meanwhile)."""
         with self._beat_lock:
             for _ in range(3):
                 if self._beat():
                     return
 
     def _beat(self) -> bool:
-        """One heartbeat; False when it found the index behind this agent's count and reconciled."""
+        """One heartbeat; False when the record vanished while it reconciled (beat again)."""
         try:
             count = self.index.heartbeat(
                 self.node_id,
@@ -378,46 +385,56 @@ class Agent(OtherTierHooks, SyncDuties):
                 last_beats=self._beats,
             )
         except IndexWentBack as exc:
-            self._reconcile(exc)
-            return False
+            return self._reconcile(exc)
         if count is not None:
             self._note_count(count)
             return True
         log.warning("node record of %s vanished; registering again", self.node_id)
         self._drop_everything()
         info = self.node_info()
-        # The record goes on from this agent's count: a snapshot from before the reap is told apart.
+        # The record goes on from well above this agent's count: a snapshot from before the reap
+        # (whose count may exceed the agent's by calls whose replies were lost) is told apart.
+        start = self._beats + REGISTER_COUNT_GAP
         register_again(
-            self.index,
-            info,
-            incarnation=self.incarnation,
-            ttl_ms=self._ttl_ms,
-            tables=self._tables(),
-            beats=self._beats,
+            self.index, info, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tables=self._tables(), beats=start
         )
+        self._note_count(start)
         return True
 
-    def _reconcile(self, went_back: IndexWentBack) -> None:
+    def _reconcile(self, went_back: IndexWentBack) -> bool:
         """The index was restored from an older snapshot (it counts fewer heartbeats and syncs than
         this agent was answered): it names replicas of memory freed (and maybe used again) since,
         pending puts and spill guards this agent revoked, and lacks objects committed since. This
         node's part of it is brought in line with its tables, while the index holds the node
         unreadable (the beat ended its deadline rather than extend it). Not between a sync's
-        drained acks and its commits, nor a local move's fill and swap. Should the reconcile fail,
-        the count stays the higher one, and the next beat or sync finds the index behind again."""
+        drained acks and its commits, nor a local move's fill and swap. Then a beat makes the node
+        readable, its count going on from this agent's (never back: a later restore of a snapshot
+        taken before it, even during the reconcile, is told apart too). Should the reconcile
+        fail, the count stays, and the next beat finds the index behind again. False when the
+        record vanished meanwhile."""
         with self._sync_lock, self.pressure.moves.gate.reconciling():
             dropped, revoked, disk_orphans = reconcile_after_rollback(
                 self.index, self.node_id, self._tables(), set(self.disk_keys)
             )
             self.free_allocations(disk_orphans)
-            with self._beats_lock:
-                last, self._beats = self._beats, went_back.count
+            count = self.index.heartbeat(
+                self.node_id,
+                incarnation=self.incarnation,
+                ttl_ms=self._ttl_ms,
+                tiers=self.tiers(),
+                last_beats=self._beats,
+                reconciled=True,
+            )
         log.error(
-            "the index went back in time (%d heartbeats and syncs after %d): dropped %d replica(s) and "
-            "revoked %d pending put(s) and spill guard(s) it named here of memory %s no longer holds, "
+            "the index went back in time (%d heartbeats and syncs, %d answered before): dropped %d replica(s) "
+            "and revoked %d pending put(s) and spill guard(s) it named here of memory %s no longer holds, "
             "freeing %d disk file(s) it no longer names",
-            went_back.count, last, dropped, revoked, self.node_id, len(disk_orphans),
+            went_back.count, self._beats, dropped, revoked, self.node_id, len(disk_orphans),
         )  # fmt: skip
+        if count is None:
+            return False
+        self._note_count(count)
+        return True
 
     def _drop_everything(self) -> None:
         """After being reaped: committed objects are gone from the index, so their memory is free

@@ -64,13 +64,14 @@ class SyncDuties:
         #: grows while the index keeps its data (node_heartbeat.lua, agent_sync.lua).
         self._beats = 0
         self._beats_lock = threading.Lock()
+        #: Set to have the heartbeat loop beat now (a sync found the index gone back), or to stop.
+        self._beat_now = threading.Event()
 
     if TYPE_CHECKING:  # Agent's own
 
         def _tables(self) -> list[AllocationTable]: ...
         def holds(self, alloc_id: int) -> bool: ...
         def free_allocations(self, alloc_ids: list[int] | tuple[int, ...]) -> None: ...
-        def heartbeat_once(self) -> None: ...
 
     def _note_count(self, count: int) -> None:
         with self._beats_lock:
@@ -103,12 +104,9 @@ class SyncDuties:
             try:
                 self._synced_once()
             except IndexWentBack:
-                pass  # the sync that holds no lock any more takes it up (below)
-            else:
-                return
+                self._beat_now.set()  # as in sync_once
             finally:
                 self._sync_lock.release()
-            self.heartbeat_once()
             return
         with self._synced:
             self._synced.wait_for(lambda: self._syncs_done != seen, timeout=self.index_timeout_s)
@@ -150,10 +148,11 @@ class SyncDuties:
             with self._sync_lock:
                 self._synced_once()
         except IndexWentBack:
-            # Restored from an older snapshot: the sync drained nothing. A heartbeat now (the
-            # reconcile takes the sync lock) ends the node's deadline and brings the index in line
-            # with this agent's tables, rather than one at the next beat, up to an interval later.
-            self.heartbeat_once()
+            # Restored from an older snapshot: the sync drained nothing. The heartbeat loop beats
+            # now rather than up to an interval later: the beat ends the node's deadline and the
+            # agent reconciles (Agent._reconcile), on that thread, not on this caller's (a
+            # connection's, asking for room).
+            self._beat_now.set()
 
     def _synced_once(self) -> None:
         """One sync, under _sync_lock; those waiting for its end are told, however it ended."""
@@ -166,8 +165,6 @@ class SyncDuties:
 
     def _sync_once(self) -> None:
         tables = self._tables()
-        for table in tables:
-            table.release_held()  # a reaped node's memory, once the leases on it ran out
         deadlines: dict[int, float] = {}
         for table in tables:
             deadlines.update(table.reserved_deadlines())
@@ -185,6 +182,9 @@ class SyncDuties:
             last_count=self._beats,
         )
         self._note_count(result.count)
+        # Only now, with the index found current (not gone back to before the hold began).
+        for table in tables:
+            table.release_held()  # a reaped node's memory, once the leases on it ran out
         plan = plan_sync(
             expired=expired,
             expired_status=result.expired_status,

@@ -28,6 +28,10 @@ TAKEOVER_WAIT_S = 60.0
 #: four of its reservation TTLs, three client timeouts each, and a minute: 3 min at the default
 #: timeout_s of 10 s, a day at one of 2 h; a spill's guard far less).
 TAG_MEMORY_MS = 86_400_000
+#: How far above its own count of heartbeats and syncs an agent registering again (after a reap)
+#: starts its record's: the record a snapshot from before the reap holds counts the calls whose
+#: replies were lost too, and must count fewer than the new one for a restore of it to be seen.
+REGISTER_COUNT_GAP = 1 << 20
 #: The node record's label with its agent's process start time (clock ticks since boot, field 22 of
 #: /proc/PID/stat): with the pid, it tells the agent apart from a later process given that pid.
 PID_START_LABEL = "pid_start"

@@ -83,7 +83,8 @@ class NodeTableCalls:
             left_ms = int(status[2]) - int(status[3]) if len(status) > 3 else 0
             raise NodeIdTaken(
                 f"node id {info.node_id!r} is held by a live agent (pid {other.get('pid')} on "
-                f"{other.get('host')}, heartbeat deadline in {max(0, left_ms) / 1000:.1f} s); pick another "
+                f"{other.get('host')}, held for another {max(0, left_ms) / 1000:.1f} s by its heartbeat deadline "
+                "or a reconcile); pick another "
                 "node id (`mooncake agent --node-id`; for `mooncake up`, whose agents are agent-0, agent-1, ...: "
                 "another --namespace) or stop that agent",
                 holder=other,
@@ -101,15 +102,20 @@ class NodeTableCalls:
         ttl_ms: int,
         tiers: tuple[TierUsage, ...],
         last_beats: int | None = None,
+        reconciled: bool = False,
     ) -> int | None:
         """Extend the deadline; the record's count of the agent's heartbeats and syncs, which only
         grows while the index keeps its data, or None when the record is gone (the agent must
         register again). Given ``last_beats`` (the count answered last), a record with fewer (the
         index was restored from an older snapshot) is not extended but ended: IndexWentBack, and
         the node is unreadable until a beat passes a count it does not exceed (node_heartbeat.lua).
-        Without it, such a record is extended and answers its count plus one."""
+        Without it, such a record is extended and answers its count plus one. ``reconciled``: the
+        agent brought the index in line with its tables after IndexWentBack; the record is
+        extended whatever its count, which goes on from above ``last_beats`` (never back)."""
         fields = json.dumps({"tiers": encode_tiers(tiers)})
-        extra = () if last_beats is None else (last_beats,)
+        extra: tuple[object, ...] = ()
+        if last_beats is not None:
+            extra = (last_beats, "1") if reconciled else (last_beats,)
         status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, fields, *extra)
         if status[0] == "BEHIND":
             raise went_back(node_id, int(status[1]), last_beats or 0)

@@ -9,6 +9,7 @@ would."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -23,6 +24,7 @@ from helpers import guarded_spill_copy
 
 from mooncake_store import Client, MooncakeError
 from mooncake_store.agent.node import Agent
+from mooncake_store.index.client import NodeSuperseded
 from mooncake_store.index.node_table import IndexWentBack, NodeIdTaken
 
 MiB = 1 << 20
@@ -281,7 +283,9 @@ def test_a_rollback_to_between_a_beat_and_a_sync_is_reconciled_at_the_next_sync(
     client.put("Y", np.full(5 * MiB, 0xBB, np.uint8), preferred_node=agent.node_id)  # ... and taken
     agent.sync_once()
     restore(raw, prefix, snapshot)
-    agent.sync_once()  # finds the count behind: reconciles
+    agent.sync_once()  # finds the count behind: drains nothing, wakes the heartbeat loop...
+    assert agent._beat_now.is_set(), "the sync did not find the index behind"
+    agent.heartbeat_once()  # ... whose beat reconciles (this test's loop is idle)
     got = client.get("K") if client.exists("K") else None
     assert got is None or bool((got == 0xAA).all()), "K read as another object's bytes"
 
@@ -317,6 +321,109 @@ def test_a_rollback_to_before_a_reap_is_told_apart_after_registering_again(
     agent.heartbeat_once()
     got = client.get("K") if client.exists("K") else None
     assert got is None or bool((got == 0xAA).all()), "K read as another object's bytes"
+
+
+def idle_loops(agent: Agent) -> None:
+    """No heartbeat nor pressure pass but the test's own."""
+    agent._heartbeat_loop = lambda: None  # type: ignore[method-assign]
+    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+
+def test_a_second_restore_to_a_newer_snapshot_of_the_old_timeline_is_told_apart(
+    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    """Backup A is restored, then the newer backup B: had the reconcile after A set the agent's
+    count down to A's, B's (higher) would have looked current, and K's block, reused since, been
+    read as K. The count never goes back."""
+    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0, prepare=idle_loops)
+    client = clients(agent, lease_ms=100)
+    raw, prefix = agent.index.redis, agent.index.prefix
+    agent.heartbeat_once()
+    snapshot_a = snapshot_of(raw, prefix)
+    client.put("K", np.full(5 * MiB, 0xAA, np.uint8), preferred_node=agent.node_id)
+    for _ in range(5):
+        agent.sync_once()
+        agent.heartbeat_once()
+    snapshot_b = snapshot_of(raw, prefix)
+    client.put("K", np.full(MiB, 0x11, np.uint8), preferred_node=agent.node_id)  # the old block buried...
+    time.sleep(0.2)
+    agent.sync_once()
+    agent.sync_once()  # ... freed
+    client.put("Y", np.full(5 * MiB, 0xBB, np.uint8), preferred_node=agent.node_id)  # ... and taken
+    agent.sync_once()
+    agent.heartbeat_once()
+    restore(raw, prefix, snapshot_a)
+    agent.heartbeat_once()  # behind: reconciled
+    restore(raw, prefix, snapshot_b)
+    agent.heartbeat_once()
+    got = client.get("K") if client.exists("K") else None
+    assert got is None or bool((got == 0xAA).all()), "K read as another object's bytes"
+
+
+def test_a_rollback_to_before_a_reap_right_after_registering_again_is_told_apart(
+    make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
+) -> None:
+    """The restore lands before the agent's first call after registering again: had the record
+    started from the agent's own count, the old record (as high) would have looked current."""
+    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=1.0, heartbeat_ttl_s=5.0, prepare=idle_loops)
+    client = clients(agent, lease_ms=100)
+    raw, prefix = agent.index.redis, agent.index.prefix
+    client.put("K", np.full(5 * MiB, 0xAA, np.uint8), preferred_node=agent.node_id)
+    agent.sync_once()
+    for _ in range(5):
+        agent.heartbeat_once()
+    snapshot = snapshot_of(raw, prefix)  # at the agent's count
+    raw.zadd(prefix + "hb", {agent.node_id: 1})
+    raw.zadd(prefix + "reap", {agent.node_id: 2})
+    assert clients(agent).index.reap_dead_nodes(grace_ms=0) == [agent.node_id]
+    agent.heartbeat_once()  # registers again
+    time.sleep(0.2)  # K's read lease over
+    restore(raw, prefix, snapshot)  # before the agent's next call
+    agent.sync_once()
+    assert agent._beat_now.is_set(), "the sync did not find the index behind"
+    client.put("Y", np.full(5 * MiB, 0xBB, np.uint8), preferred_node=agent.node_id)
+    agent.sync_once()
+    agent.heartbeat_once()
+    got = client.get("K") if client.exists("K") else None
+    assert got is None or bool((got == 0xAA).all()), "K read as another object's bytes"
+
+
+def test_syncs_while_registering_again_over_a_purge_give_no_false_rollback(
+    make_inproc_agent: Callable[..., Agent],
+) -> None:
+    """Reaped while it stalled, the agent registers again while the purge is under way (steps of
+    5000 keys); its syncs meanwhile counted on the record being purged, and the agent took the
+    index for gone back once the new record started from a lower count: a reconcile, the node
+    unreadable, for no rollback. A sync answers SUPERSEDED while its node is being purged."""
+    agent = make_inproc_agent(heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0, prepare=idle_loops)
+    for _ in range(3):
+        agent.heartbeat_once()
+    raw, prefix, node = agent.index.redis, agent.index.prefix, agent.node_id
+    pipe = raw.pipeline(transaction=False)
+    for i in range(0, 30_000, 1000):
+        pipe.sadd(prefix + "nobj:" + node, *[f"gone/{j}" for j in range(i, i + 1000)])
+    pipe.sadd(prefix + "purging", node)  # a reaper's purge under way
+    pipe.execute()
+    real_run, real_reconcile = agent.index._run, agent._reconcile
+    reconciled: list[object] = []
+
+    def register_steps_with_syncs_between(name: str, *args: object, **kwargs: object) -> object:
+        if name == "node_register":
+            with contextlib.suppress(NodeSuperseded):  # the answer while the purge runs
+                agent.sync_once()  # the sync loop runs on between the purge's steps
+        return real_run(name, *args, **kwargs)
+
+    def noted(went_back: IndexWentBack) -> bool:
+        reconciled.append(went_back)
+        return real_reconcile(went_back)
+
+    agent.index._run = register_steps_with_syncs_between  # type: ignore[method-assign]
+    agent._reconcile = noted  # type: ignore[method-assign]
+    agent.heartbeat_once()  # the record is being purged: registers again, in steps
+    agent.index._run = real_run  # type: ignore[method-assign]
+    agent.sync_once()
+    agent.heartbeat_once()
+    assert not reconciled and not agent._beat_now.is_set(), f"a false rollback: {reconciled}"
 
 
 def test_a_spill_guard_revived_by_a_rollback_lets_no_late_swap_land(

@@ -30,6 +30,9 @@ local record = redis.call('HGET', P .. 'nodes', node)
 if not record then return {'SUPERSEDED'} end
 local rec = cjson.decode(record)
 if rec.incarnation ~= ARGV[5] then return {'SUPERSEDED'} end
+-- Being purged (reaped, and its agent registering again): what the record lists goes, and the
+-- count the registration writes is not this one's.
+if redis.call('SISMEMBER', P .. 'purging', node) == 1 then return {'SUPERSEDED'} end
 local count = tonumber(rec.beats) or 0
 local last = tonumber(ARGV[6])
 if last ~= nil and count < last then return {'BEHIND', count} end

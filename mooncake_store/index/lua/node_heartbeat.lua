@@ -1,7 +1,10 @@
 -- node_heartbeat: extend an agent's deadline and publish its current use.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] incarnation, [4] ttl ms, [5] JSON of fields to merge into the node
--- record, [6] (optional) the count of heartbeats and syncs the agent was answered last
+-- record, [6] (optional) the count of heartbeats and syncs the agent was answered last, [7] (optional)
+-- "1": the agent has reconciled with the index as it now is, whose count goes on from the higher
+-- of its own and [6] (never back: a later restore of a snapshot from between the two, or from the
+-- reconcile itself, is told apart too)
 -- Returns: {"OK", deadline_ms, beats}, {"BEHIND", beats} or {"UNKNOWN"} when the record is gone,
 -- belongs to another incarnation or is being purged (the agent was reaped while stalled and must
 -- register again).
@@ -22,7 +25,8 @@ local rec = cjson.decode(raw)
 if rec.incarnation ~= inc then return {'UNKNOWN'} end
 heard_from_a_node(now, ttl)
 local last = tonumber(ARGV[6] or '')
-if last ~= nil and (tonumber(rec.beats) or 0) < last then
+local reconciled = ARGV[7] == '1'
+if last ~= nil and not reconciled and (tonumber(rec.beats) or 0) < last then
   -- Unreadable, yet held: no agent of another incarnation takes the node id meanwhile
   -- (node_register.lua), as none may while the deadline runs.
   rec.reconciling_until = now + 2 * ttl
@@ -36,6 +40,7 @@ for k, v in pairs(cjson.decode(ARGV[5])) do rec[k] = v end
 rec.last_heartbeat_ms = now
 rec.reconciling_until = nil
 rec.beats = (tonumber(rec.beats) or 0) + 1
+if reconciled and last ~= nil and rec.beats <= last then rec.beats = last + 1 end
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)
 redis.call('ZADD', P .. 'reap', now + 2 * ttl, node)  -- its own TTL past its deadline (node_reap.lua)
