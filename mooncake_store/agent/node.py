@@ -377,13 +377,7 @@ class Agent(OtherTierHooks, SyncDuties):
     def _beat(self) -> bool:
         """One heartbeat; False when the record vanished while it reconciled (beat again)."""
         try:
-            count = self.index.heartbeat(
-                self.node_id,
-                incarnation=self.incarnation,
-                ttl_ms=self._ttl_ms,
-                tiers=self.tiers(),
-                last_beats=self._beats,
-            )
+            count = self._send_beat()
         except IndexWentBack as exc:
             return self._reconcile(exc)
         if count is not None:
@@ -401,6 +395,17 @@ class Agent(OtherTierHooks, SyncDuties):
         self._note_count(start)
         return True
 
+    def _send_beat(self, *, reconciled: bool = False) -> int | None:
+        """node_heartbeat with this agent's count (NodeTableCalls.heartbeat)."""
+        return self.index.heartbeat(
+            self.node_id,
+            incarnation=self.incarnation,
+            ttl_ms=self._ttl_ms,
+            tiers=self.tiers(),
+            last_beats=self._beats,
+            reconciled=reconciled,
+        )
+
     def _reconcile(self, went_back: IndexWentBack) -> bool:
         """The index was restored from an older snapshot (it counts fewer heartbeats and syncs than
         this agent was answered): it names replicas of memory freed (and maybe used again) since,
@@ -417,14 +422,7 @@ class Agent(OtherTierHooks, SyncDuties):
                 self.index, self.node_id, self._tables(), set(self.disk_keys)
             )
             self.free_allocations(disk_orphans)
-            count = self.index.heartbeat(
-                self.node_id,
-                incarnation=self.incarnation,
-                ttl_ms=self._ttl_ms,
-                tiers=self.tiers(),
-                last_beats=self._beats,
-                reconciled=True,
-            )
+            count = self._send_beat(reconciled=True)
         log.error(
             "the index went back in time (%d heartbeats and syncs, %d answered before): dropped %d replica(s) "
             "and revoked %d pending put(s) and spill guard(s) it named here of memory %s no longer holds, "
