@@ -72,8 +72,9 @@ class NodeTableCalls:
     _run: Callable[..., Any]
 
     def register_node(self, info: NodeInfo, *, incarnation: str, ttl_ms: int, beats: int = 0) -> Registered:
-        """``beats``: the count the record starts from (an agent registering again after a reap
-        goes on from its own, so that a snapshot from before the reap is told apart)."""
+        """``beats``: the count of heartbeats and syncs the record starts from (an agent
+        registering again after a reap starts far above its own, so that a snapshot from before
+        the reap is told apart)."""
         for _ in range(100_000):  # each call purges a bounded slice of a dead incarnation's keys
             status = self._run("node_register", info.node_id, encode_node(info, incarnation), ttl_ms, beats)
             if status[0] != "PURGING":

@@ -46,6 +46,12 @@ def restore(raw: redis.Redis, prefix: str, snapshot: dict[bytes, bytes], **extra
     pipe.execute()
 
 
+def idle_loops(agent: Agent) -> None:
+    """No heartbeat nor pressure pass but the test's own."""
+    agent._heartbeat_loop = lambda: None  # type: ignore[method-assign]
+    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+
 def test_a_put_commit_revived_by_a_rollback_does_not_land_on_a_reused_block(
     make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:
@@ -265,11 +271,7 @@ def test_a_rollback_to_between_a_beat_and_a_sync_is_reconciled_at_the_next_sync(
     with beats a second apart): the sync that freed K's old block after the snapshot is counted,
     so the next sync finds the index behind and the node is reconciled before K is read again."""
 
-    def idle(agent: Agent) -> None:
-        agent._heartbeat_loop = lambda: None  # type: ignore[method-assign]
-        agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-
-    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0, prepare=idle)
+    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=30.0, heartbeat_ttl_s=60.0, prepare=idle_loops)
     client = clients(agent, lease_ms=100)
     raw, prefix = agent.index.redis, agent.index.prefix
     client.put("K", np.full(5 * MiB, 0xAA, np.uint8), preferred_node=agent.node_id)
@@ -297,11 +299,7 @@ def test_a_rollback_to_before_a_reap_is_told_apart_after_registering_again(
     went back to 0 with it, so an index restored to a snapshot from before the reap (the old record,
     a higher count) looked current, and K's old block, reused since, was read as K."""
 
-    def idle(agent: Agent) -> None:
-        agent._heartbeat_loop = lambda: None  # type: ignore[method-assign]
-        agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-
-    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=1.0, heartbeat_ttl_s=5.0, prepare=idle)
+    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=1.0, heartbeat_ttl_s=5.0, prepare=idle_loops)
     client = clients(agent)
     raw, prefix = agent.index.redis, agent.index.prefix
     client.put("K", np.full(5 * MiB, 0xAA, np.uint8), preferred_node=agent.node_id)
@@ -321,12 +319,6 @@ def test_a_rollback_to_before_a_reap_is_told_apart_after_registering_again(
     agent.heartbeat_once()
     got = client.get("K") if client.exists("K") else None
     assert got is None or bool((got == 0xAA).all()), "K read as another object's bytes"
-
-
-def idle_loops(agent: Agent) -> None:
-    """No heartbeat nor pressure pass but the test's own."""
-    agent._heartbeat_loop = lambda: None  # type: ignore[method-assign]
-    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
 
 
 def test_a_second_restore_to_a_newer_snapshot_of_the_old_timeline_is_told_apart(
@@ -461,11 +453,8 @@ def test_a_spill_guard_revived_by_a_rollback_lets_no_late_swap_land(
 def test_stale_replicas_are_not_readable_while_a_rollback_is_reconciled(
     make_inproc_agent: Callable[..., Agent], clients: Callable[..., Client]
 ) -> None:
-    def idle(agent: Agent) -> None:
-        agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
-        agent._heartbeat_loop = lambda: None  # type: ignore[method-assign]
 
-    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=1.0, heartbeat_ttl_s=5.0, prepare=idle)
+    agent = make_inproc_agent(host_bytes=8 * MiB, heartbeat_interval_s=1.0, heartbeat_ttl_s=5.0, prepare=idle_loops)
     client = clients(agent)
     raw = agent.index.redis
     prefix = agent.index.prefix

@@ -13,8 +13,9 @@
 -- memory the agent has freed and used again since. Then the deadline is not extended but ended
 -- ("BEHIND", the record's count): readers skip the node and commits naming it fail while its
 -- agent brings the index in line with its tables (agent/takeover.py reconcile_after_rollback),
--- which a beat that passes the count it was answered then ends. Extended at once, the node's stale replicas were readable (another
--- object's bytes, by memcpy) and a revived pending record could commit for the whole reconcile.
+-- which its "reconciled" beat then ends. Extended at once, the node's stale replicas were readable
+-- (another object's bytes, by memcpy) and a revived pending record could commit for the whole
+-- reconcile.
 local node, inc, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
 local raw = redis.call('HGET', P .. 'nodes', node)

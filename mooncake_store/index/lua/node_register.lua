@@ -2,8 +2,9 @@
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node id, [3] node JSON (must hold "incarnation"), [4] heartbeat ttl in ms,
 --       [5] (optional) the count of heartbeats and syncs the record starts from (node_heartbeat.lua)
--- Returns: {"OK", deadline_ms, held, purged}, {"IN_USE", other_incarnation_json, its deadline_ms, now_ms}
--- when a live agent holds the id (its deadline runs, or it reconciles after the index went back), or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
+-- Returns: {"OK", deadline_ms, held, purged}, {"IN_USE", other_incarnation_json, held until ms,
+-- now_ms} when a live agent holds the id (its deadline runs, or it reconciles after the index went
+-- back), or {"PURGING", keys_left}: call again. held: {alloc id, ms left, ...} for the replicas a
 -- purge of this node took from the index while read leases on them still run (an agent reaped while
 -- it stalled keeps their memory that long). The replicas of an earlier, dead incarnation point into
 -- memory that no longer exists, so they are purged first, in bounded steps; until the last step the
