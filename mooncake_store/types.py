@@ -145,6 +145,16 @@ class NodeInfo:
                 return usage
         return None
 
+    def high_watermark(self, default: float) -> float:
+        """The high watermark the agent publishes (its ``high_watermark`` label), else ``default``.
+        A label that is no number (a hand edit, a foreign writer) counts as absent: read raw, it
+        failed every pressure pass of every node that planned by it."""
+        try:
+            high = float(self.labels.get("high_watermark", default))
+        except ValueError:
+            return default
+        return high if 0.0 < high <= 1.0 else default
+
     @property
     def largest_chunk_bytes(self) -> int:
         """The most plain bytes a chunk file from a peer may hold in its disk tier: its largest

@@ -19,6 +19,8 @@ from mooncake_store.policy.placement import (
     check_batch_fits,
     check_kept,
     choose_replica_nodes,
+    kept_bytes,
+    left_out_nodes,
     rank_nodes,
 )
 from mooncake_store.policy.transport_choice import gpu_ipc_node
@@ -57,7 +59,7 @@ class Reserver:
         (and with one replica it is the only candidate: the put waits for its room); further
         replicas go where the ranking puts them."""
         # Over every live node: one that does not keep the object spills it to one that does.
-        check_kept(nodes.values(), size_bytes=plan.size_bytes, now_ms=now, tier=plan.tier)
+        check_kept(nodes.values(), size_bytes=plan.size_bytes, now_ms=now, tier=plan.tier, replicas=replicas)
         pool = [n for n in nodes.values() if n.node_id not in plan.avoid]
         if plan.tier == TierKind.GPU:
             pool = [n for n in pool if gpu_ipc_node(n, self.client.host_id)]
@@ -130,7 +132,13 @@ class Reserver:
             def has_room(n: NodeInfo, free: dict[str, int] = free, size: int = size) -> bool:
                 return free.get(n.node_id, 0) >= size
 
-            for node in choose_replica_nodes(ranked, replicas, has_room=has_room):
+            def keeps(n: NodeInfo, size: int = size, tier: TierKind = plan.tier) -> bool:
+                return kept_bytes(n, tier) >= size
+
+            def left_out(ranked: list[NodeInfo] = ranked, size: int = size, tier: TierKind = plan.tier) -> str:
+                return left_out_nodes(nodes.values(), ranked, size_bytes=size, now_ms=now, tier=tier)
+
+            for node in choose_replica_nodes(ranked, replicas, has_room=has_room, keeps=keeps, left_out=left_out):
                 free[node.node_id] = free.get(node.node_id, 0) - size
                 groups.setdefault((node.node_id, plan.tier), []).append(plan)
                 plan.assigned.add(node.node_id)

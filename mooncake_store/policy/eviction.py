@@ -130,7 +130,7 @@ def choose_move(
             used = usage.used_bytes + (planned_bytes or {}).get(peer.node_id, 0)
             takes = size_bytes if stored_bytes is None else usage.room_for(stored_bytes, otherwise=size_bytes)
             # The peer's own watermark when it publishes one, else the caller's.
-            peer_high = float(peer.labels.get("high_watermark", high_watermark))
+            peer_high = peer.high_watermark(high_watermark)
             if used + takes > peer_high * usage.capacity_bytes:
                 continue
             key = (

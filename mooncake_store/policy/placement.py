@@ -97,10 +97,7 @@ def kept_bytes(node: NodeInfo, tier: TierKind) -> int:
     no tier anywhere to take it, evicted. A node with a disk tier keeps whatever its memory tiers
     can hold at all (a chunk file is compressed, and whether it then fits is known only there); an
     agent that publishes no watermark is taken at its capacity."""
-    try:
-        high = float(node.labels.get("high_watermark", 1.0))
-    except ValueError:
-        high = 1.0
+    high = node.high_watermark(1.0)
     reach = (TierKind.GPU, TierKind.HOST) if tier == TierKind.GPU else (tier,)
     if tier_capacity(node, TierKind.DISK) > 0:
         return max(tier_capacity(node, t) for t in reach)
@@ -109,29 +106,48 @@ def kept_bytes(node: NodeInfo, tier: TierKind) -> int:
     return max(int(high * tier_capacity(node, t)) // ALIGNMENT * ALIGNMENT for t in reach)
 
 
-def check_kept(nodes: Iterable[NodeInfo], *, size_bytes: int, now_ms: int, tier: TierKind = TierKind.HOST) -> None:
-    """NoCapacity (permanent) for an object that no live node keeps (``kept_bytes``): stored, it
-    would be evicted by the first pressure pass, a put that succeeded and a get that then misses.
-    Judged over every live node, since a node that does not keep an object spills it to one that
-    does."""
+def check_kept(
+    nodes: Iterable[NodeInfo], *, size_bytes: int, now_ms: int, tier: TierKind = TierKind.HOST, replicas: int = 1
+) -> None:
+    """NoCapacity (permanent) for an object that fewer than ``replicas`` live nodes keep
+    (``kept_bytes``): stored, a copy no node keeps is evicted by the first pressure pass, a put
+    that succeeded and a get that then misses. Judged over every live node, since a node that does
+    not keep an object spills it to one that does; but a node holding a copy is no target for
+    another copy of the same object, so a second copy on a node that does not keep it was evicted
+    within a second, leaving a replicas=2 put with one copy for good."""
     alive = live_nodes(nodes, now_ms)
-    if not alive or size_bytes > max(tier_capacity(n, tier) for n in alive):
-        return  # rank_nodes says "no live agent", with its advice, or names the largest arena
-    best = max(alive, key=lambda n: kept_bytes(n, tier))
-    kept = kept_bytes(best, tier)
-    if size_bytes <= kept:
+    if len(alive) < replicas or size_bytes > max(tier_capacity(n, tier) for n in alive):
+        return  # rank_nodes says "no live agent" or names the largest arena; choose_replica_nodes the count
+    ranked = sorted(alive, key=lambda n: (-kept_bytes(n, tier), n.node_id))
+    keepers = [n for n in ranked if kept_bytes(n, tier) >= size_bytes]
+    if len(keepers) >= replicas:
         return
-    if tier_capacity(best, TierKind.DISK) > 0:
-        why = "the capacity of its memory tier, with a disk tier behind it"
-    else:
-        why = f"under its high watermark, {best.labels.get('high_watermark', '1.0')} of its memory tier's capacity"
+    advice = (
+        "an object that takes a tier past its high watermark by itself is moved on, and with no tier to take "
+        "it, evicted at once. Give an agent more memory, a higher --high-watermark, or a disk tier (--disk DIR "
+        "--disk-mem SIZE)"
+    )
+    if replicas == 1:
+        best = ranked[0]
+        raise NoCapacity(
+            f"need {size_bytes} B on {tier}, more than any live node keeps: the most is {kept_bytes(best, tier)} B, "
+            f"on node {best.node_id} ({_kept_why(best)}); {advice}",
+            permanent=True,
+        )
+    short = ", ".join(f"{n.node_id} {kept_bytes(n, tier)} B ({_kept_why(n)})" for n in ranked[len(keepers) :][:8])
     raise NoCapacity(
-        f"need {size_bytes} B on {tier}, more than any live node keeps: the most is {kept} B, on node "
-        f"{best.node_id} ({why}); an object that takes a tier past its high watermark by itself is moved "
-        "on, and with no tier to take it, evicted at once. Give an agent more memory, a higher "
-        "--high-watermark, or a disk tier (--disk DIR --disk-mem SIZE)",
+        f"replicas={replicas} needs {replicas} live nodes that keep {size_bytes} B on {tier}; only "
+        f"{len(keepers)} do ({', '.join(n.node_id for n in keepers) or 'none'}), the others keep at most: {short}; "
+        f"a copy on a node that does not keep it is evicted, as no node holding a copy takes another; {advice}",
         permanent=True,
     )
+
+
+def _kept_why(node: NodeInfo) -> str:
+    """Why ``node`` keeps what kept_bytes says, for a refusal."""
+    if tier_capacity(node, TierKind.DISK) > 0:
+        return "the capacity of its memory tier, with a disk tier behind it"
+    return f"under its high watermark, {node.high_watermark(1.0):g} of its memory tier's capacity"
 
 
 def check_batch_fits(
@@ -187,27 +203,64 @@ def check_batch_fits(
 
 
 def choose_replica_nodes(
-    ranked: list[NodeInfo], replicas: int, *, has_room: Callable[[NodeInfo], bool] | None = None
+    ranked: list[NodeInfo],
+    replicas: int,
+    *,
+    has_room: Callable[[NodeInfo], bool] | None = None,
+    keeps: Callable[[NodeInfo], bool] | None = None,
+    left_out: Callable[[], str] | None = None,
 ) -> list[NodeInfo]:
     """``replicas`` distinct nodes of a ranking: the first as ranked, each further one on a host
     (then a zone) no chosen node is on, where one with room exists, else the next as ranked: two
-    copies on one host are lost together. NoCapacity if there are fewer nodes than replicas."""
+    copies on one host are lost together. A node that ``keeps`` the object goes before any that
+    does not, whatever its host: no node holding a copy takes another, so a copy on a node that
+    does not keep it is evicted by its next pressure pass. NoCapacity if there are fewer nodes
+    than replicas, saying why the others were left out (``left_out``)."""
     if replicas > len(ranked):
+        why = left_out() if left_out is not None else ""
         raise NoCapacity(
             f"replicas={replicas} needs {replicas} live nodes with room; only {len(ranked)} qualify "
-            f"({', '.join(n.node_id for n in ranked) or 'none'})",
+            f"({', '.join(n.node_id for n in ranked) or 'none'})" + (f"; left out: {why}" if why else ""),
             permanent=True,
         )
     room = has_room or (lambda _n: True)
+    kept = keeps or (lambda _n: True)
     chosen = ranked[:1]
     rest = list(enumerate(ranked[1:]))
     while len(chosen) < replicas:
         hosts = {n.host_id for n in chosen}
         zones = {n.zone for n in chosen}
-        pick = min(rest, key=lambda item: (not room(item[1]), item[1].host_id in hosts, item[1].zone in zones, item[0]))
+        pick = min(
+            rest,
+            key=lambda item: (
+                not kept(item[1]),
+                not room(item[1]),
+                item[1].host_id in hosts,
+                item[1].zone in zones,
+                item[0],
+            ),
+        )
         rest.remove(pick)
         chosen.append(pick[1])
     return chosen
+
+
+def left_out_nodes(
+    listed: Iterable[NodeInfo], ranked: Iterable[NodeInfo], *, size_bytes: int, now_ms: int, tier: TierKind
+) -> str:
+    """Why each node of ``listed`` is not in ``ranked``, for choose_replica_nodes' refusal."""
+    chosen = {n.node_id for n in ranked}
+    parts = []
+    for node in listed:
+        if node.node_id in chosen:
+            continue
+        if node.heartbeat_deadline_ms < now_ms:
+            parts.append(f"{node.node_id} (past its heartbeat deadline)")
+        elif tier_capacity(node, tier) < size_bytes:
+            parts.append(f"{node.node_id} ({tier_capacity(node, tier)} B of {tier} in all, under {size_bytes} B)")
+        else:
+            parts.append(f"{node.node_id} (no transport of this client reaches it, or a write there failed)")
+    return ", ".join(parts[:8]) + (f" and {len(parts) - 8} more" if len(parts) > 8 else "")
 
 
 def waited_for_room(timeout_s: float) -> str:
