@@ -64,7 +64,11 @@ class OtherTierHooks:
         entry = disk.entry(alloc_id) if disk is not None else None
         if disk is None or entry is None:
             return None
-        data = bytearray(entry.raw_bytes)
+        try:
+            data = bytearray(entry.raw_bytes)
+        except MemoryError:
+            log.warning("no memory to read disk allocation %d (%d B) now; the read fails", alloc_id, entry.raw_bytes)
+            return None
         try:
             disk.read_into(alloc_id, memoryview(data))
         except CorruptChunk as exc:
@@ -73,7 +77,9 @@ class OtherTierHooks:
             if disk.entry(alloc_id) is not None:
                 self._drop_corrupt(alloc_id, exc)
             return None
-        except MooncakeError:  # freed between the entry and the read
+        except MooncakeError as exc:  # freed between the entry and the read, or not readable now
+            if disk.entry(alloc_id) is not None:
+                log.warning("disk allocation %d not read: %s", alloc_id, exc)
             return None
         return data
 

@@ -16,6 +16,7 @@ verify the checksum, so a corrupted file is an error, never wrong data.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -39,6 +40,10 @@ from mooncake_store.tiers.chunk_format import (  # re-exported: the format's nam
     unshuffle_planes,
 )
 from mooncake_store.tiers.disk_dir import SUFFIX, claim_dir, clear_chunk_files, remove_tier_dir
+
+#: Errors reading a chunk file that say the file itself is gone or unreadable, so its replica
+#: is dropped (CorruptChunk); any other error is the process's, and the file is kept.
+FILE_LOST_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EIO})
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +354,16 @@ class DiskTier:
         try:
             blob = path.read_bytes()
         except OSError as exc:
-            raise CorruptChunk(f"{path}: cannot read: {exc}") from None
+            if exc.errno in FILE_LOST_ERRNOS:
+                raise CorruptChunk(f"{path}: cannot read: {exc.strerror}") from None
+            # The process, not the file: out of descriptors under load (EMFILE, ENFILE), memory,
+            # an interrupted call, permissions changed under the agent. Taken for damage, the
+            # replica was dropped and an intact object lost for good; the read fails instead.
+            raise MooncakeError(
+                f"{path}: cannot read it now ({exc.strerror}, errno {exc.errno}); the file is kept"
+            ) from None
+        except MemoryError:
+            raise MooncakeError(f"{path}: no memory to read its {entry.stored_bytes} B now; the file is kept") from None
         _, _, raw, checksum = self.parse_header(blob, where=str(path))
         if raw != entry.raw_bytes or checksum != entry.checksum:
             # Damaged (or replaced) since: no caller's mistake (a destination too small), and the

@@ -99,7 +99,12 @@ class PeerConnections(ConnectionPool):
             raise ConnectError(f"cannot connect to agent at {self.endpoint}: {exc}") from None
         failure: OSError | None = None
         for family, kind, proto, _, address in addresses:
-            sock = socket.socket(family, kind, proto)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory: this process's lack
+                raise ConnectError(
+                    f"cannot connect to agent at {self.endpoint}: no socket to be had here ({exc.strerror})"
+                ) from None
             self._take(sock)
             try:
                 self._connect_taken(sock, address)

@@ -1,0 +1,135 @@
+"""A passing failure to open a chunk file (EMFILE: the agent out of file descriptors under load)
+was taken for a damaged file: the only replica of an intact object was dropped from the index,
+and the object was gone for good once descriptors were free again (review, thirty-third
+session). Only a file gone or unreadable (ENOENT, EIO, ...) loses its replica now."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mooncake_store import Client, LocalCluster, connect
+from mooncake_store.agent.node import Agent
+from mooncake_store.errors import MooncakeError
+from mooncake_store.types import TierKind
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def idle(agent: Agent) -> None:
+    agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
+
+
+def test_a_file_that_cannot_be_opened_for_a_moment_does_not_lose_the_object(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = make_inproc_agent(
+        host_bytes=1 * MiB,
+        disk_path=str(tmp_path / "disks"),
+        disk_bytes=16 * MiB,
+        high_watermark=0.3,
+        low_watermark=0.01,
+        promote_on_read=False,
+        prepare=idle,
+    )
+    value = np.frombuffer(os.urandom(512 * KiB), np.uint8)
+    client = connect(agent.index.url, namespace=agent.namespace, lease_ms=50, timeout_s=5)
+    try:
+        client.put("kv", value, preferred_node=agent.node_id)
+        agent.sync_once()
+        agent.pressure.relieve_host()
+        meta = agent.index.lookup(["kv"], lease_ms=0).objects[0]
+        assert meta is not None and meta.replicas[0].tier == TierKind.DISK
+        path = agent.disk.path_of(meta.replicas[0].alloc_id)
+        real_read_bytes = Path.read_bytes
+        faults = [1]
+
+        def out_of_descriptors(self: Path) -> bytes:
+            if self == path and faults:
+                faults.pop()
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(self))
+            return real_read_bytes(self)
+
+        monkeypatch.setattr(Path, "read_bytes", out_of_descriptors)
+        try:
+            first = client.get("kv")  # the agent answers that it cannot read it; the client asks again
+            assert first.tobytes() == value.tobytes()
+        except MooncakeError as exc:
+            print("first read:", repr(exc)[:300])  # or the read fails: no wrong bytes either way
+        assert not faults, "the fault was never met"
+        # The file is intact and nobody removed the object: the next read must serve it.
+        assert path.exists() and real_read_bytes(path)
+        got = client.get("kv")
+        assert got.tobytes() == value.tobytes()
+    finally:
+        client.close()
+
+
+def test_running_out_of_file_descriptors_for_a_moment_does_not_lose_an_object(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """The same with a real EMFILE: the process's descriptor limit lowered to what is open while a
+    disk object is read, then raised again."""
+    import resource
+
+    agent = make_inproc_agent(
+        host_bytes=1 * MiB,
+        disk_path=str(tmp_path / "disks"),
+        disk_bytes=16 * MiB,
+        high_watermark=0.3,
+        low_watermark=0.01,
+        promote_on_read=False,
+        prepare=idle,
+    )
+    values = {k: np.frombuffer(os.urandom(300 * KiB), np.uint8) for k in ("warm", "kv")}
+    client = connect(agent.index.url, namespace=agent.namespace, lease_ms=50, timeout_s=5)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        for key, value in values.items():
+            client.put(key, value, preferred_node=agent.node_id)
+        agent.sync_once()
+        agent.pressure.relieve_host()
+        found = agent.index.lookup(list(values), lease_ms=0).objects
+        assert all(m is not None and m.replicas[0].tier == TierKind.DISK for m in found)
+        assert client.get("warm").tobytes() == values["warm"].tobytes()  # connections made and pooled
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 3, hard))
+        try:
+            client.get("kv")
+        except MooncakeError as exc:
+            print("first read:", repr(exc)[:300])  # this read may fail
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert client.get("kv").tobytes() == values["kv"].tobytes()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        client.close()
+
+
+def test_a_client_out_of_descriptors_gets_a_mooncake_error_not_an_oserror(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """A client that could not open a socket to an agent (EMFILE) raised the OSError of
+    socket.socket() itself, from deep in the connection pool."""
+    import resource
+
+    cluster = make_cluster(1)
+    writer = make_client(cluster)
+    value = np.frombuffer(os.urandom(64 * KiB), np.uint8)
+    writer.put("k", value)
+    reader = make_client(cluster, transports=("tcp",), timeout_s=2)
+    assert reader.object_meta("k") is not None  # its index connection is open; no agent connection yet
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
+    try:
+        with pytest.raises(MooncakeError) as info:
+            reader.get("k")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert not isinstance(info.value, OSError)
+    assert reader.get("k").tobytes() == value.tobytes()  # and the client works once it can
