@@ -141,10 +141,7 @@ class LocalCluster:
             raise ConfigError(f"zones must be a non-empty list of zone names, or None; got {zones!r:.80}")
         for zone in zones or []:
             load_config(env={}, overrides={"agent.zone": zone}, override_flags={"agent.zone": "zones"})
-        if agent_args is not None and not (
-            isinstance(agent_args, list | tuple) and all(isinstance(a, str) for a in agent_args)
-        ):
-            raise ConfigError(f"agent_args must be a list of str (command-line arguments), got {agent_args!r:.80}")
+        _check_arguments("agent_args", agent_args)
         if log_dir is not None and not isinstance(log_dir, str | os.PathLike):
             raise ConfigError(f"log_dir must be a path (str or os.PathLike), got {log_dir!r:.80}")
         if (
@@ -178,6 +175,12 @@ class LocalCluster:
         return self.server.url
 
     def start(self) -> LocalCluster:
+        """Start the server (unless ``redis_url`` names one) and the agents, and wait until each is
+        registered. A cluster already started is left as it is: started again, its agents' node ids
+        were held by themselves, the refusal stopped every agent (and what they stored was lost),
+        and a private server started anew left the first one running, outside stop()'s reach."""
+        if self._started:
+            return self
         try:
             if not self._external_url:
                 # Killed without a chance to stop it (SIGKILL), this process must not leave the
@@ -222,9 +225,14 @@ class LocalCluster:
         return cmd + self.agent_args + extra
 
     def add_agent(
-        self, *, node_id: str | None = None, zone: str | None = None, extra_args: list[str] | None = None
+        self,
+        *,
+        node_id: str | None = None,
+        zone: str | None = None,
+        extra_args: list[str] | tuple[str, ...] | None = None,
     ) -> AgentProcess:
         """Start one more agent and wait until it is registered."""
+        _check_arguments("extra_args", extra_args)
         # The agent's own rules, before its log file is named after the node id (a "/" there
         # escaped log_dir) and a process started: a refusal here is a ConfigError saying why.
         load_config(
@@ -232,7 +240,7 @@ class LocalCluster:
             overrides={"agent.node_id": node_id, "agent.zone": zone},
             override_flags={"agent.node_id": "node_id", "agent.zone": "zone"},
         )
-        agent = self._spawn(node_id or f"agent-{len(self.agents)}", zone, extra_args or [])
+        agent = self._spawn(node_id or f"agent-{len(self.agents)}", zone, list(extra_args or []))
         self._become_ready(agent)
         return agent
 
@@ -321,7 +329,15 @@ class LocalCluster:
         self._started = False
 
     def __enter__(self) -> LocalCluster:
-        return self.start() if not self._started else self
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _check_arguments(name: str, args: object) -> None:
+    """ConfigError unless ``args`` is None or a list or tuple of str (an agent's command-line
+    arguments): add_agent's were taken unchecked, and a tuple, a bare string or a number in the
+    list failed deep inside with a TypeError."""
+    if args is not None and not (isinstance(args, list | tuple) and all(isinstance(a, str) for a in args)):
+        raise ConfigError(f"{name} must be a list of str (command-line arguments), got {args!r:.80}")
