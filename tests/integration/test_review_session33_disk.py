@@ -133,3 +133,22 @@ def test_a_client_out_of_descriptors_gets_a_mooncake_error_not_an_oserror(
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert not isinstance(info.value, OSError)
     assert reader.get("k").tobytes() == value.tobytes()  # and the client works once it can
+
+
+def test_freeing_a_settled_spill_still_held_in_the_inbox_forgets_its_key(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """A spilled file whose swap was acked while its reservation was held (after a rollback) is
+    still in the inbox's table when the graveyard frees it: the inbox freed it, and its key stayed
+    in disk_keys, where holds() took it for memory the agent still had."""
+    agent = make_inproc_agent(host_bytes=MiB, disk_path=str(tmp_path / "disks"), disk_bytes=16 * MiB, prepare=idle)
+    assert agent.inbox is not None
+    allocs = agent.inbox.reserve([(4 * KiB, b"p" * 16)])
+    assert allocs is not None
+    alloc_id = allocs[0].alloc_id
+    agent.inbox.table.hold_reservations(60_000)
+    assert agent.inbox.settle([alloc_id]) == [alloc_id]
+    agent.disk_keys[alloc_id] = "k"  # as the sync records a settled file's key
+    assert alloc_id in agent.inbox  # held: freed only once its hold is over
+    agent.free_allocations([alloc_id])
+    assert alloc_id not in agent.disk_keys
