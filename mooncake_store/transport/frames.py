@@ -269,7 +269,7 @@ def _cut_timer(sock: socket.socket, option: int, deadline: float, timeout_s: flo
     was cut to the time left (it was nearer than timeout_s)."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TransferTimeout(f"request not done by its deadline: {progress}")
+        raise TransferTimeout(f"not done by its deadline: {progress}")
     if left < timeout_s:
         sock.setsockopt(socket.SOL_SOCKET, option, _timeval(left))
         return True

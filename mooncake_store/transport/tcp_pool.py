@@ -168,11 +168,14 @@ class ConnectionPool:
         """Fill ``view`` from a reply, bounded as a whole by timeout_s + its length at
         frames.MIN_RATE_BPS: SO_RCVTIMEO bounds each recv only, so an agent trickling a byte per
         timeout held the caller (a read, a spill's pressure pass) for as many timeouts."""
-        deadline = time.monotonic() + self._timeout_s + len(view) / frames.MIN_RATE_BPS
+        allowed_s = self._timeout_s + len(view) / frames.MIN_RATE_BPS
         try:
-            frames.recv_into_by(sock, view, deadline, self._timeout_s)
+            frames.recv_into_by(sock, view, time.monotonic() + allowed_s, self._timeout_s)
         except TransferTimeout as exc:
-            raise TransferTimeout(f"agent at {self.endpoint}: {exc}") from None
+            raise TransferTimeout(
+                f"agent at {self.endpoint}: reply {exc}; {allowed_s:.2f} s allowed (timeout_s {self._timeout_s:g} s, "
+                f"and {len(view)} B at {frames.MIN_RATE_BPS / (1 << 20):g} MiB/s)"
+            ) from None
 
     def recv_exact_within(self, sock: socket.socket, n: int) -> bytearray:
         buf = bytearray(n)
