@@ -306,7 +306,8 @@ class PrefixCache:
         A chunk that cannot be read after all (its node died in between) ends the hit there.
         """
         self._begin_call()
-        keys = self._limit(self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail), max_tokens)
+        every_key = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
+        keys = self._limit(every_key, max_tokens)
         pin_id = uuid.uuid4().hex
         with self.client._cut_by_close():
             found = self.index.match(keys, pin_id=pin_id, lease_ms=self.pin_lease_ms).num_chunks
@@ -320,7 +321,7 @@ class PrefixCache:
                 dests = output_buffers(outs, found)
                 if (
                     len(dests) == found - 1
-                    and found == len(keys)
+                    and found == len(keys) == len(every_key)  # not cut by max_tokens: its last is the tail
                     and include_tail
                     and tail_tokens(token_ids, self.chunk_tokens)
                 ):
@@ -402,7 +403,13 @@ class PrefixCache:
     def _start_renewer(self) -> None:
         """Under ``_lock``: the thread that renews held hits' pins and stores' claims."""
         if self._renewer is None:
-            self._renewer = threading.Thread(target=self._renew_loop, name="mc-prefix-renew", daemon=True)
+            # Through a weak reference: a thread on a bound method kept its cache alive, so a cache
+            # dropped without close() was never collected and its thread ran until the client closed.
+            interval_s = min(self.pin_lease_ms, self.claim_ttl_ms) / 3000
+            self._renewer = threading.Thread(
+                target=_renew_while_alive, args=(weakref.ref(self), self._stop, interval_s), name="mc-prefix-renew",
+                daemon=True,
+            )  # fmt: skip
             self._renewer.start()
 
     def _release(self, hit: PrefixHit) -> None:
@@ -416,16 +423,6 @@ class PrefixCache:
                 self.index.unpin(hit.keys, pin_id=hit.pin_id)
             except MooncakeError:
                 pass  # the index is unreachable: the pins run out by their lease
-
-    def _renew_loop(self) -> None:
-        """Every third of the shorter of the pin lease and the claim ttl: the pins of the hits held
-        and the claims of the stores under way, so that neither runs out while its owner is alive
-        (a put longer than the claim's ttl let another writer claim and write the same chunks).
-        Ends with the cache's close() or its client's: a closed client renews nothing (the pins and
-        claims run out by their leases), and the thread waited out its interval first, up to a
-        third of the lease, keeping the cache and client alive that long."""
-        while not self._stop.wait(min(self.pin_lease_ms, self.claim_ttl_ms) / 3000):
-            self._renew_once()
 
     def _renew_once(self) -> None:
         """One renewal, in a frame of its own: the loop's locals held the hits of the last tick
@@ -497,7 +494,7 @@ class PrefixCache:
         self.client._in_flight.drain(self.client.config.timeout_s, cancel=self._ops)
         for hit in hits:
             hit.release()
-        self._dropped.unpin()
+        self._dropped.unpin(every=True)
         self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=not on_pool_thread(self._pool))
@@ -509,3 +506,18 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _renew_while_alive(cache_ref: weakref.ref[PrefixCache], stop: threading.Event, interval_s: float) -> None:
+    """Every third of the shorter of the pin lease and the claim ttl: the pins of the hits held and
+    the claims of the stores under way, so that neither runs out while its owner is alive (a put
+    longer than the claim's ttl let another writer claim and write the same chunks). Ends with the
+    cache's close() or its client's (a closed client renews nothing: the pins and claims run out by
+    their leases), or once the cache is collected, dropped without close(): it holds the cache only
+    for a renewal, so that the cache can go."""
+    while not stop.wait(interval_s):
+        cache = cache_ref()
+        if cache is None:
+            return
+        cache._renew_once()
+        del cache

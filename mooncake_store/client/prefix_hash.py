@@ -168,7 +168,13 @@ def block_hash_bytes(block_hash: BlockHash) -> bytes:
     elif isinstance(block_hash, int):
         raw = str(block_hash).encode()
     elif isinstance(block_hash, str):
-        raw = block_hash.encode("utf-8")
+        try:
+            raw = block_hash.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate (bytes.decode(errors="surrogateescape"))
+            raise InvalidValue(
+                f"a str block hash must be UTF-8 text, got {block_hash!r:.80}: {exc.reason} at {exc.start}; "
+                "pass the hash as bytes instead"
+            ) from None
     else:
         raise InvalidValue(f"a block hash must be bytes, str or int, got {type(block_hash).__name__}")
     if not raw or len(raw) > MAX_BLOCK_HASH_BYTES:

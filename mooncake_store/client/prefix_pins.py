@@ -37,12 +37,13 @@ class DroppedHits:
         on_drop.atexit = False  # at exit the pins run out by their lease
         return on_drop
 
-    def unpin(self) -> int:
+    def unpin(self, *, every: bool = False) -> int:
         """Unpin the chunks of the hits dropped so far, one round trip per hit, up to UNPINS_AT_ONCE
-        (the rest at the next call); returns how many. The first that fails ends it: the index is
-        out of reach, and a call must not wait out its timeout once per dropped hit."""
+        (the rest at the next call), or all of them (``every``: at close, when no next call comes);
+        returns how many. The first that fails ends it: the index is out of reach, and a call must
+        not wait out its timeout once per dropped hit."""
         done = 0
-        while self._queue and done < UNPINS_AT_ONCE:
+        while self._queue and (every or done < UNPINS_AT_ONCE):
             try:
                 pin_id, keys = self._queue.popleft()
             except IndexError:  # another thread took the last one

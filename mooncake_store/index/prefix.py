@@ -72,19 +72,23 @@ class PrefixIndex:
             return MatchResult(now_ms=self.index.server_time_ms(), num_chunks=0)
         first_now: int | None = None
         total = 0
+        asked = 0  # keys sent so far, the failed window's included
         try:
             for window in in_batches(keys):
+                asked += len(window)
                 now, count = self._run("prefix_match", int(lease_ms), pin_id, "\n".join(window))
                 first_now = int(now) if first_now is None else first_now
                 total += int(count)
                 if int(count) < len(window):
                     break
         except MooncakeError:
-            # A later window failed: the earlier ones' pins would otherwise outlive the call by
-            # their whole lease, keeping those chunks from eviction with no hit to release them.
-            if total and lease_ms > 0:
+            # A window failed: the earlier ones' pins would otherwise outlive the call by their
+            # whole lease, keeping those chunks from eviction with no hit to release them; and so
+            # would the failed window's, should its script have run with its reply lost (a
+            # timeout). Unpinning a key this pin id does not hold changes nothing.
+            if asked and lease_ms > 0:
                 with contextlib.suppress(MooncakeError):  # unreachable: they run out by their lease
-                    self.unpin(keys[:total], pin_id=pin_id)
+                    self.unpin(keys[:asked], pin_id=pin_id)
             raise
         assert first_now is not None
         return MatchResult(now_ms=first_now, num_chunks=total)
