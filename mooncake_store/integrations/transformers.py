@@ -106,6 +106,14 @@ def _weights_digest(model: Any, *, per_tensor: int = 64) -> str:
     named = getattr(model, "named_parameters", None)
     with torch.no_grad():
         for name, param in named() if callable(named) else ():
+            if getattr(param, "is_meta", False):
+                # Offloaded (accelerate's device_map) or not loaded yet: no values to read, and a
+                # digest of names and shapes alone would tell no fine-tune from its base model.
+                raise InvalidValue(
+                    f"parameter {name!r} of the model is on the meta device (offloaded, or not loaded): its "
+                    "weights cannot be digested to name the model; pass kv_namespace(model, model_id=...) "
+                    "naming these weights"
+                )
             flat = param.detach().reshape(-1)
             step = max(1, flat.numel() // per_tensor)
             digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}".encode())
@@ -177,6 +185,18 @@ def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int
             f"the KV cache holds {shown} tokens but input_ids has {len(ids)}: every layer must hold "
             "every token (a sliding-window or hybrid-attention cache keeps only its last ones, and "
             "cannot be saved in chunks from the prompt's start)"
+        )
+    # One (kv_heads, seq, head_dim) shape for every key and value: a cache whose keys and values
+    # differ (multi-head latent attention, as DeepSeek-V3's) failed inside torch.stack, and
+    # kv_layout's namespace could never match it at a load.
+    shapes = {(tuple(k.shape[1:2]) + tuple(k.shape[3:]), tuple(v.shape[1:2]) + tuple(v.shape[3:])) for k, v in layers}
+    if len(shapes) > 1 or any(ks != vs for ks, vs in shapes):
+        k, v = layers[0]
+        raise InvalidValue(
+            f"the KV cache's keys and values are not alike (layer 0: keys {tuple(k.shape)}, values "
+            f"{tuple(v.shape)}; {len(shapes)} layout(s) over {len(layers)} layers): only caches whose every key "
+            "and value is (batch, kv_heads, seq, head_dim) of one shape can be saved (a multi-head latent "
+            "attention cache, as DeepSeek-V3's, is not)"
         )
     size = cache.chunk_tokens
 
