@@ -207,6 +207,12 @@ def explain_config(
         """The value of ``key`` as the user wrote it (None: the default), for messages."""
         return layered.get(key, (None, _DEFAULT))[0]
 
+    # A TTL given at or below the default interval, with no interval given: the interval follows
+    # it (a third of it, so that two beats may be lost) rather than refusing a value the user
+    # never set (`--heartbeat-ttl-s 1` exited 2 blaming the 1 s default interval).
+    interval_key, ttl_key = "agent.heartbeat_interval_s", "agent.heartbeat_ttl_s"
+    if sources[interval_key] is _DEFAULT and float(values[ttl_key]) <= float(values[interval_key]):  # type: ignore[arg-type]
+        values[interval_key] = float(values[ttl_key]) / 3  # type: ignore[arg-type]
     # Checked here as well as in AgentConfig so the message can say where each of the two came from.
     _check_heartbeat(
         float(values["agent.heartbeat_interval_s"]),  # type: ignore[arg-type]

@@ -276,7 +276,6 @@ def test_valid_redis_urls(url: str) -> None:
         ("MOONCAKE_AGENT_NODE_ID", "..", "node_id cannot be '..'"),
         ("MOONCAKE_AGENT_NODE_ID", ".", "node_id cannot be '.'"),
         ("MOONCAKE_NAMESPACE", "..", "namespace cannot be '..'"),
-        ("MOONCAKE_AGENT_HEARTBEAT_TTL_S", "0.5", "greater than agent.heartbeat_interval_s=1.0"),
         ("MOONCAKE_NAMESPACE", "x" * 65, "namespace must be"),
         ("MOONCAKE_REDIS_URL", "http://localhost:6379", "redis://, rediss:// or unix://"),
         ("MOONCAKE_REDIS_URL", "redis://h:99999/0", "port must be 1..65535, got 99999"),
@@ -332,6 +331,16 @@ def test_bad_override_names_key_and_value() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(env={}, overrides={"client.tcp_connections": "lots"})
     assert str(info.value) == "override client.tcp_connections='lots': not an integer"
+
+
+def test_a_ttl_below_the_default_interval_takes_the_interval_down_with_it() -> None:
+    """`--heartbeat-ttl-s 1` (or 0.5) with no interval given was refused, blaming the 1 s default
+    interval the user never set; the interval is now a third of such a TTL."""
+    config = load_config(env={"MOONCAKE_AGENT_HEARTBEAT_TTL_S": "0.5"})
+    assert config.agent.heartbeat_ttl_s == 0.5 and config.agent.heartbeat_interval_s == pytest.approx(0.5 / 3)
+    assert load_config(env={}, overrides={"agent.heartbeat_ttl_s": 1.5}).agent.heartbeat_interval_s == 1.0
+    with pytest.raises(ConfigError, match=r"greater than agent\.heartbeat_interval_s=1\.0"):  # one given: as it is
+        load_config(env={"MOONCAKE_AGENT_HEARTBEAT_TTL_S": "0.5", "MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S": "1.0"})
 
 
 def test_cross_field_error_names_both_sources(tmp_path: Path) -> None:
