@@ -42,7 +42,9 @@ the supported index::
     mc:{ns}:tags:<node>    zset   alloc tag -> when an incarnation of the node took it (the last day,
                                   PX a day): a new incarnation takes none of them
     mc:{ns}:purged:<node>  string set when a purge removed the node's record (PX a day), taken by its
-                                  next registration: a record gone without one went with lost data
+                                  next registration: a record gone without one went with lost data;
+                                  JSON {incarnation, hits: {tier: n}}, the hits given back to the
+                                  same incarnation registering again ("1" from older builds)
     mc:{ns}:version        string object version counter
     mc:{ns}:stats          hash   hits, misses, evictions, hits:<node>:<tier>
     mc:{ns}:once:<token>   string the reply of a script call that must not run twice (a put, a remove),

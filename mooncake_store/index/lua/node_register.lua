@@ -48,6 +48,17 @@ for i = 1, #rows, 2 do
   table.insert(held, rows[i])
   table.insert(held, tostring(tonumber(rows[i + 1]) - now))
 end
-local purged = redis.call('GET', P .. 'purged:' .. node) and 1 or 0
+local mark = redis.call('GET', P .. 'purged:' .. node)
+local purged = mark and 1 or 0
 redis.call('DEL', P .. 'purged:' .. node)
+-- The same incarnation back after a reap (it stalled past its TTL) keeps counting its hits from
+-- its start, as its uptime and its own counters do: the purge kept them in its mark (a mark of
+-- an older build is "1", and gives nothing back).
+local ok, kept = pcall(cjson.decode, mark or '')
+if ok and type(kept) == 'table' and kept.incarnation == rec.incarnation and type(kept.hits) == 'table' then
+  for _, tier in ipairs({'gpu', 'host', 'disk'}) do
+    local n = tonumber(kept.hits[tier]) or 0
+    if n > 0 then redis.call('HINCRBY', P .. 'stats', 'hits:' .. node .. ':' .. tier, n) end
+  end
+end
 return {'OK', now + ttl, held, purged}

@@ -333,14 +333,23 @@ local function purge_node(node, max_keys)
       P .. 'landed:' .. node, P .. 'repair:' .. node)
     for _, tier in ipairs(TIER_NAMES) do redis.call('DEL', tier_set(node, tier)) end
     -- Its hit counters too: default node ids carry a pid, so stats would grow with every agent.
-    redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':gpu', 'hits:' .. node .. ':host', 'hits:' .. node .. ':disk')
+    -- They are kept in the purge's mark for a day, with its incarnation: an agent reaped while it
+    -- stalled registers again under the same one and goes on counting from its start (its uptime
+    -- and its own counters do), and node_register gives them back to it.
+    local hit_fields = {'hits:' .. node .. ':gpu', 'hits:' .. node .. ':host', 'hits:' .. node .. ':disk'}
+    local hits = redis.call('HMGET', P .. 'stats', unpack(hit_fields))
+    local rec = redis.call('HGET', P .. 'nodes', node)
+    local ok, decoded = pcall(cjson.decode, rec or '')
+    local mark = {incarnation = ok and type(decoded) == 'table' and decoded.incarnation or '', hits = {}}
+    for i, tier in ipairs({'gpu', 'host', 'disk'}) do mark.hits[tier] = tonumber(hits[i] or 0) or 0 end
+    redis.call('HDEL', P .. 'stats', unpack(hit_fields))
     redis.call('HDEL', P .. 'nodes', node)
     redis.call('ZREM', P .. 'hb', node)
     redis.call('ZREM', P .. 'reap', node)
     redis.call('SREM', P .. 'purging', node)
     -- For node_register: the record went by a purge, which recorded the leases on what it took
     -- (held:), not with an index that lost its data, and the leases it had granted with it.
-    redis.call('SET', P .. 'purged:' .. node, '1', 'PX', 86400000)
+    redis.call('SET', P .. 'purged:' .. node, cjson.encode(mark), 'PX', 86400000)
   end
   return left
 end
