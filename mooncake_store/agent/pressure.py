@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.failure_log import FailureLog
@@ -74,6 +75,8 @@ class PressureManager:
         self._draining: set[TierKind] = set()
         #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
         self._fruitless_until = 0.0
+        #: When (monotonic s) the loop next lets go of peers that left (_retain_or_settle).
+        self._next_retain = 0.0
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._spiller = Spiller(agent)
@@ -142,7 +145,7 @@ class PressureManager:
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         interval = self.agent.config.pressure_interval_s
-        next_retain = next_repair = 0.0
+        next_repair = 0.0
         failures = FailureLog(log, "pressure pass")
         while not stop.is_set():
             self._wake.wait(interval)
@@ -157,40 +160,63 @@ class PressureManager:
                 self._wake.wait(hold)
             if stop.is_set():
                 return
-            try:
-                spiller = self._spiller
-                if (spiller.arenas.mapped or spiller.transport.pooled) and time.monotonic() >= next_retain:
-                    # Same-host peers' arenas stay mapped between passes, and peers' connections
-                    # pooled: one that left must not keep its memory allocated until this node is
-                    # under pressure again, nor its connections open for good.
-                    next_retain = time.monotonic() + RETAIN_EVERY_S
-                    peers = list(self.agent.index.nodes().values())
-                    spiller.arenas.retain(peers)
-                    spiller.transport.retain({peer.tcp_endpoint for peer in peers})
-                self.moves.settle()
-                # Evicting a chain's last chunk makes its parent a leaf only then, so one sample can
-                # free little; sample again while passes make progress.
-                # Each pass ends before the next is begun once the agent stops: stop() waits a
-                # few seconds for this thread, then tears down what a pass would still use.
+            # Each duty fails on its own: one that raised at every turn (a victim sample the index
+            # refuses, a record no check foresaw) skipped the duties after it, the repairs of
+            # objects a dead node left short of copies among them, for as long as it failed.
+            # The passes wait for the moves of unknown outcome to be settled (their copies' room).
+            failed = not self._duty(self._retain_peers, failures)
+            if self._duty(self.moves.settle, failures):
                 for relieve in (self.relieve_gpu, self.relieve_host, self.relieve_disk):
-                    for _ in range(MAX_PASSES):
-                        if stop.is_set() or relieve() == 0:
-                            break
-                if stop.is_set():
-                    return
-                if time.monotonic() >= next_repair:  # objects a dead node's loss left short of copies
-                    next_repair = time.monotonic() + REPAIR_EVERY_S
-                    self.repairs.run_once(self.silent.now())
-                    if self.repairs.more:
-                        next_repair = 0.0
-                        self._wake.set()
+                    if stop.is_set():
+                        return
+                    failed = not self._duty(partial(self._relieve_all, relieve, stop), failures) or failed
+            else:
+                failed = True
+            if stop.is_set():
+                return
+            if time.monotonic() >= next_repair:  # objects a dead node's loss left short of copies
+                next_repair = time.monotonic() + REPAIR_EVERY_S
+                failed = not self._duty(partial(self.repairs.run_once, self.silent.now()), failures) or failed
+                if self.repairs.more:
+                    next_repair = 0.0
+                    self._wake.set()
+            if not failed:
                 failures.succeeded()
-            except MooncakeError as exc:
-                failures.failed(exc)
-            except Exception:
-                # A bug, or a record no check foresaw: this pass is lost, not the node's eviction
-                # for the rest of its life (the thread would end and nothing would ever move).
-                log.exception("pressure pass failed unexpectedly")
+
+    def _duty(self, duty: Callable[[], object], failures: FailureLog) -> bool:
+        """Run one duty of a pass; False when it failed (logged)."""
+        try:
+            duty()
+        except MooncakeError as exc:
+            failures.failed(exc)
+            return False
+        except Exception:
+            # A bug, or a record no check foresaw: this duty's turn is lost, not the node's
+            # eviction for the rest of its life (the thread would end and nothing would ever move).
+            log.exception("pressure pass failed unexpectedly")
+            return False
+        return True
+
+    def _retain_peers(self) -> None:
+        spiller = self._spiller
+        if (spiller.arenas.mapped or spiller.transport.pooled) and time.monotonic() >= self._next_retain:
+            # Same-host peers' arenas stay mapped between passes, and peers' connections pooled:
+            # one that left must not keep its memory allocated until this node is under pressure
+            # again, nor its connections open for good.
+            self._next_retain = time.monotonic() + RETAIN_EVERY_S
+            peers = list(self.agent.index.nodes().values())
+            spiller.arenas.retain(peers)
+            spiller.transport.retain({peer.tcp_endpoint for peer in peers})
+
+    @staticmethod
+    def _relieve_all(relieve: Callable[[], int], stop: threading.Event) -> None:
+        """Passes of one tier while they make progress: evicting a chain's last chunk makes its
+        parent a leaf only then, so one sample can free little. Each pass ends before the next is
+        begun once the agent stops: stop() waits a few seconds for this thread, then tears down
+        what a pass would still use."""
+        for _ in range(MAX_PASSES):
+            if stop.is_set() or relieve() == 0:
+                break
 
     def relieve_host(self) -> int:
         """One pass over the host tier; returns the bytes moved away."""
