@@ -152,3 +152,35 @@ def test_freeing_a_settled_spill_still_held_in_the_inbox_forgets_its_key(
     assert alloc_id in agent.inbox  # held: freed only once its hold is over
     agent.free_allocations([alloc_id])
     assert alloc_id not in agent.disk_keys
+
+
+def test_no_memory_to_decode_a_file_keeps_it(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A MemoryError while a file was decoded escaped read_disk (which the connection's handler
+    does not catch); the file is kept and the read answers that it cannot be had now."""
+    agent = make_inproc_agent(
+        host_bytes=1 * MiB, disk_path=str(tmp_path / "disks"), disk_bytes=16 * MiB,
+        high_watermark=0.3, low_watermark=0.01, promote_on_read=False, prepare=idle,
+    )  # fmt: skip
+    value = np.frombuffer(os.urandom(512 * KiB), np.uint8)
+    client = connect(agent.index.url, namespace=agent.namespace, lease_ms=50, timeout_s=5)
+    try:
+        client.put("kv", value, preferred_node=agent.node_id)
+        agent.sync_once()
+        agent.pressure.relieve_host()
+        meta = agent.index.lookup(["kv"], lease_ms=0).objects[0]
+        assert meta is not None and meta.replicas[0].tier == TierKind.DISK
+        alloc_id = meta.replicas[0].alloc_id
+        assert agent.disk is not None
+        real_decode = agent.disk.decode_into
+
+        def no_memory(*args: object, **kwargs: object) -> int:
+            raise MemoryError
+
+        monkeypatch.setattr(agent.disk, "decode_into", no_memory)
+        assert agent.read_disk(alloc_id) is None
+        monkeypatch.setattr(agent.disk, "decode_into", real_decode)
+        assert client.get("kv").tobytes() == value.tobytes()
+    finally:
+        client.close()
