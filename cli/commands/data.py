@@ -64,6 +64,8 @@ def _source(path: str) -> Iterator[_RegularFile | BinaryIO]:
     if path == "-":
         yield sys.stdin.buffer
         return
+    if not path:  # Path("") is ".": "': is a directory", naming nothing (an empty $VAR)
+        raise CliError("FILE is empty: give a file's path, or - for stdin", ExitCode.USAGE)
     file = Path(path)
     try:
         fh = file.open("rb")
@@ -106,8 +108,11 @@ def _read_up_to(stream: BinaryIO, limit: int, *, name: str) -> memoryview:
     one byte more than that (`mooncake put k /dev/zero` ran out of memory, as did a stream larger
     than any node could hold, before the cluster was asked anything)."""
     data = bytearray()
-    while len(data) <= limit and (chunk := stream.read(min(IO_CHUNK, limit + 1 - len(data)))):
-        data += chunk
+    try:
+        while len(data) <= limit and (chunk := stream.read(min(IO_CHUNK, limit + 1 - len(data)))):
+            data += chunk
+    except OSError as exc:  # a special file refusing reads (/proc/self/mem): say which, as _read_file
+        raise CliError(f"{name}: cannot read: {exc.strerror or exc}", ExitCode.USAGE) from None
     if len(data) > limit:
         raise _too_large(name, limit)
     return memoryview(data)
@@ -208,6 +213,8 @@ def get(
         raise CliError(f"two places to write to: FILE {file!r} and --output {output!r}; give one", ExitCode.USAGE)
     output = file if file is not None else output if output is not None else "-"
     target = resolve_target(ctx, redis_url, namespace)
+    if not output:  # Path("") is ".": "': is a directory", naming nothing (an empty $VAR)
+        raise CliError("the output path is empty: give a file's path, or - for stdout", ExitCode.USAGE)
     dest = None if output == "-" else Path(output)
     if dest is not None and dest.is_dir():
         raise CliError(f"{output}: is a directory, expected a file path", ExitCode.USAGE)
