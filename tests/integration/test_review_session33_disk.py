@@ -26,10 +26,10 @@ def idle(agent: Agent) -> None:
     agent.pressure.run = lambda stop: stop.wait()  # type: ignore[method-assign]
 
 
-def test_a_file_that_cannot_be_opened_for_a_moment_does_not_lose_the_object(
-    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    agent = make_inproc_agent(
+def disk_agent(make_inproc_agent: Callable[..., Agent], tmp_path: Path) -> Agent:
+    """An agent whose host tier demotes to its disk tier at once (relieve_host), nothing promoted
+    back on a read, and no pressure loop of its own."""
+    return make_inproc_agent(
         host_bytes=1 * MiB,
         disk_path=str(tmp_path / "disks"),
         disk_bytes=16 * MiB,
@@ -38,15 +38,28 @@ def test_a_file_that_cannot_be_opened_for_a_moment_does_not_lose_the_object(
         promote_on_read=False,
         prepare=idle,
     )
+
+
+def on_disk(agent: Agent, client: Client, key: str, value: np.ndarray) -> int:
+    """Put ``key`` on ``agent`` and demote it to its disk tier; returns its disk allocation."""
+    client.put(key, value, preferred_node=agent.node_id)
+    agent.sync_once()
+    agent.pressure.relieve_host()
+    meta = agent.index.lookup([key], lease_ms=0).objects[0]
+    assert meta is not None and meta.replicas[0].tier == TierKind.DISK
+    return meta.replicas[0].alloc_id
+
+
+def test_a_file_that_cannot_be_opened_for_a_moment_does_not_lose_the_object(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = disk_agent(make_inproc_agent, tmp_path)
     value = np.frombuffer(os.urandom(512 * KiB), np.uint8)
     client = connect(agent.index.url, namespace=agent.namespace, lease_ms=50, timeout_s=5)
     try:
-        client.put("kv", value, preferred_node=agent.node_id)
-        agent.sync_once()
-        agent.pressure.relieve_host()
-        meta = agent.index.lookup(["kv"], lease_ms=0).objects[0]
-        assert meta is not None and meta.replicas[0].tier == TierKind.DISK
-        path = agent.disk.path_of(meta.replicas[0].alloc_id)
+        alloc_id = on_disk(agent, client, "kv", value)
+        assert agent.disk is not None
+        path = agent.disk.path_of(alloc_id)
         real_read_bytes = Path.read_bytes
         faults = [1]
 
@@ -78,15 +91,7 @@ def test_running_out_of_file_descriptors_for_a_moment_does_not_lose_an_object(
     disk object is read, then raised again."""
     import resource
 
-    agent = make_inproc_agent(
-        host_bytes=1 * MiB,
-        disk_path=str(tmp_path / "disks"),
-        disk_bytes=16 * MiB,
-        high_watermark=0.3,
-        low_watermark=0.01,
-        promote_on_read=False,
-        prepare=idle,
-    )
+    agent = disk_agent(make_inproc_agent, tmp_path)
     values = {k: np.frombuffer(os.urandom(300 * KiB), np.uint8) for k in ("warm", "kv")}
     client = connect(agent.index.url, namespace=agent.namespace, lease_ms=50, timeout_s=5)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -159,19 +164,11 @@ def test_no_memory_to_decode_a_file_keeps_it(
 ) -> None:
     """A MemoryError while a file was decoded escaped read_disk (which the connection's handler
     does not catch); the file is kept and the read answers that it cannot be had now."""
-    agent = make_inproc_agent(
-        host_bytes=1 * MiB, disk_path=str(tmp_path / "disks"), disk_bytes=16 * MiB,
-        high_watermark=0.3, low_watermark=0.01, promote_on_read=False, prepare=idle,
-    )  # fmt: skip
+    agent = disk_agent(make_inproc_agent, tmp_path)
     value = np.frombuffer(os.urandom(512 * KiB), np.uint8)
     client = connect(agent.index.url, namespace=agent.namespace, lease_ms=50, timeout_s=5)
     try:
-        client.put("kv", value, preferred_node=agent.node_id)
-        agent.sync_once()
-        agent.pressure.relieve_host()
-        meta = agent.index.lookup(["kv"], lease_ms=0).objects[0]
-        assert meta is not None and meta.replicas[0].tier == TierKind.DISK
-        alloc_id = meta.replicas[0].alloc_id
+        alloc_id = on_disk(agent, client, "kv", value)
         assert agent.disk is not None
         real_decode = agent.disk.decode_into
 
