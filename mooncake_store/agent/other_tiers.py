@@ -66,12 +66,13 @@ class OtherTierHooks:
             return None
         try:
             data = bytearray(entry.raw_bytes)
-            disk.read_into(alloc_id, memoryview(data))  # a shuffled file decodes through a staging copy
         except MemoryError:
             # No fault of the file's: it is kept, and this read fails (it escaped the connection's
-            # handler, which answers MooncakeErrors only).
+            # handler, which answers MooncakeErrors only; the tier's own reads say so themselves).
             log.warning("no memory to read disk allocation %d (%d B) now; the read fails", alloc_id, entry.raw_bytes)
             return None
+        try:
+            disk.read_into(alloc_id, memoryview(data))
         except CorruptChunk as exc:
             # A file freed while it was read (a spill victim holds no read lease) went with its
             # entry, which goes first (DiskTier.remove): that is no damage.

@@ -75,7 +75,7 @@ class PressureManager:
         self._draining: set[TierKind] = set()
         #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
         self._fruitless_until = 0.0
-        #: When (monotonic s) the loop next lets go of peers that left (_retain_or_settle).
+        #: When (monotonic s) the loop next lets go of peers that left (_retain_peers).
         self._next_retain = 0.0
         self._wake = threading.Event()
         self._lock = threading.Lock()

@@ -407,9 +407,11 @@ class PrefixCache:
             # dropped without close() was never collected and its thread ran until the client closed.
             interval_s = min(self.pin_lease_ms, self.claim_ttl_ms) / 3000
             self._renewer = threading.Thread(
-                target=_renew_while_alive, args=(weakref.ref(self), self._stop, interval_s), name="mc-prefix-renew",
+                target=_renew_while_alive,
+                args=(weakref.ref(self), self._stop, interval_s),
+                name="mc-prefix-renew",
                 daemon=True,
-            )  # fmt: skip
+            )
             self._renewer.start()
 
     def _release(self, hit: PrefixHit) -> None:

@@ -281,7 +281,12 @@ class DiskTier:
         body = memoryview(blob)[HEADER.size :]
         out = np.frombuffer(dest, dtype=np.uint8, count=raw)
         if flags & FLAG_SHUFFLED:
-            planes = np.empty(raw, dtype=np.uint8)
+            try:
+                planes = np.empty(raw, dtype=np.uint8)
+            except MemoryError:  # no fault of the file's: every caller answers MooncakeErrors only
+                raise MooncakeError(
+                    f"{where}: no memory now for the {raw} B its byte planes decode through; the file is kept"
+                ) from None
             self._decompress_into(body, memoryview(planes), where=where)
             unshuffle_planes(planes, itemsize, out)
         else:

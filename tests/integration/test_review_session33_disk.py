@@ -162,22 +162,27 @@ def test_freeing_a_settled_spill_still_held_in_the_inbox_forgets_its_key(
 def test_no_memory_to_decode_a_file_keeps_it(
     make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A MemoryError while a file was decoded escaped read_disk (which the connection's handler
-    does not catch); the file is kept and the read answers that it cannot be had now."""
+    """A MemoryError for the staging buffer a byte-shuffled file (2-byte dtypes) decodes through
+    escaped DiskTier.decode_into, and read_disk, into the connection's handler, which answers
+    MooncakeErrors only; the file is kept and the read answers that it cannot be had now."""
     agent = disk_agent(make_inproc_agent, tmp_path)
-    value = np.frombuffer(os.urandom(512 * KiB), np.uint8)
+    value = np.frombuffer(os.urandom(512 * KiB), np.float16)  # float16: shuffled on disk
     client = connect(agent.index.url, namespace=agent.namespace, lease_ms=50, timeout_s=5)
     try:
         alloc_id = on_disk(agent, client, "kv", value)
         assert agent.disk is not None
-        real_decode = agent.disk.decode_into
+        real_empty = np.empty
 
-        def no_memory(*args: object, **kwargs: object) -> int:
-            raise MemoryError
+        def no_memory_for_planes(shape: object, dtype: object = float, *args: object, **kwargs: object) -> np.ndarray:
+            if shape == value.nbytes and dtype is np.uint8:  # the planes of this object's file only
+                raise MemoryError
+            return real_empty(shape, dtype, *args, **kwargs)  # type: ignore[call-overload, no-any-return]
 
-        monkeypatch.setattr(agent.disk, "decode_into", no_memory)
+        monkeypatch.setattr(np, "empty", no_memory_for_planes)
+        with pytest.raises(MooncakeError, match="no memory now for the 524288 B its byte planes decode through"):
+            agent.disk.read_into(alloc_id, memoryview(bytearray(value.nbytes)))
         assert agent.read_disk(alloc_id) is None
-        monkeypatch.setattr(agent.disk, "decode_into", real_decode)
+        monkeypatch.setattr(np, "empty", real_empty)
         assert client.get("kv").tobytes() == value.tobytes()
     finally:
         client.close()

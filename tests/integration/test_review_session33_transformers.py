@@ -15,9 +15,13 @@ def test_kv_namespace_of_a_model_with_weights_on_the_meta_device_asks_for_a_mode
     """accelerate's device_map offload leaves parameters on the meta device: the weights digest
     failed with torch's NotImplementedError ("Cannot copy out of meta tensor")."""
     config = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2,
-    )  # fmt: skip
+    )
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     with pytest.raises(InvalidValue, match=r"meta device .* model_id="):
@@ -29,11 +33,24 @@ def test_save_prefix_of_a_cache_whose_keys_and_values_differ_is_refused(client: 
     """DeepSeek-V3's cache (multi-head latent attention) holds keys and values of different head
     dims: save_prefix failed inside torch.stack with a bare RuntimeError."""
     config = transformers.DeepseekV3Config(
-        vocab_size=100, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=8,
-    )  # fmt: skip
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=8,
+    )
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).eval()
     ids = torch.arange(40)

@@ -34,7 +34,7 @@ end
 local rec = cjson.decode(info)
 if not old or cjson.decode(old).incarnation ~= rec.incarnation then
   -- A new incarnation starts counting afresh, like every other counter of its tiers.
-  for _, t in ipairs({'gpu', 'host', 'disk'}) do redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':' .. t) end
+  for _, t in ipairs(TIER_NAMES) do redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':' .. t) end
 end
 rec.last_heartbeat_ms = now
 rec.beats = tonumber(ARGV[5] or '') or 0
@@ -56,7 +56,7 @@ redis.call('DEL', P .. 'purged:' .. node)
 -- an older build is "1", and gives nothing back).
 local ok, kept = pcall(cjson.decode, mark or '')
 if ok and type(kept) == 'table' and kept.incarnation == rec.incarnation and type(kept.hits) == 'table' then
-  for _, tier in ipairs({'gpu', 'host', 'disk'}) do
+  for _, tier in ipairs(TIER_NAMES) do
     local n = tonumber(kept.hits[tier]) or 0
     if n > 0 then redis.call('HINCRBY', P .. 'stats', 'hits:' .. node .. ':' .. tier, n) end
   end

@@ -336,12 +336,13 @@ local function purge_node(node, max_keys)
     -- They are kept in the purge's mark for a day, with its incarnation: an agent reaped while it
     -- stalled registers again under the same one and goes on counting from its start (its uptime
     -- and its own counters do), and node_register gives them back to it.
-    local hit_fields = {'hits:' .. node .. ':gpu', 'hits:' .. node .. ':host', 'hits:' .. node .. ':disk'}
+    local hit_fields = {}
+    for i, tier in ipairs(TIER_NAMES) do hit_fields[i] = 'hits:' .. node .. ':' .. tier end
     local hits = redis.call('HMGET', P .. 'stats', unpack(hit_fields))
     local rec = redis.call('HGET', P .. 'nodes', node)
     local ok, decoded = pcall(cjson.decode, rec or '')
     local mark = {incarnation = ok and type(decoded) == 'table' and decoded.incarnation or '', hits = {}}
-    for i, tier in ipairs({'gpu', 'host', 'disk'}) do mark.hits[tier] = tonumber(hits[i] or 0) or 0 end
+    for i, tier in ipairs(TIER_NAMES) do mark.hits[tier] = tonumber(hits[i] or 0) or 0 end
     redis.call('HDEL', P .. 'stats', unpack(hit_fields))
     redis.call('HDEL', P .. 'nodes', node)
     redis.call('ZREM', P .. 'hb', node)
