@@ -232,18 +232,20 @@ def stop(state: ClusterState, *, timeout_s: float, own: bool = False) -> StopRep
     file. ``own``: this process is the cluster's owner (it must not wait for itself)."""
     report = StopReport()
     owner = state.owner
+    # Counted before anything is signalled: a foreground owner stops its agents and server itself,
+    # and counting only what was still running after it reported 1 process for a whole cluster.
+    running = [ref for ref in [*(a.proc for a in state.agents), *state.servers] if alive(ref)]
     if owner is not None and not own and owner.pid != os.getpid() and alive(owner):
         # A foreground `mooncake up` stops its own cluster on SIGTERM; give it the time it needs.
         report.killed += len(terminate([owner], timeout_s + 10.0))
         report.stopped += 1
     agents = [a.proc for a in state.agents if alive(a.proc)]
     report.killed += len(terminate(agents, timeout_s))
-    report.stopped += len(agents)
     report.segments = remove_segments(state.shm_segments)
     for server in state.servers:  # the wrapper first: it stops the server and removes its temp dir
         if alive(server):
             report.killed += len(terminate([server], timeout_s))
-            report.stopped += 1
+    report.stopped += len(running)
     if state.server_dir:
         _remove_server_dir(Path(state.server_dir))  # a wrapper killed outright left it
     clear_state()
