@@ -224,7 +224,9 @@ def doctor(
         target = resolve_target(ctx, redis_url, namespace)
     except CliError as exc:
         checks.append(Check("redis", Status.FAIL, str(exc)))
-        failed = exc.code if exc.code == ExitCode.USAGE else ExitCode.CANNOT_CONNECT
+        # Its own code: 2 for a bad URL, 4 for no cluster to reach, 1 for a damaged state file (as
+        # every other command gives; mapping all but 2 to 4 told a script to retry a file to delete).
+        failed = exc.code
     else:
         redis_checks, failed = _redis_checks(target)
         checks.extend(redis_checks)

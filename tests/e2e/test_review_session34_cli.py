@@ -35,3 +35,15 @@ def test_down_of_a_foreground_cluster_counts_every_process_it_stopped(
     assert found is not None, down.stdout
     # The owner, its two agents and the embedded server (its wrapper and the server itself).
     assert int(found.group(1)) == 1 + len(pids), (down.stdout, len(pids))
+
+
+def test_doctor_with_a_damaged_state_file_exits_as_every_command_does(mooncake: Mooncake) -> None:
+    """A damaged state file is exit 1 for every command; doctor gave 4 ("cannot connect"), which a
+    script reads as "retry later" for a file that only a person can fix."""
+    mooncake.state_dir.mkdir(parents=True, exist_ok=True)
+    (mooncake.state_dir / "cluster.json").write_text("{not json")
+    stat = mooncake("stat")
+    doctor = mooncake("doctor")
+    assert stat.returncode == 1, stat.stderr
+    assert doctor.returncode == stat.returncode, (doctor.stdout, doctor.stderr)
+    assert b"damaged" in doctor.stdout, doctor.stdout
