@@ -70,6 +70,7 @@ HEADER_BYTES = HEADER.size
 RESERVE_ENTRY = struct.Struct("<Q16s")
 RESERVE_REPLY = struct.Struct("<QQ")
 U64 = struct.Struct("<Q")
+U64_MAX = (1 << 64) - 1
 #: Entries in one RESERVE or FREE frame; a larger batch is split by the client.
 MAX_BATCH = 8192
 #: RESERVE's tier (header field a).
@@ -127,8 +128,14 @@ class Status(IntEnum):
 def pack(op: int, arg: int = 0, a: int = 0, b: int = 0, c: int = 0) -> bytes:
     try:
         return HEADER.pack(MAGIC, VERSION, op, arg, a, b, c)
-    except struct.error as exc:  # a negative or oversized field: say which, not struct's words
-        raise InvalidValue(f"frame fields op={op} arg={arg} a={a} b={b} c={c} do not fit the header: {exc}") from None
+    except struct.error:  # a negative or oversized field: say which and its range, not struct's words
+        fields = {"op": (op, 0xFF), "arg": (arg, 0xFFFF_FFFF), "a": (a, U64_MAX), "b": (b, U64_MAX), "c": (c, U64_MAX)}
+        bad = [
+            f"{name}={value!r} (0..{limit})"
+            for name, (value, limit) in fields.items()
+            if not isinstance(value, int) or not 0 <= value <= limit
+        ]
+        raise InvalidValue(f"frame header field(s) out of range: {', '.join(bad)}") from None
 
 
 def pack_reserve_entry(size: int, put_id: bytes) -> bytes:
@@ -144,8 +151,9 @@ def pack_ids(alloc_ids: Sequence[int]) -> bytes:
     """The payload of a FREE, FENCE or UNFENCE frame: one u64 per alloc id."""
     try:
         return struct.pack(f"<{len(alloc_ids)}Q", *alloc_ids)
-    except struct.error as exc:
-        raise InvalidValue(f"alloc ids must be ints in 0..2**64-1: {exc}") from None
+    except struct.error:
+        bad = next(x for x in alloc_ids if not isinstance(x, int) or not 0 <= x <= U64_MAX)
+        raise InvalidValue(f"alloc id {bad!r:.40} is not an int in 0..{U64_MAX}") from None
 
 
 def unpack_ids(raw: bytes | bytearray | memoryview) -> list[int]:
