@@ -8,11 +8,14 @@ launcher killed with SIGKILL, which runs no cleanup. The agents watch their laun
 Run by path, not with ``-m``: importing the package would load numpy and redis into a process
 that only polls. It checks once every POLL_S:
 
-- the child has ended (or its pid now names another process: ``--child-start`` is its start time,
-  field 22 of /proc/PID/stat): nothing left to guard, exit;
 - this process's parent is no longer ``--parent`` (the launcher died and we were re-parented):
-  SIGTERM the child, SIGKILL it after STOP_GRACE_S, remove ``--remove-dir`` (the server's private
-  temp dir), exit.
+  SIGTERM the child if it still runs, SIGKILL it after STOP_GRACE_S, remove ``--remove-dir`` (the
+  server's private temp dir), exit;
+- the child has ended (or its pid now names another process: ``--child-start`` is its start time,
+  field 22 of /proc/PID/stat): with no ``--remove-dir``, nothing left to guard, exit. With one, the
+  watch goes on for the launcher alone: a server that died (a crash, the OOM killer) before its
+  launcher was killed outright left its temp dir behind for good, since only the launcher's own
+  stop removed it once the watchdog had gone.
 
 SIGINT is ignored (a Ctrl-C in the launcher's terminal is the launcher's to handle); SIGTERM, which
 the launcher sends when it stops the server itself, ends the watch.
@@ -88,12 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
-        if start_time(args.child) != args.child_start:
-            return 0
+        child_gone = start_time(args.child) != args.child_start
         if os.getppid() != args.parent:
-            stop_child(args.child, args.child_start)
+            if not child_gone:
+                stop_child(args.child, args.child_start)
             if args.remove_dir:
                 shutil.rmtree(args.remove_dir, ignore_errors=True)
+            return 0
+        if child_gone and not args.remove_dir:
             return 0
         time.sleep(POLL_S)
 

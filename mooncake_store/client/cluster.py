@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from mooncake_store.config import load_config
+from mooncake_store.config.values import shown
 from mooncake_store.embedded import EmbeddedServer
 from mooncake_store.errors import ConfigError, MooncakeError, ServerError
 from mooncake_store.tiers.disk_dir import sweep_tier_dir
@@ -118,20 +119,25 @@ class LocalCluster:
         # agent that "did not become ready", after the server had started.
         # The same for the other values the agents are given (a TTL of 0 was "did not become ready
         # within 30 s", at once), each zone through the agent's own rule. The TTL is checked by its
-        # range alone, against the smallest interval: its rule against the heartbeat interval takes
-        # agent_args and the environment, which the agent reads itself (and an agent that refuses
-        # them exits "with status 2", saying why).
+        # range alone, against the smallest interval, where agent_args or the environment set an
+        # interval: the agent reads those itself (and one that refuses them exits "with status 2",
+        # saying why). Where neither does, as the agent will: the interval derived from the TTL
+        # (a TTL of 2 ms passed here, and every agent then refused its derived interval).
         if isinstance(heartbeat_ttl_s, bool) or not isinstance(heartbeat_ttl_s, int | float) or not heartbeat_ttl_s > 0:
-            raise ConfigError(f"heartbeat_ttl_s must be a number of seconds > 0, got {heartbeat_ttl_s!r:.80}")
+            raise ConfigError(f"heartbeat_ttl_s must be a number of seconds > 0, got {shown(heartbeat_ttl_s)}")
+        interval_given = "MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S" in os.environ or any(
+            isinstance(arg, str) and arg.startswith("--heartbeat-interval-s") for arg in agent_args or []
+        )
         checked = load_config(
             env={},
             overrides={
                 "agent.host_bytes": host_bytes,
                 "agent.reserve_timeout_s": reserve_timeout_s,
                 "agent.heartbeat_ttl_s": heartbeat_ttl_s,
-                "agent.heartbeat_interval_s": 1e-3,
+                "agent.heartbeat_interval_s": 1e-3 if interval_given else None,
                 "namespace": namespace,
             },
+            override_flags={"agent.heartbeat_ttl_s": "heartbeat_ttl_s"},
         )
         # The rest by type: each was taken as given and failed later, after the server had started,
         # with a TypeError from deep inside (or, zones="ab", split into zones "a" and "b").

@@ -32,6 +32,7 @@ from mooncake_store.config.values import (
     misplaced_at,
     parse_size,
     redact_url,
+    shown,
 )
 from mooncake_store.errors import ConfigError
 
@@ -173,7 +174,14 @@ def _check_transports(value: tuple[str, ...]) -> str | None:
 
 def _check_listen(value: str) -> str | None:
     result = _parse_host_port(value)
-    return result if isinstance(result, str) else None
+    if isinstance(result, str):
+        return result
+    host = result[0]
+    if not host or is_wildcard_host(host):
+        return None
+    # A host that is no address or name (a stray byte from argv or env, "h o s t") was taken here
+    # and failed only at bind, as an internal error with a traceback.
+    return _undialable_host(host, "to listen on")
 
 
 def _check_advertise(value: str) -> str | None:
@@ -185,13 +193,13 @@ def _check_advertise(value: str) -> str | None:
         return result
     if is_wildcard_host(result[0]):
         return f"{result[0]} is not an address peers can dial; name this host's address or name"
-    return _undialable_host(result[0])
+    return _undialable_host(result[0], "peers can dial")
 
 
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 
-def _undialable_host(host: str) -> str | None:
+def _undialable_host(host: str, purpose: str) -> str | None:
     """What keeps peers from dialling ``host``: neither an IP address nor a host name (labels of
     letters, digits, '-' and '_', at most 63 each and 253 in all; the last not all digits, which
     would be an IPv4 address out of range). Taken as given, such an address ("h o s t",
@@ -212,7 +220,7 @@ def _undialable_host(host: str) -> str | None:
         or not all(_HOST_LABEL.fullmatch(label) for label in labels)
         or labels[-1].isdigit()
     ):
-        return f"{host!r} is neither an IP address nor a host name peers can dial"
+        return f"{host!r} is neither an IP address nor a host name {purpose}"
     return None
 
 
@@ -227,7 +235,7 @@ def _check_path(value: str) -> str | None:
 _DAY_S = 86400.0
 # Agent loops below a millisecond would only spin (Redis TTLs count in ms); a reservation must live
 # long enough for a put's bytes to arrive.
-_MIN_LOOP_S = 0.001
+MIN_LOOP_S = 0.001
 _MIN_RESERVE_S = 0.1
 _CHECKS: dict[str, _Check] = {
     "redis_url": _check_redis_url,
@@ -246,14 +254,14 @@ _CHECKS: dict[str, _Check] = {
     "agent.listen": _check_listen,
     "agent.advertise": _check_advertise,
     "agent.zone": _check_name("zone"),
-    "agent.heartbeat_interval_s": _number_range(_MIN_LOOP_S, 3600, unit=" s"),
-    "agent.heartbeat_ttl_s": _number_range(_MIN_LOOP_S, _DAY_S, unit=" s"),
+    "agent.heartbeat_interval_s": _number_range(MIN_LOOP_S, 3600, unit=" s"),
+    "agent.heartbeat_ttl_s": _number_range(MIN_LOOP_S, _DAY_S, unit=" s"),
     "agent.reserve_timeout_s": _number_range(_MIN_RESERVE_S, _DAY_S, unit=" s"),
-    "agent.sync_interval_s": _number_range(_MIN_LOOP_S, 3600, unit=" s"),
+    "agent.sync_interval_s": _number_range(MIN_LOOP_S, 3600, unit=" s"),
     "agent.high_watermark": _number_range(0, 1, lo_open=True),
     # 0 would make every pass of the pressure loop empty the tier.
     "agent.low_watermark": _number_range(0, 1, lo_open=True),
-    "agent.pressure_interval_s": _number_range(_MIN_LOOP_S, 3600, unit=" s"),
+    "agent.pressure_interval_s": _number_range(MIN_LOOP_S, 3600, unit=" s"),
     "agent.disk_path": _check_path,
     "agent.disk_bytes": _size_range(0),
     "agent.gpu_bytes": _size_range(0),
@@ -264,12 +272,14 @@ _CHECKS: dict[str, _Check] = {
 # --- coercion, and the check of one value against its field -----------------------------------------
 
 _INT_RE = re.compile(r"[+-]?[0-9]+")
+#: More digits than any field's range needs (sizes go up to 2**64); what is longer is refused unread.
+_MAX_INT_DIGITS = 30
 
 
 def _show(spec: _Field, value: object) -> str:
     if spec.kind == "optstr" and isinstance(value, str):
         return repr(redact_url(value))
-    return repr(value)
+    return shown(value, 200)
 
 
 def _fail(spec: _Field, value: object, source: _Source, problem: str) -> ConfigError:
@@ -286,12 +296,18 @@ def _coerce(spec: _Field, value: object, source: _Source) -> object:
             return value
         # ASCII digits only: int() also takes "٣", "１" and "1_000", which nobody means here.
         if isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
+            digits = value.strip().lstrip("+-").lstrip("0")
+            if len(digits) > _MAX_INT_DIGITS:  # int() refuses past 4300 digits with a bare ValueError
+                raise _fail(spec, value, source, f"an integer of {len(digits)} digits, far out of range")
             return int(value.strip(), 10)
         raise _fail(spec, value, source, "not an integer")
     if kind == "float":
         number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int past float's range (TOML's `timeout_s = 1000...0`)
+                raise _fail(spec, value, source, "too large for a number of this kind (past float range)") from None
         elif isinstance(value, str) and value.isascii() and "_" not in value:
             try:
                 number = float(value.strip())

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mooncake_store.config.checks import MIN_LOOP_S
 from mooncake_store.config.tree import (
     _DEFAULT,
     _FIELDS,
@@ -81,7 +82,9 @@ def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
             data = tomllib.load(fh)
     except OSError as exc:
         raise ConfigError(f"file {path}: cannot read it ({exc.strerror or exc})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8
+    except ValueError as exc:
+        # TOMLDecodeError, UnicodeDecodeError (TOML is UTF-8), and the bare ValueError tomllib lets
+        # out for an integer of more digits than int() converts (4300).
         raise ConfigError(f"file {path}: not valid TOML ({exc})") from None
     found: dict[str, tuple[object, _Source]] = {}
     where = f"file {path}"
@@ -212,7 +215,16 @@ def explain_config(
     # never set (`--heartbeat-ttl-s 1` exited 2 blaming the 1 s default interval).
     interval_key, ttl_key = "agent.heartbeat_interval_s", "agent.heartbeat_ttl_s"
     if sources[interval_key] is _DEFAULT and float(values[ttl_key]) <= float(values[interval_key]):  # type: ignore[arg-type]
-        values[interval_key] = float(values[ttl_key]) / 3  # type: ignore[arg-type]
+        derived = float(values[ttl_key]) / 3  # type: ignore[arg-type]
+        if derived < MIN_LOOP_S:
+            # Refused in the TTL's name: the derived interval's own range check named a key the
+            # user never set ("agent.heartbeat_interval_s=0.000666...: must be >= 0.001 s").
+            raise ConfigError(
+                f"{sources[ttl_key].label(ttl_key)}={as_given(ttl_key)!r}: must be >= {3 * MIN_LOOP_S:g} s "
+                f"when {interval_key} is not set (the interval is then a third of the TTL, at least "
+                f"{MIN_LOOP_S:g} s)"
+            )
+        values[interval_key] = derived
     # Checked here as well as in AgentConfig so the message can say where each of the two came from.
     _check_heartbeat(
         float(values["agent.heartbeat_interval_s"]),  # type: ignore[arg-type]

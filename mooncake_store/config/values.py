@@ -48,37 +48,46 @@ def parse_size(text: str | int | float, *, what: str = "size") -> int:
     fractional count of bytes (``"1.5"``) is refused. ``what`` prefixes the error message, so callers
     pass the key and layer the value came from.
     """
+    shown_text = shown(text)
     if isinstance(text, bool) or not isinstance(text, int | float | str):
-        raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
+        raise ConfigError(f"{what}={shown_text}: not a size ({_SIZE_EXAMPLES})")
     if isinstance(text, float):
         # Python writes large counts as 4e9 or 2**32 / 2: taken when whole, like "4000000000".
         if not math.isfinite(text):
-            raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
+            raise ConfigError(f"{what}={shown_text}: not a size ({_SIZE_EXAMPLES})")
         if not text.is_integer():
-            raise ConfigError(f"{what}={text!r}: not a whole number of bytes")
+            raise ConfigError(f"{what}={shown_text}: not a whole number of bytes")
         number = Decimal(text)
     elif isinstance(text, int):
         number = Decimal(text)
     else:
         stripped = text.strip()
         if stripped.startswith("-"):
-            raise ConfigError(f"{what}={text!r}: a size cannot be negative")
+            raise ConfigError(f"{what}={shown_text}: a size cannot be negative")
         match = _SIZE_RE.fullmatch(stripped)
         unit = _SIZE_UNITS.get(match.group("unit").lower()) if match else None
         if match is None or unit is None:
-            raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})")
+            raise ConfigError(f"{what}={shown_text}: not a size ({_SIZE_EXAMPLES})")
         try:
             number = Decimal(match.group("num")) * unit
         except InvalidOperation:  # pragma: no cover - the regex admits only plain decimals
-            raise ConfigError(f"{what}={text!r}: not a size ({_SIZE_EXAMPLES})") from None
+            raise ConfigError(f"{what}={shown_text}: not a size ({_SIZE_EXAMPLES})") from None
         if unit == 1 and number != number.to_integral_value():
             # Rounding "1.5" down to 1 B would silently give a far smaller size than meant.
-            raise ConfigError(f"{what}={text!r}: not a whole number of bytes (did you mean a unit, e.g. 1.5GiB?)")
+            raise ConfigError(f"{what}={shown_text}: not a whole number of bytes (did you mean a unit, e.g. 1.5GiB?)")
     if number < 0:
-        raise ConfigError(f"{what}={text!r}: a size cannot be negative")
+        raise ConfigError(f"{what}={shown_text}: a size cannot be negative")
     if number > _MAX_SIZE:
-        raise ConfigError(f"{what}={text!r}: larger than the limit of {_MAX_SIZE} B")
+        raise ConfigError(f"{what}={shown_text}: larger than the limit of {_MAX_SIZE} B")
     return int(number)
+
+
+def shown(value: object, width: int = 80) -> str:
+    """``repr(value)`` for a message, cut to ``width`` characters. An int of more digits than
+    ``repr`` converts (4300) raised ValueError in the very message refusing it: it is told by size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 3 * width:
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    return f"{value!r:.{width}}"
 
 
 def format_size(size_bytes: int) -> str:
@@ -118,8 +127,8 @@ def is_wildcard_host(host: str) -> bool:
         pass
     try:
         return socket.inet_aton(host) == bytes(4)
-    except OSError:
-        return False  # a hostname
+    except (OSError, UnicodeError):
+        return False  # a hostname, or text that is none (undecodable bytes from argv or env)
 
 
 def _parse_host_port(text: object, *, min_port: int = 0) -> tuple[str, int] | str:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from collections.abc import Callable
+
+from helpers import mooncake_bin
 
 from .conftest import HOST_MEM, Mooncake
 
@@ -47,3 +50,20 @@ def test_doctor_with_a_damaged_state_file_exits_as_every_command_does(mooncake: 
     assert stat.returncode == 1, stat.stderr
     assert doctor.returncode == stat.returncode, (doctor.stdout, doctor.stderr)
     assert b"damaged" in doctor.stdout, doctor.stdout
+
+
+def test_mooncake_up_with_a_listen_host_that_is_not_utf8_exits_2(mooncake: Mooncake) -> None:
+    """A stray byte in MOONCAKE_AGENT_LISTEN reached the socket layer: "internal error", exit 1."""
+    env = {k.encode(): v.encode() for k, v in mooncake.env.items()}
+    env[b"MOONCAKE_AGENT_LISTEN"] = b"\xff:0"
+    try:
+        result = subprocess.run(
+            [mooncake_bin(), "up", "-n", "1", "--host-mem", HOST_MEM, "--detach"],
+            env=env,
+            capture_output=True,
+            timeout=60,
+        )
+        assert result.returncode == 2, result.stderr.decode(errors="replace")
+        assert b"internal error" not in result.stderr and b"MOONCAKE_AGENT_LISTEN" in result.stderr, result.stderr
+    finally:
+        mooncake("down", "--timeout", "5")

@@ -51,14 +51,18 @@ def test_a_gone_parent_means_the_child_is_stopped_and_its_dir_removed(tmp_path: 
 
 def test_a_pid_with_another_start_time_is_left_alone(tmp_path: Path) -> None:
     child = subprocess.Popen(["sleep", "60"])
+    private = tmp_path / "private"
+    private.mkdir()
     try:
         started = watchdog.start_time(child.pid)
         assert started is not None
         got = run_watchdog("--parent", "1", "--child", str(child.pid), "--child-start", str(started + 1),
-                           "--remove-dir", str(tmp_path))  # fmt: skip
+                           "--remove-dir", str(private))  # fmt: skip
         assert got.returncode == 0, got.stderr
         assert child.poll() is None  # not the process it was told to guard: untouched
-        assert tmp_path.exists()
+        # The guarded server is gone (its pid names another process) and so is the launcher: the
+        # server's private dir has no one else left to remove it.
+        assert not private.exists()
     finally:
         child.kill()
         child.wait(timeout=10)
