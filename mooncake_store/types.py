@@ -17,6 +17,10 @@ from mooncake_store.errors import InvalidKey, InvalidValue
 #: every index record and of log lines; vLLM/LMCache block hashes are well under 200 bytes.
 MAX_KEY_BYTES = 1024
 
+#: Most dimensions a stored array or tensor may have (host and device alike): a shape is part of
+#: every index record, and numpy itself stops at 64.
+MAX_DIMS = 32
+
 #: The arenas' allocation unit: every host and GPU allocation is a whole number of these. It lives
 #: here rather than in tiers so placement (which may not import tiers) rounds capacities the same way.
 ALIGNMENT = 64

@@ -16,12 +16,12 @@ import numpy as np
 
 from mooncake_store.errors import DtypeMismatch, InvalidValue
 from mooncake_store.tiers.gpu_arrays import is_torch_tensor
+from mooncake_store.types import MAX_DIMS
 
 BFLOAT16 = "bfloat16"
 #: numpy kinds we store: bool, signed/unsigned ints, floats, complex. Objects, strings and
 #: structured dtypes have no stable byte layout across processes.
 ALLOWED_KINDS = frozenset("biufc")
-MAX_DIMS = 32
 
 
 @dataclass(frozen=True, slots=True)

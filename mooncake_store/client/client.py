@@ -280,6 +280,10 @@ class Client(AsyncCalls):
                 from mooncake_store.client.device import GpuSegments  # lazy: needs cupy
 
                 self._gpu = GpuSegments()
+                if self._closed:
+                    # close() ran before this table existed, so it closed none: a device read that
+                    # looked its key up before close() opened a mapping here that nothing closed.
+                    self._gpu.close()
             return self._gpu
 
     # ---- gets -------------------------------------------------------------------------------

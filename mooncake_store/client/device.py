@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,11 @@ class GpuSegments:
         self._unopenable: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # A table dropped without close() (its client collected unclosed) closes its mappings:
+        # each kept an agent's arena resident for the life of the process. No copy can be using
+        # one then (a copy holds the table). Not at exit, when CUDA may be torn down already.
+        self._finalizer = weakref.finalize(self, _close_mappings, self._segments, self._retired)
+        self._finalizer.atexit = False
 
     def _acquire(self, node: NodeInfo) -> GpuSegment:
         handle_hex = node.labels["gpu_ipc"]
@@ -199,9 +205,18 @@ class GpuSegments:
         cudaMemcpyDefault takes for host memory). No mapping is opened after this."""
         with self._lock:
             self._closed = True
-            segments, self._segments = [seg for _, seg in self._segments.values()], {}
+            segments = [seg for _, seg in self._segments.values()]
+            self._segments.clear()  # the very dict the finalizer holds
             for seg in segments:
                 self._retire(seg)
+
+
+def _close_mappings(segments: dict[str, tuple[str, GpuSegment]], retired: list[GpuSegment]) -> None:
+    """The finalizer of a GpuSegments collected without close(): every mapping it still held."""
+    for _, seg in list(segments.values()):
+        seg.close()
+    for seg in list(retired):
+        seg.close()
 
 
 def read_to_device(
@@ -212,21 +227,26 @@ def read_to_device(
     Same rules as host reads: one lookup with a lease, the cheapest replica first, and a read that
     outlived its lease is re-checked against the index before it counts."""
     client._check_open()
+    copying: list[bool] = []  # appended to once a copy into ``out`` may have begun
     try:
-        return _read_to_device(client, key, out=out, device=device)
+        return _read_to_device(client, key, out=out, device=device, copying=copying)
     except MooncakeError as exc:
         client._raise_if_interrupted(exc)  # cut short by close(): "client is closed"
         raise
     finally:
-        if out is not None and is_torch_tensor(out):
+        if copying and out is not None and is_torch_tensor(out):
             # Written behind autograd's back (a failed read may have written part of it): bumped
             # as a CPU tensor's is (buffers.mark_written), so a backward that saved it refuses.
+            # Not for a refusal before any copy (an out that requires grad, a wrong dtype, a
+            # missing key): nothing was written, and the bump failed a backward that saved it.
             import torch
 
             torch.autograd.graph.increment_version(out)
 
 
-def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | None) -> tuple[ObjectMeta, Any]:
+def _read_to_device(
+    client: Client, key: str, *, out: Any, device: str | int | None, copying: list[bool]
+) -> tuple[ObjectMeta, Any]:
     if out is None and device is not None:
         parse_device(device)  # a bad device is InvalidValue whether or not the key exists
     config = client.config
@@ -252,6 +272,7 @@ def _read_to_device(client: Client, key: str, *, out: Any, device: str | int | N
         if dest.nbytes < meta.size_bytes:
             raise InvalidValue(f"out holds {dest.nbytes} B but key {key!r} is {meta.size_bytes} B")
         nodes = client._nodes_for(meta.replicas, client._node_table(refresh=attempt > 0))
+        copying.append(True)
         try:
             source = _read_replica_to_device(client, meta, nodes, dest.pointer, dest.device_id)
         except (TransferError, ConnectError) as exc:

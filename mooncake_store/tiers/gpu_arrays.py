@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_store.errors import GpuUnavailable, InvalidValue, NoCapacity, TransferError
+from mooncake_store.types import MAX_DIMS
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ STREAM_LEGACY = 1
 BFLOAT16 = "bfloat16"
 #: cudaHostRegisterPortable: the range counts as pinned in every CUDA context of the process.
 HOST_REGISTER_PORTABLE = 1
+#: Larger than any device's memory (and than a size_t on the wire): a shape describing more is a
+#: malformed interface, not an array.
+MAX_DEVICE_BYTES = (1 << 63) - 1
 
 
 @functools.cache
@@ -159,7 +164,7 @@ def describe_device_array(value: Any, *, for_writing: bool = False) -> DeviceBuf
     shape, dtype, pointer, readonly = _parse_interface(iface, type(value).__name__)
     if for_writing and readonly:
         raise InvalidValue(f"out ({type(value).__name__}) is read-only: its __cuda_array_interface__ says so")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     cupy = _cupy()
     runtime = cupy.cuda.runtime
     try:
@@ -190,6 +195,8 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
         raise InvalidValue(f"{where} has no valid 'shape' (a tuple of ints): {exc}") from None
     if any(d < 0 for d in shape):
         raise InvalidValue(f"{where} has a negative dimension in shape {shape}")
+    if len(shape) > MAX_DIMS:
+        raise InvalidValue(f"device array has {len(shape)} dimensions; the limit is {MAX_DIMS}")
     typestr = iface.get("typestr")
     if not isinstance(typestr, str):
         raise InvalidValue(f"{where} has no valid 'typestr' (a string such as '<f2'), got {typestr!r:.40}")
@@ -197,7 +204,13 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
         dtype = np.dtype(typestr)
     except TypeError:
         raise InvalidValue(f"device array of typestr {typestr!r} is not storable") from None
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    # Python ints: numpy's int64 product wrapped past 2**63 elements, to 0 (an "empty" array) or
+    # a negative size.
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_DEVICE_BYTES:
+        raise InvalidValue(
+            f"device array of shape {shape} would be {nbytes} B; no device holds over {MAX_DEVICE_BYTES} B"
+        )
     strides = iface.get("strides")
     if strides is not None and nbytes:
         step = dtype.itemsize
@@ -251,6 +264,8 @@ def _describe_torch(tensor: Any, *, for_writing: bool) -> DeviceBuffer:
         )
     if not tensor.is_contiguous():
         raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
+    if tensor.dim() > MAX_DIMS:
+        raise InvalidValue(f"torch tensor has {tensor.dim()} dimensions; the limit is {MAX_DIMS}")
     if tensor.dtype == torch.bfloat16:
         dtype = BFLOAT16
     else:

@@ -151,12 +151,17 @@ def test_tcp_reads_of_gpu_replicas_at_any_offset(cupy, gpu_cluster, make_client)
 
 
 def test_host_object_to_device_in_one_copy(cupy, gpu_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
-    client: Client = make_client(gpu_cluster)
+    writer: Client = make_client(gpu_cluster)
     value = np.random.default_rng(1).standard_normal(MiB // 4).astype(np.float32)
-    client.put("host-obj", value)
+    writer.put("host-obj", value)
+    client: Client = make_client(gpu_cluster)  # a reader that has mapped no arena yet
     assert str(client.object_meta("host-obj").replicas[0].tier) == "host"  # type: ignore[union-attr]
     got = client.get("host-obj", device=0)
     assert np.array_equal(cupy.asnumpy(got), value)
+    # The one copy is from the agent's shared arena, which the read mapped: not through the agent
+    # over TCP, which would give the same bytes.
+    (node,) = client._node_table().values()
+    assert node.shm_name in client._shm._segments
     wrong = cupy.full(MiB // 2, 7, dtype=cupy.float16)  # as many bytes, another dtype: refused, untouched
     with pytest.raises(MooncakeError, match="holds <f4 but out has dtype <f2"):
         client.get_into("host-obj", wrong)

@@ -27,19 +27,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import sys
 import threading
 import time
-import types
 import uuid
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from cuda_stand_in import CUDARuntimeError, stand_in_cupy
 from helpers import wait_until
 
 from mooncake_store.errors import MooncakeError
-from mooncake_store.tiers import gpu_arrays
 from mooncake_store.tiers.gpu_arrays import host_pointer
 from mooncake_store.tiers.host import HostArena, SharedSegment
 from mooncake_store.transport.shm import ShmTransport
@@ -61,10 +59,6 @@ def _ranges_of(name: str) -> list[tuple[int, int]]:
 
 def _mapped(name: str, ptr: int, size: int) -> bool:
     return any(lo <= ptr and ptr + size <= hi for lo, hi in _ranges_of(name))
-
-
-class CUDARuntimeError(RuntimeError):
-    pass
 
 
 class FakeRuntime:
@@ -107,20 +101,8 @@ class FakeRuntime:
 
 @pytest.fixture
 def cuda() -> Iterator[FakeRuntime]:
-    runtime = FakeRuntime()
-    fake = types.ModuleType("cupy")
-    fake.cuda = types.SimpleNamespace(runtime=runtime)  # type: ignore[attr-defined]
-    saved = sys.modules.get("cupy")
-    sys.modules["cupy"] = fake
-    gpu_arrays._cupy.cache_clear()
-    try:
+    with stand_in_cupy(FakeRuntime()) as runtime:
         yield runtime
-    finally:
-        if saved is None:
-            sys.modules.pop("cupy", None)
-        else:
-            sys.modules["cupy"] = saved
-        gpu_arrays._cupy.cache_clear()
 
 
 _created: list[str] = []
