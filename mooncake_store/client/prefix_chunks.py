@@ -108,11 +108,14 @@ def read_run(client: Client, keys: list[str], dests: list[object] | None) -> lis
         # Cut short by a close (the client's or this cache's): that error, not a miss.
         client._raise_if_interrupted(exc)
         # Some chunk went away between match and read (a node died): keep the readable run. The
-        # batch's lookup counted these keys, unless it failed before it did (the index unreachable).
+        # batch's lookup counted these keys, unless it failed before it did (the index unreachable);
+        # into device buffers each key is looked up on its own, in order, up to the one that
+        # failed: those first ones are counted already (all were taken for uncounted, and counted
+        # twice, when the batch stopped short of the last).
         out: list[Any] = []
-        counted = counted_keys() - counted_before >= len(keys)
-        with uncounted() if counted else contextlib.nullcontext():
-            for i, key in enumerate(keys):
+        counted = min(len(keys), counted_keys() - counted_before)
+        for i, key in enumerate(keys):
+            with uncounted() if i < counted else contextlib.nullcontext():
                 try:
                     if dests is None:
                         out.append(client.get(key))
