@@ -32,10 +32,27 @@ def wait_for_callers_stream(value: object) -> None:
             pass
 
 
+def outs_as_now(outs: Any) -> Any:
+    """Output buffers handed to a worker: the list of them as it is now (a caller refilling its
+    list for the next request had this request's chunks written into the next one's buffers),
+    each device array's stream waited for here (:func:`wait_for_callers_stream`). A callable
+    ``outs(n)`` is the worker's to call."""
+    if callable(outs):
+        return outs
+    outs = snapshot(outs)
+    for out in outs if isinstance(outs, list) else [outs]:
+        wait_for_callers_stream(out)
+    return outs
+
+
 def tokens_as_now(token_ids: Any) -> Any:
-    """Token ids as they are now: an array or a tensor cloned, else as :func:`snapshot` takes them."""
+    """Token ids as they are now: an array or a tensor copied, else as :func:`snapshot` takes them.
+    A CUDA tensor is copied to the host here, on the caller's stream: a clone would be queued
+    there and read by the worker on its own stream, perhaps before the caller's side stream had
+    written the ids (another prompt matched, or none)."""
     if isinstance(token_ids, np.ndarray):
         return token_ids.copy()
     if is_torch_tensor(token_ids):
-        return token_ids.detach().clone()
+        ids = token_ids.detach()
+        return ids.clone() if ids.device.type == "cpu" else ids.cpu()
     return snapshot(token_ids)

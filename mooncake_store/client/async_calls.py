@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mooncake_store.client.async_args import snapshot, wait_for_callers_stream
+from mooncake_store.client.async_args import outs_as_now, snapshot, wait_for_callers_stream
 
 T = TypeVar("T")
 
@@ -54,10 +54,7 @@ class AsyncCalls:
     def get_many_into_async(self, keys: Sequence[str], outs: Sequence[object]) -> Future[list[int]]:
         """:meth:`get_many_into` on a worker thread (``keys`` and the list of ``outs`` taken as
         they are now; the buffers themselves are written until the future is done)."""
-        outs = snapshot(outs)
-        for out in outs if isinstance(outs, list) else [outs]:
-            wait_for_callers_stream(out)
-        return self._submit(self.get_many_into, snapshot(keys), outs)
+        return self._submit(self.get_many_into, snapshot(keys), outs_as_now(outs))
 
     def put_many_async(
         self,

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from mooncake_store.client.async_args import snapshot, tokens_as_now
+from mooncake_store.client.async_args import outs_as_now, snapshot, tokens_as_now
 from mooncake_store.client.client import Client
 from mooncake_store.client.in_flight import on_pool_thread
 from mooncake_store.client.prefix_chunks import (
@@ -361,12 +361,15 @@ class PrefixCache:
         return f"<PrefixCache {where} namespace={self.namespace!r} chunk_tokens={self.chunk_tokens}{state}>"
 
     def load_async(self, token_ids: Any = None, **kwargs: Any) -> Future[PrefixHit]:
-        """:meth:`load` on a worker thread. The token ids and block hashes are taken as they are
-        now (a list reused by the caller at once matched another prompt, or none); ``outs`` are
-        written until the future is done."""
+        """:meth:`load` on a worker thread. The token ids, the block hashes and the list of
+        ``outs`` are taken as they are now (a list reused by the caller at once matched another
+        prompt, or none, or filled the next request's buffers); the buffers themselves are written
+        until the future is done, after the caller's stream on device ones (as get_into_async)."""
         token_ids = tokens_as_now(token_ids)
         if "block_hashes" in kwargs:
             kwargs["block_hashes"] = snapshot(kwargs["block_hashes"])
+        if "outs" in kwargs:
+            kwargs["outs"] = outs_as_now(kwargs["outs"])
         with self._lock:  # close() sets _closed under it: no submit to a pool shut down meanwhile
             self._check_open()
             if self._pool is None:
