@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mooncake_store.client.buffers import BFLOAT16, check_dtype, check_fill_dtype
-from mooncake_store.client.gets import LEASE_SAFETY, lookup, refuse_stale_shm
+from mooncake_store.client.gets import LEASE_SAFETY, RACED, lookup, refuse_stale_shm
 from mooncake_store.client.lease_clock import lease_clock_s
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
 from mooncake_store.policy.transport_choice import order_replicas
@@ -282,7 +282,10 @@ def _read_to_device(
         if lease_clock_s() - started > budget_s and client._gets.outlived_lease([key], [meta], {0: source}, [0]):
             continue  # the replica read may have been freed meanwhile: read again
         return meta, target
-    raise last_error or TransferError(f"could not read {key!r} into device memory: its replicas kept moving")
+    raise last_error or TransferError(
+        f"could not read {key!r} into device memory after {config.max_retries + 1} attempts: {RACED} "
+        f"(lease_ms={config.lease_ms})"
+    )
 
 
 def _read_replica_to_device(

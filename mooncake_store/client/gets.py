@@ -41,6 +41,11 @@ LEASE_SAFETY = 0.8
 _again = threading.local()
 
 
+#: Why a read gave up after its attempts: each read of the object outlived its lease and found it
+#: moved, or replaced or removed, by the time it looked again (the index says no more than that).
+RACED = "each read outlived its lease and found the object moved, replaced or removed meanwhile"
+
+
 @contextlib.contextmanager
 def uncounted() -> Iterator[None]:
     """The calling thread's reads in the block count no hits or misses in stat(): they try again
@@ -146,7 +151,8 @@ class GetPath:
             pending = sorted(retry)
         raise last_error or TransferError(
             f"could not read {len(pending)} key(s) (first {keys[pending[0]]!r}) after "
-            f"{self.client.config.max_retries + 1} attempts: their replicas kept moving"
+            f"{self.client.config.max_retries + 1} attempts (max_retries={self.client.config.max_retries}): "
+            f"{RACED} (lease_ms={self.client.config.lease_ms})"
         )
 
     def _read_targets(
