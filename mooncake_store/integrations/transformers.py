@@ -245,6 +245,12 @@ def _load_device(model: Any, device: Any) -> Any:
         raise InvalidValue(f"load_prefix(device={device!r:.40}): not a torch device: {exc}") from None
     if target.type == "cuda" and not torch.cuda.is_available():
         raise GpuUnavailable(f"load_prefix(device={str(target)!r}): this torch build or machine has no CUDA device")
+    if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
+        # As for no device at all: torch's own error came at the first .to(), after every read.
+        raise GpuUnavailable(
+            f"load_prefix(device={str(target)!r}): torch sees {torch.cuda.device_count()} CUDA device(s) "
+            f"(0..{torch.cuda.device_count() - 1})"
+        )
     return target
 
 

@@ -235,8 +235,8 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
         readonly = data[1]  # type: ignore[index]
     except (TypeError, IndexError, KeyError) as exc:
         raise InvalidValue(f"{where} has no valid 'data' (pointer, read-only flag), got {data!r:.60}: {exc}") from None
-    if pointer <= 0:
-        raise InvalidValue(f"{where} names data at {pointer}, no device address")
+    if not 0 < pointer < 1 << 64:  # past 2**64 cupy's pointer queries raise OverflowError
+        raise InvalidValue(f"{where} names data at {pointer}, no device address (1..2**64-1)")
     return shape, dtype, pointer, bool(readonly)
 
 

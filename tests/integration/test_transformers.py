@@ -308,6 +308,26 @@ def test_a_load_onto_cuda_without_cuda_is_refused_before_any_read(client: Client
     cache.close()
 
 
+def test_a_load_onto_a_cuda_index_torch_lacks_is_refused_before_any_read(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """device="cuda:7" on a one-GPU machine passed the check (CUDA is there) and failed in torch
+    at the first .to(), after every chunk had been read. torch's device queries stand in for a
+    machine with one GPU; the check runs before the load touches a device."""
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    ids = document(2 * CHUNK + 1)
+    with torch.no_grad():
+        save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    before = client.stat().hits
+    with pytest.raises(GpuUnavailable, match=r"device='cuda:7'\): torch sees 1 CUDA device\(s\) \(0\.\.0\)"):
+        load_prefix(cache, ids, model, device="cuda:7")
+    assert client.stat().hits == before  # nothing was read
+    cache.close()
+
+
 def test_the_layout_is_checked_on_the_pinned_chunks_that_are_then_read(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:

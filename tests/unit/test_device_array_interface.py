@@ -34,6 +34,8 @@ GOOD = {"shape": (4,), "typestr": "<f4", "data": (1 << 20, False), "version": 3}
         ({**GOOD, "data": None}, "no valid 'data'"),
         ({**GOOD, "data": ("x", False)}, "no valid 'data'"),
         ({**GOOD, "data": (0, False)}, "no device address"),
+        ({**GOOD, "data": (1 << 64, False)}, r"at 18446744073709551616, no device address \(1\.\.2\*\*64-1\)"),
+        ({**GOOD, "shape": (1,) * 33}, "device array has 33 dimensions; the limit is 32"),
         ({**GOOD, "shape": (2, 2), "strides": (8,)}, r"'strides' \(8,\)"),
         ({**GOOD, "shape": (2, 2), "strides": (4, 8)}, "not C-contiguous"),
         ({**GOOD, "stream": "s"}, "'stream' that is no stream handle"),
