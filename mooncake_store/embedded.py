@@ -36,6 +36,11 @@ from mooncake_store.watchdog import start_time, watch_parent
 USAGE_EXIT = 2
 
 
+#: The longest start a caller may wait for (LocalCluster's agents too): an hour is far past any
+#: real start, and an infinite one waited forever on a server or agent that never came up.
+MAX_STARTUP_S = 3600.0
+
+
 def watchdog_command() -> list[str]:
     """How to start the watchdog: by path (it imports nothing of the package: see its docstring),
     with -P, so that its own folder does not go first on sys.path. Run by path without it, the
@@ -166,8 +171,10 @@ class EmbeddedServer:
         if type(port) is not int or not 0 <= port <= 65535:
             raise ServerError(f"port={port!r:.80}: not an int in 0..65535")
         timeout_ok = isinstance(startup_timeout_s, int | float) and not isinstance(startup_timeout_s, bool)
-        if not timeout_ok or not startup_timeout_s > 0:
-            raise ServerError(f"startup_timeout_s={startup_timeout_s!r:.80}: must be a number > 0")
+        if not timeout_ok or not 0 < startup_timeout_s <= MAX_STARTUP_S:  # inf waited forever
+            raise ServerError(
+                f"startup_timeout_s={startup_timeout_s!r:.80}: must be a number > 0 and <= {MAX_STARTUP_S:g}"
+            )
         self.host = host
         self.port = port
         self._requested_port = port  # 0 stays "pick one" for every start, even after a restart

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from mooncake_store.config import load_config
 from mooncake_store.config.values import shown
-from mooncake_store.embedded import EmbeddedServer
+from mooncake_store.embedded import MAX_STARTUP_S, EmbeddedServer
 from mooncake_store.errors import ConfigError, MooncakeError, ServerError
 from mooncake_store.tiers.disk_dir import sweep_tier_dir
 from mooncake_store.tiers.host import segment_paths, segment_pattern
@@ -153,9 +153,12 @@ class LocalCluster:
         if (
             isinstance(startup_timeout_s, bool)
             or not isinstance(startup_timeout_s, int | float)
-            or not startup_timeout_s > 0
+            or not 0 < startup_timeout_s <= MAX_STARTUP_S  # inf (or NaN) waited forever on a stuck start
         ):
-            raise ConfigError(f"startup_timeout_s must be a number of seconds > 0, got {startup_timeout_s!r:.80}")
+            raise ConfigError(
+                f"startup_timeout_s must be a number of seconds > 0 and <= {MAX_STARTUP_S:g}, "
+                f"got {shown(startup_timeout_s)}"
+            )
         self.host_bytes = checked.agent.host_bytes
         self.num_agents = num_agents
         # On its own private server the cluster uses the default namespace, so a plain

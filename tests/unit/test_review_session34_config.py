@@ -11,7 +11,8 @@ import pytest
 
 from mooncake_store import LocalCluster
 from mooncake_store.config import AgentConfig, ClientConfig, load_config
-from mooncake_store.errors import ConfigError
+from mooncake_store.embedded import EmbeddedServer
+from mooncake_store.errors import ConfigError, ServerError
 
 MANY_DIGITS = "1" * 5000  # past Python's 4300-digit int/str conversion limit
 
@@ -76,3 +77,12 @@ def test_local_cluster_refuses_a_ttl_its_agents_would_refuse_before_it_starts_an
     took a third of it and refused that: the server was started, then each agent exited with 2."""
     with pytest.raises(ConfigError, match=r"^heartbeat_ttl_s=0.002: must be >= 0.003 s"):
         LocalCluster(1, host_bytes=16 << 20, heartbeat_ttl_s=0.002)
+
+
+def test_an_infinite_startup_timeout_is_refused() -> None:
+    """inf passed the "> 0" checks, and a start that never came up was waited for forever."""
+    with pytest.raises(ServerError, match=r"startup_timeout_s=inf: must be a number > 0 and <= 3600"):
+        EmbeddedServer(startup_timeout_s=float("inf"))
+    for bad in (float("inf"), float("nan"), 3601):
+        with pytest.raises(ConfigError, match=r"startup_timeout_s must be a number of seconds > 0 and <= 3600, got"):
+            LocalCluster(1, startup_timeout_s=bad)
