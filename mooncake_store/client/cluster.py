@@ -296,17 +296,31 @@ class LocalCluster:
 
     def _wait_ready(self, agent: AgentProcess) -> dict[str, Any]:
         assert agent.process.stdout is not None
+        # Read from the pipe's descriptor, not the buffered file: select() sees only the pipe, so
+        # a READY line a buffered readline() had already taken in with an earlier line would sit
+        # in its buffer while select() waited out the whole timeout.
+        fd = agent.process.stdout.fileno()
         deadline = time.monotonic() + self.startup_timeout_s
-        line = b""
+        pending = b""
+        line = b""  # the last line read, for the message
+        ended = False  # the pipe's end: the agent is exiting
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([agent.process.stdout], [], [], 0.2)
-            if ready:
-                line = agent.process.stdout.readline()
+            if b"\n" in pending:
+                line, _, pending = pending.partition(b"\n")
                 if line.startswith(b"READY "):
                     return dict(json.loads(line[6:]))
-                if not line:
-                    break
-        if not line:  # stdout closed: the agent is exiting; give it a moment to finish its stderr
+                continue
+            if ended:
+                break
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            ended = not chunk
+            if ended and pending:
+                pending += b"\n"  # a last line without its newline is a line too
+            pending += chunk
+        if ended:  # give it a moment to finish its stderr
             try:
                 agent.process.wait(timeout=5)
             except subprocess.TimeoutExpired:

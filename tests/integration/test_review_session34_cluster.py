@@ -1,6 +1,7 @@
-"""A LocalCluster's private server that died before its launcher was killed outright: its temp dir
-went with neither (the watchdog left as soon as the server was gone, and only the launcher's own
-stop removed the dir). The watchdog now stays for the launcher and removes the dir once it is gone."""
+"""LocalCluster's processes: a private server that died before its launcher was killed outright
+left its temp dir behind (the watchdog left as soon as the server was gone, and only the launcher's
+own stop removed the dir; the watchdog now stays for the launcher); an agent's READY line read in
+one pipe read with a line before it was not seen until the start timed out."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from helpers import wait_until
 
-from mooncake_store import watchdog
+from mooncake_store import LocalCluster, watchdog
 
 LAUNCHER = textwrap.dedent(
     """
@@ -56,3 +58,49 @@ def test_the_server_temp_dir_goes_when_the_launcher_is_killed_after_its_server_d
             os.kill(watchdog_pid, signal.SIGKILL)
         if temp_dir and Path(temp_dir).name.startswith("mooncake-redis-"):
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+HOLD_UNTIL_READY = """
+import sys
+
+
+class HoldUntilReady:
+    # The agent's stdout, written to the pipe only with its READY line: what it printed before
+    # arrives in the same read.
+    def __init__(self, inner):
+        self.inner, self.held = inner, []
+
+    def write(self, text):
+        self.held.append(text)
+        return len(text)
+
+    def flush(self):
+        if any("READY" in text for text in self.held):
+            self.inner.write("".join(self.held))
+            self.held.clear()
+            self.inner.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+sys.stdout = HoldUntilReady(sys.stdout)
+print("a line of its own before READY")
+"""
+
+
+def test_an_agent_line_before_ready_in_the_same_pipe_read_does_not_hide_ready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str, namespace: str
+) -> None:
+    """LocalCluster waited with select() on the pipe and read with a buffered readline(): a line
+    the agent wrote before READY, in the same write, took READY into the file's buffer, and
+    select() then waited out the whole start timeout for a pipe with nothing more in it."""
+    (tmp_path / "sitecustomize.py").write_text(HOLD_UNTIL_READY)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # The session's server: only the agent (no server wrapper) starts with the stdout above.
+    cluster = LocalCluster(1, host_bytes=16 << 20, redis_url=redis_url, namespace=namespace, startup_timeout_s=20)
+    try:
+        cluster.start()  # ServerError "did not become ready within 20 s" before
+        assert cluster.agents[0].endpoint
+    finally:
+        cluster.stop()
