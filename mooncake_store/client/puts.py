@@ -273,6 +273,10 @@ class PutPath:
             self.abandon([p for p, _ in failed], nodes, started=True)
             # The batch's other puts did land: say which, so that a retry need not write them again.
             stored = [p.key for p, s in zip(plans, statuses, strict=True) if s == "OK"]
+            # And run()'s own retry (of expired reservations) writes only those that failed: it
+            # wrote the stored ones again, over what another writer had put there meanwhile, and
+            # failed on one pinned meanwhile.
+            plans[:] = [p for p, _ in failed]
             landed = f"; stored the other {len(stored)} key(s): {stored[:5]!r}" if stored else ""
             loop = next((p for p, s in failed if s == "LOOP"), None)
             if loop is not None:
