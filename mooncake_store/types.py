@@ -26,6 +26,11 @@ MAX_DIMS = 32
 ALIGNMENT = 64
 
 
+def footprint_bytes(size_bytes: int) -> int:
+    """What an object of ``size_bytes`` takes in an arena: whole ALIGNMENT units, one at least."""
+    return max(ALIGNMENT, -(-size_bytes // ALIGNMENT) * ALIGNMENT)
+
+
 class ReplicaState(StrEnum):
     PENDING = "PENDING"
     COMPLETE = "COMPLETE"

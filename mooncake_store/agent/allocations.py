@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -146,6 +146,12 @@ class AllocationTable:
             return len(self._allocs)
 
     # ---- transitions ----------------------------------------------------------------------
+    def footprint(self, requests: Sequence[tuple[int, bytes]]) -> int:
+        """What ``requests`` (size, put_id) take in this arena: whole units each, one at least. The
+        room to make for them: their raw sizes asked 3000 B for 3000 one-byte objects that take
+        192,000 B, and a pressure pass that found a free block of 3000 B made none."""
+        return sum(self._allocator.footprint(size) for size, _ in requests)
+
     def reserve(
         self, requests: list[tuple[int, bytes]], *, ceiling_bytes: int | None = None
     ) -> list[Allocation] | None:
@@ -153,12 +159,10 @@ class AllocationTable:
         would take the table's use past ``ceiling_bytes`` (a peer's spill: its high watermark)."""
         now = time.monotonic()
         with self._lock:
-            if ceiling_bytes is not None:
-                # In the allocator's units, as its use counts them: raw sizes let a spill of many
-                # odd-sized objects end past the mark, and the peer spilled them straight back.
-                needed = sum(self._allocator.footprint(size) for size, _ in requests)
-                if self._allocator.used_bytes + needed > ceiling_bytes:
-                    return None
+            # In the allocator's units, as its use counts them: raw sizes let a spill of many
+            # odd-sized objects end past the mark, and the peer spilled them straight back.
+            if ceiling_bytes is not None and self._allocator.used_bytes + self.footprint(requests) > ceiling_bytes:
+                return None
             done: list[Allocation] = []
             for size, put_id in requests:
                 offset = self._allocator.allocate(size)

@@ -314,7 +314,7 @@ class AgentOps:
             # A refused spill goes to another peer, and a probing writer to another node: no room
             # is made for either.
             if not flags & (SPILL_FLAG | PROBE_FLAG):
-                self._hooks.no_room(sum(size for size, _ in requests))
+                self._hooks.no_room(self._table.footprint(requests))
             return True
         if flags & SPILL_FLAG:
             self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from mooncake_store.errors import ConnectError, NoCapacity
-from mooncake_store.types import ALIGNMENT, NodeInfo, TierKind
+from mooncake_store.types import ALIGNMENT, NodeInfo, TierKind, footprint_bytes
 
 
 def live_nodes(nodes: Iterable[NodeInfo], now_ms: int) -> list[NodeInfo]:
@@ -173,7 +173,7 @@ def check_batch_fits(
         """Of the batch's objects, at most one copy each, as many as its smallest ones fill."""
         room, held = tier_capacity(node, tier), 0
         for size in ordered:
-            room -= max(ALIGNMENT, -(-size // ALIGNMENT) * ALIGNMENT)  # whole 64 B units, one at least
+            room -= footprint_bytes(size)  # whole 64 B units, one at least
             if room < 0:
                 break
             held += 1

@@ -30,6 +30,7 @@ from mooncake_store.transport.cancel import current_cancel, running_under
 from mooncake_store.transport.fence import Fence
 from mooncake_store.transport.frames import Op, Status
 from mooncake_store.transport.tcp_pool import ConnectionPool
+from mooncake_store.types import footprint_bytes
 
 SOCKET_BUFFER_BYTES = 4 << 20
 
@@ -163,7 +164,7 @@ class PeerConnections(ConnectionPool):
             frames.send_all(sock, frames.pack(Op.RESERVE, len(chunk), tier, flags), memoryview(payload))
             status, a, b, c = self._reply(sock, Op.RESERVE)
             if status == Status.NO_CAPACITY:
-                need = sum(size for size, _ in chunk)
+                need = sum(footprint_bytes(size) for size, _ in chunk)  # as the arena counts them
                 where = frames.TIER_NAMES.get(tier, tier)
                 if c == 0:  # no such tier there, or a disk tier, which takes spills only
                     raise NoCapacity(
