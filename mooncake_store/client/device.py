@@ -329,7 +329,13 @@ def _read_replica_to_device(
                         raise  # no other way to this replica: the next one
                     through_agent(node, replica)
             elif kind == TransportKind.SHM:
-                seg = client._shm.segment(node.shm_name, client._arena_bytes(node))
+                try:
+                    seg = client._shm.segment(node.shm_name, client._arena_bytes(node))
+                except ConnectError:  # cannot be mapped here (no room, no descriptor): the agent serves it
+                    if TransportKind.TCP not in client.transports:
+                        raise
+                    through_agent(node, replica)
+                    return replica
                 if client.config.pin_shared_arenas:
                     seg.pin_for_devices(dest_device)
                 try:

@@ -331,6 +331,18 @@ class GetPath:
         record no checksum (0): hashing would cost a device-to-host copy."""
         return bool(self.client.config.verify_checksum and meta.checksum and checksum_of(dest) != meta.checksum)
 
+    def _read_shm(self, node: NodeInfo, replica: Replica, dest: memoryview) -> None:
+        """A host replica out of its agent's shared arena; over TCP from the same agent when this
+        process cannot map the arena (no room in its address space, no descriptor left), as the
+        agents' own peer mappings fall back."""
+        client = self.client
+        try:
+            client._shm.read_into(node.shm_name, client._arena_bytes(node), replica.offset, dest)
+        except ConnectError:  # the mapping's failure: a copy out of a mapped arena raises none
+            if TransportKind.TCP not in client.transports:
+                raise
+            client._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
+
     def outlived_lease(
         self, keys: list[str], metas: list[ObjectMeta | None], used: dict[int, Replica | None], pending: list[int]
     ) -> list[int]:
@@ -401,7 +413,7 @@ class GetPath:
                 if kind == TransportKind.SHM and replica.tier == TierKind.GPU:
                     self._read_gpu_ipc(node, replica, dest)
                 elif kind == TransportKind.SHM:
-                    self.client._shm.read_into(node.shm_name, self.client._arena_bytes(node), replica.offset, dest)
+                    self._read_shm(node, replica, dest)
                 elif replica.tier == TierKind.HOST:
                     self.client._tcp.read_into(node.tcp_endpoint, replica.alloc_id, replica.offset, dest)
                 else:

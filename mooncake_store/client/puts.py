@@ -234,7 +234,12 @@ class PutPath:
             for plan in plans:
                 for replica in plan.replicas:
                     node = nodes[replica.node_id]
-                    if plan.size_bytes and isinstance(plan.source, Source) and client._use_shm(node):
+                    if (
+                        plan.size_bytes
+                        and isinstance(plan.source, Source)
+                        and client._use_shm(node)
+                        and self.writes.arena_mapped(node)
+                    ):
                         same_host.setdefault(node.node_id, []).append((replica, plan))
                     else:
                         elsewhere.append((replica, plan))

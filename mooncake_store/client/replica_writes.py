@@ -87,6 +87,21 @@ class ReplicaWriter:
     def __init__(self, client: Client) -> None:
         self.client = client
 
+    def arena_mapped(self, node: NodeInfo) -> bool:
+        """Map the node's shared arena (once; the later calls find it mapped); False when this
+        process cannot (no room in its address space, no descriptor left) and TCP may carry the
+        put instead, as the agents' own peer mappings fall back. The failure was the put's: a
+        bare OSError, or a write that failed on the node and placed the put elsewhere."""
+        client = self.client
+        try:
+            client._shm.segment(node.shm_name, client._arena_bytes(node))
+        except ConnectError as exc:
+            if TransportKind.TCP not in client.transports:
+                raise
+            log.info("put to %s over TCP: its arena cannot be mapped here (%s)", node.node_id, exc)
+            return False
+        return True
+
     def fence(self, node: NodeInfo, group: list[tuple[Replica, PlannedPut]]) -> list[FencedPart]:
         """Send the FENCEs of same-host puts into one agent's shared arena (one per MAX_BATCH of
         them, each on a connection of its own); copy_fenced reads each reply and copies. The

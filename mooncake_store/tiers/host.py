@@ -447,11 +447,20 @@ class SharedSegment(_Mapping):
             raise ConnectError(f"shared-memory segment {path} does not exist") from None
         except PermissionError:
             raise ConnectError(f"shared-memory segment {path} is not readable/writable by us") from None
+        except OSError as exc:  # EMFILE, ENFILE: this process's limits, not the segment's fault
+            raise ConnectError(f"cannot open shared-memory segment {path}: {exc.strerror or exc}") from None
         try:
             actual = os.fstat(fd).st_size
             if actual < size_bytes:
                 raise ProtocolError(f"shared-memory segment {path} is {actual} B; the agent advertised {size_bytes} B")
             mm = _map(fd, size_bytes, populate=populate)
+        except OSError as exc:
+            # No room to map it here (ENOMEM under an address-space or container limit, or
+            # vm.max_map_count): a ConnectError, so that a read goes to another replica or over
+            # TCP, as the agents' own peer mappings do; a bare OSError escaped get and put.
+            raise ConnectError(
+                f"cannot map {size_bytes} B of shared-memory segment {path}: {exc.strerror or exc}"
+            ) from None
         finally:
             os.close(fd)
         return cls(name, path, size_bytes, mm)
