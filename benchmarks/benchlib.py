@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mooncake_cli.bench_checks import check_batch_reads, check_read, check_reads, stamp
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -59,24 +60,6 @@ def budget_for(size: int, *, quick: bool, seconds: float | None = None) -> Budge
     # Enough iterations that a size moves at least ~1-2 GB, capped so small sizes finish too.
     count = int(min(20_000, max(20, (1.0 if quick else 3.0) * GB / size)))
     return Budget(count=count, seconds=secs)
-
-
-def stamp(buf: np.ndarray, i: int) -> None:
-    """Key ``i``'s bytes: the case's shared source with ``i`` in its first 8 bytes, so that a read
-    of another key's bytes, or one that wrote nothing over the warm-up's, is caught (check_reads)."""
-    buf[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
-
-
-def check_reads(read: Callable[[int], Any], src: np.ndarray, dst: np.ndarray, count: int, what: str) -> None:
-    """After a timed loop of reads: each of its ``count`` keys read once more, by ``read(i)`` into
-    ``dst`` zeroed first, against its own stamp. A check of the loop's last read alone passed a
-    get that copied nothing after the warm-up (every key held the same bytes)."""
-    for i in range(count):
-        dst[:] = 0
-        read(i)
-        stamp(src, i)
-        if not np.array_equal(src, dst):
-            raise RuntimeError(f"{what}: key {i} read back wrong bytes")
 
 
 def timed_loop(fn: Callable[[int], Any], budget: Budget, *, warmup: int = 2) -> tuple[int, float, list[float]]:
@@ -144,12 +127,41 @@ MIN_HOST_BYTES = 2 * FOOTPRINT_BYTES
 
 
 def check_host_bytes(parser: Any, host_bytes: int) -> None:
-    """``parser.error`` (exit 2) for an arena the workload cannot fit in, before any work starts."""
+    """``parser.error`` (exit 2) for an arena the workload cannot fit in, or that /dev/shm cannot
+    hold (the agent refused it after the limits had been measured, as a traceback), before any
+    work starts."""
     if host_bytes < MIN_HOST_BYTES:
         parser.error(
             f"--host-bytes {host_bytes} is too small: the workload rotates over {FOOTPRINT_BYTES >> 20} MiB "
             f"of keys and needs at least {MIN_HOST_BYTES} ({MIN_HOST_BYTES >> 20} MiB)"
         )
+    shm = os.statvfs("/dev/shm")
+    available = shm.f_bavail * shm.f_frsize
+    if host_bytes > available:
+        parser.error(f"--host-bytes {host_bytes} is more than /dev/shm has free ({available} B)")
+
+
+def check_output_file(parser: Any, path: Path | None, flag: str) -> None:
+    """``parser.error`` (exit 2) for a file a run would write only at its end (minutes later) and
+    could not: a directory, or a folder this user cannot write."""
+    if path is None:
+        return
+    if path.is_dir():
+        parser.error(f"{flag} {path} is a directory; name a file")
+    folder = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"{flag} {path}: cannot write under {folder}")
+
+
+def check_output_dir(parser: Any, path: Path | None, flag: str) -> None:
+    """``parser.error`` (exit 2) for a directory to write in that is a file, or cannot be made."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
+        parser.error(f"{flag} {path} is not a directory")
+    folder = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+    if not path.exists() and (not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK)):
+        parser.error(f"{flag} {path}: cannot be made under {folder}")
 
 
 def footprint_slots(size: int) -> int:
@@ -310,6 +322,7 @@ def _store_measure(
             Budget(count=2000 if quick else 10000, seconds=3.0),
             warmup=50,
         )
+        check_read(lambda: client.get_into(f"{tag}-lat", dst), small, dst, f"{transport} 4 KiB get_into")
         out["lat"] = {"p50_us": percentile_us(times, 50), "p99_us": percentile_us(times, 99), "n": len(times)}
         _n, _secs, times = timed_loop(
             lambda _i: client.put(f"{tag}-lat", small), Budget(count=1000 if quick else 5000, seconds=3.0), warmup=20
@@ -356,8 +369,7 @@ def _store_batch(client: Any, tag: str, quick: bool) -> dict[str, float]:
     put = gbps(n * total, secs)
     n, secs, gtimes = timed_loop(lambda _i: client.get_many_into(keys, outs), b, warmup=1)
     get = gbps(n * total, secs)
-    if not all(np.array_equal(values[k], o) for k, o in zip(keys, outs, strict=True)):
-        raise RuntimeError("get_many_into returned wrong bytes")
+    check_batch_reads(lambda: client.get_many_into(keys, outs), list(values.values()), outs, "get_many_into")
     client.remove_many(keys)
     return {
         "put_many_gbps": put,

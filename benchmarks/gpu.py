@@ -45,6 +45,7 @@ import numpy as np
 from benchlib import (
     MiB,
     budget_for,
+    check_output_file,
     emit_report,
     exit_on_sigterm,
     gbps,
@@ -198,7 +199,8 @@ def store_cases(cupy: Any, sizes: tuple[int, ...], gpu_mem: str, *, quick: bool)
                     out[OVERLAP] = load_during_compute(cupy, client, hkeys[0], size)
                 for name, fn in cases.items():
                     out.setdefault(name, {})[size] = measure(fn, size, quick=quick)
-                    out[name][size]["exact"] = check_case(cupy, client, tcp_client, name, gkeys[0], hkeys[0], host_src)
+                    gkey = put_check_key(gkeys, int(out[name][size]["iters"])) if name == PUT_GPU else gkeys[0]
+                    out[name][size]["exact"] = check_case(cupy, client, tcp_client, name, gkey, hkeys[0], host_src)
                 client.remove_many(gkeys + hkeys)
                 time.sleep(0.3)  # leases run out; the agent frees the old copies before the next size
         finally:
@@ -207,6 +209,13 @@ def store_cases(cupy: Any, sizes: tuple[int, ...], gpu_mem: str, *, quick: bool)
     finally:
         cluster.stop()
     return out
+
+
+def put_check_key(keys: list[str], iters: int) -> str:
+    """The key a put case is checked on: the last its timed loop wrote. Every key holds the same
+    bytes and the warm-up wrote the first two, so a check of keys[0] passed a put that stored
+    nothing after the warm-up (the keys are new for each size)."""
+    return keys[min(max(iters, 1), len(keys)) - 1]
 
 
 def zeroed_device(cupy: Any, nbytes: int) -> Any:
@@ -303,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every raw figure to this file")
     parser.add_argument("--gpu-mem", default="2GiB", help="the agent's GPU tier (default 2GiB)")
     args = parser.parse_args(argv)
+    check_output_file(parser, args.json, "--json")
     exit_on_sigterm()
     usable, why = cuda_status(0)
     if not usable:

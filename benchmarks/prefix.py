@@ -172,7 +172,7 @@ def bench_restore(cluster: LocalCluster, *, quick: bool) -> None:
         t = time.perf_counter()
         save_prefix(cache, doc, output_cache(out))
         store = time.perf_counter() - t
-        first_keys = _layers(output_cache(out))[0][0].clone()  # for the check below
+        stored = [(k.clone(), v.clone()) for k, v in _layers(output_cache(out))]  # for the check below
         del out
         prompt = torch.cat([doc, doc[:1]])
         restore = timings(lambda: load_prefix(cache, prompt, model), count=5 if quick else 15, seconds=5.0, warmup=1)  # noqa: B023
@@ -180,8 +180,11 @@ def bench_restore(cluster: LocalCluster, *, quick: bool) -> None:
         # What was timed restored the whole prefix, as it was stored: a restore that found
         # nothing takes ~1 ms and would pass for a fast one.
         restored, kv = load_prefix(cache, prompt, model)
-        if restored != n or not torch.equal(_layers(kv)[0][0], first_keys):
-            raise RuntimeError(f"restore of {n} tokens restored {restored}, or other keys than were stored")
+        # Every layer's keys and values: a check of layer 0's keys passed a restore of wrong values.
+        pairs = zip(_layers(kv), stored, strict=True)
+        same = all(torch.equal(k, sk) and torch.equal(v, sv) for (k, v), (sk, sv) in pairs)
+        if restored != n or not same:
+            raise RuntimeError(f"restore of {n} tokens restored {restored}, or other keys or values than were stored")
         print(f"{n:>7}{prefill:>11.2f}s{store * 1e3:>7.0f}ms{r * 1e3:>11.1f}ms{r / prefill:>16.1%}")
     cache.close()
     client.close()

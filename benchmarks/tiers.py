@@ -42,6 +42,8 @@ from benchlib import (
     GB,
     MiB,
     across_runs,
+    check_output_dir,
+    check_output_file,
     emit_report,
     exit_on_sigterm,
     markdown_table,
@@ -371,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tokens {tokens}: at least one chunk of {CHUNK_TOKENS} tokens is needed")
     if args.disk_dir is not None and not args.disk_dir.is_dir():
         parser.error(f"--disk-dir {args.disk_dir} is not a directory")
+    check_output_file(parser, args.json, "--json")
+    check_output_dir(parser, args.profile, "--profile")
     exit_on_sigterm()
     started = time.monotonic()
     if args.profile:

@@ -26,6 +26,7 @@ from benchlib import (
     MiB,
     across_runs,
     check_host_bytes,
+    check_output_file,
     emit_report,
     exit_on_sigterm,
     markdown_table,
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     check_host_bytes(parser, args.host_bytes)
+    check_output_file(parser, args.json, "--json")
     exit_on_sigterm()
     sizes = SIZES
     started = time.monotonic()

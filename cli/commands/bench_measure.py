@@ -15,6 +15,7 @@ from types import FrameType
 from typing import Any
 
 import numpy as np
+from mooncake_cli.bench_checks import ReadCheckFailed, check_batch_reads, check_read, check_reads, stamp
 from mooncake_cli.context import Target
 from mooncake_cli.exits import CliError
 from rich.progress import Progress
@@ -192,6 +193,7 @@ class Bench:
         dst = np.empty_like(small)
         client.put(key, small)
         n, _, times = timed_loop(lambda _i: client.get_into(key, dst), seconds, 5000, warmup=20)
+        checked(lambda: check_read(lambda: client.get_into(key, dst), small, dst, f"{transport} 4 KiB get_into"))
         client.remove(key)
         self.res.latency.append({"transport": transport, "size_bytes": LATENCY_BYTES, "get_p50_us": _pct_us(times, 50),
                                  "get_p99_us": _pct_us(times, 99), "gets": n})  # fmt: skip
@@ -212,15 +214,20 @@ class Bench:
             self.res.skipped.append({"transport": transport, "what": size_label(size), "reason": reason})
             return None
         seconds, count = self.res.seconds, max_iterations(size)
-        src = np.frombuffer(np.random.default_rng(size).bytes(size), dtype=np.uint8)
+        src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)  # writable: stamped
         dst = np.empty(size, dtype=np.uint8)
         keys = [f"{self.res.prefix}{transport}/{size}/{i}" for i in range(slots_for(size, room))]
+
+        def put(i: int) -> None:
+            stamp(src, i % len(keys))  # 8 bytes: each key's own value, for the check below
+            client.put(keys[i % len(keys)], src)
+
         # Replacing a key frees its old bytes a little later; put waits for that room by itself.
-        puts, put_s, _ = timed_loop(lambda i: client.put(keys[i % len(keys)], src), seconds, count, warmup=len(keys))
+        puts, put_s, _ = timed_loop(put, seconds, count, warmup=len(keys))
         step(f"get_into {size_label(size)}")
         gets, get_s, _ = timed_loop(lambda i: client.get_into(keys[i % len(keys)], dst), seconds, count)
-        if not np.array_equal(src, dst):
-            raise CliError(f"{transport} get_into of {size} B returned different bytes than were put")
+        what = f"{transport} get_into of {size} B"
+        checked(lambda: check_reads(lambda i: client.get_into(keys[i], dst), src, dst, len(keys), what))
         client.remove_many(keys)
         put_gbps, get_gbps = puts * size / put_s / GB, gets * size / get_s / GB
         return {
@@ -249,8 +256,8 @@ class Bench:
         seconds = self.res.seconds
         n_put, put_s, _ = timed_loop(lambda _i: client.put_many(values), seconds, 200, warmup=1)
         n_get, get_s, times = timed_loop(lambda _i: client.get_many_into(keys, outs), seconds, 200, warmup=1)
-        if not all(np.array_equal(values[k], o) for k, o in zip(keys, outs, strict=True)):
-            raise CliError(f"{transport} get_many_into returned different bytes than were put")
+        read = lambda: client.get_many_into(keys, outs)  # noqa: E731
+        checked(lambda: check_batch_reads(read, list(values.values()), outs, f"{transport} get_many_into"))
         client.remove_many(keys)
         get_gbps = n_get * total / get_s / GB
         return {
@@ -263,6 +270,14 @@ class Bench:
             "get_many_p50_ms": _pct_us(times, 50) / 1e3,
             "batches": n_get,
         }
+
+
+def checked(check: Callable[[], None]) -> None:
+    """A read check's failure as the command's error (exit 1), naming what read back wrong."""
+    try:
+        check()
+    except ReadCheckFailed as exc:
+        raise CliError(str(exc)) from None
 
 
 def cleanup(client: Client, prefix: str) -> int:
