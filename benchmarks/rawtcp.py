@@ -21,7 +21,6 @@ from benchlib import (
     FOOTPRINT_BYTES,
     GB,
     Budget,
-    MiB,
     budget_for,
     footprint_slots,
     gbps,
@@ -31,7 +30,12 @@ from benchlib import (
     timed_loop,
 )
 
+from mooncake_store.config import ClientConfig
 from mooncake_store.transport.frames import kernel_timeouts
+
+#: Objects above this are striped over the connections, as the store's client stripes them (its
+#: default stripe_bytes, read from the store rather than written here again).
+STORE_STRIPE_BYTES = ClientConfig().stripe_bytes
 
 #: Socket buffers of the raw TCP baseline when the store's value (transport/tcp.py) cannot be
 #: imported; store_socket_buffer_bytes() reads the store's.
@@ -202,7 +206,7 @@ class RawClient:
     request (request/response); ``stream_get``/``stream_put`` move ``count`` objects per request.
     Objects above ``stripe_bytes`` are striped over the connections like the store's."""
 
-    def __init__(self, port: int, connections: int, stripe_bytes: int = 4 * MiB) -> None:
+    def __init__(self, port: int, connections: int, stripe_bytes: int = STORE_STRIPE_BYTES) -> None:
         self.socks = []
         for _ in range(connections):
             s = socket.create_connection(("127.0.0.1", port), timeout=RAW_IO_TIMEOUT_S)
@@ -395,7 +399,7 @@ def measure_raw_tcp(
     connections: int,
     *,
     quick: bool,
-    stripe_bytes: int = 4 * MiB,
+    stripe_bytes: int = STORE_STRIPE_BYTES,
     trials: int | None = None,
     trial_s: float | None = None,
     whole_objects: bool = False,

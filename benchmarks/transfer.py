@@ -37,7 +37,7 @@ from benchlib import (
     spread_cell,
     store_worker,
 )
-from rawtcp import measure_limits, merge_raw_tcp, raw_tcp_server, raw_tcp_worker
+from rawtcp import STORE_STRIPE_BYTES, measure_limits, merge_raw_tcp, raw_tcp_server, raw_tcp_worker
 
 #: (transport, tcp_connections) cases measured against the store.
 CASES = (("shm", 4), ("tcp", 1), ("tcp", 4))
@@ -180,7 +180,8 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
                 one = across_runs(runs, "store", "tcp x1", op, size)[0]
                 four = across_runs(runs, "store", "tcp x4", op, size)[0]
                 parts.append(f"{op} {size_label(size)}: x1 {one:.2f} vs x4 {four:.2f} GB/s")
-        lines.append("tcp_connections 1 vs 4 (objects above stripe_bytes=4 MiB are striped): " + "; ".join(parts))
+        striped = f"objects above stripe_bytes={size_label(STORE_STRIPE_BYTES)} are striped"
+        lines.append(f"tcp_connections 1 vs 4 ({striped}): " + "; ".join(parts))
     stalls = {
         case: sum(run["store"][case].get("stalls", {}).get("no_capacity", 0) for run in runs)
         for case in runs[0]["store"]
