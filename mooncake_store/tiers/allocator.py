@@ -224,7 +224,11 @@ class OffsetAllocator:
 
     @property
     def largest_free_bytes(self) -> int:
-        return self._sizes[-1] if self._sizes else 0
+        """The largest allocation that would fit now: whole units. The partial last unit of a
+        capacity that is no multiple of the alignment is free but never handed out, and counted
+        here it told a put (and the pressure loop's "room appeared") of room that was not there."""
+        largest = self._sizes[-1] if self._sizes else 0
+        return largest - largest % self._alignment
 
     @property
     def num_allocations(self) -> int:

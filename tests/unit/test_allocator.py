@@ -36,7 +36,7 @@ def check_invariants(alloc: OffsetAllocator) -> None:
     assert alloc.used_bytes + alloc.free_bytes == alloc.capacity_bytes
     assert alloc.num_allocations == len(alloc.allocations())
     largest = max((size for _, size in alloc.free_blocks()), default=0)
-    assert alloc.largest_free_bytes == largest
+    assert alloc.largest_free_bytes == largest - largest % alloc.alignment  # whole units: what fits
 
 
 def test_constructor_rejects_bad_values() -> None:
@@ -114,7 +114,10 @@ def test_capacity_not_multiple_of_alignment() -> None:
     # 36 B remain free but no request (minimum one 64 B unit) can use them.
     assert alloc.allocate(0) is None
     assert alloc.free_bytes == 36
+    assert alloc.largest_free_bytes == 0  # what fits: it said 36, room for no request at all
     check_invariants(alloc)
+    odd = OffsetAllocator(1000, alignment=64)
+    assert odd.largest_free_bytes == 960 and odd.allocate(960) == 0  # 1000 was said, and refused
 
 
 def _three_blocks() -> tuple[OffsetAllocator, int, int, int]:
