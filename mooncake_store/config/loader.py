@@ -33,9 +33,16 @@ from mooncake_store.errors import ConfigError
 
 
 def _unknown(where: str, name: str, candidates: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(name, candidates, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
+    hint = nearest_hint(name, candidates)
     return ConfigError(f"{where}: unknown key {name}{hint}")
+
+
+def nearest_hint(name: str, candidates: list[str], fold: str = "lower") -> str:
+    """ " (did you mean X?)" for the nearest of ``candidates``, case aside: compared case-sensitively,
+    CLIENT or HOST_BYTES was too far from client and host_bytes to get a hint at all."""
+    folded = {getattr(known, fold)(): known for known in candidates}
+    close = difflib.get_close_matches(getattr(name, fold)(), list(folded), n=1)
+    return f" (did you mean {folded[close[0]]}?)" if close else ""
 
 
 def _resolve_file(file: str | Path | None, env: Mapping[str, str]) -> tuple[Path | None, str]:
@@ -131,9 +138,7 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
         spec = _FIELDS_BY_ENV.get(var)
         if spec is None:
             # Compared upper-cased: MOONCAKE_AGENT_host_bytes is a case away from its variable.
-            by_upper = {known.upper(): known for known in _FIELDS_BY_ENV}
-            close = [by_upper[m] for m in difflib.get_close_matches(var.upper(), list(by_upper), n=1)]
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            hint = nearest_hint(var, list(_FIELDS_BY_ENV), fold="upper")
             raise ConfigError(
                 f"env {var}: unknown variable{hint}; MOONCAKE_* variables must be config keys "
                 f"or one of {', '.join(sorted(NON_CONFIG_ENV_VARS | _ENV_ALIASES.keys()))}"

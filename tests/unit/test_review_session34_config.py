@@ -4,6 +4,7 @@ never set (which LocalCluster's own pre-check let through, after which its agent
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,3 +87,20 @@ def test_an_infinite_startup_timeout_is_refused() -> None:
     for bad in (float("inf"), float("nan"), 3601):
         with pytest.raises(ConfigError, match=r"startup_timeout_s must be a number of seconds > 0 and <= 3600, got"):
             LocalCluster(1, startup_timeout_s=bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        ('[CLIENT]\nzone = "a"\n', "unknown key CLIENT (did you mean client?)"),
+        ('NAMESPACE = "x"\n', "unknown key NAMESPACE (did you mean namespace?)"),
+        ("[agent]\nHOST_BYTES = 5\n", "unknown key agent.HOST_BYTES (did you mean agent.host_bytes?)"),
+    ],
+)
+def test_a_file_key_a_case_away_from_a_known_one_gets_the_hint(tmp_path: Path, text: str, hint: str) -> None:
+    """README: the nearest known name for a misspelt key, case aside. File keys were compared
+    case-sensitively (the environment's upper-cased), and these got no hint at all."""
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        load_config(file=path, env={})
