@@ -53,8 +53,10 @@ def main() -> int:
     parser.add_argument("--redis-url", help="an existing cluster's index (default: start a private one)")
     parser.add_argument("--namespace", default=None)
     parser.add_argument("--total", default="256MiB", type=_size, help="bytes of KV chunks to move (default 256MiB)")
-    parser.add_argument("--agents", type=int, default=2)
+    parser.add_argument("--agents", type=int, default=2, help="agents to start, at least 1 (default 2)")
     args = parser.parse_args()
+    if args.agents < 1:  # no node to store the chunks on: it failed with NoCapacity after starting
+        parser.error(f"--agents {args.agents}: at least one agent holds the chunks")
     chunk_bytes = chunk(0).nbytes
     count = max(1, args.total // chunk_bytes)
     arena = max(64 << 20, (count * chunk_bytes) // max(1, args.agents) + (64 << 20))

@@ -26,3 +26,10 @@ def test_kv_transfer_refuses_a_size_it_cannot_read_as_usage() -> None:
     result = _run("--total", "abc")
     assert result.returncode == 2, result.stderr
     assert "not a size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kv_transfer_refuses_no_agents_as_usage() -> None:
+    """--agents 0 started a cluster with nowhere to store, then failed with NoCapacity (exit 1)."""
+    result = _run("--agents", "0")
+    assert result.returncode == 2, result.stderr
+    assert "--agents 0: at least one agent" in result.stderr and "Traceback" not in result.stderr
