@@ -411,7 +411,7 @@ class PrefixCache:
             interval_s = min(self.pin_lease_ms, self.claim_ttl_ms) / 3000
             self._renewer = threading.Thread(
                 target=_renew_while_alive,
-                args=(weakref.ref(self), self._stop, interval_s),
+                args=(weakref.ref(self), self._dropped, self._stop, interval_s),
                 name="mc-prefix-renew",
                 daemon=True,
             )
@@ -513,16 +513,21 @@ class PrefixCache:
         self.close()
 
 
-def _renew_while_alive(cache_ref: weakref.ref[PrefixCache], stop: threading.Event, interval_s: float) -> None:
+def _renew_while_alive(
+    cache_ref: weakref.ref[PrefixCache], dropped: DroppedHits, stop: threading.Event, interval_s: float
+) -> None:
     """Every third of the shorter of the pin lease and the claim ttl: the pins of the hits held and
     the claims of the stores under way, so that neither runs out while its owner is alive (a put
     longer than the claim's ttl let another writer claim and write the same chunks). Ends with the
     cache's close() or its client's (a closed client renews nothing: the pins and claims run out by
     their leases), or once the cache is collected, dropped without close(): it holds the cache only
-    for a renewal, so that the cache can go."""
+    for a renewal, so that the cache can go. A hit dropped unreleased with its cache (a cache per
+    request) queued its pins in the cache's queue, which nothing else would drain: they are unpinned
+    here, not left pinned for their whole lease."""
     while not stop.wait(interval_s):
         cache = cache_ref()
         if cache is None:
+            dropped.unpin(every=True)
             return
         cache._renew_once()
         del cache
