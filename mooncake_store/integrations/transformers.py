@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 from typing import Any
 
 try:
@@ -72,13 +73,15 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
     """A PrefixCache namespace naming the model and its KV layout, e.g.
     ``meta-llama/Llama-3-8B@3f9a1c0e52d7/bfloat16/L32/kv8/d128/tp0``. ``model_id``, when given,
     names the weights as it is. Otherwise the model's name (``config._name_or_path``, else its
-    type) comes with a digest of its weights: two checkpoints saved in turn under one path, or an
-    adapter that keeps its base model's name, must not restore each other's KV caches."""
+    type) comes with a digest of its weights and of its rotary position settings: two checkpoints
+    saved in turn under one path, an adapter that keeps its base model's name, or one checkpoint run
+    with another ``rope_theta`` or ``rope_scaling`` (its cached keys are stored after the rotation)
+    must not restore each other's KV caches."""
     cfg = _text_config(model)
     name = model_id
     if not name:
         named = getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model_type
-        name = f"{_short_name(named)}@{_weights_digest(model)}"
+        name = f"{_short_name(named)}@{_weights_digest(model, extra=_rope_settings(cfg))}"
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
     layers, kv_heads, head_dim = kv_layout(model)
     return f"{name}/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
@@ -96,13 +99,23 @@ def _short_name(name: str) -> str:
     return f"...{name[-(_MAX_NAME_CHARS // 2) :]}#{digest}"
 
 
-def _weights_digest(model: Any, *, per_tensor: int = 64) -> str:
+def _rope_settings(cfg: Any) -> bytes:
+    """The config's rotary position settings (every ``rope*`` field, ``partial_rotary_factor``), as
+    bytes for the digest: the same weights under another rope_theta, or a rope_scaling that
+    stretches the context, cache other keys for the same prompt."""
+    fields = cfg.to_dict() if callable(getattr(cfg, "to_dict", None)) else dict(vars(cfg))
+    settings = {k: v for k, v in fields.items() if k.startswith("rope") or k == "partial_rotary_factor"}
+    return json.dumps(settings, sort_keys=True, default=str).encode()
+
+
+def _weights_digest(model: Any, *, per_tensor: int = 64, extra: bytes = b"") -> str:
     """A short digest of every parameter's name and shape and of ``per_tensor`` values spread over
     each: two models that differ in any layer (a fine-tune of the top layers, a merged LoRA) get
     different digests, and it stays cheap for any model size (one small gather per tensor). Only
     the first few values of the first few tensors counted once, so a model tuned past layer 0
     restored its base model's KV caches."""
     digest = hashlib.blake2b(digest_size=6)
+    digest.update(extra)
     named = getattr(model, "named_parameters", None)
     with torch.no_grad():
         for name, param in named() if callable(named) else ():

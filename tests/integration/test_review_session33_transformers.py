@@ -63,3 +63,39 @@ def test_save_prefix_of_a_cache_whose_keys_and_values_differ_is_refused(client: 
         assert cache.match(ids) == 0  # nothing was stored
     finally:
         cache.close()
+
+
+def test_one_checkpoint_under_another_rope_is_another_kv_namespace(client: Client) -> None:
+    """The cached keys are stored after the rotation: one checkpoint loaded with another rope_theta
+    (or a rope scaling that stretches its context) computes other keys for the same prompt. Only
+    the weights and the layout were digested, so both got one namespace and load_prefix of one
+    restored the other's keys, silently wrong (review, thirty-fourth session)."""
+    from mooncake_store.integrations.transformers import load_prefix
+
+    chunk = 8
+    cfg = {
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
+    torch.manual_seed(0)
+    a = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    b_cfg = transformers.LlamaConfig(**cfg, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    b = transformers.LlamaForCausalLM(b_cfg).eval()
+    b.load_state_dict(a.state_dict())  # the same checkpoint
+    prompt = torch.arange(3 * chunk + 1) % 100
+    with torch.no_grad():
+        past_a = output_cache(a(prompt[None], use_cache=True))
+    assert kv_namespace(a) != kv_namespace(b)
+    cache_a = PrefixCache(client, kv_namespace(a), chunk_tokens=chunk)
+    cache_b = PrefixCache(client, kv_namespace(b), chunk_tokens=chunk)
+    try:
+        save_prefix(cache_a, prompt, past_a)
+        assert load_prefix(cache_b, prompt, b)[0] == 0
+        assert load_prefix(cache_a, prompt, a)[0] == 3 * chunk  # its own still restores
+    finally:
+        cache_a.close()
+        cache_b.close()
