@@ -15,6 +15,7 @@ import xxhash
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.failure_log import FailureLog
+from mooncake_store.agent.read_budget import ReadBudget
 from mooncake_store.errors import MooncakeError, ProtocolError
 from mooncake_store.tiers.chunk_format import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
@@ -108,6 +109,7 @@ class AgentOps:
     counters: dict[str, int]
     _counters_lock: threading.Lock
     _unknown_ops: FailureLog
+    _read_budget: ReadBudget
 
     def _count(self, op: str, nbytes: int) -> None:
         """One served READ or WRITE (``op`` "read" or "write") of ``nbytes``: connection threads
@@ -197,6 +199,26 @@ class AgentOps:
         if extent is None or offset < extent[0] or length < 0 or offset - extent[0] + length > extent[1]:
             self._reply(conn, Op.READ, Status.STALE)
             return True
+        # The whole object is decoded (or copied out) for this READ and held until its reply has
+        # gone: bounded across connections (agent/read_budget.py).
+        whole = extent[1]
+        if not self._read_budget.acquire(whole, deadline=self._by(started, length)):
+            log.warning(
+                "READ of allocation %d (%d B) refused: %d B of READs held",
+                alloc_id,
+                whole,
+                self._read_budget.held_bytes,
+            )
+            self._reply(conn, Op.READ, Status.STALE)
+            return True
+        try:
+            return self._read_other_tier_held(conn, started, alloc_id, offset, length, extent)
+        finally:
+            self._read_budget.release(whole)
+
+    def _read_other_tier_held(
+        self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int, extent: tuple[int, int]
+    ) -> bool:
         try:
             got = self._hooks.read_other_tier(alloc_id, counted=offset == extent[0])
         except MooncakeError as exc:

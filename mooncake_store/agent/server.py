@@ -21,6 +21,7 @@ from mooncake_store.agent import ops
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.ops import AgentHooks, AgentOps
+from mooncake_store.agent.read_budget import ReadBudget
 from mooncake_store.agent.refusals import Refusals
 from mooncake_store.config import split_host_port
 from mooncake_store.errors import ConfigError, MooncakeError, ProtocolError, TransferError, TransferTimeout
@@ -112,6 +113,7 @@ class AgentServer(AgentOps):
         # Frames of an op this agent lacks: told once, then at most every 30 s with a count (any
         # client that reaches the port could otherwise fill the log, a line a connection).
         self._unknown_ops = FailureLog(log, "a peer's frame", every_s=30.0)
+        self._read_budget = ReadBudget()
 
     def start(self) -> None:
         self._accept_thread.start()
