@@ -33,6 +33,7 @@ from mooncake_store.client.put_plans import PlannedPut, check_chain_meta
 from mooncake_store.client.replica_writes import FencedPart, ReplicaWriteFailed, ReplicaWriter, failing_node
 from mooncake_store.client.reserving import Reserver
 from mooncake_store.errors import (
+    ConnectError,
     InvalidValue,
     MooncakeError,
     NoCapacity,
@@ -227,6 +228,7 @@ class PutPath:
         """The rest of one attempt, from put_start to the commit (or the revoke of what it
         abandoned), counted in by _put_once."""
         started = False
+        index_silent = False  # put_commit got no answer: a revoke would wait out timeout_s again
         fences: list[FencedPart] = []
         try:
             same_host: dict[str, list[tuple[Replica, PlannedPut]]] = {}
@@ -267,11 +269,18 @@ class PutPath:
             # Not after close(): it cut the transfers of others, and this one must not be the
             # exception because its bytes were already out (client/in_flight.py).
             client._in_flight.check()
-            statuses = client.index.put_commit([p.put_id.hex() for p in plans], checksums=checksums)
+            try:
+                statuses = client.index.put_commit([p.put_id.hex() for p in plans], checksums=checksums)
+            except ConnectError:
+                index_silent = True
+                raise
         except BaseException:
             for part in fences:
                 part.fence.abort()  # closing the connection lifts its fences
-            self.abandon(plans, nodes, started=started)
+            # An index that did not answer the commit is not asked to revoke: the put failed after
+            # twice timeout_s, not once. The agents' syncs revoke the pending records of the
+            # reservations they expire (asked to below, or at their timeout) when it answers again.
+            self.abandon(plans, nodes, started=started and not index_silent)
             raise
         failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
         if failed:
