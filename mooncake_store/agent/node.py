@@ -34,6 +34,7 @@ from mooncake_store.agent.usage import tier_usages
 from mooncake_store.config import AgentConfig
 from mooncake_store.errors import ConnectError, MooncakeError, NoCapacity
 from mooncake_store.index import RedisIndex
+from mooncake_store.index.client import VANISHED_HOLD_MS
 from mooncake_store.index.node_table import IndexWentBack, NodeIdTaken
 from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.tiers.disk_dir import sweep_abandoned_tiers
@@ -114,6 +115,8 @@ class Agent(OtherTierHooks, SyncDuties):
         self._init_sync_state()
         #: One heartbeat at a time (tests and the loop).
         self._beat_lock = threading.Lock()
+        #: A registration after a vanished record went unanswered: its hold of what was doomed is owed.
+        self._hold_owed = False
         self._threads: list[threading.Thread] = []
 
     # ---- tiers ------------------------------------------------------------------------------
@@ -383,9 +386,18 @@ class Agent(OtherTierHooks, SyncDuties):
             return self._reconcile(exc)
         if count is not None:
             self._note_count(count)
+            if self._hold_owed:
+                # The registration after a vanished record ran, but its reply was lost (the index
+                # timed out, or the connection broke too late to retry): what it would have said
+                # of the doomed objects' leases never came, and their memory was held for good.
+                # Held as for a record lost with no purge, then freed.
+                self._hold_owed = False
+                for table in self._tables():
+                    table.hold_reaped({}, at_least_ms=VANISHED_HOLD_MS)
             return True
         log.warning("node record of %s vanished; registering again", self.node_id)
         self._drop_everything()
+        self._hold_owed = True  # until register_again answers how long to hold what was doomed
         info = self.node_info()
         # The record goes on from well above this agent's count: a snapshot from before the reap
         # (whose count may exceed the agent's by calls whose replies were lost) is told apart.
@@ -393,6 +405,7 @@ class Agent(OtherTierHooks, SyncDuties):
         register_again(
             self.index, info, incarnation=self.incarnation, ttl_ms=self._ttl_ms, tables=self._tables(), beats=start
         )
+        self._hold_owed = False
         self._note_count(start)
         return True
 
