@@ -418,6 +418,7 @@ class Agent(OtherTierHooks, SyncDuties):
             tiers=self.tiers(),
             last_beats=self._beats,
             reconciled=reconciled,
+            interval_ms=max(1, int(self.config.heartbeat_interval_s * 1000)),
         )
 
     def _reconcile(self, went_back: IndexWentBack) -> bool:

@@ -104,6 +104,7 @@ class NodeTableCalls:
         tiers: tuple[TierUsage, ...],
         last_beats: int | None = None,
         reconciled: bool = False,
+        interval_ms: int | None = None,
     ) -> int | None:
         """Extend the deadline; the record's count of the agent's heartbeats and syncs, which only
         grows while the index keeps its data, or None when the record is gone (the agent must
@@ -112,11 +113,15 @@ class NodeTableCalls:
         the node is unreadable until a beat passes a count it does not exceed (node_heartbeat.lua).
         Without it, such a record is extended and answers its count plus one. ``reconciled``: the
         agent brought the index in line with its tables after IndexWentBack; the record is
-        extended whatever its count, which goes on from above ``last_beats`` (never back)."""
+        extended whatever its count, which goes on from above ``last_beats`` (never back).
+        ``interval_ms``: the agent's heartbeat interval, by which the index tells its own outage
+        from a quiet cluster (a node whose TTL the outage passed gets its grace again)."""
         fields = json.dumps({"tiers": encode_tiers(tiers)})
         extra: tuple[object, ...] = ()
         if last_beats is not None:
             extra = (last_beats, "1") if reconciled else (last_beats,)
+        if interval_ms is not None:
+            extra = ("" if last_beats is None else last_beats, "1" if reconciled else "0", interval_ms)
         status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, fields, *extra)
         if status[0] == "BEHIND":
             raise went_back(node_id, int(status[1]), last_beats or 0)

@@ -4,7 +4,8 @@
 -- record, [6] (optional) the count of heartbeats and syncs the agent was answered last, [7] (optional)
 -- "1": the agent has reconciled with the index as it now is, whose count goes on from the higher
 -- of its own and [6] (never back: a later restore of a snapshot from between the two, or from the
--- reconcile itself, is told apart too)
+-- reconcile itself, is told apart too), [8] (optional) the agent's heartbeat interval in ms, by
+-- which an outage of the index is told (prelude's heard_from_a_node)
 -- Returns: {"OK", deadline_ms, beats}, {"BEHIND", beats} or {"UNKNOWN"} when the record is gone,
 -- belongs to another incarnation or is being purged (the agent was reaped while stalled and must
 -- register again).
@@ -24,7 +25,7 @@ if not raw then return {'UNKNOWN'} end
 if redis.call('SISMEMBER', P .. 'purging', node) == 1 then return {'UNKNOWN'} end
 local rec = cjson.decode(raw)
 if rec.incarnation ~= inc then return {'UNKNOWN'} end
-heard_from_a_node(now, ttl)
+heard_from_a_node(now, ttl, tonumber(ARGV[8] or ''))
 local last = tonumber(ARGV[6] or '')
 local reconciled = ARGV[7] == '1'
 if last ~= nil and not reconciled and (tonumber(rec.beats) or 0) < last then

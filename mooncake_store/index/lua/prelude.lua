@@ -18,17 +18,27 @@ end
 -- peers with all their objects. Each node is given its own grace (its reap time less its
 -- deadline) again from now: a live one heartbeats within it, a dead one is reaped one grace later.
 -- node_reap.lua reaps nothing while the last landing is older than its caller's TTL.
-local function heard_from_a_node(now, ttl)
+-- ``interval`` (ms), when the caller gives its heartbeat interval: then the silence is an outage
+-- once it passes twice that (the caller's own beats stopped landing), and each node whose grace
+-- the silence passed gets it again. Judged by the caller's TTL alone, a 4 s outage was none to a
+-- node with a 10 s TTL beating every 0.1 s, whose beat landed first and whose reap then purged a
+-- healthy peer with a 1.5 s TTL, and all its objects.
+local function heard_from_a_node(now, ttl, interval)
   local last = tonumber(redis.call('GET', P .. 'hb_last') or '0')
-  if last > 0 and now - last > ttl then
+  local silence = now - last
+  local outage = last > 0 and (silence > ttl or (interval ~= nil and interval > 0 and silence > 2 * interval))
+  if outage then
     local reaps = redis.call('ZRANGE', P .. 'reap', 0, -1, 'WITHSCORES')
     for i = 1, #reaps, 2 do
       local reap_at = tonumber(reaps[i + 1])
       local deadline = tonumber(redis.call('ZSCORE', P .. 'hb', reaps[i]) or reap_at)
       local grace = reap_at - deadline
       -- A deadline of 0 is a node leaving (node_deregister): no grace to give it again. A TTL is
-      -- at most a day (config), so a larger "grace" is no TTL.
-      if deadline > 0 and grace > 0 and grace <= 86400000 and reap_at < now + grace then
+      -- at most a day (config), so a larger "grace" is no TTL. A silence past the caller's TTL
+      -- gives every node its grace again (as before the interval was given); a shorter one, those
+      -- whose grace it passed.
+      local missed = silence > ttl or silence > grace
+      if deadline > 0 and grace > 0 and grace <= 86400000 and missed and reap_at < now + grace then
         redis.call('ZADD', P .. 'reap', now + grace, reaps[i])
       end
     end
