@@ -29,6 +29,7 @@ from mooncake_store.agent.takeover import (
     reconcile_after_rollback,
     register_again,
     register_first,
+    remember_alloc_tag,
 )
 from mooncake_store.agent.usage import tier_usages
 from mooncake_store.config import AgentConfig
@@ -258,6 +259,7 @@ class Agent(OtherTierHooks, SyncDuties):
         if self.config.advertise:  # the bound address is this agent's own; an advertised one may not be
             check_advertised(self.config.advertise, self.arena.name)
         register_first(self.index, self.node_info, incarnation=self.incarnation, ttl_ms=self._ttl_ms, stop=stop)
+        remember_alloc_tag(self.index, self.node_id, self.alloc_tag)
         if evicting := self.index.eviction_unsafe():
             log.warning("%s", evicting)
         # The node id is this agent's now: arenas earlier agents of it left behind go, and those

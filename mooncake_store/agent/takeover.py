@@ -65,7 +65,7 @@ def fresh_alloc_tag(index: RedisIndex, node_id: str, incarnation: str) -> int:
     tag = int(incarnation[:4], 16) or 1
     try:
         previous = index.nodes().get(node_id)
-        now_ms, used = index.recent_alloc_tags(node_id, within_ms=TAG_MEMORY_MS)
+        _, used = index.recent_alloc_tags(node_id, within_ms=TAG_MEMORY_MS)
     except MooncakeError:
         return tag  # the index is out of reach: registering will say so
     if previous is not None:
@@ -74,11 +74,17 @@ def fresh_alloc_tag(index: RedisIndex, node_id: str, incarnation: str) -> int:
         if tag not in used:
             break
         tag = tag % 0xFFFF + 1
-    try:
-        index.note_alloc_tag(node_id, tag, now_ms=now_ms, keep_ms=TAG_MEMORY_MS)
-    except MooncakeError:
-        pass  # as above
     return tag
+
+
+def remember_alloc_tag(index: RedisIndex, node_id: str, tag: int) -> None:
+    """Note ``tag`` among those an incarnation of ``node_id`` took, once it registered: noted at
+    every start, refused ones too (a supervisor restarting a duplicate of a live node every second),
+    the day's memory filled past its 65535 tags, and the pick wrapped onto a recent incarnation's."""
+    try:
+        index.note_alloc_tag(node_id, tag, now_ms=index.server_time_ms(), keep_ms=TAG_MEMORY_MS)
+    except MooncakeError:
+        pass  # out of reach: the tag is only not remembered (one start in 65536 may take it)
 
 
 class StartCancelled(MooncakeError):

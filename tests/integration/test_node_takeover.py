@@ -107,6 +107,11 @@ def test_no_incarnation_of_a_node_id_takes_an_alloc_tag_an_earlier_one_took_with
     )
     try:
         assert third.alloc_tag == 3, f"the third incarnation drew tag {third.alloc_tag}"
+        # Remembered once registered only: a start refused (the node id held, here never started)
+        # took one of the day's 65535 tags each, and a supervisor retrying it every second wrapped
+        # the pick onto a recent incarnation's.
+        _, remembered = third.index.recent_alloc_tags("tagged", within_ms=60_000)
+        assert remembered == {1, 2}, remembered
     finally:
         third.arena.close(unlink=True)
         third.index.close()
