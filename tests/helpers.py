@@ -501,3 +501,16 @@ def stop_process(pid: int, *, timeout_s: float = 10.0) -> None:
 
     if not wait_until(all_stopped, timeout_s):
         raise AssertionError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP")
+
+
+def bench_module(name: str) -> Any:
+    """benchmarks/<name>.py loaded by its path (benchmarks/ must be on sys.path for its own imports):
+    a bare ``import gpu`` finds the tests' own gpu package in a whole run."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,7 +6,6 @@ test is the benchmarks' own checking."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 import types
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import bench_module
 from mooncake_cli.bench_checks import ReadCheckFailed
 from mooncake_cli.commands.bench_measure import Bench, Results
 from mooncake_cli.exits import CliError
@@ -25,17 +25,7 @@ if str(BENCH) not in sys.path:
 
 import benchlib  # noqa: E402
 
-
-def _bench_module(name: str) -> types.ModuleType:
-    """benchmarks/<name>.py by its path: ``import gpu`` found tests/gpu (a package) in a whole run."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu = _bench_module("gpu")
+gpu = bench_module("gpu")
 
 KiB = 1 << 10
 

@@ -6,13 +6,13 @@ cluster or the connections and checks what it computes, reports or verifies.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import bench_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCH) not in sys.path:
@@ -114,17 +114,8 @@ class _StubCupy:
         return np.asarray(a).copy()
 
 
-def _bench_module(name: str) -> types.ModuleType:
-    """benchmarks/<name>.py by path: a bare ``import gpu`` would find the tests' own gpu package."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_check_of_get_into_cupy_catches_a_broken_device_copy() -> None:
-    gpu = _bench_module("gpu")
+    gpu = bench_module("gpu")
 
     expected = np.arange(4096, dtype=np.uint8)
 
