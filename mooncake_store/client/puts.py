@@ -33,7 +33,6 @@ from mooncake_store.client.put_plans import PlannedPut, check_chain_meta
 from mooncake_store.client.replica_writes import FencedPart, ReplicaWriteFailed, ReplicaWriter, failing_node
 from mooncake_store.client.reserving import Reserver
 from mooncake_store.errors import (
-    ConnectError,
     InvalidValue,
     MooncakeError,
     NoCapacity,
@@ -41,6 +40,7 @@ from mooncake_store.errors import (
     ProtocolError,
     ReservationExpired,
 )
+from mooncake_store.index.client import IndexSilent
 from mooncake_store.policy.placement import tier_capacity, waited_for_room
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
@@ -271,7 +271,7 @@ class PutPath:
             client._in_flight.check()
             try:
                 statuses = client.index.put_commit([p.put_id.hex() for p in plans], checksums=checksums)
-            except ConnectError:
+            except IndexSilent:  # not a refused connection, which a revoke meets at once too
                 index_silent = True
                 raise
         except BaseException:

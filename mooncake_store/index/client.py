@@ -94,6 +94,11 @@ class SyncResult:
     count: int = 0
 
 
+class IndexSilent(ConnectError):
+    """The index server did not answer a script within the timeout (stalled, or far too busy): a
+    caller does not ask it again on the same path (a put's revoke would wait out a second timeout)."""
+
+
 class NodeSuperseded(MooncakeError):
     """The node record belongs to another incarnation (or is gone): this agent's syncs must wait
     until it registers again, or stop."""
@@ -221,7 +226,7 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                 raise ConnectError(f"lost the connection to Redis at {self.where}{why}: {exc}") from None
             except redis.TimeoutError as exc:
                 self._drop_conn(conn)
-                raise ConnectError(f"Redis at {self.where} did not answer {name}: {exc}") from None
+                raise IndexSilent(f"Redis at {self.where} did not answer {name}: {exc}") from None
             except redis.ResponseError as exc:
                 self._keep_conn(conn)  # the reply was read whole: the connection is fine
                 said = str(exc)
