@@ -125,6 +125,7 @@ class PutPath:
         fresh_table_tried = node_gone = False
         delay_s = 0.05
         first_wait: float | None = None  # when this put first waited for room
+        stored: list[str] = []  # keys an earlier attempt of this batch stored (no retry writes them)
         while True:
             try:
                 # One more node that refused is asked to make room (reserving.py) for each
@@ -133,7 +134,7 @@ class PutPath:
                 # a pass of many small evictions took longer for made room on every node.
                 waited = 0.0 if first_wait is None else time.monotonic() - first_wait
                 room_asks = 1 + int(waited / WIDEN_ROOM_ASK_S)
-                self._put_once(plans, replicas, preferred_node, room_asks=room_asks)
+                self._put_once(plans, replicas, preferred_node, room_asks=room_asks, stored=stored)
                 return
             except ReplicaWriteFailed as failed:
                 # The attempt was abandoned; its agent died or broke after granting the room. Place
@@ -209,7 +210,13 @@ class PutPath:
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(
-        self, plans: list[PlannedPut], replicas: int, preferred_node: str | None, *, room_asks: int = 1
+        self,
+        plans: list[PlannedPut],
+        replicas: int,
+        preferred_node: str | None,
+        *,
+        room_asks: int = 1,
+        stored: list[str] | None = None,
     ) -> None:
         client = self.client
         # The reservations' ids name the incarnation that granted them: a node restarted since this
@@ -222,11 +229,14 @@ class PutPath:
             except MooncakeError:
                 self.abandon(plans, nodes, started=False)  # closed meanwhile: its room goes back
                 raise
-            self._put_started(plans, nodes, client)
+            self._put_started(plans, nodes, client, [] if stored is None else stored)
 
-    def _put_started(self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], client: Client) -> None:
+    def _put_started(
+        self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], client: Client, stored: list[str]
+    ) -> None:
         """The rest of one attempt, from put_start to the commit (or the revoke of what it
-        abandoned), counted in by _put_once."""
+        abandoned), counted in by _put_once. ``stored``: the keys of the batch earlier attempts
+        stored, to which this one adds those it stores when others fail (each error names them)."""
         started = False
         index_silent = False  # put_commit got no answer: a revoke would wait out timeout_s again
         fences: list[FencedPart] = []
@@ -285,8 +295,9 @@ class PutPath:
         failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
         if failed:
             self.abandon([p for p, _ in failed], nodes, started=True)
-            # The batch's other puts did land: say which, so that a retry need not write them again.
-            stored = [p.key for p, s in zip(plans, statuses, strict=True) if s == "OK"]
+            # The batch's other puts did land (in this attempt or an earlier one): say which, so that
+            # a retry need not write them again.
+            stored += [p.key for p, s in zip(plans, statuses, strict=True) if s == "OK"]
             # And run()'s own retry (of expired reservations) writes only those that failed: it
             # wrote the stored ones again, over what another writer had put there meanwhile, and
             # failed on one pinned meanwhile.
@@ -312,7 +323,7 @@ class PutPath:
                 raise ObjectPinned(
                     f"cannot replace pinned key(s) {pinned[:5]!r}: release their pins first" + landed,
                     pinned=pinned,
-                    done=stored,
+                    done=list(stored),
                 )
             gone = [p.key for p, s in failed if s == "GONE"]
             if gone:
