@@ -25,7 +25,8 @@ if not raw then return {'UNKNOWN'} end
 if redis.call('SISMEMBER', P .. 'purging', node) == 1 then return {'UNKNOWN'} end
 local rec = cjson.decode(raw)
 if rec.incarnation ~= inc then return {'UNKNOWN'} end
-heard_from_a_node(now, ttl, tonumber(ARGV[8] or ''))
+local interval = tonumber(ARGV[8] or '')
+heard_from_a_node(now, ttl, interval and 2 * interval)
 local last = tonumber(ARGV[6] or '')
 local reconciled = ARGV[7] == '1'
 if last ~= nil and not reconciled and (tonumber(rec.beats) or 0) < last then

@@ -20,7 +20,16 @@ else
   -- each its grace again (node_heartbeat.lua), and the next reap looks.
   local last = tonumber(redis.call('GET', P .. 'hb_last') or '0')
   if last > 0 and now - last > tonumber(ARGV[4]) then return {} end
-  due = redis.call('ZRANGEBYSCORE', P .. 'reap', '-inf', '(' .. now, 'LIMIT', 0, 16)
+  due = {}
+  for _, node in ipairs(redis.call('ZRANGEBYSCORE', P .. 'reap', '-inf', '(' .. now, 'LIMIT', 0, 16)) do
+    -- Sent before an outage shorter than the caller's TTL and run after it, before any heartbeat:
+    -- a node whose grace the silence passed missed its deadline in it, and the next heartbeat to
+    -- land gives it its grace again (prelude's heard_from_a_node). Right after the caller's own
+    -- beat, as agents reap, there is no silence and this skips nothing.
+    local deadline = tonumber(redis.call('ZSCORE', P .. 'hb', node) or '0')
+    local grace = tonumber(redis.call('ZSCORE', P .. 'reap', node)) - deadline
+    if not (last > 0 and deadline > 0 and grace > 0 and now - last > grace) then table.insert(due, node) end
+  end
   if #due < 16 then
     local older = redis.call('ZRANGEBYSCORE', P .. 'hb', '-inf', '(' .. (now - tonumber(ARGV[4])), 'LIMIT', 0, 64)
     for _, node in ipairs(older) do

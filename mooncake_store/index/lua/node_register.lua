@@ -38,7 +38,7 @@ if not old or cjson.decode(old).incarnation ~= rec.incarnation then
 end
 rec.last_heartbeat_ms = now
 rec.beats = tonumber(ARGV[5] or '') or 0
-heard_from_a_node(now, ttl)
+heard_from_a_node(now, ttl, 0)
 redis.call('HSET', P .. 'nodes', node, cjson.encode(rec))
 redis.call('ZADD', P .. 'hb', now + ttl, node)
 redis.call('ZADD', P .. 'reap', now + 2 * ttl, node)  -- its own TTL past its deadline (node_reap.lua)

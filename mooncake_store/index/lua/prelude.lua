@@ -17,16 +17,18 @@ end
 -- snapshot), and every node missed its deadline at once: the first reaper back would purge healthy
 -- peers with all their objects. Each node is given its own grace (its reap time less its
 -- deadline) again from now: a live one heartbeats within it, a dead one is reaped one grace later.
--- node_reap.lua reaps nothing while the last landing is older than its caller's TTL.
--- ``interval`` (ms), when the caller gives its heartbeat interval: then the silence is an outage
--- once it passes twice that (the caller's own beats stopped landing), and each node whose grace
--- the silence passed gets it again. Judged by the caller's TTL alone, a 4 s outage was none to a
--- node with a 10 s TTL beating every 0.1 s, whose beat landed first and whose reap then purged a
--- healthy peer with a 1.5 s TTL, and all its objects.
-local function heard_from_a_node(now, ttl, interval)
+-- node_reap.lua reaps nothing while the last landing is older than its caller's TTL, nor a node
+-- whose grace that silence passed.
+-- ``outage_after`` (ms): a silence past it is an outage too, and each node whose grace the silence
+-- passed gets it again. A heartbeat gives twice its agent's interval (its own beats stopped
+-- landing); a registration 0 (rare: any node whose grace the silence passed). Judged by the
+-- caller's TTL alone, a 4 s outage was none to a node with a 10 s TTL beating every 0.1 s, whose
+-- beat (or registration) landed first and whose reap then purged a healthy peer with a 1.5 s TTL,
+-- and all its objects.
+local function heard_from_a_node(now, ttl, outage_after)
   local last = tonumber(redis.call('GET', P .. 'hb_last') or '0')
   local silence = now - last
-  local outage = last > 0 and (silence > ttl or (interval ~= nil and interval > 0 and silence > 2 * interval))
+  local outage = last > 0 and (silence > ttl or (outage_after ~= nil and silence > outage_after))
   if outage then
     local reaps = redis.call('ZRANGE', P .. 'reap', 0, -1, 'WITHSCORES')
     for i = 1, #reaps, 2 do
