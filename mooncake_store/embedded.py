@@ -201,6 +201,10 @@ class EmbeddedServer:
         with self._lock:
             if self.running:
                 return self
+            # Started before and died since (a crash): what that run left goes as stop() would
+            # take it. Its watchdog now outlives the server for its temp dir, so a start over it
+            # left one more watchdog running at each restart, each holding a dir.
+            self._cleanup(timeout_s=2.0)
             if self._binary_given:
                 if not self.binary.is_file() or not os.access(self.binary, os.X_OK):
                     raise ServerError(f"binary={str(self.binary)!r}: no such executable file")

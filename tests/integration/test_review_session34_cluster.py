@@ -104,3 +104,22 @@ def test_an_agent_line_before_ready_in_the_same_pipe_read_does_not_hide_ready(
         assert cluster.agents[0].endpoint
     finally:
         cluster.stop()
+
+
+def test_a_server_started_again_after_it_died_leaves_no_watchdog_or_dir_of_the_run_before() -> None:
+    """Its watchdog now stays for the launcher after the server dies (for the temp dir), so a start
+    over the dead run left that watchdog and its dir behind, one more at every restart."""
+    from mooncake_store.embedded import EmbeddedServer
+
+    server = EmbeddedServer(exit_with_parent=True).start()
+    try:
+        first_watchdog, first_dir = server._watchdog, server.temp_dir
+        assert first_watchdog is not None and first_dir is not None
+        os.kill(server.pid, signal.SIGKILL)  # the server dies (a crash)
+        assert wait_until(lambda: not server.running, 10)
+        server.start()
+        assert first_watchdog.poll() is not None  # stopped, by its pid
+        assert not first_dir.exists()
+        assert server._watchdog is not None and server._watchdog.poll() is None
+    finally:
+        server.stop()
