@@ -11,6 +11,7 @@ import ipaddress
 import math
 import os
 import re
+import socket
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
@@ -177,7 +178,7 @@ def _check_listen(value: str) -> str | None:
     if isinstance(result, str):
         return result
     host = result[0]
-    if not host or is_wildcard_host(host):
+    if not host or is_wildcard_host(host) or _inet_aton_form(host):
         return None
     # A host that is no address or name (a stray byte from argv or env, "h o s t") was taken here
     # and failed only at bind, as an internal error with a traceback.
@@ -194,6 +195,15 @@ def _check_advertise(value: str) -> str | None:
     if is_wildcard_host(result[0]):
         return f"{result[0]} is not an address peers can dial; name this host's address or name"
     return _undialable_host(result[0], "peers can dial")
+
+
+def _inet_aton_form(host: str) -> bool:
+    """An IPv4 address in a form bind() takes (``127.1``, ``0x7f.1``), which no host-name rule does."""
+    try:
+        socket.inet_aton(host)
+    except (OSError, UnicodeError):
+        return False
+    return True
 
 
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import socket
 import struct
 import time
@@ -152,8 +153,16 @@ def pack_ids(alloc_ids: Sequence[int]) -> bytes:
     try:
         return struct.pack(f"<{len(alloc_ids)}Q", *alloc_ids)
     except struct.error:
-        bad = next(x for x in alloc_ids if not isinstance(x, int) or not 0 <= x <= U64_MAX)
+        bad = next(x for x in alloc_ids if not _fits_u64(x))
         raise InvalidValue(f"alloc id {bad!r:.40} is not an int in 0..{U64_MAX}") from None
+
+
+def _fits_u64(value: object) -> bool:
+    """As struct's Q takes it: any integer type (numpy's too) in 0..2**64-1."""
+    try:
+        return 0 <= operator.index(value) <= U64_MAX  # type: ignore[arg-type]
+    except TypeError:
+        return False
 
 
 def unpack_ids(raw: bytes | bytearray | memoryview) -> list[int]:

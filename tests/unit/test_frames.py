@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 
 from mooncake_store.errors import InvalidValue, ProtocolError, TransferError
@@ -61,3 +62,5 @@ def test_id_lists_round_trip_and_refuse_what_does_not_fit() -> None:
         frames.pack_ids([1, 2**64])
     with pytest.raises(InvalidValue, match="alloc id -1 is not"):
         frames.pack_ids([-1])
+    with pytest.raises(InvalidValue, match="alloc id -3 is not"):  # not the valid numpy id before it
+        frames.pack_ids([np.uint64(5), -3])

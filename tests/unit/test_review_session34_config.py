@@ -61,7 +61,7 @@ def test_a_listen_host_that_is_not_utf8_is_refused_at_load() -> None:
     """Accepted by the loader, it failed at bind, as an internal error with a traceback."""
     with pytest.raises(ConfigError, match=r"MOONCAKE_AGENT_LISTEN=.*neither an IP address nor a host name to listen"):
         load_config(env={"MOONCAKE_AGENT_LISTEN": "\udcff:0"})
-    for fine in ("0.0.0.0:0", "[::]:0", "localhost:0", "127.0.0.1:7000"):
+    for fine in ("0.0.0.0:0", "[::]:0", "localhost:0", "127.0.0.1:7000", "127.1:0"):  # 127.1: bind() takes it
         assert load_config(env={"MOONCAKE_AGENT_LISTEN": fine}).agent.listen == fine
 
 
