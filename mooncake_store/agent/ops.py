@@ -15,7 +15,7 @@ import xxhash
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.failure_log import FailureLog
-from mooncake_store.agent.read_budget import ReadBudget
+from mooncake_store.agent.read_budget import READ_BUDGET_WAIT_S, ReadBudget
 from mooncake_store.errors import MooncakeError, ProtocolError
 from mooncake_store.tiers.chunk_format import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
@@ -202,7 +202,8 @@ class AgentOps:
         # The whole object is decoded (or copied out) for this READ and held until its reply has
         # gone: bounded across connections (agent/read_budget.py).
         whole = extent[1]
-        if not self._read_budget.acquire(whole, deadline=self._by(started, length)):
+        waited_until = min(self._by(started, length), started + READ_BUDGET_WAIT_S)
+        if not self._read_budget.acquire(whole, deadline=waited_until):
             log.warning(
                 "READ of allocation %d (%d B) refused: %d B of READs held",
                 alloc_id,

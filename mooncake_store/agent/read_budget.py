@@ -16,6 +16,10 @@ import time
 #: Decoded or copied-out bytes held for READs at once (one READ is always let through alone, however
 #: large: a single reader of the largest object is no attack).
 READ_BUDGET_BYTES = 256 << 20
+#: The longest a READ waits for the budget before it is answered STALE: well within a client's
+#: wait for a reply (timeout_s, 10 s by default), so that the reader hears why and goes to another
+#: replica or asks again, instead of timing out and dropping the connection.
+READ_BUDGET_WAIT_S = 2.0
 
 
 class ReadBudget:

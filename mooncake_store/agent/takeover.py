@@ -78,9 +78,10 @@ def fresh_alloc_tag(index: RedisIndex, node_id: str, incarnation: str) -> int:
 
 
 def remember_alloc_tag(index: RedisIndex, node_id: str, tag: int) -> None:
-    """Note ``tag`` among those an incarnation of ``node_id`` took, once it registered: noted at
-    every start, refused ones too (a supervisor restarting a duplicate of a live node every second),
-    the day's memory filled past its 65535 tags, and the pick wrapped onto a recent incarnation's."""
+    """Note ``tag`` among those an incarnation of ``node_id`` took, once it registered: only an
+    incarnation that registered hands out ids, and starts refused meanwhile (a supervisor retrying a
+    duplicate of a live node every second) would fill the day's 65535 tags, after which the pick
+    wraps onto a recent incarnation's."""
     try:
         index.note_alloc_tag(node_id, tag, now_ms=index.server_time_ms(), keep_ms=TAG_MEMORY_MS)
     except MooncakeError:

@@ -125,8 +125,10 @@ class LocalCluster:
         # (a TTL of 2 ms passed here, and every agent then refused its derived interval).
         if isinstance(heartbeat_ttl_s, bool) or not isinstance(heartbeat_ttl_s, int | float) or not heartbeat_ttl_s > 0:
             raise ConfigError(f"heartbeat_ttl_s must be a number of seconds > 0, got {shown(heartbeat_ttl_s)}")
-        interval_given = "MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S" in os.environ or any(
-            isinstance(arg, str) and arg.startswith("--heartbeat-interval-s") for arg in agent_args or []
+        # A config file (MOONCAKE_CONFIG, --config) may set one too: the agents read it themselves.
+        interval_given = any(var in os.environ for var in ("MOONCAKE_AGENT_HEARTBEAT_INTERVAL_S", "MOONCAKE_CONFIG"))
+        interval_given = interval_given or any(
+            isinstance(arg, str) and arg.startswith(("--heartbeat-interval-s", "--config")) for arg in agent_args or []
         )
         checked = load_config(
             env={},
