@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mooncake_cli.bench_checks import check_batch_reads, check_read, check_reads, stamp
+from mooncake_cli.bench_checks import check_batch_reads, check_reads, stamp
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -148,9 +148,8 @@ def check_output_file(parser: Any, path: Path | None, flag: str) -> None:
         return
     if path.is_dir():
         parser.error(f"{flag} {path} is a directory; name a file")
-    folder = next((p for p in path.absolute().parents if p.exists()), Path("/"))
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        parser.error(f"{flag} {path}: cannot write under {folder}")
+    if not _writable_under(path):
+        parser.error(f"{flag} {path}: cannot write under {_nearest_existing(path)}")
 
 
 def check_output_dir(parser: Any, path: Path | None, flag: str) -> None:
@@ -159,9 +158,18 @@ def check_output_dir(parser: Any, path: Path | None, flag: str) -> None:
         return
     if path.exists() and not path.is_dir():
         parser.error(f"{flag} {path} is not a directory")
-    folder = next((p for p in path.absolute().parents if p.exists()), Path("/"))
-    if not path.exists() and (not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK)):
-        parser.error(f"{flag} {path}: cannot be made under {folder}")
+    if not path.exists() and not _writable_under(path):
+        parser.error(f"{flag} {path}: cannot be made under {_nearest_existing(path)}")
+
+
+def _nearest_existing(path: Path) -> Path:
+    """The closest folder above ``path`` that exists (the rest a run would make)."""
+    return next((p for p in path.absolute().parents if p.exists()), Path("/"))
+
+
+def _writable_under(path: Path) -> bool:
+    folder = _nearest_existing(path)
+    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
 
 
 def footprint_slots(size: int) -> int:
@@ -322,7 +330,8 @@ def _store_measure(
             Budget(count=2000 if quick else 10000, seconds=3.0),
             warmup=50,
         )
-        check_read(lambda: client.get_into(f"{tag}-lat", dst), small, dst, f"{transport} 4 KiB get_into")
+        read = lambda: client.get_into(f"{tag}-lat", dst)  # noqa: E731
+        check_batch_reads(read, [small], [dst], f"{transport} 4 KiB get_into")
         out["lat"] = {"p50_us": percentile_us(times, 50), "p99_us": percentile_us(times, 99), "n": len(times)}
         _n, _secs, times = timed_loop(
             lambda _i: client.put(f"{tag}-lat", small), Budget(count=1000 if quick else 5000, seconds=3.0), warmup=20

@@ -33,19 +33,12 @@ def check_reads(read: Callable[[int], Any], src: np.ndarray, dst: np.ndarray, co
             raise ReadCheckFailed(f"{what}: key {i} read back wrong bytes")
 
 
-def check_read(read: Callable[[], Any], expected: np.ndarray, dst: np.ndarray, what: str) -> None:
-    """One read of one key once more, into ``dst`` zeroed first (a latency loop's)."""
-    dst[:] = 0
-    read()
-    if not np.array_equal(expected, dst):
-        raise ReadCheckFailed(f"{what}: read back wrong bytes")
-
-
 def check_batch_reads(
     read: Callable[[], Any], expected: Sequence[np.ndarray], outs: Sequence[np.ndarray], what: str
 ) -> None:
-    """A batch read once more, into ``outs`` zeroed first: the timed loop's own outs were filled by
-    its warm-up, so a batch read that wrote nothing after it passed."""
+    """A batch read (or a latency loop's one key: a batch of one) once more, into ``outs`` zeroed
+    first: the timed loop's own outs were filled by its warm-up, so a read that wrote nothing after
+    it passed."""
     for out in outs:
         out[:] = 0
     read()

@@ -26,9 +26,10 @@ MAX_DIMS = 32
 ALIGNMENT = 64
 
 
-def footprint_bytes(size_bytes: int) -> int:
-    """What an object of ``size_bytes`` takes in an arena: whole ALIGNMENT units, one at least."""
-    return max(ALIGNMENT, -(-size_bytes // ALIGNMENT) * ALIGNMENT)
+def footprint_bytes(size_bytes: int, alignment: int = ALIGNMENT) -> int:
+    """What an object of ``size_bytes`` takes in an arena: whole alignment units, one at least (the
+    allocator's rule, tiers/allocator.py, which placement and refusals count by too)."""
+    return max(alignment, -(-size_bytes // alignment) * alignment)
 
 
 class ReplicaState(StrEnum):

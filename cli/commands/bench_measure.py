@@ -15,7 +15,7 @@ from types import FrameType
 from typing import Any
 
 import numpy as np
-from mooncake_cli.bench_checks import ReadCheckFailed, check_batch_reads, check_read, check_reads, stamp
+from mooncake_cli.bench_checks import ReadCheckFailed, check_batch_reads, check_reads, stamp
 from mooncake_cli.context import Target
 from mooncake_cli.exits import CliError
 from rich.progress import Progress
@@ -193,7 +193,8 @@ class Bench:
         dst = np.empty_like(small)
         client.put(key, small)
         n, _, times = timed_loop(lambda _i: client.get_into(key, dst), seconds, 5000, warmup=20)
-        checked(lambda: check_read(lambda: client.get_into(key, dst), small, dst, f"{transport} 4 KiB get_into"))
+        read = lambda: client.get_into(key, dst)  # noqa: E731
+        checked(lambda: check_batch_reads(read, [small], [dst], f"{transport} 4 KiB get_into"))
         client.remove(key)
         self.res.latency.append({"transport": transport, "size_bytes": LATENCY_BYTES, "get_p50_us": _pct_us(times, 50),
                                  "get_p99_us": _pct_us(times, 99), "gets": n})  # fmt: skip

@@ -216,7 +216,7 @@ class PutPath:
         preferred_node: str | None,
         *,
         room_asks: int = 1,
-        stored: list[str] | None = None,
+        stored: list[str],
     ) -> None:
         client = self.client
         # The reservations' ids name the incarnation that granted them: a node restarted since this
@@ -229,7 +229,7 @@ class PutPath:
             except MooncakeError:
                 self.abandon(plans, nodes, started=False)  # closed meanwhile: its room goes back
                 raise
-            self._put_started(plans, nodes, client, [] if stored is None else stored)
+            self._put_started(plans, nodes, client, stored)
 
     def _put_started(
         self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], client: Client, stored: list[str]

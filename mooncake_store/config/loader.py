@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,11 @@ def _unknown(where: str, name: str, candidates: list[str]) -> ConfigError:
     return ConfigError(f"{where}: unknown key {name}{hint}")
 
 
-def nearest_hint(name: str, candidates: list[str], fold: str = "lower") -> str:
+def nearest_hint(name: str, candidates: list[str], fold: Callable[[str], str] = str.lower) -> str:
     """ " (did you mean X?)" for the nearest of ``candidates``, case aside: compared case-sensitively,
     CLIENT or HOST_BYTES was too far from client and host_bytes to get a hint at all."""
-    folded = {getattr(known, fold)(): known for known in candidates}
-    close = difflib.get_close_matches(getattr(name, fold)(), list(folded), n=1)
+    folded = {fold(known): known for known in candidates}
+    close = difflib.get_close_matches(fold(name), list(folded), n=1)
     return f" (did you mean {folded[close[0]]}?)" if close else ""
 
 
@@ -138,7 +138,7 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[object, _Source]]:
         spec = _FIELDS_BY_ENV.get(var)
         if spec is None:
             # Compared upper-cased: MOONCAKE_AGENT_host_bytes is a case away from its variable.
-            hint = nearest_hint(var, list(_FIELDS_BY_ENV), fold="upper")
+            hint = nearest_hint(var, list(_FIELDS_BY_ENV), fold=str.upper)
             raise ConfigError(
                 f"env {var}: unknown variable{hint}; MOONCAKE_* variables must be config keys "
                 f"or one of {', '.join(sorted(NON_CONFIG_ENV_VARS | _ENV_ALIASES.keys()))}"

@@ -117,11 +117,12 @@ class NodeTableCalls:
         ``interval_ms``: the agent's heartbeat interval, by which the index tells its own outage
         from a quiet cluster (a node whose TTL the outage passed gets its grace again)."""
         fields = json.dumps({"tiers": encode_tiers(tiers)})
-        extra: tuple[object, ...] = ()
-        if last_beats is not None:
-            extra = (last_beats, "1") if reconciled else (last_beats,)
-        if interval_ms is not None:
-            extra = ("" if last_beats is None else last_beats, "1" if reconciled else "0", interval_ms)
+        # Optional and positional in the script: the absent ones at the end are left out, one
+        # before a given one is sent empty.
+        optional: list[object] = [last_beats, "1" if reconciled else None, interval_ms]
+        while optional and optional[-1] is None:
+            optional.pop()
+        extra = tuple("" if value is None else value for value in optional)
         status = self._run("node_heartbeat", node_id, incarnation, ttl_ms, fields, *extra)
         if status[0] == "BEHIND":
             raise went_back(node_id, int(status[1]), last_beats or 0)

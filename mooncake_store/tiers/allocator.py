@@ -21,7 +21,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 
 from mooncake_store.errors import InvalidValue
-from mooncake_store.types import ALIGNMENT
+from mooncake_store.types import ALIGNMENT, footprint_bytes
 
 __all__ = ["ALIGNMENT", "OffsetAllocator"]
 
@@ -148,8 +148,7 @@ class OffsetAllocator:
 
     def footprint(self, size_bytes: int) -> int:
         """What an allocation of ``size_bytes`` takes: whole alignment units, one at least."""
-        unit = self._alignment
-        return max(unit, (size_bytes + unit - 1) // unit * unit)
+        return footprint_bytes(size_bytes, self._alignment)
 
     def allocate(self, size_bytes: int) -> int | None:
         """Reserve ``size_bytes`` (rounded up to the alignment; 0 takes one unit so that every live

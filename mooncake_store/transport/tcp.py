@@ -164,7 +164,8 @@ class PeerConnections(ConnectionPool):
             frames.send_all(sock, frames.pack(Op.RESERVE, len(chunk), tier, flags), memoryview(payload))
             status, a, b, c = self._reply(sock, Op.RESERVE)
             if status == Status.NO_CAPACITY:
-                need = sum(footprint_bytes(size) for size, _ in chunk)  # as the arena counts them
+                # As the tier counts them: a memory arena in whole units, a disk by its files.
+                need = sum(size if tier == frames.TIER_DISK else footprint_bytes(size) for size, _ in chunk)
                 where = frames.TIER_NAMES.get(tier, tier)
                 if c == 0:  # no such tier there, or a disk tier, which takes spills only
                     raise NoCapacity(

@@ -20,8 +20,8 @@ MiB = 1 << 20
 @contextlib.contextmanager
 def address_space_left(spare: int) -> Iterator[None]:
     """This process may map only ``spare`` bytes more (RLIMIT_AS), for the block's length."""
-    size = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith("VmSize:"))  # fmt: skip
+    status = Path("/proc/self/status").read_text().splitlines()
+    size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (size + spare, hard))
     try:
