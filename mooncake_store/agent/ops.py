@@ -6,6 +6,7 @@ its base, answers the request."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import threading
@@ -15,12 +16,13 @@ import xxhash
 
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.failure_log import FailureLog
-from mooncake_store.agent.read_budget import READ_BUDGET_WAIT_S, ReadBudget
+from mooncake_store.agent.read_budget import READ_BUDGET_WAIT_S, OtherTierCopy, ReadBudget
 from mooncake_store.errors import MooncakeError, ProtocolError
 from mooncake_store.tiers.chunk_format import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import PROBE_FLAG, SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST, Op, Status
+from mooncake_store.types import TierKind
 
 log = logging.getLogger("mooncake.agent")
 
@@ -37,10 +39,13 @@ class AgentHooks(Protocol):
         """(offset of its first byte in READ's terms, size) of an object in another tier, found
         without reading it; None when no other tier holds that alloc id."""
 
-    def read_other_tier(self, alloc_id: int, *, counted: bool) -> tuple[bytearray, int] | None:
-        """The whole object of an alloc id that lives in another tier (GPU, disk) and the offset
-        its first byte has in READ's terms (its place in the GPU arena; 0 on disk), or None.
-        ``counted``: the READ starts at the object's first byte, and counts as the tier's read."""
+    def read_other_tier(self, alloc_id: int) -> OtherTierCopy | None:
+        """The whole object of an alloc id that lives in another tier (GPU, disk), or None. READs
+        of it at once share the copy (ReadBudget.shared)."""
+
+    def other_tier_read(self, tier: TierKind) -> None:
+        """A read of an object in another tier is being served (counted with that tier's
+        activity): one per object, the READ of its first byte."""
 
     def after_other_tier_read(self, alloc_id: int, data: bytearray) -> None:
         """Called once the reply is sent: queues the promotion (agent/promotions.py)."""
@@ -199,46 +204,46 @@ class AgentOps:
         if extent is None or offset < extent[0] or length < 0 or offset - extent[0] + length > extent[1]:
             self._reply(conn, Op.READ, Status.STALE)
             return True
-        # The whole object is decoded (or copied out) for this READ and held until its reply has
-        # gone: bounded across connections (agent/read_budget.py).
-        whole = extent[1]
+        # The whole object is decoded (or copied out) and held until the replies of the READs that
+        # share it have gone: bounded across connections (agent/read_budget.py).
         waited_until = min(self._by(started, length), started + READ_BUDGET_WAIT_S)
-        if not self._read_budget.acquire(whole, deadline=waited_until):
-            log.warning(
-                "READ of allocation %d (%d B) refused: %d B of READs held",
-                alloc_id,
-                whole,
-                self._read_budget.held_bytes,
-            )
-            self._reply(conn, Op.READ, Status.STALE)
-            return True
-        try:
-            return self._read_other_tier_held(conn, started, alloc_id, offset, length, extent)
-        finally:
-            self._read_budget.release(whole)
+        make = functools.partial(self._copy_other_tier, alloc_id)
+        with self._read_budget.shared(alloc_id, extent[1], deadline=waited_until, make=make) as held:
+            if held.busy:
+                budget = self._read_budget
+                log.warning(
+                    "READ of allocation %d (%d B) refused: %d B of READs held (budget %d B)",
+                    alloc_id,
+                    extent[1],
+                    budget.held_bytes,
+                    budget.limit_bytes,
+                )
+                # a: why; b, c: what is held and the budget, for the reader's message (StaleLocation).
+                self._reply(conn, Op.READ, Status.STALE, frames.STALE_READS_HELD, budget.held_bytes, budget.limit_bytes)
+                return True
+            copy = held.copy
+            start = offset - copy.base if copy is not None else -1
+            if copy is None or start < 0 or start + length > len(copy.data):
+                self._reply(conn, Op.READ, Status.STALE)
+                return True
+            if offset == extent[0]:  # one count per object, at the READ of its first byte
+                self._hooks.other_tier_read(copy.tier)
+            view = memoryview(copy.data)[start : start + length]
+            header = frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length)
+            try:
+                frames.send_all_by(conn, header, view, self._by(started, length), self._timeout_s)
+            finally:
+                view.release()
+        self._count("read", length)
+        self._hooks.after_other_tier_read(alloc_id, copy.data)
+        return True
 
-    def _read_other_tier_held(
-        self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int, extent: tuple[int, int]
-    ) -> bool:
+    def _copy_other_tier(self, alloc_id: int) -> OtherTierCopy | None:
         try:
-            got = self._hooks.read_other_tier(alloc_id, counted=offset == extent[0])
+            return self._hooks.read_other_tier(alloc_id)
         except MooncakeError as exc:
             log.warning("read of allocation %d failed: %s", alloc_id, exc)
-            got = None
-        data, base = got if got is not None else (bytearray(), 0)
-        start = offset - base
-        if got is None or start < 0 or length < 0 or start + length > len(data):
-            self._reply(conn, Op.READ, Status.STALE)
-            return True
-        view = memoryview(data)[start : start + length]
-        header = frames.pack(Op.READ | frames.REPLY_BIT, Status.OK, 0, 0, length)
-        try:
-            frames.send_all_by(conn, header, view, self._by(started, length), self._timeout_s)
-        finally:
-            view.release()
-        self._count("read", length)
-        self._hooks.after_other_tier_read(alloc_id, data)
-        return True
+            return None
 
     def _write(self, conn: socket.socket, started: float, alloc_id: int, offset: int, length: int) -> bool:
         # Past its deadline a WRITE ends as one whose writer died: the fence is lifted, the

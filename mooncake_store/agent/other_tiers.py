@@ -10,6 +10,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from mooncake_store.agent.allocations import AllocationTable
+from mooncake_store.agent.read_budget import OtherTierCopy
 from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.chunk_format import CorruptChunk
 from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
@@ -44,18 +45,17 @@ class OtherTierHooks:
         entry = self.disk.entry(alloc_id) if self.disk is not None else None
         return (0, entry.raw_bytes) if entry is not None else None
 
-    def read_other_tier(self, alloc_id: int, *, counted: bool) -> tuple[bytearray, int] | None:
+    def read_other_tier(self, alloc_id: int) -> OtherTierCopy | None:
         if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
             got = self.read_gpu(alloc_id)
-            if got is not None and counted:
-                self.pressure.count(TierKind.GPU, "reads")
-            return got
+            return OtherTierCopy(*got, TierKind.GPU) if got is not None else None
         data = self.read_disk(alloc_id)
         if data is None:
             return None  # STALE: the reader looks the object up again
-        if counted:
-            self.pressure.count(TierKind.DISK, "reads")
-        return data, 0  # offsets into a disk allocation count from the object's start
+        return OtherTierCopy(data, 0, TierKind.DISK)  # offsets into a disk allocation count from its start
+
+    def other_tier_read(self, tier: TierKind) -> None:
+        self.pressure.count(tier, "reads")
 
     def read_disk(self, alloc_id: int) -> bytearray | None:
         """A disk object's bytes, checked; None when there is no such file or it is damaged (then

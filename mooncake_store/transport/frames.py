@@ -126,6 +126,13 @@ class Status(IntEnum):
     BUSY = 5
 
 
+#: A READ's STALE reply with this in ``a``: the agent's budget for decoded and copied-out objects
+#: (agent/read_budget.py) stayed full for as long as the READ waits; ``b`` is what it held and ``c``
+#: the budget. Any other STALE READ has 0 there (no such allocation now): a reader of an earlier
+#: build ignores the fields either way.
+STALE_READS_HELD = 1
+
+
 def pack(op: int, arg: int = 0, a: int = 0, b: int = 0, c: int = 0) -> bytes:
     try:
         return HEADER.pack(MAGIC, VERSION, op, arg, a, b, c)

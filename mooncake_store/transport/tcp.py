@@ -340,6 +340,15 @@ class PeerConnections(ConnectionPool):
             return None
         return [f and d and still.get(x, False) for x, f, d in zip(fence.ids, fenced, done, strict=True)]
 
+    def _stale_read(self, alloc_id: int, why: int, held: int, budget: int) -> StaleLocation:
+        if why == frames.STALE_READS_HELD:
+            return StaleLocation(
+                f"agent at {self.endpoint} did not serve allocation {alloc_id}: it holds {held} B of objects "
+                f"decoded or copied out for READs, its budget is {budget} B, and none was let go while the READ "
+                "waited (try again, or read fewer disk or GPU objects at once)"
+            )
+        return StaleLocation(f"agent at {self.endpoint} no longer holds allocation {alloc_id}")
+
     def read_many(self, requests: Sequence[ReadRequest], *, window: int = READ_WINDOW) -> None:
         """Pipelined reads on one connection: up to ``window`` requests are out at once and the
         replies land in order, each straight into its destination. Requests go out in batches of
@@ -354,9 +363,9 @@ class PeerConnections(ConnectionPool):
                     batch = requests[sent : done + most]
                     sock.sendall(b"".join(frames.pack(Op.READ, 0, x.alloc_id, x.offset, len(x.dest)) for x in batch))
                     sent += len(batch)
-                status, _, _, length = self._reply(sock, Op.READ)
+                status, why, held, length = self._reply(sock, Op.READ)
                 if status == Status.STALE:
-                    stale = StaleLocation(f"agent at {self.endpoint} no longer holds allocation {r.alloc_id}")
+                    stale = self._stale_read(r.alloc_id, why, held, length)
                     continue
                 if status != Status.OK or length != len(r.dest):
                     raise ProtocolError(f"agent at {self.endpoint} answered READ with status {status}, {length} B")
