@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from mooncake_store.errors import MooncakeError, TransferError
+from mooncake_store.errors import InvalidValue, MooncakeError, TransferError
 from mooncake_store.tiers.host import SHM_DIR, SharedSegment
 
 
@@ -125,6 +125,11 @@ class ShmTransport:
         seg = self.segment(shm_name, arena_bytes)
         try:
             return seg.view(offset, length)
+        except InvalidValue as exc:
+            # A location past the arena: the index record was not of its agent's making (written
+            # by hand, or by another build). A transfer error, so that the read goes on to the
+            # next replica as it does when the agent answers such a READ over TCP (STALE).
+            raise TransferError(f"{exc}: the index names a location this agent's arena does not have") from None
         except MooncakeError as exc:
             if not seg.closed:
                 raise

@@ -6,6 +6,7 @@ of "no longer holds allocation"."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable
@@ -122,5 +123,32 @@ def test_a_read_the_budget_turns_away_says_so(make_inproc_agent: Callable[..., A
     try:
         assert wait_until(lambda: agent.server._read_budget.held_bytes == 0, 30)
         assert np.array_equal(client.get("other"), np.ones(other, dtype=np.uint8))  # nothing lost
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_replica_outside_its_arena_sends_the_read_to_the_next_one(
+    make_inproc_agent: Callable[..., Agent], transport: str
+) -> None:
+    """A replica whose offset lies past its agent's arena (a record written by hand or by another
+    build) fails as a transfer does, and the read goes on to the next replica. Over shm it was the
+    mapping's InvalidValue, which ended the get with the other replica unread."""
+    first = make_inproc_agent(node_id="rv-a")
+    make_inproc_agent(node_id="rv-b", namespace=first.namespace)
+    client = connect(first.index.url, namespace=first.namespace, transports=(transport,))
+    value = np.arange(100_000, dtype=np.uint8)
+    try:
+        client.put("two", value, replicas=2)
+        index = client.index
+        record = index.prefix + "o:two"
+        replicas = json.loads(index.redis.hget(record, "replicas"))
+        assert sorted(r[0] for r in replicas) == ["rv-a", "rv-b"]
+        for replica in replicas:
+            if replica[0] == "rv-a":
+                replica[2] = first.arena.size_bytes  # its bytes would end past the arena
+        index.redis.hset(record, "replicas", json.dumps(replicas))
+        for _ in range(3):  # whichever replica a read ranks first
+            assert np.array_equal(client.get("two"), value)
     finally:
         client.close()
