@@ -71,19 +71,20 @@ class Refusals:
         """Serve a refused connection that poll() said is ready (nothing for another fd)."""
         refusal = self._by_fd.get(fd)
         if refusal is not None and not refusal.step():
-            self._end(fd)
+            self.end(fd)
 
     def expire(self) -> None:
         """Close the refused connections whose time is up."""
         now = time.monotonic()
         for fd in [fd for fd, r in self._by_fd.items() if r.deadline <= now]:
-            self._end(fd)
+            self.end(fd)
 
     def close(self) -> None:
         for fd in list(self._by_fd):
-            self._end(fd)
+            self.end(fd)
 
-    def _end(self, fd: int) -> None:
+    def end(self, fd: int) -> None:
+        """Stop turning ``fd``'s connection away and close it."""
         with contextlib.suppress(KeyError, OSError):
             self._poller.unregister(fd)  # before the close: the number may be reused at once
         refusal = self._by_fd.pop(fd, None)

@@ -147,15 +147,30 @@ class AgentServer(AgentOps):
         refusals = Refusals(poller, self.max_connections, min_rate_bps=ops.MIN_RATE_BPS, idle_s=self._timeout_s)
         try:
             while not self._stop.is_set():
-                for fd, _events in poller.poll(math.ceil(refusals.wait_s(ACCEPT_POLL_S) * 1000)):
-                    if fd == listen_fd:
-                        if not self._accept_ready(refusals):
-                            return
-                    else:
-                        refusals.step(fd)
-                refusals.expire()
+                try:
+                    for fd, _events in poller.poll(math.ceil(refusals.wait_s(ACCEPT_POLL_S) * 1000)):
+                        if fd == listen_fd:
+                            if not self._accept_ready(refusals):
+                                return
+                        else:
+                            self._step_refusal(refusals, fd)
+                    refusals.expire()
+                except Exception:
+                    # A bug, not a condition of the host's (those are handled where they arise).
+                    # This thread ending would leave the agent heartbeating while it serves no one,
+                    # its objects unreadable and never repaired: it logs and goes on accepting.
+                    log.exception("the accept loop failed; accepting again in %.1f s", ACCEPT_RETRY_S)
+                    self._stop.wait(ACCEPT_RETRY_S)
         finally:
             refusals.close()
+
+    @staticmethod
+    def _step_refusal(refusals: Refusals, fd: int) -> None:
+        try:
+            refusals.step(fd)
+        except Exception:  # a bug: that connection goes (it would be ready again at every poll)
+            log.exception("turning away connection fd %d failed; closing it", fd)
+            refusals.end(fd)
 
     def _accept_ready(self, refusals: Refusals) -> bool:
         """Take what the backlog holds (ACCEPT_BATCH at most); False once stop() ran."""
@@ -172,7 +187,13 @@ class AgentServer(AgentOps):
                 log.warning("accept failed: %s; retrying", exc)
                 self._stop.wait(ACCEPT_RETRY_S)
                 return True
-            self._admit(conn, refusals)
+            try:
+                self._admit(conn, refusals)
+            except Exception:  # a bug: this connection goes, the next ones are served
+                log.exception("admitting a new connection failed; closing it")
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
         return True
 
     def _admit(self, conn: socket.socket, refusals: Refusals) -> None:
