@@ -133,6 +133,7 @@ class Spiller:
         batches = batches_of(jobs, self._batch_bytes)
         swaps: list[Future[Swapped]] = []
         ahead: Future[Reserved | None] | None = None
+        failure: BaseException | None = None
         try:
             if batches:
                 ahead = self._reserver.submit(self._reserve, peer_node, batches[0], tier, source)
@@ -182,12 +183,26 @@ class Spiller:
         finally:
             if ahead is not None:
                 self._give_back(peer_node, ahead)
-            for fut in swaps:
-                swapped = fut.result()
-                result.moved.extend(swapped.moved)
-                result.unknown.extend(swapped.unknown)
-                result.error = result.error or swapped.error
+            failure = self._collect(swaps, result)
+        if failure is not None:  # raised only when nothing else is on its way out
+            raise failure
         return result
+
+    @staticmethod
+    def _collect(swaps: list[Future[Swapped]], result: SpillResult) -> BaseException | None:
+        """Every swap's outcome into ``result``, and the first that raised (the agent closing its
+        pools cancels the swaps not yet run): a swap that failed leaves the others' moves counted."""
+        failure: BaseException | None = None
+        for fut in swaps:
+            try:
+                swapped = fut.result()
+            except BaseException as exc:
+                failure = failure or exc
+                continue
+            result.moved.extend(swapped.moved)
+            result.unknown.extend(swapped.unknown)
+            result.error = result.error or swapped.error
+        return failure
 
     def _give_back(self, peer_node: NodeInfo, ahead: Future[Reserved | None]) -> None:
         """A batch reserved ahead that will not be sent (the pass ended early): its room goes back
@@ -334,9 +349,14 @@ class Spiller:
                 statuses = index.copy_replicas(moves, src_node=me)
             else:
                 statuses = index.move_replicas(moves, old_node=me)
-        except MooncakeError as exc:
+        except Exception as failure:
             # Whether the swap happened is unknown: expiring is still safe, since the peer keeps a
             # reservation whose swap reached the index (its ack list says so) and frees the rest.
+            # A bug (not a MooncakeError) is handled alike and logged: raised, it ended the pass's
+            # collection of the swaps after it, whose moves then went uncounted.
+            exc = failure if isinstance(failure, MooncakeError) else MooncakeError(f"spill swap failed: {failure!r}")
+            if exc is not failure:
+                log.exception("swap of %d spilled object(s) to %s failed", len(moves), peer_node.node_id)
             self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reservations])
             if copy:
                 # Nothing here to free or count either way: a copy that landed is seen by the next

@@ -1,7 +1,11 @@
-"""An exception other than OSError in the agent's accept loop (a bug in admitting or turning away a
-connection) ended its accept thread while heartbeats went on: the node looked alive and served no
-one, its objects unreadable and never repaired. The loop now closes the one connection and goes on.
-The bug is injected by wrapping the step, as no input is known to raise there."""
+"""Bugs in one step of an agent's loops no longer take the loop with them (each is injected by
+wrapping the step, as no input is known to raise there):
+- an exception other than OSError in the accept loop (admitting or turning away a connection)
+  ended its accept thread while heartbeats went on: the node looked alive and served no one, its
+  objects unreadable and never repaired. The loop now closes that one connection and goes on;
+- a spill batch's swap that raised something other than a MooncakeError ended the spill before
+  the swaps of the batches after it were collected: their moves went uncounted (spills out). It
+  is now a swap whose outcome is unknown, as an index error is, and the others are counted."""
 
 from __future__ import annotations
 
@@ -9,13 +13,19 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
+from helpers import put_on, replicas_of
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.refusals import Refusals
+from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
 from mooncake_store.transport.tcp import parse_endpoint
+from mooncake_store.types import TierKind
+
+SIZE = 256 << 10
 
 
 def _pings(agent: Agent, timeout_s: float = 3.0) -> bool:
@@ -36,11 +46,11 @@ def _pings(agent: Agent, timeout_s: float = 3.0) -> bool:
 
 
 def _failing_once(real: Callable[..., Any], failed: list[bool]) -> Callable[..., Any]:
-    def step(*args: Any) -> Any:
+    def step(*args: Any, **kwargs: Any) -> Any:
         if not failed:
             failed.append(True)
             raise RuntimeError("a bug in the step (injected)")
-        return real(*args)
+        return real(*args, **kwargs)
 
     return step
 
@@ -70,3 +80,29 @@ def test_a_bug_turning_one_connection_away_leaves_the_agent_serving(
     agent.server.max_connections = 64
     assert _pings(agent)  # served: the accept thread lives
     assert agent.server._accept_thread.is_alive()
+
+
+def test_a_bug_in_one_spill_swap_leaves_the_others_counted(make_peer_agent: Callable[..., Agent]) -> None:
+    a = make_peer_agent(host_bytes=4 << 20)
+    b = make_peer_agent(host_bytes=8 << 20)
+    values = {f"o{i}": np.full(SIZE, i + 1, np.uint8) for i in range(6)}
+    for key, value in values.items():
+        put_on(a, key, value, tier=TierKind.HOST)
+    victims = sorted(a.index.victim_candidates(a.node_id, "host"), key=lambda c: c.key)
+    jobs = [SpillJob(victim=v, offset=a.table.offset_of(v.alloc_id)[0]) for v in victims]  # type: ignore[index]
+    failed: list[bool] = []
+    a.index.move_replicas = _failing_once(a.index.move_replicas, failed)  # type: ignore[method-assign]
+    spiller = Spiller(a, streams=1, batch_bytes=2 * SIZE)  # three batches; the first one's swap fails
+    try:
+        result = spiller.spill(a.index.nodes()[b.node_id], jobs, tier=TierKind.HOST)
+    finally:
+        spiller.close()
+    assert failed
+    assert result.error is not None and "a bug in the step (injected)" in str(result.error)
+    assert sorted(j.victim.key for j in result.moved) == ["o2", "o3", "o4", "o5"]
+    assert sorted(job.victim.key for job, _ in result.unknown) == ["o0", "o1"]  # the caller asks the index
+    for key, value in values.items():
+        (replica,) = replicas_of(a, key)
+        owner = b if key in ("o2", "o3", "o4", "o5") else a
+        assert replica.node_id == owner.node_id, key
+        assert bytes(owner.arena.view(replica.offset, SIZE)) == value.tobytes(), key
