@@ -129,6 +129,15 @@ def _refuse_if_running() -> None:
     state = load_state()
     if state is None:
         return
+    if not state.all_procs():
+        # `up --agents 0 --redis-url URL` records a cluster of no processes of its own: nothing of
+        # it can die, so it stays recorded until `down` forgets it (replaced silently, the commands
+        # that found it with no flags went to another cluster).
+        raise CliError(
+            f"a cluster is recorded in {state_path()} ({redact_url(state.redis_url)}, namespace "
+            f"{state.namespace!r}) with no processes of its own; `mooncake down` forgets it first",
+            ExitCode.ERROR,
+        )
     if state.running():
         if state.servers and not any(alive(p) for p in state.servers):
             # Its server died (killed, out of memory) while agents run on: "already running" was
