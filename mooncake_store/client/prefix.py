@@ -377,11 +377,23 @@ class PrefixCache:
             return self._pool.submit(self.load, token_ids, **kwargs)
 
     # ---- pins -------------------------------------------------------------------------------
-    def refcounts(self, token_ids: Any = None, *, block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
-        """Live pins on each chunk of the prompt (0 where missing); asked of a closed cache too
-        (what its close left pinned), not of a closed client."""
+    def refcounts(
+        self,
+        token_ids: Any = None,
+        *,
+        block_hashes: Sequence[BlockHash] | None = None,
+        include_tail: bool = True,
+    ) -> list[int]:
+        """Live pins on each chunk of the prompt, one entry per chunk in chain order (0 where
+        missing): every full chunk, then the partial last one when the token ids leave one (the
+        tail, keyed by its own tokens: ``keys(..., include_tail=True)``), as load() matches them
+        by default. Without the tail, a pin leaked on it (a load that stored the tail, or a hit
+        cut back by its buffers) did not show. ``include_tail=False`` asks of the full chunks
+        only; block hashes name full chunks only. Asked of a closed cache too (what its close
+        left pinned), not of a closed client."""
+        keys = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
         with self.client._cut_by_close():
-            return self.index.refcounts(self.keys(token_ids, block_hashes=block_hashes))
+            return self.index.refcounts(keys)
 
     def _hold(self, hit: PrefixHit) -> None:
         hit._on_drop = self._dropped.watch(hit)

@@ -88,6 +88,6 @@ def test_buffers_for_the_full_chunks_load_them_when_the_tail_is_stored_too(cache
     with cache.load(ids, outs=outs) as hit:
         assert (hit.num_chunks, hit.num_tokens) == (2, 2 * C)
         assert outs[0].tolist() == [1.0] * ELEMS and outs[1].tolist() == [2.0] * ELEMS
-    assert cache.refcounts(ids) == [0, 0]  # the tail was not left pinned
+    assert cache.refcounts(ids) == [0, 0, 0]  # the tail was not left pinned
     with pytest.raises(InvalidValue, match=r"3 chunk\(s\) matched but 1 output buffer\(s\) given"):
         cache.load(ids, outs=outs[:1])
