@@ -240,7 +240,9 @@ class PrefixCache:
         ``chunks[i]`` is chunk i's KV data (any buffer :meth:`Client.put` takes), for every full
         chunk (and the tail with ``include_tail``); a callable is asked only for chunks it must
         write. A chunk that is already stored, or that another writer is storing right now, is
-        not written. One round trip decides which chunks to write, one put_many writes them.
+        not written. One round trip decides which chunks to write, one put_many writes them. New
+        chunks that hang off one another writer is storing wait for it (up to the client's
+        ``timeout_s``; then they are not written), so none is committed under a missing parent.
         """
         self._begin_call()
         keys = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
@@ -258,10 +260,17 @@ class PrefixCache:
             return 0
         claims = Claims(self.index, keys, uuid.uuid4().hex, self.claim_ttl_ms)
         with self.client._cut_by_close():
-            statuses = claims.claim()
+            # A chunk this store would extend that another writer is storing is waited for as
+            # long as a put may take (prefix_claims.py): committed under it unpinned, the new
+            # chunks were left under a gap once it was evicted, or never stored.
+            statuses = claims.claim(wait_s=self.client.config.timeout_s, sleep=self._sleep_open)
+        if claims.given_up:
+            log.info("store: %d chunk(s) not written: their parent is still being stored", len(claims.given_up))
         mine = [i for i, s in enumerate(statuses) if s == "MINE"]
         if not mine:
-            return 0  # nothing claimed, and so no parent pinned
+            if claims.guards:  # pinned for chunks given up since
+                self._release_claims(claims)
+            return 0
         self._hold_claims(claims)
         try:
             get = chunks if callable(chunks) else chunks.__getitem__
@@ -476,6 +485,11 @@ class PrefixCache:
         first (prefix_pins.py; a round trip, so not under ``_lock`` as load_async's check is)."""
         self._check_open()
         self._dropped.unpin()
+
+    def _sleep_open(self, seconds: float) -> None:
+        """A store's wait between polls, cut short by close() (the cache's or its client's)."""
+        self._stop.wait(seconds)
+        self._check_open()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -3,12 +3,16 @@ another writer is storing (review, thirty-fifth session)."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
-from mooncake_store import Client, PrefixCache
+from mooncake_store import Client, LocalCluster, MooncakeError, PrefixCache
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,6 +26,18 @@ def namespace(name: str) -> str:
 
 def chunk(i: int, elems: int = ELEMS) -> np.ndarray:
     return np.full(elems, i + 1, np.float32)
+
+
+def evict_last_copy(client: Client, key: str) -> str:
+    """What a pressure pass does to a leaf chunk (evict.lua, the agent's own call)."""
+    meta = client.object_meta(key)
+    assert meta is not None, key
+    replica = meta.replicas[0]
+    return client.index.evict(key, node_id=replica.node_id, alloc_id=replica.alloc_id)
+
+
+def claimed(client: Client, key: str) -> bool:
+    return bool(client.index.redis.exists(client.index.prefix + "claim:" + key))
 
 
 def test_refcounts_cover_the_tail_chunk(shared_client: Client) -> None:
@@ -47,3 +63,125 @@ def test_refcounts_cover_the_tail_chunk(shared_client: Client) -> None:
         assert cache.refcounts(ids) == [0, 0, 0]
     finally:
         cache.close()
+
+
+def test_a_store_after_a_busy_chunk_waits_for_it_and_pins_it(shared_client: Client) -> None:
+    """a (3 chunks) is stored; another writer claims b's chunk 3 (BUSY to this store), and this
+    store of b claims chunk 4, whose parent is that chunk. It pinned no parent (a BUSY one cannot
+    be pinned): the other writer committed chunk 3, a pressure pass evicted it (a leaf until chunk
+    4 hangs off it), and chunk 4 was committed under a parent that was gone: store() said 1, every
+    match stopped at 3 chunks, and chunk 4 took space unreachable. The store now waits for the
+    other writer's chunk and pins it before it writes its own."""
+    client = shared_client
+    cache = PrefixCache(client, namespace("busy"), chunk_tokens=C)
+    a, b = np.arange(3 * C), np.arange(5 * C)
+    keys = cache.keys(b)
+    try:
+        assert cache.store(a, [chunk(i) for i in range(3)]) == 3
+        assert cache.index.claim(keys[3:4], writer_id="other", ttl_ms=60_000) == ["MINE"]
+        committed = threading.Event()
+
+        def other_writer() -> None:
+            # Once this store has claimed its chunk, the other writer's chunk lands.
+            if wait_until(lambda: claimed(client, keys[4]), 20, interval_s=0.005):
+                client.put_many({keys[3]: chunk(3)}, chain_pos={keys[3]: 3}, chain_parent={keys[3]: keys[2]})
+                cache.index.release(keys[3:4], writer_id="other")
+            committed.set()
+
+        evictions: list[str] = []
+
+        def chunk_after_the_others(i: int) -> np.ndarray:
+            assert i == 4, i
+            assert committed.wait(20)
+            evictions.append(evict_last_copy(client, keys[3]))  # its children are still to come
+            return chunk(4)
+
+        writer = threading.Thread(target=other_writer)
+        writer.start()
+        try:
+            assert cache.store(b, chunk_after_the_others) == 1
+        finally:
+            writer.join(30)
+        assert evictions == ["PINNED"], "the chunk this store extends was evicted before its child was committed"
+        assert cache.match(b) == 5 * C
+        with cache.load(b) as hit:
+            assert [c.tolist()[0] for c in hit.chunks] == [1.0, 2.0, 3.0, 4.0, 5.0]
+        assert cache.refcounts(b) == [0] * 5  # the store's pin went with its claims
+    finally:
+        cache.close()
+
+
+def test_a_store_writes_a_busy_chunk_whose_writer_gave_up(shared_client: Client) -> None:
+    """The other writer claimed chunk 3 and died: its claim runs out by its ttl. The store committed
+    chunk 4 under the missing chunk 3 at once (unreachable until a later store of the prompt); it
+    now waits out the claim, then claims and writes chunk 3 itself."""
+    cache = PrefixCache(shared_client, namespace("dead"), chunk_tokens=C)
+    a, b = np.arange(3 * C) + 1000, np.arange(5 * C) + 1000
+    keys = cache.keys(b)
+    try:
+        assert cache.store(a, [chunk(i) for i in range(3)]) == 3
+        assert cache.index.claim(keys[3:4], writer_id="dead", ttl_ms=1500) == ["MINE"]
+        assert cache.store(b, [chunk(i) for i in range(5)]) == 2  # chunks 3 and 4
+        assert cache.match(b) == 5 * C
+        assert cache.refcounts(b) == [0] * 5
+    finally:
+        cache.close()
+
+
+def test_a_store_leaves_the_chunks_after_a_chunk_still_busy_at_its_timeout(
+    shared_cluster: LocalCluster, make_client: Callable[..., Client]
+) -> None:
+    """The other writer is stalled (its claim renewed) past this client's timeout_s: the store
+    writes nothing that would hang off its chunk, and lets go of those claims, instead of
+    committing chunks under a parent that may never come."""
+    client = make_client(shared_cluster, timeout_s=1.5)
+    cache = PrefixCache(client, namespace("stalled"), chunk_tokens=C)
+    a, b = np.arange(3 * C) + 2000, np.arange(6 * C) + 2000
+    keys = cache.keys(b)
+    try:
+        assert cache.store(a, [chunk(i) for i in range(3)]) == 3
+        assert cache.index.claim(keys[3:4], writer_id="stalled", ttl_ms=60_000) == ["MINE"]
+        began = time.monotonic()
+        assert cache.store(b, [chunk(i) for i in range(6)]) == 0
+        assert 1.4 <= time.monotonic() - began < 10
+        assert [client.exists(k) for k in keys[3:]] == [False, False, False]
+        assert not claimed(client, keys[4]) and not claimed(client, keys[5])  # released, not held
+        assert cache.refcounts(b) == [0] * 6
+        cache.index.release(keys[3:4], writer_id="stalled")
+        assert cache.store(b, [chunk(i) for i in range(6)]) == 3  # the next store of the prompt
+        assert cache.match(b) == 6 * C
+    finally:
+        cache.close()
+
+
+def test_close_ends_a_store_waiting_for_a_busy_chunk(shared_client: Client) -> None:
+    """The wait for another writer's chunk ends with the cache's close(), as its transfers do, and
+    the waiting store's claims go back (they held off every other writer of those chunks)."""
+    client = shared_client
+    cache = PrefixCache(client, namespace("close"), chunk_tokens=C)
+    a, b = np.arange(3 * C) + 3000, np.arange(5 * C) + 3000
+    keys = cache.keys(b)
+    assert cache.store(a, [chunk(i) for i in range(3)]) == 3
+    assert cache.index.claim(keys[3:4], writer_id="stalled", ttl_ms=60_000) == ["MINE"]
+    errors: list[BaseException] = []
+
+    def store() -> None:
+        try:
+            cache.store(b, [chunk(i) for i in range(5)])
+        except MooncakeError as exc:
+            errors.append(exc)
+
+    storing = threading.Thread(target=store)
+    storing.start()
+    try:
+        assert wait_until(lambda: claimed(client, keys[4]), 10, interval_s=0.005)
+        began = time.monotonic()
+        cache.close()
+        storing.join(10)
+        assert not storing.is_alive() and time.monotonic() - began < 5
+    finally:
+        cache.close()
+        storing.join(10)
+    assert [str(e) for e in errors] == ["PrefixCache is closed"]
+    assert not claimed(client, keys[4])
+    cache.index.release(keys[3:4], writer_id="stalled")
