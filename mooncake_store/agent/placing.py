@@ -1,6 +1,7 @@
 """Where each victim of a pressure pass goes, as the tiers issue wants it: demoted to this agent's
-next tier if there is room, else spilled to the peer with the most room in that tier, else evicted;
-a demotion is carried out as soon as it is chosen. The pass itself (pressure.py) samples the
+next tier if there is room, else spilled to the peer with the most room in that tier, else to
+another tier of a peer's (FALLBACK_TIERS: nothing is lost while the cluster has room for it), else
+evicted; a demotion is carried out as soon as it is chosen. The pass itself (pressure.py) samples the
 victims and carries out the spills and evictions."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from mooncake_store.agent.moves import Demotion, LocalMoves
 from mooncake_store.agent.spill import SpillJob
+from mooncake_store.agent.spill_jobs import FALLBACK_TIERS, as_other_tier
 from mooncake_store.policy.eviction import Move, MoveKind, choose_move, next_tier
 from mooncake_store.tiers.chunk_format import file_bytes_at_most
 from mooncake_store.types import NodeInfo, TierKind
@@ -19,12 +21,21 @@ if TYPE_CHECKING:
     from mooncake_store.agent.node import Agent
 
 
+#: A pass's spills: victims by the peer and the peer's tier they go to.
+Spills = dict[tuple[str, TierKind], list[SpillJob]]
+
+
 @dataclass(slots=True)
 class PassState:
     """What one pass of the pressure loop has learnt and planned so far, as it walks its victims."""
 
     peers: list[NodeInfo]
-    planned: dict[str, int] = field(default_factory=dict)
+    #: Per tier of the peers, what this pass sent each peer there (the table's use is a heartbeat old).
+    planned: dict[TierKind, dict[str, int]] = field(default_factory=dict)
+    #: The room each spilled victim (by alloc id) makes here when it leaves, for those planned into
+    #: another tier of a peer's (a host object as a chunk file, a chunk file decoded): the job that
+    #: travels then says what it takes there.
+    room_here: dict[int, int] = field(default_factory=dict)
     refused: set[str] = field(default_factory=set)
     #: Chunks of a chain evicted in this pass, by their parent's key: the sample's children counts
     #: are that much too high, and a parent whose last child went is a leaf now (evict.lua still
@@ -51,7 +62,21 @@ class PassState:
     def plan(self, node_id: str, jobs: list[SpillJob], tier: TierKind, sign: int = 1) -> None:
         """Count ``jobs`` as sent to a peer (``sign`` -1: taken back), in the room they take there."""
         usage = self.by_id[node_id].tier(tier)
-        self.planned[node_id] = self.planned.get(node_id, 0) + sign * sum(job.room_on(usage) for job in jobs)
+        on_tier = self.planned.setdefault(tier, {})
+        on_tier[node_id] = on_tier.get(node_id, 0) + sign * sum(job.room_on(usage) for job in jobs)
+
+    def spill(
+        self, spills: dict[tuple[str, TierKind], list[SpillJob]], job: SpillJob, move: Move, tier: TierKind
+    ) -> None:
+        """Plan ``job`` (of ``tier`` here) to go where ``move`` sends it: into ``spills``, keyed by
+        the peer and its tier, in the form that tier keeps."""
+        assert move.node_id is not None
+        target = tier if move.tier is None else move.tier
+        sent = job if target == tier else as_other_tier(job, target)
+        if sent is not job:
+            self.room_here[job.victim.alloc_id] = job.room_bytes
+        spills.setdefault((move.node_id, target), []).append(sent)
+        self.plan(move.node_id, [sent], target)
 
 
 class Placer:
@@ -73,7 +98,10 @@ class Placer:
             # Planned by the longest file it can make (the header, incompressible bytes): at its
             # plain size a file could take more blocks than the room it was planned into.
             lower_takes = agent.disk.footprint(file_bytes_at_most(victim.size_bytes))
-        return choose_move(
+        # A node that holds another replica is no destination: two copies on one node are one.
+        refused = state.refused | set(victim.other_nodes)
+        holders = [state.by_id[n] for n in victim.other_nodes if n in state.by_id]
+        move = choose_move(
             job.room_bytes,
             tier=tier,
             node_id=agent.node_id,
@@ -85,13 +113,40 @@ class Placer:
             now_ms=now_ms,
             high_watermark=agent.config.high_watermark,
             spill=agent.config.spill_to_peers,
-            planned_bytes=state.planned,
-            # A node that holds another replica is no destination: two copies on one node are one.
-            refused=state.refused | set(victim.other_nodes),
+            planned_bytes=state.planned.get(tier, {}),
+            refused=refused,
             stored_bytes=job.stored_bytes,
-            holders=[state.by_id[n] for n in victim.other_nodes if n in state.by_id],
+            holders=holders,
             plain_bytes=victim.size_bytes,
         )
+        if move.kind != MoveKind.EVICT or not agent.config.spill_to_peers:
+            return move
+        # No peer has room in this tier: another tier of a peer's before the object is lost (a
+        # chunk file to a disk-less peer's empty host tier, a host object to a peer's disk), as a
+        # repair's copy goes (agent/repairs.py).
+        for other in FALLBACK_TIERS:
+            if other == tier:
+                continue
+            sent = as_other_tier(job, other)
+            fallback = choose_move(
+                sent.room_bytes,
+                tier=other,
+                node_id=agent.node_id,
+                zone=agent.config.zone,
+                lower_tier=None,
+                lower_free_bytes=0,
+                peers=state.peers,
+                now_ms=now_ms,
+                high_watermark=agent.config.high_watermark,
+                planned_bytes=state.planned.get(other, {}),
+                refused=refused,
+                stored_bytes=sent.stored_bytes,
+                holders=holders,
+                plain_bytes=victim.size_bytes,
+            )
+            if fallback.kind == MoveKind.SPILL:
+                return fallback
+        return move
 
     def place_demoting(self, job: SpillJob, now_ms: int, state: PassState, tier: TierKind) -> Move:
         """Place a victim and carry out a demotion at once (the others are queued by the caller). A

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.moves import CHAIN_VICTIMS, LocalMoves
-from mooncake_store.agent.placing import PassState, Placer
+from mooncake_store.agent.placing import PassState, Placer, Spills
 from mooncake_store.agent.promotions import PromotionQueue
 from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
 from mooncake_store.agent.spill import Spiller, SpillJob
@@ -311,7 +311,7 @@ class PressureManager:
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (_evict_queued).
-        spills: dict[str, list[SpillJob]] = {}
+        spills: Spills = {}
         moved = planned = 0
         # Walk the whole cold-first order: a victim that may not leave (pinned or read since, or a
         # chain chunk whose chain cannot go) is passed over, not the end of the pass.
@@ -332,8 +332,7 @@ class PressureManager:
             if move.kind == MoveKind.DEMOTE:
                 moved += job.room_bytes
             elif move.kind == MoveKind.SPILL and move.node_id is not None:
-                spills.setdefault(move.node_id, []).append(job)
-                state.plan(move.node_id, [job], tier)
+                state.spill(spills, job, move, tier)
                 planned += job.room_bytes
             else:
                 self._queue_eviction(job, state)
@@ -436,21 +435,22 @@ class PressureManager:
 
     def _carry_out_spills(
         self,
-        spills: dict[str, list[SpillJob]],
+        spills: Spills,
         now_ms: int,
         state: PassState,
         tier: TierKind,
         job_of: JobOf,
     ) -> int:
-        """Send each peer its victims in batches. A peer that refuses (or breaks) is skipped for the
-        rest of the pass and what it did not take is placed again: another peer, else demote or evict."""
+        """Send each peer its victims in batches (to the peer's tier each was planned into). A peer
+        that refuses (or breaks) is skipped for the rest of the pass and what it did not take is
+        placed again: another peer, else demote or evict."""
         moved = 0
         for attempt in range(PEER_TRIES):
             retry: list[SpillJob] = []
-            for node_id, jobs in spills.items():
-                result = self._spiller.spill(state.by_id[node_id], jobs, tier=tier)
+            for (node_id, target), jobs in spills.items():
+                result = self._spiller.spill(state.by_id[node_id], jobs, tier=target, source=tier)
                 self.silent.note(self._spiller.take_unreachable())
-                moved += sum(job.room_bytes for job in result.moved)
+                moved += sum(state.room_here.get(job.victim.alloc_id, job.room_bytes) for job in result.moved)
                 if result.moved:
                     self.count(tier, "spills_out", len(result.moved))
                 if result.unknown:
@@ -461,7 +461,7 @@ class PressureManager:
                     raise result.error  # the index failed: end the pass (run() logs it)
                 if result.refused:
                     state.refused.add(node_id)
-                    state.plan(node_id, result.unsent, tier, sign=-1)
+                    state.plan(node_id, result.unsent, target, sign=-1)
                     retry.extend(result.unsent)
             spills = {}
             for unsent in retry:
@@ -473,8 +473,7 @@ class PressureManager:
                     moved += job.room_bytes
                     continue
                 if move.kind == MoveKind.SPILL and move.node_id is not None and attempt + 1 < PEER_TRIES:
-                    spills.setdefault(move.node_id, []).append(job)
-                    state.plan(move.node_id, [job], tier)
+                    state.spill(spills, job, move, tier)
                     continue
                 # Out of peers to ask, or none has room: evicted.
                 self._queue_eviction(job, state)

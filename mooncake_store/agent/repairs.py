@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.spill import Spiller, SpillJob
+from mooncake_store.agent.spill_jobs import FALLBACK_TIERS, as_other_tier
 from mooncake_store.index.pressure import RepairCandidate
 from mooncake_store.policy.eviction import MoveKind, choose_move
 from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
@@ -36,10 +37,6 @@ log = logging.getLogger("mooncake.agent")
 REPAIR_EVERY_S = 1.0
 #: Objects taken per call.
 REPAIR_BATCH = 256
-#: Where a copy goes when no peer has room in the tier of the replica it is made from: the host
-#: tier (every agent has one), then the disk tier; never a GPU tier it was not in (that memory is
-#: the engines').
-FALLBACK_TIERS = (TierKind.HOST, TierKind.DISK)
 
 JobOf = Callable[[EvictionCandidate], SpillJob | None]
 
@@ -171,11 +168,3 @@ class Repairs:
             if move.kind == MoveKind.SPILL and move.node_id is not None:
                 return move.node_id, tier, sent
         return None
-
-
-def as_other_tier(job: SpillJob, tier: TierKind) -> SpillJob:
-    """``job`` planned into a peer's ``tier`` from another tier here: at its plain size, and into a
-    disk tier as a chunk file of that size (what compression saves is known only once the file is
-    made, just before it goes: agent/payloads.py)."""
-    size = job.victim.size_bytes
-    return SpillJob(job.victim, job.offset, stored_bytes=size if tier == TierKind.DISK else None)

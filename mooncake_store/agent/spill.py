@@ -154,7 +154,14 @@ class Spiller:
                     if not broken:
                         swaps.append(
                             self._swapper.submit(
-                                self._swap, peer_node, reserved.batch, reserved.reservations, written, tier, copy
+                                self._swap,
+                                peer_node,
+                                reserved.batch,
+                                reserved.reservations,
+                                written,
+                                tier,
+                                copy,
+                                source,
                             )
                         )
                 except BaseException:
@@ -318,6 +325,7 @@ class Spiller:
         written: list[bool],
         tier: TierKind,
         copy: bool = False,
+        source: TierKind | None = None,
     ) -> Swapped:
         """One compare-and-swap of the written jobs; every reservation not swapped is expired on the
         peer. Returns the jobs that moved (a job written but not swapped is dropped: its object
@@ -363,7 +371,7 @@ class Spiller:
                 # repair pass, which finds the object's count restored.
                 return Swapped(error=exc)
             unknown = [
-                (job, MoveTarget(job.victim.key, peer_node.node_id, res.alloc_id, tier, (tier, "spills_out")))
+                (job, MoveTarget(job.victim.key, peer_node.node_id, res.alloc_id, tier, (source or tier, "spills_out")))
                 for job, res, ok in zip(batch, reservations, written, strict=True)
                 if ok
             ]

@@ -15,7 +15,7 @@ from mooncake_store.index.schema import BATCH_LIMIT
 from mooncake_store.tiers.allocator import ALIGNMENT
 from mooncake_store.transport import frames
 from mooncake_store.transport.tcp import Reservation
-from mooncake_store.types import EvictionCandidate, TierUsage
+from mooncake_store.types import EvictionCandidate, TierKind, TierUsage
 
 log = logging.getLogger("mooncake.agent")
 
@@ -68,6 +68,21 @@ class SpillJob:
         if self.stored_bytes is None or usage is None:
             return self.room_bytes
         return usage.room_for(self.stored_bytes, otherwise=self.room_bytes)
+
+
+#: Where an object goes when no peer has room in the tier it is in here: a peer's host tier (every
+#: agent has one), then its disk tier; never a GPU tier it was not in (that memory is the
+#: engines'). Repairs copy there (agent/repairs.py), and a pressure pass spills there before it
+#: evicts (agent/placing.py).
+FALLBACK_TIERS = (TierKind.HOST, TierKind.DISK)
+
+
+def as_other_tier(job: SpillJob, tier: TierKind) -> SpillJob:
+    """``job`` planned into a peer's ``tier`` from another tier here: at its plain size, and into a
+    disk tier as a chunk file of that size (what compression saves is known only once the file is
+    made, just before it goes: agent/payloads.py)."""
+    size = job.victim.size_bytes
+    return SpillJob(job.victim, job.offset, stored_bytes=size if tier == TierKind.DISK else None)
 
 
 @dataclass(frozen=True, slots=True)

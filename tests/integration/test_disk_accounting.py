@@ -140,10 +140,14 @@ def test_a_spill_of_small_chunk_files_is_planned_by_the_blocks_they_take_on_the_
         disk_object(a, key, np.full(64, len(key), np.uint8))
     assert a.disk is not None and a.disk.used_bytes == files * block  # past its high watermark
     a.pressure.relieve_disk()
-    on_b = [k for k in keys if (m := a.index.lookup([k], lease_ms=0).objects[0]) and m.replicas[0].node_id == b.node_id]
+    metas = [a.index.lookup([k], lease_ms=0).objects[0] for k in keys]
+    on_b = [m.key for m in metas if m and (m.replicas[0].node_id, m.replicas[0].tier) == (b.node_id, "disk")]
     room = int(b.config.high_watermark * 4 * peer_block) // peer_block  # whole files under b's high watermark
-    assert 1 <= len(on_b) <= room, f"{len(on_b)} of a's files landed on b, which has room for {room}"
+    assert 1 <= len(on_b) <= room, f"{len(on_b)} of a's files landed on b's disk, which has room for {room}"
     assert b.disk is not None and b.disk.objects == len(on_b) and b.disk.used_bytes == len(on_b) * peer_block
+    # The rest went to b's empty host tier, decoded, rather than being evicted (none is lost).
+    assert all(m is not None for m in metas)
+    assert any(m is not None and m.replicas[0].tier == "host" for m in metas)
 
 
 def test_repairs_plan_a_peer_s_host_and_disk_tiers_apart(
