@@ -62,10 +62,15 @@ def _text_config(model_or_config: Any) -> Any:
 def kv_layout(model_or_config: Any) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a causal LM or its config."""
     cfg = _text_config(model_or_config)
-    layers = int(cfg.num_hidden_layers)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    try:
+        layers = int(cfg.num_hidden_layers)
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    except (AttributeError, TypeError, ValueError) as exc:  # a dict (config.to_dict()), a tokenizer, ...
+        raise InvalidValue(
+            f"kv_layout needs a transformers model or its PretrainedConfig, got {type(cfg).__name__}: {exc}"
+        ) from None
     return layers, kv_heads, head_dim
 
 
@@ -73,15 +78,16 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
     """A PrefixCache namespace naming the model and its KV layout, e.g.
     ``meta-llama/Llama-3-8B@3f9a1c0e52d7/bfloat16/L32/kv8/d128/tp0``. ``model_id``, when given,
     names the weights as it is. Otherwise the model's name (``config._name_or_path``, else its
-    type) comes with a digest of its weights and of its rotary position settings: two checkpoints
-    saved in turn under one path, an adapter that keeps its base model's name, or one checkpoint run
-    with another ``rope_theta`` or ``rope_scaling`` (its cached keys are stored after the rotation)
-    must not restore each other's KV caches."""
+    type) comes with a digest of its weights and of its config (all but the fields that cannot
+    change a cached key or value: _kv_settings): two checkpoints saved in turn under one path, an
+    adapter that keeps its base model's name, or one checkpoint run with another ``rope_theta``,
+    ``rope_scaling`` (its cached keys are stored after the rotation), ``rms_norm_eps`` or
+    ``hidden_act`` must not restore each other's KV caches."""
     cfg = _text_config(model)
     name = model_id
     if not name:
         named = getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model_type
-        name = f"{_short_name(named)}@{_weights_digest(model, extra=_rope_settings(cfg))}"
+        name = f"{_short_name(named)}@{_weights_digest(model, extra=_kv_settings(cfg))}"
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
     layers, kv_heads, head_dim = kv_layout(model)
     return f"{name}/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
@@ -99,12 +105,36 @@ def _short_name(name: str) -> str:
     return f"...{name[-(_MAX_NAME_CHARS // 2) :]}#{digest}"
 
 
-def _rope_settings(cfg: Any) -> bytes:
-    """The config's rotary position settings (every ``rope*`` field, ``partial_rotary_factor``), as
-    bytes for the digest: the same weights under another rope_theta, or a rope_scaling that
-    stretches the context, cache other keys for the same prompt."""
+#: Config fields that cannot change a cached key or value: names, token ids, what a forward pass
+#: returns, how attention is computed (the same numbers by another kernel), generation defaults.
+#: Every other field is digested (kv_namespace): a field missed there restores a model's cache
+#: into another's, silently wrong, while one digested needlessly costs only hits.
+_NOT_KV_FIELDS = frozenset(
+    {
+        "_name_or_path", "_commit_hash", "architectures", "transformers_version", "model_type", "dtype",
+        "torch_dtype", "use_bfloat16", "use_cache", "return_dict", "output_attentions",
+        "output_hidden_states", "output_router_logits", "torchscript", "id2label", "label2id",
+        "problem_type", "finetuning_task", "tokenizer_class", "prefix", "task_specific_params",
+        "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+        "_attn_implementation", "_attn_implementation_autoset", "attn_implementation",
+        "_attn_implementation_internal", "max_length", "min_length", "do_sample", "early_stopping",
+        "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+        "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+        "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate",
+        "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+        "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+        "chunk_size_feed_forward", "tf_legacy_loss", "initializer_range",
+    }
+)  # fmt: skip
+
+
+def _kv_settings(cfg: Any) -> bytes:
+    """The config's fields that may change a cached key or value, as bytes for the digest: the
+    same weights under another ``rope_theta`` or ``rope_scaling`` (keys are cached after the
+    rotation), ``rms_norm_eps`` (in layer 0's keys already) or ``hidden_act`` (in every later
+    layer's) cache other KV for the same prompt."""
     fields = cfg.to_dict() if callable(getattr(cfg, "to_dict", None)) else dict(vars(cfg))
-    settings = {k: v for k, v in fields.items() if k.startswith("rope") or k == "partial_rotary_factor"}
+    settings = {k: v for k, v in fields.items() if k not in _NOT_KV_FIELDS}
     return json.dumps(settings, sort_keys=True, default=str).encode()
 
 
@@ -152,12 +182,24 @@ def output_cache(output: Any) -> Any:
 def _layers(past: Any) -> list[tuple[Any, Any]]:
     """(key, value) tensors per layer, each (batch, kv_heads, seq, head_dim), for any cache form."""
     if hasattr(past, "layers"):  # transformers 4.56+ and 5.x
-        return [(layer.keys, layer.values) for layer in past.layers]
-    if hasattr(past, "key_cache"):  # earlier 4.x DynamicCache
-        return list(zip(past.key_cache, past.value_cache, strict=True))
-    if isinstance(past, tuple | list):  # legacy tuple of (key, value) per layer
-        return [(kv[0], kv[1]) for kv in past]
-    raise InvalidValue(f"cannot read a KV cache of type {type(past).__name__}")
+        layers = [(layer.keys, layer.values) for layer in past.layers]
+    elif hasattr(past, "key_cache"):  # earlier 4.x DynamicCache
+        layers = list(zip(past.key_cache, past.value_cache, strict=True))
+    elif isinstance(past, tuple | list):  # legacy tuple of (key, value) per layer
+        layers = [(kv[0], kv[1]) for kv in past]
+    else:
+        raise InvalidValue(f"cannot read a KV cache of type {type(past).__name__}")
+    # Checked here, not met as an AttributeError or IndexError further on: a DynamicCache(config=...)
+    # no forward pass has filled holds None per layer, a legacy tuple may hold 3-D tensors.
+    for i, (k, v) in enumerate(layers):
+        for what, t in (("keys", k), ("values", v)):
+            if len(getattr(t, "shape", ())) != 4:
+                shape = tuple(t.shape) if hasattr(t, "shape") else type(t).__name__
+                raise InvalidValue(
+                    f"layer {i}'s {what} are {shape}, not a (batch, kv_heads, seq, head_dim) tensor: "
+                    "pass the cache a forward pass over input_ids returned"
+                )
+    return layers
 
 
 def _token_ids(input_ids: Any) -> Any:

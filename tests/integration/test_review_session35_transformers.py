@@ -1,0 +1,91 @@
+"""The transformers integration (review, thirty-fifth session):
+- kv_namespace digested the weights and the rotary settings only: the same weights under a config
+  whose other fields change the cached KV (rms_norm_eps, hidden_act) got one namespace, and
+  load_prefix restored the other config's KV, silently wrong. It now digests every config field
+  but those that cannot change a key or value (an attention kernel's name, token ids, ...);
+- a DynamicCache no forward pass filled, and a config given as a dict, were AttributeErrors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from mooncake_store import Client, InvalidValue, PrefixCache
+from mooncake_store.integrations.transformers import kv_namespace, load_prefix, output_cache, save_prefix
+
+pytestmark = pytest.mark.timeout(180)
+
+CONFIG: dict[str, Any] = {
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+CHUNK = 32
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def build_model(config: dict[str, Any]) -> torch.nn.Module:
+    torch.manual_seed(35)  # the same weights for every config of one shape
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+
+
+@pytest.mark.parametrize("change", [{"rms_norm_eps": 0.5}, {"hidden_act": "gelu"}], ids=["eps", "act"])
+def test_a_config_change_that_changes_the_kv_is_another_namespace(client: Client, change: dict[str, Any]) -> None:
+    stored_model, loading_model = build_model(CONFIG), build_model({**CONFIG, **change})
+    ids = torch.randint(0, 1000, (2 * CHUNK + 1,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        fresh = output_cache(loading_model(ids[None], use_cache=True))
+        stored = output_cache(stored_model(ids[None], use_cache=True))
+    assert not torch.allclose(fresh.layers[-1].keys, stored.layers[-1].keys, atol=1e-3)  # other KV
+    assert kv_namespace(stored_model) != kv_namespace(loading_model)
+    with PrefixCache(client, kv_namespace(stored_model), chunk_tokens=CHUNK) as cache:
+        assert save_prefix(cache, ids, stored) == 2
+    with PrefixCache(client, kv_namespace(loading_model), chunk_tokens=CHUNK) as other:
+        assert load_prefix(other, ids, loading_model) == (0, None)  # nothing of the other config's
+
+
+def test_a_config_change_that_leaves_the_kv_alone_keeps_the_namespace() -> None:
+    """An attention kernel's name, the cache flag and the token ids change no cached number: the
+    caches stay shared between processes that set them differently."""
+    plain = build_model(CONFIG)
+    other = build_model({**CONFIG, "use_cache": False, "pad_token_id": 3, "eos_token_id": 5})
+    other.config._attn_implementation = "eager"
+    assert kv_namespace(plain) == kv_namespace(other)
+
+
+def test_a_cache_no_forward_pass_filled_is_refused(client: Client) -> None:
+    model = build_model(CONFIG)
+    with PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK) as cache:
+        empty = transformers.DynamicCache(config=model.config)
+        with pytest.raises(InvalidValue, match=r"layer 0's keys are .* not a \(batch, kv_heads, seq, head_dim\)"):
+            save_prefix(cache, torch.arange(2 * CHUNK + 1), empty)
+        three_d = tuple((torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)) for _ in range(2))
+        with pytest.raises(InvalidValue, match=r"layer 0's keys are \(2, 8, 16\)"):
+            save_prefix(cache, torch.arange(8), three_d)
+
+
+def test_a_config_given_as_a_dict_is_refused(client: Client) -> None:
+    model = build_model(CONFIG)
+    with PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK) as cache:
+        ids = torch.arange(2 * CHUNK + 1)
+        with torch.no_grad():
+            save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
+        with pytest.raises(InvalidValue, match=r"needs a transformers model or its PretrainedConfig, got dict"):
+            load_prefix(cache, ids, config=model.config.to_dict())
