@@ -14,6 +14,7 @@ import redis
 
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError, ProtocolError
 from mooncake_store.index.schema import (
+    RECORD_ERRORS,
     decode_node,
     decode_replicas,
     encode_node,
@@ -274,7 +275,7 @@ def _allocs_on(entry: str | bytes, node_id: str) -> set[int]:
     entry this build cannot read."""
     try:
         return {int(r[4]) for r in json.loads(entry)["replicas"] if r[0] == node_id}
-    except (ValueError, TypeError, KeyError, IndexError):
+    except RECORD_ERRORS:
         return set()
 
 

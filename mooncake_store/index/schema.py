@@ -75,6 +75,13 @@ def in_batches(items: Sequence[Any], size: int = BATCH_LIMIT) -> Iterator[Sequen
         yield items[start : start + size]
 
 
+#: What decoding a record not of this build's making (written by hand, or by another build) may
+#: raise: a JSON number past float range (1e999, Infinity) is a float int() cannot take
+#: (OverflowError), and deeply nested JSON exhausts the parser's stack (RecursionError). Each is a
+#: ProtocolError naming the record, so that one bad row is left out, not every caller failed.
+RECORD_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError)
+
+
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
@@ -111,7 +118,7 @@ def decode_replicas(raw: str | bytes) -> tuple[Replica, ...]:
             )
             for node, tier, offset, size, alloc, state in items
         )
-    except (ValueError, TypeError) as exc:
+    except RECORD_ERRORS as exc:
         raise ProtocolError(f"malformed replica list in the index: {raw!r:.200} ({exc})") from None
 
 
@@ -135,7 +142,7 @@ def decode_object(key: str, fields: list[Any]) -> ObjectMeta:
             version=int(version),
             replicas=decode_replicas(replicas),
         )
-    except (ValueError, TypeError) as exc:
+    except RECORD_ERRORS as exc:
         raise ProtocolError(f"malformed object record for key {key!r:.80} in the index: {exc}") from None
 
 
@@ -206,7 +213,7 @@ def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
             labels=dict(d.get("labels") or {}),
             alloc_tag=int(d.get("alloc_tag") or 0),
         )
-    except (ValueError, KeyError, TypeError) as exc:
+    except RECORD_ERRORS as exc:
         raise ProtocolError(f"malformed node record in the index: {raw!r:.200} ({exc})") from None
 
 
