@@ -70,8 +70,11 @@ def rank_nodes(
         fits = 0 if free >= size_bytes else 1
         same_host = 0 if n.host_id == host_id else 1
         same_zone = 0 if n.zone == zone else 1
-        load = 1.0 - free / max(1, tier_capacity(n, tier))
-        return (keeps, fits, same_host, same_zone, load, n.node_id)
+        # In the writer's zone the least loaded node (its share of the tier in use), outside it
+        # the one with the most room: a small node nearly empty went before a large one with
+        # fifty times its free bytes, and filled up first.
+        rank = 1.0 - free / max(1, tier_capacity(n, tier)) if same_zone == 0 else float(-free)
+        return (keeps, fits, same_host, same_zone, rank, n.node_id)
 
     return sorted(alive, key=score)
 
