@@ -257,7 +257,10 @@ class PutPath:
                         elsewhere.append((replica, plan))
             # The FENCEs go out first and their replies are read after put_start's round trip.
             for node_id, group in same_host.items():
-                fences += self.writes.fence(nodes[node_id], group)
+                # Its agent may have died since it granted the room: a write failure of that node,
+                # placed again without it, as a TCP write's is (a bare ConnectError ended the put).
+                with failing_node(node_id):
+                    fences += self.writes.fence(nodes[node_id], group)
             client.index.put_start([p.pending() for p in plans], ttl_ms=int(client.config.timeout_s * 1000 * 3))
             started = True
             for replica, plan in elsewhere:
