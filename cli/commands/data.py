@@ -283,7 +283,9 @@ def _dtype_name(dtype: str) -> str:
 
 def ls(
     ctx: typer.Context,
-    pattern: Annotated[str, typer.Argument(help="Glob over keys (Redis MATCH syntax: * ? \\[abc]).")] = "*",
+    pattern: Annotated[
+        str, typer.Argument(help="Glob over keys (Redis MATCH syntax: * ? \\[abc] \\[^a-z], by character).")
+    ] = "*",
     limit: Annotated[int, typer.Option("--limit", min=1, help="List at most this many keys.")] = 1000,
     as_json: JsonOpt = False,
     redis_url: RedisUrlOpt = None,

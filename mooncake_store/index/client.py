@@ -18,6 +18,7 @@ import redis
 from mooncake_store.config import ClientConfig, redact_url
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError, ProtocolError
 from mooncake_store.index.connection import ClosedPool, close_pool, connect_redis
+from mooncake_store.index.key_glob import glob_regex, server_pattern
 from mooncake_store.index.node_table import NodeTableCalls, went_back
 from mooncake_store.index.pressure import PressureCalls
 from mooncake_store.index.schema import (
@@ -340,9 +341,11 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         matching name is read (the index keeps them in a set, in no order), and only ``limit`` of
         them are held at once."""
         check_pattern(pattern)
+        # Matched by character here: the server's MATCH takes bytes (index/key_glob.py).
+        matches = glob_regex(pattern).fullmatch
         try:
-            names = self.redis.sscan_iter(self.prefix + "keys", match=pattern, count=1000)
-            keys = sorted(first_in_order(names, limit))
+            names = self.redis.sscan_iter(self.prefix + "keys", match=server_pattern(pattern), count=1000)
+            keys = sorted(first_in_order((name for name in names if matches(name)), limit))
             return self._listings(keys)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise ConnectError(f"cannot list the keys in Redis at {self.where}: {exc}") from None

@@ -42,3 +42,22 @@ def test_a_node_row_nested_past_the_parser_is_left_out(
     client.put("k", b"value")
     assert client.get("k").tobytes() == b"value"
     assert [n.node_id for n in client.stat().nodes] == [cluster.agents[0].node_id]
+
+
+def test_key_patterns_match_characters_not_bytes(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """The server's MATCH takes bytes: `?` was one byte of UTF-8, so `ключ-?` listed nothing
+    beside a key `ключ-ü`, and a class `[к]` matched neither of that letter's two bytes."""
+    cluster = make_cluster(1)
+    client = make_client(cluster)
+    for key in ("ключ-ü", "ключ-a", "ключ-üü", "other"):
+        client.put(key, b"v")
+
+    def listed(pattern: str) -> list[str]:
+        return [entry.key for entry in client.index.list_keys(pattern)]
+
+    assert listed("ключ-?") == ["ключ-a", "ключ-ü"]
+    assert listed("[к]люч-ü") == ["ключ-ü"]
+    assert listed("ключ-[^a]*") == ["ключ-ü", "ключ-üü"]
+    assert listed("*") == ["other", "ключ-a", "ключ-ü", "ключ-üü"]
