@@ -102,7 +102,12 @@ def _short_name(name: str) -> str:
     if len(name.encode()) <= _MAX_NAME_CHARS:
         return name
     digest = hashlib.blake2b(name.encode(errors="replace"), digest_size=6).hexdigest()
-    return f"...{name[-(_MAX_NAME_CHARS // 2) :]}#{digest}"
+    # The tail is cut by bytes, not characters: 48 characters of another script took up to 192 B,
+    # and the namespace then passed the 256 B a PrefixCache takes.
+    tail = name[-(_MAX_NAME_CHARS // 2) :]
+    while len(tail.encode(errors="replace")) > _MAX_NAME_CHARS // 2:
+        tail = tail[1:]
+    return f"...{tail}#{digest}"
 
 
 #: Config fields that cannot change a cached key or value: names, token ids, what a forward pass

@@ -89,3 +89,16 @@ def test_a_config_given_as_a_dict_is_refused(client: Client) -> None:
             save_prefix(cache, ids, output_cache(model(ids[None], use_cache=True)))
         with pytest.raises(InvalidValue, match=r"needs a transformers model or its PretrainedConfig, got dict"):
             load_prefix(cache, ids, config=model.config.to_dict())
+
+
+def test_a_long_model_name_in_another_script_is_cut_by_bytes(client: Client) -> None:
+    """A name past 96 B keeps its tail and a digest of the whole, within 96 B: the tail was 48
+    characters, of a four-byte script 192 B, which with the layout brought the namespace to the
+    edge of the 256 B a PrefixCache takes."""
+    model = build_model(CONFIG)
+    model.config._name_or_path = "/models/" + "𝔪" * 200
+    namespace = kv_namespace(model)
+    name = namespace.split("@")[0]
+    assert name.startswith("...𝔪") and len(name.encode()) <= 96, name
+    with PrefixCache(client, namespace, chunk_tokens=CHUNK) as cache:
+        assert cache.namespace == namespace
