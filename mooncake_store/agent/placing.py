@@ -7,6 +7,7 @@ victims and carries out the spills and evictions."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,29 +125,9 @@ class Placer:
         # No peer has room in this tier: another tier of a peer's before the object is lost (a
         # chunk file to a disk-less peer's empty host tier, a host object to a peer's disk), as a
         # repair's copy goes (agent/repairs.py).
-        for other in FALLBACK_TIERS:
-            if other == tier:
-                continue
-            sent = as_other_tier(job, other)
-            fallback = choose_move(
-                sent.room_bytes,
-                tier=other,
-                node_id=agent.node_id,
-                zone=agent.config.zone,
-                lower_tier=None,
-                lower_free_bytes=0,
-                peers=state.peers,
-                now_ms=now_ms,
-                high_watermark=agent.config.high_watermark,
-                planned_bytes=state.planned.get(other, {}),
-                refused=refused,
-                stored_bytes=sent.stored_bytes,
-                holders=holders,
-                plain_bytes=victim.size_bytes,
-            )
-            if fallback.kind == MoveKind.SPILL:
-                return fallback
-        return move
+        others = tuple(t for t in FALLBACK_TIERS if t != tier)
+        found = peer_target(agent, job, tier, others, state.peers, now_ms, state.planned, refused, holders)
+        return move if found is None else Move(kind=MoveKind.SPILL, tier=found[1], node_id=found[0])
 
     def place_demoting(self, job: SpillJob, now_ms: int, state: PassState, tier: TierKind) -> Move:
         """Place a victim and carry out a demotion at once (the others are queued by the caller). A
@@ -194,3 +175,41 @@ class Placer:
             used, _, _, _ = agent.table.usage()
             return max(0, int(agent.config.high_watermark * agent.table.capacity_bytes) - used)
         return 0
+
+
+def peer_target(
+    agent: Agent,
+    job: SpillJob,
+    source: TierKind,
+    targets: tuple[TierKind, ...],
+    peers: list[NodeInfo],
+    now_ms: int,
+    planned: dict[TierKind, dict[str, int]],
+    refused: Collection[str],
+    holders: list[NodeInfo],
+) -> tuple[str, TierKind, SpillJob] | None:
+    """The first of ``targets`` that a peer has room in for ``job`` (in ``source`` here), the peer,
+    and the job as it goes there (in the form that tier keeps). ``planned``: what was planned into
+    each tier of each peer so far; ``refused``: peers that are no destination; ``holders``: the
+    nodes of the object's other copies (policy/eviction.py: choose_move)."""
+    for tier in targets:
+        sent = job if tier == source else as_other_tier(job, tier)
+        move = choose_move(
+            sent.room_bytes,
+            tier=tier,
+            node_id=agent.node_id,
+            zone=agent.config.zone,
+            lower_tier=None,
+            lower_free_bytes=0,
+            peers=peers,
+            now_ms=now_ms,
+            high_watermark=agent.config.high_watermark,
+            planned_bytes=planned.setdefault(tier, {}),
+            refused=refused,
+            stored_bytes=sent.stored_bytes,
+            holders=holders,
+            plain_bytes=job.victim.size_bytes,
+        )
+        if move.kind == MoveKind.SPILL and move.node_id is not None:
+            return move.node_id, tier, sent
+    return None

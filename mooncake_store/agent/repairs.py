@@ -22,10 +22,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from mooncake_store.agent.placing import peer_target
 from mooncake_store.agent.spill import Spiller, SpillJob
-from mooncake_store.agent.spill_jobs import FALLBACK_TIERS, as_other_tier
+from mooncake_store.agent.spill_jobs import FALLBACK_TIERS
 from mooncake_store.index.pressure import RepairCandidate
-from mooncake_store.policy.eviction import MoveKind, choose_move
 from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class Repairs:
             spread = [by_id[n] for n in cand.holders if n in by_id]  # where its copies are, planned ones too
             targets = (cand.tier, *(t for t in FALLBACK_TIERS if t != cand.tier))
             for _ in range(cand.missing):
-                placed = self._place(job, cand.tier, targets, peers, now_ms, planned, taken, spread)
+                placed = peer_target(self.agent, job, cand.tier, targets, peers, now_ms, planned, taken, spread)
                 if placed is None:
                     break  # no node has room for it now: it stays listed
                 node_id, tier, sent = placed
@@ -133,38 +133,3 @@ class Repairs:
                 taken.add(node_id)
                 spread.append(by_id[node_id])
         return plan
-
-    def _place(
-        self,
-        job: SpillJob,
-        source: TierKind,
-        targets: tuple[TierKind, ...],
-        peers: list[NodeInfo],
-        now_ms: int,
-        planned: dict[TierKind, dict[str, int]],
-        taken: set[str],
-        spread: list[NodeInfo],
-    ) -> tuple[str, TierKind, SpillJob] | None:
-        """The first of ``targets`` that a peer has room in, the peer, and the job as it goes there."""
-        agent = self.agent
-        for tier in targets:
-            sent = job if tier == source else as_other_tier(job, tier)
-            move = choose_move(
-                sent.room_bytes,
-                tier=tier,
-                node_id=agent.node_id,
-                zone=agent.config.zone,
-                lower_tier=None,
-                lower_free_bytes=0,
-                peers=peers,
-                now_ms=now_ms,
-                high_watermark=agent.config.high_watermark,
-                planned_bytes=planned.setdefault(tier, {}),
-                refused=taken,
-                stored_bytes=sent.stored_bytes,
-                holders=spread,
-                plain_bytes=job.victim.size_bytes,
-            )
-            if move.kind == MoveKind.SPILL and move.node_id is not None:
-                return move.node_id, tier, sent
-        return None

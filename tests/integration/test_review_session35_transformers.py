@@ -7,43 +7,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import transformers
 
+# The tiny model of test_transformers.py, built with one seed (so with the same weights for every
+# config of one shape), on one thread (its autouse fixture, imported to apply here too).
+from test_transformers import CHUNK, CONFIG, build_model, one_thread  # noqa: F401
+
 from mooncake_store import Client, InvalidValue, PrefixCache
 from mooncake_store.integrations.transformers import kv_namespace, load_prefix, output_cache, save_prefix
 
 pytestmark = pytest.mark.timeout(180)
-
-CONFIG: dict[str, Any] = {
-    "vocab_size": 1000,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 2048,
-}
-CHUNK = 32
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def build_model(config: dict[str, Any]) -> torch.nn.Module:
-    torch.manual_seed(35)  # the same weights for every config of one shape
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
 
 
 @pytest.mark.parametrize("change", [{"rms_norm_eps": 0.5}, {"hidden_act": "gelu"}], ids=["eps", "act"])
