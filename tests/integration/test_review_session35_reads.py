@@ -18,7 +18,7 @@ from helpers import wait_until
 
 from mooncake_store import TransferError, connect
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.read_budget import READ_BUDGET_BYTES
+from mooncake_store.agent.read_budget import READ_BUDGET_BYTES, ReadBudget
 from mooncake_store.client.client import Client
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import Op, Status
@@ -28,7 +28,7 @@ from mooncake_store.types import Replica, TierKind
 MiB = 1 << 20
 
 
-def _put_on_disk(agent: Agent, client: Client, key: str, value: np.ndarray) -> Replica:
+def _put_on_disk(agent: Agent, client: Client, key: str, value: bytes | np.ndarray) -> Replica:
     """``value`` stored under ``key`` and demoted to the agent's disk tier; its disk replica."""
     client.put(key, value)
     agent.sync_once()
@@ -150,5 +150,32 @@ def test_a_replica_outside_its_arena_sends_the_read_to_the_next_one(
         index.redis.hset(record, "replicas", json.dumps(replicas))
         for _ in range(3):  # whichever replica a read ranks first
             assert np.array_equal(client.get("two"), value)
+    finally:
+        client.close()
+
+
+def test_a_read_of_an_empty_disk_object_gives_its_reader_back(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    """An empty object is charged 0 B, and its READ's reader was given back only for a charge: one
+    raw READ of it (this build's client skips them; another's need not) left a reader counted for
+    good, and with it every later READ of an object past the budget, which is let through only
+    alone, waited out its deadline and was refused. The budget is 1 MiB here, so that an object
+    of 2 MiB stands for one past the real 256 MiB."""
+    agent = make_inproc_agent(host_bytes=16 * MiB, disk_path=str(tmp_path), disk_bytes=64 * MiB, promote_on_read=False)
+    budget = agent.server._read_budget = ReadBudget(limit_bytes=1 * MiB)
+    client = connect(agent.index.url, namespace=agent.namespace, transports=("tcp",))
+    try:
+        big = np.random.default_rng(1).integers(0, 256, 2 * MiB, dtype=np.uint8)
+        _put_on_disk(agent, client, "big", big)
+        assert np.array_equal(client.get("big"), big)  # alone, it is let through past the budget
+        empty = _put_on_disk(agent, client, "empty", b"")
+        with socket.create_connection(parse_endpoint(agent.server.endpoint), timeout=10) as sock:
+            sock.sendall(frames.pack(Op.READ, 0, empty.alloc_id, empty.offset, 0))
+            header = sock.recv(frames.HEADER.size, socket.MSG_WAITALL)
+            _, _, op, status, _, _, size = frames.HEADER.unpack(header)
+            assert (op, status, size) == (Op.READ | frames.REPLY_BIT, Status.OK, 0)
+        assert (budget.held_bytes, budget._readers) == (0, 0)  # its reader was given back
+        assert np.array_equal(client.get("big"), big)  # alone again: let through past the budget
     finally:
         client.close()
