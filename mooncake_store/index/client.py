@@ -18,7 +18,7 @@ import redis
 from mooncake_store.config import ClientConfig, redact_url
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError, ProtocolError
 from mooncake_store.index.connection import ClosedPool, close_pool, connect_redis
-from mooncake_store.index.key_glob import glob_regex, server_pattern
+from mooncake_store.index.key_glob import glob_matcher, server_pattern
 from mooncake_store.index.node_table import NodeTableCalls, went_back
 from mooncake_store.index.pressure import PressureCalls
 from mooncake_store.index.schema import (
@@ -342,7 +342,7 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         them are held at once."""
         check_pattern(pattern)
         # Matched by character here: the server's MATCH takes bytes (index/key_glob.py).
-        matches = glob_regex(pattern).fullmatch
+        matches = glob_matcher(pattern)
         try:
             names = self.redis.sscan_iter(self.prefix + "keys", match=server_pattern(pattern), count=1000)
             keys = sorted(first_in_order((name for name in names if matches(name)), limit))
