@@ -76,7 +76,14 @@ class Claims:
             statuses = self._claim_and_pin(pinned)
             deadline = time.monotonic() + wait_s
             delay = POLL_FIRST_S
-            while first_orphan(statuses) is not None and (left := deadline - time.monotonic()) > 0:
+            while (cut := first_orphan(statuses)) is not None and (left := deadline - time.monotonic()) > 0:
+                # The chunks claimed ahead of the wait go back while it lasts (each poll claims
+                # again what is still missing): held unwritten, one of them could be the parent
+                # another store of the prompt waits for, while this one waits for that store's
+                # chunk, and both waited out timeout_s.
+                ahead = [k for k, s in zip(self.all_keys[:cut], statuses[:cut], strict=True) if s == "MINE"]
+                if ahead:
+                    self.index.release(ahead, writer_id=self.writer_id)
                 sleep(min(delay, left))
                 delay = min(2 * delay, POLL_MAX_S, self.ttl_ms / 3000)
                 statuses = self._claim_and_pin(pinned)
