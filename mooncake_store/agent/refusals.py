@@ -51,6 +51,9 @@ class Refusals:
         if len(self._by_fd) >= MAX_REFUSALS:
             conn.close()  # a flood of them: the descriptors matter more than the courtesy
             return
+        # Made before its descriptor is registered: a registration left behind by a failure
+        # would have poll() report the closed descriptor at every turn.
+        refusal = _Refusal(conn, self._limit, self._min_rate_bps, self._idle_s)
         try:
             conn.setblocking(False)
             fd = conn.fileno()
@@ -58,7 +61,7 @@ class Refusals:
         except OSError:
             conn.close()
             return
-        self._by_fd[fd] = _Refusal(conn, self._limit, self._min_rate_bps, self._idle_s)
+        self._by_fd[fd] = refusal
 
     def wait_s(self, longest: float) -> float:
         """How long the poll may wait: ``longest``, or less when a refusal is due sooner."""

@@ -140,7 +140,10 @@ def _kv_settings(cfg: Any) -> bytes:
     layer's) cache other KV for the same prompt."""
     fields = cfg.to_dict() if callable(getattr(cfg, "to_dict", None)) else dict(vars(cfg))
     settings = {k: v for k, v in fields.items() if k not in _NOT_KV_FIELDS}
-    return json.dumps(settings, sort_keys=True, default=str).encode()
+    try:
+        return json.dumps(settings, sort_keys=True, default=str).encode()
+    except (TypeError, ValueError) as exc:  # a dict of int and str keys cannot be sorted, say
+        raise InvalidValue(f"the model's config cannot be digested for kv_namespace ({exc}): pass model_id=") from None
 
 
 def _weights_digest(model: Any, *, per_tensor: int = 64, extra: bytes = b"") -> str:

@@ -79,3 +79,13 @@ def test_a_long_model_name_in_another_script_is_cut_by_bytes(client: Client) -> 
     assert name.startswith("...𝔪") and len(name.encode()) <= 96, name
     with PrefixCache(client, namespace, chunk_tokens=CHUNK) as cache:
         assert cache.namespace == namespace
+
+
+def test_a_config_the_digest_cannot_order_asks_for_a_model_id() -> None:
+    """A config field holding a dict of int and str keys cannot be sorted for the digest: a bare
+    TypeError from json.dumps."""
+    model = build_model(CONFIG)
+    model.config.custom_table = {1: "a", "b": 2}
+    with pytest.raises(InvalidValue, match=r"cannot be digested for kv_namespace .* pass model_id="):
+        kv_namespace(model)
+    assert kv_namespace(model, model_id="tiny").startswith("tiny/")
