@@ -175,7 +175,9 @@ def test_a_read_of_an_empty_disk_object_gives_its_reader_back(
             header = sock.recv(frames.HEADER.size, socket.MSG_WAITALL)
             _, _, op, status, _, _, size = frames.HEADER.unpack(header)
             assert (op, status, size) == (Op.READ | frames.REPLY_BIT, Status.OK, 0)
-        assert (budget.held_bytes, budget._readers) == (0, 0)  # its reader was given back
+        # Its reader is given back once the reply has gone, just after the client has it.
+        given_back = wait_until(lambda: (budget.held_bytes, budget._readers) == (0, 0), 10)
+        assert given_back, (budget.held_bytes, budget._readers)
         assert np.array_equal(client.get("big"), big)  # alone again: let through past the budget
     finally:
         client.close()
