@@ -8,6 +8,7 @@ can print it as a table or dump it as JSON unchanged.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -193,7 +194,7 @@ class Bench:
         dst = np.empty_like(small)
         client.put(key, small)
         n, _, times = timed_loop(lambda _i: client.get_into(key, dst), seconds, 5000, warmup=20)
-        read = lambda: client.get_into(key, dst)  # noqa: E731
+        read = functools.partial(client.get_into, key, dst)
         checked(lambda: check_batch_reads(read, [small], [dst], f"{transport} 4 KiB get_into"))
         client.remove(key)
         self.res.latency.append({"transport": transport, "size_bytes": LATENCY_BYTES, "get_p50_us": _pct_us(times, 50),

@@ -66,9 +66,7 @@ class PassState:
         on_tier = self.planned.setdefault(tier, {})
         on_tier[node_id] = on_tier.get(node_id, 0) + sign * sum(job.room_on(usage) for job in jobs)
 
-    def spill(
-        self, spills: dict[tuple[str, TierKind], list[SpillJob]], job: SpillJob, move: Move, tier: TierKind
-    ) -> None:
+    def spill(self, spills: Spills, job: SpillJob, move: Move, tier: TierKind) -> None:
         """Plan ``job`` (of ``tier`` here) to go where ``move`` sends it: into ``spills``, keyed by
         the peer and its tier, in the form that tier keeps."""
         assert move.node_id is not None

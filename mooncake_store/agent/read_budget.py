@@ -46,14 +46,15 @@ class SharedCopy:
     """What a READ sharing a copy got: ``copy`` (None when it could not be made: no such object
     now, damaged, no memory), or ``busy`` (the budget stayed full until the READ's deadline)."""
 
-    __slots__ = ("acquired", "busy", "charged", "copy", "ready", "users")
+    __slots__ = ("busy", "charged", "copy", "ready", "users")
 
     def __init__(self) -> None:
         self.copy: OtherTierCopy | None = None
         self.busy = False
         self.users = 1
-        self.charged = 0
-        self.acquired = False
+        #: What it took of the budget, once it did (None: nothing; an empty object takes 0 B,
+        #: and its reader still counts until it is given back).
+        self.charged: int | None = None
         self.ready = threading.Event()
 
 
@@ -92,7 +93,6 @@ class ReadBudget:
                 try:
                     if self.acquire(nbytes, deadline=deadline):
                         held.charged = nbytes
-                        held.acquired = True  # an empty object is charged 0, and its reader still counts
                         held.copy = make()
                     else:
                         held.busy = True
@@ -112,7 +112,7 @@ class ReadBudget:
                 if held.users == 0:
                     if self._copies.get(alloc_id) is held:
                         del self._copies[alloc_id]
-                    if held.acquired:
+                    if held.charged is not None:
                         self._release_locked(held.charged)
 
     def _forget(self, alloc_id: int, held: SharedCopy) -> None:

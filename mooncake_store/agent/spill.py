@@ -324,8 +324,8 @@ class Spiller:
         reservations: list[Reservation],
         written: list[bool],
         tier: TierKind,
-        copy: bool = False,
-        source: TierKind | None = None,
+        copy: bool,
+        source: TierKind,
     ) -> Swapped:
         """One compare-and-swap of the written jobs; every reservation not swapped is expired on the
         peer. Returns the jobs that moved (a job written but not swapped is dropped: its object
@@ -371,7 +371,7 @@ class Spiller:
                 # repair pass, which finds the object's count restored.
                 return Swapped(error=exc)
             unknown = [
-                (job, MoveTarget(job.victim.key, peer_node.node_id, res.alloc_id, tier, (source or tier, "spills_out")))
+                (job, MoveTarget(job.victim.key, peer_node.node_id, res.alloc_id, tier, (source, "spills_out")))
                 for job, res, ok in zip(batch, reservations, written, strict=True)
                 if ok
             ]

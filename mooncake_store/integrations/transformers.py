@@ -104,9 +104,7 @@ def _short_name(name: str) -> str:
     digest = hashlib.blake2b(name.encode(errors="replace"), digest_size=6).hexdigest()
     # The tail is cut by bytes, not characters: 48 characters of another script took up to 192 B,
     # and the namespace then passed the 256 B a PrefixCache takes.
-    tail = name[-(_MAX_NAME_CHARS // 2) :]
-    while len(tail.encode(errors="replace")) > _MAX_NAME_CHARS // 2:
-        tail = tail[1:]
+    tail = name.encode(errors="replace")[-(_MAX_NAME_CHARS // 2) :].decode(errors="ignore")
     return f"...{tail}#{digest}"
 
 

@@ -340,7 +340,7 @@ class PeerConnections(ConnectionPool):
             return None
         return [f and d and still.get(x, False) for x, f, d in zip(fence.ids, fenced, done, strict=True)]
 
-    def _stale_read(self, alloc_id: int, why: int, held: int, budget: int) -> StaleLocation:
+    def _stale_read(self, alloc_id: int, *, why: int, held: int, budget: int) -> StaleLocation:
         if why == frames.STALE_READS_HELD:
             return StaleLocation(
                 f"agent at {self.endpoint} did not serve allocation {alloc_id}: it holds {held} B of objects "
@@ -363,9 +363,9 @@ class PeerConnections(ConnectionPool):
                     batch = requests[sent : done + most]
                     sock.sendall(b"".join(frames.pack(Op.READ, 0, x.alloc_id, x.offset, len(x.dest)) for x in batch))
                     sent += len(batch)
-                status, why, held, length = self._reply(sock, Op.READ)
+                status, a, b, length = self._reply(sock, Op.READ)
                 if status == Status.STALE:
-                    stale = self._stale_read(r.alloc_id, why, held, length)
+                    stale = self._stale_read(r.alloc_id, why=a, held=b, budget=length)  # c: the budget here
                     continue
                 if status != Status.OK or length != len(r.dest):
                     raise ProtocolError(f"agent at {self.endpoint} answered READ with status {status}, {length} B")

@@ -56,7 +56,7 @@ def regrant_then_spill(
     segment = spiller.arenas.segment(row, TierKind.HOST)
     assert segment is not None
     written = spiller._copy_all(segment, row, reserved)
-    spiller._swap(row, reserved.batch, reserved.reservations, written, TierKind.HOST)
+    spiller._swap(row, reserved.batch, reserved.reservations, written, TierKind.HOST, False, TierKind.HOST)
     return other, written
 
 
