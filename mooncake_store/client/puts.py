@@ -287,13 +287,14 @@ class PutPath:
             except IndexSilent:  # not a refused connection, which a revoke meets at once too
                 index_silent = True
                 raise
-        except BaseException:
+        except BaseException as exc:
             for part in fences:
                 part.fence.abort()  # closing the connection lifts its fences
             # An index that did not answer the commit is not asked to revoke: the put failed after
             # twice timeout_s, not once. The agents' syncs revoke the pending records of the
             # reservations they expire (asked to below, or at their timeout) when it answers again.
-            self.abandon(plans, nodes, started=started and not index_silent)
+            failed_node = exc.node_id if isinstance(exc, ReplicaWriteFailed) else None
+            self.abandon(plans, nodes, started=started and not index_silent, failed_node=failed_node)
             raise
         failed = [(p, s) for p, s in zip(plans, statuses, strict=True) if s != "OK"]
         if failed:
@@ -341,10 +342,14 @@ class PutPath:
                 f"(first key {failed[0][0].key!r})" + landed
             )
 
-    def abandon(self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], *, started: bool) -> None:
+    def abandon(
+        self, plans: list[PlannedPut], nodes: dict[str, NodeInfo], *, started: bool, failed_node: str | None = None
+    ) -> None:
         """Undo puts that will not commit: drop their pending records, then ask the agents to expire
         the reservations now. Each agent frees them at its next sync unless a commit did reach the
-        index (the writer may have lost only the reply), so this can never free a live object."""
+        index (the writer may have lost only the reply), so this can never free a live object.
+        ``failed_node``: the node whose write failed. It is asked on a thread of its own, since a
+        stalled agent (the write timed out) would hold this put up for another timeout_s."""
         client = self.client
         by_node: dict[str, list[int]] = {}
         for plan in plans:
@@ -361,9 +366,14 @@ class PutPath:
             # A closed PrefixCache cut this put; the client is open and its agents can still be
             # asked, but not on connections the cancelled Cancel would refuse, and not on this
             # thread, which owes its caller the "closed" error at once (an agent may be stalled).
-            threading.Thread(target=self._free, args=(endpoints,), name="mc-abandon", daemon=True).start()
+            aside, endpoints = endpoints, {}
         else:
-            self._free(endpoints)
+            failed_at = nodes[failed_node].tcp_endpoint if failed_node is not None and failed_node in nodes else None
+            aside = {e: ids for e, ids in endpoints.items() if e == failed_at}
+            endpoints = {e: ids for e, ids in endpoints.items() if e != failed_at}
+        if aside:
+            threading.Thread(target=self._free, args=(aside,), name="mc-abandon", daemon=True).start()
+        self._free(endpoints)
 
     def _free(self, endpoints: dict[str, list[int]]) -> None:
         """Expire reservations now (best effort: the agents reclaim them by timeout anyway)."""
