@@ -23,9 +23,11 @@ from mooncake_store.agent.self_check import check_advertised
 from mooncake_store.agent.server import AgentServer
 from mooncake_store.agent.syncing import SyncDuties
 from mooncake_store.agent.takeover import (
+    PID_NS_LABEL,
     PID_START_LABEL,
     REGISTER_COUNT_GAP,
     fresh_alloc_tag,
+    pid_namespace,
     reconcile_after_rollback,
     register_again,
     register_first,
@@ -230,6 +232,7 @@ class Agent(OtherTierHooks, SyncDuties):
                 "prefault": "1" if self.config.prefault else "0",
                 # A restart tells this process from a later one given its pid (holder_gone).
                 PID_START_LABEL: str(start_time(os.getpid()) or 0),
+                PID_NS_LABEL: pid_namespace(),
                 # The PCI bus id names the device whatever CUDA_VISIBLE_DEVICES a client runs with.
                 **(
                     {

@@ -35,6 +35,18 @@ REGISTER_COUNT_GAP = 1 << 20
 #: The node record's label with its agent's process start time (clock ticks since boot, field 22 of
 #: /proc/PID/stat): with the pid, it tells the agent apart from a later process given that pid.
 PID_START_LABEL = "pid_start"
+#: The node record's label with its agent's PID namespace (the link /proc/self/ns/pid): a pid is
+#: judged only in the namespace it was given in. Containers sharing a hostname and a kernel (so a
+#: host id) each have their own, and a live agent of one looked gone to a start in the other.
+PID_NS_LABEL = "pid_ns"
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace ("pid:[4026531836]"), or "" where procfs does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def register_again(
@@ -142,10 +154,15 @@ def holder_gone(holder: dict[str, Any]) -> bool:
     """Whether the agent of a node record is a process of this host that no longer runs: its pid
     names no process, a zombie (killed, not yet reaped by its supervisor), or a process started at
     another time than the one the record names (``pid_start``: the pid was reused, as PID 1 is by
-    a restarted container, whose new agent would otherwise find itself "held by a live agent")."""
+    a restarted container, whose new agent would otherwise find itself "held by a live agent"). A
+    holder of another PID namespace (``pid_ns``) is not gone: its pid means nothing here."""
     pid = holder.get("pid")
     if holder.get("host_id") != local_host_id() or not isinstance(pid, int) or pid <= 0:
         return False
+    labels = holder.get("labels") or {}
+    recorded_ns = str(labels.get(PID_NS_LABEL, "")) if isinstance(labels, dict) else ""
+    if recorded_ns and recorded_ns != pid_namespace():
+        return False  # its pid names a process of another namespace (container): not ours to judge
     started = start_time(pid)
     if started is None:
         # No such process, a zombie, one /proc hides from this user (hidepid), or no procfs.
@@ -156,7 +173,7 @@ def holder_gone(holder: dict[str, Any]) -> bool:
         except OSError:
             return False  # there, and not ours to see or signal
         return os.path.exists("/proc/self/stat")  # signalled, yet no start time: a zombie
-    recorded = str((holder.get("labels") or {}).get(PID_START_LABEL, ""))
+    recorded = str(labels.get(PID_START_LABEL, "")) if isinstance(labels, dict) else ""
     return recorded.isdigit() and int(recorded) != started
 
 

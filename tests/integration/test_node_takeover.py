@@ -224,3 +224,43 @@ def start_time_of(pid: int) -> int:
 
 def state_of(pid: int) -> str:
     return _stat(pid)[0]
+
+
+def test_a_holder_of_another_pid_namespace_is_not_judged_gone(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers that share a hostname and a kernel share a host id, not their pids: a live
+    agent of another container, whose pid names no process here, was judged gone, and a start of
+    its node id waited TAKEOVER_WAIT_S and then refused it as "held by pid ... which is gone". A
+    holder whose record names another PID namespace is refused at once as a live holder."""
+    monkeypatch.setattr(takeover, "TAKEOVER_WAIT_S", 0.3)
+    index = RedisIndex(redis_url, namespace=f"t-{uuid.uuid4().hex[:10]}")
+    elsewhere = subprocess.Popen([sys.executable, "-c", "pass"])
+    elsewhere.wait()  # a pid that names no process in this namespace
+    try:
+        holder = dataclasses.replace(
+            node_row("z"),
+            host_id=local_host_id(),
+            pid=elsewhere.pid,
+            labels={"pid_start": "12345", takeover.PID_NS_LABEL: "pid:[1]"},
+        )
+        index.register_node(holder, incarnation="old", ttl_ms=120_000)
+        assert not takeover.holder_gone({"host_id": local_host_id(), "pid": holder.pid, "labels": holder.labels})
+        message = _start_again(index, holder)
+        assert "held by a live agent" in message and "which is gone" not in message, message
+        # The same record written from this namespace names a process that is gone here.
+        same_ns = dataclasses.replace(
+            holder, labels={"pid_start": "12345", takeover.PID_NS_LABEL: takeover.pid_namespace()}
+        )
+        assert takeover.pid_namespace().startswith("pid:[")
+        assert takeover.holder_gone({"host_id": local_host_id(), "pid": same_ns.pid, "labels": same_ns.labels})
+    finally:
+        index.close()
+
+
+def test_an_agent_records_its_pid_namespace(make_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = make_cluster(1)
+    index = RedisIndex(cluster.redis_url, namespace=cluster.namespace)
+    try:
+        row = index.nodes()["agent-0"]
+        assert row.labels[takeover.PID_NS_LABEL] == takeover.pid_namespace()
+    finally:
+        index.close()
