@@ -86,7 +86,7 @@ class PressureManager:
         # A promotion under way when the agent stops may wait out one index call before its arena goes.
         self.promotions = PromotionQueue(self.moves, join_s=agent.index_timeout_s + 1.0)
         job_of = {TierKind.HOST: self._host_job, TierKind.GPU: self._gpu_job, TierKind.DISK: self._disk_job}
-        self.repairs = Repairs(agent, self._spiller, job_of, self.count, self.silent.note)
+        self.repairs = Repairs(agent, self._spiller, job_of, self.count, self.silent.note, self.moves.resolve)
 
     def close(self) -> None:
         self.promotions.close()

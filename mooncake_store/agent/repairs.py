@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.placing import peer_target
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.agent.spill_jobs import FALLBACK_TIERS
@@ -49,6 +50,7 @@ class Repairs:
         job_of: Mapping[TierKind, JobOf],
         count: Callable[..., None],
         note_silent: Callable[[set[str]], None],
+        resolve: Callable[[list[MoveTarget]], object],
     ) -> None:
         """``note_silent``: told of the peers that did not answer a copy (no answer, a reset, a
         timeout), which the pressure manager then leaves out for a heartbeat TTL, as after a spill:
@@ -58,6 +60,8 @@ class Repairs:
         self._job_of = job_of
         self._count = count
         self._note_silent = note_silent
+        #: LocalMoves.resolve: copies whose swap's answer was lost, counted once the index names them.
+        self._resolve = resolve
         #: The last call took a full batch and copied some of it: its list likely holds more, and
         #: the next call comes at the pressure loop's next turn rather than REPAIR_EVERY_S later
         #: (256 a second held a node's thousands of small objects one loss from gone for minutes).
@@ -87,6 +91,8 @@ class Repairs:
             if result.moved:
                 copied += len(result.moved)
                 self._count(source, "copies_out", len(result.moved))
+            if result.unknown:
+                self._resolve([target for _, target in result.unknown])
             if result.error is not None:
                 raise result.error  # the index failed: the rest waits for the next call
         if copied:

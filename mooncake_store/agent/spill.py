@@ -366,12 +366,11 @@ class Spiller:
             if exc is not failure:
                 log.exception("swap of %d spilled object(s) to %s failed", len(moves), peer_node.node_id)
             self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reservations])
-            if copy:
-                # Nothing here to free or count either way: a copy that landed is seen by the next
-                # repair pass, which finds the object's count restored.
-                return Swapped(error=exc)
+            # Nothing here to free either way for a copy, but one that landed is counted once the
+            # index says so, as a move is (the next repair pass finds the object's count restored).
+            counted = (source, "copies_out" if copy else "spills_out")
             unknown = [
-                (job, MoveTarget(job.victim.key, peer_node.node_id, res.alloc_id, tier, (source, "spills_out")))
+                (job, MoveTarget(job.victim.key, peer_node.node_id, res.alloc_id, tier, counted))
                 for job, res, ok in zip(batch, reservations, written, strict=True)
                 if ok
             ]
