@@ -80,15 +80,24 @@ class ReadBudget:
         ``make``; the ones that come while it is held share it (waiting for it up to ``deadline``)
         and charge nothing more. A copy that could not be made, or not in time, is not shared
         with READs that come after: they try again."""
-        with self._cond:
-            held = self._copies.get(alloc_id)
-            if held is None:
-                held = self._copies[alloc_id] = SharedCopy()
-                maker = True
-            else:
-                held.users += 1
-                maker = False
+        held = self._join(alloc_id, nbytes, deadline=deadline, make=make)
         try:
+            yield held
+        finally:
+            self._leave(alloc_id, held)
+
+    def _join(
+        self, alloc_id: int, nbytes: int, *, deadline: float, make: Callable[[], OtherTierCopy | None]
+    ) -> SharedCopy:
+        while True:
+            with self._cond:
+                held = self._copies.get(alloc_id)
+                if held is None:
+                    held = self._copies[alloc_id] = SharedCopy()
+                    maker = True
+                else:
+                    held.users += 1
+                    maker = False
             if maker:
                 try:
                     if self.acquire(nbytes, deadline=deadline):
@@ -96,24 +105,35 @@ class ReadBudget:
                         held.copy = make()
                     else:
                         held.busy = True
+                except BaseException:
+                    self._leave(alloc_id, held)
+                    raise
                 finally:
                     if held.copy is None:
                         self._forget(alloc_id, held)
                     held.ready.set()
-            elif not held.ready.wait(max(0.0, deadline - time.monotonic())):
-                joined: SharedCopy = SharedCopy()  # not made in time for this READ
+                return held
+            if not held.ready.wait(max(0.0, deadline - time.monotonic())):
+                self._leave(alloc_id, held)
+                joined = SharedCopy()  # not made in time for this READ (in no map, charged nothing)
                 joined.busy = True
-                yield joined
-                return
-            yield held
-        finally:
-            with self._cond:
-                held.users -= 1
-                if held.users == 0:
-                    if self._copies.get(alloc_id) is held:
-                        del self._copies[alloc_id]
-                    if held.charged is not None:
-                        self._release_locked(held.charged)
+                return joined
+            if held.busy and time.monotonic() < deadline:
+                # The READ that was to make it met the budget full until its own deadline, which
+                # came before this one's: this READ waits out the rest of its own, as it would have
+                # had it come first, rather than be refused with that one.
+                self._leave(alloc_id, held)
+                continue
+            return held
+
+    def _leave(self, alloc_id: int, held: SharedCopy) -> None:
+        with self._cond:
+            held.users -= 1
+            if held.users == 0:
+                if self._copies.get(alloc_id) is held:
+                    del self._copies[alloc_id]
+                if held.charged is not None:
+                    self._release_locked(held.charged)
 
     def _forget(self, alloc_id: int, held: SharedCopy) -> None:
         with self._cond:
