@@ -8,13 +8,15 @@ tensors, which numpy cannot describe.
 from __future__ import annotations
 
 import itertools
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mooncake_store.errors import DtypeMismatch, InvalidValue
+from mooncake_store.errors import DtypeMismatch, InvalidValue, MooncakeError, ProtocolError
 from mooncake_store.tiers.gpu_arrays import is_torch_tensor
 from mooncake_store.types import MAX_DIMS
 
@@ -239,8 +241,51 @@ def to_array(buffer: np.ndarray, dtype: str, shape: tuple[int, ...]) -> Any:
                 f"a bfloat16 object of shape {shape} comes back as a torch tensor, and torch is not installed: "
                 "install torch, or read its bits with get_into into an int16, uint16 or uint8 buffer"
             ) from None
-        return torch.from_numpy(buffer.view(np.int16).reshape(shape)).view(torch.bfloat16)
-    return buffer.view(np.dtype(dtype)).reshape(shape)
+        return torch.from_numpy(typed_view(buffer, dtype, shape)).view(torch.bfloat16)
+    return typed_view(buffer, dtype, shape)
+
+
+def host_buffer(key: str, nbytes: int) -> np.ndarray:
+    """A new uint8 array for ``key``'s ``nbytes``: a MooncakeError naming the size and this host's
+    available memory when the process cannot have it, not numpy's bare MemoryError."""
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError as exc:
+        try:
+            available = f"{os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')} B"
+        except (OSError, ValueError):
+            available = "an unknown amount"
+        raise MooncakeError(
+            f"cannot allocate {nbytes} B for key {key!r} in this process (this host has {available} of memory "
+            f"available; {exc}): get_into reads it into memory of your own (a memory-mapped file, say)"
+        ) from None
+
+
+def typed_view(buffer: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    """``buffer`` (a uint8 numpy or cupy array) viewed as ``dtype`` (bfloat16 as int16) and
+    ``shape``. A ProtocolError when the index's record of them does not fit the object's bytes
+    (written by hand or by another build): numpy's ValueError or TypeError escaped the SDK, and a
+    dimension of -1 was filled in, giving the array another shape than the one recorded."""
+    nbytes = int(buffer.size)
+    try:
+        typed = np.dtype(np.int16 if dtype == BFLOAT16 else dtype)
+    except (TypeError, ValueError):
+        typed = None
+    if (
+        typed is None
+        or typed.kind not in ALLOWED_KINDS
+        or typed.fields is not None
+        or typed.subdtype is not None
+        or len(shape) > MAX_DIMS
+        or any(d < 0 for d in shape)
+        or math.prod(shape) * typed.itemsize != nbytes
+    ):
+        raise ProtocolError(
+            f"the index records an object of {nbytes} B as dtype {dtype!r:.40} of shape {shape!r:.80}, which do "
+            f"not fit (a storable dtype, at most {MAX_DIMS} dimensions of 0 or more, as many items as the "
+            "bytes hold): a malformed record, written by hand or by another build; get_into reads its bytes"
+        )
+    return buffer.view(typed).reshape(shape)
 
 
 def itemsize_of(dtype: str) -> int:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mooncake_store.client.buffers import BFLOAT16, check_dtype, check_fill_dtype
+from mooncake_store.client.buffers import BFLOAT16, check_dtype, check_fill_dtype, typed_view
 from mooncake_store.client.gets import LEASE_SAFETY, RACED, lookup, refuse_stale_shm
 from mooncake_store.client.lease_clock import lease_clock_s
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
@@ -358,4 +358,4 @@ def _read_replica_to_device(
 def as_device_array(buffer: Any, dtype: str, shape: tuple[int, ...]) -> Any:
     if dtype == BFLOAT16:
         raise InvalidValue("cupy has no bfloat16: get_into a CUDA torch tensor of dtype bfloat16 instead")
-    return buffer.view(np.dtype(dtype)).reshape(shape)
+    return typed_view(buffer, dtype, shape)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mooncake_store.client.buffers import Destination, check_fill_dtype
+from mooncake_store.client.buffers import Destination, check_fill_dtype, host_buffer
 from mooncake_store.client.lease_clock import lease_clock_s
 from mooncake_store.client.replica_writes import checksum_of
 from mooncake_store.errors import (
@@ -138,7 +138,7 @@ class GetPath:
                         raise InvalidValue(f"{which} holds {len(out.view)} B but key {keys[i]!r} is {size} B")
                     dest = out.view[: meta.size_bytes]
                 else:
-                    buffers[i] = np.empty(meta.size_bytes, dtype=np.uint8)
+                    buffers[i] = host_buffer(keys[i], meta.size_bytes)
                     dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
                 targets.append((i, meta, dest))
             retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0, failing=failing)

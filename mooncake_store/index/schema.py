@@ -126,8 +126,20 @@ def encode_shape(shape: tuple[int, ...]) -> str:
     return ",".join(str(d) for d in shape)
 
 
+#: The largest object size or dimension a record may name (an int64's): a negative size read
+#: nothing and returned it as the count of bytes written, one past 2**63 failed in numpy.
+MAX_RECORD_COUNT = (1 << 63) - 1
+
+
+def _count(raw: str | bytes | int, what: str) -> int:
+    number = int(raw)
+    if not 0 <= number <= MAX_RECORD_COUNT:
+        raise ValueError(f"{what} {number} is outside 0..{MAX_RECORD_COUNT}")
+    return number
+
+
 def decode_shape(raw: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in raw.split(",")) if raw else ()
+    return tuple(_count(d, "a dimension") for d in raw.split(",")) if raw else ()
 
 
 def decode_object(key: str, fields: list[Any]) -> ObjectMeta:
@@ -135,7 +147,7 @@ def decode_object(key: str, fields: list[Any]) -> ObjectMeta:
     try:
         return ObjectMeta(
             key=key,
-            size_bytes=int(size),
+            size_bytes=_count(size, "the size"),
             dtype=_text(dtype),
             shape=decode_shape(_text(shape)),
             checksum=int(checksum),
