@@ -11,7 +11,7 @@ import operator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from mooncake_store.errors import InvalidKey, InvalidValue
+from mooncake_store.errors import InvalidKey, InvalidValue, ProtocolError
 
 #: Longest key accepted, in UTF-8 bytes. Redis keys may be far longer, but a key is also part of
 #: every index record and of log lines; vLLM/LMCache block hashes are well under 200 bytes.
@@ -258,3 +258,12 @@ def as_count(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """An agent's ``HOST:PORT`` as a node record or a config names it (IPv6 hosts in brackets)."""
+    host, _, port = endpoint.rpartition(":")
+    # ASCII digits only: "²" passes str.isdigit() and then breaks int() with a bare ValueError.
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ProtocolError(f"bad agent endpoint {endpoint!r}; expected HOST:PORT")
+    return host.strip("[]"), int(port)

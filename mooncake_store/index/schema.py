@@ -63,7 +63,16 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mooncake_store.errors import ConfigError, ProtocolError
-from mooncake_store.types import NodeInfo, ObjectMeta, Replica, ReplicaState, TierKind, TierUsage, TransportKind
+from mooncake_store.types import (
+    NodeInfo,
+    ObjectMeta,
+    Replica,
+    ReplicaState,
+    TierKind,
+    TierUsage,
+    TransportKind,
+    parse_endpoint,
+)
 
 #: Keys per Lua call in batch operations: bounds the time one script holds the server.
 BATCH_LIMIT = 4096
@@ -203,7 +212,7 @@ def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
             host_id=d["host_id"],
             zone=d["zone"],
             pid=int(d["pid"]),
-            tcp_endpoint=d["tcp_endpoint"],
+            tcp_endpoint=_endpoint(d["tcp_endpoint"]),
             shm_name=d["shm_name"],
             transports=tuple(TransportKind(t) for t in d["transports"]),
             tiers=tuple(
@@ -227,6 +236,18 @@ def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
         )
     except RECORD_ERRORS as exc:
         raise ProtocolError(f"malformed node record in the index: {raw!r:.200} ({exc})") from None
+
+
+def _endpoint(raw: object) -> str:
+    """A node row's endpoint, checked here: one that is no HOST:PORT was taken into the node table
+    and failed every read of an object with a replica on that node, its other replicas unread."""
+    if not isinstance(raw, str):
+        raise TypeError(f"endpoint {raw!r:.40} is no string")
+    try:
+        parse_endpoint(raw)
+    except ProtocolError as exc:
+        raise ValueError(str(exc)) from None
+    return raw
 
 
 def _text(value: str | bytes) -> str:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from mooncake_store.config import is_ascii_digits
 from mooncake_store.errors import (
     AgentBusy,
     ConnectError,
@@ -30,7 +29,7 @@ from mooncake_store.transport.cancel import current_cancel, running_under
 from mooncake_store.transport.fence import Fence
 from mooncake_store.transport.frames import Op, Status
 from mooncake_store.transport.tcp_pool import ConnectionPool
-from mooncake_store.types import footprint_bytes
+from mooncake_store.types import footprint_bytes, parse_endpoint
 
 SOCKET_BUFFER_BYTES = 4 << 20
 
@@ -51,14 +50,6 @@ class ReadRequest:
 
 #: A write for PeerConnections.write_pulled: (the caller's tag, alloc id, offset, bytes).
 PulledWrite = tuple[int, int, int, memoryview]
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, _, port = endpoint.rpartition(":")
-    # ASCII digits only: "²" passes str.isdigit() and then breaks int() with a bare ValueError.
-    if not host or not is_ascii_digits(port) or not 0 < int(port) < 65536:
-        raise ProtocolError(f"bad agent endpoint {endpoint!r}; expected HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 #: READ requests one connection has out at once (read_many). The agent answers them in order and
