@@ -448,6 +448,13 @@ class PressureManager:
         for attempt in range(PEER_TRIES):
             retry: list[SpillJob] = []
             for (node_id, target), jobs in spills.items():
+                if node_id in state.refused:
+                    # Refused or broke on another of its tiers in this pass (the cross-tier
+                    # fallback plans one peer's host and disk tiers both): a hung peer asked again
+                    # cost the pass its timeout once more. Placed again with the rest.
+                    state.plan(node_id, jobs, target, sign=-1)
+                    retry.extend(jobs)
+                    continue
                 result = self._spiller.spill(state.by_id[node_id], jobs, tier=target, source=tier)
                 self.silent.note(self._spiller.take_unreachable())
                 moved += sum(state.room_here.get(job.victim.alloc_id, job.room_bytes) for job in result.moved)
