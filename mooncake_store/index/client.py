@@ -27,6 +27,7 @@ from mooncake_store.index.schema import (
     encode_shape,
     in_batches,
     key_prefix,
+    sound_ints,
 )
 from mooncake_store.index.scripts import ONCE_TTL_MS, load_scripts
 from mooncake_store.types import ObjectMeta, Replica, check_pattern
@@ -240,6 +241,14 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     raise ProtocolError(f"{named} (namespace {self.prefix!r} at {self.where})") from None
                 advice = self._oom_advice(exc)
                 raise MooncakeError(f"index script {name} failed on {self.where}: {exc}{advice}") from None
+            except UnicodeDecodeError as exc:
+                # The connection decodes replies: bytes that are no UTF-8 in a record or a key
+                # name (written by hand, or by another build) escaped as a bare UnicodeDecodeError.
+                self._drop_conn(conn)  # failed mid-reply: the stream may be out of step
+                raise ProtocolError(
+                    f"index script {name} was answered bytes that are no UTF-8 ({exc}): a record or key name in "
+                    f"namespace {self.prefix!r} at {self.where} written by hand or by another build"
+                ) from None
             except BaseException:
                 self._drop_conn(conn)  # interrupted mid-reply: the stream may be out of step
                 raise
@@ -351,6 +360,11 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             raise ConnectError(f"cannot list the keys in Redis at {self.where}: {exc}") from None
         except redis.RedisError as exc:  # reached, and refused (ACL, out of memory, ...): no connection error
             raise MooncakeError(f"Redis at {self.where} refused listing the keys: {exc}") from None
+        except UnicodeDecodeError as exc:  # the connection decodes replies (see _run)
+            raise ProtocolError(
+                f"a key name or record in namespace {self.prefix!r} at {self.where} is bytes that are no UTF-8 "
+                f"({exc}): written by hand or by another build"
+            ) from None
 
     def _listings(self, keys: list[str]) -> list[KeyListing]:
         pipe = self.redis.pipeline(transaction=False)
@@ -412,15 +426,22 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         acks, statuses, graves, count = reply
         acked: list[int] = []
         keys: dict[int, str] = {}
+        # An entry that is no alloc id (pushed by hand, or by another build) is passed over: raised,
+        # the reply was never applied, the next sync was handed it again, and the node's syncs
+        # failed for good (graves never freed, expired reservations never reclaimed).
         for ack in acks:
             alloc_id, tab, key = str(ack).partition("\t")
-            acked.append(int(alloc_id))
+            numbers = sound_ints([alloc_id], f"the ack in acks:{node_id}")
+            if not numbers:
+                continue
+            number = numbers[0]
+            acked.append(number)
             if tab:
-                keys[int(alloc_id)] = key
+                keys[number] = key
         return SyncResult(
             acked_alloc_ids=acked,
             expired_status=list(statuses),
-            graves=[int(g) for g in graves],
+            graves=sound_ints(graves, f"a grave in gc:{node_id}"),
             acked_keys=keys,
             count=int(count),
         )

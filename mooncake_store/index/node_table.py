@@ -4,6 +4,7 @@ node id), heartbeats, leaving, reaping dead nodes, and reading the table. RedisI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.client import NEVER_DECODE
 
 from mooncake_store.errors import ConnectError, InvalidValue, MooncakeError, ProtocolError
 from mooncake_store.index.schema import (
@@ -168,18 +170,27 @@ class NodeTableCalls:
     def nodes(self) -> dict[str, NodeInfo]:
         """Every registered node (live or not) with its heartbeat deadline; one round trip."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.prefix + "nodes")
-        pipe.zrange(self.prefix + "hb", 0, -1, withscores=True)
+        # Read as bytes, decoded row by row: one row of bytes that are no UTF-8 failed the whole
+        # read (the connection decodes replies), and with it every client, stat and agent start.
+        pipe.execute_command("HGETALL", self.prefix + "nodes", **{NEVER_DECODE: True})
+        pipe.execute_command(
+            "ZRANGE", self.prefix + "hb", 0, -1, "WITHSCORES", **{NEVER_DECODE: True, "withscores": True}
+        )
         try:
             records, deadlines = pipe.execute()
         except redis.RedisError as exc:
             raise ConnectError(f"cannot read the node table from {self.where}: {exc}") from None
-        deadline_of = {node: int(score) for node, score in deadlines}
+        deadline_of: dict[bytes, int] = {}
+        for member, score in deadlines:
+            with contextlib.suppress(*RECORD_ERRORS):  # inf: that node reads as past its deadline
+                deadline_of[member] = int(score)
         table: dict[str, NodeInfo] = {}
-        for node, raw in records.items():
+        for raw_node, raw in records.items():
+            node = raw_node.decode(errors="backslashreplace")
             try:
-                table[node] = decode_node(raw, deadline_of.get(node, 0))
-            except ProtocolError as exc:
+                raw_node.decode()  # an id of bytes that are no UTF-8 names no agent of this build
+                table[node] = decode_node(raw, deadline_of.get(raw_node, 0))
+            except (ProtocolError, UnicodeDecodeError) as exc:
                 # Left out, named once: one row written by hand or by another build failed every
                 # client's gets, puts and stat in the namespace, naming no node.
                 if node not in _WARNED_ROWS and len(_WARNED_ROWS) < 1024:

@@ -12,7 +12,16 @@ from typing import Any
 import redis
 
 from mooncake_store.errors import ConnectError, InvalidValue
-from mooncake_store.index.schema import BATCH_LIMIT, decode_replicas, encode_replica, guard_value, in_batches
+from mooncake_store.index.schema import (
+    BATCH_LIMIT,
+    RECORD_ERRORS,
+    decode_replicas,
+    encode_replica,
+    guard_value,
+    in_batches,
+    sound_rows,
+    warn_once,
+)
 from mooncake_store.types import EvictionCandidate, Replica, TierKind
 
 
@@ -41,22 +50,7 @@ class PressureCalls:
 
     def victim_candidates(self, node_id: str, tier: str, *, sample: int = 256) -> list[EvictionCandidate]:
         flat = self._run("victims", node_id, tier, sample)
-        return [
-            EvictionCandidate(
-                key=flat[i],
-                size_bytes=int(flat[i + 1]),
-                last_access_ms=int(flat[i + 2]),
-                lease_until_ms=int(flat[i + 3]),
-                pins=int(flat[i + 4]),
-                alloc_id=int(flat[i + 5]),
-                chain_pos=int(flat[i + 6]),
-                dtype=flat[i + 7],
-                children=int(flat[i + 8]),
-                other_nodes=tuple(n for n in str(flat[i + 9]).split(",") if n),
-                chain_parent=str(flat[i + 10]),
-            )
-            for i in range(0, len(flat), 11)
-        ]
+        return sound_rows(flat, 11, _victim, "the victim record o:")
 
     def pending_graves(self, node_id: str, *, limit: int = 4096) -> tuple[int, list[tuple[int, int]]]:
         """The node's graveyard, earliest due first: (server time ms, [(alloc id, due ms)]) of the
@@ -68,7 +62,13 @@ class PressureCalls:
             (seconds, micros), graves = pipe.execute()
         except redis.RedisError as exc:
             raise ConnectError(f"cannot read the graveyard of {node_id} from {self.where}: {exc}") from None
-        return int(seconds) * 1000 + int(micros) // 1000, [(int(a), int(due)) for a, due in graves]
+        due: list[tuple[int, int]] = []
+        for alloc_id, at in graves:
+            try:
+                due.append((int(alloc_id), int(at)))
+            except RECORD_ERRORS as exc:  # a grave no sync would free: passed over, not every pass failed
+                warn_once(f"the grave {str(alloc_id)[:80]!r} in gc:{node_id}", exc)
+        return int(seconds) * 1000 + int(micros) // 1000, due
 
     def replicas_listed(self, key: str) -> tuple[Replica, ...] | None:
         """Every replica ``key``'s record lists, on live nodes or not (lookup leaves out nodes past
@@ -162,18 +162,7 @@ class PressureCalls:
         """Objects ``node_id`` is to copy to other nodes: short of the replicas they were stored
         with since a dead node's purge, and holding a readable replica here (repair_candidates.lua)."""
         flat = self._run("repair_candidates", node_id, count)
-        return [
-            RepairCandidate(
-                key=flat[i],
-                size_bytes=int(flat[i + 1]),
-                alloc_id=int(flat[i + 2]),
-                tier=TierKind(flat[i + 3]),
-                missing=int(flat[i + 4]),
-                holders=tuple(n for n in str(flat[i + 5]).split(",") if n),
-                dtype=str(flat[i + 6]),
-            )
-            for i in range(0, len(flat), 7)
-        ]
+        return sound_rows(flat, 7, _repair_candidate, "the repair candidate o:")
 
     def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
         """Drop one replica (the object too if it was the last); "OK", "GONE", "PINNED", "LEASED"
@@ -256,3 +245,31 @@ def guard_batches(
     if start < len(moves):
         batches.append(moves[start:])
     return batches
+
+
+def _victim(row: Sequence[Any]) -> EvictionCandidate:
+    return EvictionCandidate(
+        key=row[0],
+        size_bytes=int(row[1]),
+        last_access_ms=int(row[2]),
+        lease_until_ms=int(row[3]),
+        pins=int(row[4]),
+        alloc_id=int(row[5]),
+        chain_pos=int(row[6]),
+        dtype=row[7],
+        children=int(row[8]),
+        other_nodes=tuple(n for n in str(row[9]).split(",") if n),
+        chain_parent=str(row[10]),
+    )
+
+
+def _repair_candidate(row: Sequence[Any]) -> RepairCandidate:
+    return RepairCandidate(
+        key=row[0],
+        size_bytes=int(row[1]),
+        alloc_id=int(row[2]),
+        tier=TierKind(row[3]),
+        missing=int(row[4]),
+        holders=tuple(n for n in str(row[5]).split(",") if n),
+        dtype=str(row[6]),
+    )

@@ -58,9 +58,10 @@ the alloc id as a string: Lua's cjson prints numbers with 14 significant digits.
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from mooncake_store.errors import ConfigError, ProtocolError
 from mooncake_store.types import (
@@ -89,6 +90,44 @@ def in_batches(items: Sequence[Any], size: int = BATCH_LIMIT) -> Iterator[Sequen
 #: (OverflowError), and deeply nested JSON exhausts the parser's stack (RecursionError). Each is a
 #: ProtocolError naming the record, so that one bad row is left out, not every caller failed.
 RECORD_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError)
+
+log = logging.getLogger("mooncake.index")
+_Row = TypeVar("_Row")
+#: What malformed entries were warned of (bounded): each is logged once a process, not at every
+#: pass or sync that meets it again.
+_WARNED: set[str] = set()
+
+
+def warn_once(what: str, exc: BaseException) -> None:
+    if what not in _WARNED and len(_WARNED) < 1024:
+        _WARNED.add(what)
+        log.warning("%s passed over: %s (written by hand or by another build; left as it is)", what, exc)
+
+
+def sound_rows(flat: Sequence[Any], width: int, decode: Callable[[Sequence[Any]], _Row], what: str) -> list[_Row]:
+    """The rows of a script's flat reply (``width`` fields each, the first naming it) that decode;
+    one that does not (a number Lua's tonumber took and int() does not, "1.5" or "1e999"; a tier
+    this build does not know) is passed over, logged once: raised, it failed every pressure pass
+    or repair of its node while the record was sampled."""
+    rows: list[_Row] = []
+    for start in range(0, len(flat), width):
+        row = flat[start : start + width]
+        try:
+            rows.append(decode(row))
+        except RECORD_ERRORS as exc:
+            warn_once(f"{what} {str(row[0])[:80]!r}", exc)
+    return rows
+
+
+def sound_ints(values: Sequence[Any], what: str) -> list[int]:
+    """The entries of ``values`` that are integers (alloc ids, graves), others passed over, logged."""
+    out: list[int] = []
+    for value in values:
+        try:
+            out.append(int(value))
+        except RECORD_ERRORS as exc:
+            warn_once(f"{what} {str(value)[:80]!r}", exc)
+    return out
 
 
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

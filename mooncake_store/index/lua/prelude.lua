@@ -85,6 +85,14 @@ end
 local function sound_record(raw_replicas, lease_until)
   return well_formed_replicas(raw_replicas) ~= nil and (not lease_until or tonumber(lease_until) ~= nil)
 end
+-- HMGET of a record's fields, or nil when the key holds another type (a string written by hand
+-- where the hash is): a WRONGTYPE error failed the script half-way, after its batch's earlier
+-- entries were written (Redis keeps them), naming no key; a node's purge failed at every try.
+local function record_fields(ok, ...)
+  local f = redis.pcall('HMGET', ok, ...)
+  if f.err then return nil end
+  return f
+end
 -- A record's replica list, or an error naming the record: a reader or a move cannot pass a
 -- malformed one over (it would call a stored object missing), so it says which key to look at,
 -- where cjson's own error named neither the key nor the list.
@@ -278,7 +286,7 @@ local function purge_node(node, max_keys)
   -- have moved or evicted its replica since the object was listed, and then the loop below, over
   -- the objects it holds, would not meet the object.
   for _, key in ipairs(redis.call('SPOP', P .. 'repair:' .. node, max_keys)) do
-    local f = redis.call('HMGET', P .. 'o:' .. key, 'replicas', 'copies')
+    local f = record_fields(P .. 'o:' .. key, 'replicas', 'copies') or {}
     local reps = f[1] and well_formed_replicas(f[1])
     if reps then
       local others = {}
@@ -296,10 +304,10 @@ local function purge_node(node, max_keys)
   local hk, held = P .. 'held:' .. node, 0
   for _, key in ipairs(keys) do
     local ok = P .. 'o:' .. key
-    local f = redis.call('HMGET', ok, 'replicas', 'copies', 'lease_until')
+    local f = record_fields(ok, 'replicas', 'copies', 'lease_until') or {}
     local lease = tonumber(f[3] or 0) or 0
     local keep = {}
-    local reps = well_formed_replicas(f[1])
+    local reps = f[1] and well_formed_replicas(f[1])
     if not reps then
       -- Malformed: left to whoever reads it (an error naming it), and out of this node's way.
       reps, keep = {}, nil

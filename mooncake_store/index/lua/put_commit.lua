@@ -50,7 +50,9 @@ for i, put_id in ipairs(ids) do
     local e = cjson.decode(raw)
     if sums[i] then e.checksum = sums[i] end
     local ok = P .. 'o:' .. e.key
-    local old = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent')
+    local old = record_fields(ok, 'replicas', 'lease_until', 'chain_parent')
+    local wrong_type = old == nil
+    old = old or {}
     -- A replica on a node that left the node table (reaped, deregistered), or reserved from an
     -- earlier incarnation of its node (restarted since), names memory that is gone; no reaper would
     -- ever find it again, so the put fails like an expired reservation.
@@ -63,6 +65,8 @@ for i, put_id in ipairs(ids) do
     if orphan then
       redis.call('DEL', pk)
       table.insert(out, 'GONE')
+    elseif wrong_type then
+      table.insert(out, 'MALFORMED')  -- the key holds no hash: left as it is
     elseif old[1] and live_pins(e.key, now) > 0 then
       table.insert(out, 'PINNED')
     elseif out_of_order(e) then

@@ -11,9 +11,11 @@ local out = {}
 for i = 2, #ARGV do
   local key = ARGV[i]
   local ok = P .. 'o:' .. key
-  local f = redis.call('HMGET', ok, 'replicas', 'lease_until', 'chain_parent')
-  local reps = f[1] and sound_record(f[1], f[2]) and well_formed_replicas(f[1])
-  if not f[1] then
+  local f = record_fields(ok, 'replicas', 'lease_until', 'chain_parent')
+  local reps = f and f[1] and sound_record(f[1], f[2]) and well_formed_replicas(f[1])
+  if not f then
+    table.insert(out, 'MALFORMED')  -- not a hash: left in place, untouched
+  elseif not f[1] then
     table.insert(out, 0)
   elseif live_pins(key, now) > 0 then
     table.insert(out, 'PINNED')

@@ -15,14 +15,20 @@ local out = {}
 for _, key in ipairs(redis.call('SRANDMEMBER', set, tonumber(ARGV[3]))) do
   local f = redis.call('HMGET', P .. 'o:' .. key, 'size', 'replicas', 'copies', 'dtype')
   local mine, holders = nil, {}
-  local reps = f[1] and record_replicas(key, f[2]) or {}
+  -- A malformed record (written by hand, or by another build) is passed over and left as it is,
+  -- listed: raised, it failed every call, and the other objects of the list stayed short for good.
+  local reps = f[1] and well_formed_replicas(f[2])
+  local sound = reps ~= nil or not f[1]
+  reps = reps or {}
   for _, r in ipairs(reps) do
     table.insert(holders, r[1])
     if r[1] == node and r[6] == 'COMPLETE' then mine = r end
   end
   local copies = tonumber(f[3] or 0) or 0
   local missing = copies - counted_copies(reps)
-  if f[1] and missing > 0 and mine then  -- stays listed until its copies land
+  if not sound or (mine and not TIERS[mine[2]]) then
+    -- left listed, not returned (a tier this build does not know is as malformed)
+  elseif f[1] and missing > 0 and mine then  -- stays listed until its copies land
     local row = {key, f[1], mine[5], mine[2], missing, table.concat(holders, ','), f[4] or ''}
     for _, v in ipairs(row) do table.insert(out, v) end
   else
