@@ -159,9 +159,9 @@ def decode_replicas(raw: str | bytes) -> tuple[Replica, ...]:
             Replica(
                 node_id=str(node),
                 tier=TierKind(tier),
-                offset=int(offset),
-                size_bytes=int(size),
-                alloc_id=int(alloc),
+                offset=_count(offset, "an offset"),
+                size_bytes=_count(size, "a size"),
+                alloc_id=_count(alloc, "an alloc id"),
                 state=ReplicaState(state),
             )
             for node, tier, offset, size, alloc, state in items
@@ -179,7 +179,11 @@ def encode_shape(shape: tuple[int, ...]) -> str:
 MAX_RECORD_COUNT = (1 << 63) - 1
 
 
-def _count(raw: str | bytes | int, what: str) -> int:
+def _count(raw: str | bytes | float, what: str) -> int:
+    # 1.5 in a replica list written by hand: int() made it 1, and the read copied from a place
+    # one byte off, the wrong bytes unless the client verified checksums.
+    if isinstance(raw, float) and not raw.is_integer():
+        raise ValueError(f"{what} {raw!r} is no integer")
     number = int(raw)
     if not 0 <= number <= MAX_RECORD_COUNT:
         raise ValueError(f"{what} {number} is outside 0..{MAX_RECORD_COUNT}")

@@ -206,3 +206,20 @@ def test_a_connection_of_a_client_reads_on_after_a_hostile_record(
             assert other.get(f"ok{i}").tobytes() == b"k"
     finally:
         other.close()
+
+
+def test_a_replica_offset_that_is_no_integer_is_malformed_not_read_one_byte_off(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client]
+) -> None:
+    """int(8.5) made it 8: the read copied from one byte before the object, the wrong bytes with
+    no error unless the client verified checksums."""
+    client = make_client(make_cluster(1), timeout_s=5.0)
+    client.put("before", np.zeros(4096, np.uint8))
+    value = np.arange(4096, dtype=np.uint16).astype(np.uint8)
+    client.put("shifted", value)
+    r, p = client.index.redis, client.index.prefix
+    reps = json.loads(r.hget(p + "o:shifted", "replicas"))
+    reps[0][2] = reps[0][2] + 0.5
+    r.hset(p + "o:shifted", "replicas", json.dumps(reps))
+    with pytest.raises(ProtocolError, match="no integer"):
+        client.get("shifted")
