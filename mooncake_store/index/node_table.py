@@ -28,9 +28,9 @@ from mooncake_store.types import NodeInfo, TierUsage
 
 log = logging.getLogger("mooncake.index")
 
-#: Node ids whose malformed rows were warned of, bounded: each is logged once a process (a row
-#: rewritten at every heartbeat would otherwise be logged at every read of the table).
-_WARNED_ROWS: set[str] = set()
+#: Malformed rows warned of (server, namespace, node id), bounded: each is logged once a process (a
+#: row rewritten at every heartbeat would otherwise be logged at every read of the table).
+_WARNED_ROWS: set[tuple[str, str, str]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,8 +193,10 @@ class NodeTableCalls:
             except (ProtocolError, UnicodeDecodeError) as exc:
                 # Left out, named once: one row written by hand or by another build failed every
                 # client's gets, puts and stat in the namespace, naming no node.
-                if node not in _WARNED_ROWS and len(_WARNED_ROWS) < 1024:
-                    _WARNED_ROWS.add(node)
+                # Once per row of one namespace: the same id in another namespace is another row.
+                row = (self.where, self.prefix, node)
+                if row not in _WARNED_ROWS and len(_WARNED_ROWS) < 1024:
+                    _WARNED_ROWS.add(row)
                     log.warning("node %r left out of the node table at %s: %s", node, self.where, exc)
         return table
 
