@@ -64,6 +64,17 @@ class NodeIdTaken(MooncakeError):
         self.left_ms = left_ms
 
 
+def holder_of(raw: str) -> dict[str, Any]:
+    """The fields of the node row a registration was refused for, or {} for a row no JSON object
+    decodes (written by hand, or by another build), which names no agent: its JSONDecodeError
+    escaped the start."""
+    try:
+        holder = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
 class NodeTableCalls:
     """RedisIndex's calls on the node table."""
 
@@ -83,11 +94,20 @@ class NodeTableCalls:
             if status[0] != "PURGING":
                 break
         if status[0] == "IN_USE":
-            other = json.loads(status[1])
+            other = holder_of(status[1])
             left_ms = int(status[2]) - int(status[3]) if len(status) > 3 else 0
+            held_s = max(0, left_ms) / 1000
+            if not other:
+                raise NodeIdTaken(
+                    f"node id {info.node_id!r} is held for another {held_s:.1f} s, by its heartbeat deadline, by "
+                    f"a record in the index this build cannot read ({str(status[1])[:80]!r}: written by hand or "
+                    "by another build); it is purged and replaced once that has passed: start again then, "
+                    "or pick another node id",
+                    left_ms=max(0, left_ms),
+                )
             raise NodeIdTaken(
                 f"node id {info.node_id!r} is held by a live agent (pid {other.get('pid')} on "
-                f"{other.get('host')}, held for another {max(0, left_ms) / 1000:.1f} s by its heartbeat deadline "
+                f"{other.get('host')}, held for another {held_s:.1f} s by its heartbeat deadline "
                 "or a reconcile); pick another "
                 "node id (`mooncake agent --node-id`; for `mooncake up`, whose agents are agent-0, agent-1, ...: "
                 "another --namespace) or stop that agent",

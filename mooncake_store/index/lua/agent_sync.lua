@@ -28,7 +28,13 @@ local node = ARGV[2]
 local now = now_ms()
 local record = redis.call('HGET', P .. 'nodes', node)
 if not record then return {'SUPERSEDED'} end
-local rec = cjson.decode(record)
+local rec = node_row(record)
+if not rec then
+  -- No JSON (written by hand, or by another build): its next heartbeat ends the node's deadline
+  -- and the agent registers again (node_heartbeat.lua).
+  error('malformed node record ' .. node .. ' in the index (written by hand or by another build): '
+    .. string.sub(record, 1, 80) .. '; its agent registers again at its next heartbeat', 0)
+end
 if rec.incarnation ~= ARGV[5] then return {'SUPERSEDED'} end
 -- Being purged (reaped, and its agent registering again): what the record lists goes, and the
 -- count the registration writes is not this one's.

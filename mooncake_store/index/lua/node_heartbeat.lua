@@ -23,7 +23,17 @@ local raw = redis.call('HGET', P .. 'nodes', node)
 if not raw then return {'UNKNOWN'} end
 -- Being reaped (or taken over): part of its replicas may be gone already.
 if redis.call('SISMEMBER', P .. 'purging', node) == 1 then return {'UNKNOWN'} end
-local rec = cjson.decode(raw)
+local rec = node_row(raw)
+if not rec then
+  -- A row no JSON decodes (written by hand, or by another build) names no incarnation, and no
+  -- client reads the node through it (each leaves such a row out): the node's deadline is ended
+  -- so that its agent, told UNKNOWN, registers again, purging what the row listed. Failing each
+  -- beat instead, an agent alone in its cluster was never reaped (a reap after a silence of every
+  -- beat takes it for the index's own outage: node_reap.lua) and stayed unreadable for good.
+  redis.call('ZADD', P .. 'hb', 0, node)
+  redis.call('ZADD', P .. 'reap', 0, node)
+  return {'UNKNOWN'}
+end
 if rec.incarnation ~= inc then return {'UNKNOWN'} end
 local interval = tonumber(ARGV[8] or '')
 heard_from_a_node(now, ttl, interval and 2 * interval)

@@ -17,7 +17,9 @@ local old = redis.call('HGET', P .. 'nodes', node)
 if old then
   local d = tonumber(redis.call('ZSCORE', P .. 'hb', node) or 0)
   local inc = cjson.decode(info).incarnation
-  local old_rec = cjson.decode(old)
+  -- A row no JSON decodes (written by hand, or by another build) is held while its deadline runs,
+  -- as any holder's, and then purged and replaced like a dead incarnation's.
+  local old_rec = node_row(old) or {}
   -- A node whose agent reconciles after the index went back is unreadable but held
   -- (node_heartbeat.lua): its deadline is ended, its reconcile's is not.
   local held_until = math.max(d, tonumber(old_rec.reconciling_until) or 0)
@@ -32,7 +34,7 @@ if old then
   end
 end
 local rec = cjson.decode(info)
-if not old or cjson.decode(old).incarnation ~= rec.incarnation then
+if not old or (node_row(old) or {}).incarnation ~= rec.incarnation then
   -- A new incarnation starts counting afresh, like every other counter of its tiers.
   for _, t in ipairs(TIER_NAMES) do redis.call('HDEL', P .. 'stats', 'hits:' .. node .. ':' .. t) end
 end

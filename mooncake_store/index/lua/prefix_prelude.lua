@@ -19,14 +19,17 @@ local function readable(key, now)
   return false
 end
 local function pin_key(key, pin_id, until_ms, now)
-  redis.call('ZADD', P .. 'pins:' .. key, until_ms, pin_id)
+  local pk = P .. 'pins:' .. key
+  -- A pins key of another type holds no pin of this build (live_pins counts none): replaced.
+  if redis.call('TYPE', pk).ok ~= 'zset' then redis.call('DEL', pk) end
+  redis.call('ZADD', pk, until_ms, pin_id)
   redis.call('HSET', P .. 'o:' .. key, 'refcount', live_pins(key, now))
 end
 -- Drop pin_id's pin of key; 1 if it held one (expired or not), else 0. The refcount then mirrors
 -- the live pins left; the pins of a key whose object is gone go with it.
 local function unpin_key(key, pin_id, now)
-  local removed = redis.call('ZREM', P .. 'pins:' .. key, pin_id)
-  if removed == 1 then
+  local removed = redis.pcall('ZREM', P .. 'pins:' .. key, pin_id)
+  if removed == 1 then  -- an error (a pins key of another type) held no pin of this build
     if redis.call('EXISTS', P .. 'o:' .. key) == 1 then
       redis.call('HSET', P .. 'o:' .. key, 'refcount', live_pins(key, now))
     else

@@ -143,6 +143,16 @@ local function sole_complete(reps)
   if string.sub(reps, -13) ~= ',"COMPLETE"]]' or string.find(reps, '],[', 1, true) then return nil end
   return string.match(reps, '^%[%["([^"\\]*)","([^"\\]*)"')
 end
+-- A node row (HGET nodes <id>) decoded, or nil when it is no JSON object (written by hand, or by
+-- another build): cjson's error failed every registration of the id (a start over a dead node's
+-- row, with no other agent to reap it, failed for good), the leave of its agent, and every
+-- commit of a put that named the node.
+local function node_row(raw)
+  if not raw then return nil end
+  local ok, rec = pcall(cjson.decode, raw)
+  if ok and type(rec) == 'table' then return rec end
+  return nil
+end
 -- Node liveness: a node is live while its heartbeat deadline (zset hb) lies ahead.
 local live_cache = {}
 local function node_live(node, now)
@@ -155,10 +165,20 @@ local function node_live(node, now)
   return v
 end
 -- Live pins of an object; expired pins are dropped here, which is how a dead client's pin ends.
+-- A pins key that holds no sorted set (written by hand, or by another build) holds no pin this
+-- build made, and counts none: its WRONGTYPE error failed every remove, commit, eviction and
+-- prefix match of the key (a batch's after the entries before it were written, which Redis keeps).
 local function live_pins(key, now)
   local pk = P .. 'pins:' .. key
-  redis.call('ZREMRANGEBYSCORE', pk, '-inf', '(' .. now)
+  if type(redis.pcall('ZREMRANGEBYSCORE', pk, '-inf', '(' .. now)) ~= 'number' then return 0 end
   return redis.call('ZCARD', pk)
+end
+-- The pins of an object still running at `now`, read only (what samples and swaps ask); 0 for a
+-- pins key that holds no sorted set, as live_pins counts it.
+local function pins_running(key, now)
+  local n = redis.pcall('ZCOUNT', P .. 'pins:' .. key, now, '+inf')
+  if type(n) ~= 'number' then return 0 end
+  return n
 end
 -- The keys with a replica on one tier of one node: what a pressure pass samples there (nobj: holds
 -- every tier of the node, and a disk tier may list a hundred times the objects of the host tier
@@ -384,7 +404,8 @@ local function stale_alloc(node, alloc)
   local tag = node_tags[node]
   if tag == nil then
     local raw = redis.call('HGET', P .. 'nodes', node)
-    tag = raw and (tonumber(cjson.decode(raw).alloc_tag) or 0) or -1
+    local rec = node_row(raw)  -- a row no JSON decodes names no incarnation to commit into
+    tag = rec and (tonumber(rec.alloc_tag) or 0) or -1
     node_tags[node] = tag
   end
   if tag == -1 then return true end
@@ -520,7 +541,7 @@ local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps, pinne
   -- Live pins, counted (lapsed ones are dropped by the scripts that write pins). A pinned object
   -- stays where it is, but for a promotion (pinned_ok) on its own node to a faster tier: the
   -- reader holding the pin is the one the promotion serves.
-  if not pinned_ok and redis.call('ZCOUNT', P .. 'pins:' .. key, now, '+inf') > 0 then return 'PINNED' end
+  if not pinned_ok and pins_running(key, now) > 0 then return 'PINNED' end
   new[6] = 'COMPLETE'
   defer(swaps.tiers, key, {reps[found][1], reps[found][2]}, {new[1], new[2]})
   reps[found] = new

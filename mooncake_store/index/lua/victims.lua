@@ -32,7 +32,7 @@ for _, key in ipairs(keys) do
     end
     for _, r in ipairs(reps) do
       if r[1] == node and r[2] == tier and r[6] == 'COMPLETE' then
-        local pins = redis.call('ZCOUNT', P .. 'pins:' .. key, now, '+inf')
+        local pins = pins_running(key, now)
         table.insert(out, key)
         table.insert(out, f[1])
         table.insert(out, f[2] or 0)
