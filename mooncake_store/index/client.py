@@ -28,6 +28,7 @@ from mooncake_store.index.schema import (
     in_batches,
     key_prefix,
     sound_ints,
+    warn_once,
 )
 from mooncake_store.index.scripts import ONCE_TTL_MS, load_scripts
 from mooncake_store.types import ObjectMeta, Replica, check_pattern
@@ -179,7 +180,7 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         except redis.RedisError as exc:
             raise ConnectError(f"cannot load scripts into Redis at {self.where}: {exc}") from None
 
-    def _run(self, name: str, *args: Any, scripts: Mapping[str, Any] | None = None) -> Any:
+    def _run(self, name: str, *args: Any, scripts: Mapping[str, Any] | None = None, raw: bool = False) -> Any:
         """EVALSHA of one script on a connection of our own.
 
         redis-py's command path (pool checkout with a readiness poll, retry wrapper, observability
@@ -188,7 +189,9 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         taken from the pool once and kept. A NOSCRIPT (server restarted or SCRIPT FLUSH) loads
         the script and runs it again; a broken connection is dropped and the call retried once
         on a fresh one, as redis-py's default retry did. The reply of a first run lost with the
-        connection comes back to the retry instead of a second run (REPLAY_SAFE, scripts.py)."""
+        connection comes back to the retry instead of a second run (REPLAY_SAFE, scripts.py).
+        ``raw``: the reply as bytes, for a caller that decodes it entry by entry (the connection
+        decodes replies, and one entry of bytes that are no UTF-8 failed the whole reply)."""
         if self._closed:
             raise ConnectError(f"the index client for {self.where} is closed")
         script = (scripts or self._scripts)[name]
@@ -210,12 +213,12 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     conn = self.redis.connection_pool.get_connection()
                 try:
                     conn.send_command(*command)
-                    reply = conn.read_response()
+                    reply = conn.read_response(disable_decoding=raw)
                 except redis.exceptions.NoScriptError:
                     conn.send_command("SCRIPT", "LOAD", script.script)
                     conn.read_response()
                     conn.send_command(*command)
-                    reply = conn.read_response()
+                    reply = conn.read_response(disable_decoding=raw)
             except redis.ConnectionError as exc:
                 self._drop_conn(conn)
                 late = time.monotonic() - sent
@@ -414,14 +417,23 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         ``incarnation``'s, and IndexWentBack, draining nothing, when it counts fewer heartbeats
         and syncs than ``last_count`` (the count the agent was answered last)."""
         last = "" if last_count is None else str(last_count)
+        # Read as bytes and decoded entry by entry: an ack or grave of bytes that are no UTF-8
+        # (pushed by hand, or by another build) failed the whole reply, which then came again.
         reply = self._run(
-            "agent_sync", node_id, max_graves, "1" if applied_last else "0", incarnation, last, *expired_put_ids
+            "agent_sync",
+            node_id,
+            max_graves,
+            "1" if applied_last else "0",
+            incarnation,
+            last,
+            *expired_put_ids,
+            raw=True,
         )
-        if reply == ["SUPERSEDED"]:
+        if reply == [b"SUPERSEDED"]:
             raise NodeSuperseded(
                 f"node {node_id} is not incarnation {incarnation[:12]}'s in the index (reaped, or taken over)"
             )
-        if reply[0] == "BEHIND":
+        if reply[0] == b"BEHIND":
             raise went_back(node_id, int(reply[1]), last_count or 0)
         acks, statuses, graves, count = reply
         acked: list[int] = []
@@ -430,18 +442,23 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         # the reply was never applied, the next sync was handed it again, and the node's syncs
         # failed for good (graves never freed, expired reservations never reclaimed).
         for ack in acks:
-            alloc_id, tab, key = str(ack).partition("\t")
-            numbers = sound_ints([alloc_id], f"the ack in acks:{node_id}")
+            alloc_id, tab, key = ack.partition(b"\t")
+            numbers = sound_ints([alloc_id.decode(errors="backslashreplace")], f"the ack in acks:{node_id}")
             if not numbers:
                 continue
             number = numbers[0]
             acked.append(number)
             if tab:
-                keys[number] = key
+                try:
+                    keys[number] = key.decode()
+                except UnicodeDecodeError as exc:  # names no key of this build: the ack stands, unnamed
+                    warn_once(f"the key of ack {number} in acks:{node_id}", exc)
         return SyncResult(
             acked_alloc_ids=acked,
-            expired_status=list(statuses),
-            graves=sound_ints(graves, f"a grave in gc:{node_id}"),
+            expired_status=[status.decode() for status in statuses],
+            graves=sound_ints(
+                [grave.decode(errors="backslashreplace") for grave in graves], f"a grave in gc:{node_id}"
+            ),
             acked_keys=keys,
             count=int(count),
         )
