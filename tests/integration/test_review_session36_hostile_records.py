@@ -49,7 +49,9 @@ def test_a_victim_number_lua_takes_fails_no_pressure_pass(
     assert client.index.redis.hget(client.index.prefix + "o:k0", field) == value
 
 
-@pytest.mark.parametrize("where", ["acks", "gc"])
+# The no-UTF-8 entries (thirty-seventh session): the connection decoded the sync's reply, and
+# its UnicodeDecodeError failed the sync, and every later one, as a ProtocolError.
+@pytest.mark.parametrize("where", ["acks", "gc", "acks_no_utf8", "ack_key_no_utf8", "gc_no_utf8"])
 def test_an_ack_or_grave_that_is_no_integer_stops_no_sync(
     direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str, where: str
 ) -> None:
@@ -61,6 +63,12 @@ def test_an_ack_or_grave_that_is_no_integer_stops_no_sync(
     assert len(agent.table.committed_ids()) == 1
     if where == "acks":
         r.rpush(p + "acks:" + node, "1.5")
+    elif where == "acks_no_utf8":
+        r.rpush(p + "acks:" + node, b"\xff\xfe")
+    elif where == "ack_key_no_utf8":
+        r.rpush(p + "acks:" + node, b"123456\t\xff")
+    elif where == "gc_no_utf8":
+        r.zadd(p + "gc:" + node, {b"\xff": 1})
     else:
         r.zadd(p + "gc:" + node, {"abc": 1})
     agent.sync_once()  # passed over, not raised

@@ -129,24 +129,3 @@ def test_a_pins_key_of_another_type_holds_no_pin(
             assert hit.num_tokens == 8
             assert [bytes(np.asarray(c)) for c in hit.chunks] == [bytes([i]) * 16 for i in range(2)]
             assert client.index.redis.type(p + "pins:" + hit.keys[0]) == "zset"
-
-
-@pytest.mark.parametrize("entry", ["ack", "ack_key", "grave"])
-def test_an_ack_or_grave_of_bytes_that_are_no_utf8_stops_no_sync(
-    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str, entry: str
-) -> None:
-    agent = direct_agent(namespace)
-    client = client_of(namespace)
-    r, p, node = client.index.redis, client.index.prefix, agent.node_id
-    client.put("a", np.ones(1 << 16, np.uint8))
-    agent.sync_once()
-    if entry == "ack":
-        r.rpush(p + "acks:" + node, b"\xff\xfe")
-    elif entry == "ack_key":
-        r.rpush(p + "acks:" + node, b"123456\t\xff")
-    else:
-        r.zadd(p + "gc:" + node, {b"\xff": 1})
-    agent.sync_once()  # passed over, not a ProtocolError at this sync and every later one
-    client.remove("a")  # its grave is due at once (no lease was granted)
-    agent.sync_once()
-    assert len(agent.table.committed_ids()) == 0, "the removed object's memory was not freed"
