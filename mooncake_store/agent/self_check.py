@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from dataclasses import dataclass
 
 from mooncake_store.errors import ConfigError, MooncakeError, ProtocolError, TransferTimeout
@@ -18,6 +19,9 @@ log = logging.getLogger("mooncake.agent")
 
 #: How long (s) the agent waits for its own advertised address to answer.
 ADVERTISE_CHECK_S = 2.0
+#: The least time (s) the RESP probe of a silent endpoint gets once the PING's wait has used the
+#: budget: a Redis server answers a PING within a round trip.
+RESP_PROBE_MIN_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,7 @@ def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> Astray |
     """None when the agent whose arena is ``arena_name`` answers a PING at ``endpoint`` (or an
     agent of a build whose PING names no arena); else why not. The agent checks its own
     advertised address with it, `doctor` every node's."""
+    deadline = time.monotonic() + timeout_s
     peer = PeerConnections(endpoint, timeout_s=timeout_s, max_idle=0)
     try:
         _, arena_digest = peer.identify()
@@ -45,7 +50,9 @@ def who_answers(endpoint: str, arena_name: str, *, timeout_s: float) -> Astray |
     except TransferTimeout as exc:
         # Connected, and silent: a Redis server waits for the end of a line that our frame never
         # sends (an --advertise copied from the Redis URL was taken, with a warning only).
-        if speaks_resp(endpoint, timeout_s=timeout_s):
+        # What the PING's wait left of the budget, at least RESP_PROBE_MIN_S: with the whole
+        # timeout again, a silent endpoint took twice it (an agent's start, each doctor check).
+        if speaks_resp(endpoint, timeout_s=max(RESP_PROBE_MIN_S, deadline - time.monotonic())):
             return Astray(True, "answers, but as a Redis server (RESP), not in this build's protocol")
         return Astray(False, f"does not answer ({exc})")
     except MooncakeError as exc:
