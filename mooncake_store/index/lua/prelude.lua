@@ -641,7 +641,13 @@ local function evict_replica(key, node, alloc, now, damaged)
     if readable == 0 then count_lost(ok, lost, {found}, keep) end
     -- A damaged replica is a loss like a dead node's: the object is copied again from a sound one
     -- (an eviction under pressure drops a replica on purpose and lists nothing).
-    if damaged then note_short(key, keep, tonumber(f[3] or 0) or 0, now) end
+    if damaged then
+      -- Listed at this node (the holder a dead node's purge chose), it is listed at another
+      -- holder now: left here too, `short` (the sum of the lists) counted it twice until this
+      -- node's next repair call.
+      if not still_there then redis.call('SREM', P .. 'repair:' .. node, key) end
+      note_short(key, keep, tonumber(f[3] or 0) or 0, now)
+    end
   end
   return 'OK'
 end
