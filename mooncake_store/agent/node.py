@@ -182,8 +182,8 @@ class Agent(OtherTierHooks, SyncDuties):
         if used > self.config.high_watermark * self.table.capacity_bytes:
             self.pressure.wake()  # move objects alongside the writer, not in bursts after refusals
 
-    def no_room(self, size_bytes: int) -> None:
-        self.pressure.want_room(size_bytes)
+    def no_room(self, size_bytes: int, *, replicated: bool = False) -> None:
+        self.pressure.want_room(size_bytes, replicated=replicated)
 
     def expire_other_tiers(self, alloc_ids: list[int]) -> int:
         expired = 0

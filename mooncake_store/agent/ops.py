@@ -21,7 +21,16 @@ from mooncake_store.errors import MooncakeError, ProtocolError
 from mooncake_store.tiers.chunk_format import HEADER as DISK_HEADER
 from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
-from mooncake_store.transport.frames import PROBE_FLAG, SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST, Op, Status
+from mooncake_store.transport.frames import (
+    PROBE_FLAG,
+    REPLICATED_FLAG,
+    SPILL_FLAG,
+    TIER_DISK,
+    TIER_GPU,
+    TIER_HOST,
+    Op,
+    Status,
+)
 from mooncake_store.types import TierKind
 
 log = logging.getLogger("mooncake.agent")
@@ -55,10 +64,10 @@ class AgentHooks(Protocol):
         activity): one per object, its first stripe's READ."""
 
     def reserve_other_tier(
-        self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool, make_room: bool
+        self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool, make_room: bool, replicated: bool = False
     ) -> list[Any] | None:
         """Reservations in tier ``tier`` (1: GPU, 2: disk, for spills only); None when the agent has
-        no room or no such tier."""
+        no room or no such tier. ``replicated``: as for no_room."""
 
     def other_tier_room(self, tier: int, *, spill: bool) -> tuple[int, int, int]:
         """(free bytes, largest free block, capacity) of tier ``tier`` here, for a refusal's reply
@@ -82,8 +91,9 @@ class AgentHooks(Protocol):
     def reclaim_now(self) -> None:
         """Free what is already due (graveyard entries past their lease, abandoned reservations)."""
 
-    def no_room(self, size_bytes: int) -> None:
-        """A reservation did not fit even after reclaim_now."""
+    def no_room(self, size_bytes: int, *, replicated: bool = False) -> None:
+        """A reservation did not fit even after reclaim_now. ``replicated``: its put keeps replicas
+        on other nodes too (frames.REPLICATED_FLAG), so the room is not made by spills to peers."""
 
     def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
         """Reservations flagged as spills from a peer were granted in ``tier`` (counted as spills
@@ -318,7 +328,11 @@ class AgentOps:
             return True
         if tier != TIER_HOST:
             allocs = self._hooks.reserve_other_tier(
-                tier, requests, spill=bool(flags & SPILL_FLAG), make_room=not flags & (SPILL_FLAG | PROBE_FLAG)
+                tier,
+                requests,
+                spill=bool(flags & SPILL_FLAG),
+                make_room=not flags & (SPILL_FLAG | PROBE_FLAG),
+                replicated=bool(flags & REPLICATED_FLAG),
             )
             if allocs is None:
                 free, largest, capacity = self._hooks.other_tier_room(tier, spill=bool(flags & SPILL_FLAG))
@@ -342,7 +356,7 @@ class AgentOps:
             # A refused spill goes to another peer, and a probing writer to another node: no room
             # is made for either.
             if not flags & (SPILL_FLAG | PROBE_FLAG):
-                self._hooks.no_room(self._table.footprint(requests))
+                self._hooks.no_room(self._table.footprint(requests), replicated=bool(flags & REPLICATED_FLAG))
             return True
         if flags & SPILL_FLAG:
             self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)

@@ -71,6 +71,9 @@ class PressureManager:
         self.counters: dict[TierKind, Counter[str]] = {t: Counter() for t in TierKind}
         #: Per arena tier, the largest reservation that did not fit since the last pass began.
         self._wanted: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
+        #: Arena tiers where a writer of a put with replicas on other nodes too waits for room
+        #: (frames.REPLICATED_FLAG): the next pass there spills nothing to peers.
+        self._wanted_replicated: set[TierKind] = set()
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
         #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
@@ -93,19 +96,22 @@ class PressureManager:
         self._spiller.close()
 
     # ---- signals from the server ------------------------------------------------------------
-    def want_room(self, size_bytes: int, *, tier: TierKind = TierKind.HOST) -> None:
+    def want_room(self, size_bytes: int, *, tier: TierKind = TierKind.HOST, replicated: bool = False) -> None:
         """A reservation of ``size_bytes`` did not fit: make room now rather than at the next pass.
         One larger than the whole tier can never fit, and makes none: a pass sized by it would move
-        or evict everything there (one hostile RESERVE frame would empty the node)."""
+        or evict everything there (one hostile RESERVE frame would empty the node). ``replicated``:
+        the writer's put keeps replicas on other nodes too, whose room a spill there would take."""
         table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
         if table is None or size_bytes > table.capacity_bytes:
             return
-        self._note_wanted(tier, size_bytes)  # before the wake: a wanted size ends the loop's hold
+        self._note_wanted(tier, size_bytes, replicated)  # before the wake: a wanted size ends the loop's hold
         self._wake.set()
 
-    def _note_wanted(self, tier: TierKind, size_bytes: int) -> None:
+    def _note_wanted(self, tier: TierKind, size_bytes: int, replicated: bool = False) -> None:
         with self._lock:
             self._wanted[tier] = max(self._wanted[tier], size_bytes)
+            if replicated:
+                self._wanted_replicated.add(tier)
 
     def _room_wanted(self) -> bool:
         with self._lock:
@@ -115,19 +121,24 @@ class PressureManager:
         """A pass over an arena tier (host or GPU), sized for the reservations waiting for room."""
         with self._lock:
             wanted, self._wanted[tier] = self._wanted[tier], 0
+            replicated = tier in self._wanted_replicated
+            self._wanted_replicated.discard(tier)
         try:
-            moved = self._relieve(tier, self._arena_need(tier, table, wanted), job_of)
+            # For a replicated put's writer the room is made by demotion or eviction: spilled to
+            # the peers its other replicas need room on, each agent asked in turn spilled the same
+            # objects back, and the put waited out its timeout while the cluster's use stood still.
+            moved = self._relieve(tier, self._arena_need(tier, table, wanted), job_of, spill=not replicated)
         except BaseException:
             # A failed pass made no room: the writer is still waiting, and the next pass must
             # know it before that writer's next refused RESERVE tells it again.
-            self._note_wanted(tier, wanted)
+            self._note_wanted(tier, wanted, replicated)
             raise
         if moved and table.usage()[2] < wanted:
             # The pass moved less than the writer waits for (its sample ran short of movable
             # objects): the next pass of this wake must still make room for it, not only drain to
             # the watermark (one pass per refused RESERVE, each after the writer's back-off).
             # A pass that moved nothing ends the wake's passes, and with them the request.
-            self._note_wanted(tier, wanted)
+            self._note_wanted(tier, wanted, replicated)
         return moved
 
     def wake(self) -> None:
@@ -237,7 +248,9 @@ class PressureManager:
 
         return need_now
 
-    def _relieve(self, tier: TierKind, need_now: Callable[[Returning], int], job_of: JobOf) -> int:
+    def _relieve(
+        self, tier: TierKind, need_now: Callable[[Returning], int], job_of: JobOf, *, spill: bool = True
+    ) -> int:
         """The pass shared by every tier: ``need_now(returning)`` is what must leave ``tier``, given
         ``returning`` bytes of it that come back by themselves. Space of removed, replaced and moved
         objects is freed once their read leases end: free what is due now, and do not move live
@@ -252,7 +265,7 @@ class PressureManager:
             # per RECLAIM_MIN_INTERVAL_S unforced): free them now, not at the next sync, so that
             # a waiting writer finds its room.
             self.agent.reclaim_now(force=True)
-        return self._walk(tier, need, job_of, now_ms=returning.now_ms) if need > 0 else 0
+        return self._walk(tier, need, job_of, now_ms=returning.now_ms, spill=spill) if need > 0 else 0
 
     def _returning(self, tier: TierKind) -> Returning:
         """Bytes of ``tier`` held by this node's graveyard (still leased: freed when leases end),
@@ -295,10 +308,11 @@ class PressureManager:
         location = self.agent.table.offset_of(victim.alloc_id)
         return SpillJob(victim=victim, offset=location[0]) if location is not None else None
 
-    def _walk(self, tier: TierKind, need: int, job_of: JobOf, *, now_ms: int) -> int:
+    def _walk(self, tier: TierKind, need: int, job_of: JobOf, *, now_ms: int, spill: bool = True) -> int:
         """Move the coldest movable objects of ``tier`` until ``need`` bytes are on their way out;
         returns the bytes moved. ``job_of`` locates a victim in the tier (None: freed since the
-        sample was taken); ``now_ms``: the index's time as the pass began (read with the graveyard)."""
+        sample was taken); ``now_ms``: the index's time as the pass began (read with the graveyard);
+        ``spill``: False, nothing goes to peers (demoted here, or evicted)."""
         agent = self.agent
         candidates = agent.index.victim_candidates(agent.node_id, str(tier), sample=SAMPLE)
         # One read of the node table per pass; what this pass sends each peer is counted here.
@@ -307,7 +321,7 @@ class PressureManager:
             self._spiller.arenas.premap(peers)  # also unmaps peers that left
         else:
             self._spiller.arenas.retain(peers)
-        state = PassState(peers=peers, refused=self.silent.now())
+        state = PassState(peers=peers if spill else [], refused=self.silent.now())
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (_evict_queued).

@@ -37,6 +37,13 @@ WIRE_TIER = {TierKind.HOST: frames.TIER_HOST, TierKind.GPU: frames.TIER_GPU}
 Abandon = Callable[..., None]
 
 
+def room_ask_flags(replicas: int) -> int:
+    """The RESERVE flags of a writer that asks a node to make room (no PROBE_FLAG): a put with
+    replicas on several nodes says so, and the node makes that room by demotion or eviction, not
+    by spills into the peers its other replicas need room on (frames.REPLICATED_FLAG)."""
+    return frames.REPLICATED_FLAG if replicas > 1 else 0
+
+
 class Reserver:
     """The reservations of one put attempt (PutPath._put_once): ``reserve`` returns the node
     table it placed by, every plan's replicas reserved, or raises having undone them (``abandon``)."""
@@ -153,7 +160,7 @@ class Reserver:
                         [(p.size_bytes, p.put_id) for p in group],
                         node_id=node_id,
                         tier=WIRE_TIER[tier],
-                        flags=0 if node_id == preferred_node else frames.PROBE_FLAG,
+                        flags=room_ask_flags(replicas) if node_id == preferred_node else frames.PROBE_FLAG,
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     if not isinstance(exc, NoCapacity):
@@ -279,7 +286,10 @@ class Reserver:
                 of_tier = [plan for plan in wanting if plan.tier == tier]
                 try:
                     got = self.client._tcp.peer(nodes[node_id].tcp_endpoint).reserve(
-                        [(plan.size_bytes, plan.put_id) for plan in of_tier], node_id=node_id, tier=WIRE_TIER[tier]
+                        [(plan.size_bytes, plan.put_id) for plan in of_tier],
+                        node_id=node_id,
+                        tier=WIRE_TIER[tier],
+                        flags=room_ask_flags(replicas),
                     )
                 except (NoCapacity, ConnectError, TransferError):
                     continue  # asked to make room: the put's next try finds it, here or where else it was asked

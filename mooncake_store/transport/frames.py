@@ -17,7 +17,8 @@ RESERVE   arg = count, a = tier (0 host,       OK, payload of count x (offset u6
           1 gpu, 2 disk: spills only, size =
           a whole chunk file), b = flags
           (1: a spill from a peer; 2: a probe,
-          refused without making room),
+          refused without making room; 4: the
+          put keeps replicas on several nodes),
           payload                              NO_CAPACITY, a = free, b = largest free, c = capacity
           of count x (size u64, put_id 16 B)   (host tier; other tiers leave a, b, c zero)
 FREE      arg = count, payload count x u64     OK, a = reservations expired now (freed by the next
@@ -87,6 +88,12 @@ SPILL_FLAG = 1
 #: objects, evicted for a writer who went to another node with room. Agents of earlier builds
 #: ignore it and make room, as they did.
 PROBE_FLAG = 2
+#: RESERVE flag: the writer's put keeps replicas on several nodes. Room made for it here is made
+#: by demotion or eviction, not by spills to peers: those peers are where the put's other replicas
+#: need room, and agents asked in turn spilled the same objects to and fro until the put timed out
+#: (a replicas=3 put on three nodes whose free room was in pieces). Agents of earlier builds ignore
+#: it.
+REPLICATED_FLAG = 4
 #: The slowest a request's bytes may arrive (and a READ's reply leave), beyond the first
 #: timeout_s: a request must be done by timeout_s + its length / MIN_RATE_BPS from its header's
 #: first byte. timeout_s bounds each recv and send only, so a peer sending a byte per timeout
