@@ -187,8 +187,9 @@ class RedisIndex(NodeTableCalls, PressureCalls):
         hooks) costs about 60 µs per call on this class of machine, a third of a 4 KiB get; the
         Lua script itself costs 15-25 µs. So each script call sends and reads on a connection
         taken from the pool once and kept. A NOSCRIPT (server restarted or SCRIPT FLUSH) loads
-        the script and runs it again; a broken connection is dropped and the call retried once
-        on a fresh one, as redis-py's default retry did. The reply of a first run lost with the
+        the script and runs it again; a broken connection is dropped, with every kept one (a
+        restarted server broke them all), and the call retried once on a fresh one from the
+        pool, which checks it, as redis-py's default retry did. The reply of a first run lost with the
         connection comes back to the retry instead of a second run (REPLAY_SAFE, scripts.py).
         ``raw``: the reply as bytes, for a caller that decodes it entry by entry (the connection
         decodes replies, and one entry of bytes that are no UTF-8 failed the whole reply)."""
@@ -204,10 +205,10 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             self._script_conns, self._script_pid = [], os.getpid()
         sent = time.monotonic()
         for attempt in (0, 1):
-            try:
-                conn = self._script_conns.pop()
-            except IndexError:
-                conn = None
+            conn = None
+            if attempt == 0:  # the retry takes a connection the pool checks (see below)
+                with contextlib.suppress(IndexError):
+                    conn = self._script_conns.pop()
             try:
                 if conn is None:
                     conn = self.redis.connection_pool.get_connection()
@@ -221,6 +222,10 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     reply = conn.read_response(disable_decoding=raw)
             except redis.ConnectionError as exc:
                 self._drop_conn(conn)
+                # The server restarted, or a proxy cut every connection: the kept ones broke with
+                # this one. Retrying on the next kept one failed as this did, so after a restart
+                # a client that had kept N connections failed about N/2 of its next calls.
+                self._drop_kept_conns()
                 late = time.monotonic() - sent
                 if attempt == 0 and (name in self.REPLAY_SAFE or late < RETRY_WITHIN_S):
                     continue
@@ -268,6 +273,11 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             while self._script_conns:
                 with contextlib.suppress(IndexError):
                     self._script_conns.pop().disconnect()
+
+    def _drop_kept_conns(self) -> None:
+        kept, self._script_conns = self._script_conns, []
+        for conn in kept:
+            self._drop_conn(conn)
 
     def _drop_conn(self, conn: Any) -> None:
         if conn is not None:
