@@ -137,6 +137,14 @@ def _stop_all() -> None:
         server.stop(timeout_s=2.0)
 
 
+def _still_loading(client: redis.Redis) -> bool:
+    """Whether the server is still loading its data (INFO answers while it does)."""
+    try:
+        return str(client.info("persistence").get("loading", "0")) != "0"
+    except redis.RedisError:
+        return True  # asked again at the next poll, until the deadline
+
+
 def _stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
     """SIGTERM one process we started (Popen signals its own pid), SIGKILL after ``timeout_s``."""
     if proc.poll() is None:
@@ -322,13 +330,19 @@ class EmbeddedServer:
                     info = {}
                 # The answer must come from our process: another server may already hold the port, and
                 # it answers PING while ours is still failing to bind.
-                if info and int(info.get("process_id", -1)) == self._proc.pid:
+                ours = bool(info) and int(info.get("process_id", -1)) == self._proc.pid
+                # A server with a persist_dir answers INFO while it loads its append-only file, and
+                # every other command with LOADING: start() returned it, and the caller's first
+                # command failed (an index of 300,000 keys loads for about a second).
+                loading = ours and _still_loading(client)
+                if ours and not loading:
                     break
                 if time.monotonic() > deadline:
                     log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
                     self._terminate(timeout_s=2.0)
+                    what = f"did not finish loading {self.persist_dir}" if loading else "did not answer"
                     raise ServerError(
-                        f"{self.binary} did not answer on {self.host}:{port} within "
+                        f"{self.binary} {what} on {self.host}:{port} within "
                         f"{self.startup_timeout_s:g} s; log tail:\n{log or '(empty)'}"
                     )
                 time.sleep(0.02)
