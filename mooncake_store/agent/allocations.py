@@ -316,6 +316,16 @@ class AllocationTable:
             earlier = max(earlier, alloc.held_until)
         alloc.held_until = max(earlier, until)
 
+    def held_bytes(self, within_s: float) -> tuple[int, int]:
+        """(all, due within ``within_s``): bytes of doomed allocations held for readers the index
+        no longer names (drop_after_reap, doom, a free during a hold). They free themselves, and
+        no move can take them: a pressure pass that counted them as used moved or evicted the
+        objects put since for them."""
+        due = time.monotonic() + within_s
+        with self._lock:
+            held = list(self._held.values())
+        return sum(a.length for a in held), sum(a.length for a in held if a.held_until <= due)
+
     def release_held(self) -> int:
         """Free the held allocations whose hold is over and that no TCP read moves; returns how many."""
         now = time.monotonic()

@@ -240,11 +240,16 @@ class PressureManager:
         def need_now(returning: Returning) -> int:
             used, _, largest_free, _ = table.usage()
             waiting = 0 if largest_free >= wanted else wanted  # 0: room for it appeared meanwhile
-            need = self._need(tier, used - returning.all, table.capacity_bytes, waiting)
+            # Memory held for readers of objects the index lost (an index restarted empty or
+            # rolled back) comes back by itself, like a grave's: counted as used, it had the
+            # objects put after the restart evicted for it.
+            held, held_soon = table.held_bytes(self.agent.config.pressure_interval_s)
+            need = self._need(tier, used - returning.all - held, table.capacity_bytes, waiting)
             # The free space may be in pieces too small for the waiting reservation. A writer waits
-            # a few seconds at most: only graves due by the next pass count as room for it (a long
-            # read lease on a removed object must not leave it waiting while others could move).
-            return max(need, waiting - largest_free - returning.soon) if waiting else need
+            # a few seconds at most: only graves and holds due by the next pass count as room for
+            # it (a long read lease on a removed object must not leave it waiting while others
+            # could move).
+            return max(need, waiting - largest_free - returning.soon - held_soon) if waiting else need
 
         return need_now
 
