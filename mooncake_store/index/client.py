@@ -220,6 +220,15 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     conn.read_response()
                     conn.send_command(*command)
                     reply = conn.read_response(disable_decoding=raw)
+            except redis.exceptions.BusyLoadingError as exc:
+                # redis-py makes it a ConnectionError, but the connection is fine and the reply was
+                # read whole: the server restarted and is loading its persisted data, which a retry
+                # at once would find too. It said "lost the connection".
+                self._keep_conn(conn)
+                raise ConnectError(
+                    f"Redis at {self.where} is loading its data (it restarted) and answers no {name} until it "
+                    f"has: {exc}"
+                ) from None
             except redis.ConnectionError as exc:
                 self._drop_conn(conn)
                 # The server restarted, or a proxy cut every connection: the kept ones broke with

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from typing import Any
 
 import redis
@@ -19,6 +20,8 @@ START_A_CLUSTER = (
     "Start a cluster with `mooncake up` or mooncake_store.LocalCluster, "
     "or point MOONCAKE_REDIS_URL at a running server."
 )
+#: How often a server still loading its data is asked again (connect_redis).
+LOADING_POLL_S = 0.05
 
 
 def connect_redis(url: str, *, timeout_s: float = 10.0, advice: str = START_A_CLUSTER) -> redis.Redis:
@@ -32,7 +35,7 @@ def connect_redis(url: str, *, timeout_s: float = 10.0, advice: str = START_A_CL
             socket_connect_timeout=min(timeout_s, 5.0),
             health_check_interval=30,
         )
-        client.ping()
+        _ping_once_loaded(client, url, timeout_s)
     except (ValueError, TypeError) as exc:  # TypeError: a URL option redis-py does not know (?foo=1)
         # Redacted: the CLI prints these messages, and a password must not reach terminals or logs.
         raise ConnectError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
@@ -54,6 +57,24 @@ def connect_redis(url: str, *, timeout_s: float = 10.0, advice: str = START_A_CL
     except redis.RedisError as exc:
         raise ConnectError(f"cannot reach Redis at {redact_url(url)}: {str(exc).rstrip('.')}. {advice}") from None
     return client
+
+
+def _ping_once_loaded(client: redis.Redis, url: str, timeout_s: float) -> None:
+    """PING; a server that restarted over a persisted index answers LOADING until it has loaded
+    it (seconds for millions of keys), so it is asked again within ``timeout_s``: an agent or a
+    client started beside it failed with "cannot reach Redis", advised to start a cluster."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.exceptions.BusyLoadingError as exc:
+            if time.monotonic() >= deadline:
+                raise ConnectError(
+                    f"Redis at {redact_url(url)} is still loading its data after {timeout_s:g} s (the "
+                    f"timeout; it restarted): {str(exc).rstrip('.')}"
+                ) from None
+            time.sleep(LOADING_POLL_S)
 
 
 class ClosedPool(redis.ConnectionPool):
