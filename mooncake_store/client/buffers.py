@@ -45,11 +45,20 @@ def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
         raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
     if tensor.dim() > MAX_DIMS:
         raise InvalidValue(f"torch tensor has {tensor.dim()} dimensions; the limit is {MAX_DIMS}")
+    if tensor.is_conj() or tensor.is_neg():
+        # Its memory holds other numbers than it shows (torch resolves the bit lazily). torch's own
+        # error advised resolve_conj().numpy(), a copy: get_into would fill that, not the tensor.
+        bit, resolve = ("conjugate", "resolve_conj") if tensor.is_conj() else ("negative", "resolve_neg")
+        raise InvalidValue(
+            f"torch tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} is a lazy {bit} view: its "
+            f"memory holds other numbers than it shows; store tensor.{resolve}(), and get_into a tensor "
+            "without that bit"
+        )
     if tensor.dtype == torch.bfloat16:
         return tensor.detach().view(torch.int16).numpy(), BFLOAT16
     try:
         array = tensor.detach().numpy()
-    except (TypeError, RuntimeError) as exc:  # float8, a lazy conjugate view, ...: no numpy layout
+    except (TypeError, RuntimeError) as exc:  # float8, ...: no numpy layout
         raise InvalidValue(
             f"torch tensor of dtype {tensor.dtype} has no numpy form to store or fill ({exc}); "
             "supported: bool, int, uint, float16/32/64, bfloat16 and complex tensors"
