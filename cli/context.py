@@ -9,13 +9,14 @@ The cluster is found, first match wins: ``--redis-url`` (on the command or befor
 from __future__ import annotations
 
 import errno
+import io
 import json
 import math
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, BinaryIO
 
 import typer
 from mooncake_cli.exits import CliError, ExitCode
@@ -33,6 +34,42 @@ def quiet_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+#: What the refusal of a closed stdout says.
+_STDOUT_CLOSED = (
+    "stdout is closed (the command started with descriptor 1 closed, as `>&-` does): its output has "
+    "nowhere to go; leave stdout open, or give -o FILE where the command takes one"
+)
+
+
+class ClosedStdout(io.TextIOBase):
+    """``sys.stdout`` for a command started with descriptor 1 closed: Python makes it None, and
+    rich then wrote every line nowhere (an `ls` exited 0 with its listing lost) while `get` failed
+    with an AttributeError. Writing to it is a usage error that says so."""
+
+    def write(self, text: str) -> int:
+        raise CliError(_STDOUT_CLOSED, ExitCode.USAGE)
+
+    @property
+    def buffer(self) -> BinaryIO:
+        raise CliError(_STDOUT_CLOSED, ExitCode.USAGE)
+
+    def isatty(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        """Nothing was written: the interpreter's flush at exit has nothing to do."""
+
+
+def stdout_closed() -> bool:
+    return isinstance(sys.stdout, ClosedStdout)
+
+
+def require_stdout() -> None:
+    """Refuse now, before any work, a command whose output is for stdout when it is closed."""
+    if stdout_closed():
+        raise CliError(_STDOUT_CLOSED, ExitCode.USAGE)
 
 
 class _Console(Console):
@@ -57,6 +94,9 @@ err = _Console(stderr=True, soft_wrap=True, emoji=False)
 #: soft-wrapping console at the terminal's width, which hid the totals' last counters (evicted,
 #: corrupt, short) in 80 columns; this one wraps them.
 live_out = _Console(soft_wrap=False, emoji=False)
+#: For listings into a pipe or a file (`ls | ...`): rich lays them out in 80 columns there and cut
+#: what did not fit; in this width a row of the longest key (1024 bytes) stays whole on its line.
+wide_out = _Console(soft_wrap=True, emoji=False, width=1 << 16)
 
 
 def _given_url(value: str | None) -> str | None:

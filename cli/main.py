@@ -15,7 +15,7 @@ import redis
 import typer
 from mooncake_cli.commands import agent as agent_cmd
 from mooncake_cli.commands import bench, cluster, config, data, demo, doctor, stat
-from mooncake_cli.context import Globals, NamespaceOpt, RedisUrlOpt, err, out, quiet_stdout
+from mooncake_cli.context import ClosedStdout, Globals, NamespaceOpt, RedisUrlOpt, err, out, quiet_stdout
 from mooncake_cli.exits import EXIT_CODE_HELP, CliError, ExitCode, code_for
 from rich.markup import escape
 
@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     command = typer.main.get_command(app)
     stdout_was_null = _stdout_is_null_device()
+    if sys.stdout is None:  # descriptor 1 closed (`>&-`)
+        sys.stdout = ClosedStdout()
     try:
         rc = command.main(args=args, prog_name="mooncake", standalone_mode=False)
         code = rc if isinstance(rc, int) else 0

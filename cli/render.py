@@ -1,4 +1,5 @@
-"""Tables for people: the cluster view shared by `stat`, `stat --watch` and the `up` live view."""
+"""Tables for people: the cluster view shared by `stat`, `stat --watch` and the `up` live view,
+and the key listing of `ls`."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def use_percent(used: int, capacity: int) -> Text:
 
 
 #: How narrow (characters) a name column may fold where the table is too wide for the output.
-FOLD_MIN_WIDTH = {"node": 8, "zone": 8, "endpoint": 15, "via": 7}
+FOLD_MIN_WIDTH = {"node": 8, "zone": 8, "endpoint": 15, "via": 7, "key": 16, "dtype": 8}
 
 
 def _name_column(table: Table, name: str, values: list[str], *, fold: bool) -> None:
@@ -299,6 +300,36 @@ def cluster_view(stats: ClusterStats, *, header: Text | None = None) -> Group:
         parts.append(Text("no agents registered: start one with `mooncake agent` or `mooncake up`", "yellow"))
     parts.append(totals_line(stats))
     return Group(*parts)
+
+
+#: One row of `ls`: key, size, dtype and shape, tiers, nodes, age.
+KeyRow = tuple[str, str, str, str, str, str]
+_KEY_COLUMNS = ("key", "size", "dtype", "tier", "node", "age")
+_KEY_NAMES = frozenset({"key", "dtype", "node"})  # the rest are figures and tier names: never cut
+
+
+def keys_table(rows: list[KeyRow], *, fold: bool = False) -> Table:
+    table = Table(header_style="bold", box=None, pad_edge=False)
+    for i, name in enumerate(_KEY_COLUMNS):
+        if name in _KEY_NAMES:
+            _name_column(table, name, [row[i] for row in rows], fold=fold)
+        else:
+            table.add_column(name, justify="right" if name in ("size", "age") else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))  # a key is text, never markup ("a[/b]")
+    return table
+
+
+def keys_lines(rows: list[KeyRow], width: int) -> Text:
+    return Text("\n").join(
+        _pairs(Text(row[0], "bold"), list(zip(_KEY_COLUMNS[1:], row[1:], strict=True)), width) for row in rows
+    )
+
+
+def keys_view(rows: list[KeyRow]) -> _Fitted:
+    """The listing, nothing cut short: keys and node ids fold onto further lines where a terminal
+    is too narrow (rich cut them with "…", and a key read back from the listing did not exist)."""
+    return _Fitted(lambda fold: keys_table(rows, fold=fold), lambda width: keys_lines(rows, width))
 
 
 def stats_json(stats: ClusterStats, *, redis_url: str, namespace: str) -> dict[str, Any]:

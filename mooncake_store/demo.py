@@ -28,6 +28,12 @@ HF_MISSING = (
 )
 
 
+#: The longest document the demo takes: its cache (8 KiB a token on the default model) fills
+#: 8 GiB per copy, and its prefill on a CPU takes hours. Past a bound, a typo's length (1e11)
+#: failed in torch's allocator, after the model was built, without naming the option.
+MAX_DOC_TOKENS = 1 << 20
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DemoModel:
     """The demo's model: a Llama-style decoder, random weights from ``seed``."""
@@ -137,7 +143,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
     """``prog``: the command line the usage and errors name (`mooncake demo` from the CLI)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     positive = _int_from(1)
-    p.add_argument("--doc-tokens", type=positive, default=6000, help="document length in tokens (default 6000)")
+    p.add_argument(
+        "--doc-tokens",
+        type=_int_from(1, MAX_DOC_TOKENS),
+        default=6000,
+        help=f"document length in tokens (default 6000, at most {MAX_DOC_TOKENS})",
+    )
     # PrefixCache's bound: refused only once the model was built and the cluster up (~13 s) before.
     from mooncake_store.client.prefix import MAX_CHUNK_TOKENS
 

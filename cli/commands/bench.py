@@ -33,7 +33,16 @@ from mooncake_cli.commands.bench_measure import (
     slots_for,
 )
 from mooncake_cli.commands.bench_report import as_json, progress_display, render
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, out, resolve_target, seconds_between
+from mooncake_cli.context import (
+    JsonOpt,
+    NamespaceOpt,
+    RedisUrlOpt,
+    err,
+    open_client,
+    out,
+    resolve_target,
+    seconds_between,
+)
 from mooncake_cli.exits import CliError, ExitCode
 
 from mooncake_store import connect
@@ -94,9 +103,13 @@ def bench(
     target = resolve_target(ctx, redis_url, namespace)
     res = Results(prefix=f"bench/{uuid.uuid4().hex}/", seconds=seconds)
     with ExitStack() as stack:
-        # Ctrl-C as Python raises it, and remembered for the loops (bench_measure.Interrupt).
-        stack.callback(signal.signal, signal.SIGINT, signal.signal(signal.SIGINT, INTERRUPT))
-        base = stack.enter_context(connect(target.redis_url, namespace=target.namespace))
+        # Ctrl-C as Python raises it, and remembered for the loops (bench_measure.Interrupt); a
+        # `kill` or a closed terminal alike, as `up` and `demo` take them: they left the run's
+        # objects in the cluster, taking its room.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            stack.callback(signal.signal, signum, signal.signal(signum, INTERRUPT))
+        # open_client: a recorded cluster whose server died gets the advice that applies to it.
+        base = stack.enter_context(open_client(target))
         agents, room, largest = room_bytes(base)
         if agents == 0:
             raise CliError("no live agents in the cluster: start some with `mooncake up` or `mooncake agent`")

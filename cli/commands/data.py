@@ -14,13 +14,22 @@ from typing import Annotated, BinaryIO
 
 import numpy as np
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, err, open_client, out, quiet_stdout, resolve_target
+from mooncake_cli.context import (
+    JsonOpt,
+    NamespaceOpt,
+    RedisUrlOpt,
+    err,
+    open_client,
+    out,
+    quiet_stdout,
+    require_stdout,
+    resolve_target,
+    wide_out,
+)
 from mooncake_cli.exits import CliError, ExitCode
-from mooncake_cli.render import age
+from mooncake_cli.render import age, keys_view
 from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-from rich.table import Table
-from rich.text import Text
 
 from mooncake_store import Client, InvalidValue, NoCapacity
 from mooncake_store.client.gets import uncounted
@@ -62,6 +71,8 @@ def _source(path: str) -> Iterator[_RegularFile | BinaryIO]:
     file is read, not mapped: a mapped file truncated by another process during the put killed
     the command with SIGBUS, and its reservation then blocked other puts until it timed out."""
     if path == "-":
+        if sys.stdin is None:  # descriptor 0 closed (`<&-`): Python makes it None
+            raise CliError("stdin is closed (started with `<&-`): nothing to read; give FILE", ExitCode.USAGE)
         yield sys.stdin.buffer
         return
     if not path:  # Path("") is ".": "': is a directory", naming nothing (an empty $VAR)
@@ -216,6 +227,8 @@ def get(
     if not output:  # Path("") is ".": "': is a directory", naming nothing (an empty $VAR)
         raise CliError("the output path is empty: give a file's path, or - for stdout", ExitCode.USAGE)
     dest = None if output == "-" else Path(output)
+    if dest is None:
+        require_stdout()  # before the object is fetched
     if dest is not None and dest.is_dir():
         raise CliError(f"{output}: is a directory, expected a file path", ExitCode.USAGE)
     with open_client(target) as client:
@@ -318,19 +331,19 @@ def ls(
     if not listing:
         err.print(f"[dim]no keys match {escape(repr(pattern))} in namespace {target.namespace}[/dim]")
         return
-    table = Table(header_style="bold", box=None, pad_edge=False)
-    for name, justify in (("key", "left"), ("size", "right"), ("dtype", "left"), ("tier", "left"),
-                          ("node", "left"), ("age", "right")):  # fmt: skip
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for k in listing:
-        table.add_row(
-            Text(k.key),  # a key is text, never markup: "a[/b]" broke the whole listing
+    rows = [
+        (
+            k.key,
             format_size(k.size_bytes),
             _dtype_name(k.dtype) + (str(list(k.shape)) if len(k.shape) != 1 else ""),
             ",".join(sorted({str(r.tier) for r in k.replicas})),
             ",".join(r.node_id for r in k.replicas),
             age(max(0, now_ms - k.created_ms) / 1000),
         )
-    out.print(table)
+        for k in listing
+    ]
+    # Into a pipe or a file, each key's row whole on its line, however long (a script reads the
+    # keys back); on a terminal, folded to its width.
+    (out if out.is_terminal else wide_out).print(keys_view(rows))
     suffix = f" (limit {limit} reached: more keys match)" if cut else ""
     err.print(f"[dim]{len(listing)} key(s){suffix}[/dim]")

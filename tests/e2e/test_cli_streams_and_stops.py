@@ -1,0 +1,136 @@
+"""The CLI with a standard stream closed, `ls` into a pipe and a narrow terminal, `bench` stopped by
+a signal or facing a recorded cluster whose server died, and a `demo` document past its bound.
+
+- `get` with stdout closed (`>&-`) and `put KEY -` with stdin closed (`<&-`) failed with
+  "internal error: AttributeError: 'NoneType' object has no attribute 'buffer'"; `ls` with stdout
+  closed lost its listing and exited 0. Each is now a usage error (2) that says the stream is closed.
+- `ls` cut long keys and node ids with "…", into a pipe too (80 columns there): a key read back
+  from the listing did not exist. Into a pipe each row is whole; a narrow terminal folds them.
+- `bench` stopped by SIGTERM or SIGHUP left its objects under bench/<uuid>/ (it handled SIGINT
+  alone), and facing a dead recorded server it advised `mooncake up`, which is then refused.
+- `demo --doc-tokens 99999999999` failed in torch's allocator after the model was built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import time
+
+import pytest
+from helpers import mooncake_bin
+
+from .conftest import HOST_MEM, Mooncake, assert_one_line_error, make_mooncake
+
+LONG_KEY = "long/" + "x" * 150 + "/end"
+
+
+def _with_closed(cli: Mooncake, fd: int, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """Run the CLI with descriptor ``fd`` closed, as the shell's `>&-` / `<&-` do."""
+    return subprocess.run(
+        [mooncake_bin(), *args],
+        env=cli.env,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL if fd != 0 else None,
+        stdout=subprocess.PIPE if fd != 1 else None,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(fd),
+    )
+
+
+def test_a_closed_stdout_or_stdin_is_a_usage_error_that_says_so(cluster_cli: Mooncake) -> None:
+    cluster_cli.ok("put", "closed/k", "-", stdin=b"hello")
+    for args in (("get", "closed/k"), ("ls",), ("ls", "--json"), ("stat",)):
+        assert_one_line_error(_with_closed(cluster_cli, 1, *args), 2, "stdout is closed")
+    # Output to a file needs no stdout.
+    result = _with_closed(cluster_cli, 1, "get", "closed/k", "-o", os.devnull)
+    assert result.returncode == 0, result.stderr
+    assert_one_line_error(_with_closed(cluster_cli, 0, "put", "closed/k2", "-"), 2, "stdin is closed")
+    assert cluster_cli("get", "closed/k2").returncode == 3  # nothing was stored
+
+
+def test_ls_prints_whole_keys_into_a_pipe_and_folds_them_on_a_narrow_terminal(cluster_cli: Mooncake) -> None:
+    cluster_cli.ok("put", LONG_KEY, "-", stdin=b"abc")
+    piped = cluster_cli.ok("ls", "long/*", env={"COLUMNS": "30"}).stdout.decode()
+    assert LONG_KEY in piped.split() and "…" not in piped, piped
+    assert "agent-" in piped
+
+    # On a terminal 30 columns wide: folded onto further lines, nothing cut.
+    main, sub = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [mooncake_bin(), "ls", "long/*"],
+            env={**cluster_cli.env, "COLUMNS": "30"},
+            stdin=subprocess.DEVNULL,
+            stdout=sub,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(sub)
+        shown = b""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the terminal's other side closed
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert proc.wait(timeout=30) == 0
+    finally:
+        os.close(main)
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", shown.decode()).splitlines()  # bold stays under NO_COLOR
+    assert all(len(line) <= 30 for line in lines), lines
+    assert "…" not in shown.decode()
+    assert LONG_KEY in "".join(line.strip() for line in lines), lines
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_bench_stopped_by_a_signal_removes_its_keys(cluster_cli: Mooncake, sig: signal.Signals) -> None:
+    proc = subprocess.Popen(
+        [mooncake_bin(), "bench", "--seconds", "2", "--transport", "tcp"],
+        env=cluster_cli.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not json.loads(cluster_cli.ok("ls", "bench/*", "--json").stdout or b"[]"):
+            assert time.monotonic() < deadline, "bench wrote no keys within 60 s"
+            assert proc.poll() is None, f"bench ended ({proc.returncode}) before it wrote keys"
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    left = json.loads(cluster_cli.ok("ls", "bench/*", "--json").stdout or b"[]")
+    assert left == [], f"{len(left)} bench keys left after {sig.name}, e.g. {left[0]['key']}"
+
+
+def test_bench_facing_a_dead_recorded_server_says_to_run_down_first(tmp_path_factory: pytest.TempPathFactory) -> None:
+    cli = make_mooncake(tmp_path_factory.mktemp("dead-server"))
+    cli.ok("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM)
+    try:
+        for server in cli.state()["servers"]:
+            os.kill(server["pid"], signal.SIGKILL)
+        assert_one_line_error(cli("bench", "--seconds", "0.05"), 4, "mooncake down")
+    finally:
+        cli("down", "--timeout", "5")
+
+
+def test_demo_refuses_a_document_past_its_bound_before_building_anything(mooncake: Mooncake) -> None:
+    result = mooncake("demo", "--doc-tokens", "99999999999", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert b"99999999999 is more than 1048576" in result.stderr
