@@ -229,8 +229,6 @@ class EmbeddedServer:
                     port = _free_port(self.host) if pick_port else self._requested_port
                     if self._launch(port, last_attempt=attempt == attempts):
                         break
-                if self._exit_with_parent:
-                    self._start_watchdog()
             except BaseException:
                 self._cleanup(timeout_s=2.0)
                 raise
@@ -238,11 +236,14 @@ class EmbeddedServer:
             return self
 
     def _start_watchdog(self) -> None:
+        """Started right after the server's Popen, before the wait for its answer: a launcher killed
+        with SIGKILL during that wait (up to startup_timeout_s) left the server and its temp dir
+        behind for good when the watchdog came only after it."""
         started = start_time(self.pid)
         if started is None:
-            if not self.running:
-                raise ServerError(f"{self.binary} (pid {self.pid}) exited right after it started")
-            return  # no /proc to tell the server from a process reusing its pid: nothing can guard it
+            # Exited already (the wait for its answer reports why), or no /proc to tell the server
+            # from a process reusing its pid: nothing the watchdog could guard.
+            return
         self._watchdog = subprocess.Popen(
             [
                 *watchdog_command(),
@@ -282,6 +283,8 @@ class EmbeddedServer:
         if self._log_file_given is None:
             # A fresh log per attempt, so an "address in use" from a previous try is not read again.
             self.log_file.unlink(missing_ok=True)
+        # A failed attempt's watchdog guards a server that is gone: one per attempt, never two.
+        self._stop_watchdog(timeout_s=2.0)
         self._output = output_path.open("wb")
         # Own session: a Ctrl-C in the terminal reaches only us, and we decide when it stops.
         self._proc = subprocess.Popen(
@@ -293,6 +296,8 @@ class EmbeddedServer:
         )
         self.pid = self._proc.pid
         self.port = port
+        if self._exit_with_parent:
+            self._start_watchdog()
         deadline = time.monotonic() + self.startup_timeout_s
         # No retries: redis-py's default for a client made this way retries a timed-out call ten
         # times, and the server's exit (a port in use) went unseen for 25 s behind one such call.
@@ -358,14 +363,17 @@ class EmbeddedServer:
             _LIVE.discard(self)
 
     def _cleanup(self, *, timeout_s: float) -> None:
-        watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None:  # first: it must not be left watching a server we stop ourselves
-            _stop_process(watchdog, timeout_s=timeout_s)
+        self._stop_watchdog(timeout_s=timeout_s)  # first: it must not be left watching a server we stop
         self._terminate(timeout_s=timeout_s)
         if self.temp_dir is not None:
             # Only our own temp dir: a persist_dir belongs to the caller and must survive.
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
+
+    def _stop_watchdog(self, *, timeout_s: float) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            _stop_process(watchdog, timeout_s=timeout_s)
 
     def _terminate(self, *, timeout_s: float) -> None:
         if self._proc is not None:
