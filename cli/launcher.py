@@ -16,7 +16,7 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,15 @@ from mooncake_cli.procs import (
     wait_for_line,
     wait_for_match,
 )
-from mooncake_cli.state import AgentRecord, ClusterState, clear_state, state_dir
+from mooncake_cli.state import (
+    AgentRecord,
+    ClusterState,
+    StartingRecord,
+    clear_starting,
+    clear_state,
+    save_starting,
+    state_dir,
+)
 
 from mooncake_store.config import format_size, redact_url
 from mooncake_store.tiers.host import SHM_DIR, segment_pattern
@@ -104,7 +112,7 @@ def signals_deferred() -> Iterator[None]:
             signal.raise_signal(arrived[0])  # to the handler that was there before
 
 
-def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
+def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState, save_progress: Callable[[], None]) -> str:
     out, log = logs / "server.out", logs / "server.log"
     log.write_bytes(b"")
     # runpy warns that the package imported the module it is about to run (mooncake_store imports
@@ -114,6 +122,7 @@ def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
     with signals_deferred():
         proc = spawn_detached(cmd, stdout=out, stderr=log)
         state.servers.append(ref_of(proc.pid))
+        save_progress()
     line = wait_for_line(proc, out, "redis://", plan.timeout_s)
     if line is None:
         raise CliError(f"the embedded Redis server {_not_up(proc, log, plan.timeout_s)}", _code_of(proc))
@@ -121,8 +130,10 @@ def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState) -> str:
     # the server even if the wrapper was killed outright.
     found = wait_for_match(proc, log, _SERVER_PID_RE, 2.0)
     if found:
-        state.servers.append(ref_of(int(found.group(1))))
-        state.server_dir = found.group(2) or ""
+        with signals_deferred():
+            state.servers.append(ref_of(int(found.group(1))))
+            state.server_dir = found.group(2) or ""
+            save_progress()
     return line.strip()
 
 
@@ -164,7 +175,7 @@ def _agent_env(redis_url: str, namespace: str) -> dict[str, str]:
     return env
 
 
-def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState) -> None:
+def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState, save_progress: Callable[[], None]) -> None:
     env = _agent_env(state.redis_url, plan.namespace)
     started: list[tuple[str, subprocess.Popen[bytes], Path, Path]] = []
     # Start all, then wait for all: agents come up in parallel.
@@ -188,6 +199,7 @@ def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState) -> None:
                     endpoint="",
                 )
             )
+            save_progress()
         started.append((node_id, proc, out, log))
     for record, (node_id, proc, out, log) in zip(state.agents, started, strict=True):
         line = wait_for_line(proc, out, "READY ", plan.timeout_s)
@@ -199,7 +211,13 @@ def _start_agents(plan: LaunchPlan, logs: Path, state: ClusterState) -> None:
 
 
 def launch(plan: LaunchPlan, owner: ProcRef | None = None) -> ClusterState:
-    """Start the processes of ``plan``; on any failure stop what was started and raise."""
+    """Start the processes of ``plan``; on any failure stop what was started and raise.
+
+    After each spawn what was started so far is written to the state directory's starting record
+    (cluster-starting.json), with this process's own ref: a `mooncake up` killed outright half way
+    (SIGKILL runs no cleanup) left its server and agents running with no record, out of `mooncake
+    down`'s reach. The caller removes the record once the cluster is recorded (a failed start
+    removes it here, once undone)."""
     logs = state_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True, mode=0o700)
     state = ClusterState(
@@ -209,10 +227,11 @@ def launch(plan: LaunchPlan, owner: ProcRef | None = None) -> ClusterState:
         owner=owner,
         log_dir=str(logs),
     )
+    starting = StartingRecord(up=ref_of(os.getpid()), cluster=state)
     try:
         if plan.redis_url is None:
-            state.redis_url = _start_server(plan, logs, state)
-        _start_agents(plan, logs, state)
+            state.redis_url = _start_server(plan, logs, state, lambda: save_starting(starting))
+        _start_agents(plan, logs, state, lambda: save_starting(starting))
     except BaseException:
         stop_uninterrupted(state)
         raise
@@ -222,14 +241,32 @@ def launch(plan: LaunchPlan, owner: ProcRef | None = None) -> ClusterState:
 def stop_uninterrupted(state: ClusterState) -> StopReport:
     """Stop what a failed start started, with SIGINT, SIGTERM and SIGHUP deferred until it is done:
     a second Ctrl-C during the cleanup cut it short, and what it had not stopped yet (the embedded
-    server, say) ran on unrecorded, out of `mooncake down`'s reach."""
+    server, say) ran on unrecorded, out of `mooncake down`'s reach. The starting record goes last,
+    once nothing it names runs."""
     with signals_deferred():
-        return stop(state, timeout_s=5.0, own=True)
+        report = stop(state, timeout_s=5.0, own=True)
+        clear_starting()
+        return report
 
 
 def stop(state: ClusterState, *, timeout_s: float, own: bool = False) -> StopReport:
     """Stop every recorded process (agents, then servers), remove leftover segments and the state
     file. ``own``: this process is the cluster's owner (it must not wait for itself)."""
+    report = _stop_processes(state, timeout_s=timeout_s, own=own)
+    clear_state()
+    return report
+
+
+def stop_abandoned(starting: StartingRecord, *, timeout_s: float) -> StopReport:
+    """Stop what a `mooncake up` that is gone without finishing its start had started (by
+    recorded PID and start time, as for a recorded cluster), remove its segments and server temp
+    dir, then its starting record. cluster.json is left alone: it is not this start's."""
+    report = _stop_processes(starting.cluster, timeout_s=timeout_s, own=False)
+    clear_starting()
+    return report
+
+
+def _stop_processes(state: ClusterState, *, timeout_s: float, own: bool) -> StopReport:
     report = StopReport()
     owner = state.owner
     # Counted before anything is signalled: a foreground owner stops its agents and server itself,
@@ -248,7 +285,6 @@ def stop(state: ClusterState, *, timeout_s: float, own: bool = False) -> StopRep
     report.stopped += len(running)
     if state.server_dir:
         _remove_server_dir(Path(state.server_dir))  # a wrapper killed outright left it
-    clear_state()
     return report
 
 

@@ -3,6 +3,11 @@ it with no flags and `mooncake down` stops exactly what was started.
 
 Lives in ``$MOONCAKE_STATE_DIR`` (default ``~/.local/state/mooncake``, the XDG state directory) as
 ``cluster.json``, written atomically (temp file + rename) and readable only by its owner.
+
+While `mooncake up` starts its processes, ``cluster-starting.json`` (written the same way) names
+what it has started so far and the `up` process itself, rewritten after each spawn and removed once
+``cluster.json`` is written or the failed start is undone. An `up` killed outright (SIGKILL) half
+way leaves it behind: `mooncake down`, and the next `up`, stop what it names.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from mooncake_cli.procs import ProcRef, alive
 
 STATE_DIR_ENV = "MOONCAKE_STATE_DIR"
 STATE_FILE = "cluster.json"
+STARTING_FILE = "cluster-starting.json"
 STATE_VERSION = 1
 
 
@@ -34,6 +40,10 @@ def state_dir() -> Path:
 
 def state_path() -> Path:
     return state_dir() / STATE_FILE
+
+
+def starting_path() -> Path:
+    return state_dir() / STARTING_FILE
 
 
 @dataclass(slots=True, kw_only=True)
@@ -128,8 +138,28 @@ def current_boot_id() -> str:
         return ""
 
 
-def load_state() -> ClusterState | None:
-    path = state_path()
+@dataclass(slots=True, kw_only=True)
+class StartingRecord:
+    """What a `mooncake up` has started so far (``cluster``), and that `up` process (``up``): while
+    ``up`` runs it is still starting; once it is gone (SIGKILL runs no cleanup) nothing else will
+    stop what it started, unless this record is read."""
+
+    up: ProcRef
+    cluster: ClusterState
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.cluster.to_dict(), "up": self.up.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StartingRecord:
+        cluster = ClusterState.from_dict(data)
+        up = ProcRef.from_dict(data["up"])
+        if cluster.boot_id and cluster.boot_id != current_boot_id():
+            up = ProcRef(pid=0, start_ticks=0)  # recorded before a reboot, as from_dict's processes
+        return cls(up=up, cluster=cluster)
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
     try:
         raw = path.read_text()
     except FileNotFoundError:
@@ -140,15 +170,18 @@ def load_state() -> ClusterState | None:
         data = json.loads(raw)
         if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
             raise ValueError(f"version {data.get('version') if isinstance(data, dict) else '?'}")
-        return ClusterState.from_dict(data)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CliError(
-            f"the state file {path} is damaged ({exc}); stop its processes by hand and delete it", ExitCode.ERROR
-        ) from None
+        return data
+    except ValueError as exc:
+        raise _damaged(path, exc) from None
 
 
-def save_state(state: ClusterState) -> Path:
-    path = state_path()
+def _damaged(path: Path, exc: Exception) -> CliError:
+    return CliError(
+        f"the state file {path} is damaged ({exc}); stop its processes by hand and delete it", ExitCode.ERROR
+    )
+
+
+def _write_private(path: Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     # mkstemp: a new file (O_EXCL) of mode 0600 under a name no one can guess. A name from the pid
     # alone, opened with O_TRUNC, followed a link another user had put there in a shared state
@@ -158,7 +191,7 @@ def save_state(state: ClusterState) -> Path:
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(state.to_dict(), fh, indent=2)
+            json.dump(data, fh, indent=2)
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -166,6 +199,41 @@ def save_state(state: ClusterState) -> Path:
     return path
 
 
+def load_state() -> ClusterState | None:
+    path = state_path()
+    data = _read_record(path)
+    if data is None:
+        return None
+    try:
+        return ClusterState.from_dict(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _damaged(path, exc) from None
+
+
+def save_state(state: ClusterState) -> Path:
+    return _write_private(state_path(), state.to_dict())
+
+
 def clear_state() -> None:
     with contextlib.suppress(FileNotFoundError):
         state_path().unlink()
+
+
+def load_starting() -> StartingRecord | None:
+    path = starting_path()
+    data = _read_record(path)
+    if data is None:
+        return None
+    try:
+        return StartingRecord.from_dict(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _damaged(path, exc) from None
+
+
+def save_starting(record: StartingRecord) -> Path:
+    return _write_private(starting_path(), record.to_dict())
+
+
+def clear_starting() -> None:
+    with contextlib.suppress(FileNotFoundError):
+        starting_path().unlink()

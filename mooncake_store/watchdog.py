@@ -10,7 +10,9 @@ that only polls. It checks once every POLL_S:
 
 - this process's parent is no longer ``--parent`` (the launcher died and we were re-parented):
   SIGTERM the child if it still runs, SIGKILL it after STOP_GRACE_S, remove ``--remove-dir`` (the
-  server's private temp dir), exit;
+  server's private temp dir), exit. The child was started in a session of its own, so it leads a
+  process group whose id is its pid: while it does, the signals go to that whole group, and what a
+  wrapper script started beside the server (or ran it as) goes with it; else to the child alone;
 - the child has ended (or its pid now names another process: ``--child-start`` is its start time,
   field 22 of /proc/PID/stat): with no ``--remove-dir``, nothing left to guard, exit. With one, the
   watch goes on for the launcher alone: a server that died (a crash, the OOM killer) before its
@@ -69,12 +71,18 @@ def start_time(pid: int) -> int | None:
 
 
 def stop_child(child: int, child_start: int) -> None:
-    """SIGTERM, then SIGKILL after STOP_GRACE_S; only while ``child`` is still the process we watch."""
+    """SIGTERM, then SIGKILL after STOP_GRACE_S; only while ``child`` is still the process we watch
+    (its start time, so a reused pid is never signalled). While the child leads its process group
+    (group id == its pid) the whole group is signalled: a wrapper script's own children went on
+    running when only its pid was."""
     for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
         if start_time(child) != child_start:
             return
         try:
-            os.kill(child, sig)
+            if os.getpgid(child) == child:
+                os.killpg(child, sig)
+            else:
+                os.kill(child, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait_s

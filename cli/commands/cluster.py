@@ -28,7 +28,18 @@ from mooncake_cli.context import (
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive, ref_of
 from mooncake_cli.render import cluster_view
-from mooncake_cli.state import ClusterState, clear_state, load_state, save_state, state_dir, state_path
+from mooncake_cli.state import (
+    ClusterState,
+    StartingRecord,
+    clear_starting,
+    clear_state,
+    load_starting,
+    load_state,
+    save_state,
+    starting_path,
+    state_dir,
+    state_path,
+)
 from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
@@ -126,9 +137,34 @@ def _wait_for_starting_up(limit_s: float) -> ClusterState | None:
     return load_state()
 
 
+def _abandoned_start() -> StartingRecord | None:
+    """The starting record of a `mooncake up` that is gone without finishing its start (killed
+    outright: SIGKILL runs no cleanup), whose processes nothing else would stop; None when there is
+    none, or when the `up` that writes it still runs (it is starting, not abandoned)."""
+    starting = load_starting()
+    if starting is None or alive(starting.up):
+        return None
+    return starting
+
+
+def _stop_abandoned_start(timeout_s: float) -> launcher.StopReport | None:
+    """Stop what an abandoned start (_abandoned_start) left, if there is one, and say so."""
+    starting = _abandoned_start()
+    if starting is None:
+        return None
+    report = launcher.stop_abandoned(starting, timeout_s=timeout_s)
+    killed = f" ({report.killed} killed after {timeout_s:g} s)" if report.killed else ""
+    err.print(
+        f"stopped {report.stopped} process(es){killed} left by a `mooncake up` (pid {starting.up.pid}) that ended "
+        f"while starting, removed {len(report.segments)} shared-memory segment(s) and {starting_path()}"
+    )
+    return report
+
+
 def _refuse_if_running() -> None:
     state = load_state()
     if state is None:
+        _stop_abandoned_start(timeout_s=10.0)
         return
     if not state.all_procs():
         # `up --agents 0 --redis-url URL` records a cluster of no processes of its own: nothing of
@@ -158,6 +194,9 @@ def _refuse_if_running() -> None:
     report = launcher.stop(state, timeout_s=1.0)
     if report.segments:
         err.print(f"[dim]removed {len(report.segments)} stale shared-memory segment(s)[/dim]")
+    # Only now: an `up` killed between writing cluster.json and removing its starting record left
+    # both, naming the same processes, and while that cluster ran they were not to be stopped here.
+    _stop_abandoned_start(timeout_s=10.0)
 
 
 def up(
@@ -267,6 +306,7 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
                 # disk, a signal, ...), then the error is reported.
                 launcher.stop_uninterrupted(state)
                 raise
+            clear_starting()  # recorded in cluster.json now
         except _Stop:
             raise CliError(
                 "stopped by a signal while starting; everything it started was stopped", ExitCode.ERROR
@@ -302,6 +342,7 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
     try:
         state = launcher.launch(plan, owner=owner)
         save_state(state)
+        clear_starting()  # recorded in cluster.json now
         _print_started(state, as_json=as_json)
         if as_json or not out.is_terminal:
             # With --json stdout holds the one JSON document, and the tables would follow it there;
@@ -318,6 +359,7 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
             signal.signal(signum, signal.SIG_IGN)
         if state is not None:
             report = launcher.stop(state, timeout_s=10.0, own=True)
+            clear_starting()  # still there if cluster.json could not be written
             err.print(
                 f"stopped {report.stopped} process(es)"
                 + (f" ({report.killed} killed)" if report.killed else "")
@@ -391,7 +433,8 @@ def down(
     """Stop the cluster that `mooncake up` recorded.
 
     SIGTERM its processes by PID (detached or foreground), SIGKILL those still running after --timeout,
-    then remove leftover shared-memory segments and the state file.
+    then remove leftover shared-memory segments and the state file. What an `up` killed while it
+    started had started (named in cluster-starting.json) is stopped the same way.
     """
     state = load_state()
     if state is None and _up_starting():
@@ -406,7 +449,19 @@ def down(
                 ExitCode.ERROR,
             )
     if state is None:
-        err.print(f"no cluster recorded in {state_path()}; nothing to stop")
+        # An `up` killed outright while starting recorded no cluster, but left its starting record
+        # (the `up` is gone: it no longer holds the lock, so no wait above).
+        abandoned = _abandoned_start()
+        if abandoned is None:
+            err.print(f"no cluster recorded in {state_path()}; nothing to stop")
+            return
+        report = launcher.stop_abandoned(abandoned, timeout_s=timeout)
+        killed = f" ({report.killed} killed after {timeout:g} s)" if report.killed else ""
+        out.print(
+            f"[green]✓[/green] stopped {report.stopped} process(es){killed} that a `mooncake up` "
+            f"(pid {abandoned.up.pid}) started before it ended without recording a cluster, removed "
+            f"{len(report.segments)} shared-memory segment(s) and {starting_path()}"
+        )
         return
     report = launcher.stop(state, timeout_s=timeout)
     clear_state()
@@ -415,3 +470,6 @@ def down(
         f"[green]✓[/green] stopped {report.stopped} process(es){killed}, "
         f"removed {len(report.segments)} shared-memory segment(s) and {state_path()}"
     )
+    # An `up` killed between writing cluster.json and removing its starting record left both,
+    # naming the same processes (stopped by now); the record goes too.
+    _stop_abandoned_start(timeout_s=timeout)

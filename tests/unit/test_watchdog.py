@@ -4,7 +4,9 @@ and never a process whose pid merely matches (a different start time)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 from mooncake_store import watchdog
@@ -75,3 +77,49 @@ def test_start_time_of_a_zombie_or_a_missing_pid_is_none() -> None:
     child.wait(timeout=10)
     assert watchdog.start_time(child.pid) is None
     assert watchdog.start_time(os.getpid()) is not None
+
+
+def test_a_gone_parent_means_the_childs_whole_process_group_is_stopped(tmp_path: Path) -> None:
+    """The child leads a process group of its own (as the embedded server does): a wrapper script
+    that started the server as its child, not by exec. Only the wrapper's pid was signalled, and
+    what it had started ran on."""
+    inner_file = tmp_path / "inner.pid"
+    child = subprocess.Popen(["sh", "-c", f"sleep 600 & echo $! > {inner_file}; wait"], start_new_session=True)
+    inner, inner_start = 0, None
+    try:
+        deadline = time.monotonic() + 10
+        while not (inner_file.exists() and inner_file.read_text().endswith("\n")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        inner = int(inner_file.read_text())
+        inner_start = watchdog.start_time(inner)
+        started = watchdog.start_time(child.pid)
+        assert started is not None and inner_start is not None
+        got = run_watchdog("--parent", "1", "--child", str(child.pid), "--child-start", str(started))
+        assert got.returncode == 0, got.stderr
+        assert child.wait(timeout=10) != 0
+        deadline = time.monotonic() + 10
+        while watchdog.start_time(inner) == inner_start and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert watchdog.start_time(inner) != inner_start, f"the child's own child (pid {inner}) outlived it"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+        if inner_start is not None and watchdog.start_time(inner) == inner_start:
+            os.kill(inner, signal.SIGKILL)
+
+
+def test_a_child_that_leads_no_group_is_signalled_alone(tmp_path: Path) -> None:
+    """A child in this process's group (no session of its own): the watchdog signals its pid, never
+    the group it shares with others (this test among them)."""
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        started = watchdog.start_time(child.pid)
+        assert started is not None and os.getpgid(child.pid) != child.pid
+        got = run_watchdog("--parent", "1", "--child", str(child.pid), "--child-start", str(started))
+        assert got.returncode == 0, got.stderr
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
