@@ -413,7 +413,7 @@ class EmbeddedServer:
                 loading = answered == self._proc.pid and _still_loading(client)
                 if answered == self._proc.pid and not loading:
                     break
-                if answered > 0 and _started_by(answered, self._proc.pid):
+                if answered > 0 and answered != self._proc.pid and _started_by(answered, self._proc.pid):
                     # Waiting out the timeout for an answer from our pid would never end well.
                     self._terminate(timeout_s=2.0)
                     raise ServerError(
