@@ -19,6 +19,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -357,9 +358,9 @@ class DiskTier:
             raise InvalidValue(f"no disk allocation {alloc_id}")
         path = self.path_of(alloc_id)
         try:
-            blob = path.read_bytes()
+            blob = self._read_file(path, entry.stored_bytes)
         except OSError as exc:
-            if exc.errno in FILE_LOST_ERRNOS:
+            if exc.errno in FILE_LOST_ERRNOS or exc.errno == errno.ELOOP:  # ELOOP: a link in its place
                 raise CorruptChunk(f"{path}: cannot read: {exc.strerror}") from None
             # The process, not the file: out of descriptors under load (EMFILE, ENFILE), memory,
             # an interrupted call, permissions changed under the agent. Taken for damage, the
@@ -377,6 +378,27 @@ class DiskTier:
                 f"{path}: header says {raw} B with checksum {checksum:016x}, but {entry.raw_bytes} B with "
                 f"checksum {entry.checksum:016x} were stored"
             )
+        return blob
+
+    @staticmethod
+    def _read_file(path: Path, length: int) -> bytes:
+        """The ``length`` bytes of the chunk file at ``path``, else CorruptChunk for what is no such
+        file (the agent writes only regular files of the length it records). Read whole before,
+        a file grown on disk (a misdirected write appended, `truncate -s`) was held at its full
+        length past the agents' read budget, a FIFO in its place blocked the READ for good, and a
+        link was followed to anything."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != length:
+                what = "no regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} B"
+                raise CorruptChunk(f"{path}: is {what}, but a file of {length} B was stored")
+            with os.fdopen(fd, "rb", closefd=False) as file:
+                blob = file.read(length)
+        finally:
+            os.close(fd)
+        if len(blob) != length:  # shrunk between the fstat and the read
+            raise CorruptChunk(f"{path}: held {len(blob)} B, but a file of {length} B was stored")
         return blob
 
     def _store(

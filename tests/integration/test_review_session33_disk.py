@@ -16,6 +16,7 @@ import pytest
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
 from mooncake_store.errors import MooncakeError
+from mooncake_store.tiers.disk import DiskTier
 from mooncake_store.types import TierKind
 
 KiB = 1 << 10
@@ -60,16 +61,16 @@ def test_a_file_that_cannot_be_opened_for_a_moment_does_not_lose_the_object(
         alloc_id = on_disk(agent, client, "kv", value)
         assert agent.disk is not None
         path = agent.disk.path_of(alloc_id)
-        real_read_bytes = Path.read_bytes
+        real_read_file = DiskTier._read_file
         faults = [1]
 
-        def out_of_descriptors(self: Path) -> bytes:
-            if self == path and faults:
+        def out_of_descriptors(at: Path, length: int) -> bytes:
+            if at == path and faults:
                 faults.pop()
-                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(self))
-            return real_read_bytes(self)
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(at))
+            return real_read_file(at, length)
 
-        monkeypatch.setattr(Path, "read_bytes", out_of_descriptors)
+        monkeypatch.setattr(DiskTier, "_read_file", staticmethod(out_of_descriptors))
         try:
             first = client.get("kv")  # the agent answers that it cannot read it; the client asks again
             assert first.tobytes() == value.tobytes()
@@ -77,7 +78,7 @@ def test_a_file_that_cannot_be_opened_for_a_moment_does_not_lose_the_object(
             print("first read:", repr(exc)[:300])  # or the read fails: no wrong bytes either way
         assert not faults, "the fault was never met"
         # The file is intact and nobody removed the object: the next read must serve it.
-        assert path.exists() and real_read_bytes(path)
+        assert path.exists() and path.read_bytes()
         got = client.get("kv")
         assert got.tobytes() == value.tobytes()
     finally:
