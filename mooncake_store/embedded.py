@@ -34,7 +34,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from mooncake_store.errors import PortInUse, ServerError
-from mooncake_store.watchdog import start_time, watch_parent
+from mooncake_store.watchdog import group_members, start_time, watch_parent
 
 #: The wrapper's exit status for a port in use, as an agent's for a --listen port in use.
 USAGE_EXIT = 2
@@ -138,7 +138,7 @@ _LIVE: set[EmbeddedServer] = set()
 @atexit.register
 def _stop_all() -> None:
     for server in list(_LIVE):
-        server.stop(timeout_s=2.0)
+        server.stop(timeout_s=2.0)  # a no-op in a forked child: the parent's server is the parent's
 
 
 def _still_loading(client: redis.Redis) -> bool:
@@ -161,26 +161,16 @@ def _exited(proc: subprocess.Popen[bytes]) -> bool:
         return True
 
 
-def _group_members(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` that still run (zombies are done), from /proc; [] where
-    there is no /proc to read."""
-    members = []
-    for stat_path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_path.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat_path.parent.name))
-    return members
-
-
 def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
     """Signal the process group ``proc`` leads (it was started in a session of its own, so a
     wrapper script's children are in it too), only while that group is ours: its leader is not
     reaped yet and the group's id is still its pid; else ``proc`` alone."""
+    # Reaped, here or by other code (os.wait, SIGCHLD ignored), or no child of this process (a
+    # forked copy of its Popen): _exited then sets returncode. The pid, and the group id, may be
+    # another's by now.
+    _exited(proc)
     if proc.returncode is not None:
-        return  # reaped: the pid, and the group id, may be another's by now
+        return
     try:
         if os.getpgid(proc.pid) == proc.pid:
             os.killpg(proc.pid, signum)
@@ -220,9 +210,9 @@ def _stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
             break
         _signal_group(proc, signum)
         deadline = time.monotonic() + timeout_s
-        while not (_exited(proc) and not _group_members(proc.pid)) and time.monotonic() < deadline:
+        while not (_exited(proc) and not group_members(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _exited(proc) and not _group_members(proc.pid):
+        if _exited(proc) and not group_members(proc.pid):
             break
     proc.wait(timeout=timeout_s)
 
@@ -273,6 +263,8 @@ class EmbeddedServer:
         self._lock = threading.Lock()
         self._exit_with_parent = exit_with_parent
         self._watchdog: subprocess.Popen[bytes] | None = None
+        #: The process that started the server, which alone stops it at exit (_stop_all).
+        self.owner_pid = 0
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -311,6 +303,7 @@ class EmbeddedServer:
             except BaseException:
                 self._cleanup(timeout_s=2.0)
                 raise
+            self.owner_pid = os.getpid()
             _LIVE.add(self)
             return self
 
@@ -451,7 +444,12 @@ class EmbeddedServer:
         return redis.Redis.from_url(self.url, **kwargs)  # type: ignore[arg-type]
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout_s``; removes the temp dir. Safe to call twice."""
+        """SIGTERM, then SIGKILL after ``timeout_s``; removes the temp dir. Safe to call twice.
+        Only in the process that started the server: in a forked child (a worker whose exit ran
+        its copy's stop, by a ``finally`` or at exit) it does nothing, since that stopped the
+        parent's server, or removed its temp dir from under it."""
+        if self.owner_pid and self.owner_pid != os.getpid():
+            return
         with self._lock:
             self._cleanup(timeout_s=timeout_s)
             _LIVE.discard(self)

@@ -26,6 +26,7 @@ the launcher sends when it stops the server itself, ends the watch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 POLL_S = 1.0
 STOP_GRACE_S = 5.0
@@ -70,23 +72,43 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])  # field 22 of the whole line: the comm and pid come before ")"
 
 
+def group_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (zombies are done), from /proc; [] where
+    there is no /proc to read."""
+    members = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat_path.parent.name))
+    return members
+
+
 def stop_child(child: int, child_start: int) -> None:
     """SIGTERM, then SIGKILL after STOP_GRACE_S; only while ``child`` is still the process we watch
     (its start time, so a reused pid is never signalled). While the child leads its process group
-    (group id == its pid) the whole group is signalled: a wrapper script's own children went on
-    running when only its pid was."""
-    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
-        if start_time(child) != child_start:
-            return
-        try:
-            if os.getpgid(child) == child:
+    (group id == its pid) the whole group is signalled, until none of it runs: a wrapper script's
+    own children went on running when only its pid was, and a member that ignores SIGTERM once
+    its leader had exited. A group's id names no other process while any member of it runs."""
+    if start_time(child) != child_start:
+        return
+    try:
+        leads = os.getpgid(child) == child
+    except ProcessLookupError:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if leads and group_members(child):
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(child, sig)
-            else:
+        elif not leads and start_time(child) == child_start:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(child, sig)
-        except ProcessLookupError:
+        else:
             return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and start_time(child) == child_start:
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and (group_members(child) if leads else start_time(child) == child_start):
             time.sleep(0.05)
 
 
