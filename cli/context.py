@@ -45,11 +45,13 @@ _STDOUT_CLOSED = (
 
 class ClosedStdout(io.TextIOBase):
     """``sys.stdout`` for a command started with descriptor 1 closed: Python makes it None, and
-    rich then wrote every line nowhere (an `ls` exited 0 with its listing lost) while `get` failed
-    with an AttributeError. Writing to it is a usage error that says so."""
+    rich then wrote every line nowhere. What only tells what was done (`down`'s summary, an
+    agent's banner) is dropped as before; a command whose stdout is its output (`get` without -o,
+    `ls`, `stat`, ...) refuses up front (require_stdout), not after the work (an `ls` exited 0
+    with its listing lost, and `get` failed with an AttributeError)."""
 
     def write(self, text: str) -> int:
-        raise CliError(_STDOUT_CLOSED, ExitCode.USAGE)
+        return len(text)
 
     @property
     def buffer(self) -> BinaryIO:
@@ -59,7 +61,7 @@ class ClosedStdout(io.TextIOBase):
         return False
 
     def flush(self) -> None:
-        """Nothing was written: the interpreter's flush at exit has nothing to do."""
+        """Nothing is kept: nothing to flush."""
 
 
 def stdout_closed() -> bool:

@@ -40,6 +40,7 @@ from mooncake_cli.context import (
     err,
     open_client,
     out,
+    require_stdout,
     resolve_target,
     seconds_between,
 )
@@ -98,6 +99,7 @@ def bench(
     objects. Each cell is bounded by --seconds and an iteration count. Keys are written under
     bench/<uuid>/ and all removed at the end, also after an error or Ctrl-C.
     """
+    require_stdout()
     size_list = parse_sizes(sizes)
     transports = ["shm", "tcp"] if transport == Transport.BOTH else [str(transport)]
     target = resolve_target(ctx, redis_url, namespace)

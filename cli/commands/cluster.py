@@ -23,7 +23,6 @@ from mooncake_cli.context import (
     live_out,
     out,
     seconds_between,
-    stdout_closed,
 )
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive, ref_of
@@ -320,8 +319,6 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
 
 
 def _print_started(state: ClusterState, *, as_json: bool) -> None:
-    if stdout_closed():  # the cluster is up and recorded: no error for a summary nobody reads
-        return
     if as_json:
         out.print_json_document({**state.to_dict(), "redis_url": redact_url(state.redis_url)})
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, explain_here, out
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, explain_here, out, require_stdout
 from mooncake_cli.state import load_state, state_path
 from rich.table import Table
 from rich.text import Text
@@ -51,6 +51,7 @@ def config(
     ~/.config/mooncake/config.toml), MOONCAKE_* variables, flags. A value that fails its check is
     an error here too, naming the layer. Agents started by `mooncake up` take their own flags on
     top of this (see `mooncake up --help`). The password of a URL is never shown."""
+    require_stdout()
     loaded, sources = explain_here(ctx, redis_url, namespace)
     values = _flat(loaded.as_dict())
     file = config_file_path()

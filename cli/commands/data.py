@@ -305,6 +305,7 @@ def ls(
     namespace: NamespaceOpt = None,
 ) -> None:
     """List keys with size, dtype, tier, node and age (sorted by key)."""
+    require_stdout()
     target = resolve_target(ctx, redis_url, namespace)
     with open_client(target) as client:
         # One more than shown: whether the limit cut the listing short, not merely met it.

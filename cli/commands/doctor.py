@@ -19,6 +19,7 @@ from mooncake_cli.context import (
     out,
     quiet_stdout,
     recorded_cluster_advice,
+    require_stdout,
     resolve_target,
 )
 from mooncake_cli.exits import CliError, ExitCode, code_for
@@ -218,6 +219,7 @@ def doctor(
     pyverbs, GPUs via cupy). Exits 2 for a bad Redis URL (a database the server lacks included), 4 when
     Redis cannot be reached, 1 when another check fails, 0 otherwise (warnings included).
     """
+    require_stdout()
     checks: list[Check] = []
     failed: ExitCode | None = ExitCode.CANNOT_CONNECT
     try:

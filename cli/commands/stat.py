@@ -14,6 +14,7 @@ from mooncake_cli.context import (
     live_out,
     open_client,
     out,
+    require_stdout,
     resolve_target,
     seconds_between,
 )
@@ -43,6 +44,7 @@ def stat(
     if interval is not None and not watch:  # it was taken and ignored: `stat --interval 5` printed once
         raise typer.BadParameter("applies to --watch only: add --watch (-w)", param_hint="'--interval'")
     interval = 1.0 if interval is None else interval
+    require_stdout()
     target = resolve_target(ctx, redis_url, namespace)
     with open_client(target) as client:
         header = Text.assemble(("index ", "dim"), target.shown_url, ("  namespace ", "dim"), target.namespace)

@@ -54,6 +54,43 @@ def test_a_closed_stdout_or_stdin_is_a_usage_error_that_says_so(cluster_cli: Moo
     assert cluster_cli("get", "closed/k2").returncode == 3  # nothing was stored
 
 
+def test_commands_whose_output_only_tells_what_was_done_work_with_stdout_closed(
+    cluster_cli: Mooncake, mooncake: Mooncake
+) -> None:
+    """An agent's banner and `down`'s summary are no output anyone needs: with stdout closed the
+    agent serves (it exited 2 right after it started) and `down` stops the cluster with 0."""
+    redis_url = cluster_cli.state()["redis_url"]
+    agent = subprocess.Popen(
+        [mooncake_bin(), "agent", "--redis-url", redis_url, "--host-mem", "32MiB", "--node-id", "closed-stdout"],
+        env={**cluster_cli.env, "MOONCAKE_NAMESPACE": cluster_cli.state()["namespace"]},
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: os.close(1),
+    )
+    try:
+
+        def joined() -> bool:
+            nodes = json.loads(cluster_cli.ok("stat", "--json").stdout)["nodes"]
+            return any(n["node_id"] == "closed-stdout" and n["alive"] for n in nodes)
+
+        deadline = time.monotonic() + 60
+        while not joined():
+            assert agent.poll() is None, f"the agent exited {agent.returncode}"
+            assert time.monotonic() < deadline, "the agent never joined"
+            time.sleep(0.2)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+
+    mooncake.ok("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM)
+    try:
+        result = _with_closed(mooncake, 1, "down")
+        assert result.returncode == 0, result.stderr
+        assert not (mooncake.state_dir / "cluster.json").exists()
+    finally:
+        mooncake("down", "--timeout", "5")
+
+
 def test_ls_prints_whole_keys_into_a_pipe_and_folds_them_on_a_narrow_terminal(cluster_cli: Mooncake) -> None:
     cluster_cli.ok("put", LONG_KEY, "-", stdin=b"abc")
     piped = cluster_cli.ok("ls", "long/*", env={"COLUMNS": "30"}).stdout.decode()
