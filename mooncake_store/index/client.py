@@ -223,8 +223,10 @@ class RedisIndex(NodeTableCalls, PressureCalls):
             except redis.exceptions.BusyLoadingError as exc:
                 # redis-py makes it a ConnectionError, but the connection is fine and the reply was
                 # read whole: the server restarted and is loading its persisted data, which a retry
-                # at once would find too. It said "lost the connection".
-                self._keep_conn(conn)
+                # at once would find too. It said "lost the connection". (None: the pool's own
+                # handshake met it, and the pool took its connection back.)
+                if conn is not None:
+                    self._keep_conn(conn)
                 raise ConnectError(
                     f"Redis at {self.where} is loading its data (it restarted) and answers no {name} until it "
                     f"has: {exc}"
@@ -284,8 +286,14 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     self._script_conns.pop().disconnect()
 
     def _drop_kept_conns(self) -> None:
-        kept, self._script_conns = self._script_conns, []
-        for conn in kept:
+        """Each kept connection is taken off the list before it is closed: a call of another
+        thread pops them from it too, and one taken by both was closed under that call and handed
+        to the pool while it ran."""
+        while True:
+            try:
+                conn = self._script_conns.pop()
+            except IndexError:
+                return
             self._drop_conn(conn)
 
     def _drop_conn(self, conn: Any) -> None:
