@@ -96,9 +96,11 @@ class DiskTier:
             raise ConfigError(f"cannot create the disk tier directory {self.root}: {exc.strerror or exc}") from None
         try:
             self._check_room(self.root, capacity_bytes)
+            self._lock_fd = claim_dir(self.root)
         except MooncakeError:
-            # A start refused for its capacity left an empty directory (no lock file in it), which
-            # no later sweep of abandoned tiers would remove: what this made goes.
+            # A start refused for its capacity, or whose lock file could not be written (a full
+            # filesystem), left an empty directory (no lock file in it), which no later sweep of
+            # abandoned tiers would remove: what this made goes.
             for directory in made:  # deepest first
                 with contextlib.suppress(OSError):
                     directory.rmdir()
@@ -123,7 +125,6 @@ class DiskTier:
         self._stuck_tried = 0.0
         self._lock = threading.Lock()
         self._local = threading.local()  # zstd contexts are not thread-safe; one per thread
-        self._lock_fd = claim_dir(self.root)
         self._clear_leftovers()
 
     @staticmethod

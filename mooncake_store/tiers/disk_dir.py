@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from mooncake_store.errors import ConfigError, MooncakeError
+from mooncake_store.errors import ConfigError, MooncakeError, NoCapacity
 
 SUFFIX = ".mcz"
 #: Held (flock) by the tier that owns the directory. Its name and its content (LOCK_MAGIC) are
@@ -49,7 +49,7 @@ def claim_dir(root: Path) -> int:
         except FileNotFoundError:
             new = _create_locked(root, lock_path)
             if new is not None:
-                return _marked(new, lock_path)
+                return _marked(new, lock_path, created=True)
             moves += 1
             continue
         except OSError as exc:
@@ -148,14 +148,23 @@ def _being_swept(fd: int) -> bool:
     return False
 
 
-def _marked(fd: int, lock_path: Path) -> int:
+def _marked(fd: int, lock_path: Path, *, created: bool = False) -> int:
     """The locked descriptor of a tier's lock file, its content made LOCK_MAGIC (what a sweep
-    asks of a directory before it removes anything)."""
+    asks of a directory before it removes anything). One this claim ``created`` and could not
+    mark goes: left empty, no sweep took its directory for a tier's, and it stayed for good."""
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, LOCK_MAGIC, 0)
     except OSError as exc:
+        if created:
+            lock_path.unlink(missing_ok=True)  # still locked by us: no other claim holds it
         os.close(fd)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoCapacity(
+                f"cannot write the disk tier's lock file {lock_path}: {exc.strerror} (the filesystem "
+                "of --disk has no room left; free some, or give another directory)",
+                permanent=True,
+            ) from None
         raise MooncakeError(f"cannot write the disk tier's lock file {lock_path}: {exc}") from None
     return fd
 

@@ -1,0 +1,46 @@
+"""An agent whose --disk is on a filesystem with no free block left cannot write its disk tier's
+lock file (ENOSPC). It exited 1 ("any other failure") where no room for a tier is 5, and left
+the directory it had made holding an empty lock file, which no later agent's sweep of abandoned
+tiers removes (an empty lock file is no tier's): with the default node id (host-pid) each such
+start left one more. Needs root to mount a small tmpfs; skipped, saying so, otherwise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs, which needs root")
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        with open(mount / "other-programs-data", "wb") as junk:
+            for _ in range(1024):  # bounded: 64 MiB at most, the filesystem takes 8
+                try:
+                    junk.write(b"\0" * 65536)
+                    junk.flush()
+                except OSError:
+                    break
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_an_agent_on_a_full_filesystem_exits_5_and_leaves_nothing(redis_url: str, full_tmpfs: Path) -> None:
+    command = [sys.executable, "-m", "mooncake_store.agent", "--redis-url", redis_url, "--namespace", "full-fs"]
+    command += ["--host-mem", "4MiB", "--disk", str(full_tmpfs / "tiers"), "--disk-mem", "4KiB", "--no-prefault"]
+    refused = subprocess.run([*command, "--node-id", "full-1"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 5, refused.stderr[-500:]
+    assert "no room left" in refused.stderr and "lock file" in refused.stderr, refused.stderr[-500:]
+    assert sorted(p.name for p in full_tmpfs.iterdir()) == ["other-programs-data"]
