@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import os
 import shutil
 import signal
@@ -34,7 +33,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from mooncake_store.errors import PortInUse, ServerError
-from mooncake_store.watchdog import group_members, start_time, watch_parent
+from mooncake_store.server_procs import exited, started_by, stop_process
+from mooncake_store.watchdog import start_time, watch_parent
 
 #: The wrapper's exit status for a port in use, as an agent's for a --listen port in use.
 USAGE_EXIT = 2
@@ -147,74 +147,6 @@ def _still_loading(client: redis.Redis) -> bool:
         return str(client.info("persistence").get("loading", "0")) != "0"
     except redis.RedisError:
         return True  # asked again at the next poll, until the deadline
-
-
-def _exited(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether a process we started has ended, without reaping it: while it is a zombie its pid,
-    and so the id of the process group it leads, cannot be given to another process."""
-    if proc.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped elsewhere (os.wait in the caller's code)
-        proc.poll()
-        return True
-
-
-def _signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
-    """Signal the process group ``proc`` leads (it was started in a session of its own, so a
-    wrapper script's children are in it too), only while that group is ours: its leader is not
-    reaped yet and the group's id is still its pid; else ``proc`` alone."""
-    # Reaped, here or by other code (os.wait, SIGCHLD ignored), or no child of this process (a
-    # forked copy of its Popen): _exited then sets returncode. The pid, and the group id, may be
-    # another's by now.
-    _exited(proc)
-    if proc.returncode is not None:
-        return
-    try:
-        if os.getpgid(proc.pid) == proc.pid:
-            os.killpg(proc.pid, signum)
-            return
-    except ProcessLookupError:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signum)
-
-
-def _started_by(pid: int, leader: int) -> bool:
-    """Whether ``pid`` is in the process group ``leader`` leads, or descends from ``leader``."""
-    try:
-        if os.getpgid(pid) == leader:
-            return True
-    except OSError:
-        return False
-    seen = 0
-    while pid > 1 and seen < 64:  # up the parents, a bounded walk
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            return False
-        if pid == leader:
-            return True
-        seen += 1
-    return False
-
-
-def _stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
-    """SIGTERM the process group of one process we started, SIGKILL after ``timeout_s`` what of it
-    still runs; then reap it. A wrapper script that ran the server without exec was the only one
-    signalled before, and the server it started ran on. The leader is reaped only once its group
-    is done, so its group id names no one else's processes meanwhile."""
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        if proc.returncode is not None:
-            break
-        _signal_group(proc, signum)
-        deadline = time.monotonic() + timeout_s
-        while not (_exited(proc) and not group_members(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if _exited(proc) and not group_members(proc.pid):
-            break
-    proc.wait(timeout=timeout_s)
 
 
 class EmbeddedServer:
@@ -378,7 +310,7 @@ class EmbeddedServer:
         )
         try:
             while True:
-                if _exited(self._proc):
+                if exited(self._proc):
                     log = "\n".join(t for t in (_tail(self.log_file), _tail(output_path)) if t)
                     self._terminate(timeout_s=2.0)  # what a wrapper that exited left in its group, if anything
                     in_use = "in use" in log.lower()
@@ -406,7 +338,7 @@ class EmbeddedServer:
                 loading = answered == self._proc.pid and _still_loading(client)
                 if answered == self._proc.pid and not loading:
                     break
-                if answered > 0 and answered != self._proc.pid and _started_by(answered, self._proc.pid):
+                if answered > 0 and answered != self._proc.pid and started_by(answered, self._proc.pid):
                     # Waiting out the timeout for an answer from our pid would never end well.
                     self._terminate(timeout_s=2.0)
                     raise ServerError(
@@ -435,7 +367,7 @@ class EmbeddedServer:
     @property
     def running(self) -> bool:
         # Not reaped here: stop() signals the server's process group only while its leader is ours.
-        return self._proc is not None and not _exited(self._proc)
+        return self._proc is not None and not exited(self._proc)
 
     def client(self, **kwargs: object) -> redis.Redis:
         """A redis-py client for this server (the caller closes it)."""
@@ -465,15 +397,15 @@ class EmbeddedServer:
     def _stop_watchdog(self, *, timeout_s: float) -> None:
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
-            _stop_process(watchdog, timeout_s=timeout_s)
+            stop_process(watchdog, timeout_s=timeout_s)
 
     def _terminate(self, *, timeout_s: float) -> None:
         if self._proc is not None:
-            _stop_process(self._proc, timeout_s=timeout_s)  # by PID: never servers we did not start
+            stop_process(self._proc, timeout_s=timeout_s)  # by PID: never servers we did not start
         self._reap()
 
     def _reap(self) -> None:
-        if self._proc is not None and not _exited(self._proc):
+        if self._proc is not None and not exited(self._proc):
             return
         if self._proc is not None:
             self._proc.wait()  # collect the zombie so os.kill(pid, 0) then fails

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_store import embedded
+from mooncake_store import server_procs
 from mooncake_store.embedded import find_server_binary
 
 FORKING = textwrap.dedent(
@@ -62,9 +62,9 @@ def test_stopping_a_server_reaped_elsewhere_signals_no_group(monkeypatch: pytest
     os.kill(proc.pid, signal.SIGKILL)
     os.waitpid(proc.pid, 0)
     signalled: list[tuple[int, int]] = []
-    monkeypatch.setattr(embedded.os, "getpgid", lambda pid: pid)
-    monkeypatch.setattr(embedded.os, "killpg", lambda pgid, sig: signalled.append((pgid, sig)))
-    embedded._stop_process(proc, timeout_s=0.5)
+    monkeypatch.setattr(server_procs.os, "getpgid", lambda pid: pid)
+    monkeypatch.setattr(server_procs.os, "killpg", lambda pgid, sig: signalled.append((pgid, sig)))
+    server_procs.stop_process(proc, timeout_s=0.5)
     assert signalled == [], f"signalled a group that is not ours: {signalled}"
 
 

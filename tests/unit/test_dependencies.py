@@ -14,7 +14,9 @@ ALLOWED: dict[str, set[str]] = {
     "types": {"errors"},
     "errors": set(),
     "config": {"errors", "types"},
-    "embedded": {"errors", "config", "watchdog"},
+    "embedded": {"errors", "config", "watchdog", "server_procs"},
+    # How the embedded server's processes are stopped (a process group of its own).
+    "server_procs": {"watchdog"},
     # Run by path as its own process: the standard library only.
     "watchdog": set(),
     "policy": {"errors", "types"},
