@@ -154,7 +154,7 @@ class Placer:
         disk = self.agent.disk
         if tier != TierKind.HOST or disk is None or state.demote_failed or state.tried_tight_disk:
             return otherwise
-        if disk.free_bytes < disk.block_bytes:
+        if disk.room() < disk.block_bytes:  # none while its writes fail (DiskTier.room)
             return otherwise
         state.tried_tight_disk = True
         done = self.moves.demote_to_disk(job.victim, job.offset)
@@ -168,7 +168,8 @@ class Placer:
         its high watermark (a demotion from the GPU must not put the host tier under pressure)."""
         agent = self.agent
         if lower == TierKind.DISK and agent.disk is not None:
-            return agent.disk.free_bytes  # less the room promised to peers' files on the wire
+            # Less the room promised to peers' files on the wire; none while its writes fail.
+            return agent.disk.room()
         if lower == TierKind.HOST:
             used, _, _, _ = agent.table.usage()
             return max(0, int(agent.config.high_watermark * agent.table.capacity_bytes) - used)

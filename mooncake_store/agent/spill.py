@@ -20,7 +20,9 @@ DESIGN.md §3.4 wants a single move:
 
 A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
 batch under way (none of it swapped, not even what the peer acked before it broke) and the batches
-not sent are handed back, to be placed elsewhere (pressure.py decides where).
+not sent are handed back, to be placed elsewhere (pressure.py decides where). So is a peer that
+refuses WRITEs it reserved room for (a disk that fails its writes: tiers/disk.py): the jobs it
+refused and the batches not sent are handed back; what it took is swapped.
 
 A peer on this host (same host id, shm among its transports) gets a host batch by memcpy into its
 shared arena instead of WRITEs (``agent.spill_shm``; DESIGN.md §4: shm before tcp), under the
@@ -183,9 +185,21 @@ class Spiller:
                     result.refused = True
                     result.unsent = [job for rest in batches[i:] for job in rest]
                     break
-                if reserved.left:  # the peer took part of it: it is at its mark now
+                # The peer took part of it: it is at its mark now (``left``), or it refused WRITEs
+                # it had reserved room for (its disk full or failing, a file it found damaged, a
+                # reservation gone). Those are not swapped (their room there is expired) and stay
+                # here: placed again, elsewhere, else evicted, with the batches not sent, and the
+                # peer is asked nothing more in this pass. Counted neither moved nor unsent, they
+                # were sent to the same peer at every pass, and the node never got under its mark.
+                refused = [job for job, ok in zip(reserved.batch, written, strict=True) if not ok]
+                if refused or reserved.left:
+                    if refused:
+                        log.info(
+                            "spill to %s: %d of %d object(s) refused at their writes; placing them elsewhere",
+                            peer_node.node_id, len(refused), len(reserved.batch),
+                        )  # fmt: skip
                     result.refused = True
-                    result.unsent = reserved.left + [job for rest in batches[i + 1 :] for job in rest]
+                    result.unsent = refused + reserved.left + [job for rest in batches[i + 1 :] for job in rest]
                     break
         finally:
             if ahead is not None:

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 #: How often (s) files that could not be removed are tried again, on the next remove().
 STUCK_RETRY_S = 5.0
+#: How long (s) after a chunk file could not be written (ENOSPC, EIO, a filesystem gone read-only,
+#: the directory removed) the tier offers no room (room(): peers' spills, this agent's demotions).
+WRITE_FAILURE_HOLD_S = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +126,8 @@ class DiskTier:
         #: not be), by id: they stay in _used, and whoever takes one off this dict counts it off.
         self._stuck: dict[int, int] = {}
         self._stuck_tried = 0.0
+        #: Until then (monotonic s) the tier offers no room: a file could not be written (room()).
+        self._failing_until = 0.0
         self._lock = threading.Lock()
         self._local = threading.local()  # zstd contexts are not thread-safe; one per thread
         self._clear_leftovers()
@@ -216,11 +221,29 @@ class DiskTier:
 
     def room(self, *, ceiling_bytes: int | None = None) -> int:
         """Free room, no more than takes the use, promises included, up to ``ceiling_bytes``: what
-        promise() grants."""
+        promise() grants, and what a demotion here is planned into; 0 for WRITE_FAILURE_HOLD_S after
+        a file could not be written (_store)."""
         with self._lock:
             return self._room(ceiling_bytes)
 
+    @property
+    def failing(self) -> bool:
+        """A file could not be written within the last WRITE_FAILURE_HOLD_S: no room is offered."""
+        return time.monotonic() < self._failing_until
+
     def _room(self, ceiling_bytes: int | None) -> int:
+        # The capacity (--disk-mem) is room the filesystem may not deliver: it fills with other
+        # programs' data (ENOSPC long before the capacity), goes read-only, fails (EIO), or loses
+        # the directory. Offered anyway, every pressure pass of every peer sent this tier the
+        # same files again, each refused at its WRITE. After a failed write the room is held at
+        # none for a while: RESERVEs of peers' spills are refused (the sender places the files
+        # elsewhere, as for a peer at its mark) and this agent's own victims are not planned into
+        # the disk. The accounting (free_bytes, used_bytes, what the node table publishes) is not
+        # touched: it is what the files take, which this agent's pressure and its operators read.
+        # Capping the room at the filesystem's free space (statvfs) would cover a full filesystem
+        # only, not a read-only or failing one, nor a directory gone; the hold covers them all.
+        if self.failing:
+            return 0
         free = self.free_bytes
         if ceiling_bytes is not None:
             free = min(free, max(0, ceiling_bytes - self._used - self._promised))
@@ -445,6 +468,7 @@ class DiskTier:
                 # (its drop found nothing to drop), and a sender does not write one twice.
                 self._storing.discard(alloc_id)
             if isinstance(exc, OSError):
+                self._write_failed(exc)
                 raise MooncakeError(f"cannot write {path}: {exc}") from None
             raise
         entry = DiskEntry(
@@ -456,6 +480,18 @@ class DiskTier:
             self._stored += len(blob)
             self._raw += raw_bytes
         return entry
+
+    def _write_failed(self, exc: OSError) -> None:
+        """Offer no room for WRITE_FAILURE_HOLD_S (_room): said once per hold, not per file."""
+        now = time.monotonic()
+        with self._lock:
+            held = now < self._failing_until
+            self._failing_until = now + WRITE_FAILURE_HOLD_S
+        if not held:
+            log.warning(
+                "cannot write chunk files under %s (%s): offering no disk room for %.0f s",
+                self.root, exc.strerror or exc, WRITE_FAILURE_HOLD_S,
+            )  # fmt: skip
 
     def read_into(self, alloc_id: int, dest: memoryview) -> int:
         blob = self.read_blob(alloc_id)  # its header checked against what was stored

@@ -246,7 +246,9 @@ def test_a_large_object_whose_reservation_went_stays_put_and_is_logged_once(
 ) -> None:
     """A host object of three pieces whose reservation timed out on the peer before its WRITEs: every
     piece comes back refused, the object is not swapped and stays on its node byte-exact, and the
-    spiller says "reservation gone" once for it, not once per piece (it said so three times)."""
+    spiller says "reservation gone" once for it, not once per piece (it said so three times). It
+    comes back unsent, with the peer refused for the pass (a WRITE the peer refused: placed
+    elsewhere, else evicted; test_disk_peer_write_failures.py)."""
     from mooncake_store.agent.spill import PIECE_BYTES, Spiller, SpillJob
 
     size = 2 * PIECE_BYTES + 12345  # three pieces
@@ -273,7 +275,8 @@ def test_a_large_object_whose_reservation_went_stays_put_and_is_logged_once(
             result = spiller.spill(a.index.nodes()[b.node_id], [SpillJob(victim=victim, offset=location[0])])
     finally:
         spiller.close()
-    assert not result.moved and not result.refused and result.error is None
+    assert not result.moved and result.refused and result.error is None
+    assert [job.victim.key for job in result.unsent] == ["gone/0"], result
     gone = [r.getMessage() for r in caplog.records if "reservation gone" in r.getMessage()]
     assert gone == [f"spill of gone/0 to {b.server.endpoint}: reservation gone"], gone
     assert [r.node_id for r in client.object_meta("gone/0").replicas] == [a.node_id]  # type: ignore[union-attr]

@@ -7,6 +7,7 @@ import fcntl
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, NoCapacity
+from mooncake_store.tiers import disk as disk_module
 from mooncake_store.tiers import disk_dir
 from mooncake_store.tiers.chunk_format import (
     FLAG_SHUFFLED,
@@ -485,6 +487,30 @@ def test_a_write_that_fails_gives_its_room_back_even_when_its_temp_file_cannot_b
     tmp.rmdir()
     tier.write(7, memoryview(np.zeros(1000, np.uint8)))  # the id is not left "being written"
     assert tier.objects == 1
+    tier.close()
+
+
+def test_a_tier_whose_write_failed_offers_no_room_for_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its room was its capacity whatever the filesystem could take: a disk full of other data
+    (ENOSPC), gone read-only or failing was still offered to peers' spills, which it refused file
+    by file at their WRITEs, pass after pass. After a failed write it offers none (room(), what a
+    promise grants and a demotion is planned into) for WRITE_FAILURE_HOLD_S; its accounting is
+    untouched, and a write asked for anyway is still tried."""
+    monkeypatch.setattr(disk_module, "WRITE_FAILURE_HOLD_S", 0.5)
+    tier = DiskTier(tmp_path / "t", 1 << 20)
+    tmp = tier.path_of(7).with_suffix(".tmp")
+    tmp.mkdir(parents=True)
+    with pytest.raises(MooncakeError, match="cannot write"):
+        tier.write(7, memoryview(np.zeros(1000, np.uint8)))
+    assert tier.failing and tier.room() == 0 and tier.room(ceiling_bytes=1 << 20) == 0
+    assert not tier.promise({9: tier.block_bytes})
+    assert tier.free_bytes == tier.capacity_bytes and tier.used_bytes == 0
+    tmp.rmdir()
+    tier.write(8, memoryview(np.zeros(1000, np.uint8)))
+    deadline = time.monotonic() + 10
+    while tier.failing and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tier.room() == tier.free_bytes > 0 and tier.promise({9: tier.block_bytes})
     tier.close()
 
 
