@@ -19,6 +19,7 @@ from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.read_budget import READ_BUDGET_WAIT_S, OtherTierCopy, ReadBudget
 from mooncake_store.errors import MooncakeError, ProtocolError
 from mooncake_store.tiers.chunk_format import HEADER as DISK_HEADER
+from mooncake_store.tiers.chunk_format import ChunkUnreadable
 from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import (
@@ -218,7 +219,14 @@ class AgentOps:
         # share it have gone: bounded across connections (agent/read_budget.py).
         waited_until = min(self._by(started, length), started + READ_BUDGET_WAIT_S)
         make = functools.partial(self._copy_other_tier, alloc_id)
-        with self._read_budget.shared(alloc_id, extent[1], deadline=waited_until, make=make) as held:
+        with contextlib.ExitStack() as stack:
+            try:
+                held = stack.enter_context(
+                    self._read_budget.shared(alloc_id, extent[1], deadline=waited_until, make=make)
+                )
+            except ChunkUnreadable:  # kept, not readable now: the reader is told so, not that it is gone
+                self._reply(conn, Op.READ, Status.STALE, frames.STALE_UNREADABLE)
+                return True
             if held.busy:
                 budget = self._read_budget
                 log.warning(
@@ -251,6 +259,8 @@ class AgentOps:
     def _copy_other_tier(self, alloc_id: int) -> OtherTierCopy | None:
         try:
             return self._hooks.read_other_tier(alloc_id)
+        except ChunkUnreadable:
+            raise  # to _read_other_tier, which says so
         except MooncakeError as exc:
             log.warning("read of allocation %d failed: %s", alloc_id, exc)
             return None

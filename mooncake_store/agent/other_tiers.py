@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from mooncake_store.agent.allocations import AllocationTable
 from mooncake_store.agent.read_budget import OtherTierCopy
 from mooncake_store.errors import MooncakeError
-from mooncake_store.tiers.chunk_format import CorruptChunk
+from mooncake_store.tiers.chunk_format import ChunkUnreadable, CorruptChunk
 from mooncake_store.transport.frames import TIER_DISK, TIER_GPU
 from mooncake_store.types import TierKind
 
@@ -49,7 +49,7 @@ class OtherTierHooks:
         if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
             got = self.read_gpu(alloc_id)
             return OtherTierCopy(*got, TierKind.GPU) if got is not None else None
-        data = self.read_disk(alloc_id)
+        data = self.read_disk(alloc_id, unreadable_raises=True)
         if data is None:
             return None  # STALE: the reader looks the object up again
         return OtherTierCopy(data, 0, TierKind.DISK)  # offsets into a disk allocation count from its start
@@ -57,9 +57,11 @@ class OtherTierHooks:
     def other_tier_read(self, tier: TierKind) -> None:
         self.pressure.count(tier, "reads")
 
-    def read_disk(self, alloc_id: int) -> bytearray | None:
+    def read_disk(self, alloc_id: int, *, unreadable_raises: bool = False) -> bytearray | None:
         """A disk object's bytes, checked; None when there is no such file or it is damaged (then
-        its replica is dropped)."""
+        its replica is dropped). A file kept but not readable now (ChunkUnreadable: out of memory
+        or descriptors, permissions changed) is None too, or with ``unreadable_raises`` that error,
+        for a READ to tell its reader why (it was told the agent no longer held the object)."""
         disk = self.disk
         entry = disk.entry(alloc_id) if disk is not None else None
         if disk is None or entry is None:
@@ -69,7 +71,10 @@ class OtherTierHooks:
         except MemoryError:
             # No fault of the file's: it is kept, and this read fails (it escaped the connection's
             # handler, which answers MooncakeErrors only; the tier's own reads say so themselves).
-            log.warning("no memory to read disk allocation %d (%d B) now; the read fails", alloc_id, entry.raw_bytes)
+            said = f"no memory to read disk allocation {alloc_id} ({entry.raw_bytes} B) now; the file is kept"
+            log.warning("%s; the read fails", said)
+            if unreadable_raises:
+                raise ChunkUnreadable(said) from None
             return None
         try:
             disk.read_into(alloc_id, memoryview(data))
@@ -82,6 +87,8 @@ class OtherTierHooks:
         except MooncakeError as exc:  # freed between the entry and the read, or not readable now
             if disk.entry(alloc_id) is not None:
                 log.warning("disk allocation %d not read: %s", alloc_id, exc)
+                if unreadable_raises and isinstance(exc, ChunkUnreadable):
+                    raise
             return None
         return data
 

@@ -21,6 +21,11 @@ class CorruptChunk(MooncakeError):
     """A disk-tier file failed its checksum or is not a file of this tier."""
 
 
+class ChunkUnreadable(MooncakeError):
+    """A disk-tier file that is kept but cannot be read now, for a reason of the process's own (out
+    of descriptors or memory, permissions changed under it): no damage, the read fails."""
+
+
 def encode_chunk(
     view: memoryview, *, itemsize: int, shuffle: str = "auto", compressor: zstandard.ZstdCompressor | None = None
 ) -> tuple[bytes, int]:

@@ -36,6 +36,7 @@ from mooncake_store.tiers.chunk_format import (  # re-exported: the format's nam
     FLAG_SHUFFLED,
     HEADER,
     MAGIC,
+    ChunkUnreadable,
     CorruptChunk,
     encode_chunk,
     unshuffle_planes,
@@ -389,11 +390,13 @@ class DiskTier:
             # The process, not the file: out of descriptors under load (EMFILE, ENFILE), memory,
             # an interrupted call, permissions changed under the agent. Taken for damage, the
             # replica was dropped and an intact object lost for good; the read fails instead.
-            raise MooncakeError(
+            raise ChunkUnreadable(
                 f"{path}: cannot read it now ({exc.strerror}, errno {exc.errno}); the file is kept"
             ) from None
         except MemoryError:
-            raise MooncakeError(f"{path}: no memory to read its {entry.stored_bytes} B now; the file is kept") from None
+            raise ChunkUnreadable(
+                f"{path}: no memory to read its {entry.stored_bytes} B now; the file is kept"
+            ) from None
         _, _, raw, checksum = self.parse_header(blob, where=str(path))
         if raw != entry.raw_bytes or checksum != entry.checksum:
             # Damaged (or replaced) since: no caller's mistake (a destination too small), and the

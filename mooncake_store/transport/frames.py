@@ -138,6 +138,10 @@ class Status(IntEnum):
 #: the budget. Any other STALE READ has 0 there (no such allocation now): a reader of an earlier
 #: build ignores the fields either way.
 STALE_READS_HELD = 1
+#: A READ's STALE reply with this in ``a``: the agent holds the allocation (a disk tier's file,
+#: kept) but could not read it now, for a reason of its own that its log names (out of memory or
+#: descriptors, permissions changed under it). Told as gone, the reader's error hid that.
+STALE_UNREADABLE = 2
 
 
 def pack(op: int, arg: int = 0, a: int = 0, b: int = 0, c: int = 0) -> bytes:

@@ -338,6 +338,12 @@ class PeerConnections(ConnectionPool):
                 f"decoded or copied out for READs, its budget is {budget} B, and none was let go while the READ "
                 "waited (try again, or read fewer disk or GPU objects at once)"
             )
+        if why == frames.STALE_UNREADABLE:
+            return StaleLocation(
+                f"agent at {self.endpoint} holds allocation {alloc_id} but could not read its file now (out of "
+                "memory or file descriptors, or permissions changed under it: its log names the reason); the file "
+                "is kept"
+            )
         return StaleLocation(f"agent at {self.endpoint} no longer holds allocation {alloc_id}")
 
     def read_many(self, requests: Sequence[ReadRequest], *, window: int = READ_WINDOW) -> None:
