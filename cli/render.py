@@ -332,6 +332,22 @@ def keys_view(rows: list[KeyRow]) -> _Fitted:
     return _Fitted(lambda fold: keys_table(rows, fold=fold), lambda width: keys_lines(rows, width))
 
 
+def figures_view(table: Table, rows: list[list[str | Text]], *, names: int = 1) -> _Fitted:
+    """A table of figures (``rows``, as built into ``table``), nothing cut short: where it does
+    not fit the width, each row as lines of "column value" pairs after its first ``names`` cells
+    (rich cut figures to "0.…" in 40 columns, and left out whole columns in fewer)."""
+    headers = [str(column.header) for column in table.columns]
+
+    def narrow(width: int) -> Text:
+        lines = list(Text(str(table.title)).wrap(_MEASURE, width, overflow="fold")) if table.title else []
+        for row in rows:
+            name = Text(" ".join(map(str, row[:names])), "bold")
+            lines.append(_pairs(name, list(zip(headers[names:], row[names:], strict=True)), width))
+        return Text("\n").join(lines)
+
+    return _Fitted(lambda fold: table, narrow)
+
+
 def stats_json(stats: ClusterStats, *, redis_url: str, namespace: str) -> dict[str, Any]:
     data = stats.as_dict()
     data["nodes"] = list(data["nodes"])

@@ -7,7 +7,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from mooncake_cli.commands.bench_measure import Results
-from mooncake_cli.context import Target, err, out
+from mooncake_cli.context import Target, err, out, wide_out
+from mooncake_cli.render import figures_view
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -48,26 +49,32 @@ def render(res: Results, target: Target, agents: int) -> None:
                   title="GB/s, and ratio to this machine's single-thread memcpy", title_justify="left")  # fmt: skip
     for name in ("path", "size", "memcpy", "put", "put/memcpy", "get_into", "get/memcpy", "keys"):
         table.add_column(name, justify="left" if name in ("path", "size") else "right", no_wrap=True)
-    for c in res.cells:
-        table.add_row(c["transport"], c["size"], _fmt(c["memcpy_gbps"]), _fmt(c["put_gbps"]),
-                      _ratio_text(c["put_ratio"]), _fmt(c["get_gbps"]), _ratio_text(c["get_ratio"]),
-                      str(c["keys"]))  # fmt: skip
-    out.print(table)
+    rows: list[list[str | Text]] = [
+        [c["transport"], c["size"], _fmt(c["memcpy_gbps"]), _fmt(c["put_gbps"]), _ratio_text(c["put_ratio"]),
+         _fmt(c["get_gbps"]), _ratio_text(c["get_ratio"]), str(c["keys"])]
+        for c in res.cells
+    ]  # fmt: skip
+    for row in rows:
+        table.add_row(*row)
+    console = out if out.is_terminal else wide_out  # into a pipe or a file, whole lines
+    console.print(figures_view(table, rows, names=2))
     batches = {b["transport"]: b for b in res.batch}
     objects = res.batch[0]["objects"] if res.batch else 0
     title = f"4 KiB get_into latency (µs); put_many / get_many_into of {objects} x 64 KiB (GB/s)"
     extra = Table(header_style="bold", box=None, padding=(0, 1), pad_edge=False, title=title, title_justify="left")
     for name in ("path", "p50 µs", "p99 µs", "put_many", "get_many", "get/memcpy", "batch p50 ms"):
         extra.add_column(name, justify="left" if name == "path" else "right", no_wrap=True)
+    extra_rows: list[list[str | Text]] = []
     for lat in res.latency:
         b = batches.get(lat["transport"])
-        extra.add_row(
+        extra_rows.append([
             lat["transport"], _fmt(lat["get_p50_us"], 0), _fmt(lat["get_p99_us"], 0),
             _fmt(b["put_many_gbps"]) if b else "-", _fmt(b["get_many_gbps"]) if b else "-",
             _ratio_text(b["get_many_ratio"]) if b else "-", _fmt(b["get_many_p50_ms"], 2) if b else "-",
-        )  # fmt: skip
-    out.print()
-    out.print(extra)
+        ])  # fmt: skip
+        extra.add_row(*extra_rows[-1])
+    console.print()
+    console.print(figures_view(extra, extra_rows))
     for s in res.skipped:
         err.print(f"[yellow]skipped[/yellow] {s['transport']} {escape(s['what'])}: {escape(s['reason'])}")
 

@@ -98,38 +98,23 @@ def test_ls_prints_whole_keys_into_a_pipe_and_folds_them_on_a_narrow_terminal(cl
     assert "agent-" in piped
 
     # On a terminal 30 columns wide: folded onto further lines, nothing cut.
-    main, sub = os.openpty()
-    try:
-        proc = subprocess.Popen(
-            [mooncake_bin(), "ls", "long/*"],
-            env={**cluster_cli.env, "COLUMNS": "30"},
-            stdin=subprocess.DEVNULL,
-            stdout=sub,
-            stderr=subprocess.DEVNULL,
-        )
-        os.close(sub)
-        shown = b""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([main], [], [], 1.0)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                chunk = os.read(main, 65536)
-            except OSError:  # the terminal's other side closed
-                break
-            if not chunk:
-                break
-            shown += chunk
-        assert proc.wait(timeout=30) == 0
-    finally:
-        os.close(main)
-    lines = re.sub(r"\x1b\[[0-9;]*m", "", shown.decode()).splitlines()  # bold stays under NO_COLOR
-    assert all(len(line) <= 30 for line in lines), lines
-    assert "…" not in shown.decode()
-    assert LONG_KEY in "".join(line.strip() for line in lines), lines
+    shown = _on_terminal(cluster_cli, 30, "ls", "long/*")
+    assert all(len(line) <= 30 for line in shown), shown
+    assert "…" not in "".join(shown)
+    assert LONG_KEY in "".join(line.strip() for line in shown), shown
+
+
+def test_bench_figures_are_whole_in_a_pipe_and_on_a_narrow_terminal(cluster_cli: Mooncake) -> None:
+    """rich cut them to "0.…" in 40 columns, into a pipe (80) too where a row was longer."""
+    args = ("bench", "--seconds", "0.05", "--sizes", "4KiB", "--transport", "tcp")
+    piped = cluster_cli.ok(*args, env={"COLUMNS": "40"}).stdout.decode()
+    assert "path  size   memcpy" in piped and "get/memcpy  keys" in piped and "…" not in piped, piped
+    shown = _on_terminal(cluster_cli, 40, *args)
+    # The header line is soft-wrapped by the terminal itself: whole, on as many rows as it takes.
+    assert all(len(line) <= 40 for line in shown if not line.startswith("index ")), shown
+    assert "…" not in "".join(shown)
+    assert any(line.startswith("tcp 4 KiB") for line in shown), shown
+    assert any("get/memcpy" in line and "keys 64" in line for line in shown), shown
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
@@ -171,3 +156,36 @@ def test_demo_refuses_a_document_past_its_bound_before_building_anything(mooncak
     result = mooncake("demo", "--doc-tokens", "99999999999", timeout=60)
     assert result.returncode == 2, result.stderr
     assert b"99999999999 is more than 1048576" in result.stderr
+
+
+def _on_terminal(cli: Mooncake, columns: int, *args: str) -> list[str]:
+    """The lines ``args`` print on a terminal ``columns`` wide (a pseudo-terminal), styles left out."""
+    main, sub = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [mooncake_bin(), *args],
+            env={**cli.env, "COLUMNS": str(columns)},
+            stdin=subprocess.DEVNULL,
+            stdout=sub,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(sub)
+        shown = b""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the terminal's other side closed
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert proc.wait(timeout=30) == 0
+    finally:
+        os.close(main)
+    return re.sub(r"\x1b\[[0-9;]*m", "", shown.decode()).splitlines()  # bold stays under NO_COLOR
