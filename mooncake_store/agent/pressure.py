@@ -487,6 +487,7 @@ class PressureManager:
                     raise result.error  # the index failed: end the pass (run() logs it)
                 if result.refused:
                     state.refused.add(node_id)
+                if result.unsent:  # refused in part (the peer still asked), or with the rest
                     state.plan(node_id, result.unsent, target, sign=-1)
                     retry.extend(result.unsent)
             spills = {}

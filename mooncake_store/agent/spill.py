@@ -21,8 +21,8 @@ DESIGN.md §3.4 wants a single move:
 A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
 batch under way (none of it swapped, not even what the peer acked before it broke) and the batches
 not sent are handed back, to be placed elsewhere (pressure.py decides where). So is a peer that
-refuses WRITEs it reserved room for (a disk that fails its writes: tiers/disk.py): the jobs it
-refused and the batches not sent are handed back; what it took is swapped.
+refuses every WRITE of a batch it reserved room for (a disk that fails its writes: tiers/disk.py);
+jobs of a batch it refused only in part are handed back alone, and its later batches still go.
 
 A peer on this host (same host id, shm among its transports) gets a host batch by memcpy into its
 shared arena instead of WRITEs (``agent.spill_shm``; DESIGN.md §4: shm before tcp), under the
@@ -145,7 +145,7 @@ class Spiller:
                 ahead = None
                 if reserved is None:
                     result.refused = True
-                    result.unsent = [job for rest in batches[i:] for job in rest]
+                    result.unsent.extend(job for rest in batches[i:] for job in rest)
                     break
                 try:
                     if i + 1 < len(batches):
@@ -183,23 +183,27 @@ class Spiller:
                     if not self._trouble.hung(peer_node.tcp_endpoint):
                         self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
                     result.refused = True
-                    result.unsent = [job for rest in batches[i:] for job in rest]
+                    result.unsent.extend(job for rest in batches[i:] for job in rest)
                     break
-                # The peer took part of it: it is at its mark now (``left``), or it refused WRITEs
-                # it had reserved room for (its disk full or failing, a file it found damaged, a
-                # reservation gone). Those are not swapped (their room there is expired) and stay
-                # here: placed again, elsewhere, else evicted, with the batches not sent, and the
-                # peer is asked nothing more in this pass. Counted neither moved nor unsent, they
-                # were sent to the same peer at every pass, and the node never got under its mark.
+                # Jobs whose WRITE the peer refused though it had reserved room for them (its disk
+                # full or failing, its inbox full for a moment, a file it found damaged, a
+                # reservation gone) are not swapped (their room there is expired) and stay here,
+                # handed back to be placed again. Counted neither moved nor unsent, they were sent
+                # to the same failing peer at every pass, and the node never got under its mark.
+                # A peer that refused a whole batch is asked nothing more in this pass (a failing
+                # disk also stops offering room: tiers/disk.py); one that refused some of it, a
+                # moment's refusal, keeps its later batches (all of them were evicted for one).
                 refused = [job for job, ok in zip(reserved.batch, written, strict=True) if not ok]
-                if refused or reserved.left:
-                    if refused:
-                        log.info(
-                            "spill to %s: %d of %d object(s) refused at their writes; placing them elsewhere",
-                            peer_node.node_id, len(refused), len(reserved.batch),
-                        )  # fmt: skip
+                if refused:
+                    log.info(
+                        "spill to %s: %d of %d object(s) refused at their writes; placing them again",
+                        peer_node.node_id, len(refused), len(reserved.batch),
+                    )  # fmt: skip
+                    result.unsent.extend(refused)
+                if reserved.left or (refused and len(refused) == len(reserved.batch)):
+                    # The peer took part of it (at its mark now), or refused every write.
                     result.refused = True
-                    result.unsent = refused + reserved.left + [job for rest in batches[i + 1 :] for job in rest]
+                    result.unsent.extend(reserved.left + [job for rest in batches[i + 1 :] for job in rest])
                     break
         finally:
             if ahead is not None:

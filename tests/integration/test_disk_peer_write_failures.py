@@ -4,7 +4,8 @@ file at its WRITE, after granting the RESERVE. The sender counted such a job nei
 unsent: it was neither placed elsewhere nor evicted, the peer was not left out for the rest of the
 pass, and every pass sent the same files there again (hundreds a minute, each a WARNING in the
 peer's log) while the sender's disk stayed above its high watermark. Now the refused jobs come
-back as unsent (placed elsewhere, else evicted, and the peer asked nothing more in that pass), and
+back as unsent (placed again: elsewhere, else evicted; a peer that refused a whole batch is asked
+nothing more in that pass, one that refused a file for a moment keeps its later batches), and
 the peer's disk tier offers no room for a while after a failed write (tiers/disk.py: room()), so
 the next spills are refused at their RESERVE and nothing is sent to it."""
 
@@ -129,7 +130,34 @@ def test_a_pass_whose_only_peer_refuses_its_files_still_gets_the_disk_under_its_
     )
 
 
-# ---- the reviewer's scenario, on a real full filesystem, with agent processes ----------------
+def test_a_peer_that_refuses_one_write_for_a_moment_still_gets_the_rest(make_agent: Callable[..., Agent]) -> None:
+    """A refusal of one file of a batch (the peer's inbox busy with other senders' files for a
+    moment) hands that file back alone: the peer keeps its later batches, and the file is sent
+    again. Taken for a failing peer, every batch queued for it was evicted, though it had room."""
+    sender = make_agent(2 * MiB, high_watermark=0.5, low_watermark=0.1)
+    peer = make_agent(64 * MiB)
+    keys = [f"k{i}" for i in range(10)]
+    for i, key in enumerate(keys):
+        on_disk(sender, key, random_bytes(128 * KiB, seed=i))
+    sender.pressure._spiller._batch_bytes = 300 * KiB  # a few files a batch
+    inbox = peer.inbox
+    assert inbox is not None
+    real_staging = inbox.staging
+    asked: list[int] = []
+
+    def busy_once(alloc_id: int, offset: int, length: int) -> object:
+        asked.append(alloc_id)
+        return None if len(asked) == 1 else real_staging(alloc_id, offset, length)
+
+    inbox.staging = busy_once  # type: ignore[method-assign]
+    sender.pressure.relieve_disk()
+    assert len(asked) > 1, "the peer was asked for no file after its one refusal"
+    gone = [key for key in keys if not replicas_of(sender, key)]
+    assert gone == [], f"{len(gone)} object(s) evicted ({gone}) after one refused write by a peer with room"
+    assert sender.disk is not None and sender.disk.used_bytes <= 0.5 * sender.disk.capacity_bytes
+
+
+# ---- a disk full for real (a tmpfs), with agent processes ---- ----------------
 @pytest.fixture
 def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs with 1 MiB left, as other programs' data leaves a disk."""
