@@ -25,7 +25,7 @@ from mooncake_store.policy.placement import (
 )
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.transport import frames
-from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind
+from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, footprint_bytes
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -283,7 +283,13 @@ class Reserver:
                 continue  # no ask spent on a node none of them may go to
             asked += 1
             for tier in {plan.tier for plan in wanting}:
-                of_tier = [plan for plan in wanting if plan.tier == tier]
+                # No more than the node keeps: it makes room for all it is asked for together or
+                # for none, and a batch stacked on one node (none had room when it was planned:
+                # 3 x 6 MiB for a 16 MiB arena) was refused at every ask until timeout_s, though
+                # each node could make room for its share. The rest go to the next node asked.
+                of_tier = _kept_share([plan for plan in wanting if plan.tier == tier], nodes[node_id], tier)
+                if not of_tier:
+                    continue
                 try:
                     got = self.client._tcp.peer(nodes[node_id].tcp_endpoint).reserve(
                         [(plan.size_bytes, plan.put_id) for plan in of_tier],
@@ -310,3 +316,14 @@ class Reserver:
         return Replica(
             node_id=node_id, tier=tier, offset=offset, size_bytes=size, alloc_id=alloc_id, state=ReplicaState.PENDING
         )
+
+
+def _kept_share(plans: list[PlannedPut], node: NodeInfo, tier: TierKind) -> list[PlannedPut]:
+    """The first of ``plans`` that ``node`` keeps together in ``tier`` (kept_bytes, in whole
+    allocation units)."""
+    room, taken = kept_bytes(node, tier), 0
+    for count, plan in enumerate(plans):
+        taken += footprint_bytes(plan.size_bytes)
+        if taken > room:
+            return plans[:count]
+    return plans
