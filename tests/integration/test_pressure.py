@@ -134,7 +134,9 @@ def test_disk_tier_demotes_promotes_and_cleans_up(
     for key, value in kv.items():
         client.put(key, value)
     # Pressure relief runs until the host tier is under its low watermark; then things settle.
-    assert wait_until(lambda: client.stat().nodes[0].tiers[0].used_bytes <= 0.75 * 16 * MiB, 15)
+    # Bounded generously: each demotion compresses its object, and on a loaded 2-core machine
+    # (the suite's other worker, other processes) 15 s was seen to run out.
+    assert wait_until(lambda: client.stat().nodes[0].tiers[0].used_bytes <= 0.75 * 16 * MiB, 60)
     time.sleep(1.5)
     on_disk = [k for k in kv if replica_nodes(client, k)[0][1] == "disk"]
     assert len(on_disk) >= 20

@@ -33,6 +33,7 @@ def test_a_replicated_writer_gets_its_room_by_eviction_not_by_spills_to_peers(
     flags = frames.REPLICATED_FLAG if replicated else 0
     with pytest.raises(NoCapacity):  # 2 MiB do not fit: the writer asks for room
         client._tcp.peer(pressed.server.endpoint).reserve([(2 * MiB, b"w" * 16)], node_id=pressed.node_id, flags=flags)
+    pressed.sync_once()  # the commits acked (its syncs run only when called here)
     # Passes as the agent's loop runs them while a writer waits (each sized by what is still
     # missing: the victims freed may lie apart), bounded.
     for _ in range(8):
