@@ -161,8 +161,8 @@ class PutPath:
                 # table is in flux, and until timeout_s a fresh one is waited for, as room is.
                 node_gone = node_gone or (isinstance(exc, ReservationExpired) and exc.node_gone)
                 settling = node_gone and isinstance(exc, ReservationExpired | NoCapacity)
-                # Or nodes are registered but past their deadlines: after an index outage longer
-                # than a TTL every one is, until its next heartbeat (or its reap, if it died).
+                # Or every registered node is past its deadline: after an index outage longer than
+                # a TTL every one is, until the first heartbeat back.
                 # Or none at all where there were some: the index restarted empty, and forgot every
                 # node until its next heartbeat (a put failed at once, "no live agent is registered").
                 settling = settling or (fresh_table_tried and isinstance(exc, NoCapacity) and self._in_flux())
@@ -199,14 +199,17 @@ class PutPath:
                 plan.landed = []
 
     def _in_flux(self) -> bool:
-        """Registered nodes past their deadlines, or an empty table where nodes were seen before
-        and the index has recorded no heartbeat since (it restarted; agents that were stopped
-        leave their last heartbeat recorded, and a put fails at once)."""
+        """Every registered node past its deadline (an index outage longer than a TTL: the first
+        heartbeat back gives each node its grace again, index-side), or an empty table where nodes
+        were seen before and the index has recorded no heartbeat since (it restarted; agents that
+        were stopped leave their last heartbeat recorded, and a put fails at once). One dead node
+        among live ones is no flux: the put fails at once, naming it, as the README says (it
+        waited for the node's reap, then failed without naming it)."""
         nodes = self.client._node_table()  # first: a read of it sets the clock offset
         if not nodes:
             return self.client._view.seen_nodes and not self.client.index.heartbeat_recorded()
         now = self.client._server_now_ms()
-        return any(n.heartbeat_deadline_ms < now for n in nodes.values())
+        return all(n.heartbeat_deadline_ms < now for n in nodes.values())
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(
