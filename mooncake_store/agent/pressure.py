@@ -466,6 +466,7 @@ class PressureManager:
         moved = 0
         for attempt in range(PEER_TRIES):
             retry: list[SpillJob] = []
+            write_refused: set[int] = set()
             for (node_id, target), jobs in spills.items():
                 if node_id in state.refused:
                     # Refused or broke on another of its tiers in this pass (the cross-tier
@@ -490,6 +491,7 @@ class PressureManager:
                 if result.unsent:  # refused in part (the peer still asked), or with the rest
                     state.plan(node_id, result.unsent, target, sign=-1)
                     retry.extend(result.unsent)
+                    write_refused |= result.write_refused
             spills = {}
             for unsent in retry:
                 job = job_of(unsent.victim)  # located afresh: where it is now, and its size there
@@ -501,6 +503,11 @@ class PressureManager:
                     continue
                 if move.kind == MoveKind.SPILL and move.node_id is not None and attempt + 1 < PEER_TRIES:
                     state.spill(spills, job, move, tier)
+                    continue
+                if unsent.victim.alloc_id in write_refused:
+                    # Refused at its WRITE after the peer reserved room (a moment's refusal, a
+                    # reservation timed out under load): left where it is for the next pass, not
+                    # evicted for it (a failing disk's RESERVEs are refused by then: tiers/disk.py).
                     continue
                 # Out of peers to ask, or none has room: evicted.
                 self._queue_eviction(job, state)

@@ -200,6 +200,7 @@ class Spiller:
                         peer_node.node_id, len(refused), len(reserved.batch),
                     )  # fmt: skip
                     result.unsent.extend(refused)
+                    result.write_refused.update(job.victim.alloc_id for job in refused)
                 if reserved.left or (refused and len(refused) == len(reserved.batch)):
                     # The peer took part of it (at its mark now), or refused every write.
                     result.refused = True

@@ -113,6 +113,10 @@ class SpillResult:
     unsent: list[SpillJob] = field(default_factory=list)
     #: The peer refused a reservation or its connection broke: skip it for the rest of the pass.
     refused: bool = False
+    #: Alloc ids of those of ``unsent`` whose WRITE the peer refused after reserving room (a moment's
+    #: refusal, a reservation that timed out under load, a failing disk): placed again where there is
+    #: room, else left where they are for the next pass, not evicted for a refusal that may pass.
+    write_refused: set[int] = field(default_factory=set)
     #: Written jobs of batches whose swap failed in the index, with the peer's copy: whether each
     #: swap landed is unknown (their reservations were expired: the peer keeps those it was told
     #: of, and frees the rest). The caller asks the index (LocalMoves.resolve).
