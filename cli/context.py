@@ -64,13 +64,9 @@ class ClosedStdout(io.TextIOBase):
         """Nothing is kept: nothing to flush."""
 
 
-def stdout_closed() -> bool:
-    return isinstance(sys.stdout, ClosedStdout)
-
-
 def require_stdout() -> None:
     """Refuse now, before any work, a command whose output is for stdout when it is closed."""
-    if stdout_closed():
+    if isinstance(sys.stdout, ClosedStdout):
         raise CliError(_STDOUT_CLOSED, ExitCode.USAGE)
 
 

@@ -228,10 +228,14 @@ def launch(plan: LaunchPlan, owner: ProcRef | None = None) -> ClusterState:
         log_dir=str(logs),
     )
     starting = StartingRecord(up=ref_of(os.getpid()), cluster=state)
+
+    def save_progress() -> None:
+        save_starting(starting)
+
     try:
         if plan.redis_url is None:
-            state.redis_url = _start_server(plan, logs, state, lambda: save_starting(starting))
-        _start_agents(plan, logs, state, lambda: save_starting(starting))
+            state.redis_url = _start_server(plan, logs, state, save_progress)
+        _start_agents(plan, logs, state, save_progress)
     except BaseException:
         stop_uninterrupted(state)
         raise

@@ -4,7 +4,7 @@ and the key listing of `ls`."""
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
@@ -320,16 +320,22 @@ def keys_table(rows: list[KeyRow], *, fold: bool = False) -> Table:
     return table
 
 
-def keys_lines(rows: list[KeyRow], width: int) -> Text:
-    return Text("\n").join(
-        _pairs(Text(row[0], "bold"), list(zip(_KEY_COLUMNS[1:], row[1:], strict=True)), width) for row in rows
-    )
+def _rows_as_pairs(
+    headers: Sequence[str], rows: Sequence[Sequence[str | Text]], width: int, *, names: int = 1, title: str = ""
+) -> Text:
+    """Each row as lines of "column value" pairs after its first ``names`` cells, for a width no
+    table of them fits (_Fitted's narrow form)."""
+    lines = list(Text(title).wrap(_MEASURE, width, overflow="fold")) if title else []
+    for row in rows:
+        name = Text(" ".join(map(str, row[:names])), "bold")
+        lines.append(_pairs(name, list(zip(headers[names:], row[names:], strict=True)), width))
+    return Text("\n").join(lines)
 
 
 def keys_view(rows: list[KeyRow]) -> _Fitted:
     """The listing, nothing cut short: keys and node ids fold onto further lines where a terminal
     is too narrow (rich cut them with "…", and a key read back from the listing did not exist)."""
-    return _Fitted(lambda fold: keys_table(rows, fold=fold), lambda width: keys_lines(rows, width))
+    return _Fitted(lambda fold: keys_table(rows, fold=fold), lambda width: _rows_as_pairs(_KEY_COLUMNS, rows, width))
 
 
 def figures_view(table: Table, rows: list[list[str | Text]], *, names: int = 1) -> _Fitted:
@@ -337,15 +343,8 @@ def figures_view(table: Table, rows: list[list[str | Text]], *, names: int = 1) 
     not fit the width, each row as lines of "column value" pairs after its first ``names`` cells
     (rich cut figures to "0.…" in 40 columns, and left out whole columns in fewer)."""
     headers = [str(column.header) for column in table.columns]
-
-    def narrow(width: int) -> Text:
-        lines = list(Text(str(table.title)).wrap(_MEASURE, width, overflow="fold")) if table.title else []
-        for row in rows:
-            name = Text(" ".join(map(str, row[:names])), "bold")
-            lines.append(_pairs(name, list(zip(headers[names:], row[names:], strict=True)), width))
-        return Text("\n").join(lines)
-
-    return _Fitted(lambda fold: table, narrow)
+    title = str(table.title) if table.title else ""
+    return _Fitted(lambda fold: table, lambda width: _rows_as_pairs(headers, rows, width, names=names, title=title))
 
 
 def stats_json(stats: ClusterStats, *, redis_url: str, namespace: str) -> dict[str, Any]:

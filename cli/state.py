@@ -17,9 +17,10 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive
@@ -28,6 +29,7 @@ STATE_DIR_ENV = "MOONCAKE_STATE_DIR"
 STATE_FILE = "cluster.json"
 STARTING_FILE = "cluster-starting.json"
 STATE_VERSION = 1
+_Record = TypeVar("_Record")
 
 
 def state_dir() -> Path:
@@ -159,7 +161,8 @@ class StartingRecord:
         return cls(up=up, cluster=cluster)
 
 
-def _read_record(path: Path) -> dict[str, Any] | None:
+def _load(path: Path, parse: Callable[[dict[str, Any]], _Record]) -> _Record | None:
+    """The record at ``path`` as ``parse`` reads it; None when there is none."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
@@ -170,15 +173,11 @@ def _read_record(path: Path) -> dict[str, Any] | None:
         data = json.loads(raw)
         if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
             raise ValueError(f"version {data.get('version') if isinstance(data, dict) else '?'}")
-        return data
-    except ValueError as exc:
-        raise _damaged(path, exc) from None
-
-
-def _damaged(path: Path, exc: Exception) -> CliError:
-    return CliError(
-        f"the state file {path} is damaged ({exc}); stop its processes by hand and delete it", ExitCode.ERROR
-    )
+        return parse(data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CliError(
+            f"the state file {path} is damaged ({exc}); stop its processes by hand and delete it", ExitCode.ERROR
+        ) from None
 
 
 def _write_private(path: Path, data: dict[str, Any]) -> Path:
@@ -200,14 +199,7 @@ def _write_private(path: Path, data: dict[str, Any]) -> Path:
 
 
 def load_state() -> ClusterState | None:
-    path = state_path()
-    data = _read_record(path)
-    if data is None:
-        return None
-    try:
-        return ClusterState.from_dict(data)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise _damaged(path, exc) from None
+    return _load(state_path(), ClusterState.from_dict)
 
 
 def save_state(state: ClusterState) -> Path:
@@ -220,14 +212,7 @@ def clear_state() -> None:
 
 
 def load_starting() -> StartingRecord | None:
-    path = starting_path()
-    data = _read_record(path)
-    if data is None:
-        return None
-    try:
-        return StartingRecord.from_dict(data)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise _damaged(path, exc) from None
+    return _load(starting_path(), StartingRecord.from_dict)
 
 
 def save_starting(record: StartingRecord) -> Path:

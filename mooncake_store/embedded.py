@@ -195,7 +195,7 @@ class EmbeddedServer:
         self._lock = threading.Lock()
         self._exit_with_parent = exit_with_parent
         self._watchdog: subprocess.Popen[bytes] | None = None
-        #: The process that started the server, which alone stops it at exit (_stop_all).
+        #: The process that started the server, which alone stops it (stop()).
         self.owner_pid = 0
 
     # --- lifecycle -----------------------------------------------------------------------------------

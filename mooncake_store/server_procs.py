@@ -10,9 +10,8 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
-from mooncake_store.watchdog import group_members
+from mooncake_store.watchdog import group_members, stat_fields
 
 
 def exited(proc: subprocess.Popen[bytes]) -> bool:
@@ -32,7 +31,7 @@ def signal_group(proc: subprocess.Popen[bytes], signum: int) -> None:
     wrapper script's children are in it too), only while that group is ours: its leader is not
     reaped yet and the group's id is still its pid; else ``proc`` alone."""
     # Reaped, here or by other code (os.wait, SIGCHLD ignored), or no child of this process (a
-    # forked copy of its Popen): _exited then sets returncode. The pid, and the group id, may be
+    # forked copy of its Popen): exited() then sets returncode. The pid, and the group id, may be
     # another's by now.
     exited(proc)
     if proc.returncode is not None:
@@ -54,15 +53,13 @@ def started_by(pid: int, leader: int) -> bool:
             return True
     except OSError:
         return False
-    seen = 0
-    while pid > 1 and seen < 64:  # up the parents, a bounded walk
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+    for _ in range(64):  # up the parents, a bounded walk
+        fields = stat_fields(pid)
+        if fields is None or pid <= 1:
             return False
+        pid = int(fields[1])  # the parent's pid
         if pid == leader:
             return True
-        seen += 1
     return False
 
 
@@ -71,13 +68,15 @@ def stop_process(proc: subprocess.Popen[bytes], *, timeout_s: float) -> None:
     still runs; then reap it. A wrapper script that ran the server without exec was the only one
     signalled before, and the server it started ran on. The leader is reaped only once its group
     is done, so its group id names no one else's processes meanwhile."""
+
+    def done() -> bool:
+        return exited(proc) and not group_members(proc.pid)
+
     for signum in (signal.SIGTERM, signal.SIGKILL):
-        if proc.returncode is not None:
+        if proc.returncode is not None or done():
             break
         signal_group(proc, signum)
         deadline = time.monotonic() + timeout_s
-        while not (exited(proc) and not group_members(proc.pid)) and time.monotonic() < deadline:
+        while not done() and time.monotonic() < deadline:
             time.sleep(0.02)
-        if exited(proc) and not group_members(proc.pid):
-            break
     proc.wait(timeout=timeout_s)

@@ -59,15 +59,21 @@ def watch_parent(pid: int, stop: threading.Event, *, what: str) -> None:
     threading.Thread(target=run, name="mc-parent-watch", daemon=True).start()
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks, or None when it is gone or a zombie."""
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (the state first), or None when the
+    process is gone (or there is no /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] == "Z":  # exited, waiting for its parent to reap it
+    return stat.rsplit(")", 1)[1].split()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks, or None when it is gone or a zombie."""
+    fields = stat_fields(pid)
+    if fields is None or fields[0] == "Z":  # Z: exited, waiting for its parent to reap it
         return None
     return int(fields[19])  # field 22 of the whole line: the comm and pid come before ")"
 
@@ -76,13 +82,10 @@ def group_members(pgid: int) -> list[int]:
     """The processes of group ``pgid`` that still run (zombies are done), from /proc; [] where
     there is no /proc to read."""
     members = []
-    for stat_path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_path.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat_path.parent.name))
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = stat_fields(int(entry.name))
+        if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
     return members
 
 

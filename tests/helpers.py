@@ -219,6 +219,44 @@ def put_on(agent: Agent, key: str, data: np.ndarray, *, tier: TierKind) -> int:
     return alloc.alloc_id
 
 
+def put_on_disk(agent: Agent, key: str, data: np.ndarray) -> int:
+    """``key`` stored on ``agent``'s host tier and demoted to its disk tier; the disk alloc id."""
+    put_on(agent, key, data, tier=TierKind.HOST)
+    (victim,) = [c for c in agent.index.victim_candidates(agent.node_id, "host") if c.key == key]
+    location = agent.table.offset_of(victim.alloc_id)
+    assert location is not None and agent.pressure.moves.demote_to_disk(victim, location[0])
+    (replica,) = replicas_of(agent, key)
+    return replica.alloc_id
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, *, size_mib: int = 8, left_bytes: int = 0) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` mounted at ``where``, filled by another program's file until about
+    ``left_bytes`` are left (0: full), unmounted at the end. Skipped, saying why, where one cannot
+    be mounted (it needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a small tmpfs, which needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    command = ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)]
+    mounted = subprocess.run(command, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        with open(where / "other-programs-data", "wb") as junk:
+            for _ in range(size_mib * 16):  # bounded: the filesystem holds no more than this
+                room = os.statvfs(where)
+                if room.f_bavail * room.f_frsize <= left_bytes:
+                    break
+                try:
+                    junk.write(b"\0" * 65536)
+                    junk.flush()
+                except OSError:  # full
+                    break
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
 def pending_put(key: str, *placed: tuple[str, TierKind, int], size: int = 16) -> PendingPut:
     """A put of ``size`` bytes under ``key`` with a PENDING replica per (node, tier, alloc id), for
     the index's scripts alone (no agent holds the bytes)."""

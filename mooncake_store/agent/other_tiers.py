@@ -6,6 +6,7 @@ agent's wiring and life cycle; it uses only the attributes declared below, which
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,7 @@ class OtherTierHooks:
         if self.gpu is not None and self.gpu_table is not None and alloc_id in self.gpu_table:
             got = self.read_gpu(alloc_id)
             return OtherTierCopy(*got, TierKind.GPU) if got is not None else None
-        data = self.read_disk(alloc_id, unreadable_raises=True)
+        data = self.read_disk(alloc_id)  # ChunkUnreadable: to the READ, which tells its reader
         if data is None:
             return None  # STALE: the reader looks the object up again
         return OtherTierCopy(data, 0, TierKind.DISK)  # offsets into a disk allocation count from its start
@@ -57,11 +58,11 @@ class OtherTierHooks:
     def other_tier_read(self, tier: TierKind) -> None:
         self.pressure.count(tier, "reads")
 
-    def read_disk(self, alloc_id: int, *, unreadable_raises: bool = False) -> bytearray | None:
+    def read_disk(self, alloc_id: int) -> bytearray | None:
         """A disk object's bytes, checked; None when there is no such file or it is damaged (then
-        its replica is dropped). A file kept but not readable now (ChunkUnreadable: out of memory
-        or descriptors, permissions changed) is None too, or with ``unreadable_raises`` that error,
-        for a READ to tell its reader why (it was told the agent no longer held the object)."""
+        its replica is dropped). ChunkUnreadable for a file kept but not readable now (out of
+        memory or descriptors, permissions changed), for a READ to tell its reader why (it was
+        told the agent no longer held the object)."""
         disk = self.disk
         entry = disk.entry(alloc_id) if disk is not None else None
         if disk is None or entry is None:
@@ -73,9 +74,7 @@ class OtherTierHooks:
             # handler, which answers MooncakeErrors only; the tier's own reads say so themselves).
             said = f"no memory to read disk allocation {alloc_id} ({entry.raw_bytes} B) now; the file is kept"
             log.warning("%s; the read fails", said)
-            if unreadable_raises:
-                raise ChunkUnreadable(said) from None
-            return None
+            raise ChunkUnreadable(said) from None
         try:
             disk.read_into(alloc_id, memoryview(data))
         except CorruptChunk as exc:
@@ -87,7 +86,7 @@ class OtherTierHooks:
         except MooncakeError as exc:  # freed between the entry and the read, or not readable now
             if disk.entry(alloc_id) is not None:
                 log.warning("disk allocation %d not read: %s", alloc_id, exc)
-                if unreadable_raises and isinstance(exc, ChunkUnreadable):
+                if isinstance(exc, ChunkUnreadable):
                     raise
             return None
         return data
@@ -95,8 +94,10 @@ class OtherTierHooks:
     def check_disk_replica(self, alloc_id: int) -> None:
         """Decode a chunk file here, after a peer refused it when it was spilled or copied: a
         spill sends the file as stored, unchecked (the peer decodes it whole), so a damaged one
-        would be sent again at every pass. A damaged file's replica is dropped, as a read's is."""
-        self.read_disk(alloc_id)
+        would be sent again at every pass. A damaged file's replica is dropped, as a read's is; one
+        not readable now is kept (its next spill tries again)."""
+        with contextlib.suppress(ChunkUnreadable):
+            self.read_disk(alloc_id)
 
     def _drop_corrupt(self, alloc_id: int, exc: CorruptChunk) -> None:
         """A chunk file failed its checksum: its replica leaves the index, so that readers go to

@@ -414,16 +414,12 @@ class DiskTier:
         a file grown on disk (a misdirected write appended, `truncate -s`) was held at its full
         length past the agents' read budget, a FIFO in its place blocked the READ for good, and a
         link was followed to anything."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            info = os.fstat(fd)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+            info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode) or info.st_size != length:
                 what = "no regular file" if not stat.S_ISREG(info.st_mode) else f"{info.st_size} B"
                 raise CorruptChunk(f"{path}: is {what}, but a file of {length} B was stored")
-            with os.fdopen(fd, "rb", closefd=False) as file:
-                blob = file.read(length)
-        finally:
-            os.close(fd)
+            blob = file.read(length)
         if len(blob) != length:  # shrunk between the fstat and the read
             raise CorruptChunk(f"{path}: held {len(blob)} B, but a file of {length} B was stored")
         return blob

@@ -6,35 +6,19 @@ start left one more. Needs root to mount a small tmpfs; skipped, saying so, othe
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs, which needs root")
+from helpers import small_tmpfs
 
 
 @pytest.fixture
 def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "mnt"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
-        with open(mount / "other-programs-data", "wb") as junk:
-            for _ in range(1024):  # bounded: 64 MiB at most, the filesystem takes 8
-                try:
-                    junk.write(b"\0" * 65536)
-                    junk.flush()
-                except OSError:
-                    break
+    with small_tmpfs(tmp_path / "mnt") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_an_agent_on_a_full_filesystem_exits_5_and_leaves_nothing(redis_url: str, full_tmpfs: Path) -> None:

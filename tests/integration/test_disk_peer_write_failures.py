@@ -11,15 +11,12 @@ the next spills are refused at their RESERVE and nothing is sent to it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-from helpers import put_on, random_bytes, replicas_of, wait_until
+from helpers import put_on_disk, random_bytes, replicas_of, small_tmpfs, wait_until
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.agent.node import Agent
@@ -37,14 +34,6 @@ def make_agent(make_peer_agent: Callable[..., Agent], tmp_path: Path) -> Callabl
         return make_peer_agent(disk_path=str(tmp_path / "disks"), disk_bytes=disk_bytes, **overrides)
 
     return make
-
-
-def on_disk(agent: Agent, key: str, data: np.ndarray) -> None:
-    """``key`` stored on ``agent``'s host tier and demoted to its disk tier."""
-    put_on(agent, key, data, tier=TierKind.HOST)
-    (victim,) = [c for c in agent.index.victim_candidates(agent.node_id, "host") if c.key == key]
-    location = agent.table.offset_of(victim.alloc_id)
-    assert location is not None and agent.pressure.moves.demote_to_disk(victim, location[0])
 
 
 def break_disk_writes(agent: Agent) -> list[int]:
@@ -82,7 +71,7 @@ def test_chunk_files_a_peer_refuses_at_their_writes_come_back_unsent(make_agent:
     peer = make_agent(8 * MiB)
     keys = [f"k{i}" for i in range(4)]
     for i, key in enumerate(keys):
-        on_disk(sender, key, random_bytes(128 * KiB, seed=i))
+        put_on_disk(sender, key, random_bytes(128 * KiB, seed=i))
     asked = break_disk_writes(peer)
     node = sender.index.nodes()[peer.node_id]
     spiller = sender.pressure._spiller
@@ -118,7 +107,7 @@ def test_a_pass_whose_only_peer_refuses_its_files_still_gets_the_disk_under_its_
     sender = make_agent(1 * MiB, high_watermark=0.5, low_watermark=0.3)
     peer = make_agent(8 * MiB)
     for i in range(6):
-        on_disk(sender, f"k{i}", random_bytes(128 * KiB, seed=i))
+        put_on_disk(sender, f"k{i}", random_bytes(128 * KiB, seed=i))
     disk = sender.disk
     assert disk is not None and disk.used_bytes > 0.5 * disk.capacity_bytes
     asked = break_disk_writes(peer)
@@ -142,7 +131,7 @@ def test_a_peer_that_refuses_one_write_for_a_moment_still_gets_the_rest(make_age
     peer = make_agent(64 * MiB)
     keys = [f"k{i}" for i in range(10)]
     for i, key in enumerate(keys):
-        on_disk(sender, key, random_bytes(128 * KiB, seed=i))
+        put_on_disk(sender, key, random_bytes(128 * KiB, seed=i))
     sender.pressure._spiller._batch_bytes = 300 * KiB  # a few files a batch
     inbox = peer.inbox
     assert inbox is not None
@@ -165,17 +154,8 @@ def test_a_peer_that_refuses_one_write_for_a_moment_still_gets_the_rest(make_age
 @pytest.fixture
 def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs with 1 MiB left, as other programs' data leaves a disk."""
-    if os.geteuid() != 0:
-        print("skipped: mounting a tmpfs needs root")
-        pytest.skip("mounts a small tmpfs (needs root)")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
-    try:
-        (mnt / "other-programs-data").write_bytes(os.urandom(7 * MiB))
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path / "mnt", left_bytes=1 * MiB) as mount:
+        yield mount
 
 
 def test_a_peer_whose_disk_is_full_is_not_sent_the_same_files_at_every_pass(

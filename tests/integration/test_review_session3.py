@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import put_on, replicas_of, wait_until
+from helpers import put_on, put_on_disk, replicas_of, wait_until
 
 from mooncake_store import connect
 from mooncake_store.agent import syncing
@@ -89,16 +89,6 @@ def make_agent(make_inproc_agent: Callable[..., Agent], tmp_path: Path) -> Calla
         return make_inproc_agent(namespace=namespace, prepare=prepare, **settings)
 
     return make
-
-
-def on_disk(agent: Agent, key: str, data: np.ndarray) -> int:
-    """``key`` stored on ``agent``'s host tier and demoted to its disk tier; the disk alloc id."""
-    put_on(agent, key, data, tier=TierKind.HOST)
-    (victim,) = [c for c in agent.index.victim_candidates(agent.node_id, "host") if c.key == key]
-    location = agent.table.offset_of(victim.alloc_id)
-    assert location is not None and agent.pressure.moves.demote_to_disk(victim, location[0])
-    (replica,) = replicas_of(agent, key)
-    return replica.alloc_id
 
 
 def spill_disk_file(sender: Agent, receiver: Agent, key: str) -> Replica:
@@ -199,7 +189,7 @@ def test_disk_drain_does_not_evict_again_what_the_last_pass_already_evicted(
     a = make_agent(disk_bytes=10 * stored + 64, host_bytes=8 * MiB, spill_to_peers=False)
     assert a.disk is not None
     for i, value in enumerate(values):
-        on_disk(a, f"d{i}", value)
+        put_on_disk(a, f"d{i}", value)
     time.sleep(0.01)
     a.sync_once()  # the host blocks of the demotions are freed
     capacity = a.disk.capacity_bytes
@@ -304,7 +294,7 @@ def test_reap_during_a_sync_leaves_no_spilled_chunk_file(make_agent: Callable[..
     stops, counted in the disk tier's use."""
     a = make_agent(disk_bytes=8 * MiB)
     b = make_agent(disk_bytes=8 * MiB)
-    on_disk(a, "spilled", np.full(200 * KiB, 5, np.uint8))
+    put_on_disk(a, "spilled", np.full(200 * KiB, 5, np.uint8))
     spill_disk_file(a, b, "spilled")
     assert len(chunk_files(b)) == 1
 
@@ -391,7 +381,7 @@ def test_spilled_file_key_with_spaces_and_unicode_reaches_the_peer_and_promotes(
     b = make_agent(disk_bytes=8 * MiB, host_bytes=8 * MiB)
     key = "doc 1/κλειδί 鍵 🔑 chunk #0 \\t"
     value = np.arange(100_000, dtype=np.float16)
-    on_disk(a, key, value)
+    put_on_disk(a, key, value)
     replica = spill_disk_file(a, b, key)
     b.sync_once()
     assert b.disk_keys[replica.alloc_id] == key

@@ -85,6 +85,40 @@ def test_a_file_that_cannot_be_opened_for_a_moment_does_not_lose_the_object(
         client.close()
 
 
+def test_an_unreadable_chunk_file_is_reported_as_kept_not_gone(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file the agent cannot read for a reason of its own (here EACCES, what a non-root agent
+    meets after `chmod 000`) is kept, and its reader was told "agent ... no longer holds
+    allocation N", which is false and hid where the reason is. The READ's STALE reply now says
+    the file is kept but could not be read (frames.STALE_UNREADABLE)."""
+    agent = disk_agent(make_inproc_agent, tmp_path)
+    value = np.frombuffer(os.urandom(512 * KiB), np.uint8)
+    client = connect(agent.index.url, namespace=agent.namespace, lease_ms=50, timeout_s=5)
+    try:
+        alloc_id = on_disk(agent, client, "kv", value)
+        assert agent.disk is not None
+        path = agent.disk.path_of(alloc_id)
+        real_read_file = DiskTier._read_file
+
+        def denied(at: Path, length: int) -> bytes:
+            if at == path:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(at))
+            return real_read_file(at, length)
+
+        monkeypatch.setattr(DiskTier, "_read_file", staticmethod(denied))
+        with pytest.raises(MooncakeError) as info:
+            client.get("kv")
+        message = str(info.value)
+        assert agent.disk.entry(alloc_id) is not None  # kept, as promised
+        assert "no longer holds" not in message, f"misleading: {message}"
+        assert "could not read its file now" in message and "the file is kept" in message, message
+        monkeypatch.undo()  # readable again: the same object reads back
+        assert client.get("kv").tobytes() == value.tobytes()
+    finally:
+        client.close()
+
+
 def test_running_out_of_file_descriptors_for_a_moment_does_not_lose_an_object(
     make_inproc_agent: Callable[..., Agent], tmp_path: Path
 ) -> None:
