@@ -46,6 +46,11 @@ from mooncake_store.tiers.disk_dir import SUFFIX, claim_dir, clear_chunk_files, 
 #: Errors reading a chunk file that say the file itself is gone or unreadable, so its replica
 #: is dropped (CorruptChunk); any other error is the process's, and the file is kept.
 FILE_LOST_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EIO})
+#: The process's own passing lacks among those (out of descriptors, of memory): no fault of the
+#: file's or of the disk's. A read they fail keeps its file (ChunkUnreadable, as for every error
+#: not in FILE_LOST_ERRNOS); a write they fail fails alone, and does not start the tier's hold on
+#: offering room (WRITE_FAILURE_HOLD_S), which is for the filesystem's errors.
+PROCESS_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,7 @@ log = logging.getLogger(__name__)
 STUCK_RETRY_S = 5.0
 #: How long (s) after a chunk file could not be written (ENOSPC, EIO, a filesystem gone read-only,
 #: the directory removed) the tier offers no room (room(): peers' spills, this agent's demotions).
+#: Not after a write the process's own lack failed (PROCESS_ERRNOS): the disk still has the room.
 WRITE_FAILURE_HOLD_S = 10.0
 
 
@@ -387,7 +393,7 @@ class DiskTier:
         except OSError as exc:
             if exc.errno in FILE_LOST_ERRNOS or exc.errno == errno.ELOOP:  # ELOOP: a link in its place
                 raise CorruptChunk(f"{path}: cannot read: {exc.strerror}") from None
-            # The process, not the file: out of descriptors under load (EMFILE, ENFILE), memory,
+            # The process, not the file: out of descriptors under load or memory (PROCESS_ERRNOS),
             # an interrupted call, permissions changed under the agent. Taken for damage, the
             # replica was dropped and an intact object lost for good; the read fails instead.
             raise ChunkUnreadable(
@@ -481,7 +487,12 @@ class DiskTier:
         return entry
 
     def _write_failed(self, exc: OSError) -> None:
-        """Offer no room for WRITE_FAILURE_HOLD_S (_room): said once per hold, not per file."""
+        """Offer no room for WRITE_FAILURE_HOLD_S (_room): said once per hold, not per file. Not
+        for the process's own passing lacks (PROCESS_ERRNOS): one EMFILE under a burst of
+        connections held a healthy disk at no room for 10 s, and peers' spills and this agent's
+        demotions went elsewhere or nowhere meanwhile."""
+        if exc.errno in PROCESS_ERRNOS:
+            return
         now = time.monotonic()
         with self._lock:
             held = now < self._failing_until

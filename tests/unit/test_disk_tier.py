@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import struct
@@ -10,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -511,6 +513,64 @@ def test_a_tier_whose_write_failed_offers_no_room_for_a_while(tmp_path: Path, mo
     while tier.failing and time.monotonic() < deadline:
         time.sleep(0.05)
     assert tier.room() == tier.free_bytes > 0 and tier.promise({9: tier.block_bytes})
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "holds"),
+    [("EMFILE", False), ("ENFILE", False), ("ENOMEM", False), ("EIO", True), ("ENOSPC", True), ("EDQUOT", True),
+     ("EROFS", True)],
+)  # fmt: skip
+def test_only_the_filesystems_write_errors_stop_the_tier_offering_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, holds: bool
+) -> None:
+    """Any failed write held the room at none for WRITE_FAILURE_HOLD_S, the process's own passing
+    lacks too: one EMFILE (descriptors run out under a burst of connections) kept a healthy disk
+    from peers' spills and this agent's demotions for 10 s. Such a write still fails, alone; the
+    filesystem's errors (full, failing, read-only) still start the hold. The error is met where
+    the temp file is opened."""
+    code = getattr(errno, name)
+    tier = DiskTier(tmp_path / "t", 1 << 20)
+    tmp = str(tier.path_of(7).with_suffix(".tmp"))
+    real_open = os.open
+
+    def failing_open(path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> int:
+        if os.fspath(path) == tmp:
+            raise OSError(code, os.strerror(code), tmp)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing_open)
+    with pytest.raises(MooncakeError, match="cannot write"):
+        tier.write(7, memoryview(np.zeros(1000, np.uint8)))
+    monkeypatch.undo()
+    assert tier.used_bytes == 0 and tier.objects == 0
+    if holds:
+        assert tier.failing and tier.room() == 0
+    else:
+        assert not tier.failing and tier.room() == tier.free_bytes == tier.capacity_bytes
+        assert tier.promise({9: tier.block_bytes})
+    tier.close()
+
+
+def test_a_real_emfile_at_a_write_leaves_the_room_offered(tmp_path: Path) -> None:
+    """The same with a real EMFILE: the descriptor limit lowered, while a file is written, to the
+    lowest free descriptor (the one the next open would take)."""
+    import resource
+
+    tier = DiskTier(tmp_path / "t", 1 << 20)
+    view = memoryview(np.zeros(1000, np.uint8))
+    lowest_free = os.open(os.devnull, os.O_RDONLY)
+    os.close(lowest_free)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        with pytest.raises(MooncakeError, match="Too many open files"):
+            tier.write(7, view)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert not tier.failing and tier.room() == tier.capacity_bytes
+    tier.write(7, view)  # descriptors to be had again: the same write goes through
+    assert tier.objects == 1
     tier.close()
 
 
