@@ -224,7 +224,7 @@ class AgentOps:
                 held = stack.enter_context(
                     self._read_budget.shared(alloc_id, extent[1], deadline=waited_until, make=make)
                 )
-            except ChunkUnreadable:  # kept, not readable now: the reader is told so, not that it is gone
+            except ChunkUnreadable:  # kept, not readable now: the reader (each sharing the copy) is told so
                 self._reply(conn, Op.READ, Status.STALE, frames.STALE_UNREADABLE)
                 return True
             if held.busy:

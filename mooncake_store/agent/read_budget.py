@@ -46,11 +46,15 @@ class SharedCopy:
     """What a READ sharing a copy got: ``copy`` (None when it could not be made: no such object
     now, damaged, no memory), or ``busy`` (the budget stayed full until the READ's deadline)."""
 
-    __slots__ = ("busy", "charged", "copy", "ready", "users")
+    __slots__ = ("busy", "charged", "copy", "failure", "ready", "users")
 
     def __init__(self) -> None:
         self.copy: OtherTierCopy | None = None
         self.busy = False
+        #: What making it raised (a chunk file kept but not readable now): raised to every READ
+        #: that waited to share it too, as to the one that made it (without it they found no
+        #: copy, and told their readers the agent no longer held the object).
+        self.failure: Exception | None = None
         self.users = 1
         #: What it took of the budget, once it did (None: nothing; an empty object takes 0 B,
         #: and its reader still counts until it is given back).
@@ -78,8 +82,9 @@ class ReadBudget:
         """The copy of ``alloc_id`` (``nbytes``) for one READ, held until the block ends: the
         READ that finds none takes the budget (waiting up to ``deadline``) and makes it with
         ``make``; the ones that come while it is held share it (waiting for it up to ``deadline``)
-        and charge nothing more. A copy that could not be made, or not in time, is not shared
-        with READs that come after: they try again."""
+        and charge nothing more. What ``make`` raised is raised to the READs sharing its copy
+        too. A copy that could not be made, or not in time, is not shared with READs that come
+        after: they try again."""
         held = self._join(alloc_id, nbytes, deadline=deadline, make=make)
         try:
             yield held
@@ -105,7 +110,9 @@ class ReadBudget:
                         held.copy = make()
                     else:
                         held.busy = True
-                except BaseException:
+                except BaseException as exc:
+                    if isinstance(exc, Exception):
+                        held.failure = exc  # before ready is set, for the READs waiting on it
                     self._leave(alloc_id, held)
                     raise
                 finally:
@@ -118,6 +125,9 @@ class ReadBudget:
                 joined = SharedCopy()  # not made in time for this READ (in no map, charged nothing)
                 joined.busy = True
                 return joined
+            if held.failure is not None:
+                self._leave(alloc_id, held)
+                raise held.failure
             if held.busy and time.monotonic() < deadline:
                 # The READ that was to make it met the budget full until its own deadline, which
                 # came before this one's: this READ waits out the rest of its own, as it would have

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_in_threads, wait_until
 
 from mooncake_store import Client, LocalCluster, connect
+from mooncake_store.agent import ops
 from mooncake_store.agent.node import Agent
 from mooncake_store.errors import MooncakeError
 from mooncake_store.tiers.disk import DiskTier
@@ -117,6 +120,71 @@ def test_an_unreadable_chunk_file_is_reported_as_kept_not_gone(
         assert client.get("kv").tobytes() == value.tobytes()
     finally:
         client.close()
+
+
+def test_every_read_sharing_an_unreadable_files_copy_is_told_it_is_kept(
+    make_inproc_agent: Callable[..., Agent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READs of one disk object at once share one decoded copy (agent/read_budget.py): the first
+    reads the file, the others wait for it. When that read met a file kept but not readable now,
+    only the first READ was answered so; the ones waiting found no copy and were told the agent
+    no longer held the allocation. Here the file's read waits (bounded) until every other READ has
+    come to share it, so that each READ but the first is one that waited."""
+    readers = 4
+    agent = disk_agent(make_inproc_agent, tmp_path)
+    # The READs that wait for the copy wait up to this long (2 s): under load the last reader may
+    # come later than that after the first, and the first would be answered that the budget is full.
+    monkeypatch.setattr(ops, "READ_BUDGET_WAIT_S", 20.0)
+    value = np.frombuffer(os.urandom(512 * KiB), np.uint8)
+    clients = [
+        connect(agent.index.url, namespace=agent.namespace, transports=("tcp",), max_retries=0, timeout_s=30)
+        for _ in range(readers)
+    ]
+    try:
+        alloc_id = on_disk(agent, clients[0], "kv", value)
+        clients[0].put("warm", np.zeros(4 * KiB, np.uint8), preferred_node=agent.node_id)
+        for client in clients:  # each one's connection to the agent made before the READs
+            assert not client.get("warm").any()
+        assert agent.disk is not None
+        path = agent.disk.path_of(alloc_id)
+        real_read_file = DiskTier._read_file
+        budget = agent.server._read_budget
+        sharing: list[int] = []
+
+        def denied_once_all_share(at: Path, length: int) -> bytes:
+            if at != path:
+                return real_read_file(at, length)
+
+            def users() -> int:
+                held = budget._copies.get(alloc_id)
+                return held.users if held is not None else 0
+
+            wait_until(lambda: users() >= readers, timeout_s=15)
+            sharing.append(users())
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(at))
+
+        monkeypatch.setattr(DiskTier, "_read_file", staticmethod(denied_once_all_share))
+        start = threading.Barrier(readers)
+        messages: list[str] = []
+
+        def read(i: int) -> None:
+            start.wait(timeout=30)
+            with pytest.raises(MooncakeError) as info:
+                clients[i].get("kv")
+            messages.append(str(info.value))
+
+        assert not run_in_threads(read, readers)
+        assert sharing == [readers], f"the READs did not all come to share one copy: {sharing}"
+        assert len(messages) == readers
+        for message in messages:
+            assert "no longer holds" not in message, f"misleading: {message}"
+            assert "could not read its file now" in message and "the file is kept" in message, message
+        assert agent.disk.entry(alloc_id) is not None
+        monkeypatch.setattr(DiskTier, "_read_file", staticmethod(real_read_file))
+        assert clients[1].get("kv").tobytes() == value.tobytes()
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_running_out_of_file_descriptors_for_a_moment_does_not_lose_an_object(
