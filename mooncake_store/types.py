@@ -210,11 +210,46 @@ def check_keys(keys: object) -> list[str]:
     return [check_key(k) for k in keys]  # type: ignore[attr-defined]
 
 
+#: Where the bytes of the command line (or of a file name) that are not UTF-8 land: Python decodes
+#: each to a lone surrogate, U+DC80..U+DCFF (surrogateescape: b"\xff" is "\udcff").
+_ESCAPED_BYTES = range(0xDC80, 0xDD00)
+
+
+def shown_text(text: str) -> str:
+    """``text`` quoted as repr() quotes it, except that a byte that was not UTF-8 shows as that
+    byte, ``\\xff``, rather than as the lone surrogate Python decoded it to (``\\udcff`` named no
+    byte the user had typed). So that nothing else looks alike, a character that repr() shows as
+    ``\\xNN`` past ASCII (U+0080..U+00FF that do not print: U+0085, U+00A0) shows as ``\\u00NN``."""
+    if text.isascii():
+        return repr(text)
+    quote = '"' if "'" in text and '"' not in text else "'"  # as repr() picks it
+    parts: list[str] = []
+    for ch in text:
+        code = ord(ch)
+        if code in _ESCAPED_BYTES:
+            parts.append(f"\\x{code - 0xDC00:02x}")
+        elif ch in (quote, "\\"):
+            parts.append("\\" + ch)
+        else:
+            shown = repr(ch)[1:-1]
+            parts.append(f"\\u{code:04x}" if code <= 0xFF and shown.startswith("\\x") else shown)
+    return quote + "".join(parts) + quote
+
+
 def shown_key(key: str, width: int = 60) -> str:
-    """``key`` as an error message quotes it: whole, or its start and its length, quotes closed."""
+    """``key`` as a message quotes it (errors, the CLI's lines): whole, or its start and its length,
+    quotes closed; bytes that were not UTF-8 as ``\\xff`` (shown_text)."""
     if len(key) <= width:
-        return repr(key)
-    return f"{key[:width]!r}… ({len(key)} characters)"
+        return shown_text(key)
+    return f"{shown_text(key[:width])}… ({len(key)} characters)"
+
+
+def _not_utf8(text: str, exc: UnicodeEncodeError) -> str:
+    """Why ``text`` cannot be UTF-8, naming the first character at fault and where it is."""
+    ch = text[exc.start]
+    if ord(ch) in _ESCAPED_BYTES:
+        return f"{shown_text(ch)[1:-1]} (character {exc.start + 1}) is a byte that does not decode as UTF-8"
+    return f"U+{ord(ch):04X} (character {exc.start + 1}) is a lone surrogate, which UTF-8 cannot encode"
 
 
 def check_pattern(pattern: object) -> str:
@@ -225,7 +260,8 @@ def check_pattern(pattern: object) -> str:
     try:
         pattern.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidKey(f"key pattern {pattern!r:.80} is not valid UTF-8 text: {exc.reason}") from None
+        why = _not_utf8(pattern, exc)
+        raise InvalidKey(f"key pattern {shown_key(pattern)} is not valid UTF-8 text: {why}") from None
     return pattern
 
 
@@ -238,13 +274,13 @@ def check_key(key: object) -> str:
     try:
         encoded = key.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidKey(f"key {shown_key(key)} is not valid UTF-8 text: {exc.reason}") from None
+        raise InvalidKey(f"key {shown_key(key)} is not valid UTF-8 text: {_not_utf8(key, exc)}") from None
     if len(encoded) > MAX_KEY_BYTES:
         raise InvalidKey(f"key {shown_key(key)} is {len(encoded)} B of UTF-8; the limit is {MAX_KEY_BYTES} B")
     for ch in key:
         # C0, DEL and C1 (U+0080..U+009F: NEL breaks lines, CSI starts terminal escapes in `ls`).
         if ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F:
-            raise InvalidKey(f"key {shown_key(key)} contains control character {ch!r}")
+            raise InvalidKey(f"key {shown_key(key)} contains control character {shown_text(ch)}")
     return key
 
 

@@ -34,7 +34,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from mooncake_store import Client, InvalidValue, NoCapacity
 from mooncake_store.client.gets import uncounted
 from mooncake_store.config import format_size
-from mooncake_store.types import check_key
+from mooncake_store.types import check_key, shown_key
 
 #: Objects at least this big get a progress bar (when stderr is a terminal).
 PROGRESS_MIN_BYTES = 4 << 20
@@ -201,7 +201,7 @@ def _fetch(client: Client, key: str) -> np.ndarray:
             continue  # replaced by a bigger object between the size lookup and the read: look again
         # Replaced by a smaller one meanwhile: only what the read wrote is the object.
         return buf[:written]
-    raise CliError(f"key {key!r} kept changing size while being read; try again")
+    raise CliError(f"key {shown_key(key)} kept changing size while being read; try again")
 
 
 def get(
@@ -255,7 +255,7 @@ def get(
             if dest is None:
                 quiet_stdout()  # what is left in its buffer would fail again at exit, with a traceback
             where = "stdout" if dest is None else str(dest)
-            raise CliError(f"cannot write {key!r} to {where}: {exc.strerror or exc}") from None
+            raise CliError(f"cannot write {shown_key(key)} to {where}: {exc.strerror or exc}") from None
         finally:
             if dest is not None:
                 with suppress(OSError):  # closed above, or failing again: the first error is told
@@ -281,7 +281,7 @@ def rm(
     missing = [k for k, ok in zip(keys, removed, strict=True) if not ok]
     done = len(keys) - len(missing)
     if missing and not force:
-        shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        shown = ", ".join(shown_key(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
         # One line either way: what was missing, and that the rest went.
         raise CliError(f"{len(missing)} key(s) not found: {shown} (removed {done} other(s))", ExitCode.NOT_FOUND)
     err.print(f"[green]✓[/green] removed {done} key(s)")
@@ -330,7 +330,7 @@ def ls(
             err.print(f"[dim](limit {limit} reached: more keys match)[/dim]")
         return
     if not listing:
-        err.print(f"[dim]no keys match {escape(repr(pattern))} in namespace {target.namespace}[/dim]")
+        err.print(f"[dim]no keys match {escape(shown_key(pattern))} in namespace {target.namespace}[/dim]")
         return
     rows = [
         (

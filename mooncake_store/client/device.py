@@ -37,7 +37,7 @@ from mooncake_store.tiers.gpu_arrays import (
     parse_device,
 )
 from mooncake_store.transport.tcp import ReadRequest
-from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind, shown_key
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -258,7 +258,7 @@ def _read_to_device(
         result = lookup(client, [key], attempt)  # counted once per get
         meta = result.objects[0]
         if meta is None:
-            raise KeyNotFound(f"key {key!r} not found (no complete replica on a live node)")
+            raise KeyNotFound(f"key {shown_key(key)} not found (no complete replica on a live node)")
         if out is not None:
             target = out
         elif meta.dtype == BFLOAT16:

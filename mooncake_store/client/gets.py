@@ -27,7 +27,7 @@ from mooncake_store.errors import (
 )
 from mooncake_store.policy.transport_choice import gpu_ipc_node, order_replicas
 from mooncake_store.transport.tcp import ReadRequest
-from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind, stale_for
+from mooncake_store.types import NodeInfo, ObjectMeta, Replica, TierKind, TransportKind, shown_key, stale_for
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -127,7 +127,7 @@ class GetPath:
                 metas[i] = meta
                 if meta is None:
                     if not missing_ok:
-                        raise KeyNotFound(f"key {keys[i]!r} not found (no complete replica on a live node)")
+                        raise KeyNotFound(f"key {shown_key(keys[i])} not found (no complete replica on a live node)")
                     continue
                 if dests is not None:
                     out = dests[i]
