@@ -18,7 +18,7 @@ class ExitCode(IntEnum):
     NOT_FOUND = 3  # a key does not exist
     CANNOT_CONNECT = 4  # no Redis at the URL, an agent unreachable or busy, or no cluster running / recorded
     NO_CAPACITY = 5  # no node has room for the object, or /dev/shm none for an agent's arena
-    INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT
+    INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT; other signals: 128 + N (signals.Stopped)
 
 
 EXIT_CODE_HELP: tuple[tuple[ExitCode, str], ...] = (
@@ -28,7 +28,10 @@ EXIT_CODE_HELP: tuple[tuple[ExitCode, str], ...] = (
     (ExitCode.NOT_FOUND, "key not found"),
     (ExitCode.CANNOT_CONNECT, "cannot connect: Redis or an agent unreachable or busy, or no cluster running"),
     (ExitCode.NO_CAPACITY, "no room: no node has room for the object, or /dev/shm none for an agent's arena"),
-    (ExitCode.INTERRUPTED, "interrupted (Ctrl-C)"),
+    (
+        ExitCode.INTERRUPTED,
+        "interrupted (Ctrl-C); stopped by another signal: 128 + its number (143 SIGTERM, 129 SIGHUP)",
+    ),
 )
 
 

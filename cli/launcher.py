@@ -11,13 +11,10 @@ import json
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +31,7 @@ from mooncake_cli.procs import (
     wait_for_line,
     wait_for_match,
 )
+from mooncake_cli.signals import signals_deferred
 from mooncake_cli.state import (
     AgentRecord,
     ClusterState,
@@ -71,11 +69,6 @@ class StopReport:
     segments: list[str] = field(default_factory=list)
 
 
-#: The signals that stop `mooncake up`: deferred while a process is spawned and recorded, and
-#: while a failed start is undone.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 def check_shm_room(num_agents: int, host_bytes: int) -> None:
     try:
         st = os.statvfs(SHM_DIR)
@@ -89,27 +82,6 @@ def check_shm_room(num_agents: int, host_bytes: int) -> None:
             f"{SHM_DIR} has {free} B free; use a smaller --host-mem or fewer --agents",
             ExitCode.NO_CAPACITY,
         )
-
-
-@contextmanager
-def signals_deferred() -> Iterator[None]:
-    """A SIGINT, SIGTERM or SIGHUP that arrives inside is acted on when the block is done: raised in
-    between (the CLI's handlers raise), it left a process spawned but not recorded, or a cleanup
-    half done, running out of `mooncake down`'s reach. The handlers are swapped, not the signal
-    mask: a blocked mask is inherited by the processes spawned, and holds only for the thread
-    that set it, while Python runs its handlers in the main thread whichever thread was signalled."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread, where they also run
-        return
-    arrived: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: arrived.append(signum)) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if arrived:
-            signal.raise_signal(arrived[0])  # to the handler that was there before
 
 
 def _start_server(plan: LaunchPlan, logs: Path, state: ClusterState, save_progress: Callable[[], None]) -> str:

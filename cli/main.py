@@ -17,6 +17,7 @@ from mooncake_cli.commands import agent as agent_cmd
 from mooncake_cli.commands import bench, cluster, config, data, demo, doctor, stat
 from mooncake_cli.context import ClosedStdout, Globals, NamespaceOpt, RedisUrlOpt, err, out, quiet_stdout
 from mooncake_cli.exits import EXIT_CODE_HELP, CliError, ExitCode, code_for
+from mooncake_cli.signals import Stopped
 from rich.markup import escape
 
 from mooncake_store import MooncakeError, __version__
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         code = _fail(exc.format_message(), exc.exit_code, debug=debug)
     except typer.Abort:
         code = ExitCode.INTERRUPTED
+    except Stopped as exc:  # SIGTERM or SIGHUP, once the command has unwound: 128 + its number
+        code = _fail(exc.message, exc.code, debug=debug) if exc.message else exc.code
     except CliError as exc:
         code = _fail(str(exc), exc.code, debug=debug)
     except MooncakeError as exc:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mooncake_store.errors import signal_exit_status
+
 HF_MISSING = (
     "The demo runs a small transformers model and needs the 'hf' extra (torch + transformers).\n"
     "Install it with:\n"
@@ -175,9 +177,10 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
     if args.worker:
         return _worker(args)
     # SIGTERM and SIGHUP unwind like Ctrl-C, so the cluster below stops what it started (by default
-    # they end the process on the spot, leaving the server, the agents and their shared memory).
+    # they end the process on the spot, leaving the server, the agents and their shared memory),
+    # then exit with the status a shell gives a process that signal ended, as the CLI's commands do.
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+        signal.signal(sig, lambda signum, _frame: sys.exit(signal_exit_status(signum)))
 
     from mooncake_store import LocalCluster, PrefixCache, connect
     from mooncake_store.integrations.transformers import kv_layout, kv_namespace

@@ -153,3 +153,10 @@ def exit_status(exc: BaseException) -> int:
     if isinstance(exc, NoCapacity):
         return 5
     return 1
+
+
+def signal_exit_status(signum: int) -> int:
+    """The exit status of a command that a signal stopped, once it has cleaned up: 128 + the
+    signal's number, as a shell reports a process that signal ended (130 Ctrl-C, 143 SIGTERM, 129
+    SIGHUP), so a script can tell a `kill` from a Ctrl-C, and either from a failure."""
+    return 128 + signum

@@ -4,7 +4,7 @@ The same workload as ``benchmarks/transfer.py``, shortened: this machine's singl
 size (the limit every figure is a ratio to), then per transport and size put and get_into
 throughput, 4 KiB get latency, and a batched get_many_into of 64 KiB objects. Every loop is bounded
 by --seconds and by an iteration count. Its keys live under ``bench/<uuid>/`` and are removed at
-the end, also after an error or Ctrl-C.
+the end, also after an error, Ctrl-C, SIGTERM or SIGHUP.
 
 This module is the typer command and its option checks; the measurements are in ``bench_measure``
 and the progress display, tables and JSON in ``bench_report``.
@@ -12,7 +12,6 @@ and the progress display, tables and JSON in ``bench_report``.
 
 from __future__ import annotations
 
-import signal
 import uuid
 from contextlib import ExitStack, suppress
 from enum import StrEnum
@@ -21,8 +20,8 @@ from typing import Annotated
 import typer
 from mooncake_cli.commands.bench_measure import (
     BATCH_OBJECT_BYTES,
-    INTERRUPT,
     LEASE_MS,
+    STOP,
     Bench,
     Results,
     cleanup,
@@ -45,6 +44,7 @@ from mooncake_cli.context import (
     seconds_between,
 )
 from mooncake_cli.exits import CliError, ExitCode
+from mooncake_cli.signals import signals_deferred, stopping_with
 
 from mooncake_store import connect
 from mooncake_store.config import format_size, parse_size
@@ -105,11 +105,10 @@ def bench(
     target = resolve_target(ctx, redis_url, namespace)
     res = Results(prefix=f"bench/{uuid.uuid4().hex}/", seconds=seconds)
     with ExitStack() as stack:
-        # Ctrl-C as Python raises it, and remembered for the loops (bench_measure.Interrupt); a
-        # `kill` or a closed terminal alike, as `up` and `demo` take them: they left the run's
-        # objects in the cluster, taking its room.
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            stack.callback(signal.signal, signum, signal.signal(signum, INTERRUPT))
+        # Ctrl-C, a `kill` or a closed terminal unwind the run (they left its objects in the
+        # cluster, taking its room) and end it with 128 + the signal's number; the first is
+        # remembered for the loops, later ones are ignored.
+        stack.enter_context(stopping_with(STOP))
         # open_client: a recorded cluster whose server died gets the advice that applies to it.
         base = stack.enter_context(open_client(target))
         agents, room, largest = room_bytes(base)
@@ -138,11 +137,14 @@ def bench(
                         continue
                     runner.run_transport(client, name, size_list, batch, room)
         except BaseException:
-            # Ctrl-C or a failure: still remove what was written, without hiding the first error.
-            with suppress(Exception):
+            # A signal or a failure: still remove what was written, without hiding the first error.
+            # Signals wait for the removal (a second one cut it short, leaving objects behind).
+            with suppress(Exception), signals_deferred():
                 cleanup(base, res.prefix)
             raise
-        cleanup(base, res.prefix)
+        with signals_deferred():
+            cleanup(base, res.prefix)
+        STOP.check()  # a stop whose raise was lost ends the run with its status, not 0
     if json_out:
         out.print_json_document(as_json(res, target, agents))
     else:

@@ -12,13 +12,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import numpy as np
 from mooncake_cli.bench_checks import ReadCheckFailed, check_batch_reads, check_reads, stamp
 from mooncake_cli.context import Target
 from mooncake_cli.exits import CliError
+from mooncake_cli.signals import StopOnce
 from rich.progress import Progress
 
 from mooncake_store import Client
@@ -56,25 +56,9 @@ def max_iterations(size: int) -> int:
     return int(min(20_000, max(20, 2 * GB / size)))
 
 
-class Interrupt:
-    """The bench's SIGINT handler: raises KeyboardInterrupt as Python's does, and remembers it, so
-    that the measuring loops raise it again (check) where the first was lost: raised inside a
-    finalizer (a redis parser's __del__, run by the garbage collector) it is printed as "Exception
-    ignored" and the run went on for all its --seconds."""
-
-    def __init__(self) -> None:
-        self.seen = False
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.seen = True
-        raise KeyboardInterrupt
-
-    def check(self) -> None:
-        if self.seen:
-            raise KeyboardInterrupt
-
-
-INTERRUPT = Interrupt()
+#: The bench's handler of SIGINT, SIGTERM and SIGHUP, which the measuring loops check (a first
+#: signal raised inside a finalizer is lost there, and the run went on for all its --seconds).
+STOP = StopOnce()
 
 
 def timed_loop(
@@ -83,7 +67,7 @@ def timed_loop(
     """Run ``fn(i)`` until ``seconds`` or ``count`` runs out (at least 3 calls); returns
     (calls, seconds, per-call seconds)."""
     for i in range(warmup):
-        INTERRUPT.check()
+        STOP.check()
         fn(i)
     clock = time.perf_counter
     times: list[float] = []
@@ -91,7 +75,7 @@ def timed_loop(
     deadline = start + seconds
     i = 0
     while i < count and (i < 3 or clock() < deadline):
-        INTERRUPT.check()
+        STOP.check()
         t0 = clock()
         fn(i)
         times.append(clock() - t0)

@@ -8,7 +8,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from types import FrameType
 from typing import Annotated
 
 import typer
@@ -27,6 +26,7 @@ from mooncake_cli.context import (
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive, ref_of
 from mooncake_cli.render import cluster_view
+from mooncake_cli.signals import STOP_SIGNALS, StopOnce, Stopped, stopping_with
 from mooncake_cli.state import (
     ClusterState,
     StartingRecord,
@@ -50,38 +50,6 @@ from mooncake_store.index.connection import connect_redis
 #: How long `mooncake down` waits for an `up` still starting to record its cluster (agents that
 #: prefault large arenas take a while on a loaded machine; `up --timeout` bounds its own waits).
 UP_WAIT_S = 120.0
-
-
-class _Stop(BaseException):
-    """Raised by the SIGTERM/SIGHUP handler so the foreground view unwinds like Ctrl-C. A
-    BaseException, as KeyboardInterrupt is: raised inside a library call that handles Exception
-    (and turns it into its own error), it was swallowed there, and as later signals are ignored
-    once the first was raised, `up` then ran on for good (a test saw it outlive two SIGTERMs)."""
-
-
-class _StopOnce:
-    """The handler of the signals that stop `mooncake up` while it starts or stops a cluster: the
-    first raises (KeyboardInterrupt for SIGINT, _Stop for the others), later ones are ignored. A
-    second Ctrl-C or SIGTERM raised again inside the cleanup the first one began, before it could
-    defer signals, and what it had not stopped yet ran on unrecorded."""
-
-    def __init__(self) -> None:
-        self.raised = False
-        self.signum = 0
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if self.raised:
-            return
-        self.raised, self.signum = True, signum
-        raise KeyboardInterrupt if signum == signal.SIGINT else _Stop()
-
-    def check(self) -> None:
-        """Raise the stop again where the loop that waits for it runs. The handler raises in
-        whatever code the signal lands in, and where that is a finalizer (a redis parser's
-        __del__, run by the garbage collector) Python prints "Exception ignored" and goes on: the
-        stop was lost, later signals were ignored, and a foreground `up` ran on for good."""
-        if self.raised:
-            raise KeyboardInterrupt if self.signum == signal.SIGINT else _Stop()
 
 
 @contextlib.contextmanager
@@ -294,25 +262,23 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
     if plan.mode == "detached":
         # A SIGINT, SIGTERM or SIGHUP while starting unwinds launch(), which stops what it started:
         # nothing is recorded yet, so nothing else could. Signals after the first are ignored.
-        stop_once = _StopOnce()
-        previous = {sig: signal.signal(sig, stop_once) for sig in launcher.STOP_SIGNALS}
+        stop_once = StopOnce()
         try:
-            state = launcher.launch(plan)
-            try:
-                save_state(state)
-            except BaseException:
-                # Not recorded, so `mooncake down` could not find it: stopped here (no room on the
-                # disk, a signal, ...), then the error is reported.
-                launcher.stop_uninterrupted(state)
-                raise
-            clear_starting()  # recorded in cluster.json now
-        except _Stop:
-            raise CliError(
-                "stopped by a signal while starting; everything it started was stopped", ExitCode.ERROR
-            ) from None
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+            with stopping_with(stop_once):
+                state = launcher.launch(plan)
+                try:
+                    save_state(state)
+                except BaseException:
+                    # Not recorded, so `mooncake down` could not find it: stopped here (no room on
+                    # the disk, a signal, ...), then the error is reported.
+                    launcher.stop_uninterrupted(state)
+                    raise
+                clear_starting()  # recorded in cluster.json now
+        except (KeyboardInterrupt, Stopped):
+            # Exit 128 + the signal's number, as for any command a signal stopped (SIGTERM was
+            # exit 1 here, while Ctrl-C was 130 and said nothing).
+            message = "stopped by a signal while starting; everything it started was stopped"
+            raise Stopped(stop_once.signum or signal.SIGINT, message) from None
         _print_started(state, as_json=as_json)
         return
     _run_foreground(plan, ref_of(os.getpid()), as_json=as_json)
@@ -333,8 +299,8 @@ def _print_started(state: ClusterState, *, as_json: bool) -> None:
 def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json: bool) -> None:
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then never raises
     # KeyboardInterrupt; the cluster must still stop on Ctrl-C, `kill -INT`, `kill` or a closed terminal.
-    stop_once = _StopOnce()
-    previous = {s: signal.signal(s, stop_once) for s in launcher.STOP_SIGNALS}
+    stop_once = StopOnce()
+    previous = {s: signal.signal(s, stop_once) for s in STOP_SIGNALS}
     state: ClusterState | None = None
     try:
         state = launcher.launch(plan, owner=owner)
@@ -348,8 +314,8 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
             _wait_quietly(state, stop_once)
         else:
             _live_view(state, stop_once)
-    except (KeyboardInterrupt, _Stop):
-        pass
+    except (KeyboardInterrupt, Stopped):
+        pass  # the way to stop a foreground cluster: exit 0 once it is stopped
     finally:
         # Ignore further signals while stopping: a half-stopped cluster is the one outcome to avoid.
         for signum in previous:
@@ -366,7 +332,7 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def _wait_quietly(state: ClusterState, stop_once: _StopOnce) -> None:
+def _wait_quietly(state: ClusterState, stop_once: StopOnce) -> None:
     """The foreground cluster with --json, or into a file or a pipe: nothing more on stdout until it
     stops; an agent process that exits is reported on stderr, once."""
     reported: set[str] = set()
@@ -379,7 +345,7 @@ def _wait_quietly(state: ClusterState, stop_once: _StopOnce) -> None:
         time.sleep(1.0)
 
 
-def _live_view(state: ClusterState, stop_once: _StopOnce) -> None:
+def _live_view(state: ClusterState, stop_once: StopOnce) -> None:
     client = connect(state.redis_url, namespace=state.namespace)
     try:
         prev: tuple[float, ClusterStats] | None = None

@@ -11,6 +11,7 @@ from mooncake_cli.context import (
     JsonOpt,
     NamespaceOpt,
     RedisUrlOpt,
+    Target,
     live_out,
     open_client,
     out,
@@ -19,8 +20,11 @@ from mooncake_cli.context import (
     seconds_between,
 )
 from mooncake_cli.render import cluster_view, stats_json
+from mooncake_cli.signals import StopOnce, stopping_with
 from rich.live import Live
 from rich.text import Text
+
+from mooncake_store import Client
 
 
 def stat(
@@ -55,20 +59,31 @@ def stat(
             else:
                 out.print(cluster_view(stats, header=header))
             return
-        if as_json:
-            while True:  # JSON lines: a consumer can parse each refresh as it arrives
-                data = stats_json(client.stat(), redis_url=target.shown_url, namespace=target.namespace)
-                print(json.dumps(data), flush=True)
-                time.sleep(interval)
-        if not out.is_terminal:
-            # Into a file or a pipe a live display shows nothing until it stops: one block per
-            # refresh instead, each out as soon as it is drawn (`mooncake stat -w | head` ends).
-            while True:
-                out.print(cluster_view(client.stat(), header=header))
-                out.print()
-                out.file.flush()
-                time.sleep(interval)
-        with Live(console=live_out, auto_refresh=False) as live:
-            while True:
-                live.update(cluster_view(client.stat(), header=header), refresh=True)
-                time.sleep(interval)
+        # Ctrl-C, a `kill` or a closed terminal end the watch as one: the live view puts the
+        # terminal's cursor back (by SIGTERM's default action it stayed hidden), and the status
+        # is 128 + the signal's number.
+        with stopping_with(StopOnce()) as stop:
+            _watch(client, target, header, interval, stop, as_json=as_json)
+
+
+def _watch(client: Client, target: Target, header: Text, interval: float, stop: StopOnce, *, as_json: bool) -> None:
+    if as_json:
+        while True:  # JSON lines: a consumer can parse each refresh as it arrives
+            data = stats_json(client.stat(), redis_url=target.shown_url, namespace=target.namespace)
+            print(json.dumps(data), flush=True)
+            stop.check()
+            time.sleep(interval)
+    if not out.is_terminal:
+        # Into a file or a pipe a live display shows nothing until it stops: one block per
+        # refresh instead, each out as soon as it is drawn (`mooncake stat -w | head` ends).
+        while True:
+            out.print(cluster_view(client.stat(), header=header))
+            out.print()
+            out.file.flush()
+            stop.check()
+            time.sleep(interval)
+    with Live(console=live_out, auto_refresh=False) as live:
+        while True:
+            live.update(cluster_view(client.stat(), header=header), refresh=True)
+            stop.check()
+            time.sleep(interval)

@@ -158,10 +158,10 @@ def _detached_up_once_its_server_runs(mooncake: Mooncake, ns: str, *, agents: in
     return up
 
 
-def _nothing_left_after_down(mooncake: Mooncake, procs: Procs, ns: str, up: subprocess.Popen[bytes]) -> None:
+def _nothing_left_after_down(mooncake: Mooncake, procs: Procs, ns: str, up: subprocess.Popen[bytes]) -> bytes:
     """Once the signalled `up` ended and `down` stopped whatever it recorded, none of its processes
-    or segments is left."""
-    up.communicate(timeout=60)
+    or segments is left; returns what `up` wrote on stderr."""
+    _, stderr = up.communicate(timeout=60)
     procs.scan()
     mooncake("down", "--timeout", "5")
     left = procs.settled()
@@ -169,6 +169,7 @@ def _nothing_left_after_down(mooncake: Mooncake, procs: Procs, ns: str, up: subp
         f"still running after a signalled `mooncake up -d` (exit {up.returncode}) and `down`: {procs.describe(left)}"
     )
     assert _segments(ns) == []
+    return stderr
 
 
 def test_two_concurrent_detached_ups_leave_nothing_after_down(mooncake: Mooncake, procs: Procs) -> None:
@@ -199,7 +200,10 @@ def test_sigterm_during_detached_up_leaves_nothing(mooncake: Mooncake, procs: Pr
     assert up.poll() is None, "up finished before the test could signal it"
     procs.scan()
     up.send_signal(signal.SIGTERM)
-    _nothing_left_after_down(mooncake, procs, ns, up)
+    stderr = _nothing_left_after_down(mooncake, procs, ns, up)
+    # 128 + SIGTERM, as for any command a signal stopped (it was 1, while Ctrl-C was 130).
+    assert up.returncode == 128 + signal.SIGTERM, stderr.decode(errors="replace")
+    assert b"stopped by a signal while starting" in stderr
 
 
 @pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.2])
