@@ -16,7 +16,6 @@ import argparse
 import atexit
 import os
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -34,7 +33,7 @@ from redis.retry import Retry
 
 from mooncake_store.errors import PortInUse, ServerError
 from mooncake_store.server_procs import exited, started_by, stop_process
-from mooncake_store.watchdog import start_time, watch_parent
+from mooncake_store.watchdog import start_time, stop_on_signals, watch_parent
 
 #: The wrapper's exit status for a port in use, as an agent's for a --listen port in use.
 USAGE_EXIT = 2
@@ -448,12 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--exit-with-parent must be a process id > 0, got {args.exit_with_parent}")
 
     stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+    stop_on_signals(stop)
     if args.exit_with_parent is not None:
         watch_parent(args.exit_with_parent, stop, what="embedded server")
     try:

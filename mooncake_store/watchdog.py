@@ -19,6 +19,9 @@ that only polls. It checks once every POLL_S:
   launcher was killed outright left its temp dir behind for good, since only the launcher's own
   stop removed it once the watchdog had gone.
 
+The project's long-running processes (an agent, the embedded server's wrapper) import two helpers
+from here: ``watch_parent`` (``--exit-with-parent``) and ``stop_on_signals``.
+
 SIGINT is ignored (a Ctrl-C in the launcher's terminal is the launcher's to handle); SIGTERM, which
 the launcher sends when it stops the server itself, ends the watch.
 """
@@ -26,11 +29,13 @@ the launcher sends when it stops the server itself, ends the watch.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -57,6 +62,40 @@ def watch_parent(pid: int, stop: threading.Event, *, what: str) -> None:
                 stop.set()
 
     threading.Thread(target=run, name="mc-parent-watch", daemon=True).start()
+
+
+#: The signals that stop a long-running process of the project (an agent, the embedded server's
+#: wrapper): `kill`, Ctrl-C, a closed terminal.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def stop_on_signals(stop: threading.Event, signums: tuple[int, ...] = STOP_SIGNALS) -> None:
+    """Set ``stop`` when one of ``signums`` arrives; from the main thread only (signal handlers are
+    set there). Not from the handler: Python runs a handler on the main thread between two of its
+    bytecodes, and ``Event.set`` takes the event's lock, which is no re-entrant one; a signal that
+    landed while the main thread held it (inside the handler of the signal before, or in its own
+    ``stop.wait``) deadlocked the process for good. Two SIGTERMs back to back (LocalCluster's stop
+    sends one after its terminate) did so about once in fifteen stops, and the agent was SIGKILLed
+    10 s later, its node left to be reaped. The handler does nothing; the signal's byte on the
+    wakeup fd, written by the interpreter's C-level handler, wakes a thread that sets ``stop``."""
+    read_end, write_end = socket.socketpair()
+    write_end.setblocking(False)  # set_wakeup_fd requires it: a full buffer must not block a signal
+    signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
+    for signum in signums:
+        signal.signal(signum, lambda _signum, _frame: None)
+    # Once the process exits they are ignored: the interpreter's shutdown puts the default action
+    # back, and the tail of a burst then killed a process that had stopped cleanly (status -2).
+    atexit.register(lambda: [signal.signal(signum, signal.SIG_IGN) for signum in signums])
+
+    def relay() -> None:
+        # Both ends live as long as the process: the wakeup fd is written for every later signal.
+        # Each byte is a signal's number; another signal Python handles (none here) is no stop.
+        keep = (read_end, write_end)
+        while arrived := keep[0].recv(64):
+            if any(signum in signums for signum in arrived):
+                stop.set()
+
+    threading.Thread(target=relay, name="mc-signals", daemon=True).start()
 
 
 def stat_fields(pid: int) -> list[str] | None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import signal
 import threading
-from types import FrameType
 from typing import Annotated
 
 import typer
@@ -23,6 +21,7 @@ from mooncake_store.config import (
     format_size,
     redact_url,
 )
+from mooncake_store.watchdog import stop_on_signals
 
 
 def agent(
@@ -132,12 +131,7 @@ def agent(
             ExitCode.CANNOT_CONNECT,
         )
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+    stop_on_signals(stop)
     node = Agent(config.agent, redis_url=config.redis_url, namespace=config.namespace)
     try:
         _serve(node, config, stop, ready_json=ready_json)

@@ -9,16 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import threading
-from types import FrameType
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.takeover import StartCancelled
 from mooncake_store.config import agent_flag_names, agent_flag_overrides, load_config
 from mooncake_store.errors import ConfigError, MooncakeError, exit_status
-from mooncake_store.watchdog import watch_parent
+from mooncake_store.watchdog import stop_on_signals, watch_parent
 
 #: Exit codes, as the `mooncake` CLI's (cli/exits.py, errors.exit_status): 2 for bad input, 4 no
 #: Redis, 5 no room (/dev/shm, the disk), 1 any other failure.
@@ -70,15 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
     # Before the arena is made: a signal while it was prefaulted (seconds for gigabytes) killed
     # the agent by its default action, its arena left in /dev/shm. A hang-up too (its terminal
     # closed, as `mooncake agent` takes it).
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+    stop_on_signals(stop)
     try:
         config = load_config(
             file=args.config,
