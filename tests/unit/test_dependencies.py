@@ -32,8 +32,9 @@ ALLOWED: dict[str, set[str]] = {
 #: agent; the CLI departs from it for three things no client call gives: `doctor` asks the index
 #: itself (RedisIndex: the server's version, clock, maxmemory policy) and opens a bare connection
 #: first (connect_redis, also used by `up` and the error advice), and `up`/`down` find and remove
-#: agents' arena segments in /dev/shm (tiers.host's SHM_DIR and name pattern).
-CLI_ALLOWED = {"client", "agent", "config", "errors", "types", "embedded", "index", "tiers"}
+#: agents' arena segments in /dev/shm (tiers.host's SHM_DIR and name pattern). `mooncake agent`
+#: stops on signals as `python -m mooncake_store.agent` does (watchdog.stop_on_signals).
+CLI_ALLOWED = {"client", "agent", "config", "errors", "types", "embedded", "index", "tiers", "watchdog"}
 
 
 def _layer(path: Path) -> str:
