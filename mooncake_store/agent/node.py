@@ -182,8 +182,8 @@ class Agent(OtherTierHooks, SyncDuties):
         if used > self.config.high_watermark * self.table.capacity_bytes:
             self.pressure.wake()  # move objects alongside the writer, not in bursts after refusals
 
-    def no_room(self, size_bytes: int, *, replicated: bool = False) -> None:
-        self.pressure.want_room(size_bytes, replicated=replicated)
+    def no_room(self, size_bytes: int, *, spared_peers: int = 0) -> None:
+        self.pressure.want_room(size_bytes, spared_peers=spared_peers)
 
     def expire_other_tiers(self, alloc_ids: list[int]) -> int:
         expired = 0

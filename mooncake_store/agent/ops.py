@@ -24,7 +24,6 @@ from mooncake_store.tiers.host import HostArena, segment_digest
 from mooncake_store.transport import frames
 from mooncake_store.transport.frames import (
     PROBE_FLAG,
-    REPLICATED_FLAG,
     SPILL_FLAG,
     TIER_DISK,
     TIER_GPU,
@@ -65,10 +64,10 @@ class AgentHooks(Protocol):
         activity): one per object, its first stripe's READ."""
 
     def reserve_other_tier(
-        self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool, make_room: bool, replicated: bool = False
+        self, tier: int, requests: list[tuple[int, bytes]], *, spill: bool, make_room: bool, spared_peers: int = 0
     ) -> list[Any] | None:
         """Reservations in tier ``tier`` (1: GPU, 2: disk, for spills only); None when the agent has
-        no room or no such tier. ``replicated``: as for no_room."""
+        no room or no such tier. ``spared_peers``: as for no_room."""
 
     def other_tier_room(self, tier: int, *, spill: bool) -> tuple[int, int, int]:
         """(free bytes, largest free block, capacity) of tier ``tier`` here, for a refusal's reply
@@ -92,9 +91,10 @@ class AgentHooks(Protocol):
     def reclaim_now(self) -> None:
         """Free what is already due (graveyard entries past their lease, abandoned reservations)."""
 
-    def no_room(self, size_bytes: int, *, replicated: bool = False) -> None:
-        """A reservation did not fit even after reclaim_now. ``replicated``: its put keeps replicas
-        on other nodes too (frames.REPLICATED_FLAG), so the room is not made by spills to peers."""
+    def no_room(self, size_bytes: int, *, spared_peers: int = 0) -> None:
+        """A reservation did not fit even after reclaim_now. ``spared_peers``: the marks of the
+        nodes its put keeps other replicas on (frames.spared_peers), so the room is not made by
+        spills to them."""
 
     def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
         """Reservations flagged as spills from a peer were granted in ``tier`` (counted as spills
@@ -342,7 +342,7 @@ class AgentOps:
                 requests,
                 spill=bool(flags & SPILL_FLAG),
                 make_room=not flags & (SPILL_FLAG | PROBE_FLAG),
-                replicated=bool(flags & REPLICATED_FLAG),
+                spared_peers=frames.spared_peers(flags),
             )
             if allocs is None:
                 free, largest, capacity = self._hooks.other_tier_room(tier, spill=bool(flags & SPILL_FLAG))
@@ -366,7 +366,7 @@ class AgentOps:
             # A refused spill goes to another peer, and a probing writer to another node: no room
             # is made for either.
             if not flags & (SPILL_FLAG | PROBE_FLAG):
-                self._hooks.no_room(self._table.footprint(requests), replicated=bool(flags & REPLICATED_FLAG))
+                self._hooks.no_room(self._table.footprint(requests), spared_peers=frames.spared_peers(flags))
             return True
         if flags & SPILL_FLAG:
             self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)

@@ -27,6 +27,7 @@ from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.agent.spill_jobs import SilentPeers
 from mooncake_store.errors import MooncakeError
 from mooncake_store.policy.eviction import MoveKind, bytes_to_free, choose_victims
+from mooncake_store.transport import frames
 from mooncake_store.types import EvictionCandidate, TierKind
 
 if TYPE_CHECKING:
@@ -71,9 +72,9 @@ class PressureManager:
         self.counters: dict[TierKind, Counter[str]] = {t: Counter() for t in TierKind}
         #: Per arena tier, the largest reservation that did not fit since the last pass began.
         self._wanted: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
-        #: Arena tiers where a writer of a put with replicas on other nodes too waits for room
-        #: (frames.REPLICATED_FLAG): the next pass there spills nothing to peers.
-        self._wanted_replicated: set[TierKind] = set()
+        #: Per arena tier, the marks of the peers where writers waiting for room there keep their
+        #: puts' other replicas (frames.spared_peers): the next pass spills nothing to those.
+        self._spared: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
         #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
@@ -96,22 +97,22 @@ class PressureManager:
         self._spiller.close()
 
     # ---- signals from the server ------------------------------------------------------------
-    def want_room(self, size_bytes: int, *, tier: TierKind = TierKind.HOST, replicated: bool = False) -> None:
+    def want_room(self, size_bytes: int, *, tier: TierKind = TierKind.HOST, spared_peers: int = 0) -> None:
         """A reservation of ``size_bytes`` did not fit: make room now rather than at the next pass.
         One larger than the whole tier can never fit, and makes none: a pass sized by it would move
-        or evict everything there (one hostile RESERVE frame would empty the node). ``replicated``:
-        the writer's put keeps replicas on other nodes too, whose room a spill there would take."""
+        or evict everything there (one hostile RESERVE frame would empty the node).
+        ``spared_peers``: the marks of the nodes where the writer's put keeps its other replicas
+        (frames.spared_peers), whose room a spill there would take."""
         table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
         if table is None or size_bytes > table.capacity_bytes:
             return
-        self._note_wanted(tier, size_bytes, replicated)  # before the wake: a wanted size ends the loop's hold
+        self._note_wanted(tier, size_bytes, spared_peers)  # before the wake: a wanted size ends the loop's hold
         self._wake.set()
 
-    def _note_wanted(self, tier: TierKind, size_bytes: int, replicated: bool = False) -> None:
+    def _note_wanted(self, tier: TierKind, size_bytes: int, spared_peers: int = 0) -> None:
         with self._lock:
             self._wanted[tier] = max(self._wanted[tier], size_bytes)
-            if replicated:
-                self._wanted_replicated.add(tier)
+            self._spared[tier] |= spared_peers
 
     def _room_wanted(self) -> bool:
         with self._lock:
@@ -121,24 +122,24 @@ class PressureManager:
         """A pass over an arena tier (host or GPU), sized for the reservations waiting for room."""
         with self._lock:
             wanted, self._wanted[tier] = self._wanted[tier], 0
-            replicated = tier in self._wanted_replicated
-            self._wanted_replicated.discard(tier)
+            spared, self._spared[tier] = self._spared[tier], 0
         try:
-            # For a replicated put's writer the room is made by demotion or eviction: spilled to
-            # the peers its other replicas need room on, each agent asked in turn spilled the same
-            # objects back, and the put waited out its timeout while the cluster's use stood still.
-            moved = self._relieve(tier, self._arena_need(tier, table, wanted), job_of, spill=not replicated)
+            # For a replicated put's writer the room is made by spills to the other peers only,
+            # else by demotion or eviction: spilled to the peers its other replicas need room on,
+            # each agent asked in turn spilled the same objects back, and the put waited out its
+            # timeout while the cluster's use stood still.
+            moved = self._relieve(tier, self._arena_need(tier, table, wanted), job_of, spared_peers=spared)
         except BaseException:
             # A failed pass made no room: the writer is still waiting, and the next pass must
             # know it before that writer's next refused RESERVE tells it again.
-            self._note_wanted(tier, wanted, replicated)
+            self._note_wanted(tier, wanted, spared)
             raise
         if moved and table.usage()[2] < wanted:
             # The pass moved less than the writer waits for (its sample ran short of movable
             # objects): the next pass of this wake must still make room for it, not only drain to
             # the watermark (one pass per refused RESERVE, each after the writer's back-off).
             # A pass that moved nothing ends the wake's passes, and with them the request.
-            self._note_wanted(tier, wanted, replicated)
+            self._note_wanted(tier, wanted, spared)
         return moved
 
     def wake(self) -> None:
@@ -254,7 +255,7 @@ class PressureManager:
         return need_now
 
     def _relieve(
-        self, tier: TierKind, need_now: Callable[[Returning], int], job_of: JobOf, *, spill: bool = True
+        self, tier: TierKind, need_now: Callable[[Returning], int], job_of: JobOf, *, spared_peers: int = 0
     ) -> int:
         """The pass shared by every tier: ``need_now(returning)`` is what must leave ``tier``, given
         ``returning`` bytes of it that come back by themselves. Space of removed, replaced and moved
@@ -270,7 +271,7 @@ class PressureManager:
             # per RECLAIM_MIN_INTERVAL_S unforced): free them now, not at the next sync, so that
             # a waiting writer finds its room.
             self.agent.reclaim_now(force=True)
-        return self._walk(tier, need, job_of, now_ms=returning.now_ms, spill=spill) if need > 0 else 0
+        return self._walk(tier, need, job_of, now_ms=returning.now_ms, spared_peers=spared_peers) if need > 0 else 0
 
     def _returning(self, tier: TierKind) -> Returning:
         """Bytes of ``tier`` held by this node's graveyard (still leased: freed when leases end),
@@ -313,11 +314,12 @@ class PressureManager:
         location = self.agent.table.offset_of(victim.alloc_id)
         return SpillJob(victim=victim, offset=location[0]) if location is not None else None
 
-    def _walk(self, tier: TierKind, need: int, job_of: JobOf, *, now_ms: int, spill: bool = True) -> int:
+    def _walk(self, tier: TierKind, need: int, job_of: JobOf, *, now_ms: int, spared_peers: int = 0) -> int:
         """Move the coldest movable objects of ``tier`` until ``need`` bytes are on their way out;
         returns the bytes moved. ``job_of`` locates a victim in the tier (None: freed since the
         sample was taken); ``now_ms``: the index's time as the pass began (read with the graveyard);
-        ``spill``: False, nothing goes to peers (demoted here, or evicted)."""
+        ``spared_peers``: the marks of peers nothing goes to (frames.spared_peers: all of them, and
+        what is not demoted here is evicted)."""
         agent = self.agent
         candidates = agent.index.victim_candidates(agent.node_id, str(tier), sample=SAMPLE)
         # One read of the node table per pass; what this pass sends each peer is counted here.
@@ -326,7 +328,8 @@ class PressureManager:
             self._spiller.arenas.premap(peers)  # also unmaps peers that left
         else:
             self._spiller.arenas.retain(peers)
-        state = PassState(peers=peers if spill else [], refused=self.silent.now())
+        destinations = [p for p in peers if not spared_peers & frames.replica_peer_bit(p.node_id)]
+        state = PassState(peers=destinations, refused=self.silent.now())
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (_evict_queued).

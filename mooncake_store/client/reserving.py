@@ -37,11 +37,16 @@ WIRE_TIER = {TierKind.HOST: frames.TIER_HOST, TierKind.GPU: frames.TIER_GPU}
 Abandon = Callable[..., None]
 
 
-def room_ask_flags(replicas: int) -> int:
-    """The RESERVE flags of a writer that asks a node to make room (no PROBE_FLAG): a put with
-    replicas on several nodes says so, and the node makes that room by demotion or eviction, not
-    by spills into the peers its other replicas need room on (frames.REPLICATED_FLAG)."""
-    return frames.REPLICATED_FLAG if replicas > 1 else 0
+def room_ask_flags(replicas: int, plans: list[PlannedPut], node_id: str) -> int:
+    """The RESERVE flags of a writer that asks ``node_id`` to make room for ``plans`` (no
+    PROBE_FLAG): a put with replicas on several nodes names the nodes its other replicas are on or
+    assigned to (frames.replicated_flags), and the node makes that room by spills to its other
+    peers, else by demotion or eviction, not by spills into the peers where those replicas need
+    room."""
+    if replicas <= 1:
+        return 0
+    others = {r.node_id for plan in plans for r in plan.replicas} | {n for plan in plans for n in plan.assigned}
+    return frames.replicated_flags(others - {node_id})
 
 
 class Reserver:
@@ -160,7 +165,9 @@ class Reserver:
                         [(p.size_bytes, p.put_id) for p in group],
                         node_id=node_id,
                         tier=WIRE_TIER[tier],
-                        flags=room_ask_flags(replicas) if node_id == preferred_node else frames.PROBE_FLAG,
+                        flags=room_ask_flags(replicas, group, node_id)
+                        if node_id == preferred_node
+                        else frames.PROBE_FLAG,
                     )
                 except (NoCapacity, ConnectError, TransferError) as exc:
                     if not isinstance(exc, NoCapacity):
@@ -295,7 +302,7 @@ class Reserver:
                         [(plan.size_bytes, plan.put_id) for plan in of_tier],
                         node_id=node_id,
                         tier=WIRE_TIER[tier],
-                        flags=room_ask_flags(replicas),
+                        flags=room_ask_flags(replicas, of_tier, node_id),
                     )
                 except (NoCapacity, ConnectError, TransferError):
                     continue  # asked to make room: the put's next try finds it, here or where else it was asked

@@ -59,7 +59,8 @@ import operator
 import socket
 import struct
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterable, Sequence
 from enum import IntEnum
 
 from mooncake_store.errors import InvalidValue, ProtocolError, TransferError, TransferTimeout
@@ -94,6 +95,18 @@ PROBE_FLAG = 2
 #: (a replicas=3 put on three nodes whose free room was in pieces). Agents of earlier builds ignore
 #: it.
 REPLICATED_FLAG = 4
+#: RESERVE flag, beside REPLICATED_FLAG: bits REPLICA_PEER_SHIFT.. of the flags mark the nodes that
+#: hold, or are to hold, the put's other replicas (replica_peer_bit: a bit per node id's hash, so a
+#: mark may stand for more than one node). The node asked makes the room by spills to its other
+#: peers, and by demotion or eviction only where none is left: without the marks, every peer was
+#: spared, and a replicas=2 put asking a full node for room evicted its objects while a third node
+#: had room for them all. A writer of an earlier build sends REPLICATED_FLAG alone (every peer
+#: spared), and agents of earlier builds ignore this flag and the marks.
+REPLICA_PEERS_FLAG = 8
+REPLICA_PEER_SHIFT = 16
+REPLICA_PEER_BITS = 48
+#: The marks of every peer (REPLICATED_FLAG without REPLICA_PEERS_FLAG).
+ALL_REPLICA_PEERS = ((1 << REPLICA_PEER_BITS) - 1) << REPLICA_PEER_SHIFT
 #: The slowest a request's bytes may arrive (and a READ's reply leave), beyond the first
 #: timeout_s: a request must be done by timeout_s + its length / MIN_RATE_BPS from its header's
 #: first byte. timeout_s bounds each recv and send only, so a peer sending a byte per timeout
@@ -142,6 +155,30 @@ STALE_READS_HELD = 1
 #: kept) but could not read it now, for a reason of its own that its log names (out of memory or
 #: descriptors, permissions changed under it). Told as gone, the reader's error hid that.
 STALE_UNREADABLE = 2
+
+
+def replica_peer_bit(node_id: str) -> int:
+    """The mark of ``node_id`` among a RESERVE's replica peers (REPLICA_PEERS_FLAG): stable across
+    processes and builds (crc32, not Python's salted hash)."""
+    return 1 << (REPLICA_PEER_SHIFT + zlib.crc32(node_id.encode()) % REPLICA_PEER_BITS)
+
+
+def replicated_flags(other_nodes: Iterable[str]) -> int:
+    """The RESERVE flags of a writer asking a node for room for a put whose other replicas are on
+    (or assigned to) ``other_nodes``."""
+    marks = 0
+    for node_id in other_nodes:
+        marks |= replica_peer_bit(node_id)
+    return REPLICATED_FLAG | REPLICA_PEERS_FLAG | marks
+
+
+def spared_peers(flags: int) -> int:
+    """The marks of the peers that room made for a RESERVE with ``flags`` must not be spilled to
+    (replica_peer_bit): none for a put with one replica, every one for a replicated put's writer
+    of an earlier build, else those its writer named."""
+    if not flags & REPLICATED_FLAG:
+        return 0
+    return flags & ALL_REPLICA_PEERS if flags & REPLICA_PEERS_FLAG else ALL_REPLICA_PEERS
 
 
 def pack(op: int, arg: int = 0, a: int = 0, b: int = 0, c: int = 0) -> bytes:
