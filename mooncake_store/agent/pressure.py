@@ -336,17 +336,15 @@ class PressureManager:
         spills: Spills = {}
         moved = planned = 0
         # Walk the whole cold-first order: a victim that may not leave (pinned or read since, or a
-        # chain chunk whose chain cannot go) is passed over, not the end of the pass.
+        # chain chunk whose chain cannot go) is passed over, not the end of the pass. A victim with
+        # nowhere to go is evicted only if those that can move (demoted or spilled) fall short:
+        # evicted as the walk met it, a replicated put's writer, whose room spares the peers of
+        # the put's other replicas, had the other copies of replicated objects dropped (their
+        # one other peer spared, their holder no destination) while cold objects could spill.
+        homeless: list[SpillJob] = []
         for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
             if moved + planned >= need:
-                if not state.evictions:
-                    break
-                # Enough is on its way out if the queued evictions go: carry them out now, and walk
-                # on past those refused (read, pinned or grown a child since the sample) while the
-                # rest of the sample can make up for them. One round trip unless some are refused.
-                moved -= self._evict_queued(state, tier, need_left=need - planned - moved)
-                if moved + planned >= need:
-                    break
+                break
             job = job_of(victim)
             if job is None:
                 continue
@@ -357,8 +355,15 @@ class PressureManager:
                 state.spill(spills, job, move, tier)
                 planned += job.room_bytes
             else:
+                homeless.append(job)
+        while homeless and moved + planned < need:
+            # Coldest first, as many as the room still wanted; then on past those refused (read,
+            # pinned or grown a child since the sample). One round trip unless some are refused.
+            while homeless and moved + planned < need:
+                job = homeless.pop(0)
                 self._queue_eviction(job, state)
                 moved += job.room_bytes
+            moved -= self._evict_queued(state, tier, need_left=need - planned - moved)
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
         moved -= self._evict_queued(state, tier, need_left=need - moved)
         if moved:

@@ -103,3 +103,40 @@ def test_a_replicated_put_to_a_full_node_spills_its_room_to_the_third_node_and_l
     assert "full" in {r.node_id for r in listing.replicas} and len(listing.replicas) == 2
     for key, value in cold.items():
         assert np.array_equal(client.get(key), value), key
+
+
+def test_victims_with_nowhere_to_go_are_evicted_only_if_those_that_can_move_fall_short(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """The coldest objects keep their other copy on the one peer with room, and the writer spares
+    the third: they have nowhere to go. Evicted as the pass met them, they lost a copy each while
+    the warmer single copies behind them could spill to that peer."""
+    settings = {"spill_to_peers": True, "high_watermark": 0.95}
+    pressed = direct_agent(namespace, node_id="rp-pressed", host_bytes=4 * MiB, **settings)
+    direct_agent(namespace, node_id="rp-replica", host_bytes=8 * MiB, **settings)
+    client = client_of(namespace)
+    for i in range(6):  # the coldest: copies here and on the holder
+        client.put(f"r{i}", np.full(MiB // 4, i, np.uint8), replicas=2, preferred_node=pressed.node_id)
+    third = direct_agent(namespace, node_id="rp-third", host_bytes=8 * MiB, **settings)
+    for i in range(6):  # warmer single copies
+        client.put(f"s{i}", np.full(MiB // 4, 100 + i, np.uint8), preferred_node=pressed.node_id)
+    # 1.5 MiB do not fit (1 MiB free, at the end): a replicated writer, sparing the third. Each
+    # pass moves what is missing, 0.5 MiB, and the single copies next to the free end make the
+    # room once all three passes have moved them.
+    wanted = 3 * MiB // 2
+    with pytest.raises(NoCapacity):
+        client._tcp.peer(pressed.server.endpoint).reserve(
+            [(wanted, b"w" * 16)], node_id=pressed.node_id, flags=frames.replicated_flags([third.node_id])
+        )
+    pressed.sync_once()
+    for _ in range(8):
+        if pressed.pressure.relieve_host() == 0 or pressed.table.usage()[2] >= wanted:
+            break
+    assert pressed.table.usage()[2] >= wanted, pressed.table.usage()
+    counted = pressed.pressure.counters[TierKind.HOST]
+    assert counted["evictions"] == 0 and counted["spills_out"] > 0, counted
+    assert third.table.usage()[0] == 0
+    for i in range(6):
+        (listing,) = client.index.list_keys(f"r{i}")
+        assert len(listing.replicas) == 2, listing  # no copy dropped
+        assert np.array_equal(client.get(f"s{i}"), np.full(MiB // 4, 100 + i, np.uint8))
