@@ -7,7 +7,10 @@ index to be reaped and its arena to be removed by its launcher."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,6 +73,7 @@ def test_the_embedded_server_wrapper_stops_at_a_burst_of_signals() -> None:
         wrapper = subprocess.Popen(
             [sys.executable, "-m", "mooncake_store.embedded"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
+        server_pid, temp_dir = 0, ""
         try:
             assert wrapper.stdout is not None and wrapper.stdout.readline().startswith(b"redis://")
             assert wrapper.stderr is not None
@@ -78,6 +82,7 @@ def test_the_embedded_server_wrapper_stops_at_a_burst_of_signals() -> None:
                 line = wrapper.stderr.readline()
                 assert line, "the wrapper ended before it named its server"
             server_pid = int(line.split(b", pid ")[1].split(b",")[0])
+            temp_dir = line.split(b"temp dir ")[1].strip().decode() if b"temp dir " in line else ""
             burst(wrapper.pid)
             status = stopped(wrapper)
             if status is None:
@@ -90,6 +95,13 @@ def test_the_embedded_server_wrapper_stops_at_a_burst_of_signals() -> None:
             if wrapper.poll() is None:
                 wrapper.kill()
                 wrapper.wait(timeout=10)
+                # A killed wrapper stops nothing: its server (the leader of a process group of its
+                # own) and temp dir go here.
+                if server_pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(server_pid, signal.SIGKILL)
+                if temp_dir.startswith("/tmp/mooncake-redis-"):
+                    shutil.rmtree(temp_dir, ignore_errors=True)
     assert not hung, f"wrappers still running {STOP_WITHIN_S} s after a burst of {BURST} SIGTERMs: {hung}"
 
 
@@ -109,8 +121,12 @@ def test_mooncake_agent_stops_at_a_burst_of_signals(
             stderr=subprocess.DEVNULL,
             env={k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")},
         )
+        shm_name = ""
         try:
-            assert agent.stdout is not None and agent.stdout.readline().startswith(b"READY ")
+            assert agent.stdout is not None
+            ready = agent.stdout.readline()
+            assert ready.startswith(b"READY "), ready
+            shm_name = json.loads(ready[len(b"READY ") :])["shm_name"]
             burst(agent.pid)
             status = stopped(agent)
             if status is None:
@@ -121,5 +137,7 @@ def test_mooncake_agent_stops_at_a_burst_of_signals(
             if agent.poll() is None:
                 agent.kill()
                 agent.wait(timeout=10)
+            if shm_name:  # a killed agent cannot remove its own arena
+                (SHM_DIR / shm_name).unlink(missing_ok=True)
     assert not hung, f"`mooncake agent` still running {STOP_WITHIN_S} s after a burst of {BURST} SIGTERMs: {hung}"
     assert client.index.nodes() == {}, client.index.nodes()  # each deregistered as it stopped
