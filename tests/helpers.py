@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import select
 import shutil
 import signal
 import socket
@@ -38,6 +39,32 @@ def mooncake_bin() -> str:
     if not found:
         pytest.fail("the mooncake console script is not installed: the package did not install it")
     return found
+
+
+def read_terminal(
+    main: int, proc: subprocess.Popen[bytes], *, seconds: float = 60.0, each: Callable[[bytes], None] | None = None
+) -> bytes:
+    """What ``proc`` wrote to the pseudo-terminal whose main side is ``main``, until it closes its
+    side or exits (or ``seconds`` pass); ``each(shown)`` is called before each wait, with all of it
+    so far (to act once something is drawn)."""
+    shown = b""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if each is not None:
+            each(shown)
+        ready, _, _ = select.select([main], [], [], 0.5)
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the terminal's other side closed
+            break
+        if not chunk:
+            break
+        shown += chunk
+    return shown
 
 
 def refused_agent(*args: str, timeout_s: float = 60.0) -> tuple[int, str]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import time
 
 import pytest
-from helpers import mooncake_bin
+from helpers import mooncake_bin, read_terminal
 
 from .conftest import Mooncake, assert_one_line_error
 
@@ -78,26 +77,15 @@ def test_stat_watch_on_a_terminal_stopped_by_a_signal_shows_the_cursor_again(
             stderr=subprocess.DEVNULL,
         )
         os.close(sub)
-        shown = b""
         hide, show = b"\x1b[?25l", b"\x1b[?25h"
-        deadline = time.monotonic() + 60
-        signalled = False
-        while time.monotonic() < deadline:
+        signalled = []
+
+        def signal_once_drawn(shown: bytes) -> None:
             if not signalled and hide in shown and b"agent-" in shown:  # the live view is drawn
                 proc.send_signal(sig)
-                signalled = True
-            ready, _, _ = select.select([main], [], [], 0.5)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                chunk = os.read(main, 65536)
-            except OSError:  # the terminal's other side closed
-                break
-            if not chunk:
-                break
-            shown += chunk
+                signalled.append(sig)
+
+        shown = read_terminal(main, proc, each=signal_once_drawn)
         assert signalled, shown[-2000:]
         code = proc.wait(timeout=30)
     finally:

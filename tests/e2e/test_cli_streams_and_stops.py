@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import time
 
 import pytest
-from helpers import mooncake_bin
+from helpers import mooncake_bin, read_terminal
 
 from .conftest import HOST_MEM, Mooncake, assert_one_line_error, make_mooncake
 
@@ -172,21 +171,7 @@ def _on_terminal(cli: Mooncake, columns: int, *args: str) -> list[str]:
             stderr=subprocess.DEVNULL,
         )
         os.close(sub)
-        shown = b""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([main], [], [], 1.0)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                chunk = os.read(main, 65536)
-            except OSError:  # the terminal's other side closed
-                break
-            if not chunk:
-                break
-            shown += chunk
+        shown = read_terminal(main, proc)
         assert proc.wait(timeout=30) == 0
     finally:
         os.close(main)
