@@ -141,6 +141,14 @@ def _int_from(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def _unwind_once(signum: int, _frame: object) -> None:
+    """Unwind, then exit 128 + ``signum``; the stop signals that come after are ignored: raised
+    again inside the unwinding (an impatient user, a supervisor), they cut the cluster's stop short."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(signal_exit_status(signum))
+
+
 def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store.demo") -> int:
     """``prog``: the command line the usage and errors name (`mooncake demo` from the CLI)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
     # they end the process on the spot, leaving the server, the agents and their shared memory),
     # then exit with the status a shell gives a process that signal ended, as the CLI's commands do.
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: sys.exit(signal_exit_status(signum)))
+        signal.signal(sig, _unwind_once)
 
     from mooncake_store import LocalCluster, PrefixCache, connect
     from mooncake_store.integrations.transformers import kv_layout, kv_namespace

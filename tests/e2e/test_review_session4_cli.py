@@ -225,15 +225,19 @@ def test_two_signals_during_detached_up_leave_nothing_running(
     _nothing_left_after_down(mooncake, procs, ns, up)
 
 
-def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs) -> None:
+@pytest.mark.parametrize("burst", [False, True], ids=["one SIGTERM", "a burst"])
+def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs, tmp_path: Path, burst: bool) -> None:
     # `mooncake demo` runs LocalCluster in a with-block, but SIGTERM's default action ends the
     # process without unwinding it: the embedded server (a session of its own) and both agents go on
-    # running, each agent holding a 256 MiB /dev/shm arena.
+    # running, each agent holding a 256 MiB /dev/shm arena. A burst: the signals after the first
+    # raised again inside the unwinding (a Ctrl-C's KeyboardInterrupt among them), cutting the
+    # cluster's stop short, with a traceback and another status.
     args = ("demo", "--doc-tokens", "600", "--chunk-tokens", "64", "--layers", "2", "--new-tokens", "2")
+    errors = tmp_path / "stderr"
     demo = subprocess.Popen(
         [mooncake_bin(), *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=errors.open("wb"),
         env={**mooncake.env, "PYTHONUNBUFFERED": "1"},
     )
     segments: list[Path] = []
@@ -259,7 +263,14 @@ def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs) -> 
                 if cwd.name.startswith("mooncake-redis-"):
                     temp_dirs.append(cwd)
         demo.send_signal(signal.SIGTERM)
-        demo.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        for n in range(20_000 if burst else 0):  # bounded by count and time
+            if demo.poll() is not None or time.monotonic() > deadline:
+                break
+            demo.send_signal(signal.SIGINT if n % 2 else signal.SIGTERM)
+            time.sleep(0.001)
+        assert demo.wait(timeout=60) == 128 + signal.SIGTERM, errors.read_text(errors="replace")[-2000:]
+        assert "Traceback" not in errors.read_text(errors="replace")
         left = procs.settled(timeout_s=10.0)
         assert not left, f"still running after the demo was stopped with SIGTERM: {procs.describe(left)}"
         assert not [seg for seg in segments if seg.exists()]
