@@ -59,7 +59,10 @@ def test_signals_during_bench_cleanup_neither_cut_it_short_nor_change_the_status
             proc.wait(timeout=10)
     left = _bench_keys(cluster_cli)
     assert left == [], f"{len(left)} bench keys left after repeated signals, e.g. {left[0]}"
-    assert proc.returncode == 128 + signal.SIGTERM, stderr.decode(errors="replace")  # the first signal's
+    # The first signal's status: SIGTERM's, or SIGINT's where both were pending at once (the main
+    # thread in a call that does not return to Python for a while): the interpreter then runs the
+    # handlers in signal-number order, SIGINT (2) first. Not any other: no later one changed it.
+    assert proc.returncode in (128 + signal.SIGTERM, 128 + signal.SIGINT), stderr.decode(errors="replace")
     assert b"Traceback" not in stderr
 
 
