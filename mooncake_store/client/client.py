@@ -117,6 +117,10 @@ class Client(AsyncCalls):
     def _watch_close(self, event: threading.Event) -> None:
         """Set ``event`` when this client closes, or now if it has (a thread that waits long on
         its behalf ends with it)."""
+        if os.getpid() != self._pid:
+            # A forked child: a parent thread that held _pool_lock at the fork left it held here.
+            event.set()
+            return
         with self._pool_lock:  # close() copies the set under it: no change while it iterates
             if not self._closed:
                 self._close_events.add(event)
@@ -128,6 +132,13 @@ class Client(AsyncCalls):
         a done-callback of this client's own futures included. Operations still under way in
         other threads end at once with MooncakeError("client is closed"), even those waiting on
         a stalled agent: close() shuts down their connections first."""
+        if os.getpid() != self._pid:
+            # A forked child's copy: its sockets are the parent's too (a shutdown here would cut
+            # the parent's transfers) and its pool has no threads. It is only marked closed, and
+            # before any lock: a parent thread that held one at the fork (a submit) left it held
+            # here for good, and the child's close() hung on it.
+            self._closed = True
+            return
         with self._pool_lock:
             closing_elsewhere = self._closed
             self._closed = True
@@ -142,11 +153,6 @@ class Client(AsyncCalls):
             # pool (a future's callback), which the first close() may be waiting for.
             if not on_pool_thread(pool):
                 self._closed_all.wait()
-            return
-        if os.getpid() != self._pid:
-            # A forked child's copy: its sockets are the parent's too (a shutdown here would cut
-            # the parent's transfers) and its pool has no threads. It is only marked closed.
-            self._closed_all.set()
             return
         try:
             # The transports before the wait for the pool: an operation waiting on an agent (up to
