@@ -40,6 +40,9 @@ class AgentProcess:
     #: Where the agent's stderr goes: a file, never a pipe nobody reads (a full pipe would block
     #: every agent thread that logs).
     log: IO[bytes] | None = None
+    #: The process that started it: only that one can wait for it. In a forked child poll() meets
+    #: ECHILD and reads a running agent as exited, and stop() removed its arena and disk tier.
+    owner_pid: int = field(default_factory=os.getpid)
 
     def log_tail(self, limit: int = 2000) -> str:
         """The last ``limit`` bytes of the agent's stderr."""
@@ -62,18 +65,30 @@ class AgentProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def _foreign(self) -> bool:
+        """True in a process other than the one that started the agent (a forked child), where
+        kill(), terminate() and stop() do nothing: the agent is the parent's."""
+        return os.getpid() != self.owner_pid
+
     def kill(self) -> None:
         """SIGKILL, as a crash would: no deregistration, the segment stays until stop()."""
+        if self._foreign():
+            return
         if self.alive():
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=10)
 
     def terminate(self) -> None:
         """SIGTERM, not waited for (stop() waits): a cluster stops its agents in parallel."""
+        if self._foreign():
+            return
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the agent, remove its segment and disk tier; nothing in a forked child."""
+        if self._foreign():
+            return
         if self.alive():
             self.process.send_signal(signal.SIGTERM)  # again, if terminate() sent one: harmless
             try:
@@ -176,6 +191,9 @@ class LocalCluster:
         self.server: EmbeddedServer | None = None
         self.agents: list[AgentProcess] = []
         self._started = False
+        #: The process that started it (0: not yet): stop() does nothing in any other, a forked
+        #: child whose ``with`` block or ``finally`` ended (as EmbeddedServer.stop).
+        self._owner_pid = 0
 
     @property
     def redis_url(self) -> str:
@@ -192,6 +210,7 @@ class LocalCluster:
         and a private server started anew left the first one running, outside stop()'s reach."""
         if self._started:
             return self
+        self._owner_pid = os.getpid()
         try:
             if not self._external_url:
                 # Killed without a chance to stop it (SIGKILL), this process must not leave the
@@ -342,7 +361,10 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop every agent and the private server; the cluster may be started again (afresh: what
-        it stored is gone)."""
+        it stored is gone). In a forked child it does nothing: the agents and the server are the
+        parent's, and go on running."""
+        if self._owner_pid and self._owner_pid != os.getpid():
+            return
         for agent in self.agents:
             agent.terminate()  # all at once; each is then waited for
         for agent in self.agents:
