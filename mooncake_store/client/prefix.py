@@ -23,6 +23,7 @@ thread renews while the hit is held, so a client that dies stops pinning within 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 import weakref
@@ -52,7 +53,7 @@ from mooncake_store.client.prefix_hash import (
 )
 from mooncake_store.client.prefix_pins import DroppedHits
 from mooncake_store.config import redact_url
-from mooncake_store.errors import ConfigError, InvalidValue, MooncakeError, ObjectPinned
+from mooncake_store.errors import ConfigError, ConnectError, InvalidValue, MooncakeError, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.transport.cancel import Cancel
 from mooncake_store.types import as_count
@@ -92,12 +93,23 @@ class PrefixHit:
         return self._released
 
     def release(self) -> None:
-        """Unpin the chunks (idempotent). ``chunks`` stay valid: they are the caller's memory."""
+        """Unpin the chunks (idempotent). ``chunks`` stay valid: they are the caller's memory.
+        In a forked child it only marks the hit released: the pins are the parent's, which still
+        holds the hit."""
+        self._let_go(unpin=True)
+
+    def _let_go(self, *, unpin: bool) -> bool:
+        """Mark the hit released and, with ``unpin``, unpin its chunks; False when the index could
+        not be reached (its pins run out by their lease)."""
+        if os.getpid() != self._cache.client._pid:
+            # Before the lock, which a parent thread (its renewal) may have held at the fork.
+            self._released = True
+            return True
         with self._pin_lock:
             if self._released:
-                return
+                return True
             self._released = True
-            self._cache._release(self)
+            return self._cache._release(self, unpin=unpin)
 
     def __enter__(self) -> PrefixHit:
         return self
@@ -438,17 +450,22 @@ class PrefixCache:
             )
             self._renewer.start()
 
-    def _release(self, hit: PrefixHit) -> None:
+    def _release(self, hit: PrefixHit, *, unpin: bool = True) -> bool:
+        """Forget ``hit`` and, with ``unpin``, unpin its chunks; False when the index was out of
+        reach (a ConnectError: lost, or silent past timeout_s)."""
         if hit._on_drop is not None:
             hit._on_drop.detach()
         with self._lock:
             self._held.pop(hit.pin_id, None)
         # Even after close(): a load that raced it pinned its chunks, and the client is still open.
-        if hit.keys:
+        if hit.keys and unpin:
             try:
                 self.index.unpin(hit.keys, pin_id=hit.pin_id)
+            except ConnectError:
+                return False  # the index is unreachable: the pins run out by their lease
             except MooncakeError:
-                pass  # the index is unreachable: the pins run out by their lease
+                pass  # refused (the client closed meanwhile): the pins run out by their lease
+        return True
 
     def _renew_once(self) -> None:
         """One renewal, in a frame of its own: the loop's locals held the hits of the last tick
@@ -501,7 +518,14 @@ class PrefixCache:
     def close(self) -> None:
         """Release every hit still held and stop the worker threads (the client stays open).
         Loads and stores under way in other threads end at once with MooncakeError("PrefixCache
-        is closed"), even those waiting on a stalled agent: their connections are shut down."""
+        is closed"), even those waiting on a stalled agent: their connections are shut down.
+
+        In a forked child it only marks the cache closed: the hits, pins, connections and puts
+        are the parent's, which goes on using them."""
+        if os.getpid() != self.client._pid:
+            # Before any lock: a parent thread that held one at the fork left it held here.
+            self._closed = True
+            return
         with self._lock:
             closing_elsewhere = self._closed
             self._closed = True  # under the lock load_async checks it under
@@ -523,9 +547,14 @@ class PrefixCache:
         # A store past its transfers is committing: it ends before close() returns, and none
         # starts after (client/in_flight.py).
         self.client._in_flight.drain(self.client.config.timeout_s, cancel=self._ops)
+        # Once the index is out of reach, the other hits are only marked released and the dropped
+        # hits' pins are left: they run out by their lease, as DroppedHits.unpin leaves them after
+        # its first failure. An unpin each made close() wait out timeout_s once per hit held.
+        reachable = True
         for hit in hits:
-            hit.release()
-        self._dropped.unpin(every=True)
+            reachable = hit._let_go(unpin=reachable) and reachable
+        if reachable:
+            self._dropped.unpin(every=True)
         self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=not on_pool_thread(self._pool))
