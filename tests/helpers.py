@@ -579,3 +579,29 @@ def bench_module(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def in_forked_child(work: Callable[[], str], *, timeout_s: float = 30.0) -> str:
+    """``work()``'s result in a forked child, or why there is none ("hung for ..." when it
+    overran: the child is then killed by its PID)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's cleanups
+        os.close(read_end)
+        try:
+            result = work()
+        except BaseException as exc:
+            result = f"raised {type(exc).__name__}: {exc}"
+        os.write(write_end, result.encode()[:4000])
+        os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout_s
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read_end)
+            return f"hung for {timeout_s} s"
+        time.sleep(0.02)
+    with os.fdopen(read_end, "rb") as pipe:
+        return pipe.read().decode()

@@ -7,42 +7,14 @@ connections alone."""
 from __future__ import annotations
 
 import os
-import signal
-import time
 from collections.abc import Callable
 
 import numpy as np
+from helpers import in_forked_child
 
 from mooncake_store import Client, LocalCluster, MooncakeError
 
 MiB = 1 << 20
-
-
-def _in_child(work: Callable[[], str], *, timeout_s: float = 30.0) -> str:
-    """``work()``'s result in a forked child, or why there is none; the child is killed by its PID
-    when it overruns."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report and leave without running the parent's cleanups
-        os.close(read_end)
-        try:
-            result = work()
-        except BaseException as exc:
-            result = f"raised {type(exc).__name__}: {exc}"
-        os.write(write_end, result.encode()[:4000])
-        os._exit(0)
-    os.close(write_end)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
-        time.sleep(0.05)
-    else:
-        if time.monotonic() >= deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(read_end)
-            return f"hung for {timeout_s} s"
-    with os.fdopen(read_end, "rb") as pipe:
-        return pipe.read().decode()
 
 
 def test_a_forked_child_is_told_to_connect_and_leaves_the_parents_client_working(
@@ -62,7 +34,7 @@ def test_a_forked_child_is_told_to_connect_and_leaves_the_parents_client_working
             client.close()
             return str(exc)
 
-    said = _in_child(get_then_close)
+    said = in_forked_child(get_then_close)
     assert f"connected in process {os.getpid()}" in said and "call mooncake_store.connect() in each process" in said
     future = client.get_async("big")  # the parent's pool and connections are whole
     assert np.array_equal(future.result(timeout=30), value)
