@@ -81,8 +81,15 @@ def stopping_with(stop: StopOnce) -> Iterator[StopOnce]:
     try:
         yield stop
     finally:
-        for sig, handler in previous.items():
-            _restore(sig, signal.SIG_IGN if stop.raised else handler)
+        try:
+            for sig, handler in previous.items():
+                _restore(sig, signal.SIG_IGN if stop.raised else handler)
+        finally:
+            if stop.raised:
+                # Also when the first signal landed in the loop above, half way: the handlers it
+                # had put back already would have cut short the cleanup that signal begins.
+                for sig in STOP_SIGNALS:
+                    signal.signal(sig, signal.SIG_IGN)
 
 
 @contextmanager

@@ -263,18 +263,23 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
         # A SIGINT, SIGTERM or SIGHUP while starting unwinds launch(), which stops what it started:
         # nothing is recorded yet, so nothing else could. Signals after the first are ignored.
         stop_once = StopOnce()
+        state: ClusterState | None = None
         try:
             with stopping_with(stop_once):
                 state = launcher.launch(plan)
-                try:
-                    save_state(state)
-                except BaseException:
-                    # Not recorded, so `mooncake down` could not find it: stopped here (no room on
-                    # the disk, a signal, ...), then the error is reported.
-                    launcher.stop_uninterrupted(state)
-                    raise
+                save_state(state)
                 clear_starting()  # recorded in cluster.json now
-        except (KeyboardInterrupt, Stopped):
+        except BaseException as exc:
+            if state is not None:
+                # Launched, and then not recorded (no room on the disk, a signal, ...), so `mooncake
+                # down` could not find it, or recorded and then stopped by a signal before `up`
+                # returned (the handler raises wherever the signal lands: in clear_starting, or
+                # while stopping_with puts the handlers back). Either way it is stopped here and
+                # cluster.json removed, so that the message below is true: a cluster reported as
+                # stopped ran on, recorded, with `up` exiting 143.
+                launcher.stop_uninterrupted(state)
+            if not isinstance(exc, KeyboardInterrupt | Stopped):
+                raise
             # Exit 128 + the signal's number, as for any command a signal stopped (SIGTERM was
             # exit 1 here, while Ctrl-C was 130 and said nothing).
             message = "stopped by a signal while starting; everything it started was stopped"
