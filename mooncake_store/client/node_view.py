@@ -14,6 +14,7 @@ GPU mappings, which no file tells of).
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -54,6 +55,12 @@ class NodeView:
         # Server ms - lease-clock ms (lease_clock.py), refreshed with each read (till then: wall clock).
         self._clock_offset_ms = int((time.time() - lease_clock_s()) * 1000)
         self._lock = threading.Lock()
+        #: How many reads of the table have ended (taken under the lock), and the error of the last
+        #: one when it failed: a caller that queued on the lock behind a read that then failed gets
+        #: that error at once. Each made a round trip of its own, one after another, so on a stalled
+        #: index the k-th of k concurrent calls ended after k x timeout_s (and close() waited for it).
+        self._reads_ended = 0
+        self._read_error: MooncakeError | None = None
         self._stop = threading.Event()
         self._janitor: threading.Thread | None = None
 
@@ -62,16 +69,32 @@ class NodeView:
         # On the lease clock, as server_now_ms: after a suspend the copy is stale, as "now" moved on.
         if not refresh and lease_clock_s() - self._nodes_at <= NODE_TABLE_TTL_S:
             return self._nodes  # fresh: no lock on the read path (the dict is replaced, never mutated)
+        ended = self._reads_ended  # before waiting: a read that ends from here on is one waited for
         with self._lock:
+            if self._read_error is not None and self._reads_ended != ended:
+                # The read this call waited behind failed (the index is stalled or gone): the same
+                # error now, not a round trip of its own to wait out in turn.
+                raise copy.copy(self._read_error) from None
             if refresh or lease_clock_s() - self._nodes_at > NODE_TABLE_TTL_S:
-                local_before = lease_clock_s() * 1000  # no wall-clock step moves it; a suspend does
-                server_now = self._index.server_time_ms()
-                self._nodes = self._index.nodes()
-                self.seen_nodes = self.seen_nodes or bool(self._nodes)
-                self._clock_offset_ms = int(server_now - local_before)
-                self._nodes_at = lease_clock_s()
-                self._retain()
+                self._read_error = None  # a bug's exception is not handed on: the next caller reads
+                try:
+                    self._read()
+                except MooncakeError as exc:
+                    self._read_error = exc
+                    raise
+                finally:
+                    self._reads_ended += 1
             return self._nodes
+
+    def _read(self) -> None:
+        """Read the table and the index's time (called with the lock)."""
+        local_before = lease_clock_s() * 1000  # no wall-clock step moves it; a suspend does
+        server_now = self._index.server_time_ms()
+        self._nodes = self._index.nodes()
+        self.seen_nodes = self.seen_nodes or bool(self._nodes)
+        self._clock_offset_ms = int(server_now - local_before)
+        self._nodes_at = lease_clock_s()
+        self._retain()
 
     def _retain(self) -> None:
         """Unmap, close and forget what agents no longer in the table left (called with the lock)."""
