@@ -131,7 +131,12 @@ class Client(AsyncCalls):
         """Release connections, mappings and threads. Idempotent; may be called from any thread,
         a done-callback of this client's own futures included. Operations still under way in
         other threads end at once with MooncakeError("client is closed"), even those waiting on
-        a stalled agent: close() shuts down their connections first."""
+        a stalled agent: close() shuts down their connections first.
+
+        Not from a signal handler: the handler runs in the main thread between two of its steps,
+        maybe while that thread holds a lock close() takes (this client's, its worker pool's, a
+        future's), and close() then waits on it for good. A handler should set a flag the main
+        thread acts on, or start a thread that calls close()."""
         if os.getpid() != self._pid:
             # A forked child's copy: its sockets are the parent's too (a shutdown here would cut
             # the parent's transfers) and its pool has no threads. It is only marked closed, and

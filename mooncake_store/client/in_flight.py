@@ -63,8 +63,8 @@ class InFlight:
     def drain(self, timeout_s: float, *, cancel: Cancel | None = None) -> bool:
         """Wait until no put is under way (only those under ``cancel`` when given), at most
         ``timeout_s``: a put's index calls are bounded by their own timeouts. True if none is.
-        A put of the calling thread itself (close() from a signal handler that interrupted it) is
-        not waited for: it cannot go on until this returns."""
+        A put of the calling thread itself is not waited for: it cannot go on until this returns.
+        (That does not make close() safe in a signal handler: see Client.close.)"""
         deadline = time.monotonic() + timeout_s
         me = threading.get_ident()
 
