@@ -37,6 +37,15 @@ def burst(pid: int, signums: tuple[int, ...] = (signal.SIGTERM,)) -> None:
             return  # stopped already
 
 
+def stops_cleanly(process: subprocess.Popen[bytes]) -> bool:
+    """A burst of SIGTERMs to ``process``: True when it then exits 0 (a clean stop), False when it
+    still runs STOP_WITHIN_S later (then killed)."""
+    burst(process.pid)
+    status = stopped(process)
+    assert status in (None, 0), f"exit status {status} after a burst of stop signals"
+    return status is not None
+
+
 def stopped(process: subprocess.Popen[bytes]) -> int | None:
     """The exit status, or None when it still runs STOP_WITHIN_S after its burst (then killed)."""
     try:
@@ -83,13 +92,9 @@ def test_the_embedded_server_wrapper_stops_at_a_burst_of_signals() -> None:
                 assert line, "the wrapper ended before it named its server"
             server_pid = int(line.split(b", pid ")[1].split(b",")[0])
             temp_dir = line.split(b"temp dir ")[1].strip().decode() if b"temp dir " in line else ""
-            burst(wrapper.pid)
-            status = stopped(wrapper)
-            if status is None:
+            if not stops_cleanly(wrapper):
                 hung.append(wrapper.pid)
-            else:
-                assert status == 0
-                # Its server went with it.
+            else:  # its server went with it
                 assert wait_until(lambda pid=server_pid: not os.path.exists(f"/proc/{pid}"), 10), server_pid
         finally:
             if wrapper.poll() is None:
@@ -127,12 +132,8 @@ def test_mooncake_agent_stops_at_a_burst_of_signals(
             ready = agent.stdout.readline()
             assert ready.startswith(b"READY "), ready
             shm_name = json.loads(ready[len(b"READY ") :])["shm_name"]
-            burst(agent.pid)
-            status = stopped(agent)
-            if status is None:
+            if not stops_cleanly(agent):
                 hung.append(agent.pid)
-            else:
-                assert status == 0
         finally:
             if agent.poll() is None:
                 agent.kill()
