@@ -80,7 +80,9 @@ class NodeView:
                 try:
                     self._read()
                 except MooncakeError as exc:
-                    self._read_error = exc
+                    # A copy: the exception's traceback holds the failed call's frames, and with
+                    # them its locals (a put's value) until the next read, maybe never.
+                    self._read_error = copy.copy(exc)
                     raise
                 finally:
                     self._reads_ended += 1
