@@ -328,8 +328,10 @@ class PressureManager:
             self._spiller.arenas.premap(peers)  # also unmaps peers that left
         else:
             self._spiller.arenas.retain(peers)
-        destinations = [p for p in peers if not spared_peers & frames.replica_peer_bit(p.node_id)]
-        state = PassState(peers=destinations, refused=self.silent.now())
+        # Spared peers are no destination, but stay known: an object's other copy on one of them
+        # still spreads this one's move to another host and zone (placing.Placer.place's holders).
+        spared = {p.node_id for p in peers if spared_peers & frames.replica_peer_bit(p.node_id)}
+        state = PassState(peers=peers, refused=self.silent.now() | spared)
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (_evict_queued).
