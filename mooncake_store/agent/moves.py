@@ -373,14 +373,15 @@ class LocalMoves:
     # ---- promotion --------------------------------------------------------------------------
     def promote(self, disk_id: int, data: bytearray) -> bool:
         """Bring an object read from disk back to host memory, if that leaves the host tier under
-        its high watermark (so promotion and demotion do not chase each other)."""
+        its high watermark (so promotion and demotion do not chase each other) and no writer
+        waits for room there (PressureManager.writer_may_wait)."""
         with self.gate.move():
             return self._promote(disk_id, data)
 
     def _promote(self, disk_id: int, data: bytearray) -> bool:
         agent = self.agent
         key = agent.disk_keys.get(disk_id)
-        if key is None:
+        if key is None or agent.pressure.writer_may_wait(TierKind.HOST):
             return False
         # The watermark is checked by the reservation itself: checked apart, readers of several
         # disk objects at once each found room and together took the host tier past it.

@@ -46,6 +46,9 @@ MAX_PASSES = 32
 #: meanwhile are acted on at its end rather than at the next interval (a reservation that does
 #: not fit still wakes the loop at once).
 FRUITLESS_RETRY_S = 0.02
+#: A reservation refused this long ago may still have its writer waiting for room: a put asks
+#: again after a back-off of at most 1 s (client/puts.py), and this covers that and its round trip.
+WRITER_WAITS_S = 2.0
 #: How often, while peers' arenas are mapped, the node table is read to unmap those that left.
 RETAIN_EVERY_S = 2.0
 #: Peers asked per victim in a pass: a peer that refuses is left out and the next one asked.
@@ -75,6 +78,8 @@ class PressureManager:
         #: Per arena tier, the marks of the peers where writers waiting for room there keep their
         #: puts' other replicas (frames.spared_peers): the next pass spills nothing to those.
         self._spared: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
+        #: Per arena tier, when (monotonic s) a reservation there last did not fit.
+        self._refused_at: dict[TierKind, float] = {TierKind.HOST: -WRITER_WAITS_S, TierKind.GPU: -WRITER_WAITS_S}
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
         #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
@@ -106,8 +111,16 @@ class PressureManager:
         table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
         if table is None or size_bytes > table.capacity_bytes:
             return
+        self._refused_at[tier] = time.monotonic()
         self._note_wanted(tier, size_bytes, spared_peers)  # before the wake: a wanted size ends the loop's hold
         self._wake.set()
+
+    def writer_may_wait(self, tier: TierKind = TierKind.HOST) -> bool:
+        """Whether a reservation in ``tier`` was refused within WRITER_WAITS_S: its writer may be
+        waiting for the room the passes make, which a promotion must not take. Promoted as each
+        block was freed, a reader's disk objects came back into the room a put waited for, and the
+        put waited out its timeout while the node demoted and promoted the same objects."""
+        return time.monotonic() - self._refused_at[tier] < WRITER_WAITS_S
 
     def _note_wanted(self, tier: TierKind, size_bytes: int, spared_peers: int = 0) -> None:
         with self._lock:
