@@ -1,5 +1,6 @@
 """Where a put's replicas go: the ranking of nodes for each object, and the RESERVE frames that
-ask the chosen agents for room (one per agent and tier), with the fallbacks when one refuses.
+ask the chosen agents for room (one per agent and tier, or per group of a replicated batch's other
+nodes where one is asked to make room), with the fallbacks when one refuses.
 
 A writer with other nodes to try asks as a probe (transport/frames.py PROBE_FLAG): refused, the
 node makes no room. Only once no node takes an object is the node that refused it first asked
@@ -37,16 +38,25 @@ WIRE_TIER = {TierKind.HOST: frames.TIER_HOST, TierKind.GPU: frames.TIER_GPU}
 Abandon = Callable[..., None]
 
 
-def room_ask_flags(replicas: int, plans: list[PlannedPut], node_id: str) -> int:
-    """The RESERVE flags of a writer that asks ``node_id`` to make room for ``plans`` (no
-    PROBE_FLAG): a put with replicas on several nodes names the nodes its other replicas are on or
-    assigned to (frames.replicated_flags), and the node makes that room by spills to its other
-    peers, else by demotion or eviction, not by spills into the peers where those replicas need
-    room."""
+def room_ask_groups(replicas: int, plans: list[PlannedPut], node_id: str) -> list[tuple[int, list[PlannedPut]]]:
+    """The RESERVE asks (flags, their plans) of a writer that asks ``node_id`` to make room for
+    ``plans`` (no PROBE_FLAG): a put with replicas on several nodes names the nodes its other
+    replicas are on or assigned to (frames.replicated_flags), and the node makes that room by
+    spills to its other peers, else by demotion or eviction, not by spills into the peers where
+    those replicas need room. One ask per group of plans whose other replicas carry the same marks,
+    in the plans' order: asked once with the marks of every plan, a replicas=2 batch whose second
+    replicas spread over every other node spared them all, and the node evicted cold objects while
+    those peers had room for them. The room made for each group goes to the peers it does not use.
+    The caller asks the groups one after another and stops at the first refused: the agent spares
+    the union of the marks of every ask that waits for its next pass (PressureManager._spared), so
+    two refused at once would spare every peer again."""
     if replicas <= 1:
-        return 0
-    others = {r.node_id for plan in plans for r in plan.replicas} | {n for plan in plans for n in plan.assigned}
-    return frames.replicated_flags(others - {node_id})
+        return [(0, plans)]
+    asks: dict[int, list[PlannedPut]] = {}
+    for plan in plans:
+        others = {r.node_id for r in plan.replicas} | plan.assigned
+        asks.setdefault(frames.replicated_flags(others - {node_id}), []).append(plan)
+    return list(asks.items())
 
 
 class Reserver:
@@ -116,7 +126,9 @@ class Reserver:
     def reserve(
         self, plans: list[PlannedPut], replicas: int, preferred_node: str | None, *, room_asks: int = 1
     ) -> dict[str, NodeInfo]:
-        """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier.
+        """Reserve space for every plan on ``replicas`` nodes; one RESERVE frame per node and tier
+        (on ``preferred_node``, asked to make room, one per group of the plans' other nodes:
+        room_ask_groups).
         ``room_asks``: how many of the nodes that refused an object for want of room are asked to
         make it (_ask_for_room), one more for each second the put has waited for room."""
         client = self.client
@@ -157,30 +169,37 @@ class Reserver:
         try:
             for (node_id, tier), group in groups.items():
                 node = nodes[node_id]
-                try:
-                    # A probe, unless the caller pinned the put here: refused, the node makes no
-                    # room for a writer with other nodes to try (_reserve_elsewhere asks it to,
-                    # once none of them has room).
-                    got = client._tcp.peer(node.tcp_endpoint).reserve(
-                        [(p.size_bytes, p.put_id) for p in group],
-                        node_id=node_id,
-                        tier=WIRE_TIER[tier],
-                        flags=room_ask_flags(replicas, group, node_id)
-                        if node_id == preferred_node
-                        else frames.PROBE_FLAG,
-                    )
-                except (NoCapacity, ConnectError, TransferError) as exc:
-                    if not isinstance(exc, NoCapacity):
-                        client._tcp.drop_peer_after(node.tcp_endpoint, exc)
-                    # Ranked on a table read after the refusal: the wait for a hung node can outlast
-                    # every row's deadline in the table read before it.
-                    elsewhere = self._reserve_elsewhere(
-                        group, nodes, node_id, replicas, preferred_node, refusal=exc, room_asks=room_asks
-                    )
-                    nodes = {**nodes, **elsewhere}
-                    continue
-                for plan, res in zip(group, got, strict=True):
-                    plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
+                # A probe, unless the caller pinned the put here: refused, the node makes no room
+                # for a writer with other nodes to try (_reserve_elsewhere asks it to, once none of
+                # them has room). Pinned here, one ask per group of the plans' other nodes
+                # (room_ask_groups), up to the first the node refuses.
+                asks = (
+                    room_ask_groups(replicas, group, node_id)
+                    if node_id == preferred_node
+                    else [(frames.PROBE_FLAG, group)]
+                )
+                for count, (flags, asked) in enumerate(asks):
+                    try:
+                        got = client._tcp.peer(node.tcp_endpoint).reserve(
+                            [(p.size_bytes, p.put_id) for p in asked],
+                            node_id=node_id,
+                            tier=WIRE_TIER[tier],
+                            flags=flags,
+                        )
+                    except (NoCapacity, ConnectError, TransferError) as exc:
+                        if not isinstance(exc, NoCapacity):
+                            client._tcp.drop_peer_after(node.tcp_endpoint, exc)
+                        # Ranked on a table read after the refusal: the wait for a hung node can
+                        # outlast every row's deadline in the table read before it. The groups not
+                        # asked yet go with the refused one.
+                        rest = [plan for _, later in asks[count:] for plan in later]
+                        elsewhere = self._reserve_elsewhere(
+                            rest, nodes, node_id, replicas, preferred_node, refusal=exc, room_asks=room_asks
+                        )
+                        nodes = {**nodes, **elsewhere}
+                        break
+                    for plan, res in zip(asked, got, strict=True):
+                        plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
         except BaseException:
             self._abandon(plans, nodes, started=False)
             raise
@@ -297,19 +316,24 @@ class Reserver:
                 of_tier = _kept_share([plan for plan in wanting if plan.tier == tier], nodes[node_id], tier)
                 if not of_tier:
                     continue
-                try:
-                    got = self.client._tcp.peer(nodes[node_id].tcp_endpoint).reserve(
-                        [(plan.size_bytes, plan.put_id) for plan in of_tier],
-                        node_id=node_id,
-                        tier=WIRE_TIER[tier],
-                        flags=room_ask_flags(replicas, of_tier, node_id),
-                    )
-                except (NoCapacity, ConnectError, TransferError):
-                    continue  # asked to make room: the put's next try finds it, here or where else it was asked
-                for plan, res in zip(of_tier, got, strict=True):
-                    plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
-                    plan.assigned.add(node_id)
-                homeless = [(plan, errors) for plan, errors in homeless if plan not in of_tier]
+                # One ask per group of the plans' other nodes (room_ask_groups), up to the first the
+                # node refuses: refused, it makes room for that group, and the groups after it wait
+                # for the put's next try (asked now too, their marks joined the refused one's in
+                # the node's next pass). They may still go to the next node asked.
+                for flags, asked_plans in room_ask_groups(replicas, of_tier, node_id):
+                    try:
+                        got = self.client._tcp.peer(nodes[node_id].tcp_endpoint).reserve(
+                            [(plan.size_bytes, plan.put_id) for plan in asked_plans],
+                            node_id=node_id,
+                            tier=WIRE_TIER[tier],
+                            flags=flags,
+                        )
+                    except (NoCapacity, ConnectError, TransferError):
+                        break  # asked to make room: the put's next try finds it, here or where else it was asked
+                    for plan, res in zip(asked_plans, got, strict=True):
+                        plan.replicas.append(self._replica(node_id, tier, res.offset, res.alloc_id, plan.size_bytes))
+                        plan.assigned.add(node_id)
+                    homeless = [(plan, errors) for plan, errors in homeless if plan not in asked_plans]
         if homeless:
             plan, errors = homeless[0]
             why = "; ".join(str(exc) for _, exc in errors)
