@@ -188,6 +188,9 @@ class EvictionCandidate:
     children: int = 0  # stored chunks whose chain parent this object is: evicting it would cut them off
     other_nodes: tuple[str, ...] = ()  # nodes holding its other replicas: never a spill target
     chain_parent: str = ""  # key of the chunk before it in its prefix chain ("" for none)
+    #: The last live copy of an object that a node's death (or a damaged copy) left short of the
+    #: replicas it was stored with, not yet repaired: evicting it loses what replicas=N promised.
+    survivor: bool = False
 
 
 def is_collection_not_text(value: object) -> bool:

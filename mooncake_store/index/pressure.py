@@ -50,7 +50,7 @@ class PressureCalls:
 
     def victim_candidates(self, node_id: str, tier: str, *, sample: int = 256) -> list[EvictionCandidate]:
         flat = self._run("victims", node_id, tier, sample)
-        return sound_rows(flat, 11, _victim, "the victim record o:")
+        return sound_rows(flat, 12, _victim, "the victim record o:")
 
     def pending_graves(self, node_id: str, *, limit: int = 4096) -> tuple[int, list[tuple[int, int]]]:
         """The node's graveyard, earliest due first: (server time ms, [(alloc id, due ms)]) of the
@@ -260,6 +260,7 @@ def _victim(row: Sequence[Any]) -> EvictionCandidate:
         children=int(row[8]),
         other_nodes=tuple(n for n in str(row[9]).split(",") if n),
         chain_parent=str(row[10]),
+        survivor=str(row[11]) == "1",
     )
 
 
