@@ -26,7 +26,7 @@ from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.agent.spill_jobs import SilentPeers
 from mooncake_store.errors import MooncakeError
-from mooncake_store.policy.eviction import MoveKind, bytes_to_free, choose_victims
+from mooncake_store.policy.eviction import MoveKind, bytes_to_free, choose_victims, eviction_order
 from mooncake_store.transport import frames
 from mooncake_store.types import EvictionCandidate, TierKind
 
@@ -371,6 +371,9 @@ class PressureManager:
                 planned += job.room_bytes
             else:
                 homeless.append(job)
+        # The last copies of objects a node's death left short go last (their repair may not have
+        # run yet): cold-first alone, a survivor lost them while warmer single copies stayed.
+        homeless = eviction_order(homeless, lambda job: job.victim)
         while homeless and moved + planned < need:
             # Coldest first, as many as the room still wanted; then on past those refused (read,
             # pinned or grown a child since the sample). One round trip unless some are refused.
@@ -527,10 +530,12 @@ class PressureManager:
                 if move.kind == MoveKind.SPILL and move.node_id is not None and attempt + 1 < PEER_TRIES:
                     state.spill(spills, job, move, tier)
                     continue
-                if unsent.victim.alloc_id in write_refused:
+                if unsent.victim.alloc_id in write_refused or unsent.victim.survivor:
                     # Refused at its WRITE after the peer reserved room (a moment's refusal, a
                     # reservation timed out under load): left where it is for the next pass, not
                     # evicted for it (a failing disk's RESERVEs are refused by then: tiers/disk.py).
+                    # So is the last copy of an object a node's death left short: evicted here, it
+                    # went before the pass's other homeless victims (eviction_order).
                     continue
                 # Out of peers to ask, or none has room: evicted.
                 self._queue_eviction(job, state)

@@ -8,15 +8,23 @@ same access time, so the chain position decides within a chain.
 
 Destinations, in order: the node's own next tier if it has room (demote), else the peer with the
 most room in the same tier, same zone first (spill), else nothing (evict: this is a cache).
+
+Of the victims with nowhere to go, the last live copies of objects a node's death left short of
+their replicas (EvictionCandidate.survivor) are evicted after every other one: with replicas=2 a
+node's loss must lose nothing, and a survivor under pressure evicted them coldest first, before
+its warmer single copies, in the seconds before the repair copied them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeVar
 
 from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
+
+_Job = TypeVar("_Job")
 
 #: Tier order, fastest first; an object demotes to the next one the node has.
 TIER_ORDER: tuple[TierKind, ...] = (TierKind.GPU, TierKind.HOST, TierKind.DISK)
@@ -71,6 +79,15 @@ def choose_victims(candidates: Iterable[EvictionCandidate], *, need_bytes: int, 
         chosen.append(cand)
         total += cand.size_bytes
     return chosen
+
+
+def eviction_order(homeless: Iterable[_Job], victim_of: Callable[[_Job], EvictionCandidate]) -> list[_Job]:
+    """``homeless`` (victims with nowhere to go, cold-first) in the order they are to be evicted:
+    the last live copies of objects short of their replicas after every other one, each group in
+    the order given. Not by coldness alone: such an object is as safe as any other only once its
+    repair has copied it, and a colder one stored with replicas=1 was promised nothing."""
+    jobs = list(homeless)
+    return [j for j in jobs if not victim_of(j).survivor] + [j for j in jobs if victim_of(j).survivor]
 
 
 def next_tier(tier: TierKind, available: Sequence[TierKind]) -> TierKind | None:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mooncake_store.policy.eviction import Move, MoveKind, bytes_to_free, choose_move, choose_victims, next_tier
+from mooncake_store.policy.eviction import (
+    Move,
+    MoveKind,
+    bytes_to_free,
+    choose_move,
+    choose_victims,
+    eviction_order,
+    next_tier,
+)
 from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind, TierUsage, TransportKind
 
 MiB = 1 << 20
@@ -210,3 +218,13 @@ def test_a_copy_goes_to_a_host_then_a_zone_that_its_other_copies_are_not_on() ->
     assert move_of([other_zone, roomy_same_zone], holders=[twin]).node_id == "z1-roomy"
     # With nowhere else, a held host or zone still beats eviction.
     assert move_of([shared_host], holders=[source]).node_id == "z2-shared"
+
+
+def test_eviction_order_puts_the_last_copies_of_objects_short_by_a_death_last() -> None:
+    """Cold-first alone, a survivor evicted the last copies of objects a dead node left short of
+    their replicas before its warmer single copies: a node's loss lost replicas=2 objects."""
+    short = [dataclasses.replace(cand(f"short{i}", age=900 - i), survivor=True) for i in range(2)]
+    single = [cand(f"one{i}", age=500 - i) for i in range(3)]
+    homeless = sorted(short + single, key=lambda c: c.last_access_ms)  # as the walk meets them
+    order = eviction_order(homeless, lambda c: c)
+    assert [c.key for c in order] == ["one0", "one1", "one2", "short0", "short1"]
