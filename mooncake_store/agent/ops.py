@@ -362,11 +362,14 @@ class AgentOps:
             allocs = self._table.reserve(requests, ceiling_bytes=ceiling)
         if allocs is None:
             free, largest = self._table.room(ceiling_bytes=ceiling)
-            self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
             # A refused spill goes to another peer, and a probing writer to another node: no room
-            # is made for either.
+            # is made for either. The agent hears of the room wanted before the writer hears the
+            # refusal: told after, a pass the writer brought about at once (a writer beside the
+            # agent, or its next RESERVE served first) found no room wanted under the high
+            # watermark, and made none.
             if not flags & (SPILL_FLAG | PROBE_FLAG):
                 self._hooks.no_room(self._table.footprint(requests), spared_peers=frames.spared_peers(flags))
+            self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
             return True
         if flags & SPILL_FLAG:
             self._hooks.spill_reserved([x.alloc_id for x in allocs], tier)
