@@ -208,6 +208,23 @@ def _layers(past: Any) -> list[tuple[Any, Any]]:
     return layers
 
 
+def _held_from_start(past: Any, layers: list[tuple[Any, Any]]) -> list[int]:
+    """Per layer, how many tokens from the first its keys hold, in order from slot 0. The length
+    of its tensor alone told neither case apart: a sliding-window layer that has seen more tokens
+    than it keeps (a prompt shorter than the window, then generated tokens past it) is as long as
+    the prompt or longer, but starts at a later token; a static layer is as long as its capacity,
+    written or not. Where a layer counts the tokens it has seen (``get_seq_length``, transformers
+    4.56+), it holds them from slot 0 only if there are no more of them than slots."""
+    counted = [getattr(layer, "get_seq_length", None) for layer in getattr(past, "layers", ())]
+    held = []
+    for i, (k, _) in enumerate(layers):
+        slots = int(k.shape[-2])
+        seen = counted[i]() if i < len(counted) and callable(counted[i]) else slots
+        seen = int(seen)  # a 0-d tensor on static layers
+        held.append(seen if seen <= slots else 0)
+    return held
+
+
 def _token_ids(input_ids: Any) -> Any:
     """One sequence of ids as 1-D: a batch of one, ``(1, n)``, from torch, numpy or nested lists
     (what tokenizers return) is unwrapped; anything else is the PrefixCache's to refuse."""
@@ -237,15 +254,16 @@ def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int
         raise InvalidValue("the KV cache has no layers")
     if layers[0][0].shape[0] != 1:
         raise InvalidValue(f"the KV cache has batch {layers[0][0].shape[0]}; save one sequence at a time")
-    # Every layer must hold every token from the first: a sliding-window layer keeps only its
-    # last ones, and chunk 0 cut from it was other tokens' KV, stored without a word.
-    held = sorted({int(k.shape[-2]) for k, _ in layers})
-    if len(held) > 1 or held[0] < len(ids):
+    # Every layer must hold every token of input_ids from the first: a sliding-window layer keeps
+    # only its last ones, and chunk 0 cut from it was other tokens' KV, stored without a word.
+    held = sorted(set(_held_from_start(past_key_values, layers)))
+    if held[0] < len(ids):
         shown = held[0] if len(held) == 1 else f"{held[0]} to {held[-1]} (by layer)"
         raise InvalidValue(
-            f"the KV cache holds {shown} tokens but input_ids has {len(ids)}: every layer must hold "
-            "every token (a sliding-window or hybrid-attention cache keeps only its last ones, and "
-            "cannot be saved in chunks from the prompt's start)"
+            f"the KV cache holds {shown} tokens from the prompt's start but input_ids has {len(ids)}: "
+            "every layer must hold every token of input_ids (a sliding-window layer that has seen more "
+            "tokens than its window, prompt and generated ones, keeps only its last ones; a static "
+            "cache holds only the tokens a forward pass wrote into it)"
         )
     # One (kv_heads, seq, head_dim) shape for every key and value: a cache whose keys and values
     # differ (multi-head latent attention, as DeepSeek-V3's) failed inside torch.stack, and
