@@ -185,9 +185,25 @@ def output_cache(output: Any) -> Any:
     return cache if cache is not None else output.past_key_values
 
 
+def _refuse_state_layers(past: Any) -> None:
+    """A linear-attention, state-space or convolution layer (Qwen3-Next, Jamba, LFM2), or one that
+    runs such a mixer beside attention (Falcon-H1, Zamba), holds a state that sums up every earlier
+    token: no prefix of such a model can be restored from per-token KV chunks. The first met as an
+    AttributeError at a save; the second had its keys and values stored, and restored beside an
+    empty state, silently wrong."""
+    for i, layer in enumerate(getattr(past, "layers", ())):
+        if not hasattr(layer, "keys") or hasattr(layer, "recurrent_states") or hasattr(layer, "conv_states"):
+            raise InvalidValue(
+                f"layer {i} of the KV cache is a {type(layer).__name__}, which holds a recurrent or "
+                "convolution state (instead of or beside per-token keys and values): a model with such "
+                "layers cannot restore a prefix from stored KV chunks"
+            )
+
+
 def _layers(past: Any) -> list[tuple[Any, Any]]:
     """(key, value) tensors per layer, each (batch, kv_heads, seq, head_dim), for any cache form."""
     if hasattr(past, "layers"):  # transformers 4.56+ and 5.x
+        _refuse_state_layers(past)
         layers = [(layer.keys, layer.values) for layer in past.layers]
     elif hasattr(past, "key_cache"):  # earlier 4.x DynamicCache
         layers = list(zip(past.key_cache, past.value_cache, strict=True))
@@ -393,6 +409,14 @@ def load_prefix(
     layers, kv_heads, head_dim = kv_layout(model if model is not None else config)
     dtype = _load_dtype(model, config, dtype)
     device = _load_device(model, device)
+    cfg = model.config if model is not None else config
+    try:
+        past = DynamicCache(config=cfg)
+    except TypeError:  # before 4.56
+        past = DynamicCache()
+    # Built before any read: chunks of such a model (stored before save_prefix refused them) would
+    # be restored beside an empty state.
+    _refuse_state_layers(past)
     size = cache.chunk_tokens
     shape = (layers, 2, kv_heads, size, head_dim)
     staging: list[Any] = []
@@ -424,11 +448,6 @@ def load_prefix(
     if n == 0:
         return 0, None
     data = staging[0][:n]
-    cfg = model.config if model is not None else config
-    try:
-        past = DynamicCache(config=cfg)
-    except TypeError:  # before 4.56
-        past = DynamicCache()
     for layer in range(layers):
         k = data[:, layer, 0].transpose(0, 1).reshape(1, kv_heads, n * size, head_dim)
         v = data[:, layer, 1].transpose(0, 1).reshape(1, kv_heads, n * size, head_dim)
