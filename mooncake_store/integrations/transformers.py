@@ -404,8 +404,8 @@ def load_prefix(
         raise InvalidValue(f"max_tokens must be an int >= 0, got {max_tokens!r:.40}")
     ids = as_token_array(_token_ids(input_ids))
     limit = len(ids) - 1 if wanted is None else min(wanted, len(ids) - 1)
-    if limit < cache.chunk_tokens:
-        return 0, None
+    # Every argument is checked before a prompt too short for a chunk returns: a bad device= or
+    # dtype= went unseen on short prompts, and failed only once a longer one came.
     layers, kv_heads, head_dim = kv_layout(model if model is not None else config)
     dtype = _load_dtype(model, config, dtype)
     device = _load_device(model, device)
@@ -417,6 +417,8 @@ def load_prefix(
     # Built before any read: chunks of such a model (stored before save_prefix refused them) would
     # be restored beside an empty state.
     _refuse_state_layers(past)
+    if limit < cache.chunk_tokens:
+        return 0, None
     size = cache.chunk_tokens
     shape = (layers, 2, kv_heads, size, head_dim)
     staging: list[Any] = []

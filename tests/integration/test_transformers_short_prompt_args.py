@@ -1,0 +1,39 @@
+"""load_prefix checked its arguments only once a prompt held a chunk: for a prompt shorter than
+one (or a max_tokens below one), a bad dtype=, device= or config= returned (0, None), and an
+engine's misconfiguration went unseen until a longer prompt came."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+# The tiny model of test_transformers.py, on one thread (its autouse fixture, imported to apply here).
+from test_transformers import CHUNK, CONFIG, build_model, document, one_thread  # noqa: F401
+
+from mooncake_store import Client, InvalidValue, PrefixCache
+from mooncake_store.integrations.transformers import kv_namespace, load_prefix
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": "nonsense"}, r"not a torch dtype .*'nonsense'"),
+        ({"device": "banana"}, r"device='banana'.*not a torch device"),
+        ({"model": None, "config": {"num_hidden_layers": 2}}, r"needs a transformers model or its PretrainedConfig"),
+    ],
+    ids=["dtype", "device", "config"],
+)
+@pytest.mark.parametrize("short", ["prompt", "max_tokens"])
+def test_bad_arguments_are_refused_whatever_the_prompt_length(
+    client: Client, kwargs: dict[str, Any], match: str, short: str
+) -> None:
+    model = build_model(CONFIG)
+    args: dict[str, Any] = {"model": model, **kwargs}
+    ids, limit = (document(CHUNK - 1), None) if short == "prompt" else (document(3 * CHUNK), CHUNK - 1)
+    with PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK) as cache:
+        with pytest.raises(InvalidValue, match=match):
+            load_prefix(cache, ids, args.pop("model"), max_tokens=limit, **args)
+        assert load_prefix(cache, ids, model, max_tokens=limit) == (0, None)  # good arguments: a miss
