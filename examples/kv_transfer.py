@@ -14,11 +14,16 @@ import argparse
 import multiprocessing as mp
 import sys
 import time
+from queue import Empty
+from typing import Any
 
 import numpy as np
 
 from mooncake_store import LocalCluster, MooncakeError, connect
 from mooncake_store.config import format_size, parse_size
+
+#: How long a reader may take to answer: 256 MiB read twice takes about a second.
+READER_TIMEOUT_S = 300.0
 
 CHUNK_SHAPE = (8, 2, 256, 8, 128)  # layers, K/V, tokens, kv heads, head dim: 8 MiB of float16
 
@@ -28,16 +33,59 @@ def chunk(i: int) -> np.ndarray:
 
 
 def reader(url: str, namespace: str, count: int, transport: str, queue: mp.Queue) -> None:  # type: ignore[type-arg]
-    with connect(url, namespace=namespace, transports=(transport,)) as client:
-        outs = np.empty((count, *CHUNK_SHAPE), dtype=np.float16)
-        outs.fill(0)  # touch the destination pages before timing, as an engine's buffers would be
-        client.get_into("doc/chunk/0", outs[0])  # first contact: maps the agents' segments, opens sockets
-        start = time.perf_counter()
-        for i in range(count):
-            client.get_into(f"doc/chunk/{i}", outs[i])
-        seconds = time.perf_counter() - start
-        exact = all(np.array_equal(outs[i], chunk(i)) for i in range(count))
-        queue.put((transport, seconds if exact else -1.0))
+    """Read the chunks back over ``transport``; puts (seconds, None) on ``queue``, -1.0 for bytes
+    that differ, or (0.0, the error) when the store refused (an shm-only reader of agents on
+    another host, a cluster gone meanwhile)."""
+    try:
+        with connect(url, namespace=namespace, transports=(transport,)) as client:
+            outs = np.empty((count, *CHUNK_SHAPE), dtype=np.float16)
+            outs.fill(0)  # touch the destination pages before timing, as an engine's buffers would be
+            client.get_into("doc/chunk/0", outs[0])  # first contact: maps the agents' segments, opens sockets
+            start = time.perf_counter()
+            for i in range(count):
+                client.get_into(f"doc/chunk/{i}", outs[i])
+            seconds = time.perf_counter() - start
+    except MooncakeError as exc:
+        queue.put((0.0, f"{type(exc).__name__}: {exc}"))
+        return
+    exact = all(np.array_equal(outs[i], chunk(i)) for i in range(count))
+    queue.put((seconds if exact else -1.0, None))
+
+
+def read_back(ctx: Any, url: str, namespace: str, count: int, transport: str) -> float:
+    """Time another process's read of the chunks over ``transport``. A reader that failed or died
+    is a MooncakeError saying so: the wait for its answer was 300 s, then a queue.Empty traceback."""
+    queue = ctx.Queue()
+    proc = ctx.Process(target=reader, args=(url, namespace, count, transport, queue))
+    proc.start()
+    try:
+        seconds, error = _answer(queue, proc, transport)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():  # stopped by its own PID, as everything this example starts
+            proc.kill()
+            proc.join()
+    if error is not None:
+        raise MooncakeError(f"the reader over {transport} failed: {error}")
+    return seconds
+
+
+def _answer(queue: Any, proc: Any, transport: str) -> tuple[float, str | None]:
+    """The reader's answer, as soon as it comes or the reader is gone without one."""
+    deadline = time.monotonic() + READER_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=0.5)
+        except Empty:
+            pass
+        if not proc.is_alive():
+            try:
+                return queue.get(timeout=1.0)  # put just before it ended
+            except Empty:
+                raise MooncakeError(
+                    f"the reader over {transport} ended with exit status {proc.exitcode} before answering"
+                ) from None
+    raise MooncakeError(f"the reader over {transport} did not answer within {READER_TIMEOUT_S:.0f} s")
 
 
 def _size(text: str) -> int:
@@ -82,11 +130,7 @@ def main() -> int:
                     )
             ctx = mp.get_context("spawn")
             for transport in ("shm", "tcp"):
-                queue = ctx.Queue()
-                proc = ctx.Process(target=reader, args=(cluster.redis_url, cluster.namespace, count, transport, queue))
-                proc.start()
-                _, seconds = queue.get(timeout=300)
-                proc.join(timeout=30)
+                seconds = read_back(ctx, cluster.redis_url, cluster.namespace, count, transport)
                 if seconds < 0:
                     print(f"{transport}: MISMATCH in the bytes read back", file=sys.stderr)
                     return 1

@@ -33,3 +33,54 @@ def test_kv_transfer_refuses_no_agents_as_usage() -> None:
     result = _run("--agents", "0")
     assert result.returncode == 2, result.stderr
     assert "--agents 0: at least one agent" in result.stderr and "Traceback" not in result.stderr
+
+
+#: Runs the example with its reader replaced (the example's module looks `reader` up at each
+#: call), so that a reader that dies or fails can be had on demand. Spawned readers import this
+#: script again as their main module, and find the replacement there.
+DRIVER = """
+import os
+import sys
+
+sys.path.insert(0, {examples!r})
+import kv_transfer
+
+real_reader = kv_transfer.reader
+
+
+def dying_reader(url, namespace, count, transport, queue):
+    os._exit(3)  # as a reader killed by the OOM killer, or crashed, would end: without a word
+
+
+def reader_of_another_namespace(url, namespace, count, transport, queue):
+    real_reader(url, namespace + "-elsewhere", count, transport, queue)  # its keys are not there
+
+
+if __name__ == "__main__":
+    kv_transfer.reader = {replacement}
+    sys.argv = ["kv_transfer.py", "--total", "8MiB", "--agents", "1"]
+    sys.exit(kv_transfer.main())
+"""
+
+
+def _run_with_reader(tmp_path: Path, replacement: str) -> subprocess.CompletedProcess[str]:
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(examples=str(EXAMPLES), replacement=replacement))
+    return subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=120)
+
+
+def test_kv_transfer_says_so_when_its_reader_dies_without_answering(tmp_path: Path) -> None:
+    """The example waited 300 s for a reader that had died, then ended with a queue.Empty traceback."""
+    result = _run_with_reader(tmp_path, "dying_reader")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "the reader over shm ended with exit status 3 before answering" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_kv_transfer_relays_its_readers_error(tmp_path: Path) -> None:
+    """A reader the store refused (here: keys it cannot find) ended with a traceback in the child,
+    and the example waited 300 s for its answer."""
+    result = _run_with_reader(tmp_path, "reader_of_another_namespace")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "the reader over shm failed: KeyNotFound" in result.stderr, result.stderr
+    assert "doc/chunk/0" in result.stderr and "Traceback" not in result.stderr
