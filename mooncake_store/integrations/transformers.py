@@ -182,7 +182,16 @@ def output_cache(output: Any) -> Any:
     if isinstance(output, dict) and "cache" in output:
         return output["cache"]
     cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
+    if cache is None:
+        cache = getattr(output, "past_key_values", None)
+    if cache is None:
+        # A tuple (return_dict=False) lays its fields out by the model's own order, which names
+        # none of them: an AttributeError from here said nothing of what to pass.
+        raise InvalidValue(
+            f"the forward pass's output is a {type(output).__name__} with no cache in it: call the model "
+            "with use_cache=True and return_dict=True (the default), or pass the cache itself"
+        )
+    return cache
 
 
 def _refuse_state_layers(past: Any) -> None:

@@ -37,3 +37,13 @@ def test_bad_arguments_are_refused_whatever_the_prompt_length(
         with pytest.raises(InvalidValue, match=match):
             load_prefix(cache, ids, args.pop("model"), max_tokens=limit, **args)
         assert load_prefix(cache, ids, model, max_tokens=limit) == (0, None)  # good arguments: a miss
+
+
+@pytest.mark.parametrize("output", [("logits", "cache"), {"logits": 1}, None], ids=["tuple", "dict", "none"])
+def test_output_cache_refuses_an_output_without_a_cache_by_name(output: Any) -> None:
+    """A return_dict=False tuple (or anything else without a cache) was an AttributeError from
+    inside output_cache, which said nothing of what to pass."""
+    from mooncake_store.integrations.transformers import output_cache
+
+    with pytest.raises(InvalidValue, match=r"use_cache=True and return_dict=True"):
+        output_cache(output)
