@@ -427,6 +427,7 @@ def load_prefix(
     # be restored beside an empty state.
     _refuse_state_layers(past)
     if limit < cache.chunk_tokens:
+        cache._check_open()  # a closed cache answered a short prompt with a miss
         return 0, None
     size = cache.chunk_tokens
     shape = (layers, 2, kv_heads, size, head_dim)

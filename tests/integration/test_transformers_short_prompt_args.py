@@ -11,7 +11,7 @@ import pytest
 # The tiny model of test_transformers.py, on one thread (its autouse fixture, imported to apply here).
 from test_transformers import CHUNK, CONFIG, build_model, document, one_thread  # noqa: F401
 
-from mooncake_store import Client, InvalidValue, PrefixCache
+from mooncake_store import Client, InvalidValue, MooncakeError, PrefixCache
 from mooncake_store.integrations.transformers import kv_namespace, load_prefix
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,3 +47,14 @@ def test_output_cache_refuses_an_output_without_a_cache_by_name(output: Any) -> 
 
     with pytest.raises(InvalidValue, match=r"use_cache=True and return_dict=True"):
         output_cache(output)
+
+
+def test_a_closed_cache_is_refused_whatever_the_prompt_length(client: Client) -> None:
+    """load_prefix on a closed PrefixCache answered a prompt shorter than a chunk with a miss,
+    (0, None), and refused only longer ones: an engine that closed its cache too early saw misses."""
+    model = build_model(CONFIG)
+    cache = PrefixCache(client, kv_namespace(model), chunk_tokens=CHUNK)
+    cache.close()
+    for ids in (document(CHUNK - 1), document(3 * CHUNK)):
+        with pytest.raises(MooncakeError, match="PrefixCache is closed"):
+            load_prefix(cache, ids, model)
