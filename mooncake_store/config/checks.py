@@ -155,10 +155,33 @@ def _redis_py_problem(value: str) -> str | None:
         db = options.get("db", 0)
         if not 0 <= db <= _MAX_REDIS_DB:
             return f"database {db} must be in 0..{_MAX_REDIS_DB}"
+        numbers = _url_number_problem(options)
+        if numbers:
+            return numbers
         connection_class = options.pop("connection_class", Connection)
         connection_class(**options)
     except (ValueError, TypeError, redis.RedisError) as exc:
         return f"redis-py cannot use it ({exc})"
+    return None
+
+
+def _url_number_problem(options: dict[str, Any]) -> str | None:
+    """What is wrong with the numbers of a URL's query that redis-py takes unchecked (its Connection
+    is built from them without a complaint) and that fail only at the first connect: a timeout of
+    inf was an OverflowError from the socket layer (an internal error at the CLI), -1 or nan a
+    "bad Redis URL" of exit 4, and 0 (a socket that never waits) or a read size of 0 "cannot reach
+    Redis", with a server up and answering."""
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        seconds = options.get(name)
+        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= _DAY_S):
+            return f"{name}={seconds:g} must be > 0 s and <= {_DAY_S:g} s, as client.timeout_s"
+    read_size = options.get("socket_read_size")
+    if read_size is not None and read_size < 1:
+        return f"socket_read_size={read_size} must be >= 1 (bytes read at once)"
+    interval = options.get("health_check_interval")
+    if interval is not None and interval < 0:
+        # Negative, redis-py sends a handshake the server refuses ("unknown subcommand").
+        return f"health_check_interval={interval} must be >= 0 s (0: no health checks)"
     return None
 
 

@@ -36,7 +36,9 @@ def connect_redis(url: str, *, timeout_s: float = 10.0, advice: str = START_A_CL
             health_check_interval=30,
         )
         _ping_once_loaded(client, url, timeout_s)
-    except (ValueError, TypeError) as exc:  # TypeError: a URL option redis-py does not know (?foo=1)
+    # TypeError: a URL option redis-py does not know (?foo=1); OverflowError: a timeout of inf
+    # (?socket_timeout=inf), which the socket layer refuses only at connect.
+    except (ValueError, TypeError, OverflowError) as exc:
         # Redacted: the CLI prints these messages, and a password must not reach terminals or logs.
         raise ConnectError(f"bad Redis URL {redact_url(url)!r}: {exc}") from None
     except redis.AuthenticationError as exc:
