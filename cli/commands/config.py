@@ -10,7 +10,7 @@ from mooncake_cli.state import load_state, state_path
 from rich.table import Table
 from rich.text import Text
 
-from mooncake_store.config import config_file_path, format_size
+from mooncake_store.config import config_file_path, format_size, redact_url
 
 
 def _flat(values: dict[str, Any]) -> dict[str, Any]:
@@ -45,7 +45,8 @@ def config(
     namespace: NamespaceOpt = None,
 ) -> None:
     """Show every configuration value in effect for this shell, and where each came from: the
-    default, the config file, a MOONCAKE_* variable or a flag.
+    default, the config file, a MOONCAKE_* variable, a flag, or (the URL, and the namespace when
+    none is given) the cluster `mooncake up` recorded here, as the other commands take them.
 
     Layers, lowest first: defaults, the config file ($MOONCAKE_CONFIG, else
     ~/.config/mooncake/config.toml), MOONCAKE_* variables, flags. A value that fails its check is
@@ -60,6 +61,13 @@ def config(
         cluster = "the index at redis_url"
     elif state is not None:
         cluster = f"the cluster recorded in {state_path()}"
+        # What the other commands use with no URL given (context.resolve_target): the recorded
+        # cluster's URL, and its namespace unless one was given anywhere. Shown as the defaults,
+        # the namespace read "default" while `ls` and `get` worked in the recorded one.
+        recorded = f"state file {state_path()}"
+        values["redis_url"], sources["redis_url"] = redact_url(state.redis_url), recorded
+        if sources["namespace"] == "default":
+            values["namespace"], sources["namespace"] = state.namespace, recorded
     else:
         cluster = "none: no redis_url, and no cluster recorded (`mooncake up` starts one)"
     if as_json:
