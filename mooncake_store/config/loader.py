@@ -253,6 +253,16 @@ def explain_config(
         sources["agent.disk_bytes"],
         as_given=(as_given("agent.disk_path"), as_given("agent.disk_bytes")),
     )
+    gpu_id_key = "agent.gpu_id"
+    if sources[gpu_id_key] is not _DEFAULT and sources["agent.gpu_bytes"] is _DEFAULT:
+        # As a disk directory without a capacity: a device named and no size given anywhere, the
+        # agent ran with no GPU tier, saying nothing (one that cannot be made is an error). A size
+        # of 0 given on purpose (a node without a GPU beside a shared file's device) still is none.
+        raise ConfigError(
+            f"{sources[gpu_id_key].label(gpu_id_key)}={as_given(gpu_id_key)!r}: names the GPU tier's device, but "
+            "agent.gpu_bytes (--gpu-mem, env MOONCAKE_AGENT_GPU_BYTES) is not set, and without it there is no GPU "
+            "tier: give its size as well, or leave the device out"
+        )
 
     def section(name: str | None) -> dict[str, Any]:
         return {spec.name: values[key] for key, spec in _FIELDS.items() if spec.section == name}
