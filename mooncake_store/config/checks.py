@@ -329,10 +329,14 @@ def _coerce(spec: _Field, value: object, source: _Source) -> object:
             return value
         # ASCII digits only: int() also takes "٣", "１" and "1_000", which nobody means here.
         if isinstance(value, str) and _INT_RE.fullmatch(value.strip()):
-            digits = value.strip().lstrip("+-").lstrip("0")
+            text = value.strip()
+            digits = text.lstrip("+-").lstrip("0")
             if len(digits) > _MAX_INT_DIGITS:  # int() refuses past 4300 digits with a bare ValueError
                 raise _fail(spec, value, source, f"an integer of {len(digits)} digits, far out of range")
-            return int(value.strip(), 10)
+            # The digits past the leading zeros: int() counts those too, and thousands of them
+            # ("0000...01") were a bare ValueError, an internal error at the CLI.
+            number = int(digits or "0", 10)
+            return -number if text.startswith("-") else number
         raise _fail(spec, value, source, "not an integer")
     if kind == "float":
         number: float | None = None

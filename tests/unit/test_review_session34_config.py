@@ -23,6 +23,18 @@ def test_an_int_key_of_many_digits_from_env_is_a_config_error() -> None:
         load_config(env={"MOONCAKE_CLIENT_LEASE_MS": MANY_DIGITS})
 
 
+@pytest.mark.parametrize(("text", "expected"), [("0" * 5000 + "2500", 2500), ("+" + "0" * 5000 + "7", 7)])
+def test_an_int_key_with_thousands_of_leading_zeros_is_read_as_its_number(text: str, expected: int) -> None:
+    """Leading zeros count for nothing: past 4300 of them int() raised a bare ValueError, an
+    internal error at the CLI, while the digit count that guards it had stripped them."""
+    assert load_config(env={"MOONCAKE_CLIENT_LEASE_MS": text}).client.lease_ms == expected
+
+
+def test_a_negative_int_key_with_thousands_of_leading_zeros_is_refused_by_its_range() -> None:
+    with pytest.raises(ConfigError, match=r"MOONCAKE_CLIENT_LEASE_MS=.*must be >= 1 ms"):
+        load_config(env={"MOONCAKE_CLIENT_LEASE_MS": "-" + "0" * 5000 + "3"})
+
+
 def test_an_int_of_many_digits_in_the_toml_file_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_text(f"[client]\nlease_ms = {MANY_DIGITS}\n")
