@@ -36,7 +36,10 @@ def state_dir() -> Path:
     configured = os.environ.get(STATE_DIR_ENV, "")
     if configured:
         return Path(configured).expanduser()
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    # A relative XDG_STATE_HOME is to be ignored (the XDG base directory spec): taken from the
+    # working directory, `down` run elsewhere than `up` found no cluster to stop.
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    base = xdg if os.path.isabs(xdg) else str(Path.home() / ".local" / "state")
     return Path(base) / "mooncake"
 
 

@@ -64,7 +64,10 @@ def _resolve_file(file: str | Path | None, env: Mapping[str, str]) -> tuple[Path
         return path, f"file {path}"
     # The default location follows the given env mapping, not the process's, so that callers passing
     # an explicit env (tests) get a hermetic load.
-    base = env.get("XDG_CONFIG_HOME") or (f"{env['HOME']}/.config" if env.get("HOME") else "")
+    # A relative XDG_CONFIG_HOME is to be ignored (the XDG base directory spec): taken from the
+    # working directory, each directory a command ran in had a config file of its own.
+    xdg = env.get("XDG_CONFIG_HOME", "")
+    base = xdg if os.path.isabs(xdg) else (f"{env['HOME']}/.config" if env.get("HOME") else "")
     if base:
         path = Path(base) / "mooncake" / "config.toml"
         if path.is_file():
