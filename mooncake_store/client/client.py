@@ -21,7 +21,7 @@ from mooncake_store.client.node_view import NodeView
 from mooncake_store.client.put_plans import check_put_options
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
-from mooncake_store.config import ClientConfig, load_config, redact_url
+from mooncake_store.config import ClientConfig, Config, load_config, redact_url
 from mooncake_store.config.values import transport_names
 from mooncake_store.errors import (
     ConfigError,
@@ -80,6 +80,10 @@ class Client(AsyncCalls):
         if config is not None and not isinstance(config, ClientConfig):
             raise ConfigError(f"config must be a ClientConfig, got {type(config).__name__}: {config!r:.80}")
         self.config = config or ClientConfig()
+        # The URL and namespace get the checks connect() gives them (a port 0, a database out of
+        # range, a query's timeouts): built directly, a Client took them unchecked, and a mistake in
+        # the URL failed at the first connect as an unreachable server.
+        Config(redis_url=redis_url, namespace=namespace, client=self.config)
         if transports is not None:
             self.config = replace(self.config, transports=transport_names(transports))
         self.transports = tuple(TransportKind(t) for t in self.config.transports)
