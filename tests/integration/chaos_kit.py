@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from tier_audit import audit_tiers
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError
 
@@ -109,7 +110,9 @@ def writer_loop(
     stop: threading.Event,
     r2_share: float,
     pause_s: float = 0.005,
+    preferred: str | None = "agent-0",
 ) -> None:
+    """Puts keys ``first_id`` on, aimed at ``preferred`` (None: where placement says)."""
     rng = random.Random(seed)
     n = -1
     while n + 1 < count:
@@ -134,7 +137,7 @@ def writer_loop(
                         key_name(key_id + 1): typed(key_id + 1, value_of(key_id + 1, 0, size2)),
                     },
                     replicas=replicas,
-                    preferred_node="agent-0",
+                    preferred_node=preferred,
                 )
                 with ledger.lock:
                     ledger.acked[key_id], ledger.acked[key_id + 1] = size, size2
@@ -143,7 +146,7 @@ def writer_loop(
                 n += 1  # the batch's second key is taken
                 continue
             client.put(
-                key_name(key_id), typed(key_id, value_of(key_id, 0, size)), replicas=replicas, preferred_node="agent-0"
+                key_name(key_id), typed(key_id, value_of(key_id, 0, size)), replicas=replicas, preferred_node=preferred
             )
             with ledger.lock:
                 ledger.acked[key_id] = size
@@ -282,35 +285,14 @@ def run_threads(
     assert not any(t.is_alive() for t in threads), "a load thread hung"
 
 
-def index_use(client: Client) -> tuple[dict[str, int], dict[str, int]]:
-    """Per node: bytes and objects the index names there (every record's replicas)."""
-    used: dict[str, int] = {}
-    objs: dict[str, int] = {}
-    for listing in client.index.list_keys("*"):
-        for r in listing.replicas:
-            used[r.node_id] = used.get(r.node_id, 0) + -(-r.size_bytes // 64) * 64
-            objs[r.node_id] = objs.get(r.node_id, 0) + 1
-    return used, objs
-
-
-def agents_match_index(client: Client, nodes: list[str]) -> tuple[bool, str]:
-    """Each agent's published use equals what the index names on it: no reservation, grave or
-    spill copy left behind."""
-    used, objs = index_use(client)
-    cluster_stat = client.stat()
-    stat = {n.node_id: n for n in cluster_stat.nodes}
-    listed = len(client.index.list_keys("*"))
-    rows = [f"objects: stat {cluster_stat.objects}, listed {listed}"]
-    ok = cluster_stat.objects == listed
-    for node_id in nodes:
-        host = stat[node_id].tiers[0]
-        rows.append(
-            f"{node_id}: agent {host.used_bytes} B/{host.objects} obj, "
-            f"index {used.get(node_id, 0)} B/{objs.get(node_id, 0)} obj (nobj {stat[node_id].objects})"
-        )
-        ok = ok and host.used_bytes == used.get(node_id, 0) and host.objects == objs.get(node_id, 0)
-        ok = ok and stat[node_id].objects == objs.get(node_id, 0)
-    return ok, "; ".join(rows)
+def agents_match_index(client: Client, nodes: list[str], cluster: LocalCluster | None = None) -> tuple[bool, str]:
+    """Each agent's published use equals what the index names on it, tier by tier: no reservation,
+    grave or spill copy left behind. A disk tier's chunk files are checked too (one per disk
+    replica the index lists on the node, no temp file left) where ``cluster`` says its directory;
+    a GPU tier where an agent has one (tier_audit.py)."""
+    dirs = {a.node_id: a.disk_dir for a in cluster.agents if a.disk_dir and a.alive()} if cluster else None
+    audit = audit_tiers(client, nodes, disk_dirs=dirs)
+    return audit.ok, str(audit)
 
 
 def spill_totals(client: Client, nodes: list[str]) -> tuple[int, int, int]:
