@@ -41,8 +41,10 @@ from mooncake_store.types import TierKind
 NODES = ["agent-0", "agent-1", "agent-2"]
 
 
-def disk_args(node_id: str, root: Path, *, disk_mib: int = 64) -> list[str]:
-    """8 MiB host arenas over disk tiers: the load demotes (agent-0 spills over TCP)."""
+def disk_args(node_id: str, root: Path, *, disk_mib: int = 128) -> list[str]:
+    """8 MiB host arenas over disk tiers: the load demotes (agent-0 spills over TCP), and two agents
+    hold all of it, with both copies of every object stored with two, under their high watermarks
+    (nothing is evicted)."""
     extra = ["--host-bytes", str(8 * MiB), "--disk", str(root), "--disk-mem", f"{disk_mib}MiB", *WATERMARKS]
     return [*extra, "--no-spill-shm"] if node_id == "agent-0" else extra
 
@@ -129,13 +131,15 @@ def test_kills_and_restarts_of_disk_tier_agents_lose_no_replicated_object(
         return True  # judged by what the index held around each kill, and at the end
 
     writers = [
-        threading.Thread(target=writer_loop, args=(c, ledger, 10_000 * i, 60, 301 + i, stop, 0.5, 0.05, None))
+        threading.Thread(target=writer_loop, args=(c, ledger, 10_000 * i, 36, 301 + i, stop, 0.5, 0.05, None))
         for i, c in enumerate(writers_c)
     ]
+    # Readers pause 50 ms between reads: at 10 ms every key of the load held a read lease all
+    # the time, an object read within its lease is hot and never demoted, and puts waited for room.
     threads = [
         *writers,
         *(
-            threading.Thread(target=reader_loop, args=(c, ledger, 311 + i, stop, allowed_miss, 0.01))
+            threading.Thread(target=reader_loop, args=(c, ledger, 311 + i, stop, allowed_miss, 0.05))
             for i, c in enumerate(readers)
         ),
         threading.Thread(target=remover_loop, args=(mutator, ledger, 321, stop, 0.6)),
@@ -183,6 +187,7 @@ def test_kills_and_restarts_of_disk_tier_agents_lose_no_replicated_object(
         for t in writers:
             t.join(60)
         time.sleep(1.0)
+        disk_used += sum(map(len, disk_replicas(probe).values()))
     finally:
         stop.set()
         for t in threads:
