@@ -1,22 +1,18 @@
 """What each agent holds, tier by tier, against what the index lists on it: the arena tiers (host,
 GPU) by the use and object count the agent publishes, the disk tier by those and by the chunk files
-in its directory (tiers/disk.py names a file after its allocation id: <2 hex>/<16 hex>.mcz, .tmp
-while it is written). Tests call it once the load is over (through wait_until: reservations, graves
-and leases take a while to go) and assert that it finds nothing."""
+in its directory (tiers/disk_dir.chunk_file_paths: files named after their allocation ids). Tests
+call it once the load is over (through wait_until: reservations, graves and leases take a while to
+go) and assert that it finds nothing."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mooncake_store import Client
+from mooncake_store.tiers.disk_dir import chunk_file_paths
 from mooncake_store.types import TierKind, TierUsage, footprint_bytes
-
-#: A disk tier's chunk and temp files (tiers/disk_dir.py's rule): the id in hex, its last two
-#: digits naming the subdirectory.
-_CHUNK = re.compile(r"([0-9a-f]{14}([0-9a-f]{2}))\.(mcz|tmp)")
 
 
 @dataclass
@@ -45,20 +41,14 @@ def chunk_files(root: Path) -> tuple[dict[int, int], list[Path]]:
     """The chunk files under a disk tier's directory (alloc id -> file size) and its temp files."""
     files: dict[int, int] = {}
     temps: list[Path] = []
-    for sub in sorted(root.iterdir()) if root.is_dir() else []:
-        if not sub.is_dir():
+    for path in chunk_file_paths(root):
+        if path.suffix == ".tmp":
+            temps.append(path)
             continue
-        for path in sub.iterdir():
-            m = _CHUNK.fullmatch(path.name)
-            if m is None or m.group(2) != sub.name:
-                continue
-            if m.group(3) == "tmp":
-                temps.append(path)
-            else:
-                try:
-                    files[int(m.group(1), 16)] = path.stat().st_size
-                except FileNotFoundError:
-                    continue  # removed while listed
+        try:
+            files[int(path.stem, 16)] = path.stat().st_size
+        except FileNotFoundError:
+            continue  # removed while listed
     return files, temps
 
 

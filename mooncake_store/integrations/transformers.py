@@ -267,6 +267,9 @@ def _token_ids(input_ids: Any) -> Any:
 def _check_cache(what: str, cache: object) -> None:
     if not isinstance(cache, PrefixCache):  # a Client, say: an AttributeError from deep inside
         raise InvalidValue(f"{what} needs a PrefixCache (PrefixCache(client, namespace)), got {type(cache).__name__}")
+    # Open, before any other answer: a closed cache answered a load of a prompt shorter than a
+    # chunk with a miss, as if nothing were stored.
+    cache._check_open()
 
 
 def save_prefix(cache: PrefixCache, input_ids: Any, past_key_values: Any) -> int:
@@ -427,7 +430,6 @@ def load_prefix(
     # be restored beside an empty state.
     _refuse_state_layers(past)
     if limit < cache.chunk_tokens:
-        cache._check_open()  # a closed cache answered a short prompt with a miss
         return 0, None
     size = cache.chunk_tokens
     shape = (layers, 2, kv_heads, size, head_dim)

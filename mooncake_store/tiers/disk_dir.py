@@ -240,17 +240,23 @@ def _tier_subdirs(root: Path) -> list[Path]:
         return []
 
 
-def clear_chunk_files(root: Path) -> None:
-    """Remove the chunk and temp files of a tier's directory: only names path_of makes, each in
-    the subdirectory its name selects."""
+def chunk_file_paths(root: Path) -> list[Path]:
+    """The chunk and temp files of a tier's directory: only names path_of makes, each in the
+    subdirectory its name selects (the id in hex is the name's stem; ".tmp" while written)."""
+    found: list[Path] = []
     for sub in _tier_subdirs(root):
         try:
-            names = [p for p in sub.iterdir() if (m := _CHUNK_FILE.fullmatch(p.name)) and m.group(1) == sub.name]
+            found.extend(p for p in sub.iterdir() if (m := _CHUNK_FILE.fullmatch(p.name)) and m.group(1) == sub.name)
         except OSError:
             continue
-        for path in names:
-            with contextlib.suppress(OSError):  # one that cannot go stays: the rest still go
-                path.unlink(missing_ok=True)
+    return found
+
+
+def clear_chunk_files(root: Path) -> None:
+    """Remove the chunk and temp files of a tier's directory (chunk_file_paths)."""
+    for path in chunk_file_paths(root):
+        with contextlib.suppress(OSError):  # one that cannot go stays: the rest still go
+            path.unlink(missing_ok=True)
 
 
 def remove_tier_dir(root: Path) -> bool:
