@@ -310,8 +310,9 @@ class PressureManager:
 
     def _need(self, tier: TierKind, used: int, capacity: int, wanted: int = 0) -> int:
         """Bytes to move out of ``tier`` now. Past the high watermark a drain starts and goes on,
-        pass after pass, until the tier is under its low watermark or a pass finds nothing to move
-        (see _walk): one pass samples SAMPLE objects, which may leave it between the two."""
+        pass after pass, until the tier is under its low watermark: one pass samples SAMPLE objects,
+        which may leave it between the two, and a pass may find nothing movable yet (pinned or
+        leased objects, movable later)."""
         cfg = self.agent.config
         with self._lock:
             if used > cfg.high_watermark * capacity:
@@ -390,8 +391,9 @@ class PressureManager:
             agent.reclaim_now(force=True)
             self._fruitless_until = 0.0
         else:
-            with self._lock:  # nothing movable (all hot or pinned): no polling under the high mark
-                self._draining.discard(tier)
+            # Nothing movable now (all hot, pinned or leased): the drain goes on, retried each
+            # interval as past the high mark. Ended here, it left the tier between its watermarks
+            # for good once those objects could move: nothing would ever start another drain.
             self._fruitless_until = time.monotonic() + min(FRUITLESS_RETRY_S, agent.config.pressure_interval_s)
         return moved
 

@@ -1,0 +1,49 @@
+"""A drain that starts past a tier's high watermark goes on down to the low one even when a pass
+between the two finds nothing it may move yet (pinned, or read and still leased): those objects
+become movable later, and the tier must not be left sitting between its watermarks for good."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from helpers import host_use_since, wait_until
+from test_pressure import pin, replica_nodes, value_for
+
+from mooncake_store import Client, LocalCluster
+
+MiB = 1 << 20
+HOST = 16 * MiB
+
+
+def test_drain_goes_on_after_a_pass_that_found_only_pinned_objects(
+    make_cluster: Callable[..., LocalCluster], make_client: Callable[..., Client], tmp_path: Path
+) -> None:
+    cluster = make_cluster(0)
+    cluster.add_agent(
+        node_id="agent-0", extra_args=["--host-bytes", str(HOST), "--disk", str(tmp_path), "--disk-mem", str(64 * MiB)]
+    )
+    client = make_client(cluster, lease_ms=300, timeout_s=20)
+    pinned = [f"pinned/{i:02d}" for i in range(13)]
+    for key in pinned:  # 13 of 16 MiB: between the low (0.75) and the high (0.90) watermark
+        client.put(key, value_for(key))
+        pin(client, key)
+    loose = ["loose/0", "loose/1"]
+    for key in loose:  # 15 of 16 MiB: past the high watermark, a drain starts
+        client.put(key, value_for(key))
+    # The loose objects go to disk; then the drain's passes find only pinned objects, with the
+    # tier still above its low watermark.
+    assert wait_until(lambda: all(replica_nodes(client, k)[0][1] == "disk" for k in loose), 20), [
+        replica_nodes(client, k) for k in loose
+    ]
+    time.sleep(1.0)
+    assert all(replica_nodes(client, k)[0][1] == "host" for k in pinned)
+    for key in pinned:  # the pins are released: the drain can go on
+        client.index.redis.delete(client.index.prefix + "pins:" + key)
+    unpinned = time.monotonic()
+    assert wait_until(lambda: host_use_since(client, unpinned) <= 0.75 * HOST, 10), client.stat().nodes[0]
+    moved = [k for k in pinned if replica_nodes(client, k)[0][1] == "disk"]
+    assert moved, "no object left the host tier once the pins were released"
+    for key in [*pinned, *loose]:
+        assert (client.get(key) == value_for(key)).all(), key
