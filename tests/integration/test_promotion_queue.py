@@ -119,7 +119,12 @@ def test_promotions_are_bounded_in_bytes_and_not_queued_twice(
             assert np.array_equal(client.get("b"), value_of("b"))  # no room in the queue
         finally:
             held.release.set()
-        assert wait_until(lambda: tier_of(client, "a") == "host" and promoted(agent) == 1, 10)
+        # Where it stands, should the promotion not land (it failed once, in a loaded 3-worker run).
+        assert wait_until(lambda: tier_of(client, "a") == "host" and promoted(agent) == 1, 10), (
+            client.object_meta("a"),
+            agent.pressure.counters[TierKind.DISK],
+            agent.pressure.counters[TierKind.HOST],
+        )
         assert tier_of(client, "b") == "disk"
         assert np.array_equal(client.get("b"), value_of("b"))
         assert wait_until(lambda: tier_of(client, "b") == "host" and promoted(agent) == 2, 10), promoted(agent)
