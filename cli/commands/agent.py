@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from mooncake_cli.context import NamespaceOpt, RedisUrlOpt, err, globals_of, out
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.state import load_state
 
-from mooncake_store.agent.node import Agent
-from mooncake_store.agent.takeover import StartCancelled
 from mooncake_store.config import (
     Config,
     agent_flag_names,
@@ -22,6 +20,9 @@ from mooncake_store.config import (
     redact_url,
 )
 from mooncake_store.watchdog import stop_on_signals
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.node import Agent
 
 
 def agent(
@@ -130,6 +131,10 @@ def agent(
             "`mooncake up --detach`",
             ExitCode.CANNOT_CONNECT,
         )
+    # Imported here: every other command (put, get, ls, ...) would load the agent's ~40 modules
+    # for nothing, and the CLI's start-up is most of a short command's time.
+    from mooncake_store.agent.node import Agent
+
     stop = threading.Event()
     stop_on_signals(stop)
     node = Agent(config.agent, redis_url=config.redis_url, namespace=config.namespace)
@@ -143,6 +148,8 @@ def agent(
 def _serve(node: Agent, config: Config, stop: threading.Event, *, ready_json: bool) -> None:
     """Start ``node`` and serve until ``stop``; a stop asked for while its arena was made, or
     while its start waited for its node id, ends it before it serves."""
+    from mooncake_store.agent.takeover import StartCancelled
+
     if stop.is_set():
         return
     try:
