@@ -38,11 +38,23 @@ def client(disk_agent: Agent) -> Iterator[Client]:
 
 class HeldPromotions:
     """The agent's promotion swaps wait for ``release`` (then run for real); ``swapping`` is set
-    once the first one is waiting."""
+    once the first one is waiting. ``offers`` records each read's offer to the promotion queue
+    and whether it was queued: a READ offers its object once its reply is sent, so the reader may
+    have its bytes before the offer is made."""
 
     def __init__(self, agent: Agent) -> None:
         self.swapping, self.release = threading.Event(), threading.Event()
+        self.offers: list[tuple[int, bool]] = []
         real = agent.index.move_replica
+        queue = agent.pressure.promotions
+        real_offer = queue.offer
+
+        def recorded_offer(disk_id: int, data: bytearray) -> bool:
+            queued = real_offer(disk_id, data)
+            self.offers.append((disk_id, queued))
+            return queued
+
+        queue.offer = recorded_offer  # type: ignore[method-assign]
 
         def held(*args: Any, **kwargs: Any) -> Any:
             if kwargs.get("promotion"):
@@ -117,13 +129,15 @@ def test_promotions_are_bounded_in_bytes_and_not_queued_twice(
             assert held.swapping.wait(10), "no promotion after the disk read"
             assert np.array_equal(client.get("a"), value_of("a"))  # again from disk: queued already
             assert np.array_equal(client.get("b"), value_of("b"))  # no room in the queue
+            # The READs offer after their replies: released before b's offer was made (twice in
+            # loaded 3-worker runs), a's promotion had left the queue, and b's was taken.
+            assert wait_until(lambda: len(held.offers) == 3, 10), held.offers
         finally:
             held.release.set()
-        # Where it stands, should the promotion not land (it failed once, in a loaded 3-worker run).
+        assert [queued for _, queued in held.offers] == [True, False, False], held.offers
         assert wait_until(lambda: tier_of(client, "a") == "host" and promoted(agent) == 1, 10), (
             client.object_meta("a"),
             agent.pressure.counters[TierKind.DISK],
-            agent.pressure.counters[TierKind.HOST],
         )
         assert tier_of(client, "b") == "disk"
         assert np.array_equal(client.get("b"), value_of("b"))
