@@ -46,6 +46,11 @@ MAX_PASSES = 32
 #: meanwhile are acted on at its end rather than at the next interval (a reservation that does
 #: not fit still wakes the loop at once).
 FRUITLESS_RETRY_S = 0.02
+#: A drain between a tier's watermarks whose passes find nothing movable (pinned or hot objects)
+#: retries after the interval, then twice as long after each such pass, up to this: each pass is
+#: a victim sample the index runs, and a node held there by its pins sampled five times a second
+#: for as long as they lasted. Past the high watermark, or with a writer waiting, no pass waits.
+DRAIN_RETRY_MAX_S = 2.0
 #: A reservation refused this long ago may still have its writer waiting for room: a put asks
 #: again after a back-off of at most 1 s (client/puts.py), and this covers that and its round trip.
 WRITER_WAITS_S = 2.0
@@ -82,6 +87,10 @@ class PressureManager:
         self._refused_at: dict[TierKind, float] = {TierKind.HOST: -WRITER_WAITS_S, TierKind.GPU: -WRITER_WAITS_S}
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
+        #: Per tier, its passes in a row that found nothing movable, and until when (monotonic s)
+        #: its drain between the watermarks waits for its next pass (DRAIN_RETRY_MAX_S).
+        self._fruitless_passes: Counter[TierKind] = Counter()
+        self._drain_retry_at: dict[TierKind, float] = {}
         #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
         self._fruitless_until = 0.0
         #: When (monotonic s) the loop next lets go of peers that left (_retain_peers).
@@ -315,11 +324,14 @@ class PressureManager:
         leased objects, movable later)."""
         cfg = self.agent.config
         with self._lock:
-            if used > cfg.high_watermark * capacity:
+            over_high = used > cfg.high_watermark * capacity
+            if over_high:
                 self._draining.add(tier)
             elif used <= cfg.low_watermark * capacity:
                 self._draining.discard(tier)
             draining = tier in self._draining
+            if draining and not over_high and not wanted and time.monotonic() < self._drain_retry_at.get(tier, 0.0):
+                return 0  # a drain held up by unmovable objects: its next pass is due later
         return bytes_to_free(
             used, capacity, high=cfg.high_watermark, low=cfg.low_watermark, wanted_bytes=wanted, draining=draining
         )
@@ -390,11 +402,21 @@ class PressureManager:
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
             agent.reclaim_now(force=True)
             self._fruitless_until = 0.0
+            with self._lock:
+                self._fruitless_passes[tier] = 0
+                self._drain_retry_at.pop(tier, None)
         else:
-            # Nothing movable now (all hot, pinned or leased): the drain goes on, retried each
-            # interval as past the high mark. Ended here, it left the tier between its watermarks
-            # for good once those objects could move: nothing would ever start another drain.
-            self._fruitless_until = time.monotonic() + min(FRUITLESS_RETRY_S, agent.config.pressure_interval_s)
+            # Nothing movable now (all hot, pinned or leased): the drain goes on, for those objects
+            # become movable later. Ended here, it left the tier between its watermarks for good
+            # once they could move: nothing would ever start another drain. Between the watermarks
+            # its passes back off (DRAIN_RETRY_MAX_S; _need).
+            now = time.monotonic()
+            interval = agent.config.pressure_interval_s
+            self._fruitless_until = now + min(FRUITLESS_RETRY_S, interval)
+            with self._lock:
+                self._fruitless_passes[tier] += 1
+                backoff = interval * 2 ** min(self._fruitless_passes[tier] - 1, 16)
+                self._drain_retry_at[tier] = now + min(DRAIN_RETRY_MAX_S, backoff)
         return moved
 
     def _evict_chains(self, victims: list[EvictionCandidate], tier: TierKind, need: int) -> int:
@@ -425,10 +447,12 @@ class PressureManager:
 
     def _pressed(self, *, but: TierKind) -> list[TierKind]:
         """This node's other tiers past their high watermark or draining: their own passes run
-        this wake (or ran, and run again at the next) and move their chunks, leaves first."""
+        this wake (or ran, and run again at the next) and move their chunks, leaves first. A drain
+        backing off between the watermarks (its passes found nothing movable) runs no pass now."""
         high = self.agent.config.high_watermark
+        now = time.monotonic()
         with self._lock:
-            draining = set(self._draining)
+            draining = {t for t in self._draining if now >= self._drain_retry_at.get(t, 0.0)}
         return [
             t.tier
             for t in self.agent.tiers()

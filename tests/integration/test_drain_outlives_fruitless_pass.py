@@ -1,17 +1,21 @@
 """A drain that starts past a tier's high watermark goes on down to the low one even when a pass
 between the two finds nothing it may move yet (pinned, or read and still leased): those objects
-become movable later, and the tier must not be left sitting between its watermarks for good."""
+become movable later, and the tier must not be left sitting between its watermarks for good. Such
+passes back off meanwhile (each is a victim sample the index runs)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from helpers import host_use_since, wait_until
 from test_pressure import pin, replica_nodes, value_for
 
-from mooncake_store import Client, LocalCluster
+from mooncake_store import Client, LocalCluster, connect
+from mooncake_store.agent.node import Agent
+from mooncake_store.agent.pressure import DRAIN_RETRY_MAX_S
 
 MiB = 1 << 20
 HOST = 16 * MiB
@@ -47,3 +51,45 @@ def test_drain_goes_on_after_a_pass_that_found_only_pinned_objects(
     assert moved, "no object left the host tier once the pins were released"
     for key in [*pinned, *loose]:
         assert (client.get(key) == value_for(key)).all(), key
+
+
+def test_a_drain_held_up_by_pins_samples_the_index_less_and_less_often(
+    make_inproc_agent: Callable[..., Agent],
+) -> None:
+    """Between the watermarks, a drain whose passes find only pinned objects retried every
+    interval (0.2 s): a victim sample of 256 objects five times a second for as long as the pins
+    lasted, on every such node. Its passes now wait twice as long each time, up to
+    DRAIN_RETRY_MAX_S, and it still goes on once the pins are gone."""
+    agent = make_inproc_agent(host_bytes=HOST, reserve_timeout_s=5.0)
+    client = connect(agent.index.url, namespace=agent.namespace, timeout_s=20)
+    samples: list[float] = []
+    real_sample = agent.index.victim_candidates
+
+    def counted_sample(*args: Any, **kwargs: Any) -> Any:
+        samples.append(time.monotonic())
+        return real_sample(*args, **kwargs)
+
+    agent.index.victim_candidates = counted_sample  # type: ignore[method-assign]
+    try:
+        pinned = [f"pinned/{i:02d}" for i in range(13)]
+        for key in pinned:
+            client.put(key, value_for(key))
+            pin(client, key)
+        for key in ("loose/0", "loose/1"):  # past the high watermark: no disk, no peer, evicted
+            client.put(key, value_for(key))
+        agent.sync_once()
+        assert wait_until(lambda: not client.exists("loose/0") and not client.exists("loose/1"), 20)
+        window_s = 4.0
+        start = time.monotonic()
+        time.sleep(window_s)
+        during = [t for t in samples if t >= start]
+        # At one per 0.2 s interval this was ~20; backing off, about one per DRAIN_RETRY_MAX_S.
+        assert len(during) <= 2 * window_s / DRAIN_RETRY_MAX_S + 4, (
+            f"{len(during)} victim samples in {window_s} s of a drain held up by pins"
+        )
+        assert agent.table.usage()[0] > 0.75 * HOST  # still between the watermarks
+        for key in pinned:
+            client.index.redis.delete(client.index.prefix + "pins:" + key)
+        assert wait_until(lambda: agent.table.usage()[0] <= 0.75 * HOST, 10), agent.table.usage()
+    finally:
+        client.close()
