@@ -87,10 +87,10 @@ class PressureManager:
         self._refused_at: dict[TierKind, float] = {TierKind.HOST: -WRITER_WAITS_S, TierKind.GPU: -WRITER_WAITS_S}
         #: Tiers that passed their high watermark and are not yet under their low one.
         self._draining: set[TierKind] = set()
-        #: Per tier, its passes in a row that found nothing movable, and until when (monotonic s)
-        #: its drain between the watermarks waits for its next pass (DRAIN_RETRY_MAX_S).
-        self._fruitless_passes: Counter[TierKind] = Counter()
-        self._drain_retry_at: dict[TierKind, float] = {}
+        #: Per tier whose last pass found nothing movable: that pass's back-off and until when
+        #: (monotonic s) its drain between the watermarks waits for the next (DRAIN_RETRY_MAX_S).
+        #: Gone once a pass moves something, or the drain ends.
+        self._drain_backoff: dict[TierKind, tuple[float, float]] = {}
         #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
         self._fruitless_until = 0.0
         #: When (monotonic s) the loop next lets go of peers that left (_retain_peers).
@@ -329,8 +329,9 @@ class PressureManager:
                 self._draining.add(tier)
             elif used <= cfg.low_watermark * capacity:
                 self._draining.discard(tier)
+                self._drain_backoff.pop(tier, None)
             draining = tier in self._draining
-            if draining and not over_high and not wanted and time.monotonic() < self._drain_retry_at.get(tier, 0.0):
+            if draining and not over_high and not wanted and self._backing_off(tier, time.monotonic()):
                 return 0  # a drain held up by unmovable objects: its next pass is due later
         return bytes_to_free(
             used, capacity, high=cfg.high_watermark, low=cfg.low_watermark, wanted_bytes=wanted, draining=draining
@@ -403,8 +404,7 @@ class PressureManager:
             agent.reclaim_now(force=True)
             self._fruitless_until = 0.0
             with self._lock:
-                self._fruitless_passes[tier] = 0
-                self._drain_retry_at.pop(tier, None)
+                self._drain_backoff.pop(tier, None)
         else:
             # Nothing movable now (all hot, pinned or leased): the drain goes on, for those objects
             # become movable later. Ended here, it left the tier between its watermarks for good
@@ -414,10 +414,16 @@ class PressureManager:
             interval = agent.config.pressure_interval_s
             self._fruitless_until = now + min(FRUITLESS_RETRY_S, interval)
             with self._lock:
-                self._fruitless_passes[tier] += 1
-                backoff = interval * 2 ** min(self._fruitless_passes[tier] - 1, 16)
-                self._drain_retry_at[tier] = now + min(DRAIN_RETRY_MAX_S, backoff)
+                last = self._drain_backoff.get(tier)
+                backoff = min(DRAIN_RETRY_MAX_S, 2 * last[0]) if last else interval
+                self._drain_backoff[tier] = (backoff, now + backoff)
         return moved
+
+    def _backing_off(self, tier: TierKind, now: float) -> bool:
+        """Whether ``tier``'s drain waits out the back-off of a pass that found nothing movable
+        (under self._lock)."""
+        backoff = self._drain_backoff.get(tier)
+        return backoff is not None and now < backoff[1]
 
     def _evict_chains(self, victims: list[EvictionCandidate], tier: TierKind, need: int) -> int:
         """Evict ``victims`` in order, each chain chunk among them with its chain cut back from its
@@ -452,7 +458,7 @@ class PressureManager:
         high = self.agent.config.high_watermark
         now = time.monotonic()
         with self._lock:
-            draining = {t for t in self._draining if now >= self._drain_retry_at.get(t, 0.0)}
+            draining = {t for t in self._draining if not self._backing_off(t, now)}
         return [
             t.tier
             for t in self.agent.tiers()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import host_use_since, wait_until
-from test_pressure import pin, replica_nodes, value_for
+from test_pressure import pin, replica_nodes, unpin, value_for
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -43,8 +43,7 @@ def test_drain_goes_on_after_a_pass_that_found_only_pinned_objects(
     ]
     time.sleep(1.0)
     assert all(replica_nodes(client, k)[0][1] == "host" for k in pinned)
-    for key in pinned:  # the pins are released: the drain can go on
-        client.index.redis.delete(client.index.prefix + "pins:" + key)
+    unpin(client, pinned)  # the pins are released: the drain can go on
     unpinned = time.monotonic()
     assert wait_until(lambda: host_use_since(client, unpinned) <= 0.75 * HOST, 10), client.stat().nodes[0]
     moved = [k for k in pinned if replica_nodes(client, k)[0][1] == "disk"]
@@ -88,8 +87,7 @@ def test_a_drain_held_up_by_pins_samples_the_index_less_and_less_often(
             f"{len(during)} victim samples in {window_s} s of a drain held up by pins"
         )
         assert agent.table.usage()[0] > 0.75 * HOST  # still between the watermarks
-        for key in pinned:
-            client.index.redis.delete(client.index.prefix + "pins:" + key)
+        unpin(client, pinned)
         assert wait_until(lambda: agent.table.usage()[0] <= 0.75 * HOST, 10), agent.table.usage()
     finally:
         client.close()

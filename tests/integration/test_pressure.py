@@ -30,6 +30,11 @@ def pin(client: Client, key: str, ttl_ms: int = 120_000) -> None:
     client.index.redis.zadd(client.index.prefix + "pins:" + key, {"test-pin": now_ms + ttl_ms})
 
 
+def unpin(client: Client, keys: list[str]) -> None:
+    """Release the pins ``pin`` took, all at once (one DEL)."""
+    client.index.redis.delete(*(client.index.prefix + "pins:" + key for key in keys))
+
+
 def replica_nodes(client: Client, key: str) -> list[tuple[str, str]]:
     meta = client.object_meta(key)
     assert meta is not None, key

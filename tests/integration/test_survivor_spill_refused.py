@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from test_pressure import pin
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
@@ -39,8 +40,7 @@ def test_a_survivor_whose_spill_the_peer_refuses_is_not_evicted(
     fill = [f"pinned/{i}" for i in range(13)]
     for key in fill:
         client.put(key, value_of(key, MiB // 2), preferred_node=a.node_id)
-        now_ms = client.index.server_time_ms()
-        client.index.redis.zadd(client.index.prefix + "pins:" + key, {"test-pin": now_ms + 120_000})
+        pin(client, key)
     # The peer joins with room, as its row says, and fills up before its next heartbeat.
     c = make_peer_agent(host_bytes=8 * MiB)
     for i in range(15):
