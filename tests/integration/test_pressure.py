@@ -146,9 +146,9 @@ def test_disk_tier_demotes_promotes_and_cleans_up(
     assert wait_until(lambda: client.stat().nodes[0].tiers[0].used_bytes <= 0.75 * 16 * MiB, 60), client.stat().nodes[0]
     time.sleep(1.5)
     on_disk = [k for k in kv if replica_nodes(client, k)[0][1] == "disk"]
-    assert len(on_disk) >= 20
+    assert len(on_disk) >= 20, client.stat().nodes[0]
     files = list((tmp_path / agent.node_id).rglob("*.mcz"))
-    assert len(files) == len(on_disk)
+    assert len(files) == len(on_disk), (len(files), on_disk, client.stat().nodes[0])
     assert wait_until(  # counters reach the node table with the next heartbeat
         lambda: (
             client.stat().nodes[0].tiers[0].demotions == len(on_disk)
