@@ -46,7 +46,7 @@ class PassState:
     #: pass has chosen enough (evict.lua takes them in order, so a leaf goes before its parent).
     evictions: list[SpillJob] = field(default_factory=list)
     #: A chain chunk that stored chunks hang off is among the evictions queued: they go through
-    #: evict_chains.lua (PressureManager._evict_queued).
+    #: evict_chains.lua (Evictions.evict_queued, agent/evicting.py).
     chains_queued: bool = False
     #: A demotion failed in this pass (the host tier's room below the GPU was in pieces, or the
     #: disk's writes fail): the next tier down counts as full for the rest of it, so victims spill

@@ -18,15 +18,17 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from mooncake_store.agent.drains import Drains, RoomRequests
+from mooncake_store.agent.evicting import Evictions
 from mooncake_store.agent.failure_log import FailureLog
-from mooncake_store.agent.moves import CHAIN_VICTIMS, LocalMoves
+from mooncake_store.agent.moves import LocalMoves
 from mooncake_store.agent.placing import PassState, Placer, Spills
 from mooncake_store.agent.promotions import PromotionQueue
 from mooncake_store.agent.repairs import REPAIR_EVERY_S, Repairs
 from mooncake_store.agent.spill import Spiller, SpillJob
 from mooncake_store.agent.spill_jobs import SilentPeers
 from mooncake_store.errors import MooncakeError
-from mooncake_store.policy.eviction import MoveKind, bytes_to_free, choose_victims, eviction_order
+from mooncake_store.policy.eviction import MoveKind, choose_victims, eviction_order
 from mooncake_store.transport import frames
 from mooncake_store.types import EvictionCandidate, TierKind
 
@@ -40,20 +42,6 @@ log = logging.getLogger("mooncake.agent")
 SAMPLE = 256
 #: Passes in a row while each one still moves something.
 MAX_PASSES = 32
-#: After a pass that found nothing movable, granted reservations wake the loop again only after
-#: this long (or the interval, if shorter): a writer filling a node of pinned or leased objects
-#: costs the index at most one victim sample per retry, not one per put, and pins released
-#: meanwhile are acted on at its end rather than at the next interval (a reservation that does
-#: not fit still wakes the loop at once).
-FRUITLESS_RETRY_S = 0.02
-#: A drain between a tier's watermarks whose passes find nothing movable (pinned or hot objects)
-#: retries after the interval, then twice as long after each such pass, up to this: each pass is
-#: a victim sample the index runs, and a node held there by its pins sampled five times a second
-#: for as long as they lasted. Past the high watermark, or with a writer waiting, no pass waits.
-DRAIN_RETRY_MAX_S = 2.0
-#: A reservation refused this long ago may still have its writer waiting for room: a put asks
-#: again after a back-off of at most 1 s (client/puts.py), and this covers that and its round trip.
-WRITER_WAITS_S = 2.0
 #: How often, while peers' arenas are mapped, the node table is read to unmap those that left.
 RETAIN_EVERY_S = 2.0
 #: Peers asked per victim in a pass: a peer that refuses is left out and the next one asked.
@@ -78,21 +66,6 @@ class PressureManager:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.counters: dict[TierKind, Counter[str]] = {t: Counter() for t in TierKind}
-        #: Per arena tier, the largest reservation that did not fit since the last pass began.
-        self._wanted: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
-        #: Per arena tier, the marks of the peers where writers waiting for room there keep their
-        #: puts' other replicas (frames.spared_peers): the next pass spills nothing to those.
-        self._spared: dict[TierKind, int] = {TierKind.HOST: 0, TierKind.GPU: 0}
-        #: Per arena tier, when (monotonic s) a reservation there last did not fit.
-        self._refused_at: dict[TierKind, float] = {TierKind.HOST: -WRITER_WAITS_S, TierKind.GPU: -WRITER_WAITS_S}
-        #: Tiers that passed their high watermark and are not yet under their low one.
-        self._draining: set[TierKind] = set()
-        #: Per tier whose last pass found nothing movable: that pass's back-off and until when
-        #: (monotonic s) its drain between the watermarks waits for the next (DRAIN_RETRY_MAX_S).
-        #: Gone once a pass moves something, or the drain ends.
-        self._drain_backoff: dict[TierKind, tuple[float, float]] = {}
-        #: Until then (monotonic s) the loop holds its wakes: its last pass moved nothing.
-        self._fruitless_until = 0.0
         #: When (monotonic s) the loop next lets go of peers that left (_retain_peers).
         self._next_retain = 0.0
         self._wake = threading.Event()
@@ -101,6 +74,9 @@ class PressureManager:
         self.silent = SilentPeers(agent.config.heartbeat_ttl_s)
         self.moves = LocalMoves(agent, self.count)
         self.placer = Placer(agent, self.moves)
+        self.requests = RoomRequests()
+        self.drains = Drains(agent.config)
+        self.evictions = Evictions(agent, self.moves, self.drains, self._bytes_in)
         # A promotion under way when the agent stops may wait out one index call before its arena goes.
         self.promotions = PromotionQueue(self.moves, join_s=agent.index_timeout_s + 1.0)
         job_of = {TierKind.HOST: self._host_job, TierKind.GPU: self._gpu_job, TierKind.DISK: self._disk_job}
@@ -120,31 +96,19 @@ class PressureManager:
         table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
         if table is None or size_bytes > table.capacity_bytes:
             return
-        self._refused_at[tier] = time.monotonic()
-        self._note_wanted(tier, size_bytes, spared_peers)  # before the wake: a wanted size ends the loop's hold
+        self.requests.refused(tier, size_bytes, spared_peers)  # before the wake: it ends the loop's hold
         self._wake.set()
 
     def writer_may_wait(self, tier: TierKind = TierKind.HOST) -> bool:
-        """Whether a reservation in ``tier`` was refused within WRITER_WAITS_S: its writer may be
+        """Whether a reservation in ``tier`` was refused within drains.WRITER_WAITS_S: its writer may be
         waiting for the room the passes make, which a promotion must not take. Promoted as each
         block was freed, a reader's disk objects came back into the room a put waited for, and the
         put waited out its timeout while the node demoted and promoted the same objects."""
-        return time.monotonic() - self._refused_at[tier] < WRITER_WAITS_S
-
-    def _note_wanted(self, tier: TierKind, size_bytes: int, spared_peers: int = 0) -> None:
-        with self._lock:
-            self._wanted[tier] = max(self._wanted[tier], size_bytes)
-            self._spared[tier] |= spared_peers
-
-    def _room_wanted(self) -> bool:
-        with self._lock:
-            return any(self._wanted.values())
+        return self.requests.writer_may_wait(tier)
 
     def _relieve_arena(self, tier: TierKind, table: AllocationTable, job_of: JobOf) -> int:
         """A pass over an arena tier (host or GPU), sized for the reservations waiting for room."""
-        with self._lock:
-            wanted, self._wanted[tier] = self._wanted[tier], 0
-            spared, self._spared[tier] = self._spared[tier], 0
+        wanted, spared = self.requests.take(tier)
         try:
             # For a replicated put's writer the room is made by spills to the other peers only,
             # else by demotion or eviction: spilled to the peers its other replicas need room on,
@@ -154,19 +118,19 @@ class PressureManager:
         except BaseException:
             # A failed pass made no room: the writer is still waiting, and the next pass must
             # know it before that writer's next refused RESERVE tells it again.
-            self._note_wanted(tier, wanted, spared)
+            self.requests.note(tier, wanted, spared)
             raise
         if moved and table.usage()[2] < wanted:
             # The pass moved less than the writer waits for (its sample ran short of movable
             # objects): the next pass of this wake must still make room for it, not only drain to
             # the watermark (one pass per refused RESERVE, each after the writer's back-off).
             # A pass that moved nothing ends the wake's passes, and with them the request.
-            self._note_wanted(tier, wanted, spared)
+            self.requests.note(tier, wanted, spared)
         return moved
 
     def wake(self) -> None:
         """A reservation took the tier past its high watermark. Right after a pass that found
-        nothing movable (everything hot or pinned), the wakes within FRUITLESS_RETRY_S are one
+        nothing movable (everything hot or pinned), the wakes within drains.FRUITLESS_RETRY_S are one
         pass at its end (run): a writer filling such a node would otherwise cost the index a
         victim sample per put. They were dropped, so pins released just after a fruitless pass
         waited for the next interval (0.2 s) before anything moved."""
@@ -188,8 +152,8 @@ class PressureManager:
             # wait. Cleared before the state is read, so no wake falls between the two.
             while not stop.is_set():
                 self._wake.clear()
-                hold = self._fruitless_until - time.monotonic()
-                if hold <= 0 or self._room_wanted():
+                hold = self.drains.hold_s()
+                if hold <= 0 or self.requests.pending():
                     break
                 self._wake.wait(hold)
             if stop.is_set():
@@ -267,7 +231,7 @@ class PressureManager:
             # rolled back) comes back by itself, like a grave's: counted as used, it had the
             # objects put after the restart evicted for it.
             held, held_soon = table.held_bytes(self.agent.config.pressure_interval_s)
-            need = self._need(tier, used - returning.all - held, table.capacity_bytes, waiting)
+            need = self.drains.need(tier, used - returning.all - held, table.capacity_bytes, waiting)
             # The free space may be in pieces too small for the waiting reservation. A writer waits
             # a few seconds at most: only graves and holds due by the next pass count as room for
             # it (a long read lease on a removed object must not leave it waiting while others
@@ -317,26 +281,6 @@ class PressureManager:
         table = agent.gpu_table if tier == TierKind.GPU else agent.table
         return table.bytes_of(alloc_ids) if table is not None else 0
 
-    def _need(self, tier: TierKind, used: int, capacity: int, wanted: int = 0) -> int:
-        """Bytes to move out of ``tier`` now. Past the high watermark a drain starts and goes on,
-        pass after pass, until the tier is under its low watermark: one pass samples SAMPLE objects,
-        which may leave it between the two, and a pass may find nothing movable yet (pinned or
-        leased objects, movable later)."""
-        cfg = self.agent.config
-        with self._lock:
-            over_high = used > cfg.high_watermark * capacity
-            if over_high:
-                self._draining.add(tier)
-            elif used <= cfg.low_watermark * capacity:
-                self._draining.discard(tier)
-                self._drain_backoff.pop(tier, None)
-            draining = tier in self._draining
-            if draining and not over_high and not wanted and self._backing_off(tier, time.monotonic()):
-                return 0  # a drain held up by unmovable objects: its next pass is due later
-        return bytes_to_free(
-            used, capacity, high=cfg.high_watermark, low=cfg.low_watermark, wanted_bytes=wanted, draining=draining
-        )
-
     def _host_job(self, victim: EvictionCandidate) -> SpillJob | None:
         location = self.agent.table.offset_of(victim.alloc_id)
         return SpillJob(victim=victim, offset=location[0]) if location is not None else None
@@ -361,7 +305,7 @@ class PressureManager:
         state = PassState(peers=peers, refused=self.silent.now() | spared)
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
-        # in batches (_evict_queued).
+        # in batches (Evictions.evict_queued).
         spills: Spills = {}
         moved = planned = 0
         # Walk the whole cold-first order: a victim that may not leave (pinned or read since, or a
@@ -393,122 +337,19 @@ class PressureManager:
             # pinned or grown a child since the sample). One round trip unless some are refused.
             while homeless and moved + planned < need:
                 job = homeless.pop(0)
-                self._queue_eviction(job, state)
+                self.evictions.queue(job, state)
                 moved += job.room_bytes
-            moved -= self._evict_queued(state, tier, need_left=need - planned - moved)
+            moved -= self.evictions.evict_queued(state, tier, need_left=need - planned - moved)
         moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
-        moved -= self._evict_queued(state, tier, need_left=need - moved)
+        moved -= self.evictions.evict_queued(state, tier, need_left=need - moved)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
             agent.reclaim_now(force=True)
-            self._fruitless_until = 0.0
-            with self._lock:
-                self._drain_backoff.pop(tier, None)
+            self.drains.moved(tier)
         else:
-            # Nothing movable now (all hot, pinned or leased): the drain goes on, for those objects
-            # become movable later. Ended here, it left the tier between its watermarks for good
-            # once they could move: nothing would ever start another drain. Between the watermarks
-            # its passes back off (DRAIN_RETRY_MAX_S; _need).
-            now = time.monotonic()
-            interval = agent.config.pressure_interval_s
-            self._fruitless_until = now + min(FRUITLESS_RETRY_S, interval)
-            with self._lock:
-                last = self._drain_backoff.get(tier)
-                backoff = min(DRAIN_RETRY_MAX_S, 2 * last[0]) if last else interval
-                self._drain_backoff[tier] = (backoff, now + backoff)
+            self.drains.fruitless(tier)  # nothing movable now: the drain goes on, backing off
         return moved
-
-    def _backing_off(self, tier: TierKind, now: float) -> bool:
-        """Whether ``tier``'s drain waits out the back-off of a pass that found nothing movable
-        (under self._lock)."""
-        backoff = self._drain_backoff.get(tier)
-        return backoff is not None and now < backoff[1]
-
-    def _evict_chains(self, victims: list[EvictionCandidate], tier: TierKind, need: int) -> int:
-        """Evict ``victims`` in order, each chain chunk among them with its chain cut back from its
-        leaves first, wherever they are (evict_chains.lua), until ``need`` bytes of room were made
-        in ``tier`` here; returns the room made: what the allocations that went take here (on a
-        disk, their files' blocks). Not one with a later chunk pinned or read, nor one whose later
-        chunks are on another tier of this node that is under pressure: that tier's own pass moves
-        those (demotes them, or evicts them leaves first), and this chunk can then be demoted.
-        CHAIN_VICTIMS per round trip, the next ones only while room is still wanted."""
-        disk = self.agent.disk
-        # The script stops by the chunks' plain sizes (the index's); a disk's room is in the blocks
-        # its files take: asked in blocks, it stopped at the first compressible chain. So it is
-        # asked by the disk's ratio, and the room made is counted from the files that went (a
-        # compressible chain among incompressible victims made the average ratio count 12 KiB of
-        # blocks as 140).
-        scale = disk.raw_bytes / disk.used_bytes if tier == TierKind.DISK and disk and disk.used_bytes else 1.0
-        pressed = self._pressed(but=tier)
-        made = 0
-        for start in range(0, len(victims), CHAIN_VICTIMS):
-            if made >= need:
-                break
-            wanted = int((need - made) * scale)
-            made += self._bytes_in(
-                tier, self.moves.evict_chains(victims[start : start + CHAIN_VICTIMS], tier, wanted, pressed)
-            )
-        return made
-
-    def _pressed(self, *, but: TierKind) -> list[TierKind]:
-        """This node's other tiers past their high watermark or draining: their own passes run
-        this wake (or ran, and run again at the next) and move their chunks, leaves first. A drain
-        backing off between the watermarks (its passes found nothing movable) runs no pass now."""
-        high = self.agent.config.high_watermark
-        now = time.monotonic()
-        with self._lock:
-            draining = {t for t in self._draining if not self._backing_off(t, now)}
-        return [
-            t.tier
-            for t in self.agent.tiers()
-            if t.tier != but and (t.used_bytes > high * t.capacity_bytes or t.tier in draining)
-        ]
-
-    def _queue_eviction(self, job: SpillJob, state: PassState) -> None:
-        """Queue a victim for eviction (_evict_queued), in the walk's cold-first order."""
-        victim = job.victim
-        last_replica = not victim.other_nodes
-        if last_replica and victim.children - state.children_gone[victim.key] > 0:
-            # The last copy of a chain chunk that stored chunks hang off: it stands for its chain,
-            # which is cut back from its leaves (_evict_queued).
-            state.chains_queued = True
-        elif last_replica and victim.chain_parent:
-            # One child fewer for the parent, if the eviction goes through; if it does not, the
-            # parent's own eviction later in the batch finds the child and is refused (PARENT).
-            state.children_gone[victim.chain_parent] += 1
-        state.evictions.append(job)
-
-    def _evict_queued(self, state: PassState, tier: TierKind, *, need_left: int) -> int:
-        """Evict the pass's queued victims, in order, in one index round trip (evict.lua); returns
-        the bytes counted for them that did not go (pinned, read, replaced or still a parent since
-        the sample was taken; ``need_left``: what the pass still needed beyond them, <= 0 when
-        they were to make up all of it). A chunk that stayed is its parent's child again: the parent
-        is no leaf for the rest of the pass.
-
-        With a chain chunk among them (the last copy of a chunk stored chunks hang off), they go
-        through evict_chains.lua instead, still in order: each chain chunk stands for its chain,
-        whose later chunks no reader touched since it (a load reads a prompt's chunks from the
-        first; a store counts as an access of the chunks it extends), and the chain is cut back
-        from its leaves, wherever they are, as far as needed. Counted at its own size, a chain
-        chunk makes the walk queue warmer victims than needed: the script stops once the room
-        wanted was made, so those go only when the colder chains did not make it. Skipped instead,
-        such chunks let a pass with more objects than its sample evict the warmer leaves it held,
-        a hot prompt's among them, while cold chains stayed whole."""
-        queued, state.evictions = state.evictions, []
-        if not queued:
-            return 0
-        counted = sum(job.room_bytes for job in queued)
-        if state.chains_queued:
-            state.chains_queued = False
-            state.children_gone.clear()  # the script judged every one by the index itself
-            return counted - self._evict_chains([job.victim for job in queued], tier, max(0, need_left) + counted)
-        gone = self.moves.evict_many([job.victim for job in queued], tier)
-        refused = [job for job, ok in zip(queued, gone, strict=True) if not ok]
-        for job in refused:
-            if not job.victim.other_nodes and job.victim.chain_parent:
-                state.children_gone[job.victim.chain_parent] -= 1
-        return sum(job.room_bytes for job in refused)
 
     def _carry_out_spills(
         self,
@@ -570,7 +411,7 @@ class PressureManager:
                     # went before the pass's other homeless victims (eviction_order).
                     continue
                 # Out of peers to ask, or none has room: evicted.
-                self._queue_eviction(job, state)
+                self.evictions.queue(job, state)
                 moved += job.room_bytes
             if not spills:
                 break
@@ -601,7 +442,7 @@ class PressureManager:
             return 0
 
         def need_now(returning: Returning) -> int:
-            return self._need(TierKind.DISK, disk.used_bytes - returning.all, disk.capacity_bytes)
+            return self.drains.need(TierKind.DISK, disk.used_bytes - returning.all, disk.capacity_bytes)
 
         return self._relieve(TierKind.DISK, need_now, self._disk_job)
 

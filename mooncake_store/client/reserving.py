@@ -48,7 +48,7 @@ def room_ask_groups(replicas: int, plans: list[PlannedPut], node_id: str) -> lis
     replicas spread over every other node spared them all, and the node evicted cold objects while
     those peers had room for them. The room made for each group goes to the peers it does not use.
     The caller asks the groups one after another and stops at the first refused: the agent spares
-    the union of the marks of every ask that waits for its next pass (PressureManager._spared), so
+    the union of the marks of every ask that waits for its next pass (RoomRequests.spared, agent/drains.py), so
     two refused at once would spare every peer again."""
     if replicas <= 1:
         return [(0, plans)]

@@ -56,10 +56,11 @@ def test_device_put_to_a_preferred_node_without_gpu_tier(cupy, make_cluster, mak
 
 
 def test_fragmented_gpu_tier_makes_room_for_a_waiting_put(cupy, make_cluster, make_client) -> None:  # type: ignore[no-untyped-def]
-    """relieve_gpu passes a refused reservation's size to _need as is: bytes_to_free then asks for
-    nothing while the tier's free bytes add up to the size, even though no free block is large
-    enough. relieve_host handles exactly this (largest free block); on the GPU tier the writer
-    waits out its timeout and gets NoCapacity although demoting one object to host would do."""
+    """relieve_gpu passed a refused reservation's size to the need (Drains.need) as is:
+    bytes_to_free then asks for nothing while the tier's free bytes add up to the size, even
+    though no free block is large enough. relieve_host handles exactly this (largest free
+    block); on the GPU tier the writer waits out its timeout and gets NoCapacity although
+    demoting one object to host would do."""
     cluster = make_cluster(0)
     cluster.add_agent(node_id="gpu-0", extra_args=["--host-bytes", str(64 * MiB), "--gpu-mem", str(16 * MiB)])
     client: Client = make_client(cluster, timeout_s=6, lease_ms=200)

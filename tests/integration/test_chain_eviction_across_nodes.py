@@ -231,7 +231,7 @@ def test_the_disk_pass_evicts_chains_by_the_blocks_their_files_free(
         candidates = here.index.victim_candidates(here.node_id, "disk")
         assert sorted(c.key for c in candidates) == ["p/0", "q/0"]
         need = disk.used_bytes  # both files' blocks
-        assert here.pressure._evict_chains(candidates, TierKind.DISK, need) > 0
+        assert here.pressure.evictions.evict_chains(candidates, TierKind.DISK, need) > 0
         gone = [k for keys in chains for k in keys if not client.exists(k)]
         assert gone == [k for keys in chains for k in keys], f"only {gone} went for a need of both files"
         assert not settled_audit(client.index)

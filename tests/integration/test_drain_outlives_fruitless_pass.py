@@ -14,8 +14,8 @@ from helpers import host_use_since, wait_until
 from test_pressure import pin, replica_nodes, unpin, value_for
 
 from mooncake_store import Client, LocalCluster, connect
+from mooncake_store.agent.drains import DRAIN_RETRY_MAX_S
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.pressure import DRAIN_RETRY_MAX_S
 
 MiB = 1 << 20
 HOST = 16 * MiB

@@ -15,7 +15,7 @@ from helpers import host_use_since, node_row, wait_until
 from index_audit import settled_audit
 
 from mooncake_store import Client, KeyNotFound, LocalCluster, MooncakeError
-from mooncake_store.agent.pressure import WRITER_WAITS_S
+from mooncake_store.agent.drains import WRITER_WAITS_S
 from mooncake_store.config.tree import AgentConfig
 
 MiB = 1 << 20

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import put_on, wait_until
 
-from mooncake_store.agent import pressure as pressure_module
+from mooncake_store.agent import drains as drains_module
 from mooncake_store.agent.node import Agent
 from mooncake_store.types import TierKind
 
@@ -32,13 +32,13 @@ def pinned_agent(make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.Mo
     samples = count_samples(agent)
     agent.pressure.wake()
     # Its first pass ended, and moved nothing: the retry runs.
-    assert wait_until(lambda: samples[0] >= 1 and agent.pressure._fruitless_until > 0, 10.0), "no fruitless pass"
+    assert wait_until(lambda: samples[0] >= 1 and agent.pressure.drains.fruitless_until > 0, 10.0), "no fruitless pass"
     yield agent
 
 
 def full_of_pinned_objects(make_inproc_agent: Callable[..., Agent], monkeypatch: pytest.MonkeyPatch) -> Agent:
     """4 MiB, high watermark 50 %, three pinned 1 MiB objects; a retry of 3 s after a fruitless pass."""
-    monkeypatch.setattr(pressure_module, "FRUITLESS_RETRY_S", 3.0)
+    monkeypatch.setattr(drains_module, "FRUITLESS_RETRY_S", 3.0)
     agent = make_inproc_agent(host_bytes=4 * MiB, high_watermark=0.5, low_watermark=0.25, pressure_interval_s=600.0)
     now_ms = agent.index.server_time_ms()
     for i in range(3):
@@ -86,7 +86,7 @@ def test_a_reservation_that_does_not_fit_is_never_held_back(pinned_agent: Agent)
     agent = pinned_agent
     times: list[float] = []
     samples = count_samples(agent, times)
-    retry_ends = agent.pressure._fruitless_until
+    retry_ends = agent.pressure.drains.fruitless_until
     agent.pressure.want_room(MiB)
     # Judged against the retry's own end, not a wall-clock wait a loaded machine may overrun.
     assert wait_until(lambda: samples[0] >= 1, 10.0), "want_room was dropped"
@@ -114,4 +114,4 @@ def test_a_reservation_refused_during_a_fruitless_pass_is_not_held_back(
     agent.index.victim_candidates = refusal_during_the_pass  # type: ignore[method-assign]
     agent.pressure.wake()
     assert wait_until(lambda: samples[0] >= 2, 10.0), f"{samples[0]} pass(es): the refusal was dropped"
-    assert times[1] - times[0] < pressure_module.FRUITLESS_RETRY_S, "the refusal waited out the retry (3 s)"
+    assert times[1] - times[0] < drains_module.FRUITLESS_RETRY_S, "the refusal waited out the retry (3 s)"
