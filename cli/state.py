@@ -35,7 +35,17 @@ _Record = TypeVar("_Record")
 def state_dir() -> Path:
     configured = os.environ.get(STATE_DIR_ENV, "")
     if configured:
-        return Path(configured).expanduser()
+        path = Path(configured).expanduser()
+        if not path.is_absolute():
+            # Taken from the working directory, each directory a command ran in had a state of its
+            # own: `mooncake stat` or `down` run elsewhere than `up` found no cluster, and a second
+            # `up` from another directory started a second cluster beside the first.
+            raise CliError(
+                f"{STATE_DIR_ENV}={configured!r} is a relative path: every command would look for the cluster "
+                f"in its own working directory; give an absolute one (here: {STATE_DIR_ENV}={path.absolute()})",
+                ExitCode.USAGE,
+            )
+        return path
     # A relative XDG_STATE_HOME is to be ignored (the XDG base directory spec): taken from the
     # working directory, `down` run elsewhere than `up` found no cluster to stop.
     xdg = os.environ.get("XDG_STATE_HOME", "")
