@@ -10,6 +10,7 @@ frame closes that connection only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import select
@@ -92,7 +93,7 @@ class AgentServer(AgentOps):
             # address not its own): the operator fixes it, so it is a config error, not "cannot connect".
             raise ConfigError(
                 f"agent.listen={listen!r}: the agent cannot listen on {listen}: {exc.strerror or exc}; "
-                "choose another address, or port 0 to have a free one picked"
+                f"{_listen_advice(exc, host, port)}"
             ) from None
         # The accept loop polls it with the connections it turns away (_accept_loop).
         self._sock.setblocking(False)
@@ -299,3 +300,17 @@ class AgentServer(AgentOps):
             IDLE_CLOSE_S,
             self.max_connections,
         )
+
+
+def _listen_advice(exc: OSError, host: str, port: int) -> str:
+    """What to do about an address the agent could not listen on: "or port 0" was the advice for
+    an address this host does not have too, already on port 0."""
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"{host} is not an address of this host: choose one it has "
+            "(127.0.0.1 for this host alone, 0.0.0.0 for all of its interfaces)"
+        )
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES) and port:
+        why = "that port is taken" if exc.errno == errno.EADDRINUSE else "ports below 1024 need privileges"
+        return f"{why}: choose another port, or port 0 to have a free one picked"
+    return "choose another address" + (", or port 0 to have a free one picked" if port else "")

@@ -155,9 +155,23 @@ def test_agent_that_cannot_listen_exits_and_leaves_no_segment(make_cluster: Call
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(MooncakeError, match=f"cannot listen on 127.0.0.1:{port}"):
+        with pytest.raises(MooncakeError, match=f"cannot listen on 127.0.0.1:{port}") as refused:
             cluster.add_agent(node_id="busy", extra_args=["--listen", f"127.0.0.1:{port}"])
+    assert "that port is taken: choose another port, or port 0" in str(refused.value), refused.value
     assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(namespace_prefix(cluster.namespace) + "busy.")]
+
+
+def test_an_address_not_of_this_host_is_refused_with_advice_that_fits(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """An agent told to listen on an address this host does not have (192.0.2.1, TEST-NET-1: no
+    packet is sent, the bind fails) exits naming it. Its advice was "choose another address, or
+    port 0 to have a free one picked", with the port already 0."""
+    cluster = make_cluster(0)
+    with pytest.raises(MooncakeError, match=r"cannot listen on 192\.0\.2\.1:0") as refused:
+        cluster.add_agent(node_id="elsewhere", extra_args=["--listen", "192.0.2.1:0"])
+    message = str(refused.value)
+    assert "192.0.2.1 is not an address of this host" in message and "port 0" not in message, message
 
 
 def test_a_put_whose_agent_dies_after_its_reserve_lands_on_another_node(
