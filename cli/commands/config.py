@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, explain_here, out, require_stdout
+from mooncake_cli.context import JsonOpt, NamespaceOpt, RedisUrlOpt, explain_here, out, require_stdout, wide_out
 from mooncake_cli.state import load_state, state_path
 from rich.table import Table
 from rich.text import Text
@@ -89,4 +89,6 @@ def config(
         table.add_row(Text(key), Text(_shown(key, values[key])), Text(source, style=emphasis))
     out.print(Text.assemble(("config file ", "dim"), str(file) if file else "(none found)"))
     out.print(Text.assemble(("commands talk to ", "dim"), cluster))
-    out.print(table)
+    # Into a pipe or a file, each row whole on its line (a path folded there could not be copied
+    # back out); on a terminal, folded to its width.
+    (out if out.is_terminal else wide_out).print(table)

@@ -38,3 +38,15 @@ def test_each_value_names_the_layer_it_came_from(mooncake: Mooncake) -> None:
 def test_a_bad_value_is_the_usual_usage_error(mooncake: Mooncake) -> None:
     result = mooncake("config", env={"MOONCAKE_AGENT_HOST_BYTES": "2x"})
     assert_one_line_error(result, 2, "env MOONCAKE_AGENT_HOST_BYTES='2x': not a size")
+
+
+def test_into_a_pipe_each_row_is_whole_however_long_its_path(mooncake: Mooncake) -> None:
+    """The "from" column folded into a pipe of 80 columns: a config file's path came out in pieces
+    on two lines, and could not be copied back out. Into a pipe each row is whole, as `ls`'s are."""
+    long_dir = Path(mooncake.env["XDG_CONFIG_HOME"]) / ("a-directory-whose-name-is-long-" * 3)
+    path = long_dir / "config.toml"
+    long_dir.mkdir(parents=True)
+    path.write_text('[agent]\nzone = "file-zone"\n')
+    shown = mooncake.ok("config", env={"MOONCAKE_CONFIG": str(path), "COLUMNS": "80"}).stdout.decode()
+    (row,) = [line for line in shown.splitlines() if line.startswith("agent.zone ")]
+    assert row.split()[1:] == ["file-zone", "file", str(path)], row
