@@ -2,10 +2,11 @@
 
     python examples/kv_transfer.py [--redis-url URL] [--total 256MiB] [--agents 2]
 
-With no URL it starts a private cluster (embedded Valkey + agent processes), stores a few hundred
-MiB of (layers, 2, tokens, heads, head_dim) float16 chunks from this process, reads them back
-byte-exact from a second process over shm and over tcp, prints where they live and how fast each
-step went, and stops everything it started.
+With no URL it starts a private cluster (embedded Valkey + agent processes; with one, agents of its
+own on that server, in a namespace of their own), stores a few hundred MiB of (layers, 2, tokens,
+heads, head_dim) float16 chunks from this process, reads them back byte-exact from a second
+process over shm and over tcp, prints where they live and how fast each step went, and stops
+everything it started.
 """
 
 from __future__ import annotations
@@ -98,7 +99,12 @@ def _size(text: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", help="an existing cluster's index (default: start a private one)")
+    parser.add_argument(
+        "--redis-url",
+        help="a Redis server to use as the index: this example's own agents run on it, in a namespace of their "
+        "own, and are stopped at the end; a cluster's agents already there are not used "
+        "(default: a private embedded server)",
+    )
     parser.add_argument("--namespace", default=None)
     parser.add_argument("--total", default="256MiB", type=_size, help="bytes of KV chunks to move (default 256MiB)")
     parser.add_argument("--agents", type=int, default=2, help="agents to start, at least 1 (default 2)")
@@ -141,7 +147,10 @@ def main() -> int:
     except MooncakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print("stopped the cluster; nothing left running")
+    if args.redis_url:
+        print(f"stopped the {args.agents} agent(s) it started; the server at --redis-url runs on")
+    else:
+        print("stopped the cluster; nothing left running")
     return 0
 
 

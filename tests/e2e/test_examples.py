@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import redis
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -19,6 +21,20 @@ def test_kv_transfer_moves_chunks_byte_exact_and_stops_its_cluster() -> None:
     result = _run("--total", "8MiB", "--agents", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "stored" in result.stdout and "Traceback" not in result.stderr
+
+
+def test_kv_transfer_on_a_given_server_stops_its_own_agents_and_leaves_the_server(redis_url: str) -> None:
+    """With --redis-url the example starts agents of its own on that server, in a namespace of its
+    own, and stops them; its last line said "stopped the cluster", though the server runs on."""
+    result = _run("--total", "8MiB", "--agents", "1", "--redis-url", redis_url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stopped the 1 agent(s) it started; the server at --redis-url runs on" in result.stdout, result.stdout
+    assert f"cluster: index {redis_url}, 1 agents" in result.stdout, result.stdout
+    server = redis.Redis.from_url(redis_url)
+    try:
+        assert server.ping()  # left running
+    finally:
+        server.close()
 
 
 def test_kv_transfer_refuses_a_size_it_cannot_read_as_usage() -> None:
