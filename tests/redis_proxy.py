@@ -1,9 +1,9 @@
 """A TCP proxy in front of the real Redis-compatible server, for review tests that break an
 agent's index connection at a chosen point: it forwards bytes both ways; when told to, it lets a
 request naming a script reach the server and loses the reply with the connection (what a reset, a
-failover or a NAT timeout does after the server ran the command), or goes "down" right after a
-given reply (every connection closed, new ones closed at once) until up(). Fixtures that use it
-are in tests/integration/conftest.py."""
+failover or a NAT timeout does after the server ran the command), or answers it with bytes that
+are no Redis protocol, or goes "down" right after a given reply (every connection closed, new
+ones closed at once) until up(). Fixtures that use it are in tests/integration/conftest.py."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 #: A script's sha1, as rules name it: 40 hex digits.
 SHA_CHARS = 40
+#: What garble_reply answers: "?" is no RESP type byte.
+GARBLED = b"?this is no redis reply\r\n"
 
 
 @dataclass
@@ -30,6 +32,7 @@ class _Rule:
     after: str | None = None
     hits: int = 0
     delay_s: float = 0.0
+    garble: bool = False
 
 
 @dataclass
@@ -39,6 +42,7 @@ class _Pair:
     drop_next: bool = False
     drop_delay_s: float = 0.0
     down_after_reply: bool = False
+    garble_next: bool = False
 
 
 class RedisProxy:
@@ -75,6 +79,15 @@ class RedisProxy:
             self._rules.append(rule)
             if after:
                 self._watch.add(after)
+        return rule
+
+    def garble_reply(self, sha: str, *, times: int = 1) -> _Rule:
+        """The next ``times`` requests that name script ``sha`` reach the server, and the client is
+        answered bytes that are no Redis protocol instead of the reply (what another service on the
+        port would say), then the connection closes."""
+        rule = _Rule(sha=sha, times=times, garble=True)
+        with self._lock:
+            self._rules.append(rule)
         return rule
 
     def down_after_reply_of(self, sha: str) -> None:
@@ -154,8 +167,11 @@ class RedisProxy:
                     if rule.times > 0 and rule.sha in window and (rule.after is None or rule.after in self._seen):
                         rule.times -= 1
                         rule.hits += 1
-                        p.drop_next = True
-                        p.drop_delay_s = rule.delay_s
+                        if rule.garble:
+                            p.garble_next = True
+                        else:
+                            p.drop_next = True
+                            p.drop_delay_s = rule.delay_s
                 if self._down_after and self._down_after in window:
                     p.down_after_reply = True
             # A sha split over two reads is still seen, but one seen whole already is not seen
@@ -182,6 +198,11 @@ class RedisProxy:
                     # find the proxy refusing (closing first let a retry through on a loaded machine).
                     self._go_down(keep=p)
                 self._close(p)  # the server ran the command; its reply is lost with the connection
+                return
+            if data and p.garble_next:
+                with contextlib.suppress(OSError):
+                    p.client.sendall(GARBLED)
+                self._close(p)
                 return
             if p.down_after_reply:
                 # Down before the reply is on its way: a client that sends its next command the

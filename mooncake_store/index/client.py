@@ -268,6 +268,16 @@ class RedisIndex(NodeTableCalls, PressureCalls):
                     f"index script {name} was answered bytes that are no UTF-8 ({exc}): a record or key name in "
                     f"namespace {self.prefix!r} at {self.where} written by hand or by another build"
                 ) from None
+            except redis.RedisError as exc:
+                # The rest of what redis-py raises: InvalidResponse above all, bytes that are no
+                # Redis protocol (another service took the port after the server went, a proxy's
+                # fault). It escaped the SDK as a bare redis-py error, past every MooncakeError
+                # handler, where every other failure of the index is one.
+                self._drop_conn(conn)  # the stream is out of step
+                raise ProtocolError(
+                    f"index script {name}: Redis at {self.where} answered what is no Redis reply "
+                    f"({type(exc).__name__}: {exc})"
+                ) from None
             except BaseException:
                 self._drop_conn(conn)  # interrupted mid-reply: the stream may be out of step
                 raise
