@@ -6,7 +6,9 @@
 -- Returns: {now_ms, r1, r2, ...} where ri is false when the key has no COMPLETE replica on a live
 -- node, else {size, dtype, shape, checksum, version, replicas_json, lease_until}. Replicas on nodes
 -- past their heartbeat deadline are left out. While the lease runs, no replica of the object is
--- freed, evicted or moved (see bury in the prelude). lease_until is when this object's lease ends:
+-- freed or evicted; one moved meanwhile (a demotion, promotion or spill: plan_swap in the prelude)
+-- leaves its old copy in the graveyard until the lease ends (see bury in the prelude), so a reader
+-- under the lease still reads whole bytes there. lease_until is when this object's lease ends:
 -- at least now + 0.9 * lease. A lease that already reaches that far is not rewritten (nor
 -- last_access, which is then at most lease / 10 old), so an object read in a hot loop costs one
 -- write per lease / 10 instead of one per read. The 0.9 keeps readers that budget their reads

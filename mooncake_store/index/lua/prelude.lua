@@ -546,6 +546,11 @@ local function plan_swap(key, old_node, old_alloc, new, guard, now, swaps, pinne
   defer(swaps.tiers, key, {reps[found][1], reps[found][2]}, {new[1], new[2]})
   reps[found] = new
   swaps.changed[key] = true
+  -- A live read lease does not stop the move, where DESIGN.md §3.3 says it should (README, "Not
+  -- built yet"): the old copy waits in the graveyard until the lease ends, so a reader under it
+  -- reads whole bytes there, and readers from now on find the new location. Refusing it would
+  -- stop every promotion (the read that offers one holds a lease) and waste a spilled batch's
+  -- copies of objects read between the sample and the swap.
   defer(swaps.zadd, P .. 'gc:' .. old_node, math.max(now, rec.lease), old_alloc)
   local still_there = false
   for _, r in ipairs(reps) do if r[1] == old_node then still_there = true end end
