@@ -46,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - exercised by the demo's message
 
 from mooncake_store.client.buffers import as_source
 from mooncake_store.client.prefix import PrefixCache
-from mooncake_store.client.prefix_hash import as_token_array
+from mooncake_store.client.prefix_hash import MAX_NAMESPACE_BYTES, as_token_array, check_namespace
 from mooncake_store.errors import DtypeMismatch, GpuUnavailable, InvalidValue
 from mooncake_store.types import as_count
 
@@ -83,6 +83,8 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
     adapter that keeps its base model's name, or one checkpoint run with another ``rope_theta``,
     ``rope_scaling`` (its cached keys are stored after the rotation), ``rms_norm_eps`` or
     ``hidden_act`` must not restore each other's KV caches."""
+    if model_id is not None and not isinstance(model_id, str):
+        raise InvalidValue(f"model_id must be text naming the weights, got {type(model_id).__name__} {model_id!r:.80}")
     cfg = _text_config(model)
     name = model_id
     if not name:
@@ -90,7 +92,15 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
         name = f"{_short_name(named)}@{_weights_digest(model, extra=_kv_settings(cfg))}"
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
     layers, kv_heads, head_dim = kv_layout(model)
-    return f"{name}/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
+    layout = f"/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
+    if model_id and len(model_id.encode(errors="replace")) + len(layout) > MAX_NAMESPACE_BYTES:
+        # Taken as given, a long one made a namespace the PrefixCache then refused, far from here.
+        raise InvalidValue(
+            f"model_id is {len(model_id.encode(errors='replace'))} B of UTF-8; with the KV layout after it "
+            f"({layout!r}) a namespace has room for {MAX_NAMESPACE_BYTES - len(layout)} B of it "
+            f"(a PrefixCache namespace holds at most {MAX_NAMESPACE_BYTES} B)"
+        )
+    return check_namespace(name + layout)  # a model_id with a control character fails here, not later
 
 
 #: A model name longer than this (a deep local path) keeps its tail and a digest of the whole:
