@@ -49,6 +49,7 @@ def config(
     none is given) the cluster `mooncake up` recorded here, as the other commands take them.
 
     Layers, lowest first: defaults, the config file ($MOONCAKE_CONFIG, else
+    $XDG_CONFIG_HOME/mooncake/config.toml where that is an absolute path, else
     ~/.config/mooncake/config.toml), MOONCAKE_* variables, flags. A value that fails its check is
     an error here too, naming the layer. Agents started by `mooncake up` take their own flags on
     top of this (see `mooncake up --help`). The password of a URL is never shown."""
