@@ -219,7 +219,8 @@ class AllocationTable:
         count = 0
         now = time.monotonic()
         with self._lock:
-            for alloc_id in alloc_ids:
+            # Each id once: a FREE frame naming one twice answered 2 for the one reservation.
+            for alloc_id in dict.fromkeys(alloc_ids):
                 alloc = self._allocs.get(alloc_id)
                 if alloc is not None and alloc.state == AllocState.RESERVED:
                     alloc.deadline = min(alloc.deadline, now)

@@ -5,6 +5,7 @@ behind a reader or fence), expiry and the drop after a reap."""
 from __future__ import annotations
 
 import random
+import time
 
 from mooncake_store.agent.allocations import AllocationTable, AllocState
 
@@ -142,3 +143,12 @@ def test_a_reaps_answer_never_cuts_an_earlier_hold_short() -> None:
     assert table.release_held() == 0
     time.sleep(0.35)
     assert table.release_held() == 3 and not table.known_ids()
+
+
+def test_expiring_counts_each_reservation_once_however_often_it_is_named() -> None:
+    """A FREE frame naming one reservation twice (and ids never granted) answered 2: each mention of
+    an id still RESERVED after its first was counted again."""
+    table = AllocationTable(1 << 20, reserve_timeout_s=60.0, alignment=64)
+    (res,) = table.reserve([(100, b"a")]) or []
+    assert table.expire_now([res.alloc_id, res.alloc_id, 1, 2]) == 1
+    assert table.reserved_deadlines()[res.alloc_id] <= time.monotonic()  # expired, not freed: the sync decides
