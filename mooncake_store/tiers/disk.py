@@ -299,8 +299,16 @@ class DiskTier:
         if len(blob) < HEADER.size:
             raise CorruptChunk(f"{where}: {len(blob)} B is shorter than the {HEADER.size} B header")
         magic, flags, itemsize, reserved, raw, checksum, clen = HEADER.unpack_from(blob)
-        if magic != MAGIC or clen != len(blob) - HEADER.size or itemsize == 0:
-            raise CorruptChunk(f"{where}: not a disk-tier chunk (magic {magic!r}, {len(blob)} B)")
+        # Each fault named apart: one message for all three read "not a disk-tier chunk (magic
+        # b'MCZ1', ...)" for a file whose magic was right.
+        if magic != MAGIC:
+            raise CorruptChunk(f"{where}: not a disk-tier chunk (magic {magic!r}, not {MAGIC!r}; {len(blob)} B)")
+        if clen != len(blob) - HEADER.size:
+            raise CorruptChunk(
+                f"{where}: its header says {clen} B of compressed data follow, but {len(blob) - HEADER.size} B do"
+            )
+        if itemsize == 0:
+            raise CorruptChunk(f"{where}: its header gives an item size of 0 B (at least 1)")
         if flags & ~FLAG_SHUFFLED or reserved:
             # Bits a later format may give a meaning to: such a file would be misread here.
             raise CorruptChunk(f"{where}: flags {flags:#x} and reserved field {reserved} are not this format's")

@@ -604,3 +604,30 @@ def test_a_chunk_file_with_bits_this_format_does_not_define_is_refused(
     with pytest.raises(CorruptChunk, match="are not this format's"):
         tier.write_blob(1, bad)
     tier.close()
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        ("magic", r"not a disk-tier chunk \(magic b'NOPE', not b'MCZ1'"),
+        ("length", r"its header says \d+ B of compressed data follow, but \d+ B do"),
+        ("itemsize", r"its header gives an item size of 0 B"),
+    ],
+)
+def test_a_bad_header_is_named_for_what_is_wrong_with_it(tmp_path: Path, fault: str, said: str) -> None:
+    """The three faults of a chunk file's header read as one message, "not a disk-tier chunk (magic
+    b'MCZ1', ...)", though the magic was right for two of them (a peer's spilled file with an item
+    size of 0, or a length field that lies, were logged so)."""
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.write(5, memoryview(np.arange(4096, dtype=np.uint8)))
+    magic, flags, itemsize, reserved, raw, checksum, clen = HEADER.unpack_from(tier.path_of(5).read_bytes())
+    blob = bytearray(tier.path_of(5).read_bytes())
+    if fault == "magic":
+        magic = b"NOPE"
+    elif fault == "length":
+        blob += b"\0"  # a byte past what the header says follows
+    else:
+        itemsize = 0
+    HEADER.pack_into(blob, 0, magic, flags, itemsize, reserved, raw, checksum, clen)
+    with pytest.raises(CorruptChunk, match=said):
+        DiskTier.parse_header(blob, where="a peer's chunk file")
