@@ -93,12 +93,13 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
     layers, kv_heads, head_dim = kv_layout(model)
     layout = f"/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
-    if model_id and len(model_id.encode(errors="replace")) + len(layout) > MAX_NAMESPACE_BYTES:
+    given = len(model_id.encode(errors="replace")) if model_id else 0
+    if given + len(layout) > MAX_NAMESPACE_BYTES:
         # Taken as given, a long one made a namespace the PrefixCache then refused, far from here.
         raise InvalidValue(
-            f"model_id is {len(model_id.encode(errors='replace'))} B of UTF-8; with the KV layout after it "
-            f"({layout!r}) a namespace has room for {MAX_NAMESPACE_BYTES - len(layout)} B of it "
-            f"(a PrefixCache namespace holds at most {MAX_NAMESPACE_BYTES} B)"
+            f"model_id is {given} B of UTF-8; with the KV layout after it ({layout!r}) a namespace has "
+            f"room for {MAX_NAMESPACE_BYTES - len(layout)} B of it (a PrefixCache namespace holds at most "
+            f"{MAX_NAMESPACE_BYTES} B)"
         )
     return check_namespace(name + layout)  # a model_id with a control character fails here, not later
 
