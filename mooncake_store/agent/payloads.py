@@ -1,9 +1,10 @@
 """The bytes a spill or a repair sends for a job not written straight from the host arena
 (agent/spill.py): a GPU object copied to host memory, a chunk file as stored, or, when the copy
 lands in another tier than the one it is read from (a repair with no peer that has the source's
-tier: agent/repairs.py), the object in the form the peer's tier keeps: the plain bytes for its host
-(or GPU) tier, a chunk file for its disk tier (which the peer decodes and checks before it
-answers, agent/inbox.py)."""
+tier: agent/repairs.py), the object in the form the peer's tier keeps: the plain bytes for its
+host or GPU tier (decoded from a chunk file here; a host object's go from the arena as they are),
+a chunk file for its disk tier (which the peer decodes and checks before it answers,
+agent/inbox.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ Payload = bytes | bytearray
 def read_payload(agent: Agent, job: SpillJob, source: TierKind, target: TierKind) -> Payload | None:
     """What ``job`` (an object in this agent's ``source`` tier) sends to a peer's ``target`` tier;
     None when there is nothing to send (freed meanwhile, or a damaged chunk file, whose replica
-    is then dropped as a read's is). Host to host never comes here: those bytes go from the arena."""
+    is then dropped as a read's is). Host to host or GPU never comes here: those bytes go from the arena."""
     alloc_id = job.victim.alloc_id
     try:
         if source == TierKind.DISK:
@@ -44,9 +45,12 @@ def read_payload(agent: Agent, job: SpillJob, source: TierKind, target: TierKind
                 return None if got is None else got[0]
             # The whole allocation came back: the file holds the object only.
             return _chunk_file(agent, job, memoryview(got[0])[: job.victim.size_bytes])
+        # A host object comes here only for a peer's disk tier: into its host or GPU tier the
+        # bytes go straight from the arena (spill.py: sent_from_arena).
+        assert target == TierKind.DISK, target
         view = agent.arena.view(job.offset, job.victim.size_bytes)
         try:
-            return bytes(view) if target != TierKind.DISK else _chunk_file(agent, job, view)
+            return _chunk_file(agent, job, view)
         finally:
             view.release()
     except MooncakeError as exc:  # freed meanwhile, or unreadable: nothing to send

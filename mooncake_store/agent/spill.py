@@ -84,6 +84,14 @@ STREAMS = 2
 WIRE_TIER = {TierKind.HOST: TIER_HOST, TierKind.GPU: TIER_GPU, TierKind.DISK: TIER_DISK}
 
 
+def sent_from_arena(source: TierKind, target: TierKind) -> bool:
+    """Whether a job's bytes go to the peer straight from this agent's host arena: a host-tier
+    object bound for a peer's host or GPU tier, whose wire form is the plain bytes (DESIGN.md §3.5:
+    at most one copy per hop). Into a peer's disk tier it goes as a chunk file, made ahead
+    (agent/payloads.py)."""
+    return source == TierKind.HOST and target != TierKind.DISK
+
+
 class Spiller:
     def __init__(self, agent: Agent, *, streams: int = STREAMS, batch_bytes: int = limits.BATCH_BYTES) -> None:
         self.agent = agent
@@ -253,7 +261,7 @@ class Spiller:
     def _reserve(self, peer_node: NodeInfo, batch: list[SpillJob], tier: TierKind, source: TierKind) -> Reserved | None:
         """Read what a batch not sent from the host arena sends, then reserve room for the batch on
         the peer; None when the peer refused (nothing was reserved)."""
-        if not tier == source == TierKind.HOST:
+        if not sent_from_arena(source, tier):
             batch = with_payloads(self.agent, batch, source, tier, self._payloads)
             if not batch:
                 return Reserved(batch=[], reservations=[])
@@ -309,8 +317,9 @@ class Spiller:
         self, peer_node: NodeInfo, reserved: Reserved, tier: TierKind, source: TierKind
     ) -> tuple[list[bool], bool]:
         """Write a reserved batch to the peer: (written per job, a connection broke)."""
-        from_arena = tier == source == TierKind.HOST
-        segment = self.arenas.segment(peer_node, tier) if from_arena else None
+        from_arena = sent_from_arena(source, tier)
+        # A same-host peer's shared arena is its host tier: another of its tiers is written to.
+        segment = self.arenas.segment(peer_node, tier) if tier == source == TierKind.HOST else None
         if segment is not None:
             try:
                 return self._copy_all(segment, peer_node, reserved), False
