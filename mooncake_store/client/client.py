@@ -472,7 +472,8 @@ def connect(
     overrides: dict[str, object] = {"redis_url": url, "namespace": namespace}
     overrides.update({f"client.{k}": v for k, v in client_options.items()})
     if transports is not None:
-        overrides["client.transports"] = ",".join(transport_names(transports))
+        # As given, not joined into text: a refusal then quotes the caller's names as they were.
+        overrides["client.transports"] = transport_names(transports)
     config = load_config(file=config_file, overrides=overrides)
     if not config.redis_url:
         raise ConnectError(

@@ -89,6 +89,18 @@ def test_transports_and_config_of_the_wrong_type_are_config_errors(shared_cluste
         assert [str(t) for t in one.transports] == ["tcp"]
 
 
+def test_connect_refuses_transport_names_as_the_caller_gave_them(shared_cluster: LocalCluster) -> None:
+    """connect() handed the names to the config as one comma-joined text: a refusal quoted
+    client.transports='udp,tcp' rather than the tuple passed, and a name with a comma in it
+    ('shm, tcp') was taken as two, where Client() refuses it."""
+    url, ns = shared_cluster.redis_url, shared_cluster.namespace
+    with pytest.raises(ConfigError, match=r"client\.transports=\('udp', 'tcp'\): unknown transport 'udp'"):
+        connect(url, namespace=ns, transports=("udp", "tcp"))
+    for make in (connect, ClientClass):
+        with pytest.raises(ConfigError, match=r"unknown transport 'shm, tcp'"):
+            make(url, namespace=ns, transports=["shm, tcp"])
+
+
 def test_put_options_are_checked_before_anything_else_even_for_an_empty_batch(shared_client: Client) -> None:
     """A preferred_node of the wrong type was reported as NoCapacity ('preferred node 5 is not a
     live agent', exit code 5 in the CLI: no room); an empty batch skipped the checks."""
