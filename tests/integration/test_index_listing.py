@@ -13,7 +13,7 @@ import redis
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.errors import ConnectError, MooncakeError
-from mooncake_store.index.client import first_in_order
+from mooncake_store.index.listing import first_in_order
 
 
 def test_first_in_order_keeps_the_smallest_distinct_names() -> None:
