@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_store.errors import DtypeMismatch, InvalidValue, MooncakeError, ProtocolError
-from mooncake_store.tiers.gpu_arrays import is_torch_tensor
+from mooncake_store.tiers.gpu_arrays import is_torch_tensor, lazy_view, not_contiguous
 from mooncake_store.types import MAX_DIMS
 
 BFLOAT16 = "bfloat16"
@@ -34,7 +34,7 @@ class Source:
     keepalive: Any = None  # the object whose memory view points into
 
 
-def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
+def _torch_to_numpy(tensor: Any, *, for_writing: bool = False) -> tuple[np.ndarray, str]:
     import torch  # lazy: torch is optional
 
     if tensor.device.type != "cpu":
@@ -42,18 +42,11 @@ def _torch_to_numpy(tensor: Any) -> tuple[np.ndarray, str]:
     if tensor.layout != torch.strided:  # sparse layouts have no flat buffer (nor is_contiguous)
         raise InvalidValue(f"torch tensor of layout {tensor.layout} has no flat buffer; call .to_dense() first")
     if not tensor.is_contiguous():
-        raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
+        raise not_contiguous(tensor, for_writing=for_writing)
     if tensor.dim() > MAX_DIMS:
         raise InvalidValue(f"torch tensor has {tensor.dim()} dimensions; the limit is {MAX_DIMS}")
     if tensor.is_conj() or tensor.is_neg():
-        # Its memory holds other numbers than it shows (torch resolves the bit lazily). torch's own
-        # error advised resolve_conj().numpy(), a copy: get_into would fill that, not the tensor.
-        bit, resolve = ("conjugate", "resolve_conj") if tensor.is_conj() else ("negative", "resolve_neg")
-        raise InvalidValue(
-            f"torch tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} is a lazy {bit} view: its "
-            f"memory holds other numbers than it shows; store tensor.{resolve}(), and get_into a tensor "
-            "without that bit"
-        )
+        raise lazy_view(tensor)
     if tensor.dtype == torch.bfloat16:
         return tensor.detach().view(torch.int16).numpy(), BFLOAT16
     try:
@@ -104,7 +97,12 @@ def as_source(value: object) -> Source:
         array = np.asarray(value)
     else:
         try:
-            array = np.asarray(memoryview(value))  # type: ignore[arg-type]
+            view = memoryview(value)  # type: ignore[arg-type]
+            if view.format.lstrip("@=<>!") == "c" and view.c_contiguous:
+                # Chars (a ctypes string buffer, memoryview.cast("c")) are raw bytes, stored as
+                # such: numpy reads them as strings (|S1), which no dtype check lets through.
+                return Source(view.cast("B") if view.nbytes else memoryview(b""), "|u1", (view.nbytes,), value)
+            array = np.asarray(view)
         except (TypeError, ValueError, NotImplementedError) as exc:  # no buffer, or a format numpy cannot read
             raise InvalidValue(
                 f"cannot store a value of type {type(value).__name__} ({exc}): pass bytes, a memoryview or buffer of "
@@ -184,7 +182,7 @@ def as_destination(out: object) -> Destination:
                 "memory outside autograd; pass out.detach() (the same memory) if that is what you mean"
             )
         tensor = out
-        array, dtype = _torch_to_numpy(out)
+        array, dtype = _torch_to_numpy(out, for_writing=True)
         out = array
     elif isinstance(out, np.ndarray):
         dtype = out.dtype.str

@@ -240,6 +240,32 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
     return shape, dtype, pointer, bool(readonly)
 
 
+def not_contiguous(tensor: Any, *, for_writing: bool) -> InvalidValue:
+    """The refusal of a torch tensor (CPU or CUDA) that is not contiguous. As a destination, ``.contiguous()`` is no
+    advice: it returns a copy, which get_into would fill while the tensor stayed as it was."""
+    shape = tuple(tensor.shape)
+    if for_writing:
+        return InvalidValue(
+            f"out (torch tensor of shape {shape}) is not contiguous: get_into fills memory in place, and "
+            ".contiguous() would be a copy filled instead of it; pass a contiguous tensor (torch.empty) "
+            "and copy from it into the view"
+        )
+    return InvalidValue(f"torch tensor of shape {shape} is not contiguous; call .contiguous()")
+
+
+def lazy_view(tensor: Any) -> InvalidValue:
+    """The refusal of a torch tensor that is a lazy conjugate or negative view, a CPU or a CUDA one:
+    its memory holds the values before the conjugation or negation, which a copy of the bytes
+    would store (or fill) as they are. torch's own error advised resolve_conj().numpy(), a copy:
+    get_into would fill that, not the tensor."""
+    bit, resolve = ("conjugate", "resolve_conj") if tensor.is_conj() else ("negative", "resolve_neg")
+    return InvalidValue(
+        f"torch tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} is a lazy {bit} view: its "
+        f"memory holds other numbers than it shows; store tensor.{resolve}(), and get_into a tensor "
+        "without that bit"
+    )
+
+
 def _describe_torch(tensor: Any, *, for_writing: bool) -> DeviceBuffer:
     """As a CPU tensor is checked (client/buffers.py): the raw bytes at data_ptr() are what is
     stored or filled, so a tensor whose values are not those bytes, or whose writes autograd must
@@ -251,19 +277,14 @@ def _describe_torch(tensor: Any, *, for_writing: bool) -> DeviceBuffer:
     if tensor.layout != torch.strided:  # sparse layouts have no flat buffer (is_contiguous raises)
         raise InvalidValue(f"torch tensor of layout {tensor.layout} has no flat buffer; call .to_dense() first")
     if tensor.is_conj() or tensor.is_neg():
-        # A lazy view: its memory holds the values before the conjugation or negation, which a
-        # copy of the bytes would store (or fill) as they are.
-        raise InvalidValue(
-            f"torch tensor of shape {tuple(tensor.shape)} is a lazy conjugate or negative view; "
-            "call .resolve_conj() / .resolve_neg() first"
-        )
+        raise lazy_view(tensor)
     if for_writing and tensor.requires_grad:
         raise InvalidValue(
             f"out is a torch tensor that requires grad (shape {tuple(tensor.shape)}): get_into writes its "
             "memory outside autograd; pass out.detach() (the same memory) if that is what you mean"
         )
     if not tensor.is_contiguous():
-        raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} is not contiguous; call .contiguous()")
+        raise not_contiguous(tensor, for_writing=for_writing)
     if tensor.dim() > MAX_DIMS:
         raise InvalidValue(f"torch tensor has {tensor.dim()} dimensions; the limit is {MAX_DIMS}")
     if tensor.dtype == torch.bfloat16:
@@ -378,4 +399,4 @@ def parse_device(device: str | int) -> int:
         return 0
     if isinstance(device, str) and device.startswith("cuda:") and device[5:].isascii() and device[5:].isdigit():
         return int(device[5:])
-    raise InvalidValue(f"device must be 'cuda', 'cuda:N' or a device index, got {device!r}")
+    raise InvalidValue(f"device must be 'cuda', 'cuda:N', a device index or 'cpu' (host memory), got {device!r}")
