@@ -287,11 +287,18 @@ def check_key(key: object) -> str:
     return key
 
 
+def is_bool(value: object) -> bool:
+    """Whether ``value`` is a Python or a numpy bool (``numpy.bool_``, named ``numpy.bool`` since
+    numpy 2: a test of the name "bool_" alone missed it there), without importing numpy."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
 def as_count(value: object) -> int | None:
     """``value`` as an int when it is a whole number of the kinds a caller passes for a count: a
     Python int or a numpy integer (what numpy arithmetic gives: refusing ``np.int64(2)`` where 2 is
     taken is no help), never a bool; None for anything else."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if is_bool(value):
         return None
     try:
         return operator.index(value)  # type: ignore[arg-type]

@@ -56,7 +56,7 @@ from mooncake_store.config import redact_url
 from mooncake_store.errors import ConfigError, ConnectError, InvalidValue, MooncakeError, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.transport.cancel import Cancel
-from mooncake_store.types import as_count
+from mooncake_store.types import as_count, is_bool
 
 #: A sequence of chunk arrays, or a function from chunk index to the array (called only for the
 #: chunks that have to be written, so callers need not materialize chunks that are stored already).
@@ -194,7 +194,7 @@ class PrefixCache:
         ``include_tail``), or of engine-supplied ``block_hashes`` (one full chunk each)."""
         if (token_ids is None) == (block_hashes is None):
             raise InvalidValue("pass token_ids or block_hashes (exactly one)")
-        if not isinstance(include_tail, bool) and type(include_tail).__name__ != "bool_":
+        if not is_bool(include_tail):
             raise InvalidValue(f"include_tail must be a bool, got {type(include_tail).__name__}: {include_tail!r:.80}")
         if block_hashes is not None:
             digests = block_hash_chain(self.namespace, block_hashes)

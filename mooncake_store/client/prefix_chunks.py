@@ -77,7 +77,10 @@ def stored_layout(client: Client, keys: list[str], statuses: list[str], tail_ind
 
 def is_sequence_or_stack(value: object) -> bool:
     """A sequence of buffers, or an array or tensor of two or more dimensions: a row per chunk, as
-    Client.get_many_into takes them (numpy arrays and tensors are no ``Sequence``)."""
+    Client.get_many_into takes them (numpy arrays and tensors are no ``Sequence``). One buffer of
+    bytes or text is not: a sequence of ints or characters, it was split into one "chunk" each."""
+    if isinstance(value, str | bytes | bytearray | memoryview):
+        return False
     return isinstance(value, Sequence) or (getattr(value, "ndim", 0) >= 2 and hasattr(value, "__getitem__"))
 
 

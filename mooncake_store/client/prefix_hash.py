@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_store.errors import InvalidValue
-from mooncake_store.types import MAX_KEY_BYTES, is_collection_not_text
+from mooncake_store.types import MAX_KEY_BYTES, as_count, is_bool, is_collection_not_text
 
 PERSON = b"mooncake-pfx-v2"
 DIGEST_BYTES = 16
@@ -93,9 +93,13 @@ def as_token_array(token_ids: Any) -> np.ndarray:
     if array.size == 0:
         return np.empty(0, dtype="<i8")
     if array.dtype.kind not in "iu":
-        ids = array.tolist()
-        if array.dtype == object and all(type(t) is int for t in ids):  # ints past int64 (numpy keeps them as objects)
-            raise InvalidValue(f"token id {max(ids, key=abs)} does not fit in int64")
+        # Python ints past int64 become objects, or floats where they fit uint64 beside negative
+        # ones or int64 ones ([2**63, 1]): the ids were integers, one too large.
+        ids = token_ids if isinstance(token_ids, list | tuple) else array.tolist()
+        if array.dtype.kind in "fO" and all(type(t) is int for t in ids):
+            too_large = next((t for t in ids if not -(1 << 63) <= t < 1 << 63), None)
+            if too_large is not None:
+                raise InvalidValue(f"token id {too_large} does not fit in int64")
         raise InvalidValue(f"token ids must be integers, got dtype {array.dtype}")
     if array.dtype.kind == "u" and array.dtype.itemsize == 8 and int(array.max()) > np.iinfo(np.int64).max:
         raise InvalidValue(f"token id {int(array.max())} does not fit in int64")
@@ -163,10 +167,20 @@ def token_chain(namespace: str, token_ids: Any, chunk_tokens: int, *, include_ta
 def block_hash_bytes(block_hash: BlockHash) -> bytes:
     if isinstance(block_hash, bytes | bytearray | memoryview):
         raw = bytes(block_hash)
-    elif isinstance(block_hash, bool):
+    elif is_bool(block_hash):
         raise InvalidValue("a block hash must be bytes, str or int, not bool")
-    elif isinstance(block_hash, int):
-        raw = str(block_hash).encode()
+    elif (number := as_count(block_hash)) is not None:
+        # An int (a numpy integer too: what an engine's hash array yields) is hashed as its decimal
+        # text, so 12, "12" and b"12" name one block. Measured before it is written out: str() of
+        # an int past 4300 digits raises a bare ValueError (Python's limit on such conversions).
+        # 4 bits a digit: within 4300 digits, and past the limit before any number that fits.
+        digits = len(str(number)) if number.bit_length() <= 4 * MAX_BLOCK_HASH_BYTES else None
+        if digits is None or digits > MAX_BLOCK_HASH_BYTES:
+            shown = f"{digits} B" if digits is not None else f"an int of {number.bit_length()} bits"
+            raise InvalidValue(
+                f"a block hash must be 1..{MAX_BLOCK_HASH_BYTES} B (an int counts its decimal digits), got {shown}"
+            )
+        raw = str(number).encode()
     elif isinstance(block_hash, str):
         try:
             raw = block_hash.encode("utf-8")

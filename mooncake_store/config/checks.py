@@ -358,6 +358,8 @@ def _coerce(spec: _Field, value: object, source: _Source) -> object:
     if kind == "bool":
         if isinstance(value, bool):
             return value
+        if type(value) is int and value in (0, 1):  # as "1"/"0" are taken: the refusal names 1/0
+            return bool(value)
         if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
             return value.strip().lower() in _TRUE
         raise _fail(spec, value, source, "not a boolean (use true/false, yes/no, on/off or 1/0)")
