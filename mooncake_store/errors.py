@@ -60,7 +60,12 @@ class DtypeMismatch(InvalidValue):
 
 
 class KeyNotFound(MooncakeError, KeyError):
-    """No readable replica of the key exists."""
+    """No readable replica of the key exists. ``key``: the key not found (a KeyError's args[0] is
+    its message here, which quotes the key cut short)."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
         return str(self.args[0]) if self.args else "key not found"

@@ -260,7 +260,9 @@ class Client(AsyncCalls):
         with several replicas that received different bytes the put raises InvalidValue and
         stores nothing.
         """
-        self.put_many({key: value}, replicas=replicas, preferred_node=preferred_node)
+        # The key checked before it keys a dict: one that cannot (a bytearray, a list) raised a
+        # bare TypeError ("unhashable type") where every other bad key is an InvalidKey.
+        self.put_many({check_key(key): value}, replicas=replicas, preferred_node=preferred_node)
 
     def put_many(
         self,
@@ -323,8 +325,8 @@ class Client(AsyncCalls):
     def get(self, key: str, *, device: str | int | None = None) -> Any:
         """The object stored under ``key`` as a numpy array of its dtype and shape (a torch tensor
         for bfloat16); with ``device="cuda:N"`` a cupy array on that GPU. Raises KeyNotFound (a
-        KeyError) when there is no readable replica."""
-        if device is not None:
+        KeyError) when there is no readable replica. ``device="cpu"`` is host memory, as None is."""
+        if device is not None and device != "cpu":
             from mooncake_store.client import device as gpu  # lazy: needs cupy
 
             meta, buffer = gpu.read_to_device(self, check_key(key), device=device)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from mooncake_store.config import load_config
+from mooncake_store.config import load_config, redact_url
 from mooncake_store.config.values import shown
 from mooncake_store.embedded import MAX_STARTUP_S, EmbeddedServer
 from mooncake_store.errors import ConfigError, MooncakeError, ServerError
@@ -374,6 +374,15 @@ class LocalCluster:
             self.server.stop()
             self.server = None
         self._started = False
+
+    def __repr__(self) -> str:
+        if not self._started:
+            return f"<LocalCluster {self.num_agents} agent(s) namespace={self.namespace!r} not started>"
+        alive = sum(agent.alive() for agent in self.agents)
+        return (
+            f"<LocalCluster {redact_url(self.redis_url)} namespace={self.namespace!r} "
+            f"agents={alive}/{len(self.agents)} alive>"
+        )
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -258,7 +258,7 @@ def _read_to_device(
         result = lookup(client, [key], attempt)  # counted once per get
         meta = result.objects[0]
         if meta is None:
-            raise KeyNotFound(f"key {shown_key(key)} not found (no complete replica on a live node)")
+            raise KeyNotFound(f"key {shown_key(key)} not found (no complete replica on a live node)", key=key)
         if out is not None:
             target = out
         elif meta.dtype == BFLOAT16:

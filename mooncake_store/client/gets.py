@@ -127,7 +127,9 @@ class GetPath:
                 metas[i] = meta
                 if meta is None:
                     if not missing_ok:
-                        raise KeyNotFound(f"key {shown_key(keys[i])} not found (no complete replica on a live node)")
+                        raise KeyNotFound(
+                            f"key {shown_key(keys[i])} not found (no complete replica on a live node)", key=keys[i]
+                        )
                     continue
                 if dests is not None:
                     out = dests[i]
