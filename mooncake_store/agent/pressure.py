@@ -306,8 +306,7 @@ class PressureManager:
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (Evictions.evict_queued).
-        spills: Spills = {}
-        moved = planned = 0
+        moved = 0
         # Walk the whole cold-first order: a victim that may not leave (pinned or read since, or a
         # chain chunk whose chain cannot go) is passed over, not the end of the pass. A victim with
         # nowhere to go is evicted only if those that can move (demoted or spilled) fall short:
@@ -315,33 +314,42 @@ class PressureManager:
         # the put's other replicas, had the other copies of replicated objects dropped (their
         # one other peer spared, their holder no destination) while cold objects could spill.
         homeless: list[SpillJob] = []
-        for victim in choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms):
-            if moved + planned >= need:
-                break
-            job = job_of(victim)
-            if job is None:
-                continue
-            move = self.placer.place_demoting(job, now_ms, state, tier)
-            if move.kind == MoveKind.DEMOTE:
-                moved += job.room_bytes
-            elif move.kind == MoveKind.SPILL and move.node_id is not None:
-                state.spill(spills, job, move, tier)
-                planned += job.room_bytes
-            else:
-                homeless.append(job)
+        order = iter(choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms))
+        while True:
+            spills: Spills = {}
+            planned = 0
+            while moved + planned < need and (victim := next(order, None)) is not None:
+                job = job_of(victim)
+                if job is None:
+                    continue
+                move = self.placer.place_demoting(job, now_ms, state, tier)
+                if move.kind == MoveKind.DEMOTE:
+                    moved += job.room_bytes
+                elif move.kind == MoveKind.SPILL and move.node_id is not None:
+                    state.spill(spills, job, move, tier)
+                    planned += job.room_bytes
+                else:
+                    homeless.append(job)
+            if not spills:
+                break  # the order is walked, or the room is made
+            # Victims whose peers all refused them (filled since the node table was read) are
+            # homeless too, and the walk goes on to warmer ones that can move: evicted at once,
+            # a node spilling to the one peer with room dropped its copies of objects whose
+            # other copy sat there (no destination) while its other objects could go there.
+            carried, stranded = self._carry_out_spills(spills, now_ms, state, tier, job_of)
+            moved += carried
+            homeless.extend(stranded)
         # The last copies of objects a node's death left short go last (their repair may not have
         # run yet): cold-first alone, a survivor lost them while warmer single copies stayed.
         homeless = eviction_order(homeless, lambda job: job.victim)
-        while homeless and moved + planned < need:
+        while homeless and moved < need:
             # Coldest first, as many as the room still wanted; then on past those refused (read,
             # pinned or grown a child since the sample). One round trip unless some are refused.
-            while homeless and moved + planned < need:
+            while homeless and moved < need:
                 job = homeless.pop(0)
                 self.evictions.queue(job, state)
                 moved += job.room_bytes
-            moved -= self.evictions.evict_queued(state, tier, need_left=need - planned - moved)
-        moved += self._carry_out_spills(spills, now_ms, state, tier, job_of)
-        moved -= self.evictions.evict_queued(state, tier, need_left=need - moved)
+            moved -= self.evictions.evict_queued(state, tier, need_left=need - moved)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
@@ -358,11 +366,13 @@ class PressureManager:
         state: PassState,
         tier: TierKind,
         job_of: JobOf,
-    ) -> int:
+    ) -> tuple[int, list[SpillJob]]:
         """Send each peer its victims in batches (to the peer's tier each was planned into). A peer
         that refuses (or breaks) is skipped for the rest of the pass and what it did not take is
-        placed again: another peer, else demote or evict."""
+        placed again: another peer, else demoted. Returns the room made here, and the victims left
+        with nowhere to go (the walk evicts them only if warmer ones cannot make the room)."""
         moved = 0
+        stranded: list[SpillJob] = []
         for attempt in range(PEER_TRIES):
             retry: list[SpillJob] = []
             write_refused: set[int] = set()
@@ -410,12 +420,10 @@ class PressureManager:
                     # So is the last copy of an object a node's death left short: evicted here, it
                     # went before the pass's other homeless victims (eviction_order).
                     continue
-                # Out of peers to ask, or none has room: evicted.
-                self.evictions.queue(job, state)
-                moved += job.room_bytes
+                stranded.append(job)  # out of peers to ask, or none has room
             if not spills:
                 break
-        return moved
+        return moved, stranded
 
     def relieve_gpu(self) -> int:
         """One pass over the GPU tier: the coldest objects go to host memory (one device-to-host
