@@ -18,6 +18,7 @@ from mooncake_store.client.buffers import as_destination, check_disjoint, mark_w
 from mooncake_store.client.gets import GetPath
 from mooncake_store.client.in_flight import InFlight, on_pool_thread
 from mooncake_store.client.node_view import NodeView
+from mooncake_store.client.placed import PlacedSince
 from mooncake_store.client.put_plans import check_put_options
 from mooncake_store.client.puts import PutPath
 from mooncake_store.client.stats import ClusterStats, build_stats
@@ -92,6 +93,9 @@ class Client(AsyncCalls):
         self.index = RedisIndex(redis_url, namespace=namespace, timeout_s=self.config.timeout_s)
         self.host_id = local_host_id()
         self.zone = self.config.zone  # the writer's zone for placement (client.zone, MOONCAKE_ZONE)
+        # What this client reserved on each node since its row in the node table was published
+        # (placed.py): puts rank nodes by that row's free room less this.
+        self._placed = PlacedSince()
         self._shm = ShmTransport()
         self._tcp = TcpTransport(
             timeout_s=self.config.timeout_s,

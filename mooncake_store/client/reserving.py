@@ -141,10 +141,7 @@ class Reserver:
                 nodes.values(), sizes, replicas=replicas, now_ms=now, tier=tier, preferred_node=preferred_node
             )
         # Plan against free space as it will be after this batch: a batch spreads out.
-        projected: dict[TierKind, dict[str, int]] = {
-            tier: {n.node_id: (n.tier(tier).free_bytes if n.tier(tier) else 0) for n in nodes.values()}
-            for tier in (TierKind.HOST, TierKind.GPU)
-        }
+        projected = self._free_room(nodes, now)
         groups: dict[tuple[str, TierKind], list[PlannedPut]] = {}
         for plan in plans:
             free = projected[plan.tier]
@@ -243,6 +240,7 @@ class Reserver:
                 f"(first key {group[0].key!r}): {refusal}"
             )
         homeless: list[tuple[PlannedPut, list[tuple[str, MooncakeError]]]] = []
+        free = self._free_room(nodes, now)
         for plan in group:
             # Every node this plan is assigned to, reserved yet or not: two replicas on one node are one.
             taken = {r.node_id for r in plan.replicas} | plan.assigned
@@ -251,7 +249,9 @@ class Reserver:
             else:
                 taken.add(failed_node)
             errors: list[tuple[str, MooncakeError]] = [(failed_node, refusal)]
-            candidates = self._candidates(plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas)
+            candidates = self._candidates(
+                plan, nodes, now=now, preferred_node=preferred_node, replicas=replicas, free_bytes=free[plan.tier]
+            )
             for node in candidates:
                 if node.node_id in taken:
                     continue
@@ -342,8 +342,22 @@ class Reserver:
                 + (f" (and {len(homeless) - 1} more object(s) of the batch)" if len(homeless) > 1 else "")
             )
 
-    @staticmethod
-    def _replica(node_id: str, tier: TierKind, offset: int, alloc_id: int, size: int) -> Replica:
+    def _free_room(self, nodes: dict[str, NodeInfo], now: int) -> dict[TierKind, dict[str, int]]:
+        """Each node's free room per tier as its row says, less what this client reserved there
+        since the row was published (client/placed.py): a writer putting in a loop spreads its
+        puts as one batch spreads its objects."""
+        room: dict[TierKind, dict[str, int]] = {}
+        for tier in (TierKind.HOST, TierKind.GPU):
+            unseen = self.client._placed.unseen(nodes, tier, now_ms=now)
+            room[tier] = {
+                n.node_id: (usage.free_bytes if (usage := n.tier(tier)) else 0) - unseen.get(n.node_id, 0)
+                for n in nodes.values()
+            }
+        return room
+
+    def _replica(self, node_id: str, tier: TierKind, offset: int, alloc_id: int, size: int) -> Replica:
+        """A reservation granted: noted for the ranking of this client's next puts (placed.py)."""
+        self.client._placed.note(node_id, tier, size, at_ms=self.client._server_now_ms())
         return Replica(
             node_id=node_id, tier=tier, offset=offset, size_bytes=size, alloc_id=alloc_id, state=ReplicaState.PENDING
         )
