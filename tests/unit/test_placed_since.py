@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import node_row
 
 from mooncake_store.client import placed
 from mooncake_store.client.placed import PlacedSince
@@ -15,18 +16,7 @@ KiB = 1 << 10
 
 
 def _row(node_id: str, heartbeat_ms: int) -> NodeInfo:
-    return NodeInfo(
-        node_id=node_id,
-        host="h",
-        host_id="h",
-        zone="z",
-        pid=1,
-        tcp_endpoint="127.0.0.1:1",
-        shm_name="",
-        transports=(),
-        tiers=(),
-        last_heartbeat_ms=heartbeat_ms,
-    )
+    return dataclasses.replace(node_row(node_id), last_heartbeat_ms=heartbeat_ms)
 
 
 def test_what_a_row_was_published_after_is_counted_and_what_it_shows_is_not() -> None:
