@@ -241,8 +241,9 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
 
 
 def not_contiguous(tensor: Any, *, for_writing: bool) -> InvalidValue:
-    """The refusal of a torch tensor (CPU or CUDA) that is not contiguous. As a destination, ``.contiguous()`` is no
-    advice: it returns a copy, which get_into would fill while the tensor stayed as it was."""
+    """The refusal of a torch tensor (CPU or CUDA) that is not contiguous. As a destination,
+    ``.contiguous()`` is no advice: it returns a copy, which get_into would fill while the tensor
+    stayed as it was."""
     shape = tuple(tensor.shape)
     if for_writing:
         return InvalidValue(
