@@ -65,15 +65,19 @@ class Evictions:
         if state.chains_queued:
             state.chains_queued = False
             state.children_gone.clear()  # the script judged every one by the index itself
-            return counted - self.evict_chains([job.victim for job in queued], tier, max(0, need_left) + counted)
-        gone = self.moves.evict_many([job.victim for job in queued], tier)
+            return counted - self.evict_chains(
+                [job.victim for job in queued], tier, max(0, need_left) + counted, since_ms=state.sampled_ms
+            )
+        gone = self.moves.evict_many([job.victim for job in queued], tier, since_ms=state.sampled_ms)
         refused = [job for job, ok in zip(queued, gone, strict=True) if not ok]
         for job in refused:
             if not job.victim.other_nodes and job.victim.chain_parent:
                 state.children_gone[job.victim.chain_parent] -= 1
         return sum(job.room_bytes for job in refused)
 
-    def evict_chains(self, victims: list[EvictionCandidate], tier: TierKind, need: int) -> int:
+    def evict_chains(
+        self, victims: list[EvictionCandidate], tier: TierKind, need: int, *, since_ms: int | None = None
+    ) -> int:
         """Evict ``victims`` in order, each chain chunk among them with its chain cut back from its
         leaves first, wherever they are (evict_chains.lua), until ``need`` bytes of room were made
         in ``tier`` here; returns the room made: what the allocations that went take here (on a
@@ -95,7 +99,10 @@ class Evictions:
                 break
             wanted = int((need - made) * scale)
             made += self.bytes_in(
-                tier, self.moves.evict_chains(victims[start : start + CHAIN_VICTIMS], tier, wanted, pressed)
+                tier,
+                self.moves.evict_chains(
+                    victims[start : start + CHAIN_VICTIMS], tier, wanted, pressed, since_ms=since_ms
+                ),
             )
         return made
 

@@ -302,26 +302,38 @@ class LocalMoves:
         )
         return status == "OK"
 
-    def evict_many(self, victims: list[EvictionCandidate], tier: TierKind) -> list[bool]:
+    def evict_many(
+        self, victims: list[EvictionCandidate], tier: TierKind, *, since_ms: int | None = None
+    ) -> list[bool]:
         """Drop these replicas of ``tier`` in one index round trip, in order; per victim whether it
-        went (not pinned, read, replaced or cut from its chain since the sample chose it)."""
+        went (not pinned, read, replaced or cut from its chain since the sample chose it, nor
+        accessed after ``since_ms``: the index's time when that sample was taken)."""
         if not victims:
             return []
-        statuses = self.agent.index.evict_many([(v.key, v.alloc_id) for v in victims], node_id=self.agent.node_id)
+        statuses = self.agent.index.evict_many(
+            [(v.key, v.alloc_id) for v in victims], node_id=self.agent.node_id, since_ms=since_ms
+        )
         gone = [status == "OK" for status in statuses]
         if any(gone):
             self.count(tier, "evictions", sum(gone))
         return gone
 
     def evict_chains(
-        self, victims: list[EvictionCandidate], tier: TierKind, wanted_bytes: int, pressed: list[TierKind]
+        self,
+        victims: list[EvictionCandidate],
+        tier: TierKind,
+        wanted_bytes: int,
+        pressed: list[TierKind],
+        *,
+        since_ms: int | None = None,
     ) -> list[int]:
         """Evict ``victims`` in order (a chain chunk that later chunks hang off goes after them: its
         chain is cut back from the leaves, wherever they are; evict_chains.lua) until
         ``wanted_bytes`` of ``tier`` went here (plain sizes, as the index has them, on the disk
         tier too); returns the alloc ids of ``tier`` here that went. At most CHAIN_VICTIMS (each
         walks its chain in the one script call; the caller sends more in further calls). Not those
-        with a later chunk on one of this node's ``pressed`` tiers: those tiers' own passes move it.
+        with a later chunk on one of this node's ``pressed`` tiers: those tiers' own passes move it,
+        nor those whose chain was accessed after ``since_ms`` (the sample's time).
         Every object evicted is counted here, those on other nodes and tiers included: this pass
         evicted them, and their own nodes and passes never hear of it."""
         if not victims:
@@ -333,6 +345,7 @@ class LocalMoves:
             wanted_bytes=wanted_bytes,
             most_later=MOST_LATER_CHUNKS,
             pressed_tiers=[str(t) for t in pressed],
+            since_ms=since_ms,
         )
         if evicted:
             self.count(tier, "evictions", evicted)

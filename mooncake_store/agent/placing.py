@@ -55,6 +55,9 @@ class PassState:
     #: A victim whose chunk file's bound did not fit in the disk's room was demoted on the chance
     #: that its file would (_demote_if_file_fits): once a pass, as it costs a compression.
     tried_tight_disk: bool = False
+    #: The index's time as the pass began, before its sample was taken: an object accessed after
+    #: it (read, or extended or written by a store) is not evicted by this pass (evict.lua TOUCHED).
+    sampled_ms: int | None = None
     by_id: dict[str, NodeInfo] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -302,7 +302,7 @@ class PressureManager:
         # Spared peers are no destination, but stay known: an object's other copy on one of them
         # still spreads this one's move to another host and zone (placing.Placer.place's holders).
         spared = {p.node_id for p in peers if spared_peers & frames.replica_peer_bit(p.node_id)}
-        state = PassState(peers=peers, refused=self.silent.now() | spared)
+        state = PassState(peers=peers, refused=self.silent.now() | spared, sampled_ms=now_ms)
         # Spills are planned during the walk and carried out afterwards, batched per peer
         # (agent/spill.py); demotions happen as the walk meets them, evictions are queued and sent
         # in batches (Evictions.evict_queued).

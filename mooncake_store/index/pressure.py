@@ -166,7 +166,7 @@ class PressureCalls:
 
     def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
         """Drop one replica (the object too if it was the last); "OK", "GONE", "PINNED", "LEASED"
-        (read since the sample that chose it), "PARENT" (the last replica of a chunk that stored
+        (read since the sample that chose it: its lease is live), "PARENT" (the last replica of a chunk that stored
         chunks of its chain hang off) or "MALFORMED" (a record this build cannot read)."""
         return self.evict_many([(key, alloc_id)], node_id=node_id)[0]
 
@@ -175,14 +175,16 @@ class PressureCalls:
         there (drop_corrupt.lua); False when the object no longer lists it."""
         return str(self._run("drop_corrupt", node_id, key, str(alloc_id))) == "OK"
 
-    def evict_many(self, victims: Sequence[tuple[str, int]], *, node_id: str) -> list[str]:
+    def evict_many(self, victims: Sequence[tuple[str, int]], *, node_id: str, since_ms: int | None = None) -> list[str]:
         """Drop ``node_id``'s replicas (key, alloc id), each on its own and in order, with evict's
         statuses; one round trip per BATCH_LIMIT of them (a pass of small objects used to pay one
-        per object)."""
+        per object). ``since_ms``: the index's time when the sample that chose them was taken; an
+        object accessed after it stays ("TOUCHED")."""
         out: list[str] = []
+        since = "" if since_ms is None else str(since_ms)
         for chunk in in_batches(victims):
             args = [x for key, alloc_id in chunk for x in (key, str(alloc_id))]
-            out.extend(str(s) for s in self._run("evict", node_id, *args))
+            out.extend(str(s) for s in self._run("evict", node_id, since, *args))
         return out
 
     def evict_chains(
@@ -194,6 +196,7 @@ class PressureCalls:
         wanted_bytes: int,
         most_later: int,
         pressed_tiers: Sequence[str] = (),
+        since_ms: int | None = None,
     ) -> tuple[int, int, list[str], list[int]]:
         """Cut the chains of ``node_id``'s replicas (key, alloc id) of chain chunks back from their
         leaves, wherever those are, then the chunks themselves (evict_chains.lua), in the order
@@ -202,9 +205,11 @@ class PressureCalls:
         freed there, the objects evicted in all, a status per victim, and the alloc ids of the
         node's tier that went (what they take there is the room made: on a disk tier, the blocks of
         their files). One round trip: the caller keeps ``victims`` few (each walks its chain in the
-        script)."""
+        script). ``since_ms``: the index's time when the sample that chose them was taken; nothing
+        of a chain goes whose chunks were accessed after it ("TOUCHED")."""
         args = [x for key, alloc_id in victims for x in (key, str(alloc_id))]
-        raw = self._run("evict_chains", node_id, tier, wanted_bytes, most_later, ",".join(pressed_tiers), *args)
+        since = "" if since_ms is None else str(since_ms)
+        raw = self._run("evict_chains", node_id, tier, wanted_bytes, most_later, ",".join(pressed_tiers), since, *args)
         count = len(victims)
         statuses = [str(s) for s in raw[2 : 2 + count]]
         return int(raw[0]), int(raw[1]), statuses, [int(a) for a in raw[2 + count :]]

@@ -17,12 +17,16 @@
 -- disk), this script evicted whole chains that the next pass of the same wake would have kept on
 -- disk. A later chunk on a tier of this node not under pressure goes with the chain: no pass of
 -- that tier runs, and a tier just under its high watermark takes no demotion either.
+-- Nor if it or a later chunk was accessed after the sample that chose the candidate (ARGV[7]): a
+-- store's claim touches the chunks it extends and commits the ones it adds, and a pass that
+-- sampled before them cut that prompt back from its new leaves while colder chains stayed.
 -- KEYS: none
 -- ARGV: [1] prefix, [2] node, [3] tier, [4] bytes wanted, [5] most later chunks per candidate,
---       [6] this node's other tiers under pressure (comma-separated, may be empty), then two per
---       candidate: key, alloc id
+--       [6] this node's other tiers under pressure (comma-separated, may be empty), [7] the time
+--       (ms) of the sample that chose the candidates, "" for none, then two per candidate: key,
+--       alloc id
 -- Returns: {bytes of node's tier freed, objects evicted in all, then per candidate a status: "OK",
---   "GONE" (no such replica any more), "PINNED" or "LEASED" (it or a later chunk), "LONG" (more
+--   "GONE" (no such replica any more), "PINNED", "LEASED" or "TOUCHED" (it or a later chunk), "LONG" (more
 --   than ARGV[5] later chunks), "LOCAL" (a later chunk on a tier of ARGV[6] here), "PARENT"
 --   (a children set that does not name the stored children), "MALFORMED" (a record of its chain
 --   this build cannot read: nothing of the chain goes), "SKIPPED" (enough went before it),
@@ -33,7 +37,8 @@ local node, tier = ARGV[2], ARGV[3]
 local wanted, most = tonumber(ARGV[4]), tonumber(ARGV[5])
 local pressed = {}
 for t in string.gmatch(ARGV[6], '[^,]+') do pressed[t] = true end
-local FIRST = 7  -- the first candidate's key
+local since = tonumber(ARGV[7])
+local FIRST = 8  -- the first candidate's key
 local now = now_ms()
 
 -- The chunks after key in its chain, parents before children; or why they cannot be named:
@@ -80,7 +85,7 @@ local function refusal(key, alloc)
   if not elsewhere then later, why = later_chunks(key) end
   if later == nil then return why end
   for i, k in ipairs({key, unpack(later)}) do
-    local g = redis.call('HMGET', P .. 'o:' .. k, 'replicas', 'lease_until')
+    local g = redis.call('HMGET', P .. 'o:' .. k, 'replicas', 'lease_until', 'last_access')
     -- Checked before the first chunk of any candidate goes: an error here failed the script
     -- after the candidates before it had been evicted.
     if g[1] and not sound_record(g[1], g[2]) then return 'MALFORMED' end
@@ -91,6 +96,7 @@ local function refusal(key, alloc)
     end
     if live_pins(k, now) > 0 then return 'PINNED' end
     if tonumber(g[2] or 0) > now then return 'LEASED' end
+    if since and (tonumber(g[3]) or 0) > since then return 'TOUCHED' end
   end
   return nil, later
 end
@@ -142,7 +148,7 @@ for n = 1, count do  -- in the caller's order: coldest first
       for _, r in ipairs(record_replicas(key, f[1])) do
         if r[1] == node and r[5] == alloc then size = tonumber(r[4]) end
       end
-      statuses[n] = evict_replica(key, node, alloc, now)
+      statuses[n] = evict_replica(key, node, alloc, now, false, since)
       if statuses[n] == 'OK' then
         freed = freed + size
         evicted = evicted + 1

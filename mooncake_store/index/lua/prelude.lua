@@ -612,9 +612,11 @@ local function count_lost(ok, what, dropped, left)
   for _, r in ipairs(left) do table.insert(ids, r[1] .. ':' .. r[5]) end
   redis.call('HSET', ok, 'lost', ',' .. table.concat(ids, ',') .. ',')
 end
-local function evict_replica(key, node, alloc, now, damaged)
+-- ``since`` (ms, optional): the time of the sample that chose the victim; an object accessed after
+-- it (a read's lookup, a store's claim of a chunk it extends, a commit) is warm now: "TOUCHED".
+local function evict_replica(key, node, alloc, now, damaged, since)
   local ok = P .. 'o:' .. key
-  local f = redis.call('HMGET', ok, 'replicas', 'lease_until', 'copies')
+  local f = redis.call('HMGET', ok, 'replicas', 'lease_until', 'copies', 'last_access')
   if not f[1] then return 'GONE' end
   if not sound_record(f[1], f[2]) then return 'MALFORMED' end
   local keep, found = {}, nil
@@ -631,6 +633,7 @@ local function evict_replica(key, node, alloc, now, damaged)
   end
   if not damaged and readable == 0 and children_of(key) > 0 then return 'PARENT' end
   if not damaged and tonumber(f[2] or 0) > now then return 'LEASED' end
+  if not damaged and since and (tonumber(f[4]) or 0) > since then return 'TOUCHED' end
   redis.call('ZADD', P .. 'gc:' .. node, math.max(now, tonumber(f[2] or 0)), alloc)
   local still_there = false
   for _, r in ipairs(keep) do if r[1] == node then still_there = true end end
