@@ -74,12 +74,21 @@ class KeyNotFound(MooncakeError, KeyError):
 class NoCapacity(MooncakeError):
     """No node has room for the object. ``permanent`` is True when waiting cannot help (the object
     is larger than every arena, or too few nodes exist for the replicas asked for).
-    ``free_bytes``: what the refusing agent said it could still take, when one refused."""
+    ``free_bytes``: what the refusing agent said it could still take, when one refused, and
+    ``largest_bytes`` its largest free block (the free room may be in pieces)."""
 
-    def __init__(self, message: str, *, permanent: bool = False, free_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        permanent: bool = False,
+        free_bytes: int | None = None,
+        largest_bytes: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.permanent = permanent
         self.free_bytes = free_bytes
+        self.largest_bytes = largest_bytes
 
 
 class ObjectPinned(MooncakeError):

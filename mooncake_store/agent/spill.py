@@ -292,6 +292,12 @@ class Spiller:
                 # high watermark: what it says it can still take goes now, and only the rest is
                 # placed again (elsewhere, else evicted) rather than the whole batch.
                 count = fitting(batch, exc.free_bytes or 0, peer_node.tier(tier))
+                if count == len(batch) and exc.largest_bytes is not None:
+                    # It has the bytes, in pieces none of which holds the batch: what surely fits
+                    # is what its largest free block holds. Refused whole, a repair to a peer 44%
+                    # full with its room in 1 MiB holes copied not one of three 8 MiB objects, at
+                    # every try, and they stayed one copy short for good.
+                    count = fitting(batch, exc.largest_bytes, peer_node.tier(tier))
                 if not 0 < count < len(batch):
                     raise
                 batch, left = batch[:count], batch[count:]

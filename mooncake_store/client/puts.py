@@ -186,7 +186,11 @@ class PutPath:
                     first_wait = time.monotonic() if first_wait is None else first_wait
                     self.client._node_table(refresh=True)
                 elif isinstance(exc, NoCapacity) and not exc.permanent:
-                    raise NoCapacity(f"{exc}; {waited_for_room(config.timeout_s)}", free_bytes=exc.free_bytes) from None
+                    raise NoCapacity(
+                        f"{exc}; {waited_for_room(config.timeout_s)}",
+                        free_bytes=exc.free_bytes,
+                        largest_bytes=exc.largest_bytes,
+                    ) from None
                 elif settling and isinstance(exc, NoCapacity):
                     waited = f"waited {config.timeout_s:g} s (timeout_s) for the nodes to register again"
                     raise NoCapacity(f"{exc}; {waited}", permanent=exc.permanent) from None

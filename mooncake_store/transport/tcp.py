@@ -167,6 +167,7 @@ class PeerConnections(ConnectionPool):
                     f"need {need} B in {len(chunk)} object(s) on {where}; node {node_id} has "
                     f"{a}/{c} B free, largest free block {b} B",
                     free_bytes=a,
+                    largest_bytes=b,
                 )
             if status != Status.OK:
                 raise ProtocolError(f"agent {node_id} refused RESERVE with status {status}")
