@@ -159,11 +159,19 @@ class NodeInfo:
         """The high watermark the agent publishes (its ``high_watermark`` label), else ``default``.
         A label that is no number (a hand edit, a foreign writer) counts as absent: read raw, it
         failed every pressure pass of every node that planned by it."""
+        return self._watermark("high_watermark", default)
+
+    def low_watermark(self, default: float) -> float:
+        """The low watermark the agent publishes (``low_watermark``), else ``default``: the use a
+        drain takes its tiers down to, under which no pressure pass takes room back."""
+        return self._watermark("low_watermark", default)
+
+    def _watermark(self, label: str, default: float) -> float:
         try:
-            high = float(self.labels.get("high_watermark", default))
+            mark = float(self.labels.get(label, default))
         except ValueError:
             return default
-        return high if 0.0 < high <= 1.0 else default
+        return mark if 0.0 < mark <= 1.0 else default
 
     @property
     def largest_chunk_bytes(self) -> int:

@@ -228,6 +228,8 @@ class Agent(OtherTierHooks, SyncDuties):
             labels={
                 # Peers judge whether they may spill here against this agent's own watermark.
                 "high_watermark": str(self.config.high_watermark),
+                # Peers copy a copy this node may have dropped back only into room under it.
+                "low_watermark": str(self.config.low_watermark),
                 # A prefaulted arena's pages all exist: a same-host peer may map it populated.
                 "prefault": "1" if self.config.prefault else "0",
                 # A restart tells this process from a later one given its pid (holder_gone).

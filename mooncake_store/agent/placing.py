@@ -7,7 +7,7 @@ victims and carries out the spills and evictions."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -189,11 +189,14 @@ def peer_target(
     planned: dict[TierKind, dict[str, int]],
     refused: Collection[str],
     holders: list[NodeInfo],
+    *,
+    fill_mark: Callable[[NodeInfo], float] | None = None,
 ) -> tuple[str, TierKind, SpillJob] | None:
     """The first of ``targets`` that a peer has room in for ``job`` (in ``source`` here), the peer,
     and the job as it goes there (in the form that tier keeps). ``planned``: what was planned into
     each tier of each peer so far; ``refused``: peers that are no destination; ``holders``: the
-    nodes of the object's other copies (policy/eviction.py: choose_move)."""
+    nodes of the object's other copies; ``fill_mark``: what share of a peer's tier it may fill
+    (policy/eviction.py: choose_move)."""
     for tier in targets:
         sent = job if tier == source else as_other_tier(job, tier)
         move = choose_move(
@@ -211,6 +214,7 @@ def peer_target(
             stored_bytes=sent.stored_bytes,
             holders=holders,
             plain_bytes=job.victim.size_bytes,
+            fill_mark=fill_mark,
         )
         if move.kind == MoveKind.SPILL and move.node_id is not None:
             return move.node_id, tier, sent

@@ -1,5 +1,8 @@
 """Re-replication: objects that a dead node's purge left with fewer readable replicas than they
-were stored with are copied to other nodes until they have their count again.
+were stored with (or a damaged copy's drop, or a full node's eviction of a copy) are copied to
+other nodes until they have their count again. A copy a full node dropped goes only into room
+under a peer's low watermark, which no pressure pass takes back: into room under the high one, it
+would go back to the next node to fill, to be dropped again at its next pass.
 
 The index lists such an object in ``repair:<node>`` of the first live node that still holds a
 readable replica (index/lua/prelude.lua: note_short); that node's agent takes its list here, every
@@ -100,6 +103,10 @@ class Repairs:
         self.more = copied > 0 and len(candidates) >= REPAIR_BATCH
         return copied
 
+    def _under_low(self, peer: NodeInfo) -> float:
+        """A peer's low watermark, as it publishes it, else this agent's."""
+        return peer.low_watermark(self.agent.config.low_watermark)
+
     def _plan(
         self, candidates: list[RepairCandidate], peers: list[NodeInfo], refused: set[str], *, now_ms: int
     ) -> dict[tuple[str, TierKind, TierKind], list[SpillJob]]:
@@ -128,8 +135,12 @@ class Repairs:
             taken = set(cand.holders) | refused
             spread = [by_id[n] for n in cand.holders if n in by_id]  # where its copies are, planned ones too
             targets = (cand.tier, *(t for t in FALLBACK_TIERS if t != cand.tier))
+            # A copy a full node dropped goes back only into room no pressure pass takes back.
+            fill_mark = self._under_low if cand.thinned else None
             for _ in range(cand.missing):
-                placed = peer_target(self.agent, job, cand.tier, targets, peers, now_ms, planned, taken, spread)
+                placed = peer_target(
+                    self.agent, job, cand.tier, targets, peers, now_ms, planned, taken, spread, fill_mark=fill_mark
+                )
                 if placed is None:
                     break  # no node has room for it now: it stays listed
                 node_id, tier, sent = placed

@@ -27,7 +27,7 @@ class TierStats:
     spills_in: int = 0
     evictions: int = 0  # replicas this node's passes dropped from the tier (see ClusterStats.evictions)
     corrupt: int = 0  # replicas found damaged here (a chunk file that failed its checksum), dropped
-    copies_out: int = 0  # objects copied to other nodes to restore their replica count after a node's loss
+    copies_out: int = 0  # objects copied to other nodes to restore their replica count (a loss, a dropped copy)
     compression_ratio: float = 1.0  # raw bytes over stored bytes (disk tier)
 
     def __repr__(self) -> str:

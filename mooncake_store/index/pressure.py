@@ -36,6 +36,11 @@ class RepairCandidate:
     missing: int  # replicas to add
     holders: tuple[str, ...]  # nodes with a replica: none is a target
     dtype: str = ""  # as put ("" when none was given)
+    #: The copy missing is one a full node dropped under pressure: it goes only into room under a
+    #: peer's low watermark, which no pressure pass takes back (else it would be copied back and
+    #: dropped again while writers fill the cluster). A node's loss copies into room under the
+    #: high watermark.
+    thinned: bool = False
 
 
 class PressureCalls:
@@ -160,9 +165,10 @@ class PressureCalls:
 
     def repair_candidates(self, node_id: str, *, count: int = 256) -> list[RepairCandidate]:
         """Objects ``node_id`` is to copy to other nodes: short of the replicas they were stored
-        with since a dead node's purge, and holding a readable replica here (repair_candidates.lua)."""
+        with since a dead node's purge, a damaged copy's drop or a full node's eviction of a copy,
+        and holding a readable replica here (repair_candidates.lua)."""
         flat = self._run("repair_candidates", node_id, count)
-        return sound_rows(flat, 7, _repair_candidate, "the repair candidate o:")
+        return sound_rows(flat, 8, _repair_candidate, "the repair candidate o:")
 
     def evict(self, key: str, *, node_id: str, alloc_id: int) -> str:
         """Drop one replica (the object too if it was the last); "OK", "GONE", "PINNED", "LEASED"
@@ -278,4 +284,5 @@ def _repair_candidate(row: Sequence[Any]) -> RepairCandidate:
         missing=int(row[4]),
         holders=tuple(n for n in str(row[5]).split(",") if n),
         dtype=str(row[6]),
+        thinned=str(row[7]) == "1",
     )

@@ -116,6 +116,7 @@ def choose_move(
     holders: Collection[NodeInfo] = (),
     plain_bytes: int | None = None,
     lower_bytes: int | None = None,
+    fill_mark: Callable[[NodeInfo], float] | None = None,
 ) -> Move:
     """Where one victim of ``size_bytes`` goes. A peer qualifies only if taking the object keeps it
     under the high watermark, so that spilling never pushes a peer into pressure of its own.
@@ -129,7 +130,9 @@ def choose_move(
     ``plain_bytes``: the object's own size, for a chunk file that goes to a peer's disk tier, which
     takes none larger than its largest memory tier (NodeInfo.largest_chunk_bytes): that peer
     would refuse the WRITE, and be chosen again at every pass. ``lower_bytes``: what it would take
-    in ``lower_tier`` when that is not ``size_bytes`` (a host object's chunk file on disk, at most)."""
+    in ``lower_tier`` when that is not ``size_bytes`` (a host object's chunk file on disk, at most).
+    ``fill_mark``: the share of a peer's tier a move may fill it to, where not its high watermark
+    (a repair of a copy a full node dropped fills peers only to their low watermark)."""
     if lower_tier is not None and lower_free_bytes >= (size_bytes if lower_bytes is None else lower_bytes):
         return Move(kind=MoveKind.DEMOTE, tier=lower_tier)
     if spill:
@@ -147,7 +150,7 @@ def choose_move(
             used = usage.used_bytes + (planned_bytes or {}).get(peer.node_id, 0)
             takes = size_bytes if stored_bytes is None else usage.room_for(stored_bytes, otherwise=size_bytes)
             # The peer's own watermark when it publishes one, else the caller's.
-            peer_high = peer.high_watermark(high_watermark)
+            peer_high = peer.high_watermark(high_watermark) if fill_mark is None else fill_mark(peer)
             if used + takes > peer_high * usage.capacity_bytes:
                 continue
             key = (

@@ -296,6 +296,10 @@ def agents_match_index(client: Client, nodes: list[str], cluster: LocalCluster |
 
 
 def spill_totals(client: Client, nodes: list[str]) -> tuple[int, int, int]:
+    """(objects sent: spills out and re-replication copies, objects received: spills in, which
+    counts both, evictions) over the nodes' first tiers. A copy a full node dropped is made again
+    once a peer has room under its low watermark, so a cluster that lost no node copies too."""
     stat = {n.node_id: n for n in client.stat().nodes}
     tiers = [stat[n].tiers[0] for n in nodes if n in stat]
-    return sum(t.spills_out for t in tiers), sum(t.spills_in for t in tiers), sum(t.evictions for t in tiers)
+    sent = sum(t.spills_out + t.copies_out for t in tiers)
+    return sent, sum(t.spills_in for t in tiers), sum(t.evictions for t in tiers)

@@ -175,11 +175,23 @@ def test_an_object_short_twice_is_listed_at_one_holder(index: RedisIndex) -> Non
     assert not audit_index(index)
 
 
-def test_an_eviction_under_pressure_lists_nothing(index: RedisIndex) -> None:
-    """Pressure drops a replica on purpose (another node holds one): copying it back would undo it."""
+def test_a_copy_dropped_under_pressure_is_listed_thinned(index: RedisIndex) -> None:
+    """A full node's pass drops a copy (another node holds one): listed for repair, as a loss is,
+    but marked thinned, so that the copy goes back only into room no pass takes back. It listed
+    nothing: `short` said 0 while the object had one copy, and the next node's loss took it."""
     commit(index, "two", ("A", 1), ("B", 2))
     assert index.evict_many([("two", 1)], node_id="A") == ["OK"]
-    assert index.repair_candidates("B") == []
+    (cand,) = index.repair_candidates("B")
+    assert (cand.key, cand.missing, cand.holders, cand.thinned) == ("two", 1, ("B",), True)
+    assert index.counts(["A", "B"])[2]["short"] == 1
+    # The holder's loss makes it urgent again: copied into any room under a high watermark.
+    commit(index, "three", ("A", 3), ("B", 4), ("C", 5))
+    assert index.evict_many([("three", 3)], node_id="A") == ["OK"]
+    index.redis.zadd(index.prefix + "hb", {"C": 1})  # C past its deadline
+    assert "C" in index.reap_dead_nodes(grace_ms=0)
+    (cand,) = [c for c in index.repair_candidates("B") if c.key == "three"]
+    assert (cand.missing, cand.thinned) == (2, False)
+    assert not audit_index(index)
 
 
 def test_a_damaged_replica_dropped_lists_the_object_with_a_sound_holder(index: RedisIndex) -> None:

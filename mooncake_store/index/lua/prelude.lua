@@ -347,7 +347,10 @@ local function purge_node(node, max_keys)
     elseif #keep == 0 then
       drop_object(key)
     else
+      -- A node's loss: copied again into any room under a peer's high watermark, whatever copy
+      -- a full node dropped of it before (evict_replica's `thinned`).
       redis.call('HSET', ok, 'replicas', encode_list(keep))
+      redis.call('HDEL', ok, 'thinned')
       note_short(key, keep, tonumber(f[2] or 0) or 0, now)
     end
     redis.call('SREM', nk, key)
@@ -647,15 +650,22 @@ local function evict_replica(key, node, alloc, now, damaged, since)
     redis.call('HSET', ok, 'replicas', encode_list(keep))
     -- What is left is on dead nodes only: the object is lost to readers now, which is an eviction.
     if readable == 0 then count_lost(ok, lost, {found}, keep) end
-    -- A damaged replica is a loss like a dead node's: the object is copied again from a sound one
-    -- (an eviction under pressure drops a replica on purpose and lists nothing).
-    if damaged then
-      -- Listed at this node (the holder a dead node's purge chose), it is listed at another
-      -- holder now: left here too, `short` (the sum of the lists) counted it twice until this
-      -- node's next repair call.
-      if not still_there then redis.call('SREM', P .. 'repair:' .. node, key) end
-      note_short(key, keep, tonumber(f[3] or 0) or 0, now)
+    -- A damaged replica is a loss like a dead node's, and so is a copy a full node dropped: the
+    -- object is listed for re-replication from a sound copy. A dropped copy that listed nothing
+    -- left `short` at 0 while the object had one copy, where the README's rolling restart waits
+    -- for 0, and the next node's loss took the object. A dropped one is marked `thinned`: it is
+    -- copied again only into room under a peer's low watermark, which no pressure pass takes back
+    -- (into room under the high one, as a loss's copies go, the repair would put it back on the
+    -- next node to fill, whose next pass would drop it again, while writers fill the cluster).
+    -- Listed at this node (the holder a dead node's purge chose), it is listed at another holder
+    -- now: left here too, `short` (the sum of the lists) counted it twice until this node's next
+    -- repair call.
+    local copies = tonumber(f[3] or 0) or 0
+    if counted_copies(keep) < copies then
+      if damaged then redis.call('HDEL', ok, 'thinned') else redis.call('HSET', ok, 'thinned', '1') end
     end
+    if not still_there then redis.call('SREM', P .. 'repair:' .. node, key) end
+    note_short(key, keep, copies, now)
   end
   return 'OK'
 end
