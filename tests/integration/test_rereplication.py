@@ -184,6 +184,11 @@ def test_a_copy_dropped_under_pressure_is_listed_thinned(index: RedisIndex) -> N
     (cand,) = index.repair_candidates("B")
     assert (cand.key, cand.missing, cand.holders, cand.thinned) == ("two", 1, ("B",), True)
     assert index.counts(["A", "B"])[2]["short"] == 1
+    record = index.prefix + "o:two"
+    assert index.redis.hget(record, "thinned") == "1"
+    commit(index, "two", ("A", 8), ("B", 9))  # replaced: a new object, whole, marked nothing
+    assert not index.redis.hexists(record, "thinned")
+    assert index.repair_candidates("B") == []  # whole again: off the list
     # The holder's loss makes it urgent again: copied into any room under a high watermark.
     commit(index, "three", ("A", 3), ("B", 4), ("C", 5))
     assert index.evict_many([("three", 3)], node_id="A") == ["OK"]

@@ -99,9 +99,10 @@ for i, put_id in ipairs(ids) do
         'lease_until', 0, 'last_access', now, 'created', now, 'copies', #e.replicas)
       if e.chain_pos then
         redis.call('HSET', ok, 'chain_pos', e.chain_pos)
-        redis.call('HDEL', ok, 'lost')  -- a new object: its loss is counted anew (count_lost)
+        -- A new object: its loss is counted anew (count_lost), and no copy of it was dropped.
+        redis.call('HDEL', ok, 'lost', 'thinned')
       else
-        redis.call('HDEL', ok, 'chain_pos', 'lost')
+        redis.call('HDEL', ok, 'chain_pos', 'lost', 'thinned')
       end
       -- Children hang off the key, not the object: a replaced object keeps them. The parent link is
       -- the new object's.
