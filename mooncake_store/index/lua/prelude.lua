@@ -246,8 +246,9 @@ end
 -- Re-replication: an object records how many replicas it was stored with (copies); one that a
 -- dead node's purge leaves with fewer readable ones is listed in repair:<holder>, the set of the
 -- first live node that still holds a readable replica, whose agent copies it to another node
--- (repair_candidates.lua, copy_replicas.lua). Evictions under pressure drop replicas on purpose
--- and list nothing.
+-- (repair_candidates.lua, copy_replicas.lua). A damaged copy's drop lists it too, and so does a
+-- copy a full node's pressure drops, marked `thinned` (evict_replica): copied back only into room
+-- under a peer's low watermark.
 local function readable_nodes(reps, now)
   local out = {}
   for _, r in ipairs(reps) do

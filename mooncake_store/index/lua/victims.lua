@@ -5,11 +5,12 @@
 --   key, size, last_access ms, lease_until ms, live pins, alloc id, chain position (-1: none), dtype,
 --   stored children in its prefix chain, the other live nodes holding a replica (comma-separated), the
 --   key of its chain parent ("" for none), and 1 if this is the last live copy of an object that a
---   node's death (or a damaged copy) left short of its replicas, else 0
+--   node's death (or a damaged copy, or a copy another node's pressure dropped) left short of its
+--   replicas, else 0
 -- The last: a replica listed on a node past its heartbeat deadline (dead, not yet reaped), or the
--- object listed for repair here (its dead holder purged). Evicted, such a copy loses an object
--- that was stored to outlive one node's loss; a copy dropped by another node's pressure earlier
--- lists neither (evict.lua drops a replica on purpose and lists nothing), and is no such copy.
+-- object listed for repair here (its dead holder purged, or a copy dropped elsewhere: evict.lua
+-- lists it, thinned). Evicted, such a copy loses an object that was stored to outlive one node's
+-- loss.
 -- Sampling (SRANDMEMBER of the tier's own set, tobj:<node>:<tier>) bounds the work per call like Redis's own approximate LRU; the pure policy
 -- in policy/eviction.py ranks the sample. Objects with live pins are still listed (with their
 -- count) so the policy, not this script, owns the rule.
