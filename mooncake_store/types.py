@@ -97,6 +97,9 @@ class TierUsage:
     #: The unit a file takes whole units of (the disk tier: its filesystem's block size); 0 where
     #: the tier does not say (an arena tier, or an agent older than this field).
     block_bytes: int = 0
+    #: An arena tier's largest free block: its free room may be in pieces, and no object larger
+    #: than this fits there now. 0 where the tier does not say (a disk tier, an older agent).
+    largest_free_bytes: int = 0
 
     @property
     def free_bytes(self) -> int:

@@ -16,17 +16,19 @@ def tier_usages(
     counters: Mapping[TierKind, Mapping[str, int]],
 ) -> tuple[TierUsage, ...]:
     """The tiers fastest first: the GPU tier's and the disk tier's where the agent has them."""
-    used, _, _, objects = table.usage()
+    used, _, largest, objects = table.usage()
     host = TierUsage(
         tier=TierKind.HOST,
         capacity_bytes=table.capacity_bytes,
         used_bytes=used,
         objects=objects,
         counters=dict(counters[TierKind.HOST]),
+        # Peers plan spills and writers rank nodes by it: bytes free in pieces hold no larger object.
+        largest_free_bytes=largest,
     )
     tiers = [host]
     if gpu_table is not None:
-        gpu_used, _, _, gpu_objects = gpu_table.usage()
+        gpu_used, _, gpu_largest, gpu_objects = gpu_table.usage()
         tiers.insert(
             0,
             TierUsage(
@@ -35,6 +37,7 @@ def tier_usages(
                 used_bytes=gpu_used,
                 objects=gpu_objects,
                 counters=dict(counters[TierKind.GPU]),
+                largest_free_bytes=gpu_largest,
             ),
         )
     if disk is None:

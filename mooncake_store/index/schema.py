@@ -240,6 +240,7 @@ def encode_tiers(tiers: tuple[TierUsage, ...]) -> list[dict[str, Any]]:
             "used": str(t.used_bytes),
             "objects": str(t.objects),
             **({"block": str(t.block_bytes)} if t.block_bytes else {}),
+            **({"largest": str(t.largest_free_bytes)} if t.largest_free_bytes else {}),
             **({"counters": {k: str(v) for k, v in t.counters.items()}} if t.counters else {}),
         }
         for t in tiers
@@ -265,6 +266,7 @@ def decode_node(raw: str | bytes, deadline_ms: int) -> NodeInfo:
                     used_bytes=int(t["used"]),
                     objects=int(t.get("objects", 0)),
                     block_bytes=int(t.get("block", 0)),
+                    largest_free_bytes=int(t.get("largest", 0)),
                     counters={k: int(v) for k, v in (t.get("counters") or {}).items()}
                     if isinstance(t.get("counters"), dict)
                     else {},

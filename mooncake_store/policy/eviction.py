@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
-from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind
+from mooncake_store.types import EvictionCandidate, NodeInfo, TierKind, footprint_bytes
 
 _Job = TypeVar("_Job")
 
@@ -149,6 +149,10 @@ def choose_move(
                 continue
             used = usage.used_bytes + (planned_bytes or {}).get(peer.node_id, 0)
             takes = size_bytes if stored_bytes is None else usage.room_for(stored_bytes, otherwise=size_bytes)
+            if 0 < usage.largest_free_bytes < footprint_bytes(takes):
+                # Its free room is in pieces, none of which holds this object: the peer would
+                # refuse it, and with it the rest of the pass's batch to that peer.
+                continue
             # The peer's own watermark when it publishes one, else the caller's.
             peer_high = peer.high_watermark(high_watermark) if fill_mark is None else fill_mark(peer)
             if used + takes > peer_high * usage.capacity_bytes:

@@ -67,7 +67,11 @@ def rank_nodes(
         # A node that would not keep it (kept_bytes) goes after every node that would: its next
         # pressure pass moves it on, and with no peer to take it then, evicts it.
         keeps = 0 if kept_bytes(n, tier) >= size_bytes else 1
-        fits = 0 if free >= size_bytes else 1
+        # Its free bytes, and a block to hold them (where the node says: room in pieces holds no
+        # larger object, and a reservation there is refused).
+        usage = n.tier(tier)
+        in_pieces = usage is not None and 0 < usage.largest_free_bytes < footprint_bytes(size_bytes)
+        fits = 0 if free >= size_bytes and not in_pieces else 1
         same_host = 0 if n.host_id == host_id else 1
         same_zone = 0 if n.zone == zone else 1
         # In the writer's zone the least loaded node (its share of the tier in use), outside it

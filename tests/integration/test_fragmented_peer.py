@@ -12,6 +12,7 @@ import numpy as np
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
+from mooncake_store.types import TierKind
 
 KiB = 1 << 10
 
@@ -33,6 +34,8 @@ def test_a_repair_to_a_peer_with_its_room_in_pieces_copies_what_its_largest_bloc
     pieces.heartbeat_once()
     free, largest = pieces.table.room()
     assert (free, largest) == (9 * 256 * KiB, 512 * KiB), "the layout this test needs: one 512 KiB block"
+    row = client._node_table(refresh=True)[pieces.node_id].tier(TierKind.HOST)
+    assert row is not None and row.largest_free_bytes == 512 * KiB  # published: peers plan by it
 
     big = [f"big{i}" for i in range(3)]
     for i, key in enumerate(big):

@@ -196,6 +196,11 @@ def test_the_node_table_carries_a_disk_tier_s_block_size() -> None:
     assert disk.room_for(1, otherwise=7) == 65536 and disk.room_for(65537, otherwise=7) == 131072
     host = decode_node(encode_node(peer("h", used=0), "inc"), 0).tier(TierKind.HOST)
     assert host is not None and host.block_bytes == 0 and host.room_for(100, otherwise=7) == 7
+    assert host.largest_free_bytes == 0  # not said: an older agent's row
+    row = peer("h", used=MiB)
+    said = dataclasses.replace(row, tiers=(dataclasses.replace(row.tiers[0], largest_free_bytes=3 * MiB),))
+    host = decode_node(encode_node(said, "inc"), 0).tier(TierKind.HOST)
+    assert host is not None and host.largest_free_bytes == 3 * MiB
 
 
 def on_host(node: NodeInfo, host_id: str) -> NodeInfo:
@@ -228,3 +233,20 @@ def test_eviction_order_puts_the_last_copies_of_objects_short_by_a_death_last() 
     homeless = sorted(short + single, key=lambda c: c.last_access_ms)  # as the walk meets them
     order = eviction_order(homeless, lambda c: c)
     assert [c.key for c in order] == ["one0", "one1", "one2", "short0", "short1"]
+
+
+def test_a_peer_whose_free_room_is_in_pieces_smaller_than_the_victim_takes_none() -> None:
+    """A peer publishes its largest free block: planned into a peer whose room was in smaller
+    pieces, a victim was refused there, and the peer with it for the rest of the pass."""
+
+    def pieces(node_id: str, *, largest: int, used: int = 40 * MiB) -> NodeInfo:
+        row = peer(node_id, used=used)
+        usage = dataclasses.replace(row.tiers[0], largest_free_bytes=largest)
+        return dataclasses.replace(row, tiers=(usage,))
+
+    roomy_in_pieces = pieces("pieces", largest=MiB // 2, used=10 * MiB)  # the most free bytes
+    whole = pieces("whole", largest=8 * MiB)
+    assert move_of([roomy_in_pieces, whole]).node_id == "whole"
+    assert move_of([roomy_in_pieces]).kind == MoveKind.EVICT
+    assert move_of([pieces("exact", largest=MiB)]).node_id == "exact"  # one block that holds it
+    assert move_of([peer("unsaid", used=10 * MiB)]).node_id == "unsaid"  # an older agent: bytes alone

@@ -316,3 +316,14 @@ def test_no_room_with_every_registered_node_past_its_deadline_does_not_say_start
     message = no_room_message(stale, size_bytes=10, now_ms=NOW)
     assert "2 agent(s) registered, none within its heartbeat deadline" in message and "start one" not in message
     assert "start one" in no_room_message([], size_bytes=10, now_ms=NOW)
+
+
+def test_a_node_whose_free_room_is_in_pieces_smaller_than_the_object_ranks_with_those_without_room() -> None:
+    """Its reservation would be refused: ranked by free bytes alone, it went first and cost the
+    put a round trip (a probe) at every try until its row said otherwise."""
+    in_pieces = node("pieces", free=90 * MiB)
+    usage = dataclasses.replace(in_pieces.tiers[0], largest_free_bytes=MiB // 2)
+    in_pieces = dataclasses.replace(in_pieces, tiers=(usage,))
+    nodes = [in_pieces, node("whole", free=20 * MiB, host="h2")]
+    assert ranked_ids(nodes, MiB) == ["whole", "pieces"]
+    assert ranked_ids(nodes, MiB // 2) == ["pieces", "whole"]  # what its largest block holds
