@@ -62,13 +62,23 @@ class Evictions:
         if not queued:
             return 0
         counted = sum(job.room_bytes for job in queued)
-        if state.chains_queued:
-            state.chains_queued = False
-            state.children_gone.clear()  # the script judged every one by the index itself
-            return counted - self.evict_chains(
-                [job.victim for job in queued], tier, max(0, need_left) + counted, since_ms=state.sampled_ms
+        touched: set[int] = set()  # refused for an access since the pass began, and for that alone
+        try:
+            if state.chains_queued:
+                state.chains_queued = False
+                state.children_gone.clear()  # the script judged every one by the index itself
+                return counted - self.evict_chains(
+                    [job.victim for job in queued],
+                    tier,
+                    max(0, need_left) + counted,
+                    since_ms=state.sampled_ms,
+                    touched=touched,
+                )
+            gone = self.moves.evict_many(
+                [job.victim for job in queued], tier, since_ms=state.sampled_ms, touched=touched
             )
-        gone = self.moves.evict_many([job.victim for job in queued], tier, since_ms=state.sampled_ms)
+        finally:
+            state.touched.extend(job for job in queued if job.victim.alloc_id in touched)
         refused = [job for job, ok in zip(queued, gone, strict=True) if not ok]
         for job in refused:
             if not job.victim.other_nodes and job.victim.chain_parent:
@@ -76,7 +86,13 @@ class Evictions:
         return sum(job.room_bytes for job in refused)
 
     def evict_chains(
-        self, victims: list[EvictionCandidate], tier: TierKind, need: int, *, since_ms: int | None = None
+        self,
+        victims: list[EvictionCandidate],
+        tier: TierKind,
+        need: int,
+        *,
+        since_ms: int | None = None,
+        touched: set[int] | None = None,
     ) -> int:
         """Evict ``victims`` in order, each chain chunk among them with its chain cut back from its
         leaves first, wherever they are (evict_chains.lua), until ``need`` bytes of room were made
@@ -101,7 +117,7 @@ class Evictions:
             made += self.bytes_in(
                 tier,
                 self.moves.evict_chains(
-                    victims[start : start + CHAIN_VICTIMS], tier, wanted, pressed, since_ms=since_ms
+                    victims[start : start + CHAIN_VICTIMS], tier, wanted, pressed, since_ms=since_ms, touched=touched
                 ),
             )
         return made

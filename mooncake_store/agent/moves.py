@@ -303,16 +303,24 @@ class LocalMoves:
         return status == "OK"
 
     def evict_many(
-        self, victims: list[EvictionCandidate], tier: TierKind, *, since_ms: int | None = None
+        self,
+        victims: list[EvictionCandidate],
+        tier: TierKind,
+        *,
+        since_ms: int | None = None,
+        touched: set[int] | None = None,
     ) -> list[bool]:
         """Drop these replicas of ``tier`` in one index round trip, in order; per victim whether it
         went (not pinned, read, replaced or cut from its chain since the sample chose it, nor
-        accessed after ``since_ms``: the index's time when that sample was taken)."""
+        accessed after ``since_ms``: the index's time when that sample was taken; the alloc ids of
+        those refused for that alone are added to ``touched``)."""
         if not victims:
             return []
         statuses = self.agent.index.evict_many(
             [(v.key, v.alloc_id) for v in victims], node_id=self.agent.node_id, since_ms=since_ms
         )
+        if touched is not None:
+            touched.update(v.alloc_id for v, status in zip(victims, statuses, strict=True) if status == "TOUCHED")
         gone = [status == "OK" for status in statuses]
         if any(gone):
             self.count(tier, "evictions", sum(gone))
@@ -326,6 +334,7 @@ class LocalMoves:
         pressed: list[TierKind],
         *,
         since_ms: int | None = None,
+        touched: set[int] | None = None,
     ) -> list[int]:
         """Evict ``victims`` in order (a chain chunk that later chunks hang off goes after them: its
         chain is cut back from the leaves, wherever they are; evict_chains.lua) until
@@ -338,7 +347,7 @@ class LocalMoves:
         evicted them, and their own nodes and passes never hear of it."""
         if not victims:
             return []
-        _, evicted, _, gone = self.agent.index.evict_chains(
+        _, evicted, statuses, gone = self.agent.index.evict_chains(
             [(v.key, v.alloc_id) for v in victims],
             node_id=self.agent.node_id,
             tier=str(tier),
@@ -347,6 +356,8 @@ class LocalMoves:
             pressed_tiers=[str(t) for t in pressed],
             since_ms=since_ms,
         )
+        if touched is not None:
+            touched.update(v.alloc_id for v, status in zip(victims, statuses, strict=True) if status == "TOUCHED")
         if evicted:
             self.count(tier, "evictions", evicted)
         return gone

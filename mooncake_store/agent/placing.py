@@ -58,6 +58,9 @@ class PassState:
     #: The index's time as the pass began, before its sample was taken: an object accessed after
     #: it (read, or extended or written by a store) is not evicted by this pass (evict.lua TOUCHED).
     sampled_ms: int | None = None
+    #: Victims refused for an access since the pass began, and for that alone: recency is a
+    #: preference, and they go too once the rest could not make the room (pressure.py _walk).
+    touched: list[SpillJob] = field(default_factory=list)
     by_id: dict[str, NodeInfo] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -103,3 +103,31 @@ def test_a_store_between_a_pass_sample_and_its_evictions_keeps_its_prompt_whole(
         assert min(cache.match(tokens) for tokens in others) < 4 * C  # a colder chain was cut instead
     finally:
         cache.close()
+
+
+def test_a_pass_whose_every_victim_was_read_since_it_began_still_makes_its_room(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """Recency is a preference, not a veto (a regression probe of the change above): refused for
+    good, a node whose every object readers touched while a writer waited made its room two to
+    three times slower, at the back-off of passes that freed nothing. The accessed victims now go
+    once the rest could not make the room; a live lease still keeps one."""
+    agent = direct_agent(namespace)
+    client = client_of(namespace)
+    keys = [f"hot{i}" for i in range(15)]  # 3.75 MiB of 4: past the 3.6 MiB mark
+    for i, key in enumerate(keys):
+        client.put(key, np.full(256 * KiB, i, np.uint8))
+    agent.sync_once()
+    sample = agent.index.victim_candidates
+
+    def read_everything_after_the_sample(*args: Any, **kwargs: Any) -> Any:
+        out = sample(*args, **kwargs)
+        assert all(m is not None for m in client.index.lookup(keys, lease_ms=1).objects)
+        time.sleep(0.01)  # their 1 ms leases are over: touched, not leased
+        return out
+
+    agent.index.victim_candidates = read_everything_after_the_sample  # type: ignore[method-assign]
+    assert agent.pressure.relieve_host() >= 3 * 256 * KiB  # one pass: down to the 3 MiB mark
+    assert agent.pressure.counters[TierKind.HOST]["evictions"] == 3
+    left = [key for key in keys if client.exists(key)]
+    assert left == keys[3:]  # the coldest by the sample went
