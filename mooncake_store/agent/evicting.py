@@ -42,6 +42,20 @@ class Evictions:
             state.children_gone[victim.chain_parent] += 1
         state.evictions.append(job)
 
+    def evict_until(self, jobs: list[SpillJob], state: PassState, tier: TierKind, *, moved: int, need: int) -> int:
+        """Evict ``jobs`` (victims with nowhere to go, in the order they are to go) until the pass
+        has moved ``need`` bytes, ``moved`` of them before: as many as the room still wanted, in
+        one round trip, then on past those refused (read, pinned or grown a child since the
+        sample). Returns the bytes the pass has moved now."""
+        left = list(jobs)
+        while left and moved < need:
+            while left and moved < need:
+                job = left.pop(0)
+                self.queue(job, state)
+                moved += job.room_bytes
+            moved -= self.evict_queued(state, tier, need_left=need - moved)
+        return moved
+
     def evict_queued(self, state: PassState, tier: TierKind, *, need_left: int) -> int:
         """Evict the pass's queued victims, in order, in one index round trip (evict.lua); returns
         the bytes counted for them that did not go (pinned, read, replaced or still a parent since

@@ -342,14 +342,7 @@ class PressureManager:
         # The last copies of objects a node's death left short go last (their repair may not have
         # run yet): cold-first alone, a survivor lost them while warmer single copies stayed.
         homeless = eviction_order(homeless, lambda job: job.victim)
-        while homeless and moved < need:
-            # Coldest first, as many as the room still wanted; then on past those refused (read,
-            # pinned or grown a child since the sample). One round trip unless some are refused.
-            while homeless and moved < need:
-                job = homeless.pop(0)
-                self.evictions.queue(job, state)
-                moved += job.room_bytes
-            moved -= self.evictions.evict_queued(state, tier, need_left=need - moved)
+        moved = self.evictions.evict_until(homeless, state, tier, moved=moved, need=need)
         if moved < need and state.touched:
             # Recency is a preference, not a veto: with the rest gone or refused, the victims
             # accessed since the pass began go too, coldest first by the sample (a live lease or a
@@ -357,12 +350,7 @@ class PressureManager:
             # writer waited made its room two to three times slower, in passes that backed off.
             again = eviction_order(state.touched, lambda job: job.victim)
             state.touched, state.sampled_ms = [], None
-            while again and moved < need:
-                while again and moved < need:
-                    job = again.pop(0)
-                    self.evictions.queue(job, state)
-                    moved += job.room_bytes
-                moved -= self.evictions.evict_queued(state, tier, need_left=need - moved)
+            moved = self.evictions.evict_until(again, state, tier, moved=moved, need=need)
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
