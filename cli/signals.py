@@ -10,6 +10,7 @@ exits 0 instead.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -78,9 +79,20 @@ def stopping_with(stop: StopOnce) -> Iterator[StopOnce]:
     after the block, for the little the command has left to do before it exits with the first
     signal's status: put back to the default action, a second SIGTERM killed it there instead."""
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    previous_hook = sys.unraisablehook
+
+    def quiet_about_a_lost_stop(unraisable: sys.UnraisableHookArgs) -> None:
+        # The stop, raised in a finalizer and lost there, is not printed as "Exception ignored
+        # ... Stopped" with a traceback that looks like a crash: `check` raises it again.
+        if not (stop.raised and isinstance(unraisable.exc_value, KeyboardInterrupt | Stopped)):
+            previous_hook(unraisable)
+
+    sys.unraisablehook = quiet_about_a_lost_stop
     try:
         yield stop
     finally:
+        if not stop.raised:  # else kept: a finalizer run at the exit can still lose the stop
+            sys.unraisablehook = previous_hook
         try:
             for sig, handler in previous.items():
                 _restore(sig, signal.SIG_IGN if stop.raised else handler)

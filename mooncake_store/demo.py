@@ -160,6 +160,28 @@ def _unwind_once(signum: int, _frame: object) -> None:
     sys.exit(signal_exit_status(signum))
 
 
+def _exit_if_unwinding() -> None:
+    """Raise the stop's exit again where the demo checks for it between its steps. The handler
+    raises in whatever code the signal lands in, and where that is a finalizer (a redis
+    connection pool's __del__, run by the garbage collector) Python prints "Exception ignored"
+    and goes on: the later signals were ignored, the demo ran to its end and exited 0 after a
+    SIGTERM (seen in CI). As the CLI's `StopOnce.check`."""
+    if _UNWINDING:
+        sys.exit(signal_exit_status(_UNWINDING[0]))
+
+
+def _quiet_about_a_lost_stop(previous_hook: Callable[[Any], object]) -> Callable[[Any], None]:
+    """A ``sys.unraisablehook``: the stop's SystemExit, raised in a finalizer and lost there, is not
+    printed as "Exception ignored ... SystemExit: 143" with a traceback that looks like a crash
+    (`_exit_if_unwinding` carries the stop out); anything else goes to ``previous_hook``."""
+
+    def hook(unraisable: Any) -> None:
+        if not (_UNWINDING and isinstance(unraisable.exc_value, SystemExit)):
+            previous_hook(unraisable)
+
+    return hook
+
+
 def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store.demo") -> int:
     """``prog``: the command line the usage and errors name (`mooncake demo` from the CLI)."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
@@ -202,6 +224,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
     # order, SIGINT first) leaves the others ignored rather than raised inside the unwinding.
     for sig in STOP_SIGNALS:
         signal.signal(sig, _unwind_once)
+    sys.unraisablehook = _quiet_about_a_lost_stop(sys.unraisablehook)
 
     from mooncake_store import LocalCluster, PrefixCache, connect
     from mooncake_store.integrations.transformers import kv_layout, kv_namespace
@@ -240,6 +263,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
         print(header)
         rows = []
         for i, where in enumerate(("this process", "this process", "another process")):
+            _exit_if_unwinding()
             prompt = torch.cat([doc, questions[i]])
             if where == "another process":
                 out = subprocess.run(
@@ -262,6 +286,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
                 full = answer(model, cache, prompt, args.new_tokens, use_store=False)
                 r["recompute_s"] = full["prefill_s"]
                 r["same_as_recompute"] = full["answer"] == r["answer"]
+            _exit_if_unwinding()
             rows.append(r)
             restore = f"{r['restore_s'] * 1000:.0f} ms" if r["matched_tokens"] else "-"
             print(
@@ -285,10 +310,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
             f"{sum(r['chunks_written'] for r in later)} (the document's chunks are shared)"
         )
         cache.close()
+        _exit_if_unwinding()
         ok = args.no_check or all(r["same_as_recompute"] for r in rows)
         if not ok:
             print("an answer differs from the full recompute", file=sys.stderr)
-        return 0 if ok else 1
+    _exit_if_unwinding()  # a stop that landed in the cluster's stop, in a finalizer
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
