@@ -73,21 +73,32 @@ def _restore(sig: int, handler: Handler) -> None:
     signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
+#: (a name of typeshed's only: sys has no UnraisableHookArgs at run time)
+UnraisableHook = Callable[["sys.UnraisableHookArgs"], object]
+
+
+def hide_lost_stops(stop: StopOnce) -> UnraisableHook:
+    """Set a ``sys.unraisablehook`` under which ``stop``'s exception, raised in a finalizer and lost
+    there, is not printed as "Exception ignored ... Stopped" with a traceback that looks like a
+    crash (`StopOnce.check` raises it again); anything else goes to the hook it replaces, which
+    it returns."""
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if not (stop.raised and isinstance(unraisable.exc_value, KeyboardInterrupt | Stopped)):
+            previous_hook(unraisable)
+
+    sys.unraisablehook = hook
+    return previous_hook
+
+
 @contextmanager
 def stopping_with(stop: StopOnce) -> Iterator[StopOnce]:
     """``stop`` handles the stop signals inside the block. Once it has fired they stay ignored
     after the block, for the little the command has left to do before it exits with the first
     signal's status: put back to the default action, a second SIGTERM killed it there instead."""
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
-    previous_hook = sys.unraisablehook
-
-    def quiet_about_a_lost_stop(unraisable: sys.UnraisableHookArgs) -> None:
-        # The stop, raised in a finalizer and lost there, is not printed as "Exception ignored
-        # ... Stopped" with a traceback that looks like a crash: `check` raises it again.
-        if not (stop.raised and isinstance(unraisable.exc_value, KeyboardInterrupt | Stopped)):
-            previous_hook(unraisable)
-
-    sys.unraisablehook = quiet_about_a_lost_stop
+    previous_hook = hide_lost_stops(stop)
     try:
         yield stop
     finally:

@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from typing import Annotated
@@ -26,7 +27,7 @@ from mooncake_cli.context import (
 from mooncake_cli.exits import CliError, ExitCode
 from mooncake_cli.procs import ProcRef, alive, ref_of
 from mooncake_cli.render import cluster_view
-from mooncake_cli.signals import STOP_SIGNALS, StopOnce, Stopped, stopping_with
+from mooncake_cli.signals import STOP_SIGNALS, StopOnce, Stopped, hide_lost_stops, stopping_with
 from mooncake_cli.state import (
     ClusterState,
     StartingRecord,
@@ -306,6 +307,7 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
     # KeyboardInterrupt; the cluster must still stop on Ctrl-C, `kill -INT`, `kill` or a closed terminal.
     stop_once = StopOnce()
     previous = {s: signal.signal(s, stop_once) for s in STOP_SIGNALS}
+    previous_hook = hide_lost_stops(stop_once)
     state: ClusterState | None = None
     try:
         state = launcher.launch(plan, owner=owner)
@@ -335,6 +337,7 @@ def _run_foreground(plan: launcher.LaunchPlan, owner: ProcRef | None, *, as_json
             )
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        sys.unraisablehook = previous_hook
 
 
 def _wait_quietly(state: ClusterState, stop_once: StopOnce) -> None:
