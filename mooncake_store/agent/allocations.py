@@ -13,10 +13,11 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from mooncake_store.policy.compaction import Block
 from mooncake_store.tiers.allocator import ALIGNMENT, OffsetAllocator
 
 #: An allocation's ``held_until`` while drop_after_reap holds it until hold_reaped says how long
@@ -144,6 +145,41 @@ class AllocationTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._allocs)
+
+    def layout(self, movable: Callable[[Allocation], bool]) -> list[Block]:
+        """The arena in address order, free blocks and allocations, for a compaction to choose its
+        window by: an allocation is movable when committed, not doomed nor being moved by a read,
+        write or fence, and ``movable`` says so (the index's view: no pin, no live lease)."""
+        with self._lock:
+            by_offset = {alloc.offset: alloc for alloc in self._allocs.values()}
+            blocks = [Block(offset, size) for offset, size in self._allocator.free_blocks()]
+            for offset, size in self._allocator.allocations():
+                alloc = by_offset.get(offset)
+                if alloc is None:  # a compaction's hold: no allocation of this table
+                    blocks.append(Block(offset, size, alloc_id=-1))
+                    continue
+                ok = alloc.state == AllocState.COMMITTED and not alloc.doomed and alloc.readers == 0 and movable(alloc)
+                blocks.append(Block(offset, size, alloc_id=alloc.alloc_id, movable=ok))
+        blocks.sort(key=lambda block: block.offset)
+        return blocks
+
+    def hold_free_in(self, start: int, end: int) -> list[int]:
+        """Take the free pieces of ``[start, end)`` so that no reservation lands there while a
+        compaction empties it; returns their offsets, for release_holds. Counted as used meanwhile."""
+        with self._lock:
+            pieces = []
+            for offset, size in self._allocator.free_blocks():
+                low, high = max(offset, start), min(offset + size, end)
+                if low < high:
+                    pieces.append((low, high - low))
+            for offset, size in pieces:
+                self._allocator.take(offset, size)
+            return [offset for offset, _ in pieces]
+
+    def release_holds(self, offsets: list[int]) -> None:
+        with self._lock:
+            for offset in offsets:
+                self._allocator.free(offset)
 
     # ---- transitions ----------------------------------------------------------------------
     def footprint(self, requests: Sequence[tuple[int, bytes]]) -> int:

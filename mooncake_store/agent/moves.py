@@ -431,3 +431,40 @@ class LocalMoves:
             (TierKind.DISK, "promotions"),
             promotion=True,
         )
+
+    def relocate(self, victim: EvictionCandidate, offset: int) -> bool:
+        """Copy a host-tier object (at ``offset`` in the arena) to another block of the same arena
+        and swap it there (agent/compaction.py: the block it leaves joins a window being emptied).
+        The new block is wherever the allocator puts it; the caller holds the window's free pieces,
+        so it is outside. False when there is no room, or the object moved, went or was pinned."""
+        with self.gate.move():
+            return self._relocate(victim, offset)
+
+    def _relocate(self, victim: EvictionCandidate, offset: int) -> bool:
+        table, arena = self.agent.table, self.agent.arena
+        tag = b"compact-" + victim.alloc_id.to_bytes(8, "little")
+        allocs = table.reserve([(victim.size_bytes, tag)])
+        if allocs is None:
+            return False
+        target = allocs[0]
+        table.commit([target.alloc_id])  # see demote_gpu: no timeout may free a move's target
+        # As a TCP read does: the old block is not freed under the copy (a removal meanwhile).
+        if not table.begin_read(victim.alloc_id, offset, victim.size_bytes):
+            self._drop_target(target.alloc_id, TierKind.HOST)
+            return False
+        source, dest = arena.view(offset, victim.size_bytes), arena.view(target.offset, victim.size_bytes)
+        try:
+            dest[:] = source
+        finally:
+            source.release()
+            dest.release()
+            table.end_read(victim.alloc_id)
+        return self._swap_into(
+            victim.key,
+            victim.alloc_id,
+            TierKind.HOST,
+            target.offset,
+            target.alloc_id,
+            victim.size_bytes,
+            (TierKind.HOST, "compacted"),
+        )

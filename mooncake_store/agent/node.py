@@ -185,6 +185,9 @@ class Agent(OtherTierHooks, SyncDuties):
     def no_room(self, size_bytes: int, *, spared_peers: int = 0) -> None:
         self.pressure.want_room(size_bytes, spared_peers=spared_peers)
 
+    def fragmented(self, blocks: list[int]) -> None:
+        self.pressure.want_blocks(blocks)
+
     def expire_other_tiers(self, alloc_ids: list[int]) -> int:
         expired = 0
         for table in self._tables()[1:]:

@@ -96,6 +96,11 @@ class AgentHooks(Protocol):
         nodes its put keeps other replicas on (frames.spared_peers), so the room is not made by
         spills to them."""
 
+    def fragmented(self, blocks: list[int]) -> None:
+        """A host reservation was refused while the arena had the bytes free, in pieces that do not
+        hold ``blocks`` (its requests' footprints): whoever asked (a writer, a peer's spill or
+        repair, a probe), the agent may move objects inside the arena to join blocks for them."""
+
     def spill_reserved(self, alloc_ids: list[int], tier: int) -> None:
         """Reservations flagged as spills from a peer were granted in ``tier`` (counted as spills
         in once their swaps land)."""
@@ -369,6 +374,8 @@ class AgentOps:
             # watermark, and made none.
             if not flags & (SPILL_FLAG | PROBE_FLAG):
                 self._hooks.no_room(self._table.footprint(requests), spared_peers=frames.spared_peers(flags))
+            if free >= self._table.footprint(requests):  # the bytes are here, in pieces
+                self._hooks.fragmented([self._table.footprint([request]) for request in requests])
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
             return True
         if flags & SPILL_FLAG:

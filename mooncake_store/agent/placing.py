@@ -194,12 +194,13 @@ def peer_target(
     holders: list[NodeInfo],
     *,
     fill_mark: Callable[[NodeInfo], float] | None = None,
+    in_pieces_last: bool = False,
 ) -> tuple[str, TierKind, SpillJob] | None:
     """The first of ``targets`` that a peer has room in for ``job`` (in ``source`` here), the peer,
     and the job as it goes there (in the form that tier keeps). ``planned``: what was planned into
     each tier of each peer so far; ``refused``: peers that are no destination; ``holders``: the
     nodes of the object's other copies; ``fill_mark``: what share of a peer's tier it may fill
-    (policy/eviction.py: choose_move)."""
+    (policy/eviction.py: choose_move, as ``in_pieces_last``)."""
     for tier in targets:
         sent = job if tier == source else as_other_tier(job, tier)
         move = choose_move(
@@ -218,6 +219,7 @@ def peer_target(
             holders=holders,
             plain_bytes=job.victim.size_bytes,
             fill_mark=fill_mark,
+            in_pieces_last=in_pieces_last,
         )
         if move.kind == MoveKind.SPILL and move.node_id is not None:
             return move.node_id, tier, sent

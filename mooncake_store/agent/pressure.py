@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from mooncake_store.agent.compaction import Compactor
 from mooncake_store.agent.drains import Drains, RoomRequests
 from mooncake_store.agent.evicting import Evictions
 from mooncake_store.agent.failure_log import FailureLog
@@ -77,6 +78,7 @@ class PressureManager:
         self.requests = RoomRequests()
         self.drains = Drains(agent.config)
         self.evictions = Evictions(agent, self.moves, self.drains, self._bytes_in)
+        self.compactor = Compactor(agent, self.moves)
         # A promotion under way when the agent stops may wait out one index call before its arena goes.
         self.promotions = PromotionQueue(self.moves, join_s=agent.index_timeout_s + 1.0)
         job_of = {TierKind.HOST: self._host_job, TierKind.GPU: self._gpu_job, TierKind.DISK: self._disk_job}
@@ -97,6 +99,12 @@ class PressureManager:
         if table is None or size_bytes > table.capacity_bytes:
             return
         self.requests.refused(tier, size_bytes, spared_peers)  # before the wake: it ends the loop's hold
+        self._wake.set()
+
+    def want_blocks(self, blocks: list[int]) -> None:
+        """A host reservation of ``blocks`` (footprints) was refused while the arena had the bytes
+        free, in pieces: the loop compacts the arena (agent/compaction.py) before its passes."""
+        self.compactor.want_blocks(blocks)
         self._wake.set()
 
     def writer_may_wait(self, tier: TierKind = TierKind.HOST) -> bool:
@@ -153,7 +161,7 @@ class PressureManager:
             while not stop.is_set():
                 self._wake.clear()
                 hold = self.drains.hold_s()
-                if hold <= 0 or self.requests.pending():
+                if hold <= 0 or self.requests.pending() or self.compactor.pending():
                     break
                 self._wake.wait(hold)
             if stop.is_set():
@@ -164,6 +172,9 @@ class PressureManager:
             # The passes wait for the moves of unknown outcome to be settled (their copies' room).
             failed = not self._duty(self._retain_peers, failures)
             if self._duty(self.moves.settle, failures):
+                # Before the passes: a block joined inside the arena is room no object leaves for.
+                if self.compactor.pending():
+                    failed = not self._duty(self.compactor.run_once, failures) or failed
                 for relieve in (self.relieve_gpu, self.relieve_host, self.relieve_disk):
                     if stop.is_set():
                         return

@@ -138,8 +138,20 @@ class Repairs:
             # A copy a full node dropped goes back only into room no pressure pass takes back.
             fill_mark = self._under_low if cand.thinned else None
             for _ in range(cand.missing):
+                # A peer with the bytes in pieces too small compacts when refused: else no copy
+                # would ever go to the one peer left with room, in pieces (agent/compaction.py).
                 placed = peer_target(
-                    self.agent, job, cand.tier, targets, peers, now_ms, planned, taken, spread, fill_mark=fill_mark
+                    self.agent,
+                    job,
+                    cand.tier,
+                    targets,
+                    peers,
+                    now_ms,
+                    planned,
+                    taken,
+                    spread,
+                    fill_mark=fill_mark,
+                    in_pieces_last=True,
                 )
                 if placed is None:
                     break  # no node has room for it now: it stays listed

@@ -28,6 +28,7 @@ class TierStats:
     evictions: int = 0  # replicas this node's passes dropped from the tier (see ClusterStats.evictions)
     corrupt: int = 0  # replicas found damaged here (a chunk file that failed its checksum), dropped
     copies_out: int = 0  # objects copied to other nodes to restore their replica count (a loss, a dropped copy)
+    compacted: int = 0  # objects moved inside the tier's arena to join a block its room was in pieces for
     compression_ratio: float = 1.0  # raw bytes over stored bytes (disk tier)
 
     def __repr__(self) -> str:
@@ -53,6 +54,7 @@ _TIER_COUNTERS = (
     "evictions",
     "corrupt",
     "copies_out",
+    "compacted",
 )
 
 
@@ -137,6 +139,7 @@ def _tier_stats(usage: TierUsage, hits: int) -> TierStats:
         evictions=c.get("evictions", 0),
         corrupt=c.get("corrupt", 0),
         copies_out=c.get("copies_out", 0),
+        compacted=c.get("compacted", 0),
         compression_ratio=round(raw / stored, 3) if raw and stored else 1.0,
     )
 

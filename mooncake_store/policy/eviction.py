@@ -117,6 +117,7 @@ def choose_move(
     plain_bytes: int | None = None,
     lower_bytes: int | None = None,
     fill_mark: Callable[[NodeInfo], float] | None = None,
+    in_pieces_last: bool = False,
 ) -> Move:
     """Where one victim of ``size_bytes`` goes. A peer qualifies only if taking the object keeps it
     under the high watermark, so that spilling never pushes a peer into pressure of its own.
@@ -132,13 +133,16 @@ def choose_move(
     would refuse the WRITE, and be chosen again at every pass. ``lower_bytes``: what it would take
     in ``lower_tier`` when that is not ``size_bytes`` (a host object's chunk file on disk, at most).
     ``fill_mark``: the share of a peer's tier a move may fill it to, where not its high watermark
-    (a repair of a copy a full node dropped fills peers only to their low watermark)."""
+    (a repair of a copy a full node dropped fills peers only to their low watermark).
+    ``in_pieces_last``: a peer whose free room is in pieces none of which holds the object is
+    still chosen, after every peer with a block for it (a repair: refused, that peer compacts its
+    arena, agent/compaction.py, and takes the copy at a later call); else it is passed over."""
     if lower_tier is not None and lower_free_bytes >= (size_bytes if lower_bytes is None else lower_bytes):
         return Move(kind=MoveKind.DEMOTE, tier=lower_tier)
     if spill:
         hosts = {h.host_id for h in holders}
         zones = {h.zone for h in holders}
-        best: tuple[bool, bool, int, int, str] | None = None
+        best: tuple[bool, bool, bool, int, int, str] | None = None
         for peer in peers:
             if peer.node_id == node_id or peer.heartbeat_deadline_ms < now_ms or peer.node_id in refused:
                 continue
@@ -149,7 +153,8 @@ def choose_move(
                 continue
             used = usage.used_bytes + (planned_bytes or {}).get(peer.node_id, 0)
             takes = size_bytes if stored_bytes is None else usage.room_for(stored_bytes, otherwise=size_bytes)
-            if 0 < usage.largest_free_bytes < footprint_bytes(takes):
+            in_pieces = 0 < usage.largest_free_bytes < footprint_bytes(takes)
+            if in_pieces and not in_pieces_last:
                 # Its free room is in pieces, none of which holds this object: the peer would
                 # refuse it, and with it the rest of the pass's batch to that peer.
                 continue
@@ -158,6 +163,7 @@ def choose_move(
             if used + takes > peer_high * usage.capacity_bytes:
                 continue
             key = (
+                in_pieces,
                 peer.host_id in hosts,
                 peer.zone in zones,
                 0 if peer.zone == zone else 1,

@@ -169,6 +169,24 @@ class OffsetAllocator:
         self._free_total -= need
         return offset
 
+    def take(self, offset: int, size_bytes: int) -> None:
+        """Reserve exactly ``[offset, offset + size_bytes)``, which must lie inside one free block
+        and be aligned (agent/compaction.py holds the free pieces of the window it empties, so
+        that no reservation lands there meanwhile); freed as any allocation is."""
+        offset, size_bytes = _check_int("offset", offset), _check_int("size_bytes", size_bytes)
+        if size_bytes <= 0 or offset % self._alignment or size_bytes % self._alignment:
+            raise InvalidValue(f"take({offset}, {size_bytes}): not whole units of {self._alignment} B")
+        start = self._containing_free_block(offset)
+        if start is None or offset + size_bytes > start + self._free[start]:
+            raise InvalidValue(f"take({offset}, {size_bytes}): not inside one free block")
+        block = self._remove_free(start)
+        if offset > start:
+            self._add_free(start, offset - start)
+        if start + block > offset + size_bytes:
+            self._add_free(offset + size_bytes, start + block - offset - size_bytes)
+        self._live[offset] = size_bytes
+        self._free_total -= size_bytes
+
     def free(self, offset: int) -> int:
         """Release the allocation at ``offset`` and return its reserved size. The block merges with a
         free neighbour on either side, so freeing everything leaves one block of full capacity."""
@@ -202,7 +220,8 @@ class OffsetAllocator:
         return size
 
     def _containing_free_block(self, offset: int) -> int | None:
-        # A walk over the free blocks: only a refused free() asks, to say what it was.
+        # A walk over the free blocks: only a refused free() asks, to say what it was, and take(),
+        # which a compaction calls a few times per window.
         return next((start for start, size in self._free.items() if start <= offset < start + size), None)
 
     @property

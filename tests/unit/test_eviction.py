@@ -250,3 +250,6 @@ def test_a_peer_whose_free_room_is_in_pieces_smaller_than_the_victim_takes_none(
     assert move_of([roomy_in_pieces]).kind == MoveKind.EVICT
     assert move_of([pieces("exact", largest=MiB)]).node_id == "exact"  # one block that holds it
     assert move_of([peer("unsaid", used=10 * MiB)]).node_id == "unsaid"  # an older agent: bytes alone
+    # A repair asks a peer in pieces after every peer with a block: refused, it compacts its arena.
+    assert move_of([roomy_in_pieces, whole], in_pieces_last=True).node_id == "whole"
+    assert move_of([roomy_in_pieces], in_pieces_last=True).node_id == "pieces"

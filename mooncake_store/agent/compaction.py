@@ -1,0 +1,127 @@
+"""Compaction of the host arena: objects moved inside it so that a block a reservation wanted appears.
+
+A reservation refused for want of a block while the arena has the bytes free (its room in pieces)
+asks for one here (AgentHooks.fragmented), whoever sent it: a writer, a peer's spill or repair, a
+probe. The pressure loop then empties the cheapest window of that size (policy/compaction.py):
+each object inside it is copied to a free block outside, in the same arena, and swapped there as
+any move is (DESIGN.md §3.4: copy, compare-and-swap in the index, free the old block through the
+graveyard), while the window's free pieces are held so that no reservation lands there meanwhile.
+Nothing leaves the node, so none of this needs a peer or costs a copy of an object elsewhere: a peer
+asked for a spill or a repair never makes room by pushing objects out (that is the pressure
+passes' work, for its own writers), and before this its room in pieces stayed so. A repair to the
+one peer left, 44% full in 1 MiB holes, left four of five 8 MiB objects one copy short for good.
+
+Only the host arena is compacted; the GPU tier (a device copy per object) is not, and a disk tier
+has no layout (a file per object).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from mooncake_store.agent.allocations import Allocation
+from mooncake_store.policy.compaction import Block, choose_window
+from mooncake_store.types import EvictionCandidate
+
+if TYPE_CHECKING:
+    from mooncake_store.agent.moves import LocalMoves
+    from mooncake_store.agent.node import Agent
+
+log = logging.getLogger("mooncake.agent")
+
+#: Objects of the tier read from the index per compaction, with what decides whether one may move
+#: (pins, lease): all of them up to this many. An object not among them stays where it is.
+SAMPLE = 4096
+#: After a request for which no window could be emptied, further requests are put off this long:
+#: a peer that retries a repair every second would otherwise cost the index a sample each time.
+RETRY_S = 5.0
+#: Blocks made per run at most (a reservation's batch may ask for up to frames.MAX_BATCH).
+MAX_BLOCKS = 8
+
+
+class Compactor:
+    def __init__(self, agent: Agent, moves: LocalMoves) -> None:
+        self.agent = agent
+        self.moves = moves
+        self._lock = threading.Lock()
+        self._wanted: list[int] = []  # the blocks the latest refusal asked for, largest first
+        self._quiet_until = 0.0  # monotonic s: after a run that found no window
+
+    def want_blocks(self, blocks: list[int]) -> None:
+        """A reservation of ``blocks`` (footprints) was refused while the arena had their bytes free."""
+        capacity = self.agent.table.capacity_bytes
+        wanted = sorted((size for size in blocks if 0 < size <= capacity), reverse=True)[:MAX_BLOCKS]
+        with self._lock:
+            self._wanted = wanted
+
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._wanted) and time.monotonic() >= self._quiet_until
+
+    def run_once(self) -> int:
+        """Empty a window for each block the latest refusal asked for that the arena does not hold
+        now, while there is one; returns the objects moved."""
+        with self._lock:
+            wanted, self._wanted = self._wanted, []
+            if not wanted or time.monotonic() < self._quiet_until:
+                return 0
+        agent, table = self.agent, self.agent.table
+        free, largest = table.room()
+        if free < sum(wanted):
+            return 0  # not there in any layout: the pressure passes make such room, for writers
+        now_ms = agent.index.server_time_ms()
+        # A live lease keeps the old block in the graveyard until it runs out, so the window would
+        # not join until then: such objects stay, as pinned ones do (their swap is refused).
+        known = {
+            c.alloc_id: c
+            for c in agent.index.victim_candidates(agent.node_id, "host", sample=SAMPLE)
+            if c.pins == 0 and c.lease_until_ms <= now_ms
+        }
+
+        def movable(alloc: Allocation) -> bool:
+            return alloc.alloc_id in known
+
+        moved = made = 0
+        held: list[int] = []  # each block made is held until the end: the next is made elsewhere
+        try:
+            for size in wanted:
+                window = choose_window(table.layout(movable), size)
+                if window is None:
+                    break
+                held += table.hold_free_in(window.start, window.start + window.size)
+                relocated = self._empty(window.moves, known)
+                moved += relocated
+                if relocated < len(window.moves):
+                    break  # the window will not join: the rest of the run would not either
+                made += 1
+            if moved:
+                # The old blocks are in the graveyard, due now: freed while the windows' pieces are
+                # still held, so that each window is one block when they are let go.
+                agent.reclaim_now(force=True)
+        finally:
+            table.release_holds(held)
+        if made < len(wanted):
+            self._quiet_until = time.monotonic() + RETRY_S
+        if moved or made < len(wanted):
+            log.info(
+                "compacted the host arena for %d block(s) of up to %d B: %d made, %d object(s) moved "
+                "(largest free block %d -> %d B)",
+                len(wanted),
+                wanted[0],
+                made,
+                moved,
+                largest,
+                table.room()[1],
+            )
+        return moved
+
+    def _empty(self, blocks: tuple[Block, ...], known: dict[int, EvictionCandidate]) -> int:
+        """Move the allocations of a window out of it; stops at the first that does not move."""
+        for done, block in enumerate(blocks):
+            assert block.alloc_id is not None
+            if not self.moves.relocate(known[block.alloc_id], block.offset):
+                return done
+        return len(blocks)

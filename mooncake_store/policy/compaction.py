@@ -1,0 +1,115 @@
+"""Which objects to relocate inside an arena so that one free block of a wanted size appears.
+
+An arena whose free room is in pieces refuses a reservation larger than its largest piece however
+many bytes are free. Nothing chose victims by address before: a peer asked for a repair or a spill
+never makes room (it would push others' objects out for them), and a pressure pass moves the
+coldest objects wherever they lie, so their freed blocks seldom join. A compaction moves the few
+objects that sit inside the cheapest window of the wanted size into free blocks outside it, inside
+the same arena (agent/compaction.py), and the window's pieces then join into one block.
+
+Pure: tested on tables of blocks (tests/unit/test_compaction_window.py).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A piece of an arena in address order: free (``alloc_id`` None), or an allocation, which
+    may be moved (``movable``) or not (pinned, leased, being written or read, unknown)."""
+
+    offset: int
+    size: int  # what it takes in the arena: whole alignment units
+    alloc_id: int | None = None
+    movable: bool = False
+
+    @property
+    def free(self) -> bool:
+        return self.alloc_id is None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """``[start, start + size)`` to empty, and the allocations inside it (or across its end) to
+    move out; ``moved_bytes`` is what that copies."""
+
+    start: int
+    size: int
+    moves: tuple[Block, ...]
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(block.size for block in self.moves)
+
+
+def choose_window(blocks: Sequence[Block], size: int) -> Window | None:
+    """The window of ``size`` bytes that takes the fewest bytes moved to empty (the lowest such
+    offset among equals) whose allocations are all movable and fit, best fit and largest first,
+    into the free blocks outside it; None when there is none. ``blocks``: the whole arena in address
+    order, free blocks and allocations, each starting where the one before ends.
+
+    A window starts at a block's start: one that starts inside a free block holds less of it, and
+    one that starts inside an allocation moves it all the same."""
+    if size <= 0:
+        return None
+    candidates: list[tuple[int, int, int, int]] = []  # (moved bytes, start, first block, last block)
+    last = 0
+    moved = 0  # bytes of the allocations in blocks[first:last]
+    for first, head in enumerate(blocks):
+        if last < first:
+            last, moved = first, 0
+        # Grow the span until it covers the window, or meets what cannot move (then no window
+        # starts at or before that block within reach: the next start is past it).
+        while last < len(blocks) and blocks[last].offset < head.offset + size and _may_empty(blocks[last]):
+            moved += 0 if blocks[last].free else blocks[last].size
+            last += 1
+        covered = blocks[last - 1].end - head.offset if last > first else 0
+        if covered >= size:
+            candidates.append((moved, head.offset, first, last))
+        if not _may_empty(head):
+            last, moved = first + 1, 0
+        elif last > first and not head.free:
+            moved -= head.size
+    for _moved, start, first, last in sorted(candidates):
+        inside = blocks[first:last]
+        moves = tuple(block for block in inside if not block.free)
+        if _fits_outside(blocks, start, start + size, moves):
+            return Window(start=start, size=size, moves=moves)
+    return None
+
+
+def _may_empty(block: Block) -> bool:
+    return block.free or block.movable
+
+
+def _fits_outside(blocks: Sequence[Block], start: int, end: int, moves: Sequence[Block]) -> bool:
+    """Whether ``moves`` fit, as the allocator would place them (best fit, largest first), into the
+    free room outside ``[start, end)``: the window's own pieces are held while they move."""
+    sizes: list[int] = []
+    for block in blocks:
+        if not block.free:
+            continue
+        if block.offset < start:
+            piece = min(block.end, start) - block.offset
+            if piece > 0:
+                insort(sizes, piece)
+        if block.end > end:
+            piece = block.end - max(block.offset, end)
+            if piece > 0:
+                insort(sizes, piece)
+    for move in sorted(moves, key=lambda b: -b.size):
+        i = bisect_left(sizes, move.size)
+        if i == len(sizes):
+            return False
+        rest = sizes.pop(i) - move.size
+        if rest:
+            insort(sizes, rest)
+    return True
