@@ -11,28 +11,32 @@ import time
 
 
 class FailureLog:
-    def __init__(self, log: logging.Logger, what: str, *, every_s: float = 30.0) -> None:
+    """``level``: what the streak is told at (a peer's refusals, routine, at INFO)."""
+
+    def __init__(self, log: logging.Logger, what: str, *, every_s: float = 30.0, level: int = logging.WARNING) -> None:
         self._log = log
         self._what = what
         self._every_s = every_s
+        self._level = level
         self._lock = threading.Lock()
         self._streak = 0  # failures in a row
         self._unsaid = 0  # of those, not yet in a warning
         self._said_at = 0.0
 
-    def failed(self, error: BaseException) -> None:
+    def failed(self, error: BaseException | str) -> None:
         with self._lock:
             self._streak += 1
             now = time.monotonic()
             if self._streak > 1 and now - self._said_at < self._every_s:
                 self._unsaid += 1
                 return
-            since = f" ({self._unsaid} more failures since the last warning)" if self._unsaid else ""
+            told = "warning" if self._level >= logging.WARNING else "report"
+            since = f" ({self._unsaid} more failures since the last {told})" if self._unsaid else ""
             self._unsaid, self._said_at = 0, now
-        self._log.warning("%s failed: %s%s", self._what, error, since)
+        self._log.log(self._level, "%s failed: %s%s", self._what, error, since)
 
     def succeeded(self) -> None:
         with self._lock:
             streak, self._streak, self._unsaid = self._streak, 0, 0
         if streak > 1:
-            self._log.warning("%s works again, after %d failures in a row", self._what, streak)
+            self._log.log(self._level, "%s works again, after %d failures in a row", self._what, streak)

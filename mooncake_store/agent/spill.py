@@ -51,6 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent import spill_jobs as limits
+from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.payloads import Payload, with_payloads
 from mooncake_store.agent.peer_arenas import PeerArenas
@@ -108,6 +109,9 @@ class Spiller:
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, Payload] = {}
         self._trouble = PeerTrouble()
+        #: Per peer, its refusals in a row: told at INFO when they begin, then once a minute with
+        #: the count. A repair asked a peer it could not fill every second, and said so each time.
+        self._refusals: dict[str, FailureLog] = {}
 
     def take_unreachable(self) -> set[str]:
         return self._trouble.take()  # node ids of peers that failed on the connection since the last call
@@ -303,7 +307,10 @@ class Spiller:
                 batch, left = batch[:count], batch[count:]
                 reservations = reserve()
         except MooncakeError as exc:
-            log.info("spill of %d object(s) to %s refused: %s", len(batch) + len(left), peer_node.node_id, exc)
+            refusals = self._refusals.setdefault(
+                peer_node.node_id, FailureLog(log, f"spill to {peer_node.node_id}", every_s=60.0, level=logging.INFO)
+            )
+            refusals.failed(f"{len(batch) + len(left)} object(s) refused: {exc}")
             self._drop_payloads(batch + left)
             with contextlib.suppress(MooncakeError):  # no swap can use it now; else it waits out its TTL
                 self.agent.index.drop_guards([put_id.hex()])
@@ -313,6 +320,8 @@ class Spiller:
                 self._trouble.unreachable(peer_node.node_id)
             return None
         self._drop_payloads(left)
+        if (refusals := self._refusals.get(peer_node.node_id)) is not None:
+            refusals.succeeded()  # "works again, after N failures", once
         return Reserved(
             batch=batch,
             reservations=[Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=put_id) for r in reservations],

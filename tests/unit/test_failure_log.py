@@ -40,3 +40,20 @@ def test_a_long_streak_is_told_again_with_the_count(caplog: pytest.LogCaptureFix
         "heartbeat failed: a",
         "heartbeat failed: f (4 more failures since the last warning)",
     ]
+
+
+def test_a_routine_streak_is_told_at_its_own_level(caplog: pytest.LogCaptureFixture) -> None:
+    # A peer's refusals (agent/spill.py): at INFO, where a repair asked every second said each one.
+    log = logging.getLogger("mooncake.test.failure_log")
+    refusals = FailureLog(log, "spill to n2", every_s=0.2, level=logging.INFO)
+    with caplog.at_level(logging.INFO, logger=log.name):
+        for n in range(3):
+            refusals.failed(f"1 object(s) refused: no room ({n})")
+        time.sleep(0.25)
+        refusals.failed("1 object(s) refused: no room (3)")
+        refusals.succeeded()
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.INFO, "spill to n2 failed: 1 object(s) refused: no room (0)"),
+        (logging.INFO, "spill to n2 failed: 1 object(s) refused: no room (3) (2 more failures since the last report)"),
+        (logging.INFO, "spill to n2 works again, after 4 failures in a row"),
+    ]
