@@ -16,6 +16,9 @@ from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+#: Windows checked for fit, cheapest first, before the choice gives up.
+MAX_TRIES = 32
+
 
 @dataclass(frozen=True, slots=True)
 class Block:
@@ -78,10 +81,13 @@ def choose_window(blocks: Sequence[Block], size: int) -> Window | None:
             last, moved = first + 1, 0
         elif last > first and not head.free:
             moved -= head.size
-    for _moved, start, first, last in sorted(candidates):
+    # The cheapest few only: each fit check walks the arena's free blocks, and an arena of many
+    # small objects has as many candidates, which together would take the pass minutes.
+    free_sizes = sorted(block.size for block in blocks if block.free)
+    for _moved, start, first, last in sorted(candidates)[:MAX_TRIES]:
         inside = blocks[first:last]
         moves = tuple(block for block in inside if not block.free)
-        if _fits_outside(blocks, start, start + size, moves):
+        if _fits_outside(free_sizes, inside, start + size, moves):
             return Window(start=start, size=size, moves=moves)
     return None
 
@@ -90,21 +96,17 @@ def _may_empty(block: Block) -> bool:
     return block.free or block.movable
 
 
-def _fits_outside(blocks: Sequence[Block], start: int, end: int, moves: Sequence[Block]) -> bool:
+def _fits_outside(free_sizes: list[int], inside: Sequence[Block], end: int, moves: Sequence[Block]) -> bool:
     """Whether ``moves`` fit, as the allocator would place them (best fit, largest first), into the
-    free room outside ``[start, end)``: the window's own pieces are held while they move."""
-    sizes: list[int] = []
-    for block in blocks:
-        if not block.free:
-            continue
-        if block.offset < start:
-            piece = min(block.end, start) - block.offset
-            if piece > 0:
-                insort(sizes, piece)
-        if block.end > end:
-            piece = block.end - max(block.offset, end)
-            if piece > 0:
-                insort(sizes, piece)
+    free room outside the window that ``inside`` (its blocks, from the window's start) covers up to
+    ``end``: the window's own pieces are held while they move, and what a free block across its
+    end has past it stays free. ``free_sizes``: the sizes of every free block, sorted."""
+    sizes = list(free_sizes)
+    for block in inside:
+        if block.free:
+            del sizes[bisect_left(sizes, block.size)]
+            if block.end > end:
+                insort(sizes, block.end - end)
     for move in sorted(moves, key=lambda b: -b.size):
         i = bisect_left(sizes, move.size)
         if i == len(sizes):
