@@ -185,7 +185,7 @@ class PressureCalls:
         """Drop ``node_id``'s replicas (key, alloc id), each on its own and in order, with evict's
         statuses; one round trip per BATCH_LIMIT of them (a pass of small objects used to pay one
         per object). ``since_ms``: the index's time when the sample that chose them was taken; an
-        object accessed after it stays ("TOUCHED")."""
+        object accessed after it, or in its very millisecond, stays ("TOUCHED")."""
         out: list[str] = []
         since = "" if since_ms is None else str(since_ms)
         for chunk in in_batches(victims):

@@ -69,6 +69,51 @@ def test_the_scripts_refuse_what_was_accessed_after_the_sample(
         cache.close()
 
 
+def test_an_access_in_the_millisecond_of_the_sample_counts_as_touched(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """The index's clock counts milliseconds: a store that followed a pass's sample within the same
+    one left its chunks' last access equal to the sample's time, and the scripts, which refused
+    only what was accessed after it, cut the prompt just stored back from its new leaves (CI, once
+    in some thousand runs). An access in that millisecond may have come after the sample: TOUCHED."""
+    agent = direct_agent(namespace)
+    client = client_of(namespace)
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    try:
+        client.put("plain", np.zeros(KiB, np.uint8))
+        tokens = list(range(3 * C))
+        assert cache.store(tokens, _chunks(1, 3)) == 3
+        agent.sync_once()
+        index = client.index
+        assert index.lookup(["plain"], lease_ms=1).objects[0] is not None
+        assert cache.store(tokens, _chunks(1, 3)) == 0  # every chunk touched, none written
+        time.sleep(0.01)  # the read's 1 ms lease is over: LEASED no longer stands in for TOUCHED
+
+        def last_access(key: str) -> int:
+            return int(index.redis.hget(index.prefix + "o:" + key, "last_access"))
+
+        def alloc(key: str) -> int:
+            meta = client.object_meta(key)
+            assert meta is not None
+            return meta.replicas[0].alloc_id
+
+        node = agent.node_id
+        at = last_access("plain")
+        assert index.evict_many([("plain", alloc("plain"))], node_id=node, since_ms=at) == ["TOUCHED"]
+        leaf = cache.keys(tokens)[-1]
+        first = cache.keys(tokens)[0]
+        at = last_access(leaf)  # the store touched every chunk: the leaf's time stops the chain
+        freed, evicted, statuses, gone = index.evict_chains(
+            [(first, alloc(first))], node_id=node, tier="host", wanted_bytes=1, most_later=64, since_ms=at
+        )
+        assert (freed, evicted, statuses, gone) == (0, 0, ["TOUCHED"], [])
+        assert cache.match(tokens) == 3 * C
+        # A millisecond later, the same accesses are older than the sample: they go as before.
+        assert index.evict_many([("plain", alloc("plain"))], node_id=node, since_ms=last_access("plain") + 1) == ["OK"]
+    finally:
+        cache.close()
+
+
 def test_a_store_between_a_pass_sample_and_its_evictions_keeps_its_prompt_whole(
     direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
 ) -> None:

@@ -96,7 +96,8 @@ local function refusal(key, alloc)
     end
     if live_pins(k, now) > 0 then return 'PINNED' end
     if tonumber(g[2] or 0) > now then return 'LEASED' end
-    if since and (tonumber(g[3]) or 0) > since then return 'TOUCHED' end
+    -- At or after the sample's millisecond (evict_replica says why).
+    if since and (tonumber(g[3]) or 0) >= since then return 'TOUCHED' end
   end
   return nil, later
 end

@@ -618,6 +618,9 @@ local function count_lost(ok, what, dropped, left)
 end
 -- ``since`` (ms, optional): the time of the sample that chose the victim; an object accessed after
 -- it (a read's lookup, a store's claim of a chunk it extends, a commit) is warm now: "TOUCHED".
+-- An access in the very millisecond of the sample counts too: the clock's resolution cannot say
+-- whether it came before or after, and a store that followed a sample within the millisecond had
+-- its prompt cut back from its new leaves (the pass evicts such objects last, not never).
 local function evict_replica(key, node, alloc, now, damaged, since)
   local ok = P .. 'o:' .. key
   local f = redis.call('HMGET', ok, 'replicas', 'lease_until', 'copies', 'last_access')
@@ -637,7 +640,7 @@ local function evict_replica(key, node, alloc, now, damaged, since)
   end
   if not damaged and readable == 0 and children_of(key) > 0 then return 'PARENT' end
   if not damaged and tonumber(f[2] or 0) > now then return 'LEASED' end
-  if not damaged and since and (tonumber(f[4]) or 0) > since then return 'TOUCHED' end
+  if not damaged and since and (tonumber(f[4]) or 0) >= since then return 'TOUCHED' end
   redis.call('ZADD', P .. 'gc:' .. node, math.max(now, tonumber(f[2] or 0)), alloc)
   local still_there = false
   for _, r in ipairs(keep) do if r[1] == node then still_there = true end end
