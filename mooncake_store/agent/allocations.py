@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from mooncake_store.policy.compaction import Block
+from mooncake_store.policy.compaction import Block, fits
 from mooncake_store.tiers.allocator import ALIGNMENT, OffsetAllocator
 
 #: An allocation's ``held_until`` while drop_after_reap holds it until hold_reaped says how long
@@ -186,7 +186,23 @@ class AllocationTable:
         """What ``requests`` (size, put_id) take in this arena: whole units each, one at least. The
         room to make for them: their raw sizes asked 3000 B for 3000 one-byte objects that take
         192,000 B, and a pressure pass that found a free block of 3000 B made none."""
-        return sum(self._allocator.footprint(size) for size, _ in requests)
+        return sum(self.blocks_of(requests))
+
+    def blocks_of(self, requests: Sequence[tuple[int, bytes]]) -> list[int]:
+        """The block each of ``requests`` takes (footprint): a batch needs a free piece for each,
+        not one block for their sum."""
+        return [self._allocator.footprint(size) for size, _ in requests]
+
+    def fits(self, blocks: Sequence[int]) -> bool:
+        """Whether blocks of these sizes (footprints) would all be granted now: a batch waiting for
+        room needs a piece for each, and the largest free block held the batch's sum only after a
+        compaction joined blocks for its members one by one (the pressure pass then evicted for it
+        all the same)."""
+        if len(blocks) <= 1:
+            return self.room()[1] >= sum(blocks)
+        with self._lock:
+            free_sizes = sorted(size for _, size in self._allocator.free_blocks())
+        return fits(free_sizes, blocks)
 
     def reserve(
         self, requests: list[tuple[int, bytes]], *, ceiling_bytes: int | None = None

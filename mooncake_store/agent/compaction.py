@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.allocations import Allocation
-from mooncake_store.policy.compaction import Block, choose_window
+from mooncake_store.policy.compaction import Block, choose_window, largest_first
 from mooncake_store.types import EvictionCandidate
 
 if TYPE_CHECKING:
@@ -40,6 +40,9 @@ SAMPLE = 4096
 RETRY_S = 5.0
 #: Blocks made per run at most (a reservation's batch may ask for up to frames.MAX_BATCH).
 MAX_BLOCKS = 8
+#: Graves one sync frees at most (IndexClient.agent_sync's max_graves): a run that moved more
+#: objects frees their old blocks in as many syncs.
+GRAVES_PER_SYNC = 1000
 
 
 class Compactor:
@@ -61,9 +64,10 @@ class Compactor:
         with self._lock:
             return bool(self._wanted) and time.monotonic() >= self._quiet_until
 
-    def run_once(self) -> int:
+    def run_once(self, stop: threading.Event | None = None) -> int:
         """Empty a window for each block the latest refusal asked for that the arena does not hold
-        now, while there is one; returns the objects moved."""
+        now, while there is one; returns the objects moved. ``stop``: the agent is stopping, and
+        the run ends after the move under way (the arena goes soon after)."""
         with self._lock:
             wanted, self._wanted = self._wanted, []
             if not wanted or time.monotonic() < self._quiet_until:
@@ -84,7 +88,8 @@ class Compactor:
         def movable(alloc: Allocation) -> bool:
             return alloc.alloc_id in known
 
-        moved = made = 0
+        made = 0
+        moved: list[int] = []  # the old blocks of the objects moved: in the graveyard until freed
         held: list[int] = []  # each block made is held until the end: the next is made elsewhere
         try:
             for size in wanted:
@@ -92,15 +97,15 @@ class Compactor:
                 if window is None:
                     break
                 held += table.hold_free_in(window.start, window.start + window.size)
-                relocated = self._empty(window.moves, known)
+                relocated = self._empty(window.moves, known, stop)
                 moved += relocated
-                if relocated < len(window.moves):
+                if len(relocated) < len(window.moves):
                     break  # the window will not join: the rest of the run would not either
                 made += 1
             if moved:
                 # The old blocks are in the graveyard, due now: freed while the windows' pieces are
                 # still held, so that each window is one block when they are let go.
-                agent.reclaim_now(force=True)
+                self._free_old_blocks(moved)
         finally:
             table.release_holds(held)
         if made < len(wanted):
@@ -112,16 +117,37 @@ class Compactor:
                 len(wanted),
                 wanted[0],
                 made,
-                moved,
+                len(moved),
                 largest,
                 table.room()[1],
             )
-        return moved
+        return len(moved)
 
-    def _empty(self, blocks: tuple[Block, ...], known: dict[int, EvictionCandidate]) -> int:
-        """Move the allocations of a window out of it; stops at the first that does not move."""
-        for done, block in enumerate(blocks):
+    def _empty(
+        self, blocks: tuple[Block, ...], known: dict[int, EvictionCandidate], stop: threading.Event | None
+    ) -> list[int]:
+        """Move the allocations of a window out of it, largest first, and return the old ids of
+        those moved; stops at the first that does not move. Moved in address order, the smaller
+        ones took the free blocks that the window's check had kept for the larger (best fit), and
+        the window did not join."""
+        done: list[int] = []
+        for block in largest_first(blocks):
             assert block.alloc_id is not None
-            if not self.moves.relocate(known[block.alloc_id], block.offset):
-                return done
-        return len(blocks)
+            if (stop is not None and stop.is_set()) or not self.moves.relocate(known[block.alloc_id], block.offset):
+                break
+            # Its old block stays allocated until the graveyard frees it: not movable meanwhile
+            # (a later window of the run would start on it, and its copy find the object gone).
+            del known[block.alloc_id]
+            done.append(block.alloc_id)
+        return done
+
+    def _free_old_blocks(self, alloc_ids: list[int]) -> None:
+        """Free the moved objects' old blocks (due now: none had a live lease when sampled), in as
+        many syncs as the graveyard gives them back in. One sync frees GRAVES_PER_SYNC at most: a
+        window of 1024 small objects was let go with some of them still allocated, and was no
+        block for the reservation it was made for."""
+        table = self.agent.table
+        for _ in range(len(alloc_ids) // GRAVES_PER_SYNC + 2):
+            self.agent.reclaim_now(force=True)
+            if not any(alloc_id in table for alloc_id in alloc_ids):
+                return

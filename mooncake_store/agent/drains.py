@@ -42,26 +42,28 @@ class RoomRequests:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self.wanted: dict[TierKind, int] = dict.fromkeys(ARENA_TIERS, 0)
+        #: The blocks (footprints) of the largest refused reservation per tier; () for none.
+        self.wanted: dict[TierKind, tuple[int, ...]] = dict.fromkeys(ARENA_TIERS, ())
         self.spared: dict[TierKind, int] = dict.fromkeys(ARENA_TIERS, 0)
         self._refused_at: dict[TierKind, float] = dict.fromkeys(ARENA_TIERS, -WRITER_WAITS_S)
 
-    def refused(self, tier: TierKind, size_bytes: int, spared_peers: int) -> None:
-        """A reservation of ``size_bytes`` in ``tier`` did not fit; its writer waits for room."""
+    def refused(self, tier: TierKind, blocks: tuple[int, ...], spared_peers: int) -> None:
+        """A reservation of ``blocks`` in ``tier`` did not fit; its writer waits for room."""
         self._refused_at[tier] = self._clock()
-        self.note(tier, size_bytes, spared_peers)
+        self.note(tier, blocks, spared_peers)
 
-    def note(self, tier: TierKind, size_bytes: int, spared_peers: int = 0) -> None:
-        """Ask the next pass over ``tier`` for room for ``size_bytes`` (given back by a pass that
-        failed or made too little)."""
+    def note(self, tier: TierKind, blocks: tuple[int, ...], spared_peers: int = 0) -> None:
+        """Ask the next pass over ``tier`` for room for ``blocks`` (given back by a pass that
+        failed or made too little); of two writers waiting, the larger reservation."""
         with self._lock:
-            self.wanted[tier] = max(self.wanted[tier], size_bytes)
+            if sum(blocks) > sum(self.wanted[tier]):
+                self.wanted[tier] = blocks
             self.spared[tier] |= spared_peers
 
-    def take(self, tier: TierKind) -> tuple[int, int]:
-        """(wanted bytes, spared peers' marks) for a pass over ``tier``, cleared."""
+    def take(self, tier: TierKind) -> tuple[tuple[int, ...], int]:
+        """(wanted blocks, spared peers' marks) for a pass over ``tier``, cleared."""
         with self._lock:
-            wanted, self.wanted[tier] = self.wanted[tier], 0
+            wanted, self.wanted[tier] = self.wanted[tier], ()
             spared, self.spared[tier] = self.spared[tier], 0
         return wanted, spared
 

@@ -452,13 +452,16 @@ class LocalMoves:
         if not table.begin_read(victim.alloc_id, offset, victim.size_bytes):
             self._drop_target(target.alloc_id, TierKind.HOST)
             return False
-        source, dest = arena.view(offset, victim.size_bytes), arena.view(target.offset, victim.size_bytes)
         try:
-            dest[:] = source
-        finally:
-            source.release()
-            dest.release()
+            # Inside the try: a view of an arena closed meanwhile (the agent stopping) raises, and
+            # the read's mark and the target are let go all the same.
+            with arena.view(offset, victim.size_bytes) as source, arena.view(target.offset, victim.size_bytes) as dest:
+                dest[:] = source
+        except BaseException:
             table.end_read(victim.alloc_id)
+            self._drop_target(target.alloc_id, TierKind.HOST)
+            raise
+        table.end_read(victim.alloc_id)
         return self._swap_into(
             victim.key,
             victim.alloc_id,

@@ -182,8 +182,8 @@ class Agent(OtherTierHooks, SyncDuties):
         if used > self.config.high_watermark * self.table.capacity_bytes:
             self.pressure.wake()  # move objects alongside the writer, not in bursts after refusals
 
-    def no_room(self, size_bytes: int, *, spared_peers: int = 0) -> None:
-        self.pressure.want_room(size_bytes, spared_peers=spared_peers)
+    def no_room(self, blocks: list[int], *, spared_peers: int = 0) -> None:
+        self.pressure.want_room(blocks, spared_peers=spared_peers)
 
     def fragmented(self, blocks: list[int]) -> None:
         self.pressure.want_blocks(blocks)

@@ -91,8 +91,9 @@ class AgentHooks(Protocol):
     def reclaim_now(self) -> None:
         """Free what is already due (graveyard entries past their lease, abandoned reservations)."""
 
-    def no_room(self, size_bytes: int, *, spared_peers: int = 0) -> None:
-        """A reservation did not fit even after reclaim_now. ``spared_peers``: the marks of the
+    def no_room(self, blocks: list[int], *, spared_peers: int = 0) -> None:
+        """A reservation of ``blocks`` (its requests' footprints) did not fit even after
+        reclaim_now. ``spared_peers``: the marks of the
         nodes its put keeps other replicas on (frames.spared_peers), so the room is not made by
         spills to them."""
 
@@ -372,10 +373,11 @@ class AgentOps:
             # refusal: told after, a pass the writer brought about at once (a writer beside the
             # agent, or its next RESERVE served first) found no room wanted under the high
             # watermark, and made none.
+            blocks = self._table.blocks_of(requests)
             if not flags & (SPILL_FLAG | PROBE_FLAG):
-                self._hooks.no_room(self._table.footprint(requests), spared_peers=frames.spared_peers(flags))
-            if free >= self._table.footprint(requests):  # the bytes are here, in pieces
-                self._hooks.fragmented([self._table.footprint([request]) for request in requests])
+                self._hooks.no_room(blocks, spared_peers=frames.spared_peers(flags))
+            if free >= sum(blocks):  # the bytes are here, in pieces
+                self._hooks.fragmented(blocks)
             self._reply(conn, Op.RESERVE, Status.NO_CAPACITY, free, largest, self._table.capacity_bytes)
             return True
         if flags & SPILL_FLAG:

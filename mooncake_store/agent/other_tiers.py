@@ -149,7 +149,7 @@ class OtherTierHooks:
             return None
         allocs = self.gpu_table.reserve(requests, ceiling_bytes=self.spill_ceiling(tier) if spill else None)
         if allocs is None and make_room:  # not for a spill or a probe (ops.py): each goes elsewhere
-            self.pressure.want_room(self.gpu_table.footprint(requests), tier=TierKind.GPU, spared_peers=spared_peers)
+            self.pressure.want_room(self.gpu_table.blocks_of(requests), tier=TierKind.GPU, spared_peers=spared_peers)
         return allocs
 
     def other_tier_room(self, tier: int, *, spill: bool) -> tuple[int, int, int]:

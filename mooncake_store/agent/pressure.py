@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -89,16 +89,17 @@ class PressureManager:
         self._spiller.close()
 
     # ---- signals from the server ------------------------------------------------------------
-    def want_room(self, size_bytes: int, *, tier: TierKind = TierKind.HOST, spared_peers: int = 0) -> None:
-        """A reservation of ``size_bytes`` did not fit: make room now rather than at the next pass.
+    def want_room(self, blocks: Sequence[int], *, tier: TierKind = TierKind.HOST, spared_peers: int = 0) -> None:
+        """A reservation of ``blocks`` (its requests' footprints) did not fit: make room now rather
+        than at the next pass.
         One larger than the whole tier can never fit, and makes none: a pass sized by it would move
         or evict everything there (one hostile RESERVE frame would empty the node).
         ``spared_peers``: the marks of the nodes where the writer's put keeps its other replicas
         (frames.spared_peers), whose room a spill there would take."""
         table = self.agent.gpu_table if tier == TierKind.GPU else self.agent.table
-        if table is None or size_bytes > table.capacity_bytes:
+        if table is None or sum(blocks) > table.capacity_bytes:
             return
-        self.requests.refused(tier, size_bytes, spared_peers)  # before the wake: it ends the loop's hold
+        self.requests.refused(tier, tuple(blocks), spared_peers)  # before the wake: it ends the loop's hold
         self._wake.set()
 
     def want_blocks(self, blocks: list[int]) -> None:
@@ -128,7 +129,7 @@ class PressureManager:
             # know it before that writer's next refused RESERVE tells it again.
             self.requests.note(tier, wanted, spared)
             raise
-        if moved and table.usage()[2] < wanted:
+        if moved and not table.fits(wanted):
             # The pass moved less than the writer waits for (its sample ran short of movable
             # objects): the next pass of this wake must still make room for it, not only drain to
             # the watermark (one pass per refused RESERVE, each after the writer's back-off).
@@ -174,7 +175,7 @@ class PressureManager:
             if self._duty(self.moves.settle, failures):
                 # Before the passes: a block joined inside the arena is room no object leaves for.
                 if self.compactor.pending():
-                    failed = not self._duty(self.compactor.run_once, failures) or failed
+                    failed = not self._duty(partial(self.compactor.run_once, stop), failures) or failed
                 for relieve in (self.relieve_gpu, self.relieve_host, self.relieve_disk):
                     if stop.is_set():
                         return
@@ -231,13 +232,18 @@ class PressureManager:
         """One pass over the host tier; returns the bytes moved away."""
         return self._relieve_arena(TierKind.HOST, self.agent.table, self._host_job)
 
-    def _arena_need(self, tier: TierKind, table: AllocationTable, wanted: int) -> Callable[[Returning], int]:
-        """What must leave an arena tier (host or GPU), with ``wanted`` bytes of a reservation that
-        did not fit waiting for room."""
+    def _arena_need(
+        self, tier: TierKind, table: AllocationTable, wanted: tuple[int, ...]
+    ) -> Callable[[Returning], int]:
+        """What must leave an arena tier (host or GPU), with the blocks ``wanted`` of a reservation
+        that did not fit waiting for room."""
 
         def need_now(returning: Returning) -> int:
             used, _, largest_free, _ = table.usage()
-            waiting = 0 if largest_free >= wanted else wanted  # 0: room for it appeared meanwhile
+            # 0: room for it appeared meanwhile (a piece for each of its blocks: checked against the
+            # largest piece alone, a batch whose blocks a compaction had just made had the pass
+            # evict the batch's sum all the same).
+            waiting = 0 if table.fits(wanted) else sum(wanted)
             # Memory held for readers of objects the index lost (an index restarted empty or
             # rolled back) comes back by itself, like a grave's: counted as used, it had the
             # objects put after the restart evicted for it.

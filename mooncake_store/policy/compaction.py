@@ -97,21 +97,34 @@ def _may_empty(block: Block) -> bool:
 
 
 def _fits_outside(free_sizes: list[int], inside: Sequence[Block], end: int, moves: Sequence[Block]) -> bool:
-    """Whether ``moves`` fit, as the allocator would place them (best fit, largest first), into the
-    free room outside the window that ``inside`` (its blocks, from the window's start) covers up to
-    ``end``: the window's own pieces are held while they move, and what a free block across its
-    end has past it stays free. ``free_sizes``: the sizes of every free block, sorted."""
+    """Whether ``moves`` fit, as the allocator would place them (best fit, largest first: the
+    compactor moves them in that order, agent/compaction.py), into the free room outside the window
+    that ``inside`` (its blocks, from the window's start) covers up to ``end``: the window's own
+    pieces are held while they move, and what a free block across its end has past it stays free.
+    ``free_sizes``: the sizes of every free block, sorted."""
     sizes = list(free_sizes)
     for block in inside:
         if block.free:
             del sizes[bisect_left(sizes, block.size)]
             if block.end > end:
                 insort(sizes, block.end - end)
-    for move in sorted(moves, key=lambda b: -b.size):
-        i = bisect_left(sizes, move.size)
-        if i == len(sizes):
+    return fits(sizes, [move.size for move in moves])
+
+
+def largest_first(blocks: Sequence[Block]) -> list[Block]:
+    """The order in which a window's allocations are moved out, and their fit is checked in."""
+    return sorted(blocks, key=lambda block: (-block.size, block.offset))
+
+
+def fits(free_sizes: list[int], sizes: Sequence[int]) -> bool:
+    """Whether blocks of ``sizes`` all fit at once into free blocks of ``free_sizes`` (sorted; taken
+    up as they are used), placed as the allocator places them: best fit, largest first. A batch's
+    reservations need not fit in one block, only each in a piece of its own."""
+    for size in sorted(sizes, reverse=True):
+        i = bisect_left(free_sizes, size)
+        if i == len(free_sizes):
             return False
-        rest = sizes.pop(i) - move.size
+        rest = free_sizes.pop(i) - size
         if rest:
-            insort(sizes, rest)
+            insort(free_sizes, rest)
     return True

@@ -87,7 +87,7 @@ def test_a_reservation_that_does_not_fit_is_never_held_back(pinned_agent: Agent)
     times: list[float] = []
     samples = count_samples(agent, times)
     retry_ends = agent.pressure.drains.fruitless_until
-    agent.pressure.want_room(MiB)
+    agent.pressure.want_room([MiB])
     # Judged against the retry's own end, not a wall-clock wait a loaded machine may overrun.
     assert wait_until(lambda: samples[0] >= 1, 10.0), "want_room was dropped"
     assert times[0] < retry_ends, "want_room waited out the retry (3 s)"
@@ -108,7 +108,7 @@ def test_a_reservation_refused_during_a_fruitless_pass_is_not_held_back(
     def refusal_during_the_pass(*args: object, **kwargs: object) -> object:
         if not refused[0]:
             refused[0] = True
-            agent.pressure.want_room(MiB)
+            agent.pressure.want_room([MiB])
         return sample(*args, **kwargs)  # type: ignore[arg-type]
 
     agent.index.victim_candidates = refusal_during_the_pass  # type: ignore[method-assign]

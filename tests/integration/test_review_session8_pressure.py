@@ -262,7 +262,7 @@ def test_a_writer_waiting_for_room_is_still_served_after_a_pass_that_failed(
     wanted = 3 * MiB
     used, _, largest_free, _ = agent.table.usage()
     assert largest_free < wanted
-    agent.pressure.want_room(wanted)
+    agent.pressure.want_room([wanted])
     proxy.down_after_reply_of(sha(agent, "victims"))
     with pytest.raises(MooncakeError):
         agent.pressure.relieve_host()
@@ -302,7 +302,7 @@ def test_a_pass_that_finds_the_room_in_graves_due_now_frees_them(
     wanted = 3 * MiB
     used, _, largest_free, _ = agent.table.usage()
     agent.reclaim_now(force=True)  # the last reclaim: the passes below may not reclaim unforced
-    agent.pressure.want_room(wanted)
+    agent.pressure.want_room([wanted])
     rule = proxy.drop_reply(sha(agent, "evict"), times=2)  # the call and its replay
     with pytest.raises(MooncakeError):
         agent.pressure.relieve_host()

@@ -126,7 +126,7 @@ def test_a_pass_short_of_a_waiting_writers_room_hands_it_to_the_next_pass(
     wanted = 3 << 20
     largest_free = agent.table.usage()[2]
     assert largest_free < wanted
-    agent.pressure.want_room(wanted)
+    agent.pressure.want_room([wanted])
     passes = 0
     while passes < MAX_PASSES:  # what PressureManager.run does after a wake
         passes += 1
@@ -137,7 +137,7 @@ def test_a_pass_short_of_a_waiting_writers_room_hands_it_to_the_next_pass(
         f"largest free block {room} B after {passes} passes of 2-object samples for a {wanted} B "
         f"request ({largest_free} B free before): the passes after the first forgot the waiting writer"
     )
-    assert agent.pressure.requests.wanted[TierKind.HOST] == 0
+    assert agent.pressure.requests.wanted[TierKind.HOST] == ()
     left = [k for k, v in values.items() if client.exists(k)]
     assert all(np.array_equal(client.get(k), values[k]) for k in left)
     assert not settled_audit(agent.index)

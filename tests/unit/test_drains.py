@@ -110,13 +110,13 @@ def test_the_loop_holds_its_wakes_briefly_after_a_fruitless_pass(drains: Drains,
 def test_room_requests_are_the_largest_wait_and_every_spared_peer_until_taken(clock: Clock) -> None:
     requests = RoomRequests(clock=clock)
     assert not requests.pending() and not requests.writer_may_wait(HOST)
-    requests.refused(HOST, 300, 0b01)
-    requests.refused(HOST, 200, 0b10)
+    requests.refused(HOST, (100, 200), 0b01)
+    requests.refused(HOST, (250,), 0b10)  # a smaller reservation: the batch of 300 B stays wanted
     assert requests.pending() and requests.writer_may_wait(HOST)
     assert not requests.writer_may_wait(TierKind.GPU)
-    assert requests.take(HOST) == (300, 0b11)
-    assert requests.take(HOST) == (0, 0) and not requests.pending()
-    requests.note(HOST, 300, 0b01)  # a pass that made too little gives the request back
-    assert requests.take(HOST) == (300, 0b01)
+    assert requests.take(HOST) == ((100, 200), 0b11)
+    assert requests.take(HOST) == ((), 0) and not requests.pending()
+    requests.note(HOST, (300,), 0b01)  # a pass that made too little gives the request back
+    assert requests.take(HOST) == ((300,), 0b01)
     clock.now += WRITER_WAITS_S
     assert not requests.writer_may_wait(HOST)  # the writer has asked again, or given up
