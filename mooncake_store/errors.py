@@ -75,7 +75,9 @@ class NoCapacity(MooncakeError):
     """No node has room for the object. ``permanent`` is True when waiting cannot help (the object
     is larger than every arena, or too few nodes exist for the replicas asked for).
     ``free_bytes``: what the refusing agent said it could still take, when one refused, and
-    ``largest_bytes`` its largest free block (the free room may be in pieces)."""
+    ``largest_bytes`` its largest free block (the free room may be in pieces). ``batch_limit``:
+    for a batch the cluster cannot hold at once even empty, how many of its first objects, in
+    order, it could (None otherwise)."""
 
     def __init__(
         self,
@@ -84,11 +86,13 @@ class NoCapacity(MooncakeError):
         permanent: bool = False,
         free_bytes: int | None = None,
         largest_bytes: int | None = None,
+        batch_limit: int | None = None,
     ) -> None:
         super().__init__(message)
         self.permanent = permanent
         self.free_bytes = free_bytes
         self.largest_bytes = largest_bytes
+        self.batch_limit = batch_limit
 
 
 class ObjectPinned(MooncakeError):

@@ -53,7 +53,7 @@ from mooncake_store.client.prefix_hash import (
 )
 from mooncake_store.client.prefix_pins import DroppedHits
 from mooncake_store.config import redact_url
-from mooncake_store.errors import ConfigError, ConnectError, InvalidValue, MooncakeError, ObjectPinned
+from mooncake_store.errors import ConfigError, ConnectError, InvalidValue, MooncakeError, NoCapacity, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
 from mooncake_store.transport.cancel import Cancel
 from mooncake_store.types import as_count, is_bool
@@ -255,6 +255,8 @@ class PrefixCache:
         not written. One round trip decides which chunks to write, one put_many writes them. New
         chunks that hang off one another writer is storing wait for it (up to the client's
         ``timeout_s``; then they are not written), so none is committed under a missing parent.
+        A prompt with more new chunks than the cluster's arenas hold at once, even empty, has its
+        first chunks stored, as many as they hold (the return value says how many).
         """
         self._begin_call()
         keys = self.keys(token_ids, block_hashes=block_hashes, include_tail=include_tail)
@@ -291,15 +293,32 @@ class PrefixCache:
             with self.client._cut_by_close():
                 stored = stored_layout(self.client, keys, statuses, tail_index)
             check_chunks_alike(values, tail_index=tail_index, stored=stored)
-            with self._ops.active():
-                self.client.put_many(
-                    {keys[i]: values[i] for i in mine},
-                    replicas=self.replicas if replicas is None else replicas,
-                    preferred_node=preferred_node,
-                    # Eviction takes only chunks with no stored children, so chains stay prefix-closed.
-                    chain_pos={keys[i]: i for i in mine},
-                    chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
-                )
+            while True:
+                try:
+                    with self._ops.active():
+                        self.client.put_many(
+                            {keys[i]: values[i] for i in mine},
+                            replicas=self.replicas if replicas is None else replicas,
+                            preferred_node=preferred_node,
+                            # Eviction takes only chunks with no stored children, so chains stay
+                            # prefix-closed.
+                            chain_pos={keys[i]: i for i in mine},
+                            chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
+                        )
+                    break
+                except NoCapacity as exc:
+                    # More new chunks than the cluster holds at once, even empty: the first ones
+                    # are stored (a prefix, as eviction would have left it), not none of them, and
+                    # the caller, who chose no batch, is not told to send smaller ones.
+                    if not exc.batch_limit or exc.batch_limit >= len(mine):
+                        raise
+                    log.info(
+                        "store: the cluster holds %d of the prompt's %d new chunk(s) at most; the first %d written",
+                        exc.batch_limit,
+                        len(mine),
+                        exc.batch_limit,
+                    )
+                    mine = mine[: exc.batch_limit]
         except ObjectPinned as exc:
             # A chunk that another client's hit pins, and whose every copy went with a dead node
             # (it was claimed as unreadable): it cannot be replaced until those pins go (their

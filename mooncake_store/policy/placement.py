@@ -170,11 +170,49 @@ def check_batch_fits(
     at once (a batch's reservations are all held until it commits), however empty they were: a
     node holds at most as many of them as its smallest ones fill. Such a batch waited out
     timeout_s, then blamed pinned and leased objects that did not exist. Only this bound is
-    checked: a batch that passes may still not fit, and then waits for room as any put does."""
+    checked: a batch that passes may still not fit, and then waits for room as any put does. The
+    error's ``batch_limit`` is how many of the batch's first objects, in order, would pass (a
+    prompt's store writes those: PrefixCache.store)."""
     if len(sizes) < 2:
         return  # one object: rank_nodes and check_kept say why, if it cannot be held
-    ordered = sorted(sizes)
     alive = [n for n in live_nodes(nodes, now_ms) if tier_capacity(n, tier) > 0]
+    if len(alive) < replicas:
+        return  # choose_replica_nodes says that replicas=N needs N live nodes
+    if max(sizes) > max((tier_capacity(n, tier) for n in alive), default=0):
+        # An object no arena holds: rank_nodes names it and the largest arena. Told "put it in
+        # smaller batches", the writer of a batch with one such object could never succeed.
+        return
+    if preferred_node is not None and not any(n.node_id == preferred_node for n in alive):
+        return  # rank_nodes says why the preferred node cannot take it
+    short = _batch_shortfall(alive, sizes, replicas=replicas, tier=tier, preferred_node=preferred_node)
+    if short is None:
+        return
+    group, held, needed = short
+    # The longest run of the batch's first objects that would pass (at least none), found by halves.
+    fits, too_many = 0, len(sizes)
+    while too_many - fits > 1:
+        middle = (fits + too_many) // 2
+        if _batch_shortfall(alive, sizes[:middle], replicas=replicas, tier=tier, preferred_node=preferred_node):
+            too_many = middle
+        else:
+            fits = middle
+    where = ", ".join(f"{n.node_id} {tier_capacity(n, tier)} B" for n in group) or "none"
+    raise NoCapacity(
+        f"a batch of {len(sizes)} object(s) ({sum(sizes)} B on {tier}, replicas={replicas}) cannot be held "
+        f"at once: each object's room is held until the batch commits, and the {tier} tiers it may go to "
+        f"({where}) hold at most {held} of the {needed} {'objects' if replicas == 1 else 'copies'} it needs "
+        f"together, even empty; put it in smaller batches (its first {fits} would fit)",
+        permanent=True,
+        batch_limit=fits,
+    )
+
+
+def _batch_shortfall(
+    alive: list[NodeInfo], sizes: list[int], *, replicas: int, tier: TierKind, preferred_node: str | None
+) -> tuple[list[NodeInfo], int, int] | None:
+    """The nodes that cannot hold their share of the batch ``sizes`` at once, with the objects
+    (or copies) they hold at most and need; None when every group can."""
+    ordered = sorted(sizes)
 
     def most_held(node: NodeInfo) -> int:
         """Of the batch's objects, at most one copy each, as many as its smallest ones fill."""
@@ -186,27 +224,16 @@ def check_batch_fits(
             held += 1
         return held
 
-    if len(alive) < replicas:
-        return  # choose_replica_nodes says that replicas=N needs N live nodes
     if preferred_node is not None:
         first = [n for n in alive if n.node_id == preferred_node]
-        if not first:
-            return  # rank_nodes says why the preferred node cannot take it
         groups = [(first, len(sizes)), ([n for n in alive if n.node_id != preferred_node], len(sizes) * (replicas - 1))]
     else:
         groups = [(alive, len(sizes) * replicas)]
     for group, needed in groups:
         held = sum(most_held(n) for n in group)
         if needed and held < needed:
-            where = ", ".join(f"{n.node_id} {tier_capacity(n, tier)} B" for n in group) or "none"
-            raise NoCapacity(
-                f"a batch of {len(sizes)} object(s) ({sum(sizes)} B on {tier}, replicas={replicas}) cannot be held "
-                f"at once: each object's room is held until the batch commits, and the {tier} tiers it may go to "
-                f"({where}) hold at most {held} of the {needed} {'objects' if replicas == 1 else 'copies'} it needs "
-                "together, even empty; "
-                "put it in smaller batches",
-                permanent=True,
-            )
+            return group, held, needed
+    return None
 
 
 def choose_replica_nodes(

@@ -54,3 +54,32 @@ def test_more_replicas_than_live_nodes_is_left_to_the_replica_rule() -> None:
     live nodes" (diff review): that rule names the cause, in choose_replica_nodes."""
     nodes = [node("a", free=MiB, capacity=MiB), node("dead", free=MiB, capacity=MiB, alive=False)]
     check_batch_fits(nodes, [100 * KiB] * 2, replicas=2, now_ms=NOW)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "replicas", "preferred", "limit"),
+    [
+        ([600 * KiB] * 3, 1, None, 2),  # one per node
+        ([400 * KiB] * 7, 1, None, 4),
+        ([500 * KiB] * 5, 1, None, 4),
+        ([300 * KiB] * 4, 2, None, 3),
+        ([600 * KiB] * 3, 1, "a", 1),  # the preferred node alone holds the first copies
+    ],
+)
+def test_a_refused_batch_says_how_many_of_its_first_objects_would_fit(
+    sizes: list[int], replicas: int, preferred: str | None, limit: int
+) -> None:
+    """A prompt's store writes that many (PrefixCache.store): told only to use smaller batches, a
+    caller who chose no batch stored nothing (a prefix-cache probe, 2026-12-07)."""
+    nodes = [node("a", free=MiB, capacity=MiB), node("b", free=0, capacity=MiB)]
+    with pytest.raises(NoCapacity, match=rf"its first {limit} would fit") as caught:
+        check_batch_fits(nodes, sizes, replicas=replicas, now_ms=NOW, preferred_node=preferred)
+    assert caught.value.batch_limit == limit
+    check_batch_fits(nodes, sizes[:limit], replicas=replicas, now_ms=NOW, preferred_node=preferred)
+
+
+def test_a_batch_with_an_object_no_arena_holds_is_left_to_the_per_object_rule() -> None:
+    """Any second key turned "need 2 MiB on host; the largest host arena is 1 MiB" into "put it in
+    smaller batches", which could never succeed (a prefix-cache probe): rank_nodes names it."""
+    nodes = [node("a", free=MiB, capacity=MiB), node("b", free=MiB, capacity=MiB)]
+    check_batch_fits(nodes, [2 * MiB, KiB], replicas=1, now_ms=NOW)

@@ -1,0 +1,52 @@
+"""A prompt with more new chunks than the cluster's arenas hold at once, even empty (a prefix-cache
+probe, 2026-12-07): its store raised NoCapacity, "put it in smaller batches", which a caller of
+PrefixCache.store, who chose no batch, cannot do, and stored nothing; match said 0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from mooncake_store import Client, NoCapacity, PrefixCache
+from mooncake_store.agent.node import Agent
+
+KiB = 1 << 10
+C = 4  # tokens per chunk
+NS = "long-model/u8/L1/kv1/d1/tp0"
+
+
+def test_a_prompt_longer_than_the_cluster_has_its_first_chunks_stored(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    direct_agent(namespace)  # one agent of 4 MiB: 16 chunks of 256 KiB at most
+    client = client_of(namespace)
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    try:
+        tokens = list(range(20 * C))
+        chunks = [np.full(256 * KiB, i, np.uint8) for i in range(20)]
+        assert cache.store(tokens, chunks) == 16
+        assert cache.match(tokens) == 16 * C
+        with cache.load(tokens) as hit:
+            assert hit.num_chunks == 16
+            for got, want in zip(hit.chunks, chunks, strict=False):
+                assert np.array_equal(got, want)
+    finally:
+        cache.close()
+
+
+def test_a_chunk_no_arena_holds_is_named_as_such(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """With a second chunk beside it, the error said "put it in smaller batches" instead."""
+    direct_agent(namespace)
+    client = client_of(namespace)
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    try:
+        with pytest.raises(NoCapacity, match=r"the largest host arena is 4194304 B") as caught:
+            cache.store(list(range(2 * C)), [np.zeros(5 << 20, np.uint8)] * 2)
+        assert caught.value.permanent
+        assert cache.match(list(range(2 * C))) == 0
+    finally:
+        cache.close()
