@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -70,6 +71,8 @@ log = logging.getLogger("mooncake.client")
 MAX_SECONDS = 10_000_000
 #: Upper bound of chunk_tokens.
 MAX_CHUNK_TOKENS = 1 << 20
+#: How often the renewal thread unpins hits dropped without release() between its renewals.
+DROPPED_EVERY_S = 0.25
 
 
 class PrefixHit:
@@ -598,10 +601,19 @@ def _renew_while_alive(
     for a renewal, so that the cache can go. A hit dropped unreleased with its cache (a cache per
     request) queued its pins in the cache's queue, which nothing else would drain: they are unpinned
     here, not left pinned for their whole lease."""
-    while not stop.wait(interval_s):
+    next_renewal = time.monotonic() + interval_s
+    while not stop.wait(min(DROPPED_EVERY_S, max(0.0, next_renewal - time.monotonic()))):
         cache = cache_ref()
         if cache is None:
             dropped.unpin(every=True)
             return
-        cache._renew_once()
+        if time.monotonic() >= next_renewal:
+            next_renewal = time.monotonic() + interval_s
+            cache._renew_once()
+        else:
+            # Between renewals, the hits dropped meanwhile (no round trip when there are none): a
+            # load_async its caller cancelled while it ran finished all the same, and its hit,
+            # which no one could release, kept its chunks pinned (unremovable, unevictable) until
+            # the next renewal, 10 s by default.
+            dropped.unpin()
         del cache

@@ -3,9 +3,10 @@
 A hit dropped without release() (no ``with``, no call) kept its chunks pinned for its whole lease
 (``pin_lease_s``, 30 s by default): an engine that forgot one release per request kept much of a
 node pinned, and no pressure pass could move or evict those chunks meanwhile. A finalizer queues
-the pins of a dropped hit, and the cache unpins them at its next load, store or match, at each
-renewal, and at close(). The finalizer only queues: it may run inside any thread's code (at a
-garbage collection), so it takes no lock and makes no index call.
+the pins of a dropped hit, and the cache unpins them at its next load, store or match, within a
+quarter second on its renewal thread (prefix.DROPPED_EVERY_S), and at close(). The finalizer
+only queues: it may run inside any thread's code (at a garbage collection), so it takes no lock
+and makes no index call.
 """
 
 from __future__ import annotations
