@@ -77,7 +77,7 @@ class NoCapacity(MooncakeError):
     ``free_bytes``: what the refusing agent said it could still take, when one refused, and
     ``largest_bytes`` its largest free block (the free room may be in pieces). ``batch_limit``:
     for a batch the cluster cannot hold at once even empty, how many of its first objects, in
-    order, it could (None otherwise)."""
+    order, the nodes would keep under their high watermarks (None otherwise)."""
 
     def __init__(
         self,

@@ -194,10 +194,10 @@ class AllocationTable:
         return [self._allocator.footprint(size) for size, _ in requests]
 
     def fits(self, blocks: Sequence[int]) -> bool:
-        """Whether blocks of these sizes (footprints) would all be granted now: a batch waiting for
-        room needs a piece for each, and the largest free block held the batch's sum only after a
-        compaction joined blocks for its members one by one (the pressure pass then evicted for it
-        all the same)."""
+        """Whether blocks of these sizes (footprints) would all be granted now, placed as reserve()
+        places them (largest first, best fit): a batch waiting for room needs a piece for each, and
+        the largest free block held the batch's sum only after a compaction joined blocks for its
+        members one by one (the pressure pass then evicted for it all the same)."""
         if len(blocks) <= 1:
             return self.room()[1] >= sum(blocks)
         with self._lock:
@@ -215,18 +215,22 @@ class AllocationTable:
             # odd-sized objects end past the mark, and the peer spilled them straight back.
             if ceiling_bytes is not None and self._allocator.used_bytes + self.footprint(requests) > ceiling_bytes:
                 return None
-            done: list[Allocation] = []
-            for size, put_id in requests:
-                offset = self._allocator.allocate(size)
+            # Placed largest first, best fit (as fits() judges a batch, and a compaction checks
+            # its moves): in the batch's order a small object took the hole a larger one needed,
+            # and a batch that fitted was refused while the pass, judging it by fits(), made no room.
+            offsets: dict[int, int] = {}
+            for i in sorted(range(len(requests)), key=lambda i: -self._allocator.footprint(requests[i][0])):
+                offset = self._allocator.allocate(requests[i][0])
                 if offset is None:
-                    for alloc in done:
-                        self._allocator.free(alloc.offset)
-                        del self._allocs[alloc.alloc_id]
-                        del self._reserved[alloc.alloc_id]
+                    for placed in offsets.values():
+                        self._allocator.free(placed)
                     return None
+                offsets[i] = offset
+            done: list[Allocation] = []
+            for i, (size, put_id) in enumerate(requests):
                 alloc = Allocation(
                     alloc_id=next(self._ids),
-                    offset=offset,
+                    offset=offsets[i],
                     length=size,
                     put_id=put_id,
                     state=AllocState.RESERVED,

@@ -193,7 +193,7 @@ class PutPath:
                     ) from None
                 elif settling and isinstance(exc, NoCapacity):
                     waited = f"waited {config.timeout_s:g} s (timeout_s) for the nodes to register again"
-                    raise NoCapacity(f"{exc}; {waited}", permanent=exc.permanent) from None
+                    raise NoCapacity(f"{exc}; {waited}", permanent=exc.permanent, batch_limit=exc.batch_limit) from None
                 else:
                     raise
             for plan in plans:

@@ -135,11 +135,17 @@ class Reserver:
         nodes, now = client._node_table(), client._server_now_ms()
         if preferred_node in nodes and nodes[preferred_node].heartbeat_deadline_ms < now:  # dead on a cached table?
             nodes, now = client._node_table(refresh=True), client._server_now_ms()  # judged afresh (check_preferred)
-        for tier in {p.tier for p in plans}:
+        tiers = {p.tier for p in plans}
+        for tier in tiers:
             sizes = [p.size_bytes for p in plans if p.tier == tier]
-            check_batch_fits(
-                nodes.values(), sizes, replicas=replicas, now_ms=now, tier=tier, preferred_node=preferred_node
-            )
+            try:
+                check_batch_fits(
+                    nodes.values(), sizes, replicas=replicas, now_ms=now, tier=tier, preferred_node=preferred_node
+                )
+            except NoCapacity as exc:
+                if len(tiers) > 1:
+                    exc.batch_limit = None  # counted in one tier's objects: no count of the batch's first ones
+                raise
         # Plan against free space as it will be after this batch: a batch spreads out.
         projected = self._free_room(nodes, now)
         groups: dict[tuple[str, TierKind], list[PlannedPut]] = {}

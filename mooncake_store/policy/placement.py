@@ -171,28 +171,40 @@ def check_batch_fits(
     node holds at most as many of them as its smallest ones fill. Such a batch waited out
     timeout_s, then blamed pinned and leased objects that did not exist. Only this bound is
     checked: a batch that passes may still not fit, and then waits for room as any put does. The
-    error's ``batch_limit`` is how many of the batch's first objects, in order, would pass (a
-    prompt's store writes those: PrefixCache.store)."""
+    error's ``batch_limit`` is how many of the batch's first objects, in order, the nodes would
+    keep under their high watermarks (a prompt's store writes those: PrefixCache.store)."""
     if len(sizes) < 2:
         return  # one object: rank_nodes and check_kept say why, if it cannot be held
     alive = [n for n in live_nodes(nodes, now_ms) if tier_capacity(n, tier) > 0]
     if len(alive) < replicas:
         return  # choose_replica_nodes says that replicas=N needs N live nodes
-    if max(sizes) > max((tier_capacity(n, tier) for n in alive), default=0):
-        # An object no arena holds: rank_nodes names it and the largest arena. Told "put it in
-        # smaller batches", the writer of a batch with one such object could never succeed.
-        return
-    if preferred_node is not None and not any(n.node_id == preferred_node for n in alive):
+    first = [n for n in alive if n.node_id == preferred_node] if preferred_node is not None else alive
+    if not first:
         return  # rank_nodes says why the preferred node cannot take it
-    short = _batch_shortfall(alive, sizes, replicas=replicas, tier=tier, preferred_node=preferred_node)
+    if max(sizes) > max(tier_capacity(n, tier) for n in first):
+        # An object no arena it may go to holds: rank_nodes names it and the largest arena. Told
+        # "put it in smaller batches", the writer of a batch with one such object never succeeds.
+        return
+
+    def capacity(node: NodeInfo) -> int:
+        return tier_capacity(node, tier)
+
+    short = _batch_shortfall(alive, sizes, capacity, replicas=replicas, preferred_node=preferred_node)
     if short is None:
         return
     group, held, needed = short
-    # The longest run of the batch's first objects that would pass (at least none), found by halves.
+
+    def kept(node: NodeInfo) -> int:
+        return int(node.high_watermark(1.0) * tier_capacity(node, tier))
+
+    # The batch's first objects that the nodes would hold under their high watermarks, found by
+    # halves (the longest such run where the objects are alike, as a prompt's chunks are): a run
+    # that filled the arenas whole waited for every other object to go, and one pinned or leased
+    # object anywhere left it waiting out the put's timeout.
     fits, too_many = 0, len(sizes)
     while too_many - fits > 1:
         middle = (fits + too_many) // 2
-        if _batch_shortfall(alive, sizes[:middle], replicas=replicas, tier=tier, preferred_node=preferred_node):
+        if _batch_shortfall(alive, sizes[:middle], kept, replicas=replicas, preferred_node=preferred_node):
             too_many = middle
         else:
             fits = middle
@@ -201,22 +213,27 @@ def check_batch_fits(
         f"a batch of {len(sizes)} object(s) ({sum(sizes)} B on {tier}, replicas={replicas}) cannot be held "
         f"at once: each object's room is held until the batch commits, and the {tier} tiers it may go to "
         f"({where}) hold at most {held} of the {needed} {'objects' if replicas == 1 else 'copies'} it needs "
-        f"together, even empty; put it in smaller batches (its first {fits} would fit)",
+        f"together, even empty; put it in smaller batches (its first {fits} would be kept)",
         permanent=True,
         batch_limit=fits,
     )
 
 
 def _batch_shortfall(
-    alive: list[NodeInfo], sizes: list[int], *, replicas: int, tier: TierKind, preferred_node: str | None
+    alive: list[NodeInfo],
+    sizes: list[int],
+    room_of: Callable[[NodeInfo], int],
+    *,
+    replicas: int,
+    preferred_node: str | None,
 ) -> tuple[list[NodeInfo], int, int] | None:
-    """The nodes that cannot hold their share of the batch ``sizes`` at once, with the objects
-    (or copies) they hold at most and need; None when every group can."""
+    """The nodes that cannot hold their share of the batch ``sizes`` at once in ``room_of`` each,
+    with the objects (or copies) they hold at most and need; None when every group can."""
     ordered = sorted(sizes)
 
     def most_held(node: NodeInfo) -> int:
         """Of the batch's objects, at most one copy each, as many as its smallest ones fill."""
-        room, held = tier_capacity(node, tier), 0
+        room, held = room_of(node), 0
         for size in ordered:
             room -= footprint_bytes(size)  # whole 64 B units, one at least
             if room < 0:

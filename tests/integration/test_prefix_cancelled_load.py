@@ -42,15 +42,21 @@ def test_a_cancelled_load_async_leaves_its_chunks_removable(client: Client) -> N
     try:
         tokens = list(range(8 * C))
         assert cache.store(tokens, [np.full(1 << 20, i, np.uint8) for i in range(8)]) == 8
+        loads = [cache.load_async(tokens)]
+        # Cancelled once it runs (or ran): cancelled before, it would pin nothing at all.
+        assert wait_until(lambda: loads[0].running() or loads[0].done(), 10.0)
 
-        async def cancel_a_load() -> None:
-            future = asyncio.wrap_future(cache.load_async(tokens))
-            await asyncio.sleep(0.005)
+        async def cancel_the_load() -> None:
+            future = asyncio.wrap_future(loads[0])
             future.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await future
 
-        asyncio.run(cancel_a_load())
+        asyncio.run(cancel_the_load())
+        assert not loads[0].cancelled()  # it ran on, and its hit waits in a future no one reads
+        assert loads[0].result(timeout=10).num_chunks == 8
+        assert cache.refcounts(tokens) == [1] * 8
+        loads.clear()
         gc.collect()
         assert wait_until(lambda: cache.refcounts(tokens) == [0] * 8, 3.0)
         assert client.remove_many(cache.keys(tokens)) == [True] * 8

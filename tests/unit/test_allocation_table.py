@@ -152,3 +152,25 @@ def test_expiring_counts_each_reservation_once_however_often_it_is_named() -> No
     (res,) = table.reserve([(100, b"a")]) or []
     assert table.expire_now([res.alloc_id, res.alloc_id, 1, 2]) == 1
     assert table.reserved_deadlines()[res.alloc_id] <= time.monotonic()  # expired, not freed: the sync decides
+
+
+def test_a_batch_is_placed_largest_first_as_fits_judges_it() -> None:
+    """Free blocks of 4 and 6 units and a batch of 2, 4 and 4: in the batch's order the 2 took the
+    4-unit hole and the second 4 found none, while fits() (largest first) said the batch fitted,
+    and the pass waiting for it made no room (review, 2026-12-07)."""
+    unit = 64
+    table = AllocationTable(12 * unit, reserve_timeout_s=60.0, alignment=unit)
+    layout = [
+        a
+        for size, name in ((4, b"hole"), (1, b"wall"), (6, b"end"), (1, b"tail"))
+        for a in table.reserve([(size * unit, name)]) or []
+    ]
+    assert [a.offset // unit for a in layout] == [0, 4, 5, 11]
+    table.free([layout[0].alloc_id, layout[2].alloc_id])
+    batch = [(2 * unit, b"s"), (4 * unit, b"a"), (4 * unit, b"b")]
+    assert table.fits(table.blocks_of(batch))
+    granted = table.reserve(batch)
+    assert granted is not None
+    assert [a.put_id for a in granted] == [b"s", b"a", b"b"]  # in the batch's order all the same
+    assert sorted(a.offset // unit for a in granted) == [0, 5, 9]
+    assert granted[0].alloc_id < granted[1].alloc_id < granted[2].alloc_id

@@ -4,6 +4,8 @@ exist: 3 x 600 KiB, or 5 x 400 KiB, on two 1 MiB agents (README walk-through, se
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_policy import NOW, node
 
@@ -72,7 +74,7 @@ def test_a_refused_batch_says_how_many_of_its_first_objects_would_fit(
     """A prompt's store writes that many (PrefixCache.store): told only to use smaller batches, a
     caller who chose no batch stored nothing (a prefix-cache probe, 2026-12-07)."""
     nodes = [node("a", free=MiB, capacity=MiB), node("b", free=0, capacity=MiB)]
-    with pytest.raises(NoCapacity, match=rf"its first {limit} would fit") as caught:
+    with pytest.raises(NoCapacity, match=rf"its first {limit} would be kept") as caught:
         check_batch_fits(nodes, sizes, replicas=replicas, now_ms=NOW, preferred_node=preferred)
     assert caught.value.batch_limit == limit
     check_batch_fits(nodes, sizes[:limit], replicas=replicas, now_ms=NOW, preferred_node=preferred)
@@ -83,3 +85,20 @@ def test_a_batch_with_an_object_no_arena_holds_is_left_to_the_per_object_rule() 
     smaller batches", which could never succeed (a prefix-cache probe): rank_nodes names it."""
     nodes = [node("a", free=MiB, capacity=MiB), node("b", free=MiB, capacity=MiB)]
     check_batch_fits(nodes, [2 * MiB, KiB], replicas=1, now_ms=NOW)
+
+
+def test_the_limit_is_what_the_nodes_keep_under_their_high_watermarks() -> None:
+    """Cut to fill the arenas whole, a prompt's store waited for every other object to go, and
+    one leased object anywhere left it waiting out its timeout (review of the change above)."""
+    marked = [
+        dataclasses.replace(node(n, free=MiB, capacity=MiB), labels={"high_watermark": "0.5"}) for n in ("a", "b")
+    ]
+    with pytest.raises(NoCapacity, match=r"its first 4 would be kept") as caught:
+        check_batch_fits(marked, [256 * KiB] * 9, replicas=1, now_ms=NOW)
+    assert caught.value.batch_limit == 4  # two of 256 KiB under each 512 KiB mark
+
+
+def test_an_object_larger_than_the_preferred_node_is_left_to_the_per_object_rule() -> None:
+    """It was told "put it in smaller batches (its first 0 would fit)" (review)."""
+    nodes = [node("a", free=MiB, capacity=MiB), node("b", free=4 * MiB, capacity=4 * MiB)]
+    check_batch_fits(nodes, [2 * MiB, KiB], replicas=1, now_ms=NOW, preferred_node="a")
