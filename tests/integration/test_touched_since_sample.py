@@ -26,6 +26,21 @@ def _chunks(seed: int, n: int) -> list[np.ndarray]:
     return [np.full(256 * KiB, seed * 16 + i, np.uint8) for i in range(n)]
 
 
+def _plain_and_a_prompt(agent: Agent, client: Client, cache: PrefixCache) -> list[int]:
+    """A plain object ("plain") and a prompt of three chunks, stored and synced: the prompt's ids."""
+    client.put("plain", np.zeros(KiB, np.uint8))
+    tokens = list(range(3 * C))
+    assert cache.store(tokens, _chunks(1, 3)) == 3
+    agent.sync_once()
+    return tokens
+
+
+def _alloc_id(client: Client, key: str) -> int:
+    meta = client.object_meta(key)
+    assert meta is not None
+    return meta.replicas[0].alloc_id
+
+
 def test_the_scripts_refuse_what_was_accessed_after_the_sample(
     direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
 ) -> None:
@@ -33,10 +48,7 @@ def test_the_scripts_refuse_what_was_accessed_after_the_sample(
     client = client_of(namespace)
     cache = PrefixCache(client, NS, chunk_tokens=C)
     try:
-        client.put("plain", np.zeros(KiB, np.uint8))
-        tokens = list(range(3 * C))
-        assert cache.store(tokens, _chunks(1, 3)) == 3
-        agent.sync_once()
+        tokens = _plain_and_a_prompt(agent, client, cache)
         index = client.index
         sampled = index.server_time_ms()
         time.sleep(0.01)
@@ -44,24 +56,24 @@ def test_the_scripts_refuse_what_was_accessed_after_the_sample(
         assert cache.store(tokens, _chunks(1, 3)) == 0  # every chunk there: touched, none written
         time.sleep(0.01)  # the read's 1 ms lease is over: LEASED no longer stands in for TOUCHED
 
-        def alloc(key: str) -> int:
-            meta = client.object_meta(key)
-            assert meta is not None
-            return meta.replicas[0].alloc_id
-
         node = agent.node_id
-        assert index.evict_many([("plain", alloc("plain"))], node_id=node, since_ms=sampled) == ["TOUCHED"]
+        assert index.evict_many([("plain", _alloc_id(client, "plain"))], node_id=node, since_ms=sampled) == ["TOUCHED"]
         first = cache.keys(tokens)[0]
         freed, evicted, statuses, gone = index.evict_chains(
-            [(first, alloc(first))], node_id=node, tier="host", wanted_bytes=1, most_later=64, since_ms=sampled
+            [(first, _alloc_id(client, first))],
+            node_id=node,
+            tier="host",
+            wanted_bytes=1,
+            most_later=64,
+            since_ms=sampled,
         )
         assert (freed, evicted, statuses, gone) == (0, 0, ["TOUCHED"], [])
         assert cache.match(tokens) == 3 * C
         # Judged from after the accesses, they go as before.
         now = index.server_time_ms()
-        assert index.evict_many([("plain", alloc("plain"))], node_id=node, since_ms=now) == ["OK"]
+        assert index.evict_many([("plain", _alloc_id(client, "plain"))], node_id=node, since_ms=now) == ["OK"]
         _, evicted, statuses, _ = index.evict_chains(
-            [(first, alloc(first))], node_id=node, tier="host", wanted_bytes=1, most_later=64, since_ms=now
+            [(first, _alloc_id(client, first))], node_id=node, tier="host", wanted_bytes=1, most_later=64, since_ms=now
         )
         assert (evicted, statuses) == (1, ["TRIMMED"])
         assert cache.match(tokens) == 2 * C  # cut back from its leaf only
@@ -80,10 +92,7 @@ def test_an_access_in_the_millisecond_of_the_sample_counts_as_touched(
     client = client_of(namespace)
     cache = PrefixCache(client, NS, chunk_tokens=C)
     try:
-        client.put("plain", np.zeros(KiB, np.uint8))
-        tokens = list(range(3 * C))
-        assert cache.store(tokens, _chunks(1, 3)) == 3
-        agent.sync_once()
+        tokens = _plain_and_a_prompt(agent, client, cache)
         index = client.index
         assert index.lookup(["plain"], lease_ms=1).objects[0] is not None
         assert cache.store(tokens, _chunks(1, 3)) == 0  # every chunk touched, none written
@@ -92,24 +101,21 @@ def test_an_access_in_the_millisecond_of_the_sample_counts_as_touched(
         def last_access(key: str) -> int:
             return int(index.redis.hget(index.prefix + "o:" + key, "last_access"))
 
-        def alloc(key: str) -> int:
-            meta = client.object_meta(key)
-            assert meta is not None
-            return meta.replicas[0].alloc_id
-
         node = agent.node_id
         at = last_access("plain")
-        assert index.evict_many([("plain", alloc("plain"))], node_id=node, since_ms=at) == ["TOUCHED"]
+        assert index.evict_many([("plain", _alloc_id(client, "plain"))], node_id=node, since_ms=at) == ["TOUCHED"]
         leaf = cache.keys(tokens)[-1]
         first = cache.keys(tokens)[0]
         at = last_access(leaf)  # the store touched every chunk: the leaf's time stops the chain
         freed, evicted, statuses, gone = index.evict_chains(
-            [(first, alloc(first))], node_id=node, tier="host", wanted_bytes=1, most_later=64, since_ms=at
+            [(first, _alloc_id(client, first))], node_id=node, tier="host", wanted_bytes=1, most_later=64, since_ms=at
         )
         assert (freed, evicted, statuses, gone) == (0, 0, ["TOUCHED"], [])
         assert cache.match(tokens) == 3 * C
         # A millisecond later, the same accesses are older than the sample: they go as before.
-        assert index.evict_many([("plain", alloc("plain"))], node_id=node, since_ms=last_access("plain") + 1) == ["OK"]
+        assert index.evict_many(
+            [("plain", _alloc_id(client, "plain"))], node_id=node, since_ms=last_access("plain") + 1
+        ) == ["OK"]
     finally:
         cache.close()
 
