@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mooncake_store.agent.allocations import Allocation
@@ -40,9 +41,24 @@ SAMPLE = 4096
 RETRY_S = 5.0
 #: Blocks made per run at most (a reservation's batch may ask for up to frames.MAX_BATCH).
 MAX_BLOCKS = 8
+#: An object whose read lease runs longer than this past the run's start stays where it is.
+LEASE_WAIT_S = 15.0
+#: A held window is let go this long after the leases it waits for end, joined or not.
+HELD_SLACK_S = 2.0
 #: Graves one sync frees at most (IndexClient.agent_sync's max_graves): a run that moved more
 #: objects frees their old blocks in as many syncs.
 GRAVES_PER_SYNC = 1000
+
+
+@dataclass(slots=True)
+class _HeldWindow:
+    """A window emptied of objects some of which a reader still held under a lease: its free
+    pieces stay held until the old blocks are freed (their graves fall due as the leases end), and
+    then it is one block."""
+
+    offsets: list[int]  # the held pieces (release_holds)
+    old_ids: list[int]  # the moved objects' old blocks
+    until: float  # monotonic s: let go by then whatever is left (the leases sampled, and some slack)
 
 
 class Compactor:
@@ -52,6 +68,8 @@ class Compactor:
         self._lock = threading.Lock()
         self._wanted: list[int] = []  # the blocks the latest refusal asked for, largest first
         self._quiet_until = 0.0  # monotonic s: after a run that found no window
+        # Windows waiting for their old blocks (the pressure thread's alone, as the runs are).
+        self._held: list[_HeldWindow] = []
 
     def want_blocks(self, blocks: list[int]) -> None:
         """A reservation of ``blocks`` (footprints) was refused while the arena had their bytes free."""
@@ -61,13 +79,18 @@ class Compactor:
             self._wanted = wanted
 
     def pending(self) -> bool:
+        """Whether run_once has work: blocks wanted, or windows to let go once their blocks join."""
         with self._lock:
-            return bool(self._wanted) and time.monotonic() >= self._quiet_until
+            return bool(self._held) or (bool(self._wanted) and time.monotonic() >= self._quiet_until)
 
     def run_once(self, stop: threading.Event | None = None) -> int:
         """Empty a window for each block the latest refusal asked for that the arena does not hold
         now, while there is one; returns the objects moved. ``stop``: the agent is stopping, and
-        the run ends after the move under way (the arena goes soon after)."""
+        the run ends after the move under way (the arena goes soon after). While windows of an
+        earlier run wait for their old blocks, no other is emptied: the writer's next try finds
+        them joined."""
+        if self._settle_held():
+            return 0
         with self._lock:
             wanted, self._wanted = self._wanted, []
             if not wanted or time.monotonic() < self._quiet_until:
@@ -77,37 +100,55 @@ class Compactor:
         if free < sum(wanted):
             return 0  # not there in any layout: the pressure passes make such room, for writers
         now_ms = agent.index.server_time_ms()
-        # A live lease keeps the old block in the graveyard until it runs out, so the window would
-        # not join until then: such objects stay, as pinned ones do (their swap is refused).
+        # An object under a live read lease may move too: its old block stays in the graveyard
+        # until the lease ends, and its window is held until then (_HeldWindow). Left in place,
+        # an object any reader kept reading (each read renews its lease) was never moved, and a
+        # writer waited out its timeout beside readers. Windows of objects free to go now are
+        # chosen first; a lease longer than LEASE_WAIT_S keeps its object where it is.
         known = {
             c.alloc_id: c
             for c in agent.index.victim_candidates(agent.node_id, "host", sample=SAMPLE)
-            if c.pins == 0 and c.lease_until_ms <= now_ms
+            if c.pins == 0 and c.lease_until_ms <= now_ms + LEASE_WAIT_S * 1000
         }
+
+        def free_now(alloc: Allocation) -> bool:
+            candidate = known.get(alloc.alloc_id)
+            return candidate is not None and candidate.lease_until_ms <= now_ms
 
         def movable(alloc: Allocation) -> bool:
             return alloc.alloc_id in known
 
         made = 0
         moved: list[int] = []  # the old blocks of the objects moved: in the graveyard until freed
-        held: list[int] = []  # each block made is held until the end: the next is made elsewhere
+        windows: list[_HeldWindow] = []  # each block made is held until it joins: the next is made elsewhere
         try:
             for size in wanted:
-                window = choose_window(table.layout(movable), size)
+                window = choose_window(table.layout(free_now), size) or choose_window(table.layout(movable), size)
                 if window is None:
                     break
-                held += table.hold_free_in(window.start, window.start + window.size)
-                relocated = self._empty(window.moves, known, stop)
-                moved += relocated
-                if len(relocated) < len(window.moves):
+                leases_end_ms = max((known[b.alloc_id].lease_until_ms for b in window.moves if b.alloc_id), default=0)
+                held = _HeldWindow(
+                    offsets=table.hold_free_in(window.start, window.start + window.size),
+                    old_ids=[],
+                    until=time.monotonic() + max(0, leases_end_ms - now_ms) / 1000 + HELD_SLACK_S,
+                )
+                windows.append(held)
+                held.old_ids = self._empty(window.moves, known, stop)
+                moved += held.old_ids
+                if len(held.old_ids) < len(window.moves):
                     break  # the window will not join: the rest of the run would not either
                 made += 1
             if moved:
-                # The old blocks are in the graveyard, due now: freed while the windows' pieces are
-                # still held, so that each window is one block when they are let go.
+                # The old blocks are in the graveyard, due now unless a lease holds them: freed
+                # while the windows' pieces are still held, so that each is one block when let go.
                 self._free_old_blocks(moved)
-        finally:
-            table.release_holds(held)
+        except BaseException:
+            for held in windows:
+                table.release_holds(held.offsets)
+            raise
+        with self._lock:
+            self._held = windows
+        self._settle_held()
         if made < len(wanted):
             self._quiet_until = time.monotonic() + RETRY_S
         if moved or made < len(wanted):
@@ -122,6 +163,25 @@ class Compactor:
                 table.room()[1],
             )
         return len(moved)
+
+    def _settle_held(self) -> bool:
+        """Let go of the held windows whose old blocks are freed (or whose time is up); whether
+        any is still held."""
+        if not self._held:
+            return False
+        table = self.agent.table
+        if any(alloc_id in table for held in self._held for alloc_id in held.old_ids):
+            self.agent.reclaim_now()  # the graves due by now (at most once per its minimum interval)
+        now = time.monotonic()
+        still: list[_HeldWindow] = []
+        for held in self._held:
+            if now < held.until and any(alloc_id in table for alloc_id in held.old_ids):
+                still.append(held)
+            else:
+                table.release_holds(held.offsets)
+        with self._lock:
+            self._held = still
+        return bool(still)
 
     def _empty(
         self, blocks: tuple[Block, ...], known: dict[int, EvictionCandidate], stop: threading.Event | None
@@ -142,7 +202,7 @@ class Compactor:
         return done
 
     def _free_old_blocks(self, alloc_ids: list[int]) -> None:
-        """Free the moved objects' old blocks (due now: none had a live lease when sampled), in as
+        """Free the moved objects' old blocks that are due now (those whose lease ran out), in as
         many syncs as the graveyard gives them back in. One sync frees GRAVES_PER_SYNC at most: a
         window of 1024 small objects was let go with some of them still allocated, and was no
         block for the reservation it was made for."""
