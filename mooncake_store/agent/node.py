@@ -85,6 +85,10 @@ class Agent(OtherTierHooks, SyncDuties):
             # expanduser: a "~/kv" from a TOML file or env (no shell to expand it) means the home directory.
             self.disk = self._disk_tier(config) if config.disk_bytes else None
             self.disk_keys: dict[int, str] = {}  # disk alloc id -> key, for promotion
+            # Chunk files whose replica was dropped for failing their checksum, until freed: no
+            # victim of a pass (a spill's refusal names one; sent again, the peer refused the pass
+            # the rest of its victims), and dropped and counted once.
+            self.damaged_disk_ids: set[int] = set()
             # Chunk files that peers spill onto this disk tier, until their swaps are acked.
             self.inbox = (
                 DiskInbox(self.disk, reserve_timeout_s=config.reserve_timeout_s, ids=self.table.ids)
@@ -204,6 +208,7 @@ class Agent(OtherTierHooks, SyncDuties):
             elif self.disk is not None and alloc_id in self.disk:
                 self.disk.remove(alloc_id)
                 self.disk_keys.pop(alloc_id, None)
+                self.damaged_disk_ids.discard(alloc_id)
             elif self.gpu_table is not None and alloc_id in self.gpu_table:
                 gpu_ids.append(alloc_id)
             else:

@@ -33,6 +33,7 @@ class OtherTierHooks:
     node_id: str
     index: RedisIndex
     disk_keys: dict[int, str]
+    damaged_disk_ids: set[int]
     gpu: GpuArena | None
     table: AllocationTable
     gpu_table: AllocationTable | None
@@ -102,16 +103,24 @@ class OtherTierHooks:
     def _drop_corrupt(self, alloc_id: int, exc: CorruptChunk) -> None:
         """A chunk file failed its checksum: its replica leaves the index, so that readers go to
         another replica or find no object (a miss) instead of failing on it again and again; the
-        file goes through the graveyard. Counted as "corrupt" in the disk tier's counters."""
+        file goes through the graveyard. Counted as "corrupt" in the disk tier's counters, once:
+        a spill's refusal and a read that both met it counted one file twice."""
+        if alloc_id in self.damaged_disk_ids:
+            return  # dropped already
         key = self.disk_keys.get(alloc_id)
         log.error("disk allocation %d (key %r) is damaged: %s; dropping that replica", alloc_id, key, exc)
-        self.pressure.count(TierKind.DISK, "corrupt")
         if key is None:
+            self.pressure.count(TierKind.DISK, "corrupt")
             return  # a peer's file not yet settled: its swap's ack names it, and the read is refused
+        self.damaged_disk_ids.add(alloc_id)
         try:
-            self.index.drop_corrupt(key, alloc_id, node_id=self.node_id)
+            dropped = self.index.drop_corrupt(key, alloc_id, node_id=self.node_id)
         except MooncakeError as err:
+            self.damaged_disk_ids.discard(alloc_id)  # still listed: the next read drops it
             log.warning("could not drop the damaged replica of %r from the index: %s", key, err)
+            return
+        if dropped:
+            self.pressure.count(TierKind.DISK, "corrupt")
 
     def read_gpu(self, alloc_id: int) -> tuple[bytearray, int] | None:
         """A GPU-tier object copied to host memory (fenced against frees), with its arena offset."""

@@ -476,6 +476,8 @@ class PressureManager:
         disk = self.agent.disk
         entry = disk.entry(victim.alloc_id) if disk is not None else None
         # A file sends its stored (compressed) bytes, and its leaving frees the blocks it takes.
-        if entry is None:
+        # One dropped as damaged (a peer refused it, and the check here found why) goes nowhere:
+        # placed again, it had the peer refuse the pass's other victims, which were evicted.
+        if entry is None or victim.alloc_id in self.agent.damaged_disk_ids:
             return None
         return SpillJob(victim=victim, offset=0, stored_bytes=entry.stored_bytes, footprint_bytes=entry.footprint_bytes)
