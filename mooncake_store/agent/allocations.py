@@ -138,6 +138,16 @@ class AllocationTable:
             alloc = self._allocs.get(alloc_id)
             return alloc.put_id if alloc else None
 
+    def largest_object(self) -> int:
+        """What the largest allocation takes (0 for none): a walk over all of them."""
+        with self._lock:
+            return self._allocator.largest_allocation_bytes
+
+    def free_blocks_of(self, size: int) -> int:
+        """How many blocks of ``size`` bytes the free room holds side by side (a walk over it)."""
+        with self._lock:
+            return sum(free // size for _, free in self._allocator.free_blocks()) if size > 0 else 0
+
     def known_ids(self) -> set[int]:
         with self._lock:
             return set(self._allocs)

@@ -45,6 +45,9 @@ MAX_BLOCKS = 8
 LEASE_WAIT_S = 15.0
 #: A held window is let go this long after the leases it waits for end, joined or not.
 HELD_SLACK_S = 2.0
+#: How often an agent checks, between its passes, that its arena has free blocks for its largest
+#: object (keep_blocks).
+IDLE_CHECK_S = 5.0
 #: Graves one sync frees at most (IndexClient.agent_sync's max_graves): a run that moved more
 #: objects frees their old blocks in as many syncs.
 GRAVES_PER_SYNC = 1000
@@ -70,6 +73,7 @@ class Compactor:
         self._quiet_until = 0.0  # monotonic s: after a run that found no window
         # Windows waiting for their old blocks (the pressure thread's alone, as the runs are).
         self._held: list[_HeldWindow] = []
+        self._next_idle_check = 0.0  # monotonic s: keep_blocks's next look
 
     def want_blocks(self, blocks: list[int]) -> None:
         """A reservation of ``blocks`` (footprints) was refused while the arena had their bytes free."""
@@ -77,6 +81,33 @@ class Compactor:
         wanted = sorted((size for size in blocks if 0 < size <= capacity), reverse=True)[:MAX_BLOCKS]
         with self._lock:
             self._wanted = wanted
+
+    def keep_blocks(self) -> None:
+        """Ask for free blocks the size of the arena's largest object, as many as peers may spill
+        into it (its room under its high watermark; MAX_BLOCKS at most), when its free pieces hold
+        fewer: peers plan spills and repairs by the largest free block each node publishes, pass
+        over a node none of whose pieces holds their victim (policy/eviction.py choose_move), and
+        a batch of victims planned into its one block was refused whole. A cluster whose room was
+        in pieces evicted objects while the bytes for them sat free. Looked at every IDLE_CHECK_S
+        by the pressure loop (a walk over the arena's blocks); a run that finds no window puts
+        the next off as a refusal's does."""
+        now = time.monotonic()
+        if now < self._next_idle_check:
+            return
+        self._next_idle_check = now + IDLE_CHECK_S
+        table = self.agent.table
+        used = table.usage()[0]
+        size = table.largest_object()
+        room = int(self.agent.config.high_watermark * table.capacity_bytes) - used
+        if size <= 0 or room < size:
+            return  # nothing held, or no room a peer may fill: past its mark the passes move objects out
+        count = min(MAX_BLOCKS, room // size)
+        if table.free_blocks_of(size) < count:
+            with self._lock:
+                if not self._wanted:
+                    # A block there already is the cheapest window (nothing to move): held, and the
+                    # next one made elsewhere.
+                    self._wanted = [size] * count
 
     def pending(self) -> bool:
         """Whether run_once has work: blocks wanted, or windows to let go once their blocks join."""

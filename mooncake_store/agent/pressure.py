@@ -174,6 +174,7 @@ class PressureManager:
             failed = not self._duty(self._retain_peers, failures)
             if self._duty(self.moves.settle, failures):
                 # Before the passes: a block joined inside the arena is room no object leaves for.
+                self.compactor.keep_blocks()
                 if self.compactor.pending():
                     failed = not self._duty(partial(self.compactor.run_once, stop), failures) or failed
                 for relieve in (self.relieve_gpu, self.relieve_host, self.relieve_disk):

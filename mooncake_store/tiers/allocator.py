@@ -263,6 +263,11 @@ class OffsetAllocator:
         """``(offset, size)`` of every free block in address order; for stats and tests."""
         return sorted(self._free.items())
 
+    @property
+    def largest_allocation_bytes(self) -> int:
+        """The largest live allocation (0 when there is none); a walk over every one of them."""
+        return max(self._live.values(), default=0)
+
     def allocations(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every live allocation in address order; for stats and tests."""
         return sorted(self._live.items())

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from helpers import wait_until
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -136,3 +137,35 @@ def test_a_put_to_a_node_with_its_room_in_pieces_evicts_nothing(redis_url: str) 
         (node,) = [n for n in stats.nodes if n.node_id == node_id]
         host = next(t for t in node.tiers if t.tier == "host")
         assert host.compacted >= 1 and host.evictions == 0, host
+
+
+def test_a_node_whose_room_is_in_pieces_makes_a_block_for_its_peers_spills(
+    make_inproc_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """Peers plan spills by the largest free block each node publishes, and pass over a node none
+    of whose pieces holds the victim: with the other node's room all in 256 KiB holes, a node
+    filled past its high watermark with 512 KiB objects evicted them while 1.75 MiB sat free there.
+    A node keeps blocks the size of its largest object for what peers may spill to it (keep_blocks)."""
+    live = {"sync_interval_s": 0.2, "heartbeat_interval_s": 0.3, "reserve_timeout_s": 30.0, "spill_to_peers": True}
+    pieces = make_inproc_agent(namespace=namespace, node_id="n1-pieces", **live)
+    client = client_of(namespace)
+    kept = {"big": np.full(512 * KiB, 99, np.uint8), **_fill_in_pieces(client, pieces.node_id, 14)}
+    client.put("big", kept["big"], preferred_node=pieces.node_id)
+    # 2.25 MiB used of 4 (under its 90% mark), 1.75 MiB free in pieces of 256 KiB (the last at the end).
+    assert wait_until(lambda: pieces.table.room()[1] >= 512 * KiB, 15.0), pieces.table.room()
+    assert pieces.pressure.counters[TierKind.HOST]["compacted"] >= 1
+
+    def published_block() -> int:
+        usage = client.index.nodes()[pieces.node_id].tier(TierKind.HOST)
+        return usage.largest_free_bytes if usage is not None else 0
+
+    assert wait_until(lambda: published_block() >= 512 * KiB, 5.0)  # what peers plan by: its heartbeat
+
+    full = make_inproc_agent(namespace=namespace, node_id="n0-full", **live)
+    spilled = {f"s{i}": np.full(512 * KiB, 10 + i, np.uint8) for i in range(8)}  # 4 MiB: past its 3.6
+    for key, value in spilled.items():
+        client.put(key, value, preferred_node=full.node_id)
+    assert wait_until(lambda: full.pressure.counters[TierKind.HOST]["spills_out"] >= 1, 15.0)
+    assert full.pressure.counters[TierKind.HOST]["evictions"] == 0
+    for key, value in {**kept, **spilled}.items():
+        assert np.array_equal(client.get(key), value), key
