@@ -173,9 +173,10 @@ class AllocationTable:
         blocks.sort(key=lambda block: block.offset)
         return blocks
 
-    def hold_free_in(self, start: int, end: int) -> list[int]:
+    def hold_free_in(self, start: int, end: int) -> list[tuple[int, int]]:
         """Take the free pieces of ``[start, end)`` so that no reservation lands there while a
-        compaction empties it; returns their offsets, for release_holds. Counted as used meanwhile."""
+        compaction empties it; returns them (offset, size), their offsets for release_holds.
+        Counted as used meanwhile."""
         with self._lock:
             pieces = []
             for offset, size in self._allocator.free_blocks():
@@ -184,7 +185,7 @@ class AllocationTable:
                     pieces.append((low, high - low))
             for offset, size in pieces:
                 self._allocator.take(offset, size)
-            return [offset for offset, _ in pieces]
+            return pieces
 
     def release_holds(self, offsets: list[int]) -> None:
         with self._lock:

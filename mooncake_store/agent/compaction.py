@@ -43,11 +43,14 @@ RETRY_S = 5.0
 MAX_BLOCKS = 8
 #: An object whose read lease runs longer than this past the run's start stays where it is.
 LEASE_WAIT_S = 15.0
-#: A held window is let go this long after the leases it waits for end, joined or not.
+#: A held window is let go this long past LEASE_WAIT_S after its objects moved, joined or not.
 HELD_SLACK_S = 2.0
 #: How often an agent checks, between its passes, that its arena has free blocks for its largest
 #: object (keep_blocks).
 IDLE_CHECK_S = 5.0
+#: After keep_blocks runs that made nothing (pinned objects, an outlier's size, long leases), its
+#: checks back off, twice as long after each, up to this.
+IDLE_CHECK_MAX_S = 120.0
 #: Graves one sync frees at most (IndexClient.agent_sync's max_graves): a run that moved more
 #: objects frees their old blocks in as many syncs.
 GRAVES_PER_SYNC = 1000
@@ -60,8 +63,9 @@ class _HeldWindow:
     then it is one block."""
 
     offsets: list[int]  # the held pieces (release_holds)
+    held_bytes: int  # what they take: room on its way, not use (PressureManager._arena_need)
     old_ids: list[int]  # the moved objects' old blocks
-    until: float  # monotonic s: let go by then whatever is left (the leases sampled, and some slack)
+    until: float = 0.0  # monotonic s: let go by then, joined or not (set once its objects moved)
 
 
 class Compactor:
@@ -74,6 +78,8 @@ class Compactor:
         # Windows waiting for their old blocks (the pressure thread's alone, as the runs are).
         self._held: list[_HeldWindow] = []
         self._next_idle_check = 0.0  # monotonic s: keep_blocks's next look
+        self._idle_every = IDLE_CHECK_S  # keep_blocks's period, longer after runs that made nothing
+        self._idle_asked = False  # the blocks wanted now are keep_blocks's, not a refusal's
 
     def want_blocks(self, blocks: list[int]) -> None:
         """A reservation of ``blocks`` (footprints) was refused while the arena had their bytes free."""
@@ -81,6 +87,12 @@ class Compactor:
         wanted = sorted((size for size in blocks if 0 < size <= capacity), reverse=True)[:MAX_BLOCKS]
         with self._lock:
             self._wanted = wanted
+            self._idle_asked = False
+
+    def held_bytes(self) -> int:
+        """What the held windows' pieces take: counted as used by the arena, they are room on its way."""
+        with self._lock:
+            return sum(held.held_bytes for held in self._held)
 
     def keep_blocks(self) -> None:
         """Ask for free blocks the size of the arena's largest object, as many as peers may spill
@@ -92,9 +104,9 @@ class Compactor:
         by the pressure loop (a walk over the arena's blocks); a run that finds no window puts
         the next off as a refusal's does."""
         now = time.monotonic()
-        if now < self._next_idle_check:
+        if now < self._next_idle_check or self._held:
             return
-        self._next_idle_check = now + IDLE_CHECK_S
+        self._next_idle_check = now + self._idle_every
         table = self.agent.table
         used = table.usage()[0]
         size = table.largest_object()
@@ -108,11 +120,12 @@ class Compactor:
                     # A block there already is the cheapest window (nothing to move): held, and the
                     # next one made elsewhere.
                     self._wanted = [size] * count
+                    self._idle_asked = True
 
     def pending(self) -> bool:
-        """Whether run_once has work: blocks wanted, or windows to let go once their blocks join."""
+        """Whether run_once has blocks to make (settle() lets held windows go: each loop calls it)."""
         with self._lock:
-            return bool(self._held) or (bool(self._wanted) and time.monotonic() >= self._quiet_until)
+            return bool(self._wanted) and time.monotonic() >= self._quiet_until
 
     def run_once(self, stop: threading.Event | None = None) -> int:
         """Empty a window for each block the latest refusal asked for that the arena does not hold
@@ -120,10 +133,11 @@ class Compactor:
         the run ends after the move under way (the arena goes soon after). While windows of an
         earlier run wait for their old blocks, no other is emptied: the writer's next try finds
         them joined."""
-        if self._settle_held():
+        if self.settle():
             return 0
         with self._lock:
             wanted, self._wanted = self._wanted, []
+            idle, self._idle_asked = self._idle_asked, False
             if not wanted or time.monotonic() < self._quiet_until:
                 return 0
         agent, table = self.agent, self.agent.table
@@ -157,17 +171,18 @@ class Compactor:
                 window = choose_window(table.layout(free_now), size) or choose_window(table.layout(movable), size)
                 if window is None:
                     break
-                leases_end_ms = max((known[b.alloc_id].lease_until_ms for b in window.moves if b.alloc_id), default=0)
-                held = _HeldWindow(
-                    offsets=table.hold_free_in(window.start, window.start + window.size),
-                    old_ids=[],
-                    until=time.monotonic() + max(0, leases_end_ms - now_ms) / 1000 + HELD_SLACK_S,
-                )
+                pieces = table.hold_free_in(window.start, window.start + window.size)
+                held = _HeldWindow(offsets=[o for o, _ in pieces], held_bytes=sum(n for _, n in pieces), old_ids=[])
                 windows.append(held)
                 held.old_ids = self._empty(window.moves, known, stop)
                 moved += held.old_ids
+                # From when its objects moved: a read meanwhile renewed a lease, and the grave falls
+                # due at the lease as it stood at the swap (no longer than LEASE_WAIT_S, as sampled).
+                held.until = time.monotonic() + LEASE_WAIT_S + HELD_SLACK_S
                 if len(held.old_ids) < len(window.moves):
-                    break  # the window will not join: the rest of the run would not either
+                    windows.pop()  # it will not join: let go at once, and the rest of the run with it
+                    table.release_holds(held.offsets)
+                    break
                 made += 1
             if moved:
                 # The old blocks are in the graveyard, due now unless a lease holds them: freed
@@ -179,10 +194,13 @@ class Compactor:
             raise
         with self._lock:
             self._held = windows
-        self._settle_held()
+        self.settle()
         if made < len(wanted):
             self._quiet_until = time.monotonic() + RETRY_S
-        if moved or made < len(wanted):
+        if idle:
+            # keep_blocks's own runs: one that could make nothing is tried less and less often.
+            self._idle_every = IDLE_CHECK_S if made else min(self._idle_every * 2, IDLE_CHECK_MAX_S)
+        if moved or (made < len(wanted) and not idle):
             log.info(
                 "compacted the host arena for %d block(s) of up to %d B: %d made, %d object(s) moved "
                 "(largest free block %d -> %d B)",
@@ -195,9 +213,9 @@ class Compactor:
             )
         return len(moved)
 
-    def _settle_held(self) -> bool:
+    def settle(self) -> bool:
         """Let go of the held windows whose old blocks are freed (or whose time is up); whether
-        any is still held."""
+        any is still held. The pressure loop calls it at every turn."""
         if not self._held:
             return False
         table = self.agent.table

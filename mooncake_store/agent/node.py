@@ -205,6 +205,7 @@ class Agent(OtherTierHooks, SyncDuties):
             if self.inbox is not None and alloc_id in self.inbox:
                 self.inbox.free([alloc_id])
                 self.disk_keys.pop(alloc_id, None)  # a spilled file settled here (its ack drained)
+                self.damaged_disk_ids.discard(alloc_id)
             elif self.disk is not None and alloc_id in self.disk:
                 self.disk.remove(alloc_id)
                 self.disk_keys.pop(alloc_id, None)

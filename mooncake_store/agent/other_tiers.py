@@ -109,10 +109,10 @@ class OtherTierHooks:
             return  # dropped already
         key = self.disk_keys.get(alloc_id)
         log.error("disk allocation %d (key %r) is damaged: %s; dropping that replica", alloc_id, key, exc)
+        self.damaged_disk_ids.add(alloc_id)
         if key is None:
             self.pressure.count(TierKind.DISK, "corrupt")
             return  # a peer's file not yet settled: its swap's ack names it, and the read is refused
-        self.damaged_disk_ids.add(alloc_id)
         try:
             dropped = self.index.drop_corrupt(key, alloc_id, node_id=self.node_id)
         except MooncakeError as err:

@@ -174,9 +174,7 @@ class PressureManager:
             failed = not self._duty(self._retain_peers, failures)
             if self._duty(self.moves.settle, failures):
                 # Before the passes: a block joined inside the arena is room no object leaves for.
-                self.compactor.keep_blocks()
-                if self.compactor.pending():
-                    failed = not self._duty(partial(self.compactor.run_once, stop), failures) or failed
+                failed = not self._duty(partial(self._compact, stop), failures) or failed
                 for relieve in (self.relieve_gpu, self.relieve_host, self.relieve_disk):
                     if stop.is_set():
                         return
@@ -193,6 +191,14 @@ class PressureManager:
                     self._wake.set()
             if not failed:
                 failures.succeeded()
+
+    def _compact(self, stop: threading.Event) -> None:
+        """The compaction duty: blocks kept for peers, held windows let go once joined, and the
+        blocks a refused reservation asked for (agent/compaction.py)."""
+        self.compactor.keep_blocks()
+        self.compactor.settle()
+        if self.compactor.pending():
+            self.compactor.run_once(stop)
 
     def _duty(self, duty: Callable[[], object], failures: FailureLog) -> bool:
         """Run one duty of a pass; False when it failed (logged)."""
@@ -241,15 +247,19 @@ class PressureManager:
 
         def need_now(returning: Returning) -> int:
             used, _, largest_free, _ = table.usage()
+            # The pieces of windows a compaction holds until their old blocks join them: room on
+            # its way, not use (counted as used, a pass evicted for a writer whose block was
+            # being made, and a drain started on their account).
+            compacting = self.compactor.held_bytes() if tier == TierKind.HOST else 0
             # 0: room for it appeared meanwhile (a piece for each of its blocks: checked against the
             # largest piece alone, a batch whose blocks a compaction had just made had the pass
-            # evict the batch's sum all the same).
-            waiting = 0 if table.fits(wanted) else sum(wanted)
+            # evict the batch's sum all the same), or a compaction is making it.
+            waiting = 0 if compacting or table.fits(wanted) else sum(wanted)
             # Memory held for readers of objects the index lost (an index restarted empty or
             # rolled back) comes back by itself, like a grave's: counted as used, it had the
             # objects put after the restart evicted for it.
             held, held_soon = table.held_bytes(self.agent.config.pressure_interval_s)
-            need = self.drains.need(tier, used - returning.all - held, table.capacity_bytes, waiting)
+            need = self.drains.need(tier, used - returning.all - held - compacting, table.capacity_bytes, waiting)
             # The free space may be in pieces too small for the waiting reservation. A writer waits
             # a few seconds at most: only graves and holds due by the next pass count as room for
             # it (a long read lease on a removed object must not leave it waiting while others

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from helpers import wait_until
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
@@ -174,3 +175,29 @@ def test_a_batch_whose_blocks_a_compaction_made_evicts_nothing(
     host = agent.pressure.counters[TierKind.HOST]
     assert host["compacted"] >= 3
     assert host["evictions"] == 0
+
+
+def test_a_window_waits_for_a_moved_objects_lease_and_no_pass_evicts_meanwhile(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """[A1][.1][X1][.1][X1][C1][X1] then holes and Xs by turns: the one window of 2 is A and a hole,
+    A under a read lease of 1.5 s. A moves, its old block waits in the graveyard for the lease, and
+    the window is held until then (review, 2026-12-07): its held piece counted as used, and a pass
+    for the writer waiting for that block evicted C, a cold object, for room already on its way."""
+    agent = direct_agent(namespace, host_bytes=64 * U)
+    client = client_of(namespace)
+    layout = [("A", 1), ("h0", 1), ("X0", 1), ("h1", 1), ("X1", 1), ("C", 1), ("X2", 1)]
+    layout += [(f"{kind}{i}", 1) for i in range(28) for kind in ("hx", "X-")] + [("X-end", 1)]
+    holes = {key for key, _ in layout if key.startswith("h")}
+    values = _lay_out(client, agent, layout, holes)
+    client.index.lookup(["A"], lease_ms=1500)
+    compactor = agent.pressure.compactor
+    compactor.want_blocks([2 * U])
+    assert compactor.run_once() == 1
+    assert compactor.held_bytes() == U and agent.table.room()[1] == U  # held until A's old block goes
+    agent.pressure.want_room([2 * U])
+    assert agent.pressure.relieve_host() == 0
+    assert agent.pressure.counters[TierKind.HOST]["evictions"] == 0
+    assert wait_until(lambda: not compactor.settle(), 10.0)
+    assert agent.table.room()[1] == 2 * U and compactor.held_bytes() == 0
+    _all_there(client, values)
