@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from mooncake_store.client.async_args import outs_as_now, snapshot, tokens_as_now
 from mooncake_store.client.client import Client
@@ -73,6 +73,8 @@ MAX_SECONDS = 10_000_000
 MAX_CHUNK_TOKENS = 1 << 20
 #: How often the renewal thread unpins hits dropped without release() between its renewals.
 DROPPED_EVERY_S = 0.25
+
+T = TypeVar("T")
 
 
 class PrefixHit:
@@ -413,11 +415,27 @@ class PrefixCache:
             kwargs["block_hashes"] = snapshot(kwargs["block_hashes"])
         if "outs" in kwargs:
             kwargs["outs"] = outs_as_now(kwargs["outs"])
+        return self._submit(self.load, token_ids, **kwargs)
+
+    def store_async(self, token_ids: Any = None, chunks: Chunks = (), **kwargs: Any) -> Future[int]:
+        """:meth:`store` on a worker thread, so that an engine's request does not wait for the
+        writes (nor, with the cluster's room pinned by other requests' hits, for that room: a
+        store of large chunks took seconds then). The token ids, the block hashes and the list of
+        chunks are taken as they are now; the chunks' buffers themselves are read until the future
+        is done, after the caller's stream on device ones (as put_async), so they must not be
+        reused before. Its result is the count :meth:`store` returns; its errors are its own."""
+        token_ids = tokens_as_now(token_ids)
+        if "block_hashes" in kwargs:
+            kwargs["block_hashes"] = snapshot(kwargs["block_hashes"])
+        # As for a load's outs: the list as it is now, each device buffer's stream waited for here.
+        return self._submit(self.store, token_ids, outs_as_now(chunks), **kwargs)
+
+    def _submit(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         with self._lock:  # close() sets _closed under it: no submit to a pool shut down meanwhile
             self._check_open()
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=self._io_threads, thread_name_prefix="mc-prefix")
-            return self._pool.submit(self.load, token_ids, **kwargs)
+            return self._pool.submit(call, *args, **kwargs)
 
     # ---- pins -------------------------------------------------------------------------------
     def refcounts(
