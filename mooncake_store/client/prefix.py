@@ -174,7 +174,10 @@ class PrefixCache:
         self.index = PrefixIndex(client.index)
         self._dropped = DroppedHits(self.index)
         self._io_threads = io_threads
-        self._pool: ThreadPoolExecutor | None = None
+        # The worker threads of load_async and store_async, a pool each: a store waiting for room
+        # (seconds, with the room pinned by hits) held the workers that loads, on the request
+        # path, waited for.
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
         self._held: weakref.WeakValueDictionary[str, PrefixHit] = weakref.WeakValueDictionary()
         #: Claims of stores under way, by writer id: renewed with the pins of held hits.
@@ -415,27 +418,38 @@ class PrefixCache:
             kwargs["block_hashes"] = snapshot(kwargs["block_hashes"])
         if "outs" in kwargs:
             kwargs["outs"] = outs_as_now(kwargs["outs"])
-        return self._submit(self.load, token_ids, **kwargs)
+        return self._submit("load", self.load, token_ids, **kwargs)
 
     def store_async(self, token_ids: Any = None, chunks: Chunks = (), **kwargs: Any) -> Future[int]:
-        """:meth:`store` on a worker thread, so that an engine's request does not wait for the
-        writes (nor, with the cluster's room pinned by other requests' hits, for that room: a
-        store of large chunks took seconds then). The token ids, the block hashes and the list of
-        chunks are taken as they are now; the chunks' buffers themselves are read until the future
-        is done, after the caller's stream on device ones (as put_async), so they must not be
-        reused before. Its result is the count :meth:`store` returns; its errors are its own."""
+        """:meth:`store` on a worker thread (a pool of its own, apart from load_async's), so that
+        an engine's request does not wait for the writes (nor, with the cluster's room pinned by
+        other requests' hits, for that room: a store of large chunks took seconds then). The token
+        ids, the block hashes and the list of chunks are taken as they are now; the chunks'
+        buffers themselves, a stacked array's rows included, are read until the future is done,
+        after the caller's stream on device ones (as put_async), so they must not be written
+        before. A callable ``chunks(i)`` is called on the worker: what it returns must be ready
+        then (a device array's writes done) and stay so until the future is done. Its result is
+        the count :meth:`store` returns, and its errors are raised by it; arguments that cannot
+        be taken (token ids that cannot be read) are refused at the call."""
         token_ids = tokens_as_now(token_ids)
         if "block_hashes" in kwargs:
             kwargs["block_hashes"] = snapshot(kwargs["block_hashes"])
         # As for a load's outs: the list as it is now, each device buffer's stream waited for here.
-        return self._submit(self.store, token_ids, outs_as_now(chunks), **kwargs)
+        return self._submit("store", self.store, token_ids, outs_as_now(chunks), **kwargs)
 
-    def _submit(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    def _submit(self, kind: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         with self._lock:  # close() sets _closed under it: no submit to a pool shut down meanwhile
             self._check_open()
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self._io_threads, thread_name_prefix="mc-prefix")
-            return self._pool.submit(call, *args, **kwargs)
+            pool = self._pools.get(kind)
+            if pool is None:
+                pool = self._pools[kind] = ThreadPoolExecutor(
+                    max_workers=self._io_threads, thread_name_prefix=f"mc-prefix-{kind}"
+                )
+            return pool.submit(call, *args, **kwargs)
+
+    def _on_worker(self) -> bool:
+        """Whether the calling thread is a worker of this cache's pools (a future's callback)."""
+        return any(on_pool_thread(pool) for pool in list(self._pools.values()))
 
     # ---- pins -------------------------------------------------------------------------------
     def refcounts(
@@ -573,7 +587,7 @@ class PrefixCache:
         if closing_elsewhere:
             # As Client.close(): a second caller returns when the first has, but not on a worker
             # of the cache's pool (a future's callback), which the first may be waiting for.
-            if not on_pool_thread(self._pool):
+            if not self._on_worker():
                 self._closed_all.wait()
             return
         try:
@@ -596,8 +610,9 @@ class PrefixCache:
         if reachable:
             self._dropped.unpin(every=True)
         self._stop.set()
-        if self._pool is not None:
-            self._pool.shutdown(wait=not on_pool_thread(self._pool))
+        on_worker = self._on_worker()
+        for pool in list(self._pools.values()):
+            pool.shutdown(wait=not on_worker)
         if self._renewer is not None:
             self._renewer.join(timeout=5)
 

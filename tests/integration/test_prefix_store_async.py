@@ -4,6 +4,8 @@ stores of 512 KiB chunks took 4-7 s then)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -43,3 +45,31 @@ def test_store_async_reports_its_errors_through_the_future(client: Client) -> No
         cache.close()
     with pytest.raises(MooncakeError, match="closed"):
         cache.store_async(list(range(C)), [np.zeros(1024, np.uint8)])
+
+
+def test_a_store_that_waits_holds_no_load_back(client: Client) -> None:
+    """Stores and loads shared one pool of io_threads workers (review): two stores waiting for room
+    held a load_async back for as long as they waited. A store here waits inside its chunks
+    callable, on the worker, until the test lets it go."""
+    cache = PrefixCache(client, NS + "/apart", chunk_tokens=C, io_threads=1)
+    try:
+        stored = list(range(2 * C))
+        assert cache.store(stored, [np.full(1024, i, np.uint8) for i in range(2)]) == 2
+        release = threading.Event()
+
+        def slow_chunk(i: int) -> np.ndarray:
+            release.wait(30)
+            return np.full(1024, 50 + i, np.uint8)
+
+        waiting = cache.store_async(list(range(1000, 1000 + 2 * C)), slow_chunk)
+        try:
+            load = cache.load_async(stored)
+            hit = load.result(timeout=10)  # not behind the store
+            with hit:
+                assert hit.num_chunks == 2
+            assert not waiting.done()
+        finally:
+            release.set()
+        assert waiting.result(timeout=30) == 2
+    finally:
+        cache.close()
