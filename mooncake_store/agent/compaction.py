@@ -218,16 +218,15 @@ class Compactor:
         any is still held. The pressure loop calls it at every turn."""
         if not self._held:
             return False
-        table = self.agent.table
-        if any(alloc_id in table for held in self._held for alloc_id in held.old_ids):
+        if any(self._allocated(held.old_ids) for held in self._held):
             self.agent.reclaim_now()  # the graves due by now (at most once per its minimum interval)
         now = time.monotonic()
         still: list[_HeldWindow] = []
         for held in self._held:
-            if now < held.until and any(alloc_id in table for alloc_id in held.old_ids):
+            if now < held.until and self._allocated(held.old_ids):
                 still.append(held)
             else:
-                table.release_holds(held.offsets)
+                self.agent.table.release_holds(held.offsets)
         with self._lock:
             self._held = still
         return bool(still)
@@ -255,8 +254,12 @@ class Compactor:
         many syncs as the graveyard gives them back in. One sync frees GRAVES_PER_SYNC at most: a
         window of 1024 small objects was let go with some of them still allocated, and was no
         block for the reservation it was made for."""
-        table = self.agent.table
         for _ in range(len(alloc_ids) // GRAVES_PER_SYNC + 2):
             self.agent.reclaim_now(force=True)
-            if not any(alloc_id in table for alloc_id in alloc_ids):
+            if not self._allocated(alloc_ids):
                 return
+
+    def _allocated(self, alloc_ids: list[int]) -> bool:
+        """Whether any of ``alloc_ids`` is still in the arena (its grave not yet freed)."""
+        table = self.agent.table
+        return any(alloc_id in table for alloc_id in alloc_ids)

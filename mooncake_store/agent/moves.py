@@ -458,10 +458,10 @@ class LocalMoves:
             with arena.view(offset, victim.size_bytes) as source, arena.view(target.offset, victim.size_bytes) as dest:
                 dest[:] = source
         except BaseException:
-            table.end_read(victim.alloc_id)
             self._drop_target(target.alloc_id, TierKind.HOST)
             raise
-        table.end_read(victim.alloc_id)
+        finally:
+            table.end_read(victim.alloc_id)
         return self._swap_into(
             victim.key,
             victim.alloc_id,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -52,7 +51,7 @@ from mooncake_store.client.prefix_hash import (
     check_namespace,
     token_chain,
 )
-from mooncake_store.client.prefix_pins import DroppedHits
+from mooncake_store.client.prefix_pins import DroppedHits, renew_while_alive
 from mooncake_store.config import redact_url
 from mooncake_store.errors import ConfigError, ConnectError, InvalidValue, MooncakeError, NoCapacity, ObjectPinned
 from mooncake_store.index.prefix import PrefixIndex
@@ -71,9 +70,6 @@ log = logging.getLogger("mooncake.client")
 MAX_SECONDS = 10_000_000
 #: Upper bound of chunk_tokens.
 MAX_CHUNK_TOKENS = 1 << 20
-#: How often the renewal thread unpins hits dropped without release() between its renewals.
-DROPPED_EVERY_S = 0.25
-
 T = TypeVar("T")
 
 
@@ -301,32 +297,7 @@ class PrefixCache:
             with self.client._cut_by_close():
                 stored = stored_layout(self.client, keys, statuses, tail_index)
             check_chunks_alike(values, tail_index=tail_index, stored=stored)
-            while True:
-                try:
-                    with self._ops.active():
-                        self.client.put_many(
-                            {keys[i]: values[i] for i in mine},
-                            replicas=self.replicas if replicas is None else replicas,
-                            preferred_node=preferred_node,
-                            # Eviction takes only chunks with no stored children, so chains stay
-                            # prefix-closed.
-                            chain_pos={keys[i]: i for i in mine},
-                            chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
-                        )
-                    break
-                except NoCapacity as exc:
-                    # More new chunks than the cluster holds at once, even empty: the first ones
-                    # are stored (a prefix, as eviction would have left it), not none of them, and
-                    # the caller, who chose no batch, is not told to send smaller ones.
-                    if not exc.batch_limit or exc.batch_limit >= len(mine):
-                        raise
-                    log.info(
-                        "store: the cluster holds %d of the prompt's %d new chunk(s) at most; the first %d written",
-                        exc.batch_limit,
-                        len(mine),
-                        exc.batch_limit,
-                    )
-                    mine = mine[: exc.batch_limit]
+            mine = self._write_chunks(keys, values, mine, replicas=replicas, preferred_node=preferred_node)
         except ObjectPinned as exc:
             # A chunk that another client's hit pins, and whose every copy went with a dead node
             # (it was claimed as unreadable): it cannot be replaced until those pins go (their
@@ -336,6 +307,39 @@ class PrefixCache:
         finally:
             self._release_claims(claims)
         return len(mine)
+
+    def _write_chunks(
+        self,
+        keys: list[str],
+        values: dict[int, Any],
+        mine: list[int],
+        *,
+        replicas: int | None,
+        preferred_node: str | None,
+    ) -> list[int]:
+        """Put the chunks ``mine`` (indices into ``keys``, in chain order) in one batch, chained;
+        returns those written. More new chunks than the cluster holds at once, even empty, are cut
+        to the first ones it keeps (NoCapacity.batch_limit: a prefix, as eviction would have left
+        it), not refused whole: the caller, who chose no batch, cannot send smaller ones."""
+        while True:
+            try:
+                with self._ops.active():
+                    self.client.put_many(
+                        {keys[i]: values[i] for i in mine},
+                        replicas=self.replicas if replicas is None else replicas,
+                        preferred_node=preferred_node,
+                        # Eviction takes only chunks with no stored children, so chains stay
+                        # prefix-closed.
+                        chain_pos={keys[i]: i for i in mine},
+                        chain_parent={keys[i]: keys[i - 1] for i in mine if i > 0},
+                    )
+                return mine
+            except NoCapacity as exc:
+                if not exc.batch_limit or exc.batch_limit >= len(mine):
+                    raise
+                kept = exc.batch_limit
+                log.info("store: the cluster keeps %d of the prompt's %d new chunk(s): those written", kept, len(mine))
+                mine = mine[: exc.batch_limit]
 
     # ---- load -------------------------------------------------------------------------------
     def load(
@@ -497,7 +501,7 @@ class PrefixCache:
             # dropped without close() was never collected and its thread ran until the client closed.
             interval_s = min(self.pin_lease_ms, self.claim_ttl_ms) / 3000
             self._renewer = threading.Thread(
-                target=_renew_while_alive,
+                target=renew_while_alive,
                 args=(weakref.ref(self), self._dropped, self._stop, interval_s),
                 name="mc-prefix-renew",
                 daemon=True,
@@ -621,32 +625,3 @@ class PrefixCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _renew_while_alive(
-    cache_ref: weakref.ref[PrefixCache], dropped: DroppedHits, stop: threading.Event, interval_s: float
-) -> None:
-    """Every third of the shorter of the pin lease and the claim ttl: the pins of the hits held and
-    the claims of the stores under way, so that neither runs out while its owner is alive (a put
-    longer than the claim's ttl let another writer claim and write the same chunks). Ends with the
-    cache's close() or its client's (a closed client renews nothing: the pins and claims run out by
-    their leases), or once the cache is collected, dropped without close(): it holds the cache only
-    for a renewal, so that the cache can go. A hit dropped unreleased with its cache (a cache per
-    request) queued its pins in the cache's queue, which nothing else would drain: they are unpinned
-    here, not left pinned for their whole lease."""
-    next_renewal = time.monotonic() + interval_s
-    while not stop.wait(min(DROPPED_EVERY_S, max(0.0, next_renewal - time.monotonic()))):
-        cache = cache_ref()
-        if cache is None:
-            dropped.unpin(every=True)
-            return
-        if time.monotonic() >= next_renewal:
-            next_renewal = time.monotonic() + interval_s
-            cache._renew_once()
-        else:
-            # Between renewals, the hits dropped meanwhile (no round trip when there are none): a
-            # load_async its caller cancelled while it ran finished all the same, and its hit,
-            # which no one could release, kept its chunks pinned (unremovable, unevictable) until
-            # the next renewal, 10 s by default.
-            dropped.unpin()
-        del cache

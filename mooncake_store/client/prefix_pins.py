@@ -4,13 +4,15 @@ A hit dropped without release() (no ``with``, no call) kept its chunks pinned fo
 (``pin_lease_s``, 30 s by default): an engine that forgot one release per request kept much of a
 node pinned, and no pressure pass could move or evict those chunks meanwhile. A finalizer queues
 the pins of a dropped hit, and the cache unpins them at its next load, store or match, within a
-quarter second on its renewal thread (prefix.DROPPED_EVERY_S), and at close(). The finalizer
+quarter second on its renewal thread (DROPPED_EVERY_S), and at close(). The finalizer
 only queues: it may run inside any thread's code (at a garbage collection), so it takes no lock
 and makes no index call.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING
@@ -19,11 +21,13 @@ from mooncake_store.errors import MooncakeError
 from mooncake_store.index.prefix import PrefixIndex
 
 if TYPE_CHECKING:
-    from mooncake_store.client.prefix import PrefixHit
+    from mooncake_store.client.prefix import PrefixCache, PrefixHit
 
 
 #: Dropped hits unpinned by one call of the cache at most (one round trip each).
 UNPINS_AT_ONCE = 64
+#: How often the renewal thread unpins hits dropped without release() between its renewals.
+DROPPED_EVERY_S = 0.25
 
 
 class DroppedHits:
@@ -55,3 +59,32 @@ class DroppedHits:
             except MooncakeError:
                 break  # unreachable: this hit's pins run out by their lease, the others wait
         return done
+
+
+def renew_while_alive(
+    cache_ref: weakref.ref[PrefixCache], dropped: DroppedHits, stop: threading.Event, interval_s: float
+) -> None:
+    """Every third of the shorter of the pin lease and the claim ttl: the pins of the hits held and
+    the claims of the stores under way, so that neither runs out while its owner is alive (a put
+    longer than the claim's ttl let another writer claim and write the same chunks). Ends with the
+    cache's close() or its client's (a closed client renews nothing: the pins and claims run out by
+    their leases), or once the cache is collected, dropped without close(): it holds the cache only
+    for a renewal, so that the cache can go. A hit dropped unreleased with its cache (a cache per
+    request) queued its pins in the cache's queue, which nothing else would drain: they are unpinned
+    here, not left pinned for their whole lease."""
+    next_renewal = time.monotonic() + interval_s
+    while not stop.wait(min(DROPPED_EVERY_S, max(0.0, next_renewal - time.monotonic()))):
+        cache = cache_ref()
+        if cache is None:
+            dropped.unpin(every=True)
+            return
+        if time.monotonic() >= next_renewal:
+            next_renewal = time.monotonic() + interval_s
+            cache._renew_once()
+        else:
+            # Between renewals, the hits dropped meanwhile (no round trip when there are none): a
+            # load_async its caller cancelled while it ran finished all the same, and its hit,
+            # which no one could release, kept its chunks pinned (unremovable, unevictable) until
+            # the next renewal, 10 s by default.
+            dropped.unpin()
+        del cache
