@@ -29,6 +29,7 @@ from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind, Tier
 if TYPE_CHECKING:
     from mooncake_store import Client
     from mooncake_store.agent.node import Agent
+    from mooncake_store.agent.spill import SpillJob
 
 
 def mooncake_bin() -> str:
@@ -244,6 +245,21 @@ def put_on(agent: Agent, key: str, data: np.ndarray, *, tier: TierKind) -> int:
     assert agent.index.put_commit([put_id.hex()]) == ["OK"]
     agent.sync_once()  # the commit's ack
     return alloc.alloc_id
+
+
+def host_spill_jobs(
+    agent: Agent, count: int, size: int, prefix: str = "o"
+) -> tuple[list[SpillJob], dict[str, np.ndarray]]:
+    """``count`` distinct objects of ``size`` B committed on ``agent``'s host tier (keys ``prefix``
+    and a number), as spill jobs in key order, and their values."""
+    from mooncake_store.agent.spill import SpillJob
+
+    values = {f"{prefix}{i:02d}": np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(count)}
+    for key, value in values.items():
+        put_on(agent, key, value, tier=TierKind.HOST)
+    victims = sorted(agent.index.victim_candidates(agent.node_id, "host"), key=lambda c: c.key)
+    jobs = [SpillJob(victim=v, offset=agent.table.offset_of(v.alloc_id)[0]) for v in victims]  # type: ignore[index]
+    return jobs, values
 
 
 def put_on_disk(agent: Agent, key: str, data: np.ndarray) -> int:

@@ -2,14 +2,17 @@
 
 A victim moved on its own costs a RESERVE round trip to the peer, a WRITE and its ack, and a
 compare-and-swap in the index: three waits per object, the pressure thread idle in each. Here the
-victims of a pass that go to one peer move batch by batch (at most ``BATCH_BYTES``), each batch as
+victims of a pass that go to one peer move batch by batch (the first of at most ``BATCH_BYTES``, each
+after it of up to twice the one before, at most ``MOST_BATCH_BYTES``), each batch as
 DESIGN.md §3.4 wants a single move:
 
 1. copy: one guard record in the index and one RESERVE frame for the whole batch (flag
    ``SPILL_FLAG``; all or nothing; every entry under the batch's put id, which names the guard),
    sent while the batch before it is still being written, then the WRITEs, which ``STREAMS``
    connections to the peer pull as each has room for one (``WRITE_WINDOW`` in flight on each, so
-   that acks overlap bytes; host-tier objects in pieces of up to ``PIECE_BYTES``);
+   that acks overlap bytes; host-tier objects in pieces of up to ``PIECE_BYTES``); the streams
+   stay up for the whole spill and roll from one batch's pieces into the next's without waiting
+   for the acks in between (agent/spill_writes.py);
 2. compare-and-swap: one call of ``move_replicas.lua`` for the batch, a status per object, with
    ``move_replica.lua``'s rules (an object that is gone, replaced, moved or pinned meanwhile keeps
    its old location; none moves once the peer's sync has revoked the guard, which it does when any
@@ -42,9 +45,9 @@ tier (``source``): the object goes in the form that tier keeps (agent/payloads.p
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
-import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,11 +68,12 @@ from mooncake_store.agent.spill_jobs import (
     batches_of,
     fitting,
 )
+from mooncake_store.agent.spill_writes import BatchWrites, RollingWrites
 from mooncake_store.errors import AgentBusy, ConnectError, MooncakeError, NoCapacity, TransferError
 from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
 from mooncake_store.transport.shm import copy_bytes
-from mooncake_store.transport.tcp import PeerConnections, PulledWrite, Reservation, TcpTransport
+from mooncake_store.transport.tcp import Reservation, TcpTransport
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind
 
 __all__ = ["PIECE_BYTES", "SpillJob", "SpillResult", "Spiller"]
@@ -94,13 +98,29 @@ def sent_from_arena(source: TierKind, target: TierKind) -> bool:
 
 
 class Spiller:
-    def __init__(self, agent: Agent, *, streams: int = STREAMS, batch_bytes: int = limits.BATCH_BYTES) -> None:
+    def __init__(
+        self,
+        agent: Agent,
+        *,
+        streams: int = STREAMS,
+        batch_bytes: int = limits.BATCH_BYTES,
+        most_batch_bytes: int | None = None,
+    ) -> None:
+        """``batch_bytes``: the first batch's most bytes; the batches after it double, up to
+        ``most_batch_bytes`` (MOST_BATCH_BYTES by default; ``batch_bytes`` for a caller that sets
+        that alone: every batch alike)."""
         self.agent = agent
         self._streams = max(1, streams)
         self._batch_bytes = batch_bytes
+        if most_batch_bytes is None:
+            most_batch_bytes = limits.MOST_BATCH_BYTES if batch_bytes == limits.BATCH_BYTES else batch_bytes
+        self._most_batch_bytes = most_batch_bytes
         timeout_s = min(limits.TIMEOUT_S, max(limits.MIN_TIMEOUT_S, 2 * agent.config.heartbeat_ttl_s))
         self.transport = TcpTransport(timeout_s=timeout_s, connections_per_peer=self._streams, stripe_bytes=1 << 62)
+        # The shm copies' streams beside this thread, and the WRITE streams (agent/spill_writes.py),
+        # which stay up for a whole spill: pools apart, so that neither waits for the other's.
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
+        self._writers = ThreadPoolExecutor(max_workers=self._streams, thread_name_prefix="mc-spill-write")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
         #: Same-host peers' shared arenas, where host batches to them go by memcpy.
@@ -120,6 +140,7 @@ class Spiller:
         self.transport.close()
         self.arenas.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._writers.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
         self._reserver.shutdown(wait=False, cancel_futures=True)
 
@@ -134,8 +155,9 @@ class Spiller:
     ) -> SpillResult:
         """Move ``jobs`` to ``peer_node``'s ``tier`` (the tier they are in here, unless ``source``
         says otherwise), batch by batch. While a batch's bytes go out, the next batch is reserved
-        (reservation thread) and the one before is swapped in the index (swap thread); all swaps
-        are done when this returns. ``copy``: the objects stay here too, and the index adds the
+        (reservation thread), its WRITEs queued behind the batch's own (the streams roll from one
+        into the next: agent/spill_writes.py), and the batch before is swapped in the index (swap
+        thread); all swaps are done when this returns. ``copy``: the objects stay here too, and the index adds the
         peer's copies as replicas (re-replication, copy_replicas.lua); ``moved`` then lists the
         jobs copied."""
         result = SpillResult()
@@ -144,87 +166,154 @@ class Spiller:
             # Map a same-host peer's arena before reserving there: populating a large mapping takes
             # ~0.1 s per GiB, which reservations already granted would spend ageing.
             self.arenas.segment(peer_node, tier)
-        batches = batches_of(jobs, self._batch_bytes)
+        batches = collections.deque(batches_of(jobs, self._batch_bytes, self._most_batch_bytes))
         swaps: list[Future[Swapped]] = []
-        ahead: Future[Reserved | None] | None = None
+        writes: RollingWrites | None = None
+        # Batches whose bytes are going out, oldest first: the next is queued on the streams while
+        # the one before is still being written, so they roll from one into the other.
+        under_way: collections.deque[tuple[Reserved, BatchWrites]] = collections.deque()
+        ahead = self._reserve_next(peer_node, batches, tier, source)
+        # A batch taken off the reservations or the streams and not settled yet: should anything
+        # raise meanwhile (a bug, or the agent closing the spiller: no more work can be
+        # scheduled), its room on the peer goes back now, not when it times out there.
+        in_hand: Reserved | None = None
         failure: BaseException | None = None
         try:
-            if batches:
-                ahead = self._reserver.submit(self._reserve, peer_node, batches[0], tier, source)
-            for i in range(len(batches)):
-                assert ahead is not None
-                reserved = ahead.result()
-                ahead = None
-                if reserved is None:
-                    result.refused = True
-                    result.unsent.extend(job for rest in batches[i:] for job in rest)
-                    break
-                try:
-                    if i + 1 < len(batches):
-                        ahead = self._reserver.submit(self._reserve, peer_node, batches[i + 1], tier, source)
-                    if not reserved.batch:
+            while ahead is not None or under_way:
+                if ahead is not None and len(under_way) < 2:
+                    future, planned = ahead
+                    in_hand, ahead = future.result(), None
+                    if in_hand is None:  # refused, or unreachable: nothing was reserved
+                        result.refused = True
+                        result.unsent.extend(planned + self._rest(batches))
+                        continue
+                    if in_hand.left:
+                        # The peer took part of it (at its mark now): nothing more goes to it.
+                        result.refused = True
+                        result.unsent.extend(in_hand.left + self._rest(batches))
+                    else:  # the next batch's room is asked for while this one's bytes go out
+                        ahead = self._reserve_next(peer_node, batches, tier, source)
+                    if not in_hand.batch:
+                        in_hand = None
                         continue  # nothing in it could be read: it stays where it is
-                    written, broken = self._send(peer_node, reserved, tier, source)
-                    if not broken:
-                        swaps.append(
-                            self._swapper.submit(
-                                self._swap,
-                                peer_node,
-                                reserved.batch,
-                                reserved.reservations,
-                                written,
-                                tier,
-                                copy,
-                                source,
-                            )
-                        )
-                except BaseException:
-                    # Not a transfer error (those come back as ``broken``): a bug, or the agent
-                    # closing the spiller mid-batch (no more work can be scheduled). The batch's
-                    # room on the peer goes back now, not when it times out there.
-                    self._drop_payloads(reserved.batch)  # a GPU or disk batch's bytes, if still held
-                    if reserved.reservations:
-                        self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
-                    raise
-                if broken:
-                    self._trouble.unreachable(peer_node.node_id)
-                    # Nothing of a batch whose peer broke mid-way is swapped, not even what it
-                    # acked: a peer that died would take those objects' only copies with it once
-                    # its heartbeat lapsed. The whole batch stays here, to be placed again. Its
-                    # room there goes back by a FREE, but for a hung peer's (PeerTrouble).
-                    if not self._trouble.hung(peer_node.tcp_endpoint):
-                        self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
-                    result.refused = True
-                    result.unsent.extend(job for rest in batches[i:] for job in rest)
-                    break
-                # Jobs whose WRITE the peer refused though it had reserved room for them (its disk
-                # full or failing, its inbox full for a moment, a file it found damaged, a
-                # reservation gone) are not swapped (their room there is expired) and stay here,
-                # handed back to be placed again. Counted neither moved nor unsent, they were sent
-                # to the same failing peer at every pass, and the node never got under its mark.
-                # A peer that refused a whole batch is asked nothing more in this pass (a failing
-                # disk also stops offering room: tiers/disk.py); one that refused some of it, a
-                # moment's refusal, keeps its later batches (all of them were evicted for one).
-                refused = [job for job, ok in zip(reserved.batch, written, strict=True) if not ok]
-                if refused:
-                    log.info(
-                        "spill to %s: %d of %d object(s) refused at their writes; placing them again",
-                        peer_node.node_id, len(refused), len(reserved.batch),
-                    )  # fmt: skip
-                    result.unsent.extend(refused)
-                    result.write_refused.update(job.victim.alloc_id for job in refused)
-                if reserved.left or (refused and len(refused) == len(reserved.batch)):
-                    # The peer took part of it (at its mark now), or refused every write.
-                    result.refused = True
-                    result.unsent.extend(reserved.left + [job for rest in batches[i + 1 :] for job in rest])
-                    break
+                    # A same-host peer's shared arena is its host tier: another of its tiers is written to.
+                    segment = self.arenas.segment(peer_node, tier) if tier == source == TierKind.HOST else None
+                    if segment is None:  # WRITEs, queued behind the batch before
+                        if writes is None:
+                            writes = self._rolling(peer_node)
+                        under_way.append((in_hand, writes.add(*self._views(in_hand, tier, source), tier)))
+                        in_hand = None
+                        continue
+                    written, broken = self._copy_batch(segment, peer_node, in_hand)  # copied here and now
+                else:
+                    in_hand, sent = under_way.popleft()
+                    assert writes is not None
+                    written, broken = writes.wait(sent)
+                    self._written(peer_node, in_hand, written, broken, tier, source)
+                stop = self._settle(peer_node, in_hand, written, broken, result, swaps, tier, copy, source)
+                in_hand = None
+                if stop:
+                    # Nothing more goes to this peer in this pass: the batches under way are
+                    # called back (their room there given back), those not reserved stay here.
+                    while under_way:
+                        later, sent = under_way[0]
+                        assert writes is not None
+                        writes.cancel(sent)
+                        writes.wait(sent)
+                        under_way.popleft()
+                        self._abandon(peer_node, later)
+                        result.unsent.extend(later.batch)
+                    result.unsent.extend(self._rest(batches))
+                    if ahead is not None:
+                        self._give_back(peer_node, ahead[0])
+                        result.unsent.extend(ahead[1])
+                        ahead = None
         finally:
+            if writes is not None:
+                writes.close()
+            if in_hand is not None:
+                self._abandon(peer_node, in_hand)
+            for reserved, _ in under_way:  # left by an exception: their room there goes back now
+                self._abandon(peer_node, reserved)
             if ahead is not None:
-                self._give_back(peer_node, ahead)
+                self._give_back(peer_node, ahead[0])
             failure = self._collect(swaps, result)
         if failure is not None:  # raised only when nothing else is on its way out
             raise failure
         return result
+
+    def _reserve_next(
+        self, peer_node: NodeInfo, batches: collections.deque[list[SpillJob]], tier: TierKind, source: TierKind
+    ) -> tuple[Future[Reserved | None], list[SpillJob]] | None:
+        """The next batch's reservation, asked for on the reservation thread, with the batch."""
+        if not batches:
+            return None
+        batch = batches.popleft()
+        return self._reserver.submit(self._reserve, peer_node, batch, tier, source), batch
+
+    @staticmethod
+    def _rest(batches: collections.deque[list[SpillJob]]) -> list[SpillJob]:
+        """The jobs of the batches not reserved yet, which will not be: they stay here."""
+        rest = [job for batch in batches for job in batch]
+        batches.clear()
+        return rest
+
+    def _settle(
+        self,
+        peer_node: NodeInfo,
+        reserved: Reserved,
+        written: list[bool],
+        broken: bool,
+        result: SpillResult,
+        swaps: list[Future[Swapped]],
+        tier: TierKind,
+        copy: bool,
+        source: TierKind,
+    ) -> bool:
+        """A batch's writes are over: swap what landed (on the swap thread) or give the batch up.
+        Returns True when nothing more goes to the peer in this pass."""
+        if broken:
+            self._trouble.unreachable(peer_node.node_id)
+            # Nothing of a batch whose peer broke mid-way is swapped, not even what it acked: a
+            # peer that died would take those objects' only copies with it once its heartbeat
+            # lapsed. The whole batch stays here, to be placed again. Its room there goes back by
+            # a FREE, but for a hung peer's (PeerTrouble).
+            self._abandon(peer_node, reserved)
+            result.refused = True
+            result.unsent.extend(reserved.batch)
+            return True
+        swaps.append(
+            self._swapper.submit(
+                self._swap, peer_node, reserved.batch, reserved.reservations, written, tier, copy, source
+            )
+        )
+        # Jobs whose WRITE the peer refused though it had reserved room for them (its disk
+        # full or failing, its inbox full for a moment, a file it found damaged, a
+        # reservation gone) are not swapped (their room there is expired) and stay here,
+        # handed back to be placed again. Counted neither moved nor unsent, they were sent
+        # to the same failing peer at every pass, and the node never got under its mark.
+        # A peer that refused a whole batch is asked nothing more in this pass (a failing
+        # disk also stops offering room: tiers/disk.py); one that refused some of it, a
+        # moment's refusal, keeps its later batches (all of them were evicted for one).
+        refused = [job for job, ok in zip(reserved.batch, written, strict=True) if not ok]
+        if refused:
+            log.info(
+                "spill to %s: %d of %d object(s) refused at their writes; placing them again",
+                peer_node.node_id, len(refused), len(reserved.batch),
+            )  # fmt: skip
+            result.unsent.extend(refused)
+            result.write_refused.update(job.victim.alloc_id for job in refused)
+        if len(refused) == len(reserved.batch):
+            result.refused = True
+            return True
+        return False
+
+    def _abandon(self, peer_node: NodeInfo, reserved: Reserved) -> None:
+        """A reserved batch that will not be swapped: its bytes read ahead are dropped and its room
+        on the peer goes back now, not when it times out there (but for a hung peer's)."""
+        self._drop_payloads(reserved.batch)
+        if reserved.reservations and not self._trouble.hung(peer_node.tcp_endpoint):
+            self._expire(peer_node.tcp_endpoint, [r.alloc_id for r in reserved.reservations])
 
     @staticmethod
     def _collect(swaps: list[Future[Swapped]], result: SpillResult) -> BaseException | None:
@@ -328,33 +417,57 @@ class Spiller:
             left=left,
         )
 
-    def _send(
-        self, peer_node: NodeInfo, reserved: Reserved, tier: TierKind, source: TierKind
-    ) -> tuple[list[bool], bool]:
-        """Write a reserved batch to the peer: (written per job, a connection broke)."""
-        from_arena = sent_from_arena(source, tier)
-        # A same-host peer's shared arena is its host tier: another of its tiers is written to.
-        segment = self.arenas.segment(peer_node, tier) if tier == source == TierKind.HOST else None
-        if segment is not None:
-            try:
-                return self._copy_all(segment, peer_node, reserved), False
-            except MooncakeError as exc:  # the connection broke: the peer lifts the fences itself
-                log.info("spill to %s failed mid-copy: %s", peer_node.node_id, exc)
-                self._trouble.note(peer_node.tcp_endpoint, exc)
-                self.transport.drop_peer(peer_node.tcp_endpoint)
-                return [False] * len(reserved.batch), True
-        peer = self.transport.peer(peer_node.tcp_endpoint)
+    def _copy_batch(self, segment: SharedSegment, peer_node: NodeInfo, reserved: Reserved) -> tuple[list[bool], bool]:
+        """A host batch into a same-host peer's arena: (written per job, the connection broke)."""
         try:
-            written, broken = self._write_all(peer, reserved.batch, reserved.reservations, tier, from_arena)
-        finally:
-            self._drop_payloads(reserved.batch)
+            return self._copy_all(segment, peer_node, reserved), False
+        except MooncakeError as exc:  # the connection broke: the peer lifts the fences itself
+            log.info("spill to %s failed mid-copy: %s", peer_node.node_id, exc)
+            self._trouble.note(peer_node.tcp_endpoint, exc)
+            self.transport.drop_peer(peer_node.tcp_endpoint)
+            return [False] * len(reserved.batch), True
+
+    def _rolling(self, peer_node: NodeInfo) -> RollingWrites:
+        """The streams that carry a spill's WRITEs to ``peer_node`` (agent/spill_writes.py)."""
+        endpoint = peer_node.tcp_endpoint
+        return RollingWrites(
+            self.transport.peer(endpoint),
+            streams=self._streams,
+            pool=self._writers,
+            on_failure=lambda exc: self._trouble.note(endpoint, exc),
+        )
+
+    def _views(
+        self, reserved: Reserved, tier: TierKind, source: TierKind
+    ) -> tuple[list[SpillJob], list[Reservation], list[memoryview]]:
+        """A reserved batch with each job's bytes: in the host arena here, else read just before
+        the batch went (payloads.py: with_payloads)."""
+        arena = self.agent.arena
+        if sent_from_arena(source, tier):
+            views = [arena.view(job.offset, job.wire_bytes) for job in reserved.batch]
+        else:
+            views = [memoryview(self._payloads[job.victim.alloc_id]) for job in reserved.batch]
+        return reserved.batch, reserved.reservations, views
+
+    def _written(
+        self,
+        peer_node: NodeInfo,
+        reserved: Reserved,
+        written: list[bool],
+        broken: bool,
+        tier: TierKind,
+        source: TierKind,
+    ) -> None:
+        """After a batch's WRITEs: its bytes read ahead go, a broken peer's connections are
+        dropped, and a disk file the peer refused is checked here (the peer may have found it
+        damaged)."""
+        self._drop_payloads(reserved.batch)
         if broken:
             self.transport.drop_peer(peer_node.tcp_endpoint)
         elif tier == source == TierKind.DISK:
             for job, ok in zip(reserved.batch, written, strict=True):
-                if not ok:  # refused by the peer, whose check may have found the file damaged
+                if not ok:
                     self.agent.check_disk_replica(job.victim.alloc_id)
-        return written, broken
 
     def _drop_payloads(self, batch: list[SpillJob]) -> None:
         for job in batch:
@@ -429,78 +542,6 @@ class Spiller:
         if leftover:
             self._expire(peer_node.tcp_endpoint, leftover)
         return Swapped(moved=moved)
-
-    def _write_all(
-        self,
-        peer: PeerConnections,
-        batch: list[SpillJob],
-        reservations: list[Reservation],
-        tier: TierKind,
-        from_arena: bool,
-    ) -> tuple[list[bool], bool]:
-        """Every job's bytes into its reservation over the streams (one connection each, its writes
-        pipelined). The streams pull the next piece whenever they have room (write_pulled), so a
-        stream that falls behind (a busy CPU, its peer thread descheduled) does not hold the batch
-        back at its end (dealt in equal parts, one of two streams took up to 1.5x as long as the
-        other over its 16 MiB). Host-tier objects go in pieces of up to PIECE_BYTES (a WRITE may
-        cover part of a reservation), so that the last object of a batch is not one stream's alone;
-        a GPU or disk payload goes whole (the peer checks a chunk file as one). ``from_arena``: the
-        bytes are in the host arena here, else read ahead (payloads.py: with_payloads). Returns (written per
-        job: every piece landed, a connection broke)."""
-        arena = self.agent.arena
-        views: list[memoryview] = []
-        pieces: list[PulledWrite] = []
-        expected = [0] * len(batch)
-        results: list[list[tuple[int, bool]]] = []
-        broken = False
-        lock = threading.Lock()
-
-        def take() -> PulledWrite | None:
-            # Once a stream broke the batch is given up whole (nothing of it is swapped): the
-            # others finish the writes they have in flight and send no more of it.
-            with lock:
-                return None if broken else next(order, None)
-
-        def stream(_: int) -> None:
-            nonlocal broken
-            try:
-                results.append(peer.write_pulled(take, window=limits.WRITE_WINDOW))
-            except MooncakeError as exc:
-                log.info("spill to %s failed mid-transfer: %s", peer.endpoint, exc)
-                broken = True
-                self._trouble.note(peer.endpoint, exc)
-
-        try:
-            for i, (job, res) in enumerate(zip(batch, reservations, strict=True)):
-                if from_arena:
-                    view = arena.view(job.offset, job.wire_bytes)
-                else:  # read just before the batch went (with_payloads)
-                    view = memoryview(self._payloads[job.victim.alloc_id])
-                views.append(view)
-                step = PIECE_BYTES if tier == TierKind.HOST else max(1, job.wire_bytes)
-                for start in range(0, job.wire_bytes, step):
-                    # A GPU payload is its whole allocation, which may end past the object.
-                    piece = view[start : min(start + step, job.wire_bytes)]
-                    pieces.append((i, res.alloc_id, res.offset + start, piece))
-                    expected[i] += 1
-            order = iter(pieces)
-            if self._on_streams(min(self._streams, len(pieces)), stream):
-                broken = True
-        finally:
-            for _, _, _, piece in pieces:
-                piece.release()
-            for view in views:
-                view.release()
-        landed = [0] * len(batch)
-        gone: set[int] = set()  # jobs with a piece whose reservation went (timed out); the stream is fine
-        for tag, ok in (r for per_stream in results for r in per_stream):
-            if ok:
-                landed[tag] += 1
-            else:
-                gone.add(tag)
-        for tag in sorted(gone):  # once per object, not per piece
-            log.info("spill of %s to %s: reservation gone", batch[tag].victim.key, peer.endpoint)
-        return [landed[i] == expected[i] for i in range(len(batch))], broken
 
     def _on_streams(self, count: int, stream: Callable[[int], None]) -> bool:
         """Run ``stream(k)`` for k in 0..count at once: the first on this thread, the rest on the

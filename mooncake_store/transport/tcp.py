@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import socket
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from mooncake_store.errors import (
     AgentBusy,
@@ -49,7 +51,14 @@ class ReadRequest:
 
 
 #: A write for PeerConnections.write_pulled: (the caller's tag, alloc id, offset, bytes).
-PulledWrite = tuple[int, int, int, memoryview]
+PulledWrite = tuple[Any, int, int, memoryview]
+
+
+class Pull(enum.Enum):
+    """What a ``take`` of PeerConnections.write_pulled may answer besides a write or None (no more
+    writes): none now, while acks are still to be read (more may come once they are)."""
+
+    LATER = "later"
 
 
 #: READ requests one connection has out at once (read_many). The agent answers them in order and
@@ -273,28 +282,39 @@ class PeerConnections(ConnectionPool):
         bytes. Returns per write whether it landed (False: STALE)."""
         pending = iter(enumerate(requests))
 
-        def take() -> PulledWrite | None:
+        def take(_wait: bool) -> PulledWrite | None:
             item = next(pending, None)
             return None if item is None else (item[0], *item[1])
 
         return [landed for _, landed in self.write_pulled(take, window=window)]
 
-    def write_pulled(self, take: Callable[[], PulledWrite | None], *, window: int = 4) -> list[tuple[int, bool]]:
+    def write_pulled(
+        self,
+        take: Callable[[bool], PulledWrite | Pull | None],
+        *,
+        window: int = 4,
+        acked: Callable[[Any, bool], None] | None = None,
+    ) -> list[tuple[Any, bool]]:
         """Pipelined writes on one connection, each (tag, alloc_id, offset, bytes) taken from
         ``take`` whenever this connection has room in its window (``window`` WRITE frames out before
         their acks are read), until ``take`` returns None. Connections that share one ``take``
         share the work as each keeps up, not in equal parts: none waits at the end for a slower one
-        that was dealt as much. The agent serves a connection in order and drains a refused write
-        before it answers, so the acks come back in order. Returns (tag, landed) per write sent, in
-        order (landed False: STALE, the reservation went)."""
+        that was dealt as much. ``take(wait)`` is asked with ``wait`` False while writes are out:
+        it may then answer Pull.LATER (nothing now), and the next ack is read; with nothing out it
+        may block until it has a write or None (agent/spill_writes.py rolls from one batch into
+        the next so). The agent serves a connection in order and drains a refused write before it
+        answers, so the acks come back in order; each is told to ``acked(tag, landed)`` as it comes.
+        Returns (tag, landed) per write sent, in order (landed False: STALE, the reservation went)."""
 
-        def run(sock: socket.socket) -> list[tuple[int, bool]]:
-            out: list[tuple[int, bool]] = []
-            in_flight: collections.deque[int] = collections.deque()
+        def run(sock: socket.socket) -> list[tuple[Any, bool]]:
+            out: list[tuple[Any, bool]] = []
+            in_flight: collections.deque[Any] = collections.deque()
             more = True
             while True:
                 while more and len(in_flight) < max(1, window):
-                    request = take()
+                    request = take(not in_flight)
+                    if request is Pull.LATER:
+                        break
                     if request is None:
                         more = False
                         break
@@ -302,11 +322,16 @@ class PeerConnections(ConnectionPool):
                     frames.send_all(sock, frames.pack(Op.WRITE, 0, alloc_id, offset, src.nbytes), src)
                     in_flight.append(tag)
                 if not in_flight:
+                    if more:
+                        continue  # a take that waits answered LATER: ask again
                     return out
                 status, _, _, _ = self._reply(sock, Op.WRITE)
                 if status not in (Status.OK, Status.STALE):
                     raise ProtocolError(f"agent at {self.endpoint} refused WRITE with status {status}")
-                out.append((in_flight.popleft(), status == Status.OK))
+                tag = in_flight.popleft()
+                out.append((tag, status == Status.OK))
+                if acked is not None:
+                    acked(tag, status == Status.OK)
 
         return list(self._call(run))
 

@@ -386,7 +386,7 @@ def test_written_jobs_of_a_batch_whose_peer_died_mid_write_are_not_swapped_to_it
 ) -> None:
     """DEFECT (data loss). A spill batch to a TCP peer goes out on two streams. The peer process
     is killed (SIGKILL, its pid) after the first stream's writes were acked and before the second
-    stream writes: the second stream fails, Spiller._send reports the batch broken, and the pass
+    stream writes: the second stream fails, the spill's writes report the batch broken, and the pass
     places the unwritten jobs elsewhere (here: evicted, counted). But spill() still swaps the jobs
     that were written, to a peer it has just seen break: its heartbeat deadline has not passed yet,
     so move_replicas.lua accepts, the local copies go to the graveyard and are freed at once. Once
@@ -411,9 +411,9 @@ def test_written_jobs_of_a_batch_whose_peer_died_mid_write_are_not_swapped_to_it
         with order:
             first = not calls
             if first:
-                taken = [take(), take()]
+                taken = [take(True), take(True)]
                 calls.append(len(taken))
-                out = real_write_pulled(lambda: taken.pop(0) if taken else None, **kwargs)
+                out = real_write_pulled(lambda _wait: taken.pop(0) if taken else None, **kwargs)
                 os.kill(peer.process.pid, signal.SIGKILL)
                 peer.process.wait(timeout=10)
                 return out

@@ -186,14 +186,15 @@ def test_connections_sharing_one_source_of_writes_make_each_write_once(
         source = iter(writes)
         lock = threading.Lock()
 
-        def take() -> tuple[int, int, int, memoryview] | None:
+        def take(_wait: bool) -> tuple[int, int, int, memoryview] | None:
             with lock:
                 return next(source, None)
 
         got: list[list[tuple[int, bool]]] = [[], []]
+        told: list[list[tuple[int, bool]]] = [[], []]
 
         def stream(k: int) -> None:
-            got[k].extend(peer.write_pulled(take, window=3))
+            got[k].extend(peer.write_pulled(take, window=3, acked=lambda tag, ok: told[k].append((tag, ok))))
 
         threads = [threading.Thread(target=stream, args=(k,)) for k in (0, 1)]
         for t in threads:
@@ -202,6 +203,7 @@ def test_connections_sharing_one_source_of_writes_make_each_write_once(
             t.join(timeout=30)
         tags = sorted(tag for per in got for tag, _ in per)
         assert tags == list(range(2 * count)), got
+        assert told == got, "each ack is told as it comes, in the order returned"
         assert all(ok for per in got for _, ok in per)
         for i, r in enumerate(reservations):
             assert bytes(b.arena.view(r.offset, 2 * part)) == data[2 * i * part : 2 * (i + 1) * part].tobytes(), i
@@ -261,15 +263,15 @@ def test_a_large_object_whose_reservation_went_stays_put_and_is_logged_once(
     location = a.table.offset_of(victim.alloc_id)
     assert location is not None
     spiller = Spiller(a)
-    real_write_all = spiller._write_all
+    real_views = spiller._views
 
     def after_the_reservation_timed_out(*args):  # type: ignore[no-untyped-def]
-        _peer, _batch, reservations, _tier, _from_arena = args
-        assert b.table.expire_now([r.alloc_id for r in reservations]) == 1
+        reserved, _tier, _source = args  # the batch reserved, just before its WRITEs are queued
+        assert b.table.expire_now([r.alloc_id for r in reserved.reservations]) == 1
         b.sync_once()  # B frees it (no commit in the index), as its sync does once it times out
-        return real_write_all(*args)
+        return real_views(*args)
 
-    spiller._write_all = after_the_reservation_timed_out  # type: ignore[method-assign]
+    spiller._views = after_the_reservation_timed_out  # type: ignore[method-assign]
     try:
         with caplog.at_level("INFO", logger="mooncake.agent"):
             result = spiller.spill(a.index.nodes()[b.node_id], [SpillJob(victim=victim, offset=location[0])])

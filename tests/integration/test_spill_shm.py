@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import put_on, replicas_of, wait_until, write_fenced
+from helpers import host_spill_jobs, put_on, replicas_of, wait_until, write_fenced
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
@@ -28,13 +28,7 @@ SIZE = 256 * KiB
 
 
 def filled(agent: Agent, count: int) -> tuple[list[SpillJob], dict[str, np.ndarray]]:
-    """``count`` distinct objects committed on ``agent``'s host tier, as spill jobs."""
-    values = {f"o{i}": np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8) for i in range(count)}
-    for key, value in values.items():
-        put_on(agent, key, value, tier=TierKind.HOST)
-    victims = sorted(agent.index.victim_candidates(agent.node_id, "host"), key=lambda c: c.key)
-    jobs = [SpillJob(victim=v, offset=agent.table.offset_of(v.alloc_id)[0]) for v in victims]  # type: ignore[index]
-    return jobs, values
+    return host_spill_jobs(agent, count, SIZE, prefix="o")
 
 
 def test_a_same_host_peer_gets_the_batch_by_memcpy_not_writes(make_peer_agent: Callable[..., Agent]) -> None:
