@@ -41,13 +41,12 @@ not the store's: no spill between two arenas can beat raw TCP between shared-mem
 ratio to the private baseline is shown beside it.
 
 What the spill figure includes, all inside A's pressure pass: reclaim of due graves, the victim
-sample (``victims.lua``), the node table read, the placement choice, and per batch (the first of
-up to ``spill_jobs.BATCH_BYTES``, then doubling up to ``spill_jobs.MOST_BATCH_BYTES``) one RESERVE
-round trip to B, the WRITEs and their acks (``spill.STREAMS`` connections, rolling from one batch
-into the next), one compare-and-swap of the batch in the index (``move_replicas.lua``, overlapped
-with the next batch's writes) and a FREE of reservations whose swap failed; plus the 1-byte trigger put
-(~1 ms) and the delivery of the swap's keyspace event and a SCARD. A's freeing of the old copies
-(graveyard) is not on that path.
+sample (``victims.lua``), the node table read, the placement choice, and per batch of up to
+``spill_jobs.BATCH_BYTES`` one RESERVE round trip to B, the WRITEs and their acks (``spill.STREAMS``
+connections, rolling from one batch into the next), one compare-and-swap of the batch in the index
+(``move_replicas.lua``, overlapped with the next batch's writes) and a FREE of reservations whose
+swap failed; plus the 1-byte trigger put (~1 ms) and the delivery of the swap's keyspace event and
+a SCARD. A's freeing of the old copies (graveyard) is not on that path.
 B and the index server share the same CPUs; their CPU seconds during the spill are reported. The
 moved objects are read back (a sample of 16) and checked byte for byte. The figure is the best of
 the bursts that were complete (moved at least 90% of what takes A to its low watermark) and

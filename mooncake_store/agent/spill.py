@@ -2,8 +2,7 @@
 
 A victim moved on its own costs a RESERVE round trip to the peer, a WRITE and its ack, and a
 compare-and-swap in the index: three waits per object, the pressure thread idle in each. Here the
-victims of a pass that go to one peer move batch by batch (the first of at most ``BATCH_BYTES``, each
-after it of up to twice the one before, at most ``MOST_BATCH_BYTES``), each batch as
+victims of a pass that go to one peer move batch by batch (at most ``BATCH_BYTES``), each batch as
 DESIGN.md §3.4 wants a single move:
 
 1. copy: one guard record in the index and one RESERVE frame for the whole batch (flag
@@ -98,23 +97,10 @@ def sent_from_arena(source: TierKind, target: TierKind) -> bool:
 
 
 class Spiller:
-    def __init__(
-        self,
-        agent: Agent,
-        *,
-        streams: int = STREAMS,
-        batch_bytes: int = limits.BATCH_BYTES,
-        most_batch_bytes: int | None = None,
-    ) -> None:
-        """``batch_bytes``: the first batch's most bytes; the batches after it double, up to
-        ``most_batch_bytes`` (MOST_BATCH_BYTES by default; ``batch_bytes`` for a caller that sets
-        that alone: every batch alike)."""
+    def __init__(self, agent: Agent, *, streams: int = STREAMS, batch_bytes: int = limits.BATCH_BYTES) -> None:
         self.agent = agent
         self._streams = max(1, streams)
         self._batch_bytes = batch_bytes
-        if most_batch_bytes is None:
-            most_batch_bytes = limits.MOST_BATCH_BYTES if batch_bytes == limits.BATCH_BYTES else batch_bytes
-        self._most_batch_bytes = most_batch_bytes
         timeout_s = min(limits.TIMEOUT_S, max(limits.MIN_TIMEOUT_S, 2 * agent.config.heartbeat_ttl_s))
         self.transport = TcpTransport(timeout_s=timeout_s, connections_per_peer=self._streams, stripe_bytes=1 << 62)
         # The shm copies' streams beside this thread, and the WRITE streams (agent/spill_writes.py),
@@ -166,20 +152,27 @@ class Spiller:
             # Map a same-host peer's arena before reserving there: populating a large mapping takes
             # ~0.1 s per GiB, which reservations already granted would spend ageing.
             self.arenas.segment(peer_node, tier)
-        batches = collections.deque(batches_of(jobs, self._batch_bytes, self._most_batch_bytes))
+        batches = collections.deque(batches_of(jobs, self._batch_bytes))
         swaps: list[Future[Swapped]] = []
         writes: RollingWrites | None = None
         # Batches whose bytes are going out, oldest first: the next is queued on the streams while
         # the one before is still being written, so they roll from one into the other.
         under_way: collections.deque[tuple[Reserved, BatchWrites]] = collections.deque()
-        ahead = self._reserve_next(peer_node, batches, tier, source)
+        ahead: tuple[Future[Reserved | None], list[SpillJob]] | None = None
         # A batch taken off the reservations or the streams and not settled yet: should anything
         # raise meanwhile (a bug, or the agent closing the spiller: no more work can be
         # scheduled), its room on the peer goes back now, not when it times out there.
         in_hand: Reserved | None = None
         failure: BaseException | None = None
         try:
-            while ahead is not None or under_way:
+            while True:
+                if ahead is None and len(under_way) < 2:
+                    # The next batch's room is asked for while the batch before it is written, not
+                    # earlier: a reservation lives reserve_timeout_s on the peer from the moment
+                    # it is made, and must outlast that batch's bytes and its own.
+                    ahead = self._reserve_next(peer_node, batches, tier, source)
+                if ahead is None and not under_way:
+                    break
                 if ahead is not None and len(under_way) < 2:
                     future, planned = ahead
                     in_hand, ahead = future.result(), None
@@ -191,14 +184,16 @@ class Spiller:
                         # The peer took part of it (at its mark now): nothing more goes to it.
                         result.refused = True
                         result.unsent.extend(in_hand.left + self._rest(batches))
-                    else:  # the next batch's room is asked for while this one's bytes go out
+                    if not under_way:  # nothing else is being written: ask now, as this one goes
                         ahead = self._reserve_next(peer_node, batches, tier, source)
                     if not in_hand.batch:
                         in_hand = None
                         continue  # nothing in it could be read: it stays where it is
                     # A same-host peer's shared arena is its host tier: another of its tiers is written to.
                     segment = self.arenas.segment(peer_node, tier) if tier == source == TierKind.HOST else None
-                    if segment is None:  # WRITEs, queued behind the batch before
+                    # Once a spill's WRITEs roll, its later batches join them: copied inline, a
+                    # batch would hold back the settling of those queued before it.
+                    if segment is None or writes is not None:  # WRITEs, queued behind the batch before
                         if writes is None:
                             writes = self._rolling(peer_node)
                         under_way.append((in_hand, writes.add(*self._views(in_hand, tier, source), tier)))
@@ -215,10 +210,12 @@ class Spiller:
                 if stop:
                     # Nothing more goes to this peer in this pass: the batches under way are
                     # called back (their room there given back), those not reserved stay here.
+                    for _, sent in under_way:
+                        assert writes is not None
+                        writes.cancel(sent)  # all at once: none of them goes on while one is waited for
                     while under_way:
                         later, sent = under_way[0]
                         assert writes is not None
-                        writes.cancel(sent)
                         writes.wait(sent)
                         under_way.popleft()
                         self._abandon(peer_node, later)

@@ -23,14 +23,10 @@ log = logging.getLogger("mooncake.agent")
 #: Lifetime of a spill's reservation guards: longer than any copy needs; the peer's sync deletes
 #: a guard as soon as its reservation times out.
 GUARD_TTL_MS = 300_000
-#: Bytes of a spill's first batch: bounds how long the first object of a pass waits for its swap.
+#: Bytes per batch: bounds what a peer holds reserved for a batch not yet swapped, and how long
+#: the first object of a pass waits for its swap. A batch's room is reserved while the batch before
+#: it is written, and lives reserve_timeout_s there: both batches' bytes must arrive by then.
 BATCH_BYTES = 32 << 20
-#: The batches after it double, up to this: each costs a guard, a RESERVE round trip, a swap call
-#: and their wake-ups on both agents and the index, which on two CPUs take from the bytes' copies
-#: (8 MiB objects spilled at 0.75-0.91x raw loopback TCP with these and rolling writes, against
-#: 0.70-0.78x in 32 MiB batches, runs interleaved; 1 MiB ones alike). It bounds what a peer holds
-#: reserved for batches not yet swapped: two under way, one ahead.
-MOST_BATCH_BYTES = 128 << 20
 #: The most one WRITE of a host-tier spill carries: larger objects go in pieces, which the streams
 #: share out (agent/spill_writes.py).
 PIECE_BYTES = 2 << 20
@@ -141,20 +137,16 @@ def fitting(jobs: list[SpillJob], room_bytes: int, usage: TierUsage | None) -> i
     return len(jobs)
 
 
-def batches_of(jobs: list[SpillJob], max_bytes: int, most_bytes: int | None = None) -> list[list[SpillJob]]:
-    """Consecutive runs of ``jobs`` (one object at least, at most MAX_ENTRIES entries): the first of
-    at most ``max_bytes``, each after it of at most twice the one before, up to ``most_bytes``
-    (``max_bytes`` when None: every batch alike)."""
-    limit = max_bytes
-    most = max(max_bytes, most_bytes if most_bytes is not None else max_bytes)
+def batches_of(jobs: list[SpillJob], max_bytes: int) -> list[list[SpillJob]]:
+    """Consecutive runs of ``jobs`` of at most ``max_bytes`` (one object at least) and at most
+    MAX_ENTRIES entries."""
     out: list[list[SpillJob]] = []
     cur: list[SpillJob] = []
     size = 0
     for job in jobs:
-        if cur and (size + job.wire_bytes > limit or len(cur) >= MAX_ENTRIES):
+        if cur and (size + job.wire_bytes > max_bytes or len(cur) >= MAX_ENTRIES):
             out.append(cur)
             cur, size = [], 0
-            limit = min(2 * limit, most)
         cur.append(job)
         size += job.wire_bytes
     if cur:

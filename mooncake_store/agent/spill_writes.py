@@ -178,8 +178,10 @@ class RollingWrites:
             self.peer.write_pulled(self._take, window=WRITE_WINDOW, acked=self._acked)
         except MooncakeError as exc:
             log.info("spill to %s failed mid-transfer: %s", self.peer.endpoint, exc)
-            self._break()
+            # Told first: a peer that timed out (hung) must be known as such before a batch comes
+            # back broken, or the spill would send it a FREE and wait out another timeout.
             self._on_failure(exc)
+            self._break()
         except BaseException:
             log.exception("spill stream to %s failed", self.peer.endpoint)
             self._break()

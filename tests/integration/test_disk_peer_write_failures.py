@@ -133,7 +133,6 @@ def test_a_peer_that_refuses_one_write_for_a_moment_still_gets_the_rest(make_age
     for i, key in enumerate(keys):
         put_on_disk(sender, key, random_bytes(128 * KiB, seed=i))
     sender.pressure._spiller._batch_bytes = 300 * KiB  # a few files a batch
-    sender.pressure._spiller._most_batch_bytes = 300 * KiB
     inbox = peer.inbox
     assert inbox is not None
     real_staging = inbox.staging

@@ -1,5 +1,5 @@
-"""A spill's WRITEs roll from one batch into the next (agent/spill_writes.py), and its batches grow
-(spill_jobs.batches_of): the streams stay up for the whole spill, a batch is swapped only once every
+"""A spill's WRITEs roll from one batch into the next (agent/spill_writes.py): the streams stay up
+for the whole spill, a batch is swapped only once every
 piece of it came back, a peer that refuses a batch has the batch after it (already on its way)
 called back, and one that dies mid-spill gets nothing swapped that was not settled before it broke.
 
@@ -21,8 +21,7 @@ from helpers import host_spill_jobs, replicas_of
 from mooncake_store import LocalCluster
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.spill import Spiller, SpillJob
-from mooncake_store.agent.spill_jobs import MAX_ENTRIES, batches_of
-from mooncake_store.types import EvictionCandidate, TierKind
+from mooncake_store.types import TierKind
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -31,28 +30,6 @@ SIZE = 256 * KiB
 
 def filled(agent: Agent, count: int) -> tuple[list[SpillJob], dict[str, np.ndarray]]:
     return host_spill_jobs(agent, count, SIZE, prefix="r")
-
-
-def job_of(size: int, i: int) -> SpillJob:
-    victim = EvictionCandidate(
-        key=f"k{i}", size_bytes=size, last_access_ms=0, lease_until_ms=0, pins=0, alloc_id=i, chain_pos=-1, dtype="|u1"
-    )
-    return SpillJob(victim=victim, offset=0)
-
-
-def test_batches_double_from_the_first_up_to_the_most() -> None:
-    """The first batch holds at most ``max_bytes``; each after it up to twice the one before, at most
-    ``most_bytes``; without ``most_bytes`` every batch is alike."""
-    jobs = [job_of(MiB, i) for i in range(300)]
-    assert [len(b) for b in batches_of(jobs, 32 * MiB, 128 * MiB)] == [32, 64, 128, 76]
-    assert [len(b) for b in batches_of(jobs, 32 * MiB)] == [32] * 9 + [12]
-    assert [job for b in batches_of(jobs, 32 * MiB, 128 * MiB) for job in b] == jobs
-    # An object larger than the limit still goes, alone; the limit still doubles after it.
-    big = [job_of(40 * MiB, 0), *(job_of(MiB, i) for i in range(1, 100))]
-    assert [len(b) for b in batches_of(big, 32 * MiB, 128 * MiB)] == [1, 64, 35]
-    # The entry cap holds whatever the bytes allow.
-    tiny = [job_of(1, i) for i in range(2 * MAX_ENTRIES + 1)]
-    assert [len(b) for b in batches_of(tiny, 32 * MiB, 128 * MiB)] == [MAX_ENTRIES, MAX_ENTRIES, 1]
 
 
 def count_stream_calls(spiller: Spiller, a: Agent, b: Agent) -> list[int]:
