@@ -143,9 +143,9 @@ class Spiller:
         says otherwise), batch by batch. While a batch's bytes go out, the next batch is reserved
         (reservation thread), its WRITEs queued behind the batch's own (the streams roll from one
         into the next: agent/spill_writes.py), and the batch before is swapped in the index (swap
-        thread); all swaps are done when this returns. ``copy``: the objects stay here too, and the index adds the
-        peer's copies as replicas (re-replication, copy_replicas.lua); ``moved`` then lists the
-        jobs copied."""
+        thread); all swaps are done when this returns. ``copy``: the objects stay here too, and
+        the index adds the peer's copies as replicas (re-replication, copy_replicas.lua);
+        ``moved`` then lists the jobs copied."""
         result = SpillResult()
         source = tier if source is None else source
         if tier == source == TierKind.HOST:
@@ -196,7 +196,7 @@ class Spiller:
                     if segment is None or writes is not None:  # WRITEs, queued behind the batch before
                         if writes is None:
                             writes = self._rolling(peer_node)
-                        under_way.append((in_hand, writes.add(*self._views(in_hand, tier, source), tier)))
+                        under_way.append((in_hand, writes.add(in_hand, self._views(in_hand, tier, source), tier)))
                         in_hand = None
                         continue
                     written, broken = self._copy_batch(segment, peer_node, in_hand)  # copied here and now
@@ -209,17 +209,9 @@ class Spiller:
                 in_hand = None
                 if stop:
                     # Nothing more goes to this peer in this pass: the batches under way are
-                    # called back (their room there given back), those not reserved stay here.
-                    for _, sent in under_way:
-                        assert writes is not None
-                        writes.cancel(sent)  # all at once: none of them goes on while one is waited for
-                    while under_way:
-                        later, sent = under_way[0]
-                        assert writes is not None
-                        writes.wait(sent)
-                        under_way.popleft()
-                        self._abandon(peer_node, later)
-                        result.unsent.extend(later.batch)
+                    # called back, those not reserved stay here.
+                    if writes is not None:
+                        self._call_back(peer_node, writes, under_way, result)
                     result.unsent.extend(self._rest(batches))
                     if ahead is not None:
                         self._give_back(peer_node, ahead[0])
@@ -304,6 +296,25 @@ class Spiller:
             result.refused = True
             return True
         return False
+
+    def _call_back(
+        self,
+        peer_node: NodeInfo,
+        writes: RollingWrites,
+        under_way: collections.deque[tuple[Reserved, BatchWrites]],
+        result: SpillResult,
+    ) -> None:
+        """Stop the batches under way (all at once: none goes on while another is waited for),
+        give their room on the peer back once their WRITEs out are answered, and hand their jobs
+        back unsent. A batch leaves ``under_way`` only once let go (else the caller's cleanup)."""
+        for _, sent in under_way:
+            writes.cancel(sent)
+        while under_way:
+            later, sent = under_way[0]
+            writes.wait(sent)
+            under_way.popleft()
+            self._abandon(peer_node, later)
+            result.unsent.extend(later.batch)
 
     def _abandon(self, peer_node: NodeInfo, reserved: Reserved) -> None:
         """A reserved batch that will not be swapped: its bytes read ahead are dropped and its room
@@ -434,17 +445,12 @@ class Spiller:
             on_failure=lambda exc: self._trouble.note(endpoint, exc),
         )
 
-    def _views(
-        self, reserved: Reserved, tier: TierKind, source: TierKind
-    ) -> tuple[list[SpillJob], list[Reservation], list[memoryview]]:
-        """A reserved batch with each job's bytes: in the host arena here, else read just before
-        the batch went (payloads.py: with_payloads)."""
-        arena = self.agent.arena
+    def _views(self, reserved: Reserved, tier: TierKind, source: TierKind) -> list[memoryview]:
+        """Each job's bytes of a reserved batch: in the host arena here, else read just before the
+        batch went (payloads.py: with_payloads)."""
         if sent_from_arena(source, tier):
-            views = [arena.view(job.offset, job.wire_bytes) for job in reserved.batch]
-        else:
-            views = [memoryview(self._payloads[job.victim.alloc_id]) for job in reserved.batch]
-        return reserved.batch, reserved.reservations, views
+            return [self.agent.arena.view(job.offset, job.wire_bytes) for job in reserved.batch]
+        return [memoryview(self._payloads[job.victim.alloc_id]) for job in reserved.batch]
 
     def _written(
         self,

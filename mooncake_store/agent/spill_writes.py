@@ -31,9 +31,9 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from mooncake_store.agent.spill_jobs import PIECE_BYTES, WRITE_WINDOW, SpillJob
+from mooncake_store.agent.spill_jobs import PIECE_BYTES, WRITE_WINDOW, Reserved, SpillJob
 from mooncake_store.errors import MooncakeError
-from mooncake_store.transport.tcp import PeerConnections, Pull, PulledWrite, Reservation
+from mooncake_store.transport.tcp import PeerConnections, Pull, PulledWrite
 from mooncake_store.types import TierKind
 
 log = logging.getLogger("mooncake.agent")
@@ -92,11 +92,10 @@ class RollingWrites:
         self.broken = False
 
     # ---- the spill's side ---------------------------------------------------------------------
-    def add(
-        self, jobs: list[SpillJob], reservations: list[Reservation], views: list[memoryview], tier: TierKind
-    ) -> BatchWrites:
+    def add(self, reserved: Reserved, views: list[memoryview], tier: TierKind) -> BatchWrites:
         """Queue a reserved batch: ``views`` hold each job's bytes (from the arena, or read ahead),
         in order. Starts the streams on the first batch."""
+        jobs, reservations = reserved.batch, reserved.reservations
         pieces: list[PulledWrite] = []
         expected = [0] * len(jobs)
         batch = BatchWrites(jobs=jobs, pieces=pieces, expected=expected, views=views, landed=[0] * len(jobs))

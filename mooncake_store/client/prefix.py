@@ -339,7 +339,7 @@ class PrefixCache:
                     raise
                 kept = exc.batch_limit
                 log.info("store: the cluster keeps %d of the prompt's %d new chunk(s): those written", kept, len(mine))
-                mine = mine[: exc.batch_limit]
+                mine = mine[:kept]
 
     # ---- load -------------------------------------------------------------------------------
     def load(
