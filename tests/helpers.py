@@ -581,6 +581,7 @@ def stop_process(pid: int, *, timeout_s: float = 10.0) -> None:
         return bool(states) and all(state in "tT" for state in states)
 
     if not wait_until(all_stopped, timeout_s):
+        os.kill(pid, signal.SIGCONT)  # the caller's finally may not be entered yet: nothing is left stopped
         raise AssertionError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP")
 
 

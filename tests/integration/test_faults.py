@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import wait_until
+from helpers import stop_process, wait_until
 
 from mooncake_store import Client, ConnectError, KeyNotFound, LocalCluster, MooncakeError, TransferError
 from mooncake_store.client import node_view
@@ -246,7 +246,7 @@ def test_a_put_whose_first_choice_hangs_goes_to_the_live_nodes(
         return real_elsewhere(group, nodes, failed_node, *args, **kwargs)  # type: ignore[arg-type]
 
     reserver._reserve_elsewhere = spy_elsewhere  # type: ignore[method-assign]
-    os.kill(hung.process.pid, signal.SIGSTOP)
+    stop_process(hung.process.pid)
     try:
         value = np.arange(1 << 20, dtype=np.uint8)
         client.put("past-the-hung", value, replicas=2)

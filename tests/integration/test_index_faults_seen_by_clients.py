@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import server_at_maxmemory
+from helpers import server_at_maxmemory, stop_process
 
 from mooncake_store import Client, LocalCluster, PrefixCache, connect
 from mooncake_store.embedded import EmbeddedServer
@@ -114,7 +114,7 @@ def test_a_put_right_after_an_index_outage_waits_for_the_nodes_next_heartbeats()
         assert cluster.server is not None
         with connect(cluster.redis_url, namespace=cluster.namespace, timeout_s=10.0) as client:
             client.put("before", b"A" * 1000)
-            os.kill(cluster.server.pid, signal.SIGSTOP)
+            stop_process(cluster.server.pid)
             try:
                 time.sleep(2 * ttl_s)
             finally:

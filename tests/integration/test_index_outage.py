@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import server_at_maxmemory, wait_until
+from helpers import server_at_maxmemory, stop_process, wait_until
 
 from mooncake_store import LocalCluster, MooncakeError, connect
 from mooncake_store.embedded import EmbeddedServer
@@ -28,7 +28,7 @@ def test_agents_that_outlive_an_index_stall_keep_their_objects() -> None:
             values = {f"k{i}": np.full(1000, i, np.int32) for i in range(40)}
             for i, (key, value) in enumerate(values.items()):
                 client.put(key, value, preferred_node=f"agent-{i % 2}")
-            os.kill(cluster.server.pid, signal.SIGSTOP)
+            stop_process(cluster.server.pid)
             try:
                 time.sleep(3 * 2 * ttl_s)  # past every node's deadline and reap time
             finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import node_row, wait_until
+from helpers import node_row, stop_process, wait_until
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.agent import takeover
@@ -33,7 +33,7 @@ def test_a_stalled_agent_whose_node_id_was_taken_over_stops(
 ) -> None:
     cluster = make_cluster(0, heartbeat_ttl_s=1.5)
     old = cluster.add_agent(node_id="x")
-    os.kill(old.pid, signal.SIGSTOP)
+    stop_process(old.pid)
     try:
         client = make_client(cluster)
         assert wait_until(lambda: not client.stat().nodes or client.stat().nodes[0].alive is False, 10), client.stat()

@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+from helpers import stop_process
 
 from mooncake_store import LocalCluster, PrefixCache, connect
 from mooncake_store.embedded import EmbeddedServer
@@ -39,7 +40,7 @@ def test_close_with_held_hits_and_a_stalled_index_tries_one_unpin() -> None:
                 return real_unpin(keys, **kwargs)
 
             cache.index.unpin = counted_unpin  # type: ignore[method-assign]
-            os.kill(server.pid, signal.SIGSTOP)
+            stop_process(server.pid)
             try:
                 cache.close()
             finally:

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 
 import numpy as np
-from helpers import node_row, wait_until
+from helpers import node_row, stop_process, wait_until
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.client.cluster import AgentProcess
@@ -58,7 +58,7 @@ def test_a_long_ttl_node_that_stalls_within_its_ttl_is_not_reaped_by_a_short_ttl
 ) -> None:
     patient, client = two_ttls(make_cluster, make_client, ("hasty", 1.5), ("patient", 9.0))
     tag = client.index.nodes()["patient"].alloc_tag
-    os.kill(patient.pid, signal.SIGSTOP)
+    stop_process(patient.pid)
     try:
         # Its deadline passes 8-9 s into the stall; its grace runs to 17-18 s. The hasty agent
         # reaped it with its own 1.5 s grace, 11-12.5 s in at the latest.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import synced_after, wait_until
+from helpers import stop_process, synced_after, wait_until
 
 from mooncake_store import Client, LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -141,7 +141,7 @@ def test_a_stalled_agent_that_comes_back_does_not_hand_out_a_block_a_reader_may_
     node = writer.index.nodes()[replica.node_id]
     agent = cluster.agent(replica.node_id)
     looked_up = time.monotonic()
-    os.kill(agent.pid, signal.SIGSTOP)
+    stop_process(agent.pid)
     try:
         assert wait_until(lambda: replica.node_id not in writer.index.nodes(), 10), "never reaped"
     finally:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from helpers import wait_until
+from helpers import stop_process, wait_until
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.client.stats import NodeStats, TierStats
@@ -36,7 +36,7 @@ def test_hits_survive_a_reap_the_node_comes_back_from(
     assert sum(t.hits for n in client.stat().nodes for t in n.tiers) == 5
     node0, tier0 = host_tier(client, "agent-0")
     agent = cluster.agent("agent-0")
-    os.kill(agent.pid, signal.SIGSTOP)
+    stop_process(agent.pid)
     try:
         assert wait_until(lambda: "agent-0" not in client.index.nodes(), 15), "never reaped"
     finally:

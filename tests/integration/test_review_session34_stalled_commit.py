@@ -8,7 +8,7 @@ import os
 import signal
 
 import pytest
-from helpers import wait_until
+from helpers import stop_process, wait_until
 from index_audit import settled_audit
 
 from mooncake_store import LocalCluster, connect
@@ -28,7 +28,7 @@ def test_a_put_whose_commit_meets_a_stalled_index_asks_it_nothing_more() -> None
             revokes: list[object] = []
 
             def stall_then_commit(*args: object, **kwargs: object) -> object:
-                os.kill(server.pid, signal.SIGSTOP)
+                stop_process(server.pid)
                 return real_commit(*args, **kwargs)  # type: ignore[arg-type]
 
             client.index.put_commit = stall_then_commit  # type: ignore[method-assign]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from helpers import wait_until
+from helpers import stop_process, wait_until
 
 from mooncake_store import LocalCluster, connect
 from mooncake_store.agent.node import Agent
@@ -65,7 +65,7 @@ def test_a_hung_peer_is_asked_once_per_pass_not_once_per_tier(
             nonlocal stopped
             asked.append((peer_node.node_id, kwargs["tier"], len(jobs)))
             if peer_node.node_id == b.node_id and not stopped:
-                os.kill(b.process.pid, signal.SIGSTOP)  # hung, while the table still lists it alive
+                stop_process(b.process.pid)  # hung, while the table still lists it alive
                 stopped = True
             return real_spill(peer_node, jobs, **kwargs)
 

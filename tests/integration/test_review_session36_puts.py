@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
-from helpers import wait_until
+from helpers import stop_process, wait_until
 
 from mooncake_store import Client, LocalCluster
 
@@ -30,7 +30,7 @@ def test_the_free_to_a_stalled_agent_does_not_hold_the_put_up(
         if not stalled:
             victim = next(a for a in cluster.agents if a.endpoint == endpoint)
             stalled.append(victim.process.pid)
-            os.kill(victim.process.pid, signal.SIGSTOP)
+            stop_process(victim.process.pid)
         return real_write(endpoint, *args, **kwargs)  # type: ignore[arg-type]
 
     put_thread = threading.current_thread()

@@ -287,7 +287,7 @@ def test_a_put_cut_short_by_close_commits_nothing_and_its_reservation_is_reclaim
         deadline = time.monotonic() + 10
         while not fut.done() and not observer.index.redis.keys(pending) and time.monotonic() < deadline:
             time.sleep(0.0005)
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         stopped = True
         # The put waits on the stalled agent once its bytes queue there (unless it ended first, or
         # the agent stopped with every byte read and its reply not yet sent: then none queue, and
