@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,9 +25,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from helpers import stop_process
 
 from mooncake_store import LocalCluster
 from mooncake_store.errors import MooncakeError
+from mooncake_store.index.client import RedisIndex
 from mooncake_store.tiers.host import namespace_prefix
 
 from .conftest import HOST_MEM, Mooncake, assert_one_line_error, mooncake_bin
@@ -159,6 +162,55 @@ def _detached_up_once_its_server_runs(mooncake: Mooncake, ns: str, *, agents: in
     return up
 
 
+def _detached_up_held_at_its_agent(
+    mooncake: Mooncake, procs: Procs, ns: str, *, tries: int = 3
+) -> tuple[subprocess.Popen[bytes], int]:
+    """`mooncake up --detach` with one agent, held while it starts: (up, the agent's PID), the agent
+    stopped (SIGSTOP) before it registered, so that `up` is still waiting for it when the test
+    signals it. Signalled as soon as its server ran, a loaded machine let the agent start and `up`
+    finish (exit 0) while the test was still finding its processes. An agent that registered before
+    it could be stopped lets `up` finish: that try is taken down and another made."""
+    server_out = mooncake.state_dir / "logs" / "server.out"
+    for _ in range(tries):
+        up = _detached_up_once_its_server_runs(mooncake, ns, agents=1)
+        agent = _agent_spawned_by(up, procs)
+        if agent is not None:
+            stop_process(agent)
+            url = re.search(rb"redis://\S+", server_out.read_bytes())
+            assert url is not None
+            index = RedisIndex(url.group().decode(), namespace=ns, timeout_s=10.0)
+            try:
+                registered = bool(index.nodes())
+            finally:
+                index.close()
+            if not registered and up.poll() is None:
+                return up, agent
+            os.kill(agent, signal.SIGCONT)
+        up.communicate(timeout=60)
+        mooncake("down", "--timeout", "5")
+    pytest.fail(f"the agent registered before it could be stopped, {tries} times")
+
+
+def _agent_spawned_by(up: subprocess.Popen[bytes], procs: Procs, timeout_s: float = 60.0) -> int | None:
+    """The PID of the agent `up` started, once its process exists; None when `up` ended first."""
+    deadline = time.monotonic() + timeout_s
+    while up.poll() is None:
+        agent = next((pid for pid in procs.scan() if b"mooncake_store.agent" in _cmdline(pid)), None)
+        if agent is not None:
+            return agent
+        if time.monotonic() > deadline:
+            pytest.fail("timed out waiting for the agent's process")
+        time.sleep(0.02)
+    return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _nothing_left_after_down(mooncake: Mooncake, procs: Procs, ns: str, up: subprocess.Popen[bytes]) -> bytes:
     """Once the signalled `up` ended and `down` stopped whatever it recorded, none of its processes
     or segments is left; returns what `up` wrote on stderr."""
@@ -197,10 +249,9 @@ def test_sigterm_during_detached_up_leaves_nothing(mooncake: Mooncake, procs: Pr
     # leaves the server and the agent running, with nothing recorded for `down` to find.
     ns = f"rv4-{uuid.uuid4().hex[:8]}"
     namespaces.append(ns)
-    up = _detached_up_once_its_server_runs(mooncake, ns, agents=1)
-    assert up.poll() is None, "up finished before the test could signal it"
-    procs.scan()
+    up, agent = _detached_up_held_at_its_agent(mooncake, procs, ns)
     up.send_signal(signal.SIGTERM)
+    os.kill(agent, signal.SIGCONT)  # `up` stops it as it unwinds: a stopped agent would wait out its timeout
     stderr = _nothing_left_after_down(mooncake, procs, ns, up)
     # 128 + SIGTERM, as for any command a signal stopped (it was 1, while Ctrl-C was 130).
     assert up.returncode == 128 + signal.SIGTERM, stderr.decode(errors="replace")
