@@ -342,6 +342,8 @@ class Spiller:
     def _give_back(self, peer_node: NodeInfo, ahead: Future[Reserved | None]) -> None:
         """A batch reserved ahead that will not be sent (the pass ended early): its room goes back
         now; from a hung peer (PeerTrouble) it is neither waited for nor freed."""
+        # Read now, not in settle() as _abandon would: the pass takes its marks when spill()
+        # returns, before a hung peer's answer comes, and a FREE then would wait out its timeout.
         hung = self._trouble.hung(peer_node.tcp_endpoint)
 
         def settle(done: Future[Reserved | None]) -> None:

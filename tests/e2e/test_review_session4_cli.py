@@ -193,15 +193,14 @@ def _detached_up_held_at_its_agent(
 
 def _agent_spawned_by(up: subprocess.Popen[bytes], procs: Procs, timeout_s: float = 60.0) -> int | None:
     """The PID of the agent `up` started, once its process exists; None when `up` ended first."""
-    deadline = time.monotonic() + timeout_s
-    while up.poll() is None:
-        agent = next((pid for pid in procs.scan() if b"mooncake_store.agent" in _cmdline(pid)), None)
-        if agent is not None:
-            return agent
-        if time.monotonic() > deadline:
-            pytest.fail("timed out waiting for the agent's process")
-        time.sleep(0.02)
-    return None
+    agents: list[int] = []
+
+    def spawned() -> bool:
+        agents[:] = [pid for pid in procs.scan() if b"mooncake_store.agent" in _cmdline(pid)]
+        return bool(agents) or up.poll() is not None
+
+    _wait_for(spawned, timeout_s, "the agent's process")
+    return agents[0] if agents else None
 
 
 def _cmdline(pid: int) -> bytes:
