@@ -27,12 +27,7 @@ refuses every WRITE of a batch it reserved room for (a disk that fails its write
 jobs of a batch it refused only in part are handed back alone, and its later batches still go.
 
 A peer on this host (same host id, shm among its transports) gets a host batch by memcpy into its
-shared arena instead of WRITEs (``agent.spill_shm``; DESIGN.md §4: shm before tcp), under the
-peer's fence: on one connection, FENCE the batch's reservations (the peer answers which it holds,
-and the digest of its arena's name: the bytes go into the arena that holds them, not an earlier
-incarnation's), copy into the fenced ones, UNFENCE (the peer answers which are still live; one
-freed meanwhile is only doomed, not re-granted). The peer's arena is mapped on the first spill to
-it or ahead of it (agent/peer_arenas.py), and unmapped when the peer leaves the node table.
+shared arena under its fence instead of WRITEs (agent/spill_shm.py).
 
 The disk tier spills the same way into the peer's disk tier (RESERVE on tier 2): what travels is
 the chunk file as stored, compressed and checksummed, which the peer verifies before it answers
@@ -48,7 +43,6 @@ import collections
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -56,7 +50,6 @@ from mooncake_store.agent import spill_jobs as limits
 from mooncake_store.agent.failure_log import FailureLog
 from mooncake_store.agent.moves import MoveTarget
 from mooncake_store.agent.payloads import Payload, with_payloads
-from mooncake_store.agent.peer_arenas import PeerArenas
 from mooncake_store.agent.spill_jobs import (
     PIECE_BYTES,
     PeerTrouble,
@@ -67,11 +60,10 @@ from mooncake_store.agent.spill_jobs import (
     batches_of,
     fitting,
 )
+from mooncake_store.agent.spill_shm import ArenaCopies
 from mooncake_store.agent.spill_writes import BatchWrites, RollingWrites
 from mooncake_store.errors import AgentBusy, ConnectError, MooncakeError, NoCapacity, TransferError
-from mooncake_store.tiers.host import SharedSegment
 from mooncake_store.transport.frames import SPILL_FLAG, TIER_DISK, TIER_GPU, TIER_HOST
-from mooncake_store.transport.shm import copy_bytes
 from mooncake_store.transport.tcp import Reservation, TcpTransport
 from mooncake_store.types import NodeInfo, Replica, ReplicaState, TierKind
 
@@ -103,18 +95,18 @@ class Spiller:
         self._batch_bytes = batch_bytes
         timeout_s = min(limits.TIMEOUT_S, max(limits.MIN_TIMEOUT_S, 2 * agent.config.heartbeat_ttl_s))
         self.transport = TcpTransport(timeout_s=timeout_s, connections_per_peer=self._streams, stripe_bytes=1 << 62)
-        # The shm copies' streams beside this thread, and the WRITE streams (agent/spill_writes.py),
-        # which stay up for a whole spill: pools apart, so that neither waits for the other's.
-        self._pool = ThreadPoolExecutor(max_workers=max(1, self._streams - 1), thread_name_prefix="mc-spill")
+        # The WRITE streams (agent/spill_writes.py), which stay up for a whole spill.
         self._writers = ThreadPoolExecutor(max_workers=self._streams, thread_name_prefix="mc-spill-write")
         self._swapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-swap")
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mc-spill-reserve")
-        #: Same-host peers' shared arenas, where host batches to them go by memcpy.
-        self.arenas = PeerArenas(agent)
         #: Bytes of the GPU or disk batch being sent, by alloc id (copied out of the device, or the
         #: chunk files read, just before the batch goes); host batches are sent from the arena.
         self._payloads: dict[int, Payload] = {}
         self._trouble = PeerTrouble()
+        #: Host batches to same-host peers, by memcpy into their arenas.
+        self.shm = ArenaCopies(agent, self.transport, self._trouble, streams=self._streams)
+        #: Those peers' arenas, mapped here (the pressure loop maps them ahead and unmaps the gone).
+        self.arenas = self.shm.arenas
         #: Per peer, its refusals in a row: told at INFO when they begin, then once a minute with
         #: the count. A repair asked a peer it could not fill every second, and said so each time.
         self._refusals: dict[str, FailureLog] = {}
@@ -124,8 +116,7 @@ class Spiller:
 
     def close(self) -> None:
         self.transport.close()
-        self.arenas.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.shm.close()
         self._writers.shutdown(wait=False, cancel_futures=True)
         self._swapper.shutdown(wait=False, cancel_futures=True)
         self._reserver.shutdown(wait=False, cancel_futures=True)
@@ -199,7 +190,7 @@ class Spiller:
                         under_way.append((in_hand, writes.add(in_hand, self._views(in_hand, tier, source), tier)))
                         in_hand = None
                         continue
-                    written, broken = self._copy_batch(segment, peer_node, in_hand)  # copied here and now
+                    written, broken = self.shm.copy_batch(segment, peer_node, in_hand)  # copied here and now
                 else:
                     in_hand, sent = under_way.popleft()
                     assert writes is not None
@@ -427,16 +418,6 @@ class Spiller:
             left=left,
         )
 
-    def _copy_batch(self, segment: SharedSegment, peer_node: NodeInfo, reserved: Reserved) -> tuple[list[bool], bool]:
-        """A host batch into a same-host peer's arena: (written per job, the connection broke)."""
-        try:
-            return self._copy_all(segment, peer_node, reserved), False
-        except MooncakeError as exc:  # the connection broke: the peer lifts the fences itself
-            log.info("spill to %s failed mid-copy: %s", peer_node.node_id, exc)
-            self._trouble.note(peer_node.tcp_endpoint, exc)
-            self.transport.drop_peer(peer_node.tcp_endpoint)
-            return [False] * len(reserved.batch), True
-
     def _rolling(self, peer_node: NodeInfo) -> RollingWrites:
         """The streams that carry a spill's WRITEs to ``peer_node`` (agent/spill_writes.py)."""
         endpoint = peer_node.tcp_endpoint
@@ -547,66 +528,6 @@ class Spiller:
         if leftover:
             self._expire(peer_node.tcp_endpoint, leftover)
         return Swapped(moved=moved)
-
-    def _on_streams(self, count: int, stream: Callable[[int], None]) -> bool:
-        """Run ``stream(k)`` for k in 0..count at once: the first on this thread, the rest on the
-        pool. Returns whether one failed (each failure is logged)."""
-        futures = [self._pool.submit(stream, k) for k in range(1, count)]
-        failed = False
-        try:
-            if count > 0:
-                stream(0)
-        finally:
-            for fut in futures:
-                exc = fut.exception()
-                if exc is not None:
-                    log.warning("spill stream failed: %r", exc)
-                    failed = True
-        return failed
-
-    def _copy_all(self, segment: SharedSegment, peer_node: NodeInfo, reserved: Reserved) -> list[bool]:
-        """A host batch into a same-host peer's arena under its fence, one memcpy per job (numpy
-        releases the GIL, so the streams copy in parallel). Returns written per job: fenced by the
-        peer, copied, and still held by the peer when the fence was lifted. Nothing is copied when
-        the fencing agent's arena is not the mapped one (the peer restarted since the node table was
-        read: its reservations are in a new arena)."""
-        arena = self.agent.arena
-        batch, reservations = reserved.batch, reserved.reservations
-
-        def copy(fenced: list[bool]) -> list[bool]:
-            copied = [False] * len(batch)
-
-            streams = min(self._streams, len(batch))
-
-            def stream(k: int) -> None:
-                for i in range(k, len(batch), streams):
-                    if not fenced[i]:
-                        continue
-                    job, res = batch[i], reservations[i]
-                    size = job.wire_bytes
-                    if size:
-                        try:
-                            dest = segment.view(res.offset, size)  # outside the peer's arena: refused
-                        except MooncakeError as exc:
-                            log.warning("spill of %s to %s: %s", job.victim.key, peer_node.node_id, exc)
-                            continue
-                        src = arena.view(job.offset, size)
-                        try:
-                            copy_bytes(dest, src)
-                        finally:
-                            dest.release()
-                            src.release()
-                    copied[i] = True
-
-            self._on_streams(streams, stream)  # a job whose copy failed stays uncopied
-            return copied
-
-        peer = self.transport.peer(peer_node.tcp_endpoint)
-        landed = peer.fenced([r.alloc_id for r in reservations], segment.name, copy)
-        if landed is None:
-            log.info("spill to %s: its arena is not %s any more; nothing copied", peer_node.node_id, segment.name)
-            return [False] * len(batch)
-        return landed
 
     def _expire(self, endpoint: str, alloc_ids: list[int]) -> None:
         try:

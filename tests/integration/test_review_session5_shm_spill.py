@@ -1,5 +1,6 @@
-"""Review of the same-host spill path (commit 47ce4ef: agent/spill.py Spiller._copy_all; the
-mapping of peers' arenas, now agent/peer_arenas.py retain, segment; transport/shm.py retain).
+"""Review of the same-host spill path (commit 47ce4ef: agent/spill.py Spiller._copy_all, now
+agent/spill_shm.py ArenaCopies.copy_all; the mapping of peers' arenas, now agent/peer_arenas.py
+retain, segment; transport/shm.py retain).
 Each test names the bug it proves and fails on that code.
 
 Real Agent objects in this process (real servers, arenas in /dev/shm, index scripts against the
@@ -55,7 +56,7 @@ def regrant_then_spill(
     assert replica.offset == granted_at, "the allocator did not hand the same block out again"
     segment = spiller.arenas.segment(row, TierKind.HOST)
     assert segment is not None
-    written = spiller._copy_all(segment, row, reserved)
+    written = spiller.shm.copy_all(segment, row, reserved)
     spiller._swap(row, reserved.batch, reserved.reservations, written, TierKind.HOST, False, TierKind.HOST)
     return other, written
 
