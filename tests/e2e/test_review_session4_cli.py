@@ -511,14 +511,27 @@ def test_second_sigterm_while_foreground_up_stops_does_not_orphan_the_server(
     namespaces.append(ns)
     up = mooncake.popen("up", "--agents", "2", "--host-mem", HOST_MEM, "--namespace", ns)
     state_file = mooncake.state_dir / "cluster.json"
+    agents: list[int] = []
     try:
         _wait_for(lambda: state_file.exists() or up.poll() is not None, 60, "the state file")
         assert up.poll() is None, up.communicate()
-        procs.scan()
+        agents = [pid for pid in procs.scan() if b"mooncake_store.agent" in _cmdline(pid)]
+        assert len(agents) == 2, agents
+        # The agents are held, so that `up` is surely still stopping them when the second signal
+        # comes: after a fixed sleep instead, a fast machine could have stopped the whole cluster.
+        for agent in agents:
+            stop_process(agent)
         up.send_signal(signal.SIGTERM)
-        time.sleep(0.1)  # it is now waiting for its agents to stop
-        assert up.poll() is None, "stopped too fast for the test"
+        # `up` is stopping its agents once their SIGTERM waits on them, held.
+        _wait_for(lambda: all(_signal_pending(agent, signal.SIGTERM) for agent in agents), 30, "the agents' SIGTERM")
         up.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        assert up.poll() is None, f"the second SIGTERM ended `up` half-way (exit {up.returncode})"
+    finally:
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent, signal.SIGCONT)
+    try:
         up.communicate(timeout=60)
         left = procs.settled()
         assert not left, f"`up` (exit {up.returncode}) left running: {procs.describe(left)}"
@@ -528,6 +541,16 @@ def test_second_sigterm_while_foreground_up_stops_does_not_orphan_the_server(
         if up.poll() is None:
             up.kill()
             up.wait(timeout=30)
+
+
+def _signal_pending(pid: int, signum: int) -> bool:
+    """Whether ``signum`` was sent to process ``pid`` and waits there (it is stopped, say)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    pending = re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.MULTILINE)
+    return pending is not None and bool(int(pending.group(1), 16) & (1 << (signum - 1)))
 
 
 def test_config_file_that_is_not_utf8_is_a_config_error(mooncake: Mooncake, tmp_path: Path) -> None:
