@@ -37,7 +37,15 @@ class PassState:
     #: another tier of a peer's (a host object as a chunk file, a chunk file decoded): the job that
     #: travels then says what it takes there.
     room_here: dict[int, int] = field(default_factory=dict)
+    #: Peers left out for the rest of the pass: silent or spared ones, and those that did not answer
+    #: one of its spills (a timeout, a reset: asked again, a hung peer cost the pass its timeout
+    #: once more).
     refused: set[str] = field(default_factory=set)
+    #: Tiers of peers that turned a spill down in this pass (filled since the node table was read,
+    #: their writes refused): the peer's other tiers may still take the victims. Left out whole
+    #: instead, a peer whose host tier had filled was not offered its nearly empty disk tier, and
+    #: the victims were evicted.
+    refused_tiers: set[tuple[str, TierKind]] = field(default_factory=set)
     #: Chunks of a chain evicted in this pass, by their parent's key: the sample's children counts
     #: are that much too high, and a parent whose last child went is a leaf now (evict.lua still
     #: checks atomically, so a count too low here cannot cut a chain).
@@ -65,6 +73,18 @@ class PassState:
 
     def __post_init__(self) -> None:
         self.by_id = {peer.node_id: peer for peer in self.peers}
+
+    def refused_in(self, tier: TierKind) -> set[str]:
+        """The peers that are no destination in ``tier`` for the rest of the pass."""
+        return self.refused | {node_id for node_id, refused in self.refused_tiers if refused == tier}
+
+    def turned_down(self, node_id: str, tier: TierKind, *, unreachable: bool) -> None:
+        """A peer refused a spill into ``tier``, or did not answer it (``unreachable``: then all of
+        it is left out)."""
+        if unreachable:
+            self.refused.add(node_id)
+        else:
+            self.refused_tiers.add((node_id, tier))
 
     def plan(self, node_id: str, jobs: list[SpillJob], tier: TierKind, sign: int = 1) -> None:
         """Count ``jobs`` as sent to a peer (``sign`` -1: taken back), in the room they take there."""
@@ -104,7 +124,7 @@ class Placer:
             # plain size a file could take more blocks than the room it was planned into.
             lower_takes = agent.disk.footprint(file_bytes_at_most(victim.size_bytes))
         # A node that holds another replica is no destination: two copies on one node are one.
-        refused = state.refused | set(victim.other_nodes)
+        holding = set(victim.other_nodes)
         holders = [state.by_id[n] for n in victim.other_nodes if n in state.by_id]
         move = choose_move(
             job.room_bytes,
@@ -119,7 +139,7 @@ class Placer:
             high_watermark=agent.config.high_watermark,
             spill=agent.config.spill_to_peers,
             planned_bytes=state.planned.get(tier, {}),
-            refused=refused,
+            refused=state.refused_in(tier) | holding,
             stored_bytes=job.stored_bytes,
             holders=holders,
             plain_bytes=victim.size_bytes,
@@ -128,10 +148,13 @@ class Placer:
             return move
         # No peer has room in this tier: another tier of a peer's before the object is lost (a
         # chunk file to a disk-less peer's empty host tier, a host object to a peer's disk), as a
-        # repair's copy goes (agent/repairs.py).
-        others = tuple(t for t in FALLBACK_TIERS if t != tier)
-        found = peer_target(agent, job, tier, others, state.peers, now_ms, state.planned, refused, holders)
-        return move if found is None else Move(kind=MoveKind.SPILL, tier=found[1], node_id=found[0])
+        # repair's copy goes (agent/repairs.py); each tier leaves out the peers that refused it.
+        for other in (t for t in FALLBACK_TIERS if t != tier):
+            refused = state.refused_in(other) | holding
+            found = peer_target(agent, job, tier, (other,), state.peers, now_ms, state.planned, refused, holders)
+            if found is not None:
+                return Move(kind=MoveKind.SPILL, tier=found[1], node_id=found[0])
+        return move
 
     def place_demoting(self, job: SpillJob, now_ms: int, state: PassState, tier: TierKind) -> Move:
         """Place a victim and carry out a demotion at once (the others are queued by the caller). A

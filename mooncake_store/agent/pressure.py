@@ -397,8 +397,9 @@ class PressureManager:
         job_of: JobOf,
     ) -> tuple[int, list[SpillJob]]:
         """Send each peer its victims in batches (to the peer's tier each was planned into). A peer
-        that refuses (or breaks) is skipped for the rest of the pass and what it did not take is
-        placed again: another peer, else demoted. Returns the room made here, and the victims left
+        that refuses is skipped for the rest of the pass in that tier (one that breaks or does not
+        answer, in all of them), and what it did not take is placed again: another peer or tier,
+        else demoted. Returns the room made here, and the victims left
         with nowhere to go (the walk evicts them only if warmer ones cannot make the room)."""
         moved = 0
         stranded: list[SpillJob] = []
@@ -406,15 +407,17 @@ class PressureManager:
             retry: list[SpillJob] = []
             write_refused: set[int] = set()
             for (node_id, target), jobs in spills.items():
-                if node_id in state.refused:
-                    # Refused or broke on another of its tiers in this pass (the cross-tier
-                    # fallback plans one peer's host and disk tiers both): a hung peer asked again
-                    # cost the pass its timeout once more. Placed again with the rest.
+                if node_id in state.refused_in(target):
+                    # Broke on another of its tiers in this pass (the cross-tier fallback plans
+                    # one peer's host and disk tiers both): a hung peer asked again cost the pass
+                    # its timeout once more. Or planned into this tier before it refused it here.
+                    # Placed again with the rest.
                     state.plan(node_id, jobs, target, sign=-1)
                     retry.extend(jobs)
                     continue
                 result = self._spiller.spill(state.by_id[node_id], jobs, tier=target, source=tier)
-                self.silent.note(self._spiller.take_unreachable())
+                unreachable = self._spiller.take_unreachable()
+                self.silent.note(unreachable)
                 moved += sum(state.room_here.get(job.victim.alloc_id, job.room_bytes) for job in result.moved)
                 if result.moved:
                     self.count(tier, "spills_out", len(result.moved))
@@ -425,7 +428,7 @@ class PressureManager:
                 if result.error is not None:
                     raise result.error  # the index failed: end the pass (run() logs it)
                 if result.refused:
-                    state.refused.add(node_id)
+                    state.turned_down(node_id, target, unreachable=node_id in unreachable)
                 if result.unsent:  # refused in part (the peer still asked), or with the rest
                     state.plan(node_id, result.unsent, target, sign=-1)
                     retry.extend(result.unsent)

@@ -20,9 +20,10 @@ DESIGN.md §3.4 wants a single move:
    whose write or swap did not succeed is expired on the peer in one FREE frame, but for a peer
    that timed out: hung, it would answer after another timeout; it reclaims them at its own.
 
-A peer that refuses a reservation, or whose connection breaks, gets nothing more in this pass: the
+A peer that refuses a reservation, or whose connection breaks, gets nothing more in this spill: the
 batch under way (none of it swapped, not even what the peer acked before it broke) and the batches
-not sent are handed back, to be placed elsewhere (pressure.py decides where). So is a peer that
+not sent are handed back, to be placed elsewhere (pressure.py decides where: another of the peer's
+tiers may still take them, but not one that broke, agent/placing.py PassState). So is a peer that
 refuses every WRITE of a batch it reserved room for (a disk that fails its writes: tiers/disk.py);
 jobs of a batch it refused only in part are handed back alone, and its later batches still go.
 
@@ -272,7 +273,7 @@ class Spiller:
         # reservation gone) are not swapped (their room there is expired) and stay here,
         # handed back to be placed again. Counted neither moved nor unsent, they were sent
         # to the same failing peer at every pass, and the node never got under its mark.
-        # A peer that refused a whole batch is asked nothing more in this pass (a failing
+        # A peer that refused a whole batch is asked nothing more in this spill (a failing
         # disk also stops offering room: tiers/disk.py); one that refused some of it, a
         # moment's refusal, keeps its later batches (all of them were evicted for one).
         refused = [job for job, ok in zip(reserved.batch, written, strict=True) if not ok]
