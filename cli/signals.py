@@ -93,10 +93,12 @@ def hide_lost_stops(stop: StopOnce) -> UnraisableHook:
 
 
 @contextmanager
-def stopping_with(stop: StopOnce) -> Iterator[StopOnce]:
+def stopping_with(stop: StopOnce, *, then_ignore: bool = False) -> Iterator[StopOnce]:
     """``stop`` handles the stop signals inside the block. Once it has fired they stay ignored
     after the block, for the little the command has left to do before it exits with the first
-    signal's status: put back to the default action, a second SIGTERM killed it there instead."""
+    signal's status: put back to the default action, a second SIGTERM killed it there instead.
+    ``then_ignore``: ignored after the block in any case, where the block decided the command's
+    outcome and what is left is to report it and exit (a detached `up` that recorded its cluster)."""
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     previous_hook = hide_lost_stops(stop)
     try:
@@ -106,7 +108,7 @@ def stopping_with(stop: StopOnce) -> Iterator[StopOnce]:
             sys.unraisablehook = previous_hook
         try:
             for sig, handler in previous.items():
-                _restore(sig, signal.SIG_IGN if stop.raised else handler)
+                _restore(sig, signal.SIG_IGN if stop.raised or then_ignore else handler)
         finally:
             if stop.raised:
                 # Also when the first signal landed in the loop above, half way: the handlers it

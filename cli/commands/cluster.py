@@ -262,11 +262,15 @@ def _start(plan: launcher.LaunchPlan, *, as_json: bool) -> None:
         err.print(f"[dim]starting {plan.num_agents} agent(s) x {format_size(plan.host_bytes)} on {where}...[/dim]")
     if plan.mode == "detached":
         # A SIGINT, SIGTERM or SIGHUP while starting unwinds launch(), which stops what it started:
-        # nothing is recorded yet, so nothing else could. Signals after the first are ignored.
+        # nothing is recorded yet, so nothing else could. Signals after the first are ignored, and
+        # so are all of them once the block has recorded the cluster: `up` has started it then,
+        # and reports so and exits 0. Put back to their default actions there, one that came while
+        # `up` printed or exited (~0.15 s) ended it, exit 143 with nothing said, the cluster left
+        # running and recorded.
         stop_once = StopOnce()
         state: ClusterState | None = None
         try:
-            with stopping_with(stop_once):
+            with stopping_with(stop_once, then_ignore=True):
                 state = launcher.launch(plan)
                 save_state(state)
                 clear_starting()  # recorded in cluster.json now

@@ -257,6 +257,44 @@ def test_sigterm_during_detached_up_leaves_nothing(mooncake: Mooncake, procs: Pr
     assert b"stopped by a signal while starting" in stderr
 
 
+@pytest.mark.parametrize(
+    ("signum", "delay_s"),
+    [(signal.SIGTERM, 0.0), (signal.SIGTERM, 0.03), (signal.SIGINT, 0.06), (signal.SIGHUP, 0.1)],
+)
+def test_a_signal_as_detached_up_records_its_cluster_stops_all_of_it_or_none(
+    mooncake: Mooncake, procs: Procs, namespaces: list[str], signum: int, delay_s: float
+) -> None:
+    """Signalled as it records its cluster, a detached `up` either stops everything and says so
+    (128 + N, nothing recorded) or, once it has recorded the cluster, ignores the signal and exits
+    0 with the cluster running and recorded. After the record it put the signals' default actions
+    back, and one that came while it printed the cluster or exited (~0.15 s) ended it there: exit
+    143, nothing said, the cluster running, recorded (a probe of 2026-12-07, every try at 10-100 ms)."""
+    ns = f"rv4-{uuid.uuid4().hex[:8]}"
+    namespaces.append(ns)
+    up = mooncake.popen("up", "--detach", "--agents", "1", "--host-mem", HOST_MEM, "--namespace", ns)
+    state_file = mooncake.state_dir / "cluster.json"
+    _wait_for(lambda: state_file.exists() or up.poll() is not None, 60, "the state file")
+    time.sleep(delay_s)
+    procs.scan()
+    if up.poll() is None:
+        up.send_signal(signum)
+    stdout, stderr = up.communicate(timeout=60)
+    said = stderr.decode(errors="replace")
+    if up.returncode == 0:
+        assert b"mooncake cluster up (detached)" in stdout, said
+        state = mooncake.state()
+        pids = [int(p["pid"]) for p in state["agents"] + state["servers"]]
+        assert set(pids) <= set(procs.scan()), f"recorded, but not all running: {pids}"
+        assert mooncake("down", "--timeout", "5").returncode == 0
+    else:
+        assert up.returncode == 128 + signum, f"exit {up.returncode}: {said}"
+        assert "stopped by a signal while starting" in said
+        assert not state_file.exists()
+        left = procs.settled()
+        assert not left, f"still running after `up` said it stopped everything: {procs.describe(left)}"
+    assert _segments(ns) == []
+
+
 @pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.2])
 def test_two_signals_during_detached_up_leave_nothing_running(
     mooncake: Mooncake, procs: Procs, namespaces: list[str], gap_s: float
