@@ -108,11 +108,13 @@ class Agent(OtherTierHooks, SyncDuties):
             self.server = AgentServer(config.listen, self.arena, self.table, timeout_s=30.0, hooks=self)
         except BaseException:
             # A half-built agent must not leave its segment, its device memory (and IPC handle) or
-            # its disk directory's lock behind.
+            # its disk directory behind. The directory goes as a stopped agent's does: the tier
+            # cleared an earlier incarnation's chunk files as it started, and holds none of its own
+            # yet (released and kept, it stayed with its lock file in it).
             if getattr(self, "gpu", None) is not None:
                 self.gpu.close()
             if getattr(self, "disk", None) is not None:
-                self.disk.close(remove_files=False)
+                self.disk.close()
             self.arena.close(unlink=True)
             self.index.close()
             raise
