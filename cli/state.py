@@ -187,6 +187,11 @@ def _load(path: Path, parse: Callable[[dict[str, Any]], _Record]) -> _Record | N
         if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
             raise ValueError(f"version {data.get('version') if isinstance(data, dict) else '?'}")
         return parse(data)
+    except RecursionError:  # json reads nesting by recursion: a few thousand levels were an internal error
+        raise CliError(
+            f"the state file {path} is damaged (nested too deep to read); stop its processes by hand and delete it",
+            ExitCode.ERROR,
+        ) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise CliError(
             f"the state file {path} is damaged ({exc}); stop its processes by hand and delete it", ExitCode.ERROR

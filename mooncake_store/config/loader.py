@@ -96,6 +96,10 @@ def _read_file(path: Path) -> dict[str, tuple[object, _Source]]:
         # TOMLDecodeError, UnicodeDecodeError (TOML is UTF-8), and the bare ValueError tomllib lets
         # out for an integer of more digits than int() converts (4300).
         raise ConfigError(f"file {path}: not valid TOML ({exc})") from None
+    except RecursionError:
+        # tomllib reads nested arrays and inline tables by recursion: a few thousand levels
+        # deep, "internal error: RecursionError" was all the command said.
+        raise ConfigError(f"file {path}: not valid TOML (arrays or tables nested too deep to read)") from None
     found: dict[str, tuple[object, _Source]] = {}
     where = f"file {path}"
     for name, value in data.items():

@@ -7,6 +7,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
+import pytest
 from helpers import mooncake_bin
 
 from .conftest import HOST_MEM, Mooncake
@@ -40,16 +41,19 @@ def test_down_of_a_foreground_cluster_counts_every_process_it_stopped(
     assert int(found.group(1)) == 1 + len(pids), (down.stdout, len(pids))
 
 
-def test_doctor_with_a_damaged_state_file_exits_as_every_command_does(mooncake: Mooncake) -> None:
+@pytest.mark.parametrize("damage", ["{not json", "[" * 100_000 + "]" * 100_000])
+def test_doctor_with_a_damaged_state_file_exits_as_every_command_does(mooncake: Mooncake, damage: str) -> None:
     """A damaged state file is exit 1 for every command; doctor gave 4 ("cannot connect"), which a
-    script reads as "retry later" for a file that only a person can fix."""
+    script reads as "retry later" for a file that only a person can fix. Nested too deep for json
+    to read, it was "internal error: RecursionError" for every command."""
     mooncake.state_dir.mkdir(parents=True, exist_ok=True)
-    (mooncake.state_dir / "cluster.json").write_text("{not json")
+    (mooncake.state_dir / "cluster.json").write_text(damage)
     stat = mooncake("stat")
     doctor = mooncake("doctor")
     assert stat.returncode == 1, stat.stderr
     assert doctor.returncode == stat.returncode, (doctor.stdout, doctor.stderr)
     assert b"damaged" in doctor.stdout, doctor.stdout
+    assert b"damaged" in stat.stderr and b"internal error" not in stat.stderr, stat.stderr
 
 
 def test_mooncake_up_with_a_listen_host_that_is_not_utf8_exits_2(mooncake: Mooncake) -> None:

@@ -368,6 +368,9 @@ def test_unknown_key_in_file(tmp_path: Path) -> None:
         ("[client]\nredis_url = 'redis://h'\n", "unknown key client.redis_url"),
         ("client = 5\n", "expected a table [client]"),
         ("[agent\n", "not valid TOML"),
+        # tomllib reads nesting by recursion: these were "internal error: RecursionError", exit 1.
+        ("x = " + "[" * 5000 + "]" * 5000 + "\n", "not valid TOML (arrays or tables nested too deep to read)"),
+        ("x = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n", "not valid TOML (arrays or tables nested too deep"),
     ],
 )
 def test_bad_file_structure(tmp_path: Path, toml: str, fragment: str) -> None:
