@@ -143,6 +143,10 @@ class Placer:
             stored_bytes=job.stored_bytes,
             holders=holders,
             plain_bytes=victim.size_bytes,
+            # A peer whose room is in pieces too small for the victim is asked last: its refusal
+            # makes it compact, and the pass waits for that (pressure.py, PIECES_WAIT_S). Passed
+            # over, it was never asked, never compacted, and the victim was evicted.
+            in_pieces_last=True,
         )
         if move.kind != MoveKind.EVICT or not agent.config.spill_to_peers:
             return move
@@ -151,7 +155,9 @@ class Placer:
         # repair's copy goes (agent/repairs.py); each tier leaves out the peers that refused it.
         for other in (t for t in FALLBACK_TIERS if t != tier):
             refused = state.refused_in(other) | holding
-            found = peer_target(agent, job, tier, (other,), state.peers, now_ms, state.planned, refused, holders)
+            found = peer_target(
+                agent, job, tier, (other,), state.peers, now_ms, state.planned, refused, holders, in_pieces_last=True
+            )
             if found is not None:
                 return Move(kind=MoveKind.SPILL, tier=found[1], node_id=found[0])
         return move

@@ -43,6 +43,11 @@ log = logging.getLogger("mooncake.agent")
 SAMPLE = 256
 #: Passes in a row while each one still moves something.
 MAX_PASSES = 32
+#: How long a peer that has the bytes for this node's victims in pieces too small for them may hold
+#: those victims back while it compacts its arena for them (its refusals in a row, each within
+#: twice this of the one before): a peer whose compaction makes no block by then no longer does,
+#: and the victims with nowhere else to go are evicted as before.
+PIECES_WAIT_S = 5.0
 #: How often, while peers' arenas are mapped, the node table is read to unmap those that left.
 RETAIN_EVERY_S = 2.0
 #: Peers asked per victim in a pass: a peer that refuses is left out and the next one asked.
@@ -73,6 +78,9 @@ class PressureManager:
         self._lock = threading.Lock()
         self._spiller = Spiller(agent)
         self.silent = SilentPeers(agent.config.heartbeat_ttl_s)
+        #: Per peer refusing this node's victims for room in pieces: (the first refusal of the run,
+        #: the last), monotonic s; gone once a spill to it moves something (PIECES_WAIT_S).
+        self._compacting: dict[str, tuple[float, float]] = {}
         self.moves = LocalMoves(agent, self.count)
         self.placer = Placer(agent, self.moves)
         self.requests = RoomRequests()
@@ -342,11 +350,12 @@ class PressureManager:
         # the put's other replicas, had the other copies of replicated objects dropped (their
         # one other peer spared, their holder no destination) while cold objects could spill.
         homeless: list[SpillJob] = []
+        waiting = 0  # victims' room that waits for a peer's compaction (PIECES_WAIT_S)
         order = iter(choose_victims(candidates, need_bytes=sum(c.size_bytes for c in candidates), now_ms=now_ms))
         while True:
             spills: Spills = {}
             planned = 0
-            while moved + planned < need and (victim := next(order, None)) is not None:
+            while moved + waiting + planned < need and (victim := next(order, None)) is not None:
                 job = job_of(victim)
                 if job is None:
                     continue
@@ -364,21 +373,22 @@ class PressureManager:
             # homeless too, and the walk goes on to warmer ones that can move: evicted at once,
             # a node spilling to the one peer with room dropped its copies of objects whose
             # other copy sat there (no destination) while its other objects could go there.
-            carried, stranded = self._carry_out_spills(spills, now_ms, state, tier, job_of)
+            carried, stranded, held = self._carry_out_spills(spills, now_ms, state, tier, job_of)
             moved += carried
+            waiting += held
             homeless.extend(stranded)
         # The last copies of objects a node's death left short go last (their repair may not have
         # run yet): cold-first alone, a survivor lost them while warmer single copies stayed.
         homeless = eviction_order(homeless, lambda job: job.victim)
-        moved = self.evictions.evict_until(homeless, state, tier, moved=moved, need=need)
-        if moved < need and state.touched:
+        moved = self.evictions.evict_until(homeless, state, tier, moved=moved + waiting, need=need) - waiting
+        if moved + waiting < need and state.touched:
             # Recency is a preference, not a veto: with the rest gone or refused, the victims
             # accessed since the pass began go too, coldest first by the sample (a live lease or a
             # pin still keeps one). Refused for good, a node whose every object was read while a
             # writer waited made its room two to three times slower, in passes that backed off.
             again = eviction_order(state.touched, lambda job: job.victim)
             state.touched, state.sampled_ms = [], None
-            moved = self.evictions.evict_until(again, state, tier, moved=moved, need=need)
+            moved = self.evictions.evict_until(again, state, tier, moved=moved + waiting, need=need) - waiting
         if moved:
             # The old copies sit in the graveyard, due now (a victim's lease had run out): free
             # them at once rather than at the next sync tick, so a waiting writer gets its room.
@@ -395,17 +405,19 @@ class PressureManager:
         state: PassState,
         tier: TierKind,
         job_of: JobOf,
-    ) -> tuple[int, list[SpillJob]]:
+    ) -> tuple[int, list[SpillJob], int]:
         """Send each peer its victims in batches (to the peer's tier each was planned into). A peer
         that refuses is skipped for the rest of the pass in that tier (one that breaks or does not
         answer, in all of them), and what it did not take is placed again: another peer or tier,
-        else demoted. Returns the room made here, and the victims left
-        with nowhere to go (the walk evicts them only if warmer ones cannot make the room)."""
-        moved = 0
+        else demoted. Returns the room made here, the victims left with nowhere to go (the walk
+        evicts them only if warmer ones cannot make the room), and the room of those left here
+        for the next pass while a peer compacts for them (PIECES_WAIT_S)."""
+        moved = waiting_bytes = 0
         stranded: list[SpillJob] = []
         for attempt in range(PEER_TRIES):
             retry: list[SpillJob] = []
             write_refused: set[int] = set()
+            compacting: set[int] = set()
             for (node_id, target), jobs in spills.items():
                 if node_id in state.refused_in(target):
                     # Broke on another of its tiers in this pass (the cross-tier fallback plans
@@ -429,6 +441,10 @@ class PressureManager:
                     raise result.error  # the index failed: end the pass (run() logs it)
                 if result.refused:
                     state.turned_down(node_id, target, unreachable=node_id in unreachable)
+                if result.moved:
+                    self._compacting.pop(node_id, None)
+                elif result.in_pieces and self._waits_for(node_id):
+                    compacting |= result.in_pieces
                 if result.unsent:  # refused in part (the peer still asked), or with the rest
                     state.plan(node_id, result.unsent, target, sign=-1)
                     retry.extend(result.unsent)
@@ -445,6 +461,12 @@ class PressureManager:
                 if move.kind == MoveKind.SPILL and move.node_id is not None and attempt + 1 < PEER_TRIES:
                     state.spill(spills, job, move, tier)
                     continue
+                if unsent.victim.alloc_id in compacting:
+                    # Its peer has the room in pieces and is compacting for it (the refusal asked
+                    # it to): left here for the next pass, its room counted as on its way, so
+                    # that the pass evicts nothing in its stead meanwhile.
+                    waiting_bytes += job.room_bytes
+                    continue
                 if unsent.victim.alloc_id in write_refused or unsent.victim.survivor:
                     # Refused at its WRITE after the peer reserved room (a moment's refusal, a
                     # reservation timed out under load): left where it is for the next pass, not
@@ -455,7 +477,17 @@ class PressureManager:
                 stranded.append(job)  # out of peers to ask, or none has room
             if not spills:
                 break
-        return moved, stranded
+        return moved, stranded, waiting_bytes
+
+    def _waits_for(self, node_id: str) -> bool:
+        """A peer refused victims for room in pieces: whether they may still wait for its
+        compaction (PIECES_WAIT_S from the first of its refusals in a row)."""
+        now = time.monotonic()
+        first, last = self._compacting.get(node_id, (now, now))
+        if now - last > 2 * PIECES_WAIT_S:
+            first = now  # a refusal long after the last one starts a run of its own
+        self._compacting[node_id] = (first, now)
+        return now - first < PIECES_WAIT_S
 
     def relieve_gpu(self) -> int:
         """One pass over the GPU tier: the coldest objects go to host memory (one device-to-host

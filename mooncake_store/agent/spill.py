@@ -176,6 +176,8 @@ class Spiller:
                         # The peer took part of it (at its mark now): nothing more goes to it.
                         result.refused = True
                         result.unsent.extend(in_hand.left + self._rest(batches))
+                        if in_hand.in_pieces:
+                            result.in_pieces.update(job.victim.alloc_id for job in in_hand.left)
                     if not under_way:  # nothing else is being written: ask now, as this one goes
                         ahead = self._reserve_next(peer_node, batches, tier, source)
                     if not in_hand.batch:
@@ -374,6 +376,7 @@ class Spiller:
             self._drop_payloads(batch)
             return None
         left: list[SpillJob] = []
+        in_pieces = False
 
         def reserve() -> list[Reservation]:
             requests = [(job.wire_bytes, put_id) for job in batch]
@@ -393,6 +396,7 @@ class Spiller:
                     # full with its room in 1 MiB holes copied not one of three 8 MiB objects, at
                     # every try, and they stayed one copy short for good.
                     count = fitting(batch, exc.largest_bytes, peer_node.tier(tier))
+                    in_pieces = count < len(batch)
                 if not 0 < count < len(batch):
                     raise
                 batch, left = batch[:count], batch[count:]
@@ -409,6 +413,10 @@ class Spiller:
             # limit, which answered): the caller leaves the peer out for a while.
             if isinstance(exc, TransferError) or (isinstance(exc, ConnectError) and not isinstance(exc, AgentBusy)):
                 self._trouble.unreachable(peer_node.node_id)
+            if in_pieces and isinstance(exc, NoCapacity) and not left:
+                # It has the bytes, in pieces none of which holds the batch's first object: the
+                # refusal asked it for such blocks, and the caller may wait for them.
+                return Reserved(batch=[], reservations=[], left=batch, in_pieces=True)
             return None
         self._drop_payloads(left)
         if (refusals := self._refusals.get(peer_node.node_id)) is not None:
@@ -417,6 +425,7 @@ class Spiller:
             batch=batch,
             reservations=[Reservation(offset=r.offset, alloc_id=r.alloc_id, put_id=put_id) for r in reservations],
             left=left,
+            in_pieces=in_pieces,
         )
 
     def _rolling(self, peer_node: NodeInfo) -> RollingWrites:

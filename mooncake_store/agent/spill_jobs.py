@@ -95,6 +95,9 @@ class Reserved:
     #: The end of the batch that the peer had no room for (it took the rest up to its mark): placed
     #: again by the caller, with the batches after it.
     left: list[SpillJob] = field(default_factory=list)
+    #: ``left`` was refused for want of a block, not of bytes: the peer's free room is in pieces
+    #: too small for them, and the refusal asked it to compact (agent/compaction.py).
+    in_pieces: bool = False
 
 
 @dataclass(slots=True)
@@ -118,6 +121,10 @@ class SpillResult:
     #: refusal, a reservation that timed out under load, a failing disk): placed again where there is
     #: room, else left where they are for the next pass, not evicted for a refusal that may pass.
     write_refused: set[int] = field(default_factory=set)
+    #: Alloc ids of those of ``unsent`` the peer had the bytes for but no block (Reserved.in_pieces):
+    #: it is compacting its arena for them, and they may wait for it (pressure.py) before they are
+    #: evicted.
+    in_pieces: set[int] = field(default_factory=set)
     #: Written jobs of batches whose swap failed in the index, with the peer's copy: whether each
     #: swap landed is unknown (their reservations were expired: the peer keeps those it was told
     #: of, and frees the rest). The caller asks the index (LocalMoves.resolve).
