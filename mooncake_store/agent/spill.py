@@ -396,7 +396,8 @@ class Spiller:
                     # full with its room in 1 MiB holes copied not one of three 8 MiB objects, at
                     # every try, and they stayed one copy short for good.
                     count = fitting(batch, exc.largest_bytes, peer_node.tier(tier))
-                    in_pieces = count < len(batch)
+                    # Only a host arena compacts (agent/compaction.py): a GPU tier's pieces stay.
+                    in_pieces = count < len(batch) and tier == TierKind.HOST
                 if not 0 < count < len(batch):
                     raise
                 batch, left = batch[:count], batch[count:]
