@@ -38,6 +38,7 @@ from mooncake_store.client.in_flight import on_pool_thread
 from mooncake_store.client.prefix_chunks import (
     check_chunks_alike,
     is_sequence_or_stack,
+    kept_beside_chain,
     output_buffers,
     read_run,
     stored_layout,
@@ -297,6 +298,15 @@ class PrefixCache:
             with self.client._cut_by_close():
                 stored = stored_layout(self.client, keys, statuses, tail_index)
             check_chunks_alike(values, tail_index=tail_index, stored=stored)
+            if stored is not None:  # it extends a stored chain: do the new chunks fit beside it?
+                with self.client._cut_by_close():
+                    mine = kept_beside_chain(
+                        self.client, keys, statuses, values, stored[2],
+                        replicas=self.replicas if replicas is None else replicas, preferred_node=preferred_node,
+                    )  # fmt: skip
+                if not mine:
+                    log.info("store: the nodes keep no new chunk beside the stored chain it extends")
+                    return 0
             mine = self._write_chunks(keys, values, mine, replicas=replicas, preferred_node=preferred_node)
         except ObjectPinned as exc:
             # A chunk that another client's hit pins, and whose every copy went with a dead node

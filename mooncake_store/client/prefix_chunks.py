@@ -6,14 +6,17 @@ still counted its tokens. And the caller's output buffers for a load, and its re
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mooncake_store.client.buffers import as_source
 from mooncake_store.client.gets import counted_keys, uncounted
 from mooncake_store.client.prefix_hash import as_token_array
-from mooncake_store.errors import InvalidValue, MooncakeError
+from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
+from mooncake_store.policy.placement import check_batch_fits, live_nodes, tier_capacity
 from mooncake_store.tiers.gpu_arrays import is_device_array
+from mooncake_store.types import TierKind, footprint_bytes
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -73,6 +76,58 @@ def stored_layout(client: Client, keys: list[str], statuses: list[str], tail_ind
                 return i, meta.dtype, meta.size_bytes, tuple(meta.shape)
             return None  # evicted meanwhile: the new chunks are checked among themselves
     return None
+
+
+def kept_beside_chain(
+    client: Client,
+    keys: list[str],
+    statuses: list[str],
+    values: dict[int, Any],
+    chunk_bytes: int,
+    *,
+    replicas: int,
+    preferred_node: str | None,
+) -> list[int]:
+    """The first of the new chunks (``values``' indices into ``keys``, in chain order; each at most
+    ``chunk_bytes``) that the nodes keep beside the stored chain they extend (claim status HAVE
+    before them), which stays in their memory while they are written: the store pins the chunk
+    each run hangs off, and a chain is cut only from its leaves (with a disk tier anywhere, it may
+    be demoted instead, and nothing is cut here). Counted as
+    room to be made, a prompt longer than the cluster stored again (the next request over the
+    same document) waited out the client's timeout for room only its own chain held, failed with
+    NoCapacity, and the pass that room request had started then cut its chain back to a few
+    chunks. Host chunks only; an index round trip only when the chain and the new chunks together
+    are more than the nodes keep under their high watermarks (by their capacities: a node
+    table's use is up to a heartbeat old, and the client's a moment older)."""
+    mine = sorted(values)
+    frozen = [keys[i] for i in range(max(mine, default=0)) if statuses[i] == "HAVE"]
+    if len(mine) < 2 or not frozen or any(is_device_array(v) for v in values.values()):
+        return mine
+    nodes, now_ms = client._node_table(), client._server_now_ms()
+    live = live_nodes(nodes.values(), now_ms)
+    if any(tier_capacity(n, TierKind.DISK) > 0 for n in live):
+        return mine
+    kept = sum(int(n.high_watermark(1.0) * tier_capacity(n, TierKind.HOST)) for n in live)
+    if (len(frozen) + len(mine) * replicas) * footprint_bytes(chunk_bytes) <= kept:
+        return mine  # they fit beside the chain (one copy of it at least) in the nodes' room
+    held: Counter[str] = Counter()
+    for meta in client.index.lookup(frozen, lease_ms=0, counted=False).objects:
+        for replica in meta.replicas if meta is not None else ():
+            if replica.tier == TierKind.HOST:
+                held[replica.node_id] += footprint_bytes(replica.size_bytes)
+    try:
+        check_batch_fits(
+            nodes.values(),
+            [chunk_bytes] * len(mine),
+            replicas=replicas,
+            now_ms=now_ms,
+            preferred_node=preferred_node,
+            held_bytes=held,
+        )
+    except NoCapacity as exc:
+        if exc.batch_limit is not None:
+            return mine[: exc.batch_limit]
+    return mine
 
 
 def is_sequence_or_stack(value: object) -> bool:

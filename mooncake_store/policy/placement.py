@@ -5,7 +5,7 @@ replicas > 1: two copies in one failure domain are lost together)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from mooncake_store.errors import ConnectError, NoCapacity
 from mooncake_store.types import ALIGNMENT, NodeInfo, TierKind, footprint_bytes
@@ -165,6 +165,7 @@ def check_batch_fits(
     now_ms: int,
     tier: TierKind = TierKind.HOST,
     preferred_node: str | None = None,
+    held_bytes: Mapping[str, int] | None = None,
 ) -> None:
     """NoCapacity (permanent) for a batch whose objects the live nodes' ``tier`` cannot hold all
     at once (a batch's reservations are all held until it commits), however empty they were: a
@@ -172,7 +173,11 @@ def check_batch_fits(
     timeout_s, then blamed pinned and leased objects that did not exist. Only this bound is
     checked: a batch that passes may still not fit, and then waits for room as any put does. The
     error's ``batch_limit`` is how many of the batch's first objects, in order, the nodes would
-    keep under their high watermarks (a prompt's store writes those: PrefixCache.store)."""
+    keep under their high watermarks (a prompt's store writes those: PrefixCache.store).
+    ``held_bytes``: bytes of ``tier`` per node that no room can be made of while the batch is
+    written (the stored chain a prompt's store extends, which that store pins): "empty" leaves
+    those."""
+    held = held_bytes or {}
     if len(sizes) < 2:
         return  # one object: rank_nodes and check_kept say why, if it cannot be held
     alive = [n for n in live_nodes(nodes, now_ms) if tier_capacity(n, tier) > 0]
@@ -187,15 +192,16 @@ def check_batch_fits(
         return
 
     def capacity(node: NodeInfo) -> int:
-        return tier_capacity(node, tier)
+        return tier_capacity(node, tier) - held.get(node.node_id, 0)
 
     short = _batch_shortfall(alive, sizes, capacity, replicas=replicas, preferred_node=preferred_node)
     if short is None:
         return
-    group, held, needed = short
+    group, most, needed = short
+    beside = f" but for the {sum(held.values())} B that stay there" if held else ""
 
     def kept(node: NodeInfo) -> int:
-        return int(node.high_watermark(1.0) * tier_capacity(node, tier))
+        return int(node.high_watermark(1.0) * tier_capacity(node, tier)) - held.get(node.node_id, 0)
 
     # The batch's first objects that the nodes would hold under their high watermarks, found by
     # halves (the longest such run where the objects are alike, as a prompt's chunks are): a run
@@ -212,8 +218,8 @@ def check_batch_fits(
     raise NoCapacity(
         f"a batch of {len(sizes)} object(s) ({sum(sizes)} B on {tier}, replicas={replicas}) cannot be held "
         f"at once: each object's room is held until the batch commits, and the {tier} tiers it may go to "
-        f"({where}) hold at most {held} of the {needed} {'objects' if replicas == 1 else 'copies'} it needs "
-        f"together, even empty; put it in smaller batches (its first {fits} would be kept)",
+        f"({where}) hold at most {most} of the {needed} {'objects' if replicas == 1 else 'copies'} it needs "
+        f"together, even empty{beside}; put it in smaller batches (its first {fits} would be kept)",
         permanent=True,
         batch_limit=fits,
     )

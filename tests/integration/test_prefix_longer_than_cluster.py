@@ -54,3 +54,27 @@ def test_a_chunk_no_arena_holds_is_named_as_such(
         assert cache.match(list(range(2 * C))) == 0
     finally:
         cache.close()
+
+
+def test_a_prompt_longer_than_the_cluster_stored_again_writes_nothing_and_keeps_its_chain(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """The next request over the same document stores its prompt again: its new chunks counted the
+    room its own stored chain holds as room to be made, though the store pins that chain (the
+    chunk the new ones hang off), so the put waited out the client's timeout, raised NoCapacity,
+    and the pass its room request had started cut the chain back to a few chunks (a probe of
+    2026-12-07: from 114 chunks to 1 and to 25)."""
+    agent = direct_agent(namespace)  # 4 MiB, its high watermark at 90%: 14 chunks of 256 KiB
+    client = client_of(namespace)
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    try:
+        tokens = list(range(20 * C))
+        chunks = [np.full(256 * KiB, i, np.uint8) for i in range(20)]
+        assert cache.store(tokens, chunks) == 14
+        agent.sync_once()
+        agent.heartbeat_once()  # the node table the next store reads says how full it is
+        assert cache.store(tokens, chunks) == 0
+        assert cache.match(tokens) == 14 * C
+        assert not agent.pressure.requests.pending(), "the store asked for room it cannot have"
+    finally:
+        cache.close()

@@ -102,3 +102,16 @@ def test_an_object_larger_than_the_preferred_node_is_left_to_the_per_object_rule
     """It was told "put it in smaller batches (its first 0 would fit)" (review)."""
     nodes = [node("a", free=MiB, capacity=MiB), node("b", free=4 * MiB, capacity=4 * MiB)]
     check_batch_fits(nodes, [2 * MiB, KiB], replicas=1, now_ms=NOW, preferred_node="a")
+
+
+def test_bytes_held_on_a_node_are_no_room_for_the_batch() -> None:
+    """The stored chain a prompt's store extends stays while its new chunks are written (the store
+    pins the chunk they hang off): counted as room, the new chunks of a prompt longer than the
+    cluster, stored again, waited out the timeout for room only that chain held (a probe)."""
+    nodes = [node("a", free=0, capacity=MiB), node("b", free=0, capacity=MiB)]
+    check_batch_fits(nodes, [256 * KiB] * 7, replicas=1, now_ms=NOW)  # empty, they hold 8
+    held = {"a": 768 * KiB, "b": 256 * KiB}
+    with pytest.raises(NoCapacity, match=r"even empty but for the 1048576 B that stay there") as caught:
+        check_batch_fits(nodes, [256 * KiB] * 7, replicas=1, now_ms=NOW, held_bytes=held)
+    assert caught.value.batch_limit == 4  # no marks published: one beside a's 768 KiB, three beside b's
+    check_batch_fits(nodes, [256 * KiB] * 3, replicas=1, now_ms=NOW, held_bytes=held)  # a 1, b 3 at most
