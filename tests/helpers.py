@@ -622,3 +622,9 @@ def in_forked_child(work: Callable[[], str], *, timeout_s: float = 30.0) -> str:
         time.sleep(0.02)
     with os.fdopen(read_end, "rb") as pipe:
         return pipe.read().decode()
+
+
+def assert_all_read_back(client: Client, values: dict[str, np.ndarray]) -> None:
+    """Every key of ``values`` reads back as its value, byte for byte."""
+    for key, value in values.items():
+        assert np.array_equal(client.get(key), value), key

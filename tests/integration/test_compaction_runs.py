@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from helpers import wait_until
+from helpers import assert_all_read_back, wait_until
 
 from mooncake_store import Client
 from mooncake_store.agent.node import Agent
@@ -44,11 +44,6 @@ def _free_units(agent: Agent) -> list[int]:
     return sorted(size // U for _, size in agent.table._allocator.free_blocks())
 
 
-def _all_there(client: Client, values: dict[str, np.ndarray]) -> None:
-    for key, value in values.items():
-        assert np.array_equal(client.get(key), value), key
-
-
 def test_a_window_is_emptied_largest_object_first_as_its_fit_was_checked(
     direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
 ) -> None:
@@ -64,7 +59,7 @@ def test_a_window_is_emptied_largest_object_first_as_its_fit_was_checked(
     assert compactor.run_once() == 3
     assert agent.table.room()[1] == 8 * U
     assert agent.pressure.counters[TierKind.HOST]["compacted"] == 3
-    _all_there(client, values)
+    assert_all_read_back(client, values)
 
 
 def test_a_later_window_of_the_run_is_not_chosen_over_an_object_it_moved(
@@ -90,7 +85,7 @@ def test_a_later_window_of_the_run_is_not_chosen_over_an_object_it_moved(
     assert compactor.run_once() == 3
     assert answers == [True, True, True]
     assert _free_units(agent) == [4]  # the two blocks, side by side: A, B and C in the holes
-    _all_there(client, values)
+    assert_all_read_back(client, values)
 
 
 def test_a_window_of_more_objects_than_one_sync_frees_is_one_block_when_let_go(
@@ -139,7 +134,7 @@ def test_a_stop_ends_a_run_after_the_move_under_way(
     assert compactor.run_once(stop) == 1
     assert agent.table.room()[0] == free_before  # the moved one's old block freed, the holds let go
     assert agent.pressure.counters[TierKind.HOST]["compacted"] == 1
-    _all_there(client, values)
+    assert_all_read_back(client, values)
 
 
 def test_a_batch_whose_blocks_a_compaction_made_evicts_nothing(
@@ -171,7 +166,7 @@ def test_a_batch_whose_blocks_a_compaction_made_evicts_nothing(
     assert agent.table.room() == (2 << 20, 256 * KiB)
     big = {f"big{i}": np.full(512 * KiB - 64 * i, 200 + i, np.uint8) for i in range(3)}
     client.put_many(big)
-    _all_there(client, {**values, **big})
+    assert_all_read_back(client, {**values, **big})
     host = agent.pressure.counters[TierKind.HOST]
     assert host["compacted"] >= 3
     assert host["evictions"] == 0
@@ -200,4 +195,4 @@ def test_a_window_waits_for_a_moved_objects_lease_and_no_pass_evicts_meanwhile(
     assert agent.pressure.counters[TierKind.HOST]["evictions"] == 0
     assert wait_until(lambda: not compactor.settle(), 10.0)
     assert agent.table.room()[1] == 2 * U and compactor.held_bytes() == 0
-    _all_there(client, values)
+    assert_all_read_back(client, values)

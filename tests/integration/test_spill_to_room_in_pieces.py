@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import assert_all_read_back
 
 from mooncake_store import Client
 from mooncake_store.agent import pressure
@@ -44,11 +45,6 @@ def _two_nodes(
     return full, pieces, {**values, **big}
 
 
-def _all_there(client: Client, values: dict[str, np.ndarray]) -> None:
-    for key, value in values.items():
-        assert np.array_equal(client.get(key), value), key
-
-
 def test_a_peer_with_its_room_in_pieces_is_waited_for_not_evicted_to(
     direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
 ) -> None:
@@ -66,7 +62,7 @@ def test_a_peer_with_its_room_in_pieces_is_waited_for_not_evicted_to(
     assert full.pressure.relieve_host() >= MiB
     assert counted["evictions"] == 0, counted
     assert counted["spills_out"] >= 1, counted
-    _all_there(client, values)
+    assert_all_read_back(client, values)
 
 
 def test_a_peer_that_makes_no_block_holds_victims_back_only_a_while(
@@ -86,4 +82,4 @@ def test_a_peer_that_makes_no_block_holds_victims_back_only_a_while(
     assert counted["evictions"] >= 1, counted
     gone = [key for key in values if not client.exists(key)]
     assert len(gone) == counted["evictions"] and all(key.startswith("big") for key in gone), gone
-    _all_there(client, {key: value for key, value in values.items() if key not in gone})
+    assert_all_read_back(client, {key: value for key, value in values.items() if key not in gone})
