@@ -341,8 +341,10 @@ class Client(AsyncCalls):
 
     def get_into(self, key: str, out: object) -> int:
         """Copy the object's bytes into ``out`` (bytearray, numpy array, CPU torch tensor...) with no
-        intermediate copy; returns the bytes written. ``out`` must hold at least the object's size,
-        and have its dtype unless one of the two is raw bytes (a bytearray, a uint8 array).
+        intermediate copy; returns the object's size, the bytes of ``out`` that hold it (a read made
+        again after the object was replaced may have written past them). ``out`` must hold at least
+        the object's size, and have its dtype unless one of the two is raw bytes (a bytearray, a
+        uint8 array).
         A device array (cupy, CUDA torch tensor) is filled device-to-device where the object is in a
         same-host GPU tier, and host-to-device straight from a same-host arena otherwise."""
         if is_device_array(out):

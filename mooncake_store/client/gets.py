@@ -114,6 +114,7 @@ class GetPath:
         # Agent endpoints that failed (timed out, refused) during this call: not asked again by it,
         # so a stalled agent costs the batch one timeout, not one per key and attempt.
         failing: dict[str, MooncakeError] = {}  # endpoint -> what it answered
+        read_into: set[int] = set()  # the destinations an attempt has read into
         for attempt in range(self.client.config.max_retries + 1):
             self.client._check_open()  # a retry after close() cut this call's reads short: none
             started = lease_clock_s()  # counts a suspend of this host, as the lease does
@@ -133,16 +134,27 @@ class GetPath:
                     continue
                 if dests is not None:
                     out = dests[i]
-                    check_fill_dtype(keys[i], meta.dtype, out.dtype)
-                    if len(out.view) < meta.size_bytes:
-                        which = f"outs[{i}]" if len(keys) > 1 else "out"  # which, with a key given twice
-                        size = meta.size_bytes
-                        raise InvalidValue(f"{which} holds {len(out.view)} B but key {keys[i]!r} is {size} B")
+                    which = f"outs[{i}]" if len(keys) > 1 else "out"  # which, with a key given twice
+                    try:
+                        check_fill_dtype(keys[i], meta.dtype, out.dtype)
+                        if len(out.view) < meta.size_bytes:
+                            size = meta.size_bytes
+                            raise InvalidValue(f"{which} holds {len(out.view)} B but key {keys[i]!r} is {size} B")
+                    except InvalidValue as refused:
+                        if i in read_into:
+                            # Read again (its lease ran short, a replica failed) and found replaced
+                            # by one the destination cannot hold: the refusal comes after a write.
+                            refused.args = (
+                                f"{refused}; it was replaced by that object while it was read, and {which} "
+                                "holds what was read of the one before",
+                            )
+                        raise
                     dest = out.view[: meta.size_bytes]
                 else:
                     buffers[i] = host_buffer(keys[i], meta.size_bytes)
                     dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
                 targets.append((i, meta, dest))
+            read_into.update(i for i, _, _ in targets)
             retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0, failing=failing)
             last_error = error or last_error
             done = [i for i, _, _ in targets if i not in retry]
