@@ -34,6 +34,7 @@ class OtherTierHooks:
     index: RedisIndex
     disk_keys: dict[int, str]
     damaged_disk_ids: set[int]
+    corrupt_unsettled: set[int]
     gpu: GpuArena | None
     table: AllocationTable
     gpu_table: AllocationTable | None
@@ -111,8 +112,24 @@ class OtherTierHooks:
         log.error("disk allocation %d (key %r) is damaged: %s; dropping that replica", alloc_id, key, exc)
         self.damaged_disk_ids.add(alloc_id)
         if key is None:
-            self.pressure.count(TierKind.DISK, "corrupt")
-            return  # a peer's file not yet settled: its swap's ack names it, and the read is refused
+            # A peer's file whose swap landed in the index but not yet in this agent's sync (reads
+            # of it are refused meanwhile): dropped once its ack names its key. Left at that, it
+            # stayed listed, and every read failed on it for as long as the agent ran.
+            self.corrupt_unsettled.add(alloc_id)
+            return
+        self._drop_from_index(alloc_id, key)
+
+    def drop_settled_corrupt(self, alloc_id: int) -> None:
+        """A peer's file found damaged before its swap's ack reached this agent: now that the sync
+        has named its key, its replica leaves the index as a read's would have dropped it."""
+        if alloc_id not in self.corrupt_unsettled:
+            return
+        self.corrupt_unsettled.discard(alloc_id)
+        key = self.disk_keys.get(alloc_id)
+        if key is not None:
+            self._drop_from_index(alloc_id, key)
+
+    def _drop_from_index(self, alloc_id: int, key: str) -> None:
         try:
             dropped = self.index.drop_corrupt(key, alloc_id, node_id=self.node_id)
         except MooncakeError as err:

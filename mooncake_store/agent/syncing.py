@@ -72,6 +72,7 @@ class SyncDuties:
         def _tables(self) -> list[AllocationTable]: ...
         def holds(self, alloc_id: int) -> bool: ...
         def free_allocations(self, alloc_ids: list[int] | tuple[int, ...]) -> None: ...
+        def drop_settled_corrupt(self, alloc_id: int) -> None: ...
 
     def _note_count(self, count: int) -> None:
         with self._beats_lock:
@@ -199,6 +200,7 @@ class SyncDuties:
             for alloc_id in self.inbox.settle(plan.commit):
                 if alloc_id in result.acked_keys:
                     self.disk_keys[alloc_id] = result.acked_keys[alloc_id]
+                    self.drop_settled_corrupt(alloc_id)  # found damaged before its key was known
         if plan.free:
             self.free_allocations(plan.free)
         self._count_spills_in(plan.commit, plan.free)
