@@ -44,8 +44,12 @@ from mooncake_store.tiers.chunk_format import (  # re-exported: the format's nam
 from mooncake_store.tiers.disk_dir import SUFFIX, claim_dir, clear_chunk_files, remove_tier_dir
 
 #: Errors reading a chunk file that say the file itself is gone or unreadable, so its replica
-#: is dropped (CorruptChunk); any other error is the process's, and the file is kept.
-FILE_LOST_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EIO})
+#: is dropped (CorruptChunk); any other error is the process's, and the file is kept. ELOOP: a
+#: link in its place; ENXIO, ENODEV: a socket, or a device with no driver (kept, a socket failed
+#: every read of its object with "could not read its file now", and was never counted corrupt).
+FILE_LOST_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EIO, errno.ELOOP, errno.ENXIO, errno.ENODEV}
+)
 #: The process's own passing lacks among those (out of descriptors, of memory): no fault of the
 #: file's or of the disk's. A read they fail keeps its file (ChunkUnreadable, as for every error
 #: not in FILE_LOST_ERRNOS); a write they fail fails alone, and does not start the tier's hold on
@@ -399,7 +403,7 @@ class DiskTier:
         try:
             blob = self._read_file(path, entry.stored_bytes)
         except OSError as exc:
-            if exc.errno in FILE_LOST_ERRNOS or exc.errno == errno.ELOOP:  # ELOOP: a link in its place
+            if exc.errno in FILE_LOST_ERRNOS:
                 raise CorruptChunk(f"{path}: cannot read: {exc.strerror}") from None
             # The process, not the file: out of descriptors under load or memory (PROCESS_ERRNOS),
             # an interrupted call, permissions changed under the agent. Taken for damage, the

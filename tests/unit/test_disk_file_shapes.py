@@ -8,6 +8,7 @@ blocked the READ's thread for good; a link was followed to whatever it named."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +42,17 @@ def _link(path: Path) -> None:
     path.symlink_to(copy)
 
 
-@pytest.mark.parametrize("damage", [_grown, _shrunk, _fifo, _link], ids=["grown", "shrunk", "fifo", "link"])
+def _socket(path: Path) -> None:
+    """A unix socket bound in its place: opening it fails with ENXIO, which was taken for the
+    process's own trouble (the file kept, every read failing on it, never counted corrupt)."""
+    path.unlink()
+    with socket.socket(socket.AF_UNIX) as bound:
+        bound.bind(str(path))  # the socket file stays after the close
+
+
+@pytest.mark.parametrize(
+    "damage", [_grown, _shrunk, _fifo, _link, _socket], ids=["grown", "shrunk", "fifo", "link", "socket"]
+)
 def test_a_chunk_file_of_another_shape_is_damage_found_before_it_is_read(
     tmp_path: Path, damage: Callable[[Path], None]
 ) -> None:
