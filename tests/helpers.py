@@ -273,14 +273,18 @@ def put_on_disk(agent: Agent, key: str, data: np.ndarray) -> int:
 
 
 @contextlib.contextmanager
-def small_tmpfs(where: Path, *, size_mib: int = 8, left_bytes: int = 0) -> Iterator[Path]:
+def small_tmpfs(
+    where: Path, *, size_mib: int = 8, left_bytes: int = 0, inodes_left: int | None = None
+) -> Iterator[Path]:
     """A tmpfs of ``size_mib`` mounted at ``where``, filled by another program's file until about
-    ``left_bytes`` are left (0: full), unmounted at the end. Skipped, saying why, where one cannot
-    be mounted (it needs root)."""
+    ``left_bytes`` are left (0: full), unmounted at the end; with ``inodes_left``, of 64 inodes
+    (a tmpfs has millions by default), and filled by empty files until only that many more can be
+    made. Skipped, saying why, where one cannot be mounted (it needs root)."""
     if os.geteuid() != 0:
         pytest.skip("mounts a small tmpfs, which needs root")
     where.mkdir(parents=True, exist_ok=True)
-    command = ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)]
+    options = f"size={size_mib}m" + (",nr_inodes=64" if inodes_left is not None else "")
+    command = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)]
     mounted = subprocess.run(command, capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
@@ -295,6 +299,10 @@ def small_tmpfs(where: Path, *, size_mib: int = 8, left_bytes: int = 0) -> Itera
                     junk.flush()
                 except OSError:  # full
                     break
+        for i in range(64 if inodes_left is not None else 0):
+            if os.statvfs(where).f_favail <= (inodes_left or 0):
+                break
+            (where / f"other-programs-file-{i}").touch()
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)

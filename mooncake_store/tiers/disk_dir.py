@@ -159,14 +159,19 @@ def _marked(fd: int, lock_path: Path, *, created: bool = False) -> int:
         if created:
             lock_path.unlink(missing_ok=True)  # still locked by us: no other claim holds it
         os.close(fd)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise NoCapacity(
-                f"cannot write the disk tier's lock file {lock_path}: {exc.strerror} (the filesystem "
-                "of --disk has no room left; free some, or give another directory)",
-                permanent=True,
-            ) from None
-        raise MooncakeError(f"cannot write the disk tier's lock file {lock_path}: {exc}") from None
+        raise _lock_file_error(f"cannot write the disk tier's lock file {lock_path}", exc) from None
     return fd
+
+
+def _lock_file_error(what: str, exc: OSError) -> MooncakeError:
+    """A lock file that could not be made: no room (blocks, or inodes: a filesystem whose inodes
+    ran out refused only the file's creation, and that was exit 1) is NoCapacity, exit 5."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoCapacity(
+            f"{what}: {exc.strerror} (the filesystem of --disk has no room left; free some, or give another directory)",
+            permanent=True,
+        )
+    return MooncakeError(f"{what}: {exc}")
 
 
 def _claiming_name() -> str:
@@ -191,7 +196,7 @@ def _create_locked(root: Path, lock_path: Path) -> int | None:
     except FileNotFoundError:
         return None  # the directory went
     except OSError as exc:
-        raise MooncakeError(f"cannot create the disk tier's lock file in {root}: {exc}") from None
+        raise _lock_file_error(f"cannot create the disk tier's lock file in {root}", exc) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file no other process has opened yet
         os.link(claiming, lock_path)
@@ -202,7 +207,7 @@ def _create_locked(root: Path, lock_path: Path) -> int | None:
     except OSError as exc:
         os.close(fd)
         if exc.errno not in _NO_HARD_LINKS:
-            raise MooncakeError(f"cannot create the disk tier's lock file in {root}: {exc}") from None
+            raise _lock_file_error(f"cannot create the disk tier's lock file in {root}", exc) from None
         return _create_in_place(lock_path)
     finally:
         claiming.unlink(missing_ok=True)
@@ -220,7 +225,7 @@ def _create_in_place(lock_path: Path) -> int | None:
     except (FileExistsError, FileNotFoundError):
         return None
     except OSError as exc:
-        raise MooncakeError(f"cannot create the disk tier's lock file {lock_path}: {exc}") from None
+        raise _lock_file_error(f"cannot create the disk tier's lock file {lock_path}", exc) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
