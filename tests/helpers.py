@@ -636,3 +636,17 @@ def assert_all_read_back(client: Client, values: dict[str, np.ndarray]) -> None:
     """Every key of ``values`` reads back as its value, byte for byte."""
     for key, value in values.items():
         assert np.array_equal(client.get(key), value), key
+
+
+def disk_jobs(agent: Agent) -> list[SpillJob]:
+    """Spill jobs of every chunk file on ``agent``'s disk tier, as its disk pass would make them."""
+    from mooncake_store.agent.spill import SpillJob
+
+    disk = agent.disk
+    assert disk is not None
+    jobs = []
+    for victim in agent.index.victim_candidates(agent.node_id, "disk"):
+        entry = disk.entry(victim.alloc_id)
+        assert entry is not None
+        jobs.append(SpillJob(victim, 0, stored_bytes=entry.stored_bytes, footprint_bytes=entry.footprint_bytes))
+    return jobs

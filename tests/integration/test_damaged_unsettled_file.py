@@ -10,11 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import put_on_disk, random_bytes, replicas_of
+from helpers import disk_jobs, put_on_disk, random_bytes, replicas_of
 
 from mooncake_store import Client, KeyNotFound
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.spill import SpillJob
 from mooncake_store.errors import MooncakeError
 from mooncake_store.types import TierKind
 
@@ -30,14 +29,7 @@ def test_a_peer_file_damaged_before_its_sync_is_dropped_once_the_sync_names_it(
     kept = random_bytes(128 * KiB, seed=1)
     put_on_disk(sender, "damaged", random_bytes(128 * KiB, seed=0))
     put_on_disk(sender, "kept", kept)
-    disk = sender.disk
-    assert disk is not None
-    jobs = []
-    for victim in sender.index.victim_candidates(sender.node_id, "disk"):
-        entry = disk.entry(victim.alloc_id)
-        assert entry is not None
-        jobs.append(SpillJob(victim, 0, stored_bytes=entry.stored_bytes, footprint_bytes=entry.footprint_bytes))
-    result = sender.pressure._spiller.spill(sender.index.nodes()[peer.node_id], jobs, tier=TierKind.DISK)
+    result = sender.pressure._spiller.spill(sender.index.nodes()[peer.node_id], disk_jobs(sender), tier=TierKind.DISK)
     assert len(result.moved) == 2, result
     (replica,) = replicas_of(peer, "damaged")
     assert replica.node_id == peer.node_id and "damaged" not in peer.disk_keys.values()  # not synced yet

@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import put_on_disk, random_bytes, replicas_of, small_tmpfs, wait_until
+from helpers import disk_jobs, put_on_disk, random_bytes, replicas_of, small_tmpfs, wait_until
 
 from mooncake_store import Client, LocalCluster
 from mooncake_store.agent.node import Agent
-from mooncake_store.agent.spill import SpillJob
 from mooncake_store.types import TierKind
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -53,17 +52,6 @@ def break_disk_writes(agent: Agent) -> list[int]:
 
     disk.write_blob = counted  # type: ignore[method-assign]
     return asked
-
-
-def disk_jobs(agent: Agent) -> list[SpillJob]:
-    disk = agent.disk
-    assert disk is not None
-    jobs = []
-    for victim in agent.index.victim_candidates(agent.node_id, "disk"):
-        entry = disk.entry(victim.alloc_id)
-        assert entry is not None
-        jobs.append(SpillJob(victim, 0, stored_bytes=entry.stored_bytes, footprint_bytes=entry.footprint_bytes))
-    return jobs
 
 
 def test_chunk_files_a_peer_refuses_at_their_writes_come_back_unsent(make_agent: Callable[..., Agent]) -> None:
