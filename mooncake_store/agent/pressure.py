@@ -442,8 +442,8 @@ class PressureManager:
                 if result.refused:
                     state.turned_down(node_id, target, unreachable=node_id in unreachable)
                 if result.moved:
-                    self._compacting.pop(node_id, None)
-                elif result.in_pieces and self._waits_for(node_id):
+                    self._compacting.pop(node_id, None)  # it took some: a run of refusals starts anew
+                if result.in_pieces and self._waits_for(node_id):
                     compacting |= result.in_pieces
                 if result.unsent:  # refused in part (the peer still asked), or with the rest
                     state.plan(node_id, result.unsent, target, sign=-1)

@@ -23,10 +23,11 @@ MiB = 1 << 20
 
 
 def _two_nodes(
-    direct_agent: Callable[..., Agent], client: Client, namespace: str
+    direct_agent: Callable[..., Agent], client: Client, namespace: str, size: int = MiB
 ) -> tuple[Agent, Agent, dict[str, np.ndarray]]:
-    """A node past its high watermark with 1 MiB objects, and a peer with 2.25 MiB free in pieces
-    of 256 KiB (512 KiB at its end): no piece holds a victim. Returns (full, pieces, the values)."""
+    """A node past its high watermark with 4 MiB in objects of ``size``, and a peer with 2.25 MiB
+    free in pieces of 256 KiB (512 KiB at its end): no piece holds a 1 MiB victim, one holds a
+    512 KiB one. Returns (full, pieces, the values)."""
     full = direct_agent(namespace, node_id="n0-full", spill_to_peers=True)
     pieces = direct_agent(namespace, node_id="n1-pieces", spill_to_peers=True)
     values = {f"fill{i}": np.full(256 * KiB, i, np.uint8) for i in range(15)}
@@ -35,7 +36,7 @@ def _two_nodes(
     for key in list(values)[::2]:
         client.remove(key)
         del values[key]
-    big = {f"big{i}": np.random.default_rng(i).integers(0, 256, MiB, dtype=np.uint8) for i in range(4)}
+    big = {f"big{i}": np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(4 * MiB // size)}
     for key, value in big.items():  # 4 MiB: past its 3.6 MiB mark
         client.put(key, value, preferred_node=full.node_id)
     for agent in (full, pieces):
@@ -83,3 +84,22 @@ def test_a_peer_that_makes_no_block_holds_victims_back_only_a_while(
     gone = [key for key in values if not client.exists(key)]
     assert len(gone) == counted["evictions"] and all(key.startswith("big") for key in gone), gone
     assert_all_read_back(client, {key: value for key, value in values.items() if key not in gone})
+
+
+def test_victims_a_peer_had_no_block_for_wait_though_it_took_the_rest_of_their_batch(
+    direct_agent: Callable[..., Agent], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """Two 512 KiB victims planned into the peer, one free block of 512 KiB there: the first is
+    spilled, the second waits for the compaction rather than being evicted for the room still
+    wanted."""
+    client = client_of(namespace)
+    full, pieces, values = _two_nodes(direct_agent, client, namespace, size=512 * KiB)
+    counted = full.pressure.counters[TierKind.HOST]
+    assert full.pressure.relieve_host() == 512 * KiB
+    assert counted["evictions"] == 0 and counted["spills_out"] == 1, counted
+    assert pieces.pressure.compactor.pending()
+    assert pieces.pressure.compactor.run_once() >= 1
+    pieces.heartbeat_once()
+    assert full.pressure.relieve_host() >= 512 * KiB
+    assert counted["evictions"] == 0 and counted["spills_out"] >= 2, counted
+    assert_all_read_back(client, values)
