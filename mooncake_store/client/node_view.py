@@ -52,6 +52,10 @@ class NodeView:
         #: Whether a read of the table ever found a node: an empty one read after that is in flux
         #: (the index restarted empty; its agents register again at their next heartbeats).
         self.seen_nodes = False
+        #: Per node read in the table, its heartbeat deadline as last read (server ms), kept after
+        #: the node left the table until that deadline passed: one gone while its deadline still
+        #: ran may be one the index forgot (it restarted empty), back at its next heartbeat.
+        self.deadlines: dict[str, int] = {}
         # Server ms - lease-clock ms (lease_clock.py), refreshed with each read (till then: wall clock).
         self._clock_offset_ms = int((time.time() - lease_clock_s()) * 1000)
         self._lock = threading.Lock()
@@ -94,6 +98,9 @@ class NodeView:
         server_now = self._index.server_time_ms()
         self._nodes = self._index.nodes()
         self.seen_nodes = self.seen_nodes or bool(self._nodes)
+        deadlines = {node: deadline for node, deadline in self.deadlines.items() if deadline >= server_now}
+        deadlines.update((node_id, node.heartbeat_deadline_ms) for node_id, node in self._nodes.items())
+        self.deadlines = deadlines  # replaced, never mutated: read without the lock
         self._clock_offset_ms = int(server_now - local_before)
         self._nodes_at = lease_clock_s()
         self._retain()

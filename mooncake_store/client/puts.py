@@ -206,14 +206,21 @@ class PutPath:
         """Every registered node past its deadline (an index outage longer than a TTL: the first
         heartbeat back gives each node its grace again, index-side), or an empty table where nodes
         were seen before and the index has recorded no heartbeat since (it restarted; agents that
-        were stopped leave their last heartbeat recorded, and a put fails at once). One dead node
+        were stopped leave their last heartbeat recorded, and a put fails at once), or a node seen
+        before gone from the table while its deadline still ran, and not by a purge: the index
+        restarted empty and some of its agents are registered again, not all (a replicas=2 put
+        then failed at once, "only 1 qualify", a second before the other was back). One dead node
         among live ones is no flux: the put fails at once, naming it, as the README says (it
         waited for the node's reap, then failed without naming it)."""
         nodes = self.client._node_table()  # first: a read of it sets the clock offset
+        view = self.client._view
         if not nodes:
-            return self.client._view.seen_nodes and not self.client.index.heartbeat_recorded()
+            return view.seen_nodes and not self.client.index.heartbeat_recorded()
         now = self.client._server_now_ms()
-        return all(n.heartbeat_deadline_ms < now for n in nodes.values())
+        if all(n.heartbeat_deadline_ms < now for n in nodes.values()):
+            return True
+        vanished = [node for node, deadline in view.deadlines.items() if node not in nodes and deadline >= now]
+        return bool(self.client.index.forgotten(vanished))
 
     # ---- one attempt ------------------------------------------------------------------------
     def _put_once(

@@ -187,6 +187,18 @@ class NodeTableCalls:
         except redis.RedisError as exc:
             raise ConnectError(f"cannot read the node table from {self.where}: {exc}") from None
 
+    def forgotten(self, node_ids: list[str]) -> list[str]:
+        """Of ``node_ids``, nodes no longer in the node table, those that neither left nor were
+        reaped (a purge marks each for a day: ``purged:<node>``): the index forgot them, as one
+        that restarted empty does, and they register again at their next heartbeats."""
+        if not node_ids:
+            return []
+        try:
+            marks = self.redis.mget([self.prefix + "purged:" + node for node in node_ids])
+        except redis.RedisError as exc:
+            raise ConnectError(f"cannot read the node table from {self.where}: {exc}") from None
+        return [node for node, mark in zip(node_ids, marks, strict=True) if mark is None]
+
     def nodes(self) -> dict[str, NodeInfo]:
         """Every registered node (live or not) with its heartbeat deadline; one round trip."""
         pipe = self.redis.pipeline(transaction=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -218,3 +219,48 @@ def test_a_put_pinned_to_a_node_right_after_an_index_outage_waits_for_its_heartb
     client.index.redis.zadd(client.index.prefix + "hb", {node_id: 1000})
     client.put("after-outage", np.arange(100, dtype=np.uint8), preferred_node=node_id)
     assert np.array_equal(client.get("after-outage"), np.arange(100, dtype=np.uint8))
+
+
+def test_a_replicated_put_made_while_some_nodes_are_back_after_an_empty_restart_waits_for_the_rest(
+    direct_agent: Callable[..., Any], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """After an empty restart the agents register again one by one, at their own heartbeats. A
+    replicas=2 put whose fresh table held the first one back failed at once, "replicas=2 needs 2
+    live nodes ... only 1 qualify", a second before the other was back (a probe of 2026-12-07, 9 of
+    10 tries): only an empty table, or one of nodes all past their deadlines, was taken for the
+    index in flux. A node the client saw, gone from the table while its deadline still ran and
+    not by a purge (which marks it), is one the index forgot: the put waits for it, within
+    timeout_s. Agents here heartbeat only when told; the index forgets by a flush of the namespace."""
+    first = direct_agent(namespace, node_id="n0-first")
+    second = direct_agent(namespace, node_id="n1-second")
+    client = client_of(namespace)
+    client.put("before", b"A" * 1000, replicas=2)  # the client has read both in its table
+    redis = first.index.redis
+    redis.delete(*redis.scan_iter(match=first.index.prefix + "*", count=1000))
+    first.heartbeat_once()  # registered again; the second not yet
+    assert set(client._node_table(refresh=True)) == {first.node_id}
+    back = threading.Timer(0.5, second.heartbeat_once)
+    back.start()
+    try:
+        client.put("after", b"B" * 1000, replicas=2)
+    finally:
+        back.join()
+    meta = client.object_meta("after")
+    assert meta is not None and {r.node_id for r in meta.replicas} == {first.node_id, second.node_id}
+    assert bytes(client.get("after")) == b"B" * 1000
+
+
+def test_a_replicated_put_fails_at_once_where_a_node_left(
+    direct_agent: Callable[..., Any], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """A node that left (its agent stopped: purged, and marked so) is no node in flux: the put is
+    refused at once, as before."""
+    first = direct_agent(namespace, node_id="n0-first")
+    second = direct_agent(namespace, node_id="n1-second")
+    client = client_of(namespace)
+    client.put("before", b"A" * 1000, replicas=2)
+    second.stop()
+    assert set(client._node_table(refresh=True)) == {first.node_id}
+    with pytest.raises(MooncakeError, match=r"replicas=2 needs 2 live nodes") as refused:
+        client.put("after", b"B" * 1000, replicas=2)
+    assert "for the nodes to register again" not in str(refused.value)  # refused, not waited out
