@@ -214,11 +214,13 @@ class PutPath:
         waited for the node's reap, then failed without naming it)."""
         nodes = self.client._node_table()  # first: a read of it sets the clock offset
         view = self.client._view
-        if not nodes:
-            return view.seen_nodes and not self.client.index.heartbeat_recorded()
-        now = self.client._server_now_ms()
-        if all(n.heartbeat_deadline_ms < now for n in nodes.values()):
+        if not nodes and view.seen_nodes and not self.client.index.heartbeat_recorded():
             return True
+        now = self.client._server_now_ms()
+        if nodes and all(n.heartbeat_deadline_ms < now for n in nodes.values()):
+            return True
+        # Also an empty table after a heartbeat was recorded: an agent's beat that found its record
+        # gone lands before its registration, a separate call (a put in between failed at once).
         vanished = [node for node, deadline in view.deadlines.items() if node not in nodes and deadline >= now]
         return bool(self.client.index.forgotten(vanished))
 

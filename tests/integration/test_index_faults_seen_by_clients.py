@@ -264,3 +264,24 @@ def test_a_replicated_put_fails_at_once_where_a_node_left(
     with pytest.raises(MooncakeError, match=r"replicas=2 needs 2 live nodes") as refused:
         client.put("after", b"B" * 1000, replicas=2)
     assert "for the nodes to register again" not in str(refused.value)  # refused, not waited out
+
+
+def test_an_empty_table_read_just_before_the_first_node_registered_again_is_in_flux(
+    direct_agent: Callable[..., Any], client_of: Callable[[str], Client], namespace: str
+) -> None:
+    """After an empty restart, a put read an empty table; the agent then registered (recording a
+    heartbeat) before the put asked whether the table was in flux, and an empty table with a
+    heartbeat recorded was taken for agents that left: "no live agent is registered", at once,
+    with the agent back (CI, once). The node the client saw, gone with its deadline running and
+    unmarked by a purge, keeps the table in flux, and the put's next look finds it."""
+    agent = direct_agent(namespace, node_id="n0-only")
+    client = client_of(namespace)
+    client.put("before", b"A" * 1000)
+    redis = agent.index.redis
+    redis.delete(*redis.scan_iter(match=agent.index.prefix + "*", count=1000))
+    assert client._node_table(refresh=True) == {}  # what the put read
+    agent.heartbeat_once()  # registered again, in between
+    assert client.index.heartbeat_recorded()
+    assert client._puts._in_flux()
+    client.put("after", b"B" * 1000)
+    assert bytes(client.get("after")) == b"B" * 1000
