@@ -89,8 +89,6 @@ class Agent(OtherTierHooks, SyncDuties):
             # victim of a pass (a spill's refusal names one; sent again, the peer refused the pass
             # the rest of its victims), and dropped and counted once.
             self.damaged_disk_ids: set[int] = set()
-            #: Of those, peers' files found damaged before their keys came (agent/other_tiers.py).
-            self.corrupt_unsettled: set[int] = set()
             # Chunk files that peers spill onto this disk tier, until their swaps are acked.
             self.inbox = (
                 DiskInbox(self.disk, reserve_timeout_s=config.reserve_timeout_s, ids=self.table.ids)
@@ -210,7 +208,6 @@ class Agent(OtherTierHooks, SyncDuties):
                 self.inbox.free([alloc_id])
                 self.disk_keys.pop(alloc_id, None)  # a spilled file settled here (its ack drained)
                 self.damaged_disk_ids.discard(alloc_id)
-                self.corrupt_unsettled.discard(alloc_id)  # never swapped here: nothing to drop
             elif self.disk is not None and alloc_id in self.disk:
                 self.disk.remove(alloc_id)
                 self.disk_keys.pop(alloc_id, None)

@@ -34,7 +34,6 @@ class OtherTierHooks:
     index: RedisIndex
     disk_keys: dict[int, str]
     damaged_disk_ids: set[int]
-    corrupt_unsettled: set[int]
     gpu: GpuArena | None
     table: AllocationTable
     gpu_table: AllocationTable | None
@@ -115,18 +114,15 @@ class OtherTierHooks:
             # A peer's file whose swap landed in the index but not yet in this agent's sync (reads
             # of it are refused meanwhile): dropped once its ack names its key. Left at that, it
             # stayed listed, and every read failed on it for as long as the agent ran.
-            self.corrupt_unsettled.add(alloc_id)
             return
         self._drop_from_index(alloc_id, key)
 
     def drop_settled_corrupt(self, alloc_id: int) -> None:
-        """A peer's file found damaged before its swap's ack reached this agent: now that the sync
-        has named its key, its replica leaves the index as a read's would have dropped it."""
-        if alloc_id not in self.corrupt_unsettled:
-            return
-        self.corrupt_unsettled.discard(alloc_id)
+        """A peer's file just settled (its key named by the sync): one found damaged before, while
+        its key was unknown, leaves the index now, as a read's would have dropped it. A damaged
+        file whose key was known is dropped at once, so such an id here is one of those."""
         key = self.disk_keys.get(alloc_id)
-        if key is not None:
+        if alloc_id in self.damaged_disk_ids and key is not None:
             self._drop_from_index(alloc_id, key)
 
     def _drop_from_index(self, alloc_id: int, key: str) -> None:

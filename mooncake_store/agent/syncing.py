@@ -200,7 +200,7 @@ class SyncDuties:
             for alloc_id in self.inbox.settle(plan.commit):
                 if alloc_id in result.acked_keys:
                     self.disk_keys[alloc_id] = result.acked_keys[alloc_id]
-                    self.drop_settled_corrupt(alloc_id)  # found damaged before its key was known
+                    self.drop_settled_corrupt(alloc_id)  # if found damaged before its key was known
         if plan.free:
             self.free_allocations(plan.free)
         self._count_spills_in(plan.commit, plan.free)

@@ -114,7 +114,6 @@ class GetPath:
         # Agent endpoints that failed (timed out, refused) during this call: not asked again by it,
         # so a stalled agent costs the batch one timeout, not one per key and attempt.
         failing: dict[str, MooncakeError] = {}  # endpoint -> what it answered
-        read_into: set[int] = set()  # the destinations an attempt has read into
         for attempt in range(self.client.config.max_retries + 1):
             self.client._check_open()  # a retry after close() cut this call's reads short: none
             started = lease_clock_s()  # counts a suspend of this host, as the lease does
@@ -141,9 +140,10 @@ class GetPath:
                             size = meta.size_bytes
                             raise InvalidValue(f"{which} holds {len(out.view)} B but key {keys[i]!r} is {size} B")
                     except InvalidValue as refused:
-                        if i in read_into:
-                            # Read again (its lease ran short, a replica failed) and found replaced
-                            # by one the destination cannot hold: the refusal comes after a write.
+                        if attempt > 0:
+                            # Read again (its lease ran short, a replica failed; every key of a
+                            # retry was read into before) and found replaced by one the destination
+                            # cannot hold: the refusal comes after a write.
                             refused.args = (
                                 f"{refused}; it was replaced by that object while it was read, and {which} "
                                 "holds what was read of the one before",
@@ -154,7 +154,6 @@ class GetPath:
                     buffers[i] = host_buffer(keys[i], meta.size_bytes)
                     dest = memoryview(buffers[i]) if meta.size_bytes else memoryview(bytearray(0))
                 targets.append((i, meta, dest))
-            read_into.update(i for i, _, _ in targets)
             retry, error = self._read_targets(targets, used, refresh_nodes=attempt > 0, failing=failing)
             last_error = error or last_error
             done = [i for i, _, _ in targets if i not in retry]
