@@ -227,6 +227,8 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
     stream = iface.get("stream")
     if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int)):
         raise InvalidValue(f"{where} has a 'stream' that is no stream handle (an int), got {stream!r:.40}")
+    if stream is not None and not -(1 << 63) <= stream < 1 << 63:  # an intptr_t, as a pointer is
+        raise InvalidValue(f"{where} has a 'stream' of {stream}, no stream handle (-2**63..2**63-1)")
     data = iface.get("data")
     if not nbytes:
         return shape, dtype, 0, False  # nothing is read or written through an empty array
@@ -235,8 +237,10 @@ def _parse_interface(iface: Any, kind: str) -> tuple[tuple[int, ...], np.dtype[A
         readonly = data[1]  # type: ignore[index]
     except (TypeError, IndexError, KeyError) as exc:
         raise InvalidValue(f"{where} has no valid 'data' (pointer, read-only flag), got {data!r:.60}: {exc}") from None
-    if not 0 < pointer < 1 << 64:  # past 2**64 cupy's pointer queries raise OverflowError
-        raise InvalidValue(f"{where} names data at {pointer}, no device address (1..2**64-1)")
+    # cupy's runtime calls take a signed intptr_t: from 2**63 up they raised OverflowError, past
+    # the CUDA error this module turns into a TransferError (the check said 2**64 until 2026-12-07)
+    if not 0 < pointer < 1 << 63:
+        raise InvalidValue(f"{where} names data at {pointer}, no device address (1..2**63-1)")
     return shape, dtype, pointer, bool(readonly)
 
 

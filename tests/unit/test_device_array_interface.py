@@ -34,7 +34,10 @@ GOOD = {"shape": (4,), "typestr": "<f4", "data": (1 << 20, False), "version": 3}
         ({**GOOD, "data": None}, "no valid 'data'"),
         ({**GOOD, "data": ("x", False)}, "no valid 'data'"),
         ({**GOOD, "data": (0, False)}, "no device address"),
-        ({**GOOD, "data": (1 << 64, False)}, r"at 18446744073709551616, no device address \(1\.\.2\*\*64-1\)"),
+        ({**GOOD, "data": (1 << 64, False)}, r"at 18446744073709551616, no device address \(1\.\.2\*\*63-1\)"),
+        # cupy's runtime takes a signed intptr_t: 2**63 raised OverflowError past the checks
+        ({**GOOD, "data": (1 << 63, False)}, r"at 9223372036854775808, no device address \(1\.\.2\*\*63-1\)"),
+        ({**GOOD, "stream": 1 << 63}, r"'stream' of 9223372036854775808, no stream handle"),
         ({**GOOD, "shape": (1,) * 33}, "device array has 33 dimensions; the limit is 32"),
         ({**GOOD, "shape": (2, 2), "strides": (8,)}, r"'strides' \(8,\)"),
         ({**GOOD, "shape": (2, 2), "strides": (4, 8)}, "not C-contiguous"),
