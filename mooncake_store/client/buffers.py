@@ -146,9 +146,17 @@ def mark_written(dests: Sequence[Destination]) -> None:
     saved for a backward pass and overwritten this way gave wrong gradients with no error."""
     for dest in dests:
         if dest.tensor is not None:
-            import torch  # the caller passed a tensor, so torch is there
+            bump_version(dest.tensor)
 
-            torch.autograd.graph.increment_version(dest.tensor)
+
+def bump_version(tensor: Any) -> None:
+    """Bump a torch tensor's version counter, as an in-place write does. A tensor made under
+    ``torch.inference_mode()`` has none: torch before 2.5 raised for it outside that mode (a
+    get_into worker thread always is), after a read that had succeeded."""
+    import torch  # the caller passed a tensor, so torch is there
+
+    if not tensor.is_inference():
+        torch.autograd.graph.increment_version(tensor)
 
 
 #: The 2-byte integer types that hold bfloat16's bits where nothing names bfloat16 (numpy, cupy):

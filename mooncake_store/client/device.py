@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mooncake_store.client.buffers import BFLOAT16, check_dtype, check_fill_dtype, typed_view
+from mooncake_store.client.buffers import BFLOAT16, bump_version, check_dtype, check_fill_dtype, typed_view
 from mooncake_store.client.gets import LEASE_SAFETY, RACED, lookup, refuse_stale_shm
 from mooncake_store.client.lease_clock import lease_clock_s
 from mooncake_store.errors import ConnectError, InvalidValue, KeyNotFound, MooncakeError, TransferError
@@ -94,7 +94,8 @@ class GpuSegments:
         self._lock = threading.Lock()
         self._closed = False
         # A table dropped without close() (its client collected unclosed) closes its mappings:
-        # each kept an agent's arena resident for the life of the process. No copy can be using
+        # each may keep a dead agent's arena resident for the life of the process (a stopping
+        # agent frees its arena regardless, which CUDA leaves undefined). No copy can be using
         # one then (a copy holds the table). Not at exit, when CUDA may be torn down already.
         self._finalizer = weakref.finalize(self, _close_mappings, self._segments, self._retired)
         self._finalizer.atexit = False
@@ -239,9 +240,7 @@ def read_to_device(
             # as a CPU tensor's is (buffers.mark_written), so a backward that saved it refuses.
             # Not for a refusal before any copy (an out that requires grad, a wrong dtype, a
             # missing key): nothing was written, and the bump failed a backward that saved it.
-            import torch
-
-            torch.autograd.graph.increment_version(out)
+            bump_version(out)
 
 
 def _read_to_device(

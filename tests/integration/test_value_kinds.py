@@ -107,3 +107,19 @@ def test_get_many_into_refuses_outputs_that_share_memory(client: Client) -> None
     assert client.get_many_into(["s23-a", "s23-b"], rows) == [8, 8]
     assert bytes(rows[0]) == b"a" * 8 and bytes(rows[1]) == b"b" * 8
     client.remove_many(["s23-a", "s23-b"])
+
+
+def test_tensors_made_under_inference_mode_are_filled_and_stored(client: Client) -> None:
+    """A tensor made under torch.inference_mode() has no version counter to bump: before torch 2.5
+    the bump raised outside that mode, after a get_into that had filled it, and a worker thread of
+    get_into_async is always outside it. Such tensors are read into and put like any other."""
+    with torch.inference_mode():
+        value = torch.arange(6, dtype=torch.float32)
+        out, many_out, async_out = torch.empty(6), torch.empty(6), torch.empty(6)
+    client.put("s22-inference", value)
+    assert client.get_into("s22-inference", out) == 24
+    client.get_many_into(["s22-inference"], [many_out])
+    client.get_into_async("s22-inference", async_out).result(timeout=30)
+    for filled in (out, many_out, async_out):
+        assert filled.is_inference() and filled.tolist() == value.tolist()
+    client.remove("s22-inference")
