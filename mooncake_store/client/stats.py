@@ -144,6 +144,15 @@ def _tier_stats(usage: TierUsage, hits: int) -> TierStats:
     )
 
 
+def _uptime_s(node: NodeInfo, *, alive: bool, now_ms: int) -> float:
+    """How long the node has run: to its last heartbeat once it is dead (a node SIGKILLed 8 s
+    earlier showed "up 19s", still counting); 0 where its start is unknown."""
+    if not node.started_ms:
+        return 0.0
+    until_ms = now_ms if alive or not node.last_heartbeat_ms else min(now_ms, node.last_heartbeat_ms)
+    return round(max(0, until_ms - node.started_ms) / 1000, 3)
+
+
 def build_stats(
     nodes: dict[str, NodeInfo], per_node: dict[str, int], objects: int, counters: dict[str, int], *, now_ms: int
 ) -> ClusterStats:
@@ -171,7 +180,7 @@ def build_stats(
                 objects=per_node.get(node.node_id, 0),
                 tiers=tuple(_tier_stats(t, hits.get((node.node_id, str(t.tier)), 0)) for t in node.tiers),
                 started_ms=node.started_ms,
-                uptime_s=round(max(0, now_ms - node.started_ms) / 1000, 3) if node.started_ms else 0.0,
+                uptime_s=_uptime_s(node, alive=in_s >= 0, now_ms=now_ms),
             )
         )
     live = [r for r in rows if r.alive]
