@@ -22,6 +22,7 @@ from mooncake_store.policy.placement import (
     choose_replica_nodes,
     kept_bytes,
     left_out_nodes,
+    live_nodes,
     rank_nodes,
 )
 from mooncake_store.policy.transport_choice import gpu_ipc_node
@@ -89,20 +90,33 @@ class Reserver:
             # Only where this client's transports can carry the bytes: a put must not store what the
             # same client could not read back (transports=("shm",) forces the same-host path).
             reachable = [n for n in pool if self.client._can_write_to(n)]
-            if pool and not reachable:
+            # Those it reaches all past their deadlines while live ones it does not reach are
+            # there (a shm-only client whose agent died): said so, rather than "none within its
+            # heartbeat deadline" of the dead one alone, as if the index had been out of reach. A
+            # NoCapacity, as that was: judged on the cached node table, it is judged once more on
+            # a fresh one (puts.py), where the agent may be back.
+            stalled = reachable if reachable and not live_nodes(reachable, now) else []
+            unreached = [n for n in live_nodes(pool, now) if n not in reachable] if stalled else pool
+            if pool and unreached and (not reachable or stalled):
                 allowed = tuple(str(t) for t in self.client.transports)
                 why = [
-                    f"shm reaches only agents on this host ({', '.join(sorted(n.node_id for n in pool))} are "
+                    f"shm reaches only agents on this host ({', '.join(sorted(n.node_id for n in unreached))} are "
                     "not, or their arenas cannot be mapped here)"
                     if "shm" in allowed
                     else "shm is not allowed",
                     "tcp is not allowed",
                 ]
+                if stalled:
+                    why[0] += (
+                        f", and those it reaches ({', '.join(sorted(n.node_id for n in stalled))}) are past their "
+                        "heartbeat deadline"
+                    )
                 if "rdma" in allowed:
                     why.append("rdma is not built yet (README, Not built yet)")
-                raise TransferError(
-                    f"no allowed transport {allowed} reaches an agent for a put of {plan.key!r}: " + "; ".join(why)
-                )
+                message = f"no allowed transport {allowed} reaches a live agent for a put of {plan.key!r}: "
+                if stalled:
+                    raise NoCapacity(message + "; ".join(why), permanent=True)
+                raise TransferError(message.replace(" a live ", " an ") + "; ".join(why))
             pool = reachable
 
         def ranked(preferred: str | None) -> list[NodeInfo]:
