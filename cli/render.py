@@ -7,6 +7,7 @@ import io
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.measure import Measurement
 from rich.table import Table
@@ -48,7 +49,10 @@ def _name_column(table: Table, name: str, values: list[str], *, fold: bool) -> N
         longest = max(map(len, values), default=len(name))
         table.add_column(name, overflow="fold", min_width=min(longest, FOLD_MIN_WIDTH[name]))
     else:
-        table.add_column(name, no_wrap=True)
+        # Its width as printed: rich measures a text by its str.splitlines() pieces, and a key
+        # holding U+2028 or U+2029 (allowed: neither is C0 or C1) got a column the width of its
+        # longest piece and was cut with "…", into a pipe too.
+        table.add_column(name, no_wrap=True, min_width=max(map(cell_len, values), default=0))
 
 
 class _Fitted:

@@ -104,6 +104,20 @@ def test_ls_prints_whole_keys_into_a_pipe_and_folds_them_on_a_narrow_terminal(cl
     assert LONG_KEY in "".join(line.strip() for line in shown), shown
 
 
+def test_ls_prints_keys_holding_line_or_paragraph_separators_whole(cluster_cli: Mooncake) -> None:
+    """U+2028 and U+2029 are allowed in keys (neither is C0 or C1), and rich measures a text by
+    its str.splitlines() pieces: the key column was the width of the longest piece, and such a key
+    was cut with "…" into a pipe, where `get` of the key read back from the listing failed."""
+    keys = ["sep/l1\u2028line-two", "sep/p1\u2029para-two"]
+    for key in keys:
+        cluster_cli.ok("put", "--", key, "-", stdin=b"x")
+    piped = cluster_cli.ok("ls", "sep/*").stdout.decode()
+    rows = piped.split("\n")[1:3]  # a file's lines: split at newlines only, as a script reads them
+    assert [row.split("  ")[0] for row in rows] == keys and "…" not in piped, rows
+    for row in rows:
+        assert cluster_cli.ok("get", "--", row.split("  ")[0], "-").stdout == b"x"
+
+
 def test_bench_figures_are_whole_in_a_pipe_and_on_a_narrow_terminal(cluster_cli: Mooncake) -> None:
     """rich cut them to "0.…" in 40 columns, into a pipe (80) too where a row was longer."""
     args = ("bench", "--seconds", "0.05", "--sizes", "4KiB", "--transport", "tcp")
