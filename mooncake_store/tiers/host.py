@@ -90,6 +90,19 @@ def _legacy_name(namespace: str, node_id: str, pid: int, incarnation: str) -> st
     return _bounded(_UNSAFE.sub("_", f"mooncake.{namespace}.{node_id}"), f".{pid}-{incarnation}")
 
 
+#: How segment_name begins: the length of the namespace that follows.
+_MARKED = re.compile(r"mooncake\.(\d+)\.")
+
+
+def _is_marked(name: str) -> bool:
+    """Whether ``name`` reads as segment_name's (its namespace marked by its length): then it is
+    no earlier version's. Namespace "3.ns1"'s earlier name for node "agent-0" is namespace "ns1"'s
+    name for it now, and an agent of "3.ns1" removed the dead arena that "ns1"'s clients could
+    still read until its node's deadline."""
+    match = _MARKED.match(name)
+    return match is not None and name[match.end() + int(match[1]) : match.end() + int(match[1]) + 1] == "."
+
+
 def segment_digest(name: str) -> int:
     """A 64-bit digest of a segment name: a FENCE reply carries the fencing agent's, so that a
     writer copies only into the arena of the agent that holds its reservations."""
@@ -135,9 +148,8 @@ def sweep_abandoned_segments(
         if path.name == keep or match is None:
             continue
         pid, incarnation = int(match[1]), match[2]
-        own = path.name in (
-            segment_name(namespace, node_id, pid=pid, incarnation=incarnation),
-            _legacy_name(namespace, node_id, pid, incarnation),
+        own = path.name == segment_name(namespace, node_id, pid=pid, incarnation=incarnation) or (
+            path.name == _legacy_name(namespace, node_id, pid, incarnation) and not _is_marked(path.name)
         )
         if not own and (listed is None or path.name in listed or not path.name.startswith(own_prefix)):
             continue  # another node's (or namespace's), or one the node table still names

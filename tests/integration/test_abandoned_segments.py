@@ -113,6 +113,22 @@ def test_the_sweep_removes_its_own_nodes_arenas_named_as_an_earlier_version_name
     assert others.exists()
 
 
+def test_the_sweep_takes_no_name_of_another_namespace_for_its_own_earlier_one(made: list[Path]) -> None:
+    """Namespace "<len>.<ns>"'s earlier name for a node is namespace <ns>'s name for it now: an
+    agent of "3.ns1" removed the dead arena of "ns1"'s agent-0 as its own predecessor's, while
+    ns1's shm clients could still read it until its deadline (a probe, 3 of 3)."""
+    other = f"t{uuid.uuid4().hex[:8]}"
+    pid = dead_pid()
+    theirs = SHM_DIR / segment_name(other, "agent-0", pid=pid, incarnation="0123456789ab")
+    theirs.write_bytes(b"\x00" * 4096)
+    made.append(theirs)
+    lookalike = f"{len(other)}.{other}"
+    assert theirs.name == f"mooncake.{lookalike}.agent-0.{pid}-0123456789ab"  # its earlier name for agent-0
+    assert sweep_abandoned_segments(lookalike, "agent-0", keep="mine", listed=frozenset()) == []
+    assert theirs.exists()
+    assert sweep_abandoned_segments(other, "agent-0", keep="mine", listed=frozenset()) == [theirs.name]
+
+
 def test_a_node_restarted_after_each_crash_holds_one_arena(make_cluster: Callable[..., LocalCluster]) -> None:
     """Real agent processes killed with SIGKILL and started again under the same node id (once
     the dead one's deadline has passed), their segments left in place as a crash leaves them
