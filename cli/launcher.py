@@ -42,8 +42,8 @@ from mooncake_cli.state import (
     state_dir,
 )
 
-from mooncake_store.config import format_size, redact_url
-from mooncake_store.tiers.host import SHM_DIR, segment_pattern
+from mooncake_store.config import redact_url
+from mooncake_store.tiers.host import arenas_refused, segment_pattern
 
 _SERVER_PID_RE = re.compile(r", pid (\d+)(?:, temp dir (.+?))?\s*$", re.MULTILINE)
 #: How the embedded server names its temp dir (tempfile.mkdtemp's prefix in mooncake_store.embedded).
@@ -70,16 +70,10 @@ class StopReport:
 
 
 def check_shm_room(num_agents: int, host_bytes: int) -> None:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return  # no /dev/shm to measure: the agent reports the real error
-    free = st.f_bavail * st.f_frsize
-    need = num_agents * host_bytes
-    if need > free:
+    why = arenas_refused(num_agents, host_bytes)
+    if why is not None:
         raise CliError(
-            f"{num_agents} agent(s) x {format_size(host_bytes)} = {need} B of shared memory needed, but "
-            f"{SHM_DIR} has {free} B free; use a smaller --host-mem or fewer --agents",
+            f"{why.replace(' arena(s) x ', ' agent(s) x ', 1)}; use a smaller --host-mem or fewer --agents",
             ExitCode.NO_CAPACITY,
         )
 

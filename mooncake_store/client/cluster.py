@@ -23,9 +23,9 @@ from typing import IO, Any
 from mooncake_store.config import load_config, redact_url
 from mooncake_store.config.values import shown
 from mooncake_store.embedded import MAX_STARTUP_S, EmbeddedServer
-from mooncake_store.errors import ConfigError, MooncakeError, ServerError
+from mooncake_store.errors import ConfigError, MooncakeError, NoCapacity, ServerError
 from mooncake_store.tiers.disk_dir import sweep_tier_dir
-from mooncake_store.tiers.host import segment_paths, segment_pattern
+from mooncake_store.tiers.host import arenas_refused, segment_paths, segment_pattern
 from mooncake_store.types import is_collection_not_text
 
 
@@ -211,6 +211,11 @@ class LocalCluster:
         if self._started:
             return self
         self._owner_pid = os.getpid()
+        # Before anything starts: each agent checks /dev/shm for its own arena only, and all start
+        # at once (kv_transfer.py --agents 1000, a demo whose two arenas outgrew the memory).
+        why = arenas_refused(self.num_agents, self.host_bytes, prefault="--no-prefault" not in self.agent_args)
+        if why is not None:
+            raise NoCapacity(f"cannot start the cluster's agents: {why}; use a smaller host_bytes or fewer agents")
         try:
             if not self._external_url:
                 # Killed without a chance to stop it (SIGKILL), this process must not leave the

@@ -209,6 +209,41 @@ def _create_locked(path: Path) -> int:
     return fd
 
 
+def memory_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo: what the kernel can give without swapping; None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def arenas_refused(count: int, size_bytes: int, *, prefault: bool = True) -> str | None:
+    """Why ``count`` arenas of ``size_bytes`` started together would not fit, or None: each agent
+    checks /dev/shm for its own arena only, and agents started at once all passed. Prefaulted (the
+    default), they take memory at start too: past MemAvailable, arenas that /dev/shm had room for
+    (its size is set apart from the memory) had the kernel's OOM killer end processes of the
+    machine, not the start refused (2 agents x 11.5 GiB on 24 GiB)."""
+    need = count * size_bytes
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None  # no /dev/shm to measure: the agent reports the real error
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        return f"{count} arena(s) x {size_bytes} B = {need} B of shared memory needed, but {SHM_DIR} has {free} B free"
+    available = memory_available_bytes() if prefault else None
+    if available is not None and need > available:
+        return (
+            f"{count} arena(s) x {size_bytes} B = {need} B of memory needed (arenas are prefaulted at start), "
+            f"but the machine has {available} B available (MemAvailable)"
+        )
+    return None
+
+
 def _check_name(name: object) -> str:
     # The name becomes a path component under /dev/shm: "/" or ".." would escape the directory.
     if not isinstance(name, str) or not _VALID_NAME.fullmatch(name) or name in (".", ".."):
