@@ -36,6 +36,12 @@ HF_MISSING = (
 #: 8 GiB per copy, and its prefill on a CPU takes hours. Past a bound, a typo's length (1e11)
 #: failed in torch's allocator, after the model was built, without naming the option.
 MAX_DOC_TOKENS = 1 << 20
+#: Tokens generated per answer at most: the demo shows the time to the first one; 100000 ran on
+#: with no end in sight.
+MAX_NEW_TOKENS = 1024
+#: torch CPU threads at most, per CPU: 100000 failed in libgomp ("Resource temporarily
+#: unavailable") and then crashed the process (SIGSEGV) with its cluster up.
+THREADS_PER_CPU = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +57,17 @@ class DemoModel:
     max_position_embeddings: int = 32768
     initializer_range: float = 0.2
     seed: int = 0
+
+    def parameter_count(self) -> int:
+        """What build() makes (LlamaForCausalLM: no biases, untied head), known before it is built."""
+        h, kv = self.hidden_size, self.num_key_value_heads * (self.hidden_size // self.num_attention_heads)
+        layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
+        return 2 * self.vocab_size * h + self.num_hidden_layers * layer + h
+
+    def kv_bytes_per_token(self) -> int:
+        """A token's float32 K and V over every layer."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * head_dim * 4
 
     def build(self) -> Any:
         import torch
@@ -125,6 +142,27 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory_refused(host_bytes: int, doc_bytes: int, *, model_bytes: int) -> str | None:
+    """Why the demo would not fit in this machine's memory, or None. Its two arenas are prefaulted
+    at start, and beside them it holds the document's cache twice (restored, and recomputed for
+    the check) and the third question's process a model and a cache of its own: --layers 1000 had
+    two 11.5 GiB arenas start on 24 GiB, and the kernel's OOM killer ended the demo, its agents
+    left running with their arenas."""
+    from mooncake_store.tiers.host import arenas_refused, memory_available_bytes
+
+    why = arenas_refused(2, host_bytes)
+    if why is not None:
+        return why
+    need = 2 * host_bytes + 3 * doc_bytes + model_bytes
+    available = memory_available_bytes()
+    if available is not None and need > available:
+        return (
+            f"it needs about {need} B of memory (two {host_bytes} B arenas, the document's {doc_bytes} B cache "
+            f"three times, a second {model_bytes} B model), and the machine has {available} B available"
+        )
+    return None
+
+
 def _int_from(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an int of at least ``low`` (and at most ``high``), checked before torch
     loads and the cluster starts (exit status 2)."""
@@ -197,15 +235,31 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
 
     chunk_tokens = _int_from(1, MAX_CHUNK_TOKENS)
     p.add_argument("--chunk-tokens", type=chunk_tokens, default=256, help="tokens per stored chunk (default 256)")
-    p.add_argument("--new-tokens", type=positive, default=8, help="tokens generated per answer (default 8)")
+    p.add_argument(
+        "--new-tokens",
+        type=_int_from(1, MAX_NEW_TOKENS),
+        default=8,
+        help=f"tokens generated per answer (default 8, at most {MAX_NEW_TOKENS})",
+    )
     p.add_argument("--layers", type=positive, default=8, help="decoder layers of the demo model (default 8)")
-    p.add_argument("--threads", type=_int_from(0), default=0, help="torch CPU threads (default 0: torch's choice)")
+    max_threads = THREADS_PER_CPU * (os.cpu_count() or 1)
+    p.add_argument(
+        "--threads",
+        type=_int_from(0, max_threads),
+        default=0,
+        help=f"torch CPU threads (default 0: torch's choice; at most {max_threads}, {THREADS_PER_CPU} per CPU)",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the full recompute that checks each answer")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--redis-url", help=argparse.SUPPRESS)
     p.add_argument("--namespace", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.doc_tokens < args.chunk_tokens:  # no chunk to store: the demo ran and showed nothing
+        p.error(
+            f"--doc-tokens {args.doc_tokens} is less than --chunk-tokens {args.chunk_tokens}: the document "
+            "must fill at least one chunk for its questions to share"
+        )
 
     try:
         import torch
@@ -227,23 +281,29 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
     sys.unraisablehook = _quiet_about_a_lost_stop(sys.unraisablehook)
 
     from mooncake_store import LocalCluster, PrefixCache, connect
-    from mooncake_store.integrations.transformers import kv_layout, kv_namespace
+    from mooncake_store.config import format_size
+    from mooncake_store.integrations.transformers import kv_namespace
 
-    spec = DemoModel(num_hidden_layers=args.layers, max_position_embeddings=max(32768, args.doc_tokens + 256))
+    # Room for the prompt (the document and a question) and the tokens generated after it.
+    positions = max(32768, args.doc_tokens + 64 + args.new_tokens)
+    spec = DemoModel(num_hidden_layers=args.layers, max_position_embeddings=positions)
+    params, kv_per_token = spec.parameter_count(), spec.kv_bytes_per_token()
+    doc_bytes = args.doc_tokens * kv_per_token
+    host_bytes = max(256 << 20, 2 * doc_bytes + (64 << 20))
+    # Judged before the model is built: 100000 layers would take 300 GB to build.
+    too_much = _memory_refused(host_bytes, doc_bytes, model_bytes=params * 4)
+    if too_much is not None:
+        sys.stderr.write(f"mooncake demo: {too_much}; use fewer --doc-tokens or --layers\n")
+        return 5  # no room, as `mooncake up` says it
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
     print(f"mooncake-store demo: long-document Q&A ({versions})")
     t = time.perf_counter()
     model = spec.build()
-    layers, kv_heads, head_dim = kv_layout(model)
-    kv_per_token = layers * 2 * kv_heads * head_dim * 4
-    params = sum(p.numel() for p in model.parameters())
     print(
         f"model     Llama-style, {params / 1e6:.1f}M parameters, random weights (seed {spec.seed}), float32 on CPU; "
         f"KV cache {kv_per_token // 1024} KiB/token  [{time.perf_counter() - t:.1f} s]"
     )
     doc, questions = document_and_questions(spec.vocab_size, args.doc_tokens)
-    doc_bytes = args.doc_tokens * kv_per_token
-    host_bytes = max(256 << 20, 2 * doc_bytes + (64 << 20))
     t = time.perf_counter()
     with (
         LocalCluster(num_agents=2, host_bytes=host_bytes) as cluster,
@@ -301,13 +361,15 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
                 print(
                     f"Q{i}: restored {r['matched_tokens']} tokens in {r['restore_s'] * 1000:.0f} ms instead of "
                     f"prefilling them ({first['prefill_s'] * 1000:.0f} ms for Q1's {first['prompt_tokens']} tokens): "
-                    f"time to first token {first['ttft_s'] / r['ttft_s']:.1f}x shorter"
+                    f"time to first token {_ttft_change(first['ttft_s'], r['ttft_s'])}"
                 )
         stats = client.stat()
+        written_later = sum(r["chunks_written"] for r in later)
+        shared = first["chunks_written"] and not written_later  # what the demo shows, when it holds
         print(
-            f"store: {stats.objects} objects, {stats.used_bytes / 2**20:.0f} MiB used on {len(stats.live_nodes)} "
-            f"agents; chunks written by Q1: {first['chunks_written']}, by Q2/Q3: "
-            f"{sum(r['chunks_written'] for r in later)} (the document's chunks are shared)"
+            f"store: {stats.objects} objects, {format_size(stats.used_bytes)} used on {len(stats.live_nodes)} "
+            f"agents; chunks written by Q1: {first['chunks_written']}, by Q2/Q3: {written_later}"
+            + (" (the document's chunks are shared)" if shared else "")
         )
         cache.close()
         _exit_if_unwinding()
@@ -316,6 +378,14 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m mooncake_store
             print("an answer differs from the full recompute", file=sys.stderr)
     _exit_if_unwinding()  # a stop that landed in the cluster's stop, in a finalizer
     return 0 if ok else 1
+
+
+def _ttft_change(before_s: float, after_s: float) -> str:
+    """ "4.0x shorter", or, where a restore took longer than the recompute (a tiny document on a
+    busy machine), "1.5x longer": it said "0.2x shorter"."""
+    if after_s <= before_s:
+        return f"{before_s / max(after_s, 1e-9):.1f}x shorter"
+    return f"{after_s / max(before_s, 1e-9):.1f}x longer"
 
 
 if __name__ == "__main__":

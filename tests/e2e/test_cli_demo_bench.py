@@ -141,6 +141,9 @@ def test_demo_help_lists_the_demo_options(mooncake: Mooncake) -> None:
         ("--new-tokens", "-1", "-1 is less than 1"),
         ("--layers", "many", "'many' is not an integer"),
         ("--threads", "-2", "-2 is less than 0"),
+        # 100000 threads crashed in libgomp (SIGSEGV) with the cluster up; 100000 tokens ran on.
+        ("--threads", "100000", "100000 is more than"),
+        ("--new-tokens", "100000", "100000 is more than 1024"),
     ],
 )
 def test_demo_numbers_out_of_range_are_refused_before_anything_runs(
@@ -154,6 +157,25 @@ def test_demo_numbers_out_of_range_are_refused_before_anything_runs(
     assert f"argument {option}: {needle}" in text and "Traceback" not in text
     # Named as it was run: the usage said `python -m mooncake_store.demo`.
     assert f"mooncake demo: error: argument {option}" in text and "usage: mooncake demo" in text
+
+
+def test_demo_refuses_a_document_shorter_than_a_chunk(mooncake: Mooncake) -> None:
+    """It ran with nothing stored ("chunks written by Q1: 0") and said the chunks were shared."""
+    result = mooncake("demo", "--doc-tokens", "100", "--chunk-tokens", "256")
+    text = result.stderr.decode()
+    assert result.returncode == 2 and "Traceback" not in text, text
+    assert "--doc-tokens 100 is less than --chunk-tokens 256" in text, text
+
+
+def test_demo_that_would_not_fit_in_memory_is_refused_before_anything_is_built(mooncake: Mooncake) -> None:
+    """--layers 1000 started two 11.5 GiB arenas on 24 GiB, and the OOM killer ended the demo with
+    its agents left running. Now judged from the model's shape before it is built or started."""
+    result = mooncake("demo", "--layers", "1000000", timeout=60)
+    text = result.stderr.decode()
+    assert result.returncode == 5 and "Traceback" not in text, text
+    assert "use fewer --doc-tokens or --layers" in text and ("B free" in text or "B available" in text), text
+    assert "parameters" not in result.stdout.decode()  # no model was built
+    assert not (mooncake.state_dir / "cluster.json").exists()
 
 
 def test_demo_without_torch_says_what_to_install(mooncake: Mooncake, tmp_path: Path) -> None:
