@@ -308,6 +308,7 @@ def _store_measure(
             # freed by the agent shortly after, since no read lease is held on them during puts).
             nkeys = footprint_slots(size)
             keys = [f"{tag}-{size}-{i}" for i in range(nkeys)]
+            wait_for_room(client, (nkeys + 1) * size)
             b = budget_for(size, quick=quick)
 
             def put(i: int, k: list[str] = keys, s: np.ndarray = src) -> None:
@@ -342,6 +343,32 @@ def _store_measure(
         if batch:
             out["batch"] = _store_batch(client, tag, quick)
     return out
+
+
+#: Share of an arena a size's keys may find taken before they start: under the agents' default
+#: high watermark (0.9), with room for a pressure pass's sample to be off.
+ROOM_SHARE = 0.85
+#: How long the removed keys of the sizes before may take to be freed: a read lease (5 s by
+#: default) and the agent's next reclaim and heartbeat.
+ROOM_WAIT_S = 15.0
+
+
+def wait_for_room(client: Any, needed: int) -> None:
+    """Wait (up to ROOM_WAIT_S) until ``needed`` bytes fit in the host arenas under ROOM_SHARE. The
+    keys of the size before were removed, but their memory is freed only once the get loop's read
+    leases end: the next size's keys, put meanwhile into an arena near --host-bytes' minimum, had
+    the agent evict the coldest of them for room, and the get loop read a key that was gone
+    (KeyNotFound: 2 of 2 runs at 128 MiB, 1 of 3 at 256 MiB)."""
+
+    def used_and_capacity() -> tuple[int, int]:
+        tiers = [t for node in client.stat().live_nodes for t in node.tiers if t.tier == "host"]
+        return sum(t.used_bytes for t in tiers), sum(t.capacity_bytes for t in tiers)
+
+    deadline = time.monotonic() + ROOM_WAIT_S
+    used, capacity = used_and_capacity()
+    while used + needed > ROOM_SHARE * capacity and time.monotonic() < deadline:
+        time.sleep(0.2)
+        used, capacity = used_and_capacity()
 
 
 def put_retrying(client: Any, key: str, value: Any, stalls: dict[str, int], *, timeout_s: float = 10.0) -> None:
