@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import machine_line, markdown_table
+from benchlib import exit_on_stop_signals, machine_line, markdown_table
 
 from mooncake_store.tiers.allocator import OffsetAllocator
 
@@ -83,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and one round each")
     args = parser.parse_args()
+    exit_on_stop_signals()
     print(machine_line())
     sizes = (1_000, 100_000) if args.quick else (1_000, 10_000, 100_000, 400_000)
     rounds = 1 if args.quick else 3

@@ -16,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,11 +32,14 @@ GB = 1e9
 SIZES = (64 * KiB, 1 * MiB, 8 * MiB, 32 * MiB)
 
 
-def exit_on_sigterm() -> None:
-    """SIGTERM raises SystemExit(128 + signal) in the main thread, so that a benchmark killed by its
-    PID still runs its ``finally`` blocks and context exits: the children it started (agents, the
-    index, the raw TCP server, Mooncake's processes) are stopped by their PIDs, not orphaned."""
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+def exit_on_stop_signals() -> None:
+    """SIGTERM, SIGHUP and Ctrl-C (SIGINT) raise SystemExit(128 + signal) in the main thread, so that
+    a benchmark stopped by any of them still runs its ``finally`` blocks and context exits: the
+    children it started (agents, the index, the raw TCP server, Mooncake's processes) are stopped
+    by their PIDs, not orphaned. Ctrl-C printed a KeyboardInterrupt traceback, and SIGHUP (a closed
+    terminal) ended the process on the spot."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def size_label(n: int) -> str:
@@ -126,6 +130,20 @@ FOOTPRINT_BYTES = 64 * MiB
 MIN_HOST_BYTES = 2 * FOOTPRINT_BYTES
 
 
+def size_arg(text: str) -> int:
+    """An argparse type for a size in bytes, with units as the CLI takes them ("1GiB", "512MiB"):
+    --host-bytes took plain integers only."""
+    import argparse
+
+    from mooncake_store import MooncakeError
+    from mooncake_store.config import parse_size
+
+    try:
+        return parse_size(text)
+    except MooncakeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def check_host_bytes(parser: Any, host_bytes: int) -> None:
     """``parser.error`` (exit 2) for an arena the workload cannot fit in, or that /dev/shm cannot
     hold (the agent refused it after the limits had been measured, as a traceback), before any
@@ -168,8 +186,16 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _writable_under(path: Path) -> bool:
+    """Whether a file can be made in the closest existing folder: tried, since os.access says yes
+    to root everywhere (`--out /proc/x` started the run and failed in its mkdir, a traceback)."""
     folder = _nearest_existing(path)
-    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+    if not folder.is_dir():
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def footprint_slots(size: int) -> int:

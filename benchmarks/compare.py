@@ -44,7 +44,7 @@ from benchlib import (
     check_output_dir,
     check_reads,
     emit_report,
-    exit_on_sigterm,
+    exit_on_stop_signals,
     footprint_slots,
     gbps,
     machine_info,
@@ -52,6 +52,7 @@ from benchlib import (
     merge_memcpy,
     percentile_us,
     run_in_process,
+    size_arg,
     stamp,
     store_worker,
     timed_loop,
@@ -397,13 +398,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter loops")
     parser.add_argument("--repeat", type=int, default=1, help="whole runs; tables show median (min–max)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--host-bytes", type=int, default=1 << 30, help="arena / Mooncake segment size")
+    parser.add_argument(
+        "--host-bytes", type=size_arg, default=1 << 30, help="arena / Mooncake segment size (default 1GiB)"
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     check_host_bytes(parser, args.host_bytes)
     check_output_dir(parser, args.out, "--out")
-    exit_on_sigterm()
+    exit_on_stop_signals()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -47,7 +47,7 @@ from benchlib import (
     budget_for,
     check_output_file,
     emit_report,
-    exit_on_sigterm,
+    exit_on_stop_signals,
     gbps,
     markdown_table,
     percentile_us,
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-mem", default="2GiB", help="the agent's GPU tier (default 2GiB)")
     args = parser.parse_args(argv)
     check_output_file(parser, args.json, "--json")
-    exit_on_sigterm()
+    exit_on_stop_signals()
     usable, why = cuda_status(0)
     if not usable:
         print(f"benchmarks/gpu.py needs cupy and a CUDA device: {why}", file=sys.stderr)

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import exit_on_sigterm, machine_line
+from benchlib import exit_on_stop_signals, machine_line
 
 from mooncake_store import LocalCluster, PrefixCache, connect
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=("match", "layout", "restore"))
     args = p.parse_args(argv)
-    exit_on_sigterm()
+    exit_on_stop_signals()
     print(machine_line())
     with LocalCluster(num_agents=2, host_bytes=1024 * MiB) as cluster:
         for name, fn in (("match", bench_match), ("layout", bench_layout), ("restore", bench_restore)):

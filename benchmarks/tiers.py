@@ -45,7 +45,7 @@ from benchlib import (
     check_output_dir,
     check_output_file,
     emit_report,
-    exit_on_sigterm,
+    exit_on_stop_signals,
     markdown_table,
     size_label,
     stop_process,
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--disk-dir {args.disk_dir} is not a directory")
     check_output_file(parser, args.json, "--json")
     check_output_dir(parser, args.profile, "--profile")
-    exit_on_sigterm()
+    exit_on_stop_signals()
     started = time.monotonic()
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)

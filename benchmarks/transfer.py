@@ -28,11 +28,12 @@ from benchlib import (
     check_host_bytes,
     check_output_file,
     emit_report,
-    exit_on_sigterm,
+    exit_on_stop_signals,
     markdown_table,
     measure_memcpy,
     merge_memcpy,
     run_in_process,
+    size_arg,
     size_label,
     spread_cell,
     store_worker,
@@ -199,13 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter loops (about a third of the time)")
     parser.add_argument("--repeat", type=int, default=1, help="whole runs; tables show median (min–max)")
     parser.add_argument("--json", type=Path, help="write every raw figure to this file")
-    parser.add_argument("--host-bytes", type=int, default=1 << 30, help="agent arena size (default 1 GiB)")
+    parser.add_argument("--host-bytes", type=size_arg, default=1 << 30, help="agent arena size (default 1GiB)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")
     check_host_bytes(parser, args.host_bytes)
     check_output_file(parser, args.json, "--json")
-    exit_on_sigterm()
+    exit_on_stop_signals()
     sizes = SIZES
     started = time.monotonic()
     runs = []

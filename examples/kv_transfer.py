@@ -2,6 +2,8 @@
 
     python examples/kv_transfer.py [--redis-url URL] [--total 256MiB] [--agents 2]
 
+--total is moved in whole 8 MiB chunks (at least one).
+
 With no URL it starts a private cluster (embedded Valkey + agent processes; with one, agents of its
 own on that server, in a namespace of their own), stores a few hundred MiB of (layers, 2, tokens,
 heads, head_dim) float16 chunks from this process, reads them back byte-exact from a second
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import signal
 import sys
 import time
 from queue import Empty
@@ -112,7 +115,13 @@ def main() -> int:
     if args.agents < 1:  # no node to store the chunks on: it failed with NoCapacity after starting
         parser.error(f"--agents {args.agents}: at least one agent holds the chunks")
     chunk_bytes = chunk(0).nbytes
-    count = max(1, args.total // chunk_bytes)
+    if args.total < chunk_bytes:  # moved one chunk all the same, and said nothing of it
+        parser.error(f"--total {args.total} is less than one chunk ({format_size(chunk_bytes)}): it moves whole chunks")
+    count = args.total // chunk_bytes
+    # Stopped by Ctrl-C, a kill or a closed terminal, it unwinds: the cluster's context stops what
+    # it started (Ctrl-C printed a KeyboardInterrupt traceback; SIGHUP ended it on the spot).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     arena = max(64 << 20, (count * chunk_bytes) // max(1, args.agents) + (64 << 20))
     try:
         with LocalCluster(args.agents, redis_url=args.redis_url, namespace=args.namespace, host_bytes=arena) as cluster:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
+from helpers import wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -49,6 +54,52 @@ def test_kv_transfer_refuses_no_agents_as_usage() -> None:
     result = _run("--agents", "0")
     assert result.returncode == 2, result.stderr
     assert "--agents 0: at least one agent" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kv_transfer_refuses_a_total_under_one_chunk_as_usage() -> None:
+    """--total 0, 1 or 1MiB each moved one 8 MiB chunk and exited 0 without a word."""
+    result = _run("--total", "1MiB")
+    assert result.returncode == 2, result.stderr
+    assert "--total 1048576 is less than one chunk (8.0 MiB)" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_kv_transfer_stopped_by_a_signal_stops_its_cluster_without_a_traceback(sig: signal.Signals) -> None:
+    """Ctrl-C printed a KeyboardInterrupt traceback, and SIGHUP ended it on the spot: it now
+    unwinds, its cluster's processes stopped, and exits 128 + the signal's number."""
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "kv_transfer.py"), "--total", "64MiB", "--agents", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its first line read as it is printed
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # printed once its cluster is up
+        assert line.startswith("cluster: "), line
+        children = children_of(proc.pid)
+        assert children, "the cluster's processes"
+        os.kill(proc.pid, sig)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err, err
+    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 10.0), children
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                status = (entry / "status").read_text()
+                if f"\nPPid:\t{pid}\n" in status:
+                    found.append(int(entry.name))
+    return found
 
 
 #: Runs the example with its reader replaced (the example's module looks `reader` up at each
