@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -128,6 +129,12 @@ FOOTPRINT_BYTES = 64 * MiB
 #: The smallest agent arena (or Mooncake segment) the store workload fits in: its keys rotate over
 #: FOOTPRINT_BYTES, and each replacing put holds its new copy while the old one waits to be freed.
 MIN_HOST_BYTES = 2 * FOOTPRINT_BYTES
+
+
+def judged(ratio: float) -> str:
+    """A ratio beside its verdict, to two places rounded down: rounded to nearest, 0.849 read
+    "0.85x -> MISSED (≥0.85)"."""
+    return f"{math.floor(ratio * 100) / 100:.2f}" if math.isfinite(ratio) else f"{ratio}"
 
 
 def size_arg(text: str) -> int:
@@ -392,7 +399,7 @@ def wait_for_room(client: Any, needed: int) -> None:
 
     deadline = time.monotonic() + ROOM_WAIT_S
     used, capacity = used_and_capacity()
-    while used + needed > ROOM_SHARE * capacity and time.monotonic() < deadline:
+    while capacity and used + needed > ROOM_SHARE * capacity and time.monotonic() < deadline:
         time.sleep(0.2)
         used, capacity = used_and_capacity()
 

@@ -14,6 +14,7 @@ from benchlib import (
     KiB,
     MiB,
     across_runs_if_any,
+    judged,
     markdown_table,
     size_label,
     spread_cell,
@@ -240,7 +241,7 @@ def verdicts(runs: list[dict[str, Any]], systems: list[str]) -> list[str]:
         if tcp is None or mc is None or not has_mc:
             out.append(f"{what}: {no_mc}")
         else:
-            out.append(f"{what}: {tcp[0] / mc[0]:.2f}x -> {mark(tcp[0] >= want * mc[0])}")
+            out.append(f"{what}: {judged(tcp[0] / mc[0])}x -> {mark(tcp[0] >= want * mc[0])}")
     sizes, want = TCP_VS_RAW
     # The limit of one run is its best raw trial; over several runs, the median of those.
     best = "best trial" if len(runs) == 1 else f"median over {len(runs)} runs of each run's best trial"
@@ -255,7 +256,7 @@ def verdicts(runs: list[dict[str, Any]], systems: list[str]) -> list[str]:
             verdict = "not judged (limit unreliable)" if _unreliable(x, raw) else mark(x[0] >= want * raw[0])
             out.append(
                 f"{name.removeprefix('store ')} get_into {size_label(size)} ≥ {want}x raw TCP get x{conns} "
-                f"({best}, {raw[0]:.2f} GB/s): {x[0] / raw[0]:.2f}x -> {verdict}"
+                f"({best}, {raw[0]:.2f} GB/s): {judged(x[0] / raw[0])}x -> {verdict}"
             )
     for name in ("store shm", "store tcp x4"):
         what = (
@@ -267,7 +268,7 @@ def verdicts(runs: list[dict[str, Any]], systems: list[str]) -> list[str]:
         if gm is None or mc is None or not has_mc:
             out.append(f"{what}: {no_mc}")
         else:
-            out.append(f"{what}: {gm[0] / mc[0]:.2f}x -> {mark(gm[0] >= BATCH_VS_MOONCAKE * mc[0])}")
+            out.append(f"{what}: {judged(gm[0] / mc[0])}x -> {mark(gm[0] >= BATCH_VS_MOONCAKE * mc[0])}")
     for name in ("store shm", "store tcp x4"):
         what = f"{name.removeprefix('store ')} 4 KiB get p50 no worse than Mooncake's remote get"
         p50 = across_runs_if_any(runs, "systems", name, "lat", "p50_us")

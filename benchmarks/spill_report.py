@@ -11,7 +11,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import LIMIT_SUSPECT_RATIO, across_runs, markdown_table, size_label, spread_cell
+from benchlib import LIMIT_SUSPECT_RATIO, across_runs, judged, markdown_table, size_label, spread_cell
 from rawtcp import raw_tcp_spread
 from spill_bench import (
     COMPLETE_SHARE,
@@ -94,7 +94,7 @@ def spill_row(
     verdicts.append(
         f"spill {size_label(size)} over {path}: each complete, byte-exact burst over the best raw loopback "
         f"TCP burst of the same bytes beside it (request/ack and streamed, x1 and x{max(conns)}, shared-memory "
-        f"buffers, just before and just after), median {paired:.2f}x (those raw bursts' median "
+        f"buffers, just before and just after), median {judged(paired)}x (those raw bursts' median "
         f"{beside:.2f} GB/s) {verdict}; "
         f"best burst {spill:.2f} GB/s = {ratio_shared:.2f}x raw TCP put's best trial between shared-memory "
         f"buffers ({best_shared:.2f} GB/s), {ratio:.2f}x its best trial between private buffers "

@@ -29,6 +29,7 @@ from benchlib import (
     check_output_file,
     emit_report,
     exit_on_stop_signals,
+    judged,
     markdown_table,
     measure_memcpy,
     merge_memcpy,
@@ -140,7 +141,7 @@ def report(runs: list[dict[str, Any]], sizes: tuple[int, ...]) -> tuple[str, lis
                     if ratio > LIMIT_SUSPECT_RATIO:
                         mark = f"limit unreliable: above the limit measured ({limit:.2f} GB/s), not a result"
                     verdicts.append(
-                        f"{case} {'get_into' if op == 'get' else 'put'} {size_label(size)}: {ratio:.2f}x "
+                        f"{case} {'get_into' if op == 'get' else 'put'} {size_label(size)}: {judged(ratio)}x "
                         f"{limit_name} -> {mark}"
                     )
                 rows.append(

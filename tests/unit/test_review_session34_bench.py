@@ -55,6 +55,11 @@ class CopiesOnce:
             for key, out in zip(keys, outs, strict=True):
                 out[:] = self.data[key]
 
+    def stat(self) -> Any:
+        """An empty 1 GiB host arena: the store's loop waits for room for each size's keys."""
+        host = types.SimpleNamespace(tier="host", used_bytes=0, capacity_bytes=1 << 30)
+        return types.SimpleNamespace(live_nodes=(types.SimpleNamespace(tiers=(host,)),))
+
     def remove_many(self, keys: list[str]) -> list[bool]:
         return [self.data.pop(key, None) is not None for key in keys]
 
