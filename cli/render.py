@@ -286,6 +286,8 @@ def totals_line(stats: ClusterStats) -> Text:
         str(stats.evictions),
         ("   corrupt ", "dim"),
         str(stats.corrupt),
+        ("   lost ", "dim"),
+        str(stats.lost),
         ("   short ", "dim"),
         str(stats.short),
     )

@@ -294,6 +294,26 @@ local function note_short(key, reps, copies, now)
     redis.call('SADD', P .. 'repair:' .. holder, key)
   end
 end
+-- An object lost to readers is counted once (stats `evictions`, `corrupt` for damage, `lost`
+-- for the last copies purged with their nodes). The
+-- mark `lost` lists the replicas left at that loss (",node:alloc,"), all on nodes past their
+-- deadlines: one of them dropped later, its node back meanwhile, is no second loss, while a copy
+-- made or moved since (a new alloc id) is a new one. put_commit clears the mark.
+local function count_lost(ok, what, dropped, left)
+  local mark = redis.call('HGET', ok, 'lost')
+  if mark then
+    local seen = true
+    for _, r in ipairs(dropped) do
+      if not string.find(mark, ',' .. r[1] .. ':' .. r[5] .. ',', 1, true) then seen = false end
+    end
+    if seen then return end
+  end
+  add_stat(what, 1)
+  local ids = {}
+  for _, r in ipairs(left) do table.insert(ids, r[1] .. ':' .. r[5]) end
+  redis.call('HSET', ok, 'lost', ',' .. table.concat(ids, ',') .. ',')
+end
+
 -- Strip a node's replicas from the index; bounded per call so a huge node cannot stall Redis.
 -- Returns the number of keys still to go (0 when the node is gone from the index).
 local function purge_node(node, max_keys)
@@ -346,6 +366,11 @@ local function purge_node(node, max_keys)
     end
     if keep == nil then  -- a malformed record, passed over
     elseif #keep == 0 then
+      -- Its last copies went with the nodes that held them: counted `lost` (once: one already
+      -- counted as it became unreadable, evicted with the rest on this node, is marked so).
+      local gone = {}
+      for _, r in ipairs(reps) do if r[1] == node then table.insert(gone, r) end end
+      count_lost(ok, 'lost', gone, {})
       drop_object(key)
     else
       -- A node's loss: copied again into any room under a peer's high watermark, whatever copy
@@ -598,24 +623,6 @@ end
 -- `damaged`: its bytes failed their checksum (drop_corrupt.lua), so it goes whatever keeps a
 -- victim (pins, a read lease, chunks hanging off it): no reader could get its bytes anyway. Its
 -- memory is still freed only once the read leases run out; a loss is counted as "corrupt".
--- An object lost to readers is counted once (stats `evictions`, or `corrupt` for damage). The
--- mark `lost` lists the replicas left at that loss (",node:alloc,"), all on nodes past their
--- deadlines: one of them dropped later, its node back meanwhile, is no second loss, while a copy
--- made or moved since (a new alloc id) is a new one. put_commit clears the mark.
-local function count_lost(ok, what, dropped, left)
-  local mark = redis.call('HGET', ok, 'lost')
-  if mark then
-    local seen = true
-    for _, r in ipairs(dropped) do
-      if not string.find(mark, ',' .. r[1] .. ':' .. r[5] .. ',', 1, true) then seen = false end
-    end
-    if seen then return end
-  end
-  add_stat(what, 1)
-  local ids = {}
-  for _, r in ipairs(left) do table.insert(ids, r[1] .. ':' .. r[5]) end
-  redis.call('HSET', ok, 'lost', ',' .. table.concat(ids, ',') .. ',')
-end
 -- ``since`` (ms, optional): the time of the sample that chose the victim; an object accessed after
 -- it (a read's lookup, a store's claim of a chunk it extends, a commit) is warm now: "TOUCHED".
 -- An access in the very millisecond of the sample counts too: the clock's resolution cannot say
