@@ -141,7 +141,7 @@ class RedisIndex(NodeTableCalls, PressureCalls, ListingCalls):
         self._script_conns: list[Any] = []
         self._closed = False
         self._script_pid = os.getpid()
-        self._decoded: dict[tuple[Any, ...], ObjectMeta] = {}  # see lookup
+        self._decoded: dict[str, tuple[tuple[Any, ...], ObjectMeta]] = {}  # see lookup
 
     def close(self) -> None:
         """Disconnect, for good: a call racing close() (or made after it) fails with ConnectError
@@ -358,12 +358,17 @@ class RedisIndex(NodeTableCalls, PressureCalls, ListingCalls):
                     continue
                 # Decoding (JSON replicas, enums, dataclasses) costs more than the dict lookup; an
                 # ObjectMeta is immutable and wholly determined by the key and these six fields.
-                ident = (key, *item[:6])
-                meta = memo.get(ident)
-                if meta is None:
-                    if len(memo) >= DECODED_MEMO_ENTRIES:
+                # One entry per key, its last record's: keyed by the fields too, every replace of
+                # a key read again left an entry for a record gone (~1 KiB each, to the cap).
+                fields = tuple(item[:6])
+                known = memo.get(key)
+                if known is not None and known[0] == fields:
+                    meta = known[1]
+                else:
+                    if known is None and len(memo) >= DECODED_MEMO_ENTRIES:
                         memo.clear()
-                    meta = memo[ident] = decode_object(key, item)
+                    meta = decode_object(key, item)
+                    memo[key] = (fields, meta)
                 objects.append(meta)
                 leases.append(int(item[6]))
         return LookupResult(now_ms=now_ms, objects=objects, lease_until_ms=leases)
