@@ -83,6 +83,32 @@ def refused_agent(*args: str, timeout_s: float = 60.0) -> tuple[int, str]:
     return proc.returncode, err
 
 
+def signal_after_first_line(
+    cmd: list[str], sig: int, *, on_line: Callable[[str, int], None] | None = None, timeout_s: float = 60.0
+) -> tuple[int, str]:
+    """Run ``cmd``, wait for its first line of stdout (unbuffered), call ``on_line(line, pid)``,
+    send it ``sig`` by its PID, and return (exit status, stderr). Killed if it outlives the test."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its first line read as it is printed
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if on_line is not None:
+            on_line(line, proc.pid)
+        os.kill(proc.pid, sig)
+        _out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
     """Poll ``predicate`` until it holds or ``timeout_s`` passes; its last answer either way."""
     end = time.monotonic() + timeout_s

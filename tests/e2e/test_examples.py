@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers import wait_until
+from helpers import signal_after_first_line, wait_until
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -67,26 +66,16 @@ def test_kv_transfer_refuses_a_total_under_one_chunk_as_usage() -> None:
 def test_kv_transfer_stopped_by_a_signal_stops_its_cluster_without_a_traceback(sig: signal.Signals) -> None:
     """Ctrl-C printed a KeyboardInterrupt traceback, and SIGHUP ended it on the spot: it now
     unwinds, its cluster's processes stopped, and exits 128 + the signal's number."""
-    proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "kv_transfer.py"), "--total", "64MiB", "--agents", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},  # its first line read as it is printed
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # printed once its cluster is up
+    children: list[int] = []
+
+    def cluster_up(line: str, pid: int) -> None:  # its first line is printed once its cluster is up
         assert line.startswith("cluster: "), line
-        children = children_of(proc.pid)
+        children.extend(children_of(pid))
         assert children, "the cluster's processes"
-        os.kill(proc.pid, sig)
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + sig, err
+
+    cmd = [sys.executable, str(EXAMPLES / "kv_transfer.py"), "--total", "64MiB", "--agents", "1"]
+    status, err = signal_after_first_line(cmd, sig, on_line=cluster_up)
+    assert status == 128 + sig, err
     assert "Traceback" not in err, err
     assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 10.0), children
 
