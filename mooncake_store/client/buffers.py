@@ -51,6 +51,8 @@ def _torch_to_numpy(tensor: Any, *, for_writing: bool = False) -> tuple[np.ndarr
         return tensor.detach().view(torch.int16).numpy(), BFLOAT16
     try:
         array = tensor.detach().numpy()
+    except ValueError as exc:  # a shape numpy cannot make: an empty (0, 2**62) escaped as numpy's
+        raise InvalidValue(f"torch tensor of shape {tuple(tensor.shape)} has no numpy form ({exc})") from None
     except (TypeError, RuntimeError) as exc:  # float8, ...: no numpy layout
         raise InvalidValue(
             f"torch tensor of dtype {tensor.dtype} has no numpy form to store or fill ({exc}); "
@@ -103,7 +105,9 @@ def as_source(value: object) -> Source:
                 # such: numpy reads them as strings (|S1), which no dtype check lets through.
                 return Source(view.cast("B") if view.nbytes else memoryview(b""), "|u1", (view.nbytes,), value)
             array = np.asarray(view)
-        except (TypeError, ValueError, NotImplementedError) as exc:  # no buffer, or a format numpy cannot read
+        # No buffer, or a format numpy cannot read; RuntimeError: a record format whose item size
+        # numpy reads otherwise (a structured scalar, a padded record array's memoryview).
+        except (TypeError, ValueError, NotImplementedError, RuntimeError) as exc:
             raise InvalidValue(
                 f"cannot store a value of type {type(value).__name__} ({exc}): pass bytes, a memoryview or buffer of "
                 "numbers, a numpy array or a CPU torch tensor"
@@ -217,7 +221,7 @@ def as_destination(out: object) -> Destination:
     if dtype == RAW_BYTES and view.format != "B" and not isinstance(out, np.ndarray):
         try:  # a typed buffer (array.array("f"), a cast memoryview) is filled as its type
             typed = np.asarray(view).dtype
-        except (TypeError, ValueError, NotImplementedError):
+        except (TypeError, ValueError, NotImplementedError, RuntimeError):
             typed = None  # a format numpy cannot name: its bytes are taken as they are
         if typed is not None and typed.kind in ALLOWED_KINDS:
             dtype = typed.str  # else chars or records (a ctypes string buffer's "<c"): raw bytes

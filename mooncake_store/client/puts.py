@@ -45,7 +45,7 @@ from mooncake_store.policy.placement import tier_capacity, waited_for_room
 from mooncake_store.policy.transport_choice import gpu_ipc_node
 from mooncake_store.tiers.gpu_arrays import is_device_array
 from mooncake_store.transport.cancel import current_cancel, running_under
-from mooncake_store.types import NodeInfo, Replica, TierKind, TransportKind, check_key
+from mooncake_store.types import NodeInfo, Replica, TierKind, TransportKind, check_key, shown_key
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -74,36 +74,30 @@ class PutPath:
         replicas: int = 1,
     ) -> list[PlannedPut]:
         plans = []
-        gpu_nodes: list[NodeInfo] | None = None
         check_chain_meta(items, chain_pos, chain_parent)
+        # The GPU tier is reached through CUDA IPC, a same-host path like shm: a client told not
+        # to use shm stages device arrays to host memory instead. Read once, for device arrays only.
+        gpu_nodes = (
+            [
+                n
+                for n in self.client._node_table().values()
+                if TransportKind.SHM in self.client.transports
+                and gpu_ipc_node(n, self.client.host_id)
+                and preferred_node in (None, n.node_id)
+            ]
+            if any(is_device_array(value) for value in items.values())
+            else []
+        )
         for key, value in items.items():
             check_key(key)
-            tier = TierKind.HOST
-            if is_device_array(value):
-                from mooncake_store.client import device  # lazy: only device arrays need it
-
-                if gpu_nodes is None:
-                    # The GPU tier is reached through CUDA IPC, a same-host path like shm: a client
-                    # told not to use shm stages device arrays to host memory instead.
-                    gpu_nodes = [
-                        n
-                        for n in self.client._node_table().values()
-                        if TransportKind.SHM in self.client.transports
-                        and gpu_ipc_node(n, self.client.host_id)
-                        and preferred_node in (None, n.node_id)
-                    ]
-                dev = device.as_device_source(value)
-                # Into GPU tiers that can hold it at all, one per replica; else staged to host
-                # memory once, as on a host without a GPU tier (too large for every GPU arena, a
-                # preferred node without one, or fewer such tiers than replicas is no reason to fail).
-                holders = sum(tier_capacity(n, TierKind.GPU) >= dev.size_bytes for n in gpu_nodes)
-                if holders >= replicas:
-                    source: Source | DeviceSource = dev
-                    tier = TierKind.GPU
-                else:
-                    source = as_source(device.to_host(dev))  # no GPU tier here: stage once to host
-            else:
-                source = as_source(value)
+            try:
+                source, tier = self._source_of(value, replicas, gpu_nodes)
+            except InvalidValue as exc:
+                if len(items) == 1:
+                    raise
+                # In a batch, which value: "array of shape (5,) is not C-contiguous" said nothing
+                # of which of fifty.
+                raise type(exc)(f"{shown_key(key)}: {exc}") from None
             plans.append(
                 PlannedPut(
                     key=key,
@@ -115,6 +109,23 @@ class PutPath:
                 )
             )
         return plans
+
+    def _source_of(
+        self, value: object, replicas: int, gpu_nodes: list[NodeInfo]
+    ) -> tuple[Source | DeviceSource, TierKind]:
+        """The bytes of ``value`` as a put reads them, and the tier they go to."""
+        if not is_device_array(value):
+            return as_source(value), TierKind.HOST
+        from mooncake_store.client import device  # lazy: only device arrays need it
+
+        dev = device.as_device_source(value)
+        # Into GPU tiers that can hold it at all, one per replica; else staged to host memory
+        # once, as on a host without a GPU tier (too large for every GPU arena, a preferred node
+        # without one, or fewer such tiers than replicas is no reason to fail).
+        holders = sum(tier_capacity(n, TierKind.GPU) >= dev.size_bytes for n in gpu_nodes)
+        if holders >= replicas:
+            return dev, TierKind.GPU
+        return as_source(device.to_host(dev)), TierKind.HOST  # no GPU tier here: stage once to host
 
     def run(self, plans: list[PlannedPut], *, replicas: int, preferred_node: str | None) -> None:
         # Space held by removed or replaced objects comes back once their read leases run out, so a

@@ -123,3 +123,35 @@ def test_tensors_made_under_inference_mode_are_filled_and_stored(client: Client)
     for filled in (out, many_out, async_out):
         assert filled.is_inference() and filled.tolist() == value.tolist()
     client.remove("s22-inference")
+
+
+def test_records_and_unmakeable_tensor_shapes_are_invalid_values_and_store_nothing(client: Client) -> None:
+    """numpy's RuntimeError (a record format it reads at another item size) and ValueError (an
+    empty tensor of shape (0, 2**62)) escaped from the buffer checks."""
+    padded = np.zeros(3, dtype=np.dtype({"names": ["a"], "formats": ["<i4"], "itemsize": 8}))
+    record = np.rec.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f8")])[0]
+    for key, value in (("s22-record", record), ("s22-padded", memoryview(padded))):
+        with pytest.raises(InvalidValue, match="cannot store a value of type"):
+            client.put(key, value)
+        assert not client.exists(key)
+    huge_empty = torch.empty(0, 2**62)
+    with pytest.raises(InvalidValue, match=r"torch tensor of shape \(0, 4611686018427387904\) has no numpy form"):
+        client.put("s22-huge-empty", huge_empty)
+    client.put("s22-small", np.zeros(4, np.float32))
+    with pytest.raises(InvalidValue, match=r"shape \(0, 4611686018427387904\)"):
+        client.get_into("s22-small", huge_empty)
+    client.remove("s22-small")
+
+
+def test_a_batch_refusing_a_value_names_its_key(client: Client) -> None:
+    """'array of shape (5,) is not C-contiguous' said nothing of which of fifty values."""
+    values: dict[str, object] = {f"s22-batch/{i}": np.arange(10, dtype=np.float32) for i in range(50)}
+    values["s22-batch/31"] = np.arange(10, dtype=np.float32)[::2]
+    with pytest.raises(InvalidValue, match=r"^'s22-batch/31': array of shape \(5,\) is not C-contiguous"):
+        client.put_many(values)
+    values["s22-batch/31"] = np.arange(10, dtype=">f4")
+    with pytest.raises(InvalidValue, match=r"^'s22-batch/31': dtype >f4 is big-endian"):
+        client.put_many_async(values).result(timeout=30)
+    assert not any(client.exists(key) for key in values)
+    with pytest.raises(InvalidValue, match=r"^array of shape \(5,\)"):  # one value: the key is the call's own
+        client.put("s22-batch/one", np.arange(10, dtype=np.float32)[::2])
