@@ -36,6 +36,8 @@ import inspect
 import json
 from typing import Any
 
+import numpy as np
+
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - exercised by the demo's message
@@ -85,13 +87,18 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
     ``hidden_act`` must not restore each other's KV caches."""
     if model_id is not None and not isinstance(model_id, str):
         raise InvalidValue(f"model_id must be text naming the weights, got {type(model_id).__name__} {model_id!r:.80}")
+    # Pasted into the namespace as given, -1, True, 1.5, None and "0/x" (a path segment more) made
+    # namespaces no other rank's matched, with no word.
+    if type(tp_rank) is not int or tp_rank < 0:
+        raise InvalidValue(f"tp_rank must be an int >= 0 (this process's tensor-parallel rank), got {tp_rank!r:.40}")
+    # First: a dict (config.to_dict()) is refused as kv_layout refuses it, not an AttributeError.
+    layers, kv_heads, head_dim = kv_layout(model)
     cfg = _text_config(model)
     name = model_id
     if not name:
         named = getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model_type
         name = f"{_short_name(named)}@{_weights_digest(model, extra=_kv_settings(cfg))}"
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
-    layers, kv_heads, head_dim = kv_layout(model)
     layout = f"/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
     given = len(model_id.encode(errors="replace")) if model_id else 0
     if given + len(layout) > MAX_NAMESPACE_BYTES:
@@ -238,8 +245,10 @@ def _layers(past: Any) -> list[tuple[Any, Any]]:
             if len(getattr(t, "shape", ())) != 4:
                 shape = tuple(t.shape) if hasattr(t, "shape") else type(t).__name__
                 raise InvalidValue(
-                    f"layer {i}'s {what} are {shape}, not a (batch, kv_heads, seq, head_dim) tensor: "
-                    "pass the cache a forward pass over input_ids returned"
+                    f"layer {i}'s {what} are {shape} in a {type(past).__name__}, not a (batch, kv_heads, "
+                    "seq, head_dim) tensor: pass the cache a forward pass over input_ids returned (a "
+                    "quantized cache keeps its keys and values packed, and a layer that shares another's "
+                    "KV, num_kv_shared_layers, keeps none: neither can be saved)"
                 )
     return layers
 
@@ -261,10 +270,12 @@ def _held_from_start(past: Any, layers: list[tuple[Any, Any]]) -> list[int]:
     return held
 
 
-def _token_ids(input_ids: Any) -> Any:
-    """One sequence of ids as 1-D: a batch of one, ``(1, n)``, from torch, numpy or nested lists
-    (what tokenizers return) is unwrapped; anything else is the PrefixCache's to refuse."""
-    ids = input_ids.detach().cpu() if hasattr(input_ids, "detach") else input_ids
+def _token_ids(input_ids: Any) -> np.ndarray:
+    """One sequence of ids as the PrefixCache reads them (as_token_array): a batch of one,
+    ``(1, n)``, from torch, numpy or nested lists (what tokenizers return) is unwrapped. Read
+    here, before save_prefix counts them: an int, a 0-d tensor or a generator was a TypeError from
+    len(), and a meta tensor copied out here a NotImplementedError, not the InvalidValue a load gave."""
+    ids = input_ids
     shape = getattr(ids, "shape", None)
     if shape is None and isinstance(ids, list | tuple) and ids and isinstance(ids[0], list | tuple):
         shape = (len(ids), len(ids[0]))
@@ -272,7 +283,7 @@ def _token_ids(input_ids: Any) -> Any:
         if shape[0] != 1:
             raise InvalidValue(f"input_ids has batch {shape[0]}; pass one sequence (1-D ids)")
         ids = ids[0]
-    return ids
+    return as_token_array(ids)
 
 
 def _check_cache(what: str, cache: object) -> None:
@@ -425,7 +436,7 @@ def load_prefix(
     wanted = as_count(max_tokens) if max_tokens is not None else None
     if max_tokens is not None and (wanted is None or wanted < 0):
         raise InvalidValue(f"max_tokens must be an int >= 0, got {max_tokens!r:.40}")
-    ids = as_token_array(_token_ids(input_ids))
+    ids = _token_ids(input_ids)
     limit = len(ids) - 1 if wanted is None else min(wanted, len(ids) - 1)
     # Every argument is checked before a prompt too short for a chunk returns: a bad device= or
     # dtype= went unseen on short prompts, and failed only once a longer one came.
