@@ -103,8 +103,11 @@ class ClusterState:
         return [*([self.owner] if self.owner else []), *(a.proc for a in self.agents), *self.servers]
 
     def running(self) -> bool:
-        """True while any recorded process still runs."""
-        return any(alive(p) for p in self.all_procs())
+        """True while any recorded process still runs, or when none is recorded: `up --agents 0
+        --redis-url URL` records a cluster of that server's, of which nothing here can die (taken
+        for one no longer running, every command that finds it with no flags failed, exit 4)."""
+        procs = self.all_procs()
+        return not procs or any(alive(p) for p in procs)
 
     def to_dict(self) -> dict[str, Any]:
         return {
