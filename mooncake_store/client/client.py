@@ -457,6 +457,9 @@ class Client(AsyncCalls):
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
         # Checked under the lock that close() sets it under: a call racing close() gets "client is
         # closed", not the pool's own RuntimeError, and no pool is made after close() returned.
+        # And before it: in a forked child a lock a parent thread held at the fork stays held, and
+        # the call waited on it for good instead of being refused.
+        self._check_open()
         with self._pool_lock:
             self._check_open()
             if self._pool is None:

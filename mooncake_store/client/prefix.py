@@ -452,6 +452,8 @@ class PrefixCache:
         return self._submit("store", self.store, token_ids, outs_as_now(chunks), **kwargs)
 
     def _submit(self, kind: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        # Before the lock too: in a forked child one a parent thread held at the fork stays held.
+        self._check_open()
         with self._lock:  # close() sets _closed under it: no submit to a pool shut down meanwhile
             self._check_open()
             pool = self._pools.get(kind)
