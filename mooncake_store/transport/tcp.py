@@ -514,16 +514,24 @@ class TcpTransport:
             with running_under(cancel):  # the caller's Cancel cuts its stripes' connections too
                 transfer(s, n)
 
+        here: list[tuple[int, int]] = []  # stripes no pool thread will take: run on this thread
         try:
             for s, n in stripes[1:]:
                 futures.append(self._stripes.submit(stripe, s, n))
-        except RuntimeError:  # the pool was shut down: close() ran meanwhile
-            first_error = closed
-        if first_error is None:
+        except RuntimeError:
+            if self._closed:  # the pool was shut down: close() ran meanwhile
+                first_error = closed
+            else:
+                # The interpreter is exiting: once the main thread returned, concurrent.futures
+                # takes no new work, and every striped transfer of threads still running (and of
+                # queued *_async calls) failed as "TCP transport is closed", the client open.
+                here = stripes[1 + len(futures) :]
+        for s, n in [stripes[0], *here] if first_error is None else []:
             try:
-                transfer(*stripes[0])
+                transfer(s, n)
             except BaseException as exc:
                 first_error = exc
+                break
         for (s, n), fut in zip(stripes[1:], futures, strict=False):
             if not fut.cancelled() and fut.cancel():  # still queued: no worker was free for it
                 if first_error is None:
