@@ -4,12 +4,14 @@ and a Cancel can cut. The protocol's operations are PeerConnections'; opening a 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
 import socket
 import threading
 import time
+import weakref
 
 from mooncake_store.errors import MooncakeError, ProtocolError, TransferError, TransferTimeout
 from mooncake_store.transport import frames
@@ -31,6 +33,10 @@ def _readable(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
+#: Every pool of this process: a forked child closes its copies of their connections.
+_POOLS: weakref.WeakSet[ConnectionPool] = weakref.WeakSet()
+
+
 class ConnectionPool:
     """Connections to one endpoint, each used by one call at a time. ``_connect`` opens one."""
 
@@ -45,6 +51,7 @@ class ConnectionPool:
         self._lock = threading.Lock()
         self._closed = False
         self._aborted = False
+        _POOLS.add(self)
 
     def _connect(self) -> socket.socket:
         """A new connection, taken by the calling call (:meth:`_take`) from before its connect, so
@@ -164,6 +171,19 @@ class ConnectionPool:
                 shut_down(sock)  # under the lock: a call lets go of it (under it) before closing it
         self.close()
 
+    def _forget_in_child(self) -> None:
+        """In a forked child: close this process's copies of the parent's connections (the parent's
+        stay open) and pool no more. Kept, a child that lived on held a connection the parent
+        then used, and the agent never saw it close when the parent died: a fence taken on it
+        held its reservation for as long as the child lived (a probe: 5 of 6 trials)."""
+        self._lock = threading.Lock()  # a parent thread may have held it at the fork
+        socks = [sock for sock, _ in self._idle] + list(self._busy)
+        self._idle, self._busy = [], {}
+        self._closed = self._aborted = True
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.close()  # close(2) of this copy only: shutdown(2) would cut the parent's too
+
     def recv_within(self, sock: socket.socket, view: memoryview) -> None:
         """Fill ``view`` from a reply, bounded as a whole by timeout_s + its length at
         frames.MIN_RATE_BPS: SO_RCVTIMEO bounds each recv only, so an agent trickling a byte per
@@ -207,3 +227,11 @@ class ConnectionPool:
         except BaseException:
             self._drop(sock)
             raise
+
+
+def _close_inherited_connections() -> None:
+    for pool in list(_POOLS):
+        pool._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_close_inherited_connections)
