@@ -16,7 +16,7 @@ from mooncake_store.client.prefix_hash import as_token_array
 from mooncake_store.errors import InvalidValue, MooncakeError, NoCapacity
 from mooncake_store.policy.placement import check_batch_fits, live_nodes, tier_capacity
 from mooncake_store.tiers.gpu_arrays import is_device_array
-from mooncake_store.types import TierKind, footprint_bytes
+from mooncake_store.types import NodeInfo, TierKind, footprint_bytes
 
 if TYPE_CHECKING:
     from mooncake_store.client.client import Client
@@ -91,8 +91,8 @@ def kept_beside_chain(
     """The first of the new chunks (``values``' indices into ``keys``, in chain order; each at most
     ``chunk_bytes``) that the nodes keep beside the stored chain they extend (claim status HAVE
     before them), which stays in their memory while they are written: the store pins the chunk
-    each run hangs off, and a chain is cut only from its leaves (with a disk tier anywhere, it may
-    be demoted instead, and nothing is cut here). Counted as
+    each run hangs off, and a chain is cut only from its leaves (a node's disk tier takes what
+    of it the disk keeps under its mark, by demotion). Counted as
     room to be made, a prompt longer than the cluster stored again (the next request over the
     same document) waited out the client's timeout for room only its own chain held, failed with
     NoCapacity, and the pass that room request had started then cut its chain back to a few
@@ -105,16 +105,28 @@ def kept_beside_chain(
         return mine
     nodes, now_ms = client._node_table(), client._server_now_ms()
     live = live_nodes(nodes.values(), now_ms)
-    if any(tier_capacity(n, TierKind.DISK) > 0 for n in live):
-        return mine
-    kept = sum(int(n.high_watermark(1.0) * tier_capacity(n, TierKind.HOST)) for n in live)
+
+    def disk_kept(node: NodeInfo) -> int:
+        return int(node.high_watermark(1.0) * tier_capacity(node, TierKind.DISK))
+
+    kept = sum(int(n.high_watermark(1.0) * tier_capacity(n, TierKind.HOST)) + disk_kept(n) for n in live)
     if (len(frozen) + len(mine) * replicas) * footprint_bytes(chunk_bytes) <= kept:
         return mine  # they fit beside the chain (one copy of it at least) in the nodes' room
-    held: Counter[str] = Counter()
+    # Per node, the chain's bytes that must stay in its host tier: a disk tier takes, by
+    # demotion, as much of the chain as it keeps under its mark (the chain moves; only its leaf
+    # is pinned, and a chain is cut from its leaves alone), and the rest stays. Left out where a
+    # node had a disk tier, a small one (8 MiB beside 16 MiB of host) had each store again wait
+    # out timeout_s, fail with NoCapacity, and the pass it started cut the chain back each time.
+    on_node: Counter[str] = Counter()
     for meta in client.index.lookup(frozen, lease_ms=0, counted=False).objects:
         for replica in meta.replicas if meta is not None else ():
-            if replica.tier == TierKind.HOST:
-                held[replica.node_id] += footprint_bytes(replica.size_bytes)
+            if replica.tier in (TierKind.HOST, TierKind.DISK):
+                on_node[replica.node_id] += footprint_bytes(replica.size_bytes)
+    by_id = {n.node_id: n for n in live}
+    held = {
+        node_id: max(0, chain - (disk_kept(by_id[node_id]) if node_id in by_id else 0))
+        for node_id, chain in on_node.items()
+    }
     try:
         check_batch_fits(
             nodes.values(),

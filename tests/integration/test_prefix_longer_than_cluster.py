@@ -5,11 +5,12 @@ PrefixCache.store, who chose no batch, cannot do, and stored nothing; match said
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mooncake_store import Client, NoCapacity, PrefixCache
+from mooncake_store import Client, LocalCluster, NoCapacity, PrefixCache, connect
 from mooncake_store.agent.node import Agent
 
 KiB = 1 << 10
@@ -78,3 +79,30 @@ def test_a_prompt_longer_than_the_cluster_stored_again_writes_nothing_and_keeps_
         assert not agent.pressure.requests.pending(), "the store asked for room it cannot have"
     finally:
         cache.close()
+
+
+def test_stored_again_beside_a_small_disk_tier_the_prompt_is_not_refused(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """The judgement above was left out wherever a node had a disk tier (the chain may be demoted
+    there): with a small one, each store again waited out the client's timeout and raised
+    NoCapacity (a probe: 16 MiB of host beside 8 MiB of disk, every time). The disk now takes what
+    of the chain it keeps under its mark, and the rest stays in the host tier beside the new
+    chunks: the store writes what fits there, or nothing, and does not fail."""
+    args = ["--no-prefault", "--disk", str(tmp_path / "disk"), "--disk-mem", "2MiB"]
+    cluster = make_cluster(1, host_bytes=4 << 20, agent_args=args)
+    client = connect(cluster.redis_url, namespace=cluster.namespace, timeout_s=5.0)
+    cache = PrefixCache(client, NS, chunk_tokens=C)
+    try:
+        tokens = list(range(30 * C))
+        chunks = [np.full(256 * KiB, i, np.uint8) for i in range(30)]
+        assert cache.store(tokens, chunks) == 14  # the host tier's mark: 14 chunks of 256 KiB
+        for _ in range(2):
+            written = cache.store(tokens, chunks)  # raised NoCapacity after timeout_s
+            assert 0 <= written <= 16
+            with cache.load(tokens) as hit:  # what is matched loads, byte-exact
+                for got, want in zip(hit.chunks, chunks, strict=False):
+                    assert np.array_equal(got, want)
+    finally:
+        cache.close()
+        client.close()
