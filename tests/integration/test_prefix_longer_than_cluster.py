@@ -4,6 +4,7 @@ PrefixCache.store, who chose no batch, cannot do, and stored nothing; match said
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,21 +89,29 @@ def test_stored_again_beside_a_small_disk_tier_the_prompt_is_not_refused(
     there): with a small one, each store again waited out the client's timeout and raised
     NoCapacity (a probe: 16 MiB of host beside 8 MiB of disk, every time). The disk now takes what
     of the chain it keeps under its mark, and the rest stays in the host tier beside the new
-    chunks: the store writes what fits there, or nothing, and does not fail."""
-    args = ["--no-prefault", "--disk", str(tmp_path / "disk"), "--disk-mem", "2MiB"]
-    cluster = make_cluster(1, host_bytes=4 << 20, agent_args=args)
+    chunks: the store writes what fits there, or nothing, and does not fail. Nor is the chain cut
+    back by the disk's pass (evict_chains leaves a chain whose later chunks are in the host)."""
+    args = ["--no-prefault", "--disk", str(tmp_path / "disk"), "--disk-mem", "8MiB"]
+    cluster = make_cluster(1, host_bytes=16 << 20, agent_args=args)
     client = connect(cluster.redis_url, namespace=cluster.namespace, timeout_s=5.0)
     cache = PrefixCache(client, NS, chunk_tokens=C)
     try:
-        tokens = list(range(30 * C))
-        chunks = [np.full(256 * KiB, i, np.uint8) for i in range(30)]
-        assert cache.store(tokens, chunks) == 14  # the host tier's mark: 14 chunks of 256 KiB
-        for _ in range(2):
+        tokens = list(range(136 * C))
+        rng = np.random.default_rng(0)  # incompressible: each chunk file as large as its chunk
+        chunks = [rng.integers(0, 256, 256 * KiB, dtype=np.uint8) for _ in range(136)]
+        assert cache.store(tokens, chunks) == 57  # the host tier's mark: 57 chunks of 256 KiB
+        matched = [57]
+        for _ in range(3):
             written = cache.store(tokens, chunks)  # raised NoCapacity after timeout_s
-            assert 0 <= written <= 16
+            assert 0 <= written <= 79
+            time.sleep(1.5)  # the passes that follow: demotions, and the disk's own
+            matched.append(cache.match(tokens) // C)
             with cache.load(tokens) as hit:  # what is matched loads, byte-exact
                 for got, want in zip(hit.chunks, chunks, strict=False):
                     assert np.array_equal(got, want)
+        # Never cut below what it held: a disk pass wanting room cut the chain at a chunk the
+        # host had demoted there, its whole tail in the host with it (57, 48, 40, 32 chunks).
+        assert matched == sorted(matched), matched
     finally:
         cache.close()
         client.close()

@@ -92,6 +92,12 @@ local function refusal(key, alloc)
     if i > 1 then  -- a later chunk
       for _, r in ipairs(record_replicas(k, g[1])) do
         if r[1] == node and r[2] ~= tier and pressed[r[2]] then return 'LOCAL' end
+        -- A disk pass leaves a chain whose later chunks are in a faster tier of this node: they
+        -- are warmer, and cut with it they free none of the disk's room. The host demotes a
+        -- prompt's oldest chunks there, and a disk pass wanting one block cut the chain at one,
+        -- its whole tail in the host with it (a 16 MiB host tier left empty beside 8 MiB of
+        -- disk); the host's own pass cuts such a chain from its leaves instead.
+        if tier == 'disk' and r[1] == node and r[2] ~= 'disk' then return 'LOCAL' end
       end
     end
     if live_pins(k, now) > 0 then return 'PINNED' end
