@@ -27,7 +27,8 @@
 --       alloc id
 -- Returns: {bytes of node's tier freed, objects evicted in all, then per candidate a status: "OK",
 --   "GONE" (no such replica any more), "PINNED", "LEASED" or "TOUCHED" (it or a later chunk), "LONG" (more
---   than ARGV[5] later chunks), "LOCAL" (a later chunk on a tier of ARGV[6] here), "PARENT"
+--   than ARGV[5] later chunks), "LOCAL" (a later chunk on a tier of ARGV[6] here, or, for a
+--   disk pass, on a faster tier here), "PARENT"
 --   (a children set that does not name the stored children), "MALFORMED" (a record of its chain
 --   this build cannot read: nothing of the chain goes), "SKIPPED" (enough went before it),
 --   "TRIMMED" (enough went with some of its later chunks: it stays, with the rest), or evict.lua's
