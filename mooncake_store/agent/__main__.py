@@ -7,17 +7,14 @@ Prints one line ``READY {json}`` on stdout once it serves and is registered.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import logging
 import sys
 import threading
-from collections.abc import Mapping
 
 from mooncake_store.agent.node import Agent
 from mooncake_store.agent.takeover import StartCancelled
-from mooncake_store.config import Config, agent_flag_names, agent_flag_overrides, load_config
+from mooncake_store.config import agent_flag_names, agent_flag_overrides, load_config
 from mooncake_store.errors import ConfigError, MooncakeError, exit_status
 from mooncake_store.watchdog import stop_on_signals, watch_parent
 
@@ -60,52 +57,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config_of(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> Config:
-    """The agent's configuration from its flags (and its config file and the environment, or
-    ``env``); raises ConfigError for a value it refuses."""
-    return load_config(
-        file=args.config,
-        env=env,
-        overrides=agent_flag_overrides(
-            redis_url=args.redis_url,
-            namespace=args.namespace,
-            host_bytes=args.host_bytes,
-            node_id=args.node_id,
-            listen=args.listen,
-            zone=args.zone,
-            advertise=args.advertise,
-            disk=args.disk,
-            disk_mem=args.disk_mem,
-            gpu_mem=args.gpu_mem,
-            gpu_id=args.gpu_id,
-            high_watermark=args.high_watermark,
-            low_watermark=args.low_watermark,
-            heartbeat_ttl_s=args.heartbeat_ttl_s,
-            reserve_timeout_s=args.reserve_timeout_s,
-            no_prefault=args.no_prefault,
-            no_spill=args.no_spill,
-            no_spill_shm=args.no_spill_shm,
-        ),
-        override_flags=agent_flag_names(),
-    )
-
-
-def check_flags(argv: list[str], *, env: Mapping[str, str] | None = None) -> None:
-    """ConfigError where these agent flags would stop the agent as it starts (an unknown flag, a
-    value out of range), judged as the agent judges them (``env``: its environment, by default
-    this process's). LocalCluster(agent_args=...) started its server, then reported "agent
-    exited with status 2" for a typo."""
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            args = parse_args(list(argv))
-    except SystemExit:
-        lines = said.getvalue().strip().splitlines()
-        why = lines[-1].split("error: ", 1)[-1] if lines else "refused"
-        raise ConfigError(f"agent flags refused: {why}") from None
-    config_of(args, env=env)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.exit_with_parent is not None and args.exit_with_parent <= 0:
@@ -122,7 +73,30 @@ def main(argv: list[str] | None = None) -> int:
     # closed, as `mooncake agent` takes it).
     stop_on_signals(stop)
     try:
-        config = config_of(args)
+        config = load_config(
+            file=args.config,
+            overrides=agent_flag_overrides(
+                redis_url=args.redis_url,
+                namespace=args.namespace,
+                host_bytes=args.host_bytes,
+                node_id=args.node_id,
+                listen=args.listen,
+                zone=args.zone,
+                advertise=args.advertise,
+                disk=args.disk,
+                disk_mem=args.disk_mem,
+                gpu_mem=args.gpu_mem,
+                gpu_id=args.gpu_id,
+                high_watermark=args.high_watermark,
+                low_watermark=args.low_watermark,
+                heartbeat_ttl_s=args.heartbeat_ttl_s,
+                reserve_timeout_s=args.reserve_timeout_s,
+                no_prefault=args.no_prefault,
+                no_spill=args.no_spill,
+                no_spill_shm=args.no_spill_shm,
+            ),
+            override_flags=agent_flag_names(),
+        )
         if not config.redis_url:
             raise ConfigError("no Redis URL: pass --redis-url or set MOONCAKE_REDIS_URL")
         agent = Agent(config.agent, redis_url=config.redis_url, namespace=config.namespace)

@@ -194,15 +194,6 @@ class LocalCluster:
         #: The process that started it (0: not yet): stop() does nothing in any other, a forked
         #: child whose ``with`` block or ``finally`` ended (as EmbeddedServer.stop).
         self._owner_pid = 0
-        if self.agent_args:
-            # Judged as the agent judges its whole command line, in the environment it inherits
-            # (but the URL, which the cluster gives it), before anything starts: a typo
-            # ("--bogus", a watermark of 2) started the server, then failed as "agent exited
-            # with status 2".
-            from mooncake_store.agent.__main__ import check_flags  # the agent's own parser
-
-            env = {k: v for k, v in os.environ.items() if k != "MOONCAKE_REDIS_URL"}
-            check_flags(self.agent_command("agent-0", self.zones[0] if self.zones else None, [])[3:], env=env)
 
     @property
     def redis_url(self) -> str:
