@@ -73,7 +73,7 @@ def check_shm_room(num_agents: int, host_bytes: int) -> None:
     why = arenas_refused(num_agents, host_bytes)
     if why is not None:
         raise CliError(
-            f"{why.replace(' arena(s) x ', ' agent(s) x ', 1)}; use a smaller --host-mem or fewer --agents",
+            f"{why}; use a smaller --host-mem or fewer --agents",
             ExitCode.NO_CAPACITY,
         )
 

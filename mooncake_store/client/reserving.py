@@ -113,10 +113,11 @@ class Reserver:
                     )
                 if "rdma" in allowed:
                     why.append("rdma is not built yet (README, Not built yet)")
-                message = f"no allowed transport {allowed} reaches a live agent for a put of {plan.key!r}: "
+                reaches = f"reaches {'a live' if stalled else 'an'} agent for a put of {plan.key!r}"
+                message = f"no allowed transport {allowed} {reaches}: " + "; ".join(why)
                 if stalled:
-                    raise NoCapacity(message + "; ".join(why), permanent=True)
-                raise TransferError(message.replace(" a live ", " an ") + "; ".join(why))
+                    raise NoCapacity(message, permanent=True)
+                raise TransferError(message)
             pool = reachable
 
         def ranked(preferred: str | None) -> list[NodeInfo]:

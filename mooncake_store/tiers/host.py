@@ -100,7 +100,10 @@ def _is_marked(name: str) -> bool:
     name for it now, and an agent of "3.ns1" removed the dead arena that "ns1"'s clients could
     still read until its node's deadline."""
     match = _MARKED.match(name)
-    return match is not None and name[match.end() + int(match[1]) : match.end() + int(match[1]) + 1] == "."
+    if match is None:
+        return False
+    end = match.end() + int(match[1])  # where the marked namespace would end
+    return name[end : end + 1] == "."
 
 
 def segment_digest(name: str) -> int:
