@@ -65,17 +65,23 @@ class DemoModel:
         return 2 * self.vocab_size * h + self.num_hidden_layers * layer + h
 
     def kv_bytes_per_token(self) -> int:
-        """A token's float32 K and V over every layer."""
-        head_dim = self.hidden_size // self.num_attention_heads
-        return self.num_hidden_layers * 2 * self.num_key_value_heads * head_dim * 4
+        """A token's float32 K and V over every layer, by the layout the store keys caches by."""
+        from mooncake_store.integrations.transformers import kv_layout
+
+        layers, kv_heads, head_dim = kv_layout(self.llama_config())
+        return layers * 2 * kv_heads * head_dim * 4
+
+    def llama_config(self) -> Any:
+        import transformers
+
+        return transformers.LlamaConfig(**{k: v for k, v in asdict(self).items() if k != "seed"})
 
     def build(self) -> Any:
         import torch
         import transformers
 
         torch.manual_seed(self.seed)
-        config = {k: v for k, v in asdict(self).items() if k != "seed"}
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+        return transformers.LlamaForCausalLM(self.llama_config()).eval()
 
 
 def document_and_questions(vocab: int, doc_tokens: int, seed: int = 1) -> tuple[Any, list[Any]]:

@@ -89,7 +89,8 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
         raise InvalidValue(f"model_id must be text naming the weights, got {type(model_id).__name__} {model_id!r:.80}")
     # Pasted into the namespace as given, -1, True, 1.5, None and "0/x" (a path segment more) made
     # namespaces no other rank's matched, with no word.
-    if type(tp_rank) is not int or tp_rank < 0:
+    rank = as_count(tp_rank)  # a numpy integer too, as counts are taken everywhere
+    if rank is None or rank < 0:
         raise InvalidValue(f"tp_rank must be an int >= 0 (this process's tensor-parallel rank), got {tp_rank!r:.40}")
     # First: a dict (config.to_dict()) is refused as kv_layout refuses it, not an AttributeError.
     layers, kv_heads, head_dim = kv_layout(model)
@@ -99,7 +100,7 @@ def kv_namespace(model: Any, *, model_id: str | None = None, tp_rank: int = 0) -
         named = getattr(getattr(model, "config", None), "_name_or_path", "") or cfg.model_type
         name = f"{_short_name(named)}@{_weights_digest(model, extra=_kv_settings(cfg))}"
     dtype = str(getattr(model, "dtype", "float32")).removeprefix("torch.")
-    layout = f"/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{tp_rank}"
+    layout = f"/{dtype}/L{layers}/kv{kv_heads}/d{head_dim}/tp{rank}"
     given = len(model_id.encode(errors="replace")) if model_id else 0
     if given + len(layout) > MAX_NAMESPACE_BYTES:
         # Taken as given, a long one made a namespace the PrefixCache then refused, far from here.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,7 @@ def test_kv_namespace_refuses_a_rank_that_is_not_a_count(tp_rank: Any) -> None:
     with pytest.raises(InvalidValue, match=r"tp_rank must be an int >= 0"):
         kv_namespace(model, tp_rank=tp_rank)
     assert kv_namespace(model, tp_rank=3).endswith("/tp3")
+    assert kv_namespace(model, tp_rank=np.int64(3)).endswith("/tp3")  # a count from numpy, as elsewhere
 
 
 def test_kv_namespace_refuses_a_config_dict_as_kv_layout_does() -> None:
